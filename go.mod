@@ -1,0 +1,9 @@
+module github.com/cudapool/cudapool
+
+go 1.26.8
+
+require (
+	github.com/NVIDIA/go-nvml v0.13.0-1 // indirect
+	github.com/ebitengine/purego v0.11.3 // indirect
+	github.com/stretchr/testify v1.12.1 // indirect
+)
