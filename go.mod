@@ -6,4 +6,5 @@ require (
 	github.com/NVIDIA/go-nvml v0.13.0-1 // indirect
 	github.com/ebitengine/purego v0.11.3 // indirect
 	github.com/stretchr/testify v1.12.1 // indirect
+	go.yaml.in/yaml/v3 v3.0.5 // indirect
 )

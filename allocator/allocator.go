@@ -1,0 +1,444 @@
+// Package allocator is cudapool's caching allocator: the orchestration of
+// the block cache (pools), deferred frees (events), private pools
+// (privatepool) and capture routing (graphs) over a CUDA driver.
+//
+// # Design
+//
+// Each device has its own state and one mutex; every operation on a device
+// takes that lock once and does all its work under it. A cache-hit malloc
+// and a free are a best-fit search, a split or merge and a few statistics
+// updates under the lock, with no driver call and no Go allocation.
+//
+// malloc(size, stream), as in PyTorch:
+//
+//  1. No capture under way: return the blocks whose events have completed.
+//  2. Route: an announced capture whose filter accepts the stream (newest
+//     first), or an unannounced capture on the stream, selects its private
+//     pool; otherwise the default pools. Small or large by rounded size.
+//  3. Best fit on the stream in that pool.
+//  4. Else grow: garbage-collect old cached segments if configured; allocate
+//     a new segment; else free cached oversize segments and retry; else wait
+//     for all pending events, free every cached whole segment (and the
+//     released private pools) and retry. Steps that free memory are skipped
+//     while a capture is under way.
+//  5. Else out of memory, with PyTorch's message.
+//
+// New segments are allocated with the calling thread switched to relaxed
+// capture mode ("malloc maybe capturing"): legal during any capture, whose
+// graph then owns the memory through its private pool. While any capture
+// runs, nothing is freed to the driver, no event is queried and no stream is
+// synchronized; a free that needs events is deferred until the captures end.
+//
+// The driver is reached only through the Driver interface, so the same code
+// runs on the GPU (cuda/driver) and on the simulator (cuda/sim).
+package allocator
+
+import (
+	"runtime"
+	"sync"
+	"sync/atomic"
+
+	"github.com/cudapool/cudapool/cuda"
+	"github.com/cudapool/cudapool/events"
+	"github.com/cudapool/cudapool/graphs"
+	"github.com/cudapool/cudapool/pools"
+	"github.com/cudapool/cudapool/privatepool"
+)
+
+// PoolID names a private pool ({0,0} is the default pool).
+type PoolID = pools.PoolID
+
+// Allocator is a caching allocator over all devices of a driver.
+type Allocator struct {
+	drv  Driver
+	devs []*device
+	// announced is set once anyone announces captures (Begin, or
+	// ExpectAnnouncements); from then on malloc no longer asks the driver
+	// whether its stream is capturing.
+	announced atomic.Bool
+	cfgMu     sync.Mutex // serializes Configure
+	cfg       atomic.Pointer[Config]
+}
+
+// device is one GPU's allocator state.
+type device struct {
+	id  int
+	drv Driver
+
+	mu     sync.Mutex
+	cache  *pools.Cache    // guarded by mu
+	ev     *events.Tracker // guarded by mu
+	graphs graphs.Router   // guarded by mu
+	trace  traceRing       // guarded by mu
+	debug  bool            // guarded by mu
+	total  uint64          // device capacity; guarded by mu (0: not yet read)
+
+	// Built once so that passing them costs no allocation.
+	freeSeg  pools.FreeFunc
+	newPools privatepool.NewPools
+	query    func(cuda.Stream) (cuda.CaptureStatus, uint64, error)
+	ret      func(*pools.Block)
+}
+
+// New returns an allocator for every device of drv.
+func New(drv Driver, cfg Config) (*Allocator, error) {
+	n, err := drv.DeviceCount()
+	if err != nil {
+		return nil, driverError("init", err, "counting devices")
+	}
+	a := &Allocator{drv: drv}
+	a.cfg.Store(&cfg)
+	for i := 0; i < n; i++ {
+		d := &device{id: i, drv: drv, cache: pools.NewCache(cfg.Pools), ev: events.New(drv, i)}
+		d.trace.resize(cfg.HistoryEntries)
+		d.debug = cfg.DebugChecks
+		d.freeSeg = func(base cuda.Ptr, _ uint64) error { return drv.MemFree(d.id, base) }
+		d.newPools = func(id pools.PoolID) (*pools.BlockPool, *pools.BlockPool) {
+			return d.cache.NewPool(true, id), d.cache.NewPool(false, id)
+		}
+		d.query = func(s cuda.Stream) (cuda.CaptureStatus, uint64, error) {
+			return drv.StreamCaptureInfo(d.id, s)
+		}
+		d.ret = d.returnBlock
+		a.devs = append(a.devs, d)
+	}
+	return a, nil
+}
+
+// DeviceCount is the number of devices.
+func (a *Allocator) DeviceCount() int { return len(a.devs) }
+
+// Config returns the configuration in force.
+func (a *Allocator) Config() Config { return *a.cfg.Load() }
+
+// Configure replaces the configuration. Cached blocks keep their sizes.
+func (a *Allocator) Configure(cfg Config) {
+	a.cfgMu.Lock()
+	defer a.cfgMu.Unlock()
+	a.cfg.Store(&cfg)
+	for _, d := range a.devs {
+		d.mu.Lock()
+		d.cache.SetConfig(cfg.Pools)
+		d.trace.resize(cfg.HistoryEntries)
+		d.debug = cfg.DebugChecks
+		d.mu.Unlock()
+	}
+}
+
+// ExpectAnnouncements tells the allocator that every capture will be
+// announced with BeginAllocateToPool (PyTorch does this), so malloc need not
+// ask the driver whether its stream is capturing.
+func (a *Allocator) ExpectAnnouncements() { a.announced.Store(true) }
+
+func (a *Allocator) device(op string, dev int) (*device, error) {
+	if dev < 0 || dev >= len(a.devs) {
+		return nil, newError(op, ErrInvalidDevice, "device %d does not exist (%d devices)", dev, len(a.devs))
+	}
+	return a.devs[dev], nil
+}
+
+// Malloc allocates size bytes on device dev for use on stream s. Size 0
+// returns a nil pointer and no error, as PyTorch expects.
+func (a *Allocator) Malloc(dev int, size uint64, s cuda.Stream) (cuda.Ptr, error) {
+	d, err := a.device("malloc", dev)
+	if err != nil {
+		return 0, err
+	}
+	if size == 0 {
+		return 0, nil
+	}
+	if size > pools.MaxRequest {
+		return 0, newError("malloc", ErrInvalidSize, "%d bytes is more than any device has (limit 1 EiB)", size)
+	}
+	var capture uint64
+	if !a.announced.Load() {
+		// Nobody announces captures: ask the driver (outside the lock).
+		st, id, err := a.drv.StreamCaptureInfo(dev, s)
+		if err != nil {
+			return 0, driverError("malloc", err, "querying the capture status of stream %#x", uintptr(s))
+		}
+		if st != cuda.CaptureNone {
+			capture = id
+		}
+	}
+	d.mu.Lock()
+	p, err := d.malloc(size, s, capture)
+	if d.debug {
+		d.mustCheck()
+	}
+	d.mu.Unlock()
+	return p, err
+}
+
+// Free returns the block at p. size, if not zero, must be the size that was
+// asked for (PyTorch passes it back); a mismatch frees nothing.
+func (a *Allocator) Free(dev int, p cuda.Ptr, size uint64) error {
+	d, err := a.device("free", dev)
+	if err != nil {
+		return err
+	}
+	d.mu.Lock()
+	b := d.cache.Lookup(p)
+	if b == nil {
+		d.mu.Unlock()
+		return a.explainUnknown("free", dev, p)
+	}
+	if size != 0 && size != b.Requested {
+		d.mu.Unlock()
+		return newError("free", ErrInvalidArgument, "pointer %#x was allocated with %d bytes, freed with %d; not freed", uintptr(p), b.Requested, size)
+	}
+	err = d.free(b)
+	if d.debug {
+		d.mustCheck()
+	}
+	d.mu.Unlock()
+	return err
+}
+
+// explainUnknown builds the error for a pointer that device dev has not
+// allocated: freed already, another device's, inside an allocation, or
+// never seen. It locks the devices one at a time.
+func (a *Allocator) explainUnknown(op string, dev int, p cuda.Ptr) error {
+	for _, o := range a.devs {
+		o.mu.Lock()
+		b, seg := o.cache.Lookup(p), o.cache.SegmentAt(p)
+		var inside *pools.Block
+		if b == nil && seg != nil {
+			for x := seg.Head; x != nil; x = x.Next {
+				if p >= x.Ptr && p < x.End() {
+					inside = x
+				}
+			}
+		}
+		o.mu.Unlock()
+		switch {
+		case b != nil && o.id != dev:
+			return newError(op, ErrWrongDevice, "pointer %#x was allocated on device %d, not device %d", uintptr(p), o.id, dev)
+		case inside != nil && inside.Ptr == p && !inside.Allocated:
+			return newError(op, ErrAlreadyFreed, "pointer %#x on device %d is not allocated (already freed?)", uintptr(p), o.id)
+		case inside != nil:
+			return newError(op, ErrUnknownPointer, "pointer %#x lies inside the block at %#x on device %d, not at its start", uintptr(p), uintptr(inside.Ptr), o.id)
+		}
+	}
+	if dev >= 0 {
+		return newError(op, ErrUnknownPointer, "pointer %#x was not allocated by cudapool on device %d (already freed, or never allocated)", uintptr(p), dev)
+	}
+	return newError(op, ErrUnknownPointer, "pointer %#x was not allocated by cudapool (already freed, or never allocated)", uintptr(p))
+}
+
+// find locks the device holding the allocated block at p and returns both;
+// the caller unlocks. It returns nil if no device has allocated p.
+func (a *Allocator) find(p cuda.Ptr) (*device, *pools.Block) {
+	for _, d := range a.devs {
+		d.mu.Lock()
+		if b := d.cache.Lookup(p); b != nil {
+			return d, b
+		}
+		d.mu.Unlock()
+	}
+	return nil, nil
+}
+
+// RecordStream notes that stream s uses the allocation at p, so that its
+// memory is not reused until the work s has queued by the time of the free
+// completes.
+func (a *Allocator) RecordStream(p cuda.Ptr, s cuda.Stream) error {
+	d, b := a.find(p)
+	if d == nil {
+		return a.explainUnknown("record_stream", -1, p)
+	}
+	events.RecordUse(b, s)
+	d.mu.Unlock()
+	return nil
+}
+
+// BaseAllocation returns the segment that contains p (an allocated pointer,
+// or any address inside a segment).
+func (a *Allocator) BaseAllocation(p cuda.Ptr) (cuda.Ptr, uint64, error) {
+	if d, b := a.find(p); d != nil {
+		base, size := b.Seg.Base, b.Seg.Size
+		d.mu.Unlock()
+		return base, size, nil
+	}
+	for _, d := range a.devs {
+		d.mu.Lock()
+		seg := d.cache.SegmentAt(p)
+		var base cuda.Ptr
+		var size uint64
+		if seg != nil {
+			base, size = seg.Base, seg.Size
+		}
+		d.mu.Unlock()
+		if seg != nil {
+			return base, size, nil
+		}
+	}
+	return 0, 0, newError("base_allocation", ErrUnknownPointer, "pointer %#x is not in any cudapool segment", uintptr(p))
+}
+
+// EmptyCache returns every cached whole segment, and the memory of released
+// private pools, to the driver. A device with a capture under way is left
+// alone and reported in the error.
+func (a *Allocator) EmptyCache() error {
+	var first error
+	for _, d := range a.devs {
+		d.mu.Lock()
+		var err error
+		if d.capturing() {
+			err = newError("empty_cache", ErrCaptureUnderway, "device %d: a CUDA graph capture is under way; its cache is kept", d.id)
+		} else {
+			err = d.releaseCached()
+			if err == nil {
+				err = d.ev.DestroySpare()
+			}
+		}
+		if d.debug {
+			d.mustCheck()
+		}
+		d.mu.Unlock()
+		if err != nil && first == nil {
+			first = err
+		}
+	}
+	return first
+}
+
+// SetMemoryFraction limits the memory cudapool reserves on dev to fraction
+// of the device's capacity.
+func (a *Allocator) SetMemoryFraction(dev int, fraction float64) error {
+	d, err := a.device("set_memory_fraction", dev)
+	if err != nil {
+		return err
+	}
+	if !(fraction >= 0 && fraction <= 1) {
+		return newError("set_memory_fraction", ErrInvalidArgument, "fraction %v is not in [0, 1]", fraction)
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	total, err := d.capacity()
+	if err != nil {
+		return driverError("set_memory_fraction", err, "reading device %d's memory size", dev)
+	}
+	d.cache.SetFraction(fraction, total)
+	return nil
+}
+
+// BeginAllocateToPool routes the allocations on dev whose stream filter
+// accepts (nil: all streams) to the private pool id until EndAllocateToPool.
+func (a *Allocator) BeginAllocateToPool(dev int, id PoolID, filter func(cuda.Stream) bool) error {
+	d, err := a.device("begin_allocate_to_pool", dev)
+	if err != nil {
+		return err
+	}
+	a.announced.Store(true)
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if err := d.graphs.Begin(id, filter, d.newPools); err != nil {
+		return poolError("begin_allocate_to_pool", err)
+	}
+	return nil
+}
+
+// EndAllocateToPool stops routing to the pool id.
+func (a *Allocator) EndAllocateToPool(dev int, id PoolID) error {
+	d, err := a.device("end_allocate_to_pool", dev)
+	if err != nil {
+		return err
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if err := d.graphs.End(id); err != nil {
+		return poolError("end_allocate_to_pool", err)
+	}
+	return nil
+}
+
+// ReleasePool drops one holder of the pool id. When none is left, its
+// cached memory goes back to the driver at the next empty_cache or OOM retry.
+func (a *Allocator) ReleasePool(dev int, id PoolID) error {
+	d, err := a.device("release_pool", dev)
+	if err != nil {
+		return err
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if err := d.graphs.Release(id); err != nil {
+		return poolError("release_pool", err)
+	}
+	return nil
+}
+
+func poolError(op string, err error) error {
+	kind := ErrUnknownPool
+	switch {
+	case errorsIs(err, graphs.ErrAlreadyRecording):
+		kind = ErrAlreadyRecording
+	case errorsIs(err, graphs.ErrNotRecording):
+		kind = ErrNotRecording
+	}
+	return &Error{Op: op, Kind: kind, Msg: err.Error()}
+}
+
+// Stats returns device dev's statistics.
+func (a *Allocator) Stats(dev int) (pools.Stats, error) {
+	d, err := a.device("memory_stats", dev)
+	if err != nil {
+		return pools.Stats{}, err
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.cache.Stats, nil
+}
+
+// ResetPeakStats sets every peak statistic of dev to its current value.
+func (a *Allocator) ResetPeakStats(dev int) error {
+	d, err := a.device("reset_peak_stats", dev)
+	if err != nil {
+		return err
+	}
+	d.mu.Lock()
+	d.cache.Stats.ResetPeak()
+	d.mu.Unlock()
+	return nil
+}
+
+// ResetAccumulatedStats zeroes the accumulated statistics of dev.
+func (a *Allocator) ResetAccumulatedStats(dev int) error {
+	d, err := a.device("reset_accumulated_stats", dev)
+	if err != nil {
+		return err
+	}
+	d.mu.Lock()
+	d.cache.Stats.ResetAccumulated()
+	d.mu.Unlock()
+	return nil
+}
+
+// CheckInvariants verifies every device's internal consistency.
+func (a *Allocator) CheckInvariants() error {
+	for _, d := range a.devs {
+		d.mu.Lock()
+		err := d.check()
+		d.mu.Unlock()
+		if err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// withThreadRelaxed runs fn with the calling OS thread in relaxed capture
+// mode, the goroutine held on that thread throughout.
+func (d *device) withThreadRelaxed(fn func() error) error {
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	prev, err := d.drv.ExchangeCaptureMode(cuda.CaptureModeRelaxed)
+	if err != nil {
+		return err
+	}
+	err = fn()
+	if _, rerr := d.drv.ExchangeCaptureMode(prev); err == nil {
+		err = rerr
+	}
+	return err
+}

@@ -1,0 +1,295 @@
+package allocator
+
+import (
+	"fmt"
+	"math/bits"
+	"strconv"
+	"strings"
+
+	"github.com/cudapool/cudapool/pools"
+)
+
+// Config is the allocator's configuration, written in PyTorch's
+// PYTORCH_CUDA_ALLOC_CONF syntax: comma-separated key:value pairs.
+type Config struct {
+	Pools pools.Config
+	// ExpandableSegments is accepted for compatibility; cudapool does not
+	// implement it yet and says so once.
+	ExpandableSegments bool
+	// ReleaseLockOnMalloc is accepted for compatibility; cudapool keeps the
+	// device lock across the driver allocation.
+	ReleaseLockOnMalloc bool
+	// HistoryEntries bounds the per-device trace of allocator actions kept
+	// for snapshots (0: no trace). cudapool's own key: record_history.
+	HistoryEntries int
+	// DebugChecks verifies every invariant after each operation (slow).
+	// cudapool's own key: debug_checks.
+	DebugChecks bool
+}
+
+// DefaultConfig is PyTorch's default configuration.
+func DefaultConfig() Config { return Config{Pools: pools.DefaultConfig()} }
+
+// ParseConfig parses a PYTORCH_CUDA_ALLOC_CONF string on top of the
+// defaults. Unknown keys are not an error; they come back in warnings, with
+// notes on accepted options that have no effect, for the caller to report.
+func ParseConfig(s string) (cfg Config, warnings []string, err error) {
+	cfg = DefaultConfig()
+	for _, item := range splitTop(s) {
+		item = strings.TrimSpace(item)
+		if item == "" {
+			continue
+		}
+		key, val, ok := strings.Cut(item, ":")
+		key, val = strings.TrimSpace(key), strings.TrimSpace(val)
+		if !ok || val == "" {
+			return cfg, warnings, configError("%q: expected key:value", item)
+		}
+		w, err := cfg.set(key, val)
+		if err != nil {
+			return cfg, warnings, err
+		}
+		if w != "" {
+			warnings = append(warnings, w)
+		}
+	}
+	return cfg, warnings, nil
+}
+
+// splitTop splits on commas outside brackets.
+func splitTop(s string) []string {
+	var out []string
+	depth, start := 0, 0
+	for i, r := range s {
+		switch r {
+		case '[':
+			depth++
+		case ']':
+			depth--
+		case ',':
+			if depth == 0 {
+				out = append(out, s[start:i])
+				start = i + 1
+			}
+		}
+	}
+	return append(out, s[start:])
+}
+
+func configError(format string, args ...any) error {
+	return &Error{Op: "configure", Kind: ErrInvalidConfig, Msg: fmt.Sprintf(format, args...)}
+}
+
+func (c *Config) set(key, val string) (warning string, err error) {
+	const mb = 1 << 20
+	switch key {
+	case "max_split_size_mb":
+		n, err := parseUint(key, val)
+		if err != nil {
+			return "", err
+		}
+		if n < pools.LargeBuffer/mb {
+			return "", configError("max_split_size_mb=%d is too small: it must be at least %d", n, pools.LargeBuffer/mb)
+		}
+		c.Pools.MaxSplitSize = pools.Unlimited
+		if n < pools.Unlimited/mb {
+			c.Pools.MaxSplitSize = n * mb
+		}
+	case "max_non_split_rounding_mb":
+		n, err := parseUint(key, val)
+		if err != nil {
+			return "", err
+		}
+		c.Pools.MaxNonSplitRounding = n * mb
+	case "large_segment_size_mb":
+		n, err := parseUint(key, val)
+		if err != nil {
+			return "", err
+		}
+		if n == 0 || n%2 != 0 {
+			return "", configError("large_segment_size_mb=%d: it must be a positive multiple of 2", n)
+		}
+		c.Pools.LargeSegmentSize = n * mb
+	case "roundup_power2_divisions":
+		return "", c.parseRoundup(val)
+	case "garbage_collection_threshold":
+		t, err := strconv.ParseFloat(val, 64)
+		if err != nil || !(t > 0 && t < 1) {
+			return "", configError("garbage_collection_threshold=%s: it must be a number strictly between 0 and 1", val)
+		}
+		c.Pools.GCThreshold = t
+	case "expandable_segments":
+		b, err := parseBool(key, val)
+		if err != nil {
+			return "", err
+		}
+		c.ExpandableSegments = b
+		if b {
+			return "expandable_segments:True is not implemented by cudapool yet; using ordinary segments", nil
+		}
+	case "release_lock_on_cudamalloc":
+		b, err := parseBool(key, val)
+		if err != nil {
+			return "", err
+		}
+		c.ReleaseLockOnMalloc = b
+		if b {
+			return "release_lock_on_cudamalloc:True has no effect in cudapool: the device lock is held across cuMemAlloc", nil
+		}
+	case "backend":
+		if val != "native" {
+			return "", configError("backend=%s: cudapool is itself the allocator; only backend:native makes sense here", val)
+		}
+	case "pinned_use_cuda_host_register", "pinned_num_register_threads", "pinned_use_background_threads", "pinned_reserve_segment_size_mb":
+		// Host (pinned) memory options: not this allocator's business.
+	case "record_history":
+		n, err := parseUint(key, val)
+		if err != nil {
+			return "", err
+		}
+		if n > 1<<24 {
+			return "", configError("record_history=%d: at most %d entries", n, 1<<24)
+		}
+		c.HistoryEntries = int(n)
+	case "debug_checks":
+		b, err := parseBool(key, val)
+		if err != nil {
+			return "", err
+		}
+		c.DebugChecks = b
+	case "free_set":
+		switch val {
+		case "treap":
+			c.Pools.FreeSet = pools.FreeSetTreap
+		case "sorted":
+			c.Pools.FreeSet = pools.FreeSetSorted
+		default:
+			return "", configError("free_set=%s: expected treap or sorted", val)
+		}
+	default:
+		return fmt.Sprintf("unknown option %q ignored", key), nil
+	}
+	return "", nil
+}
+
+// parseRoundup reads "N" (every size) or "[64:8,256:4,>:1]" (per interval,
+// keys in MiB and powers of two), with PyTorch's semantics: the first key
+// also covers every interval below it, ">" every interval from the last key.
+func (c *Config) parseRoundup(val string) error {
+	d := &c.Pools.RoundupDivisions
+	check := func(n uint64) error {
+		if n != 0 && n&(n-1) != 0 {
+			return configError("roundup_power2_divisions: %d divisions; it must be a power of 2, or 0 to disable", n)
+		}
+		return nil
+	}
+	if !strings.HasPrefix(val, "[") {
+		n, err := parseUint("roundup_power2_divisions", val)
+		if err != nil {
+			return err
+		}
+		if err := check(n); err != nil {
+			return err
+		}
+		for i := range d {
+			d[i] = n
+		}
+		return nil
+	}
+	if !strings.HasSuffix(val, "]") {
+		return configError("roundup_power2_divisions=%s: missing ]", val)
+	}
+	first, last := true, 0
+	for _, e := range strings.Split(val[1:len(val)-1], ",") {
+		k, v, ok := strings.Cut(strings.TrimSpace(e), ":")
+		if !ok {
+			return configError("roundup_power2_divisions: %q: expected size_mb:divisions", e)
+		}
+		n, err := parseUint("roundup_power2_divisions", strings.TrimSpace(v))
+		if err != nil {
+			return err
+		}
+		if err := check(n); err != nil {
+			return err
+		}
+		if strings.TrimSpace(k) == ">" {
+			for i := last; i < len(d); i++ {
+				d[i] = n
+			}
+			continue
+		}
+		size, err := parseUint("roundup_power2_divisions", strings.TrimSpace(k))
+		if err != nil {
+			return err
+		}
+		if size == 0 || size&(size-1) != 0 {
+			return configError("roundup_power2_divisions: interval %d MiB; it must be a power of 2", size)
+		}
+		i := min(bits.Len64(size)-1, len(d)-1)
+		if first {
+			for j := 0; j < i; j++ {
+				d[j] = n
+			}
+			first = false
+		}
+		d[i] = n
+		last = i
+	}
+	return nil
+}
+
+func parseUint(key, val string) (uint64, error) {
+	n, err := strconv.ParseUint(val, 10, 64)
+	if err != nil {
+		return 0, configError("%s=%s: expected a non-negative integer", key, val)
+	}
+	return n, nil
+}
+
+func parseBool(key, val string) (bool, error) {
+	switch val {
+	case "True", "true", "1":
+		return true, nil
+	case "False", "false", "0":
+		return false, nil
+	}
+	return false, configError("%s=%s: expected True or False", key, val)
+}
+
+// String renders the configuration in the same syntax.
+func (c Config) String() string {
+	p := c.Pools
+	var parts []string
+	if p.MaxSplitSize != pools.Unlimited {
+		parts = append(parts, fmt.Sprintf("max_split_size_mb:%d", p.MaxSplitSize>>20))
+	}
+	if p.MaxNonSplitRounding != pools.LargeBuffer {
+		parts = append(parts, fmt.Sprintf("max_non_split_rounding_mb:%d", p.MaxNonSplitRounding>>20))
+	}
+	if p.LargeSegmentSize != pools.LargeBuffer {
+		parts = append(parts, fmt.Sprintf("large_segment_size_mb:%d", p.LargeSegmentSize>>20))
+	}
+	if p.RoundupDivisions != ([16]uint64{}) {
+		var ds []string
+		for i, n := range p.RoundupDivisions {
+			ds = append(ds, fmt.Sprintf("%d:%d", uint64(1)<<i, n))
+		}
+		parts = append(parts, "roundup_power2_divisions:["+strings.Join(ds, ",")+"]")
+	}
+	if p.GCThreshold > 0 {
+		parts = append(parts, fmt.Sprintf("garbage_collection_threshold:%g", p.GCThreshold))
+	}
+	if c.ExpandableSegments {
+		parts = append(parts, "expandable_segments:True")
+	}
+	if c.HistoryEntries > 0 {
+		parts = append(parts, fmt.Sprintf("record_history:%d", c.HistoryEntries))
+	}
+	if p.FreeSet != pools.FreeSetTreap {
+		parts = append(parts, "free_set:"+p.FreeSet.String())
+	}
+	if c.DebugChecks {
+		parts = append(parts, "debug_checks:True")
+	}
+	return strings.Join(parts, ",")
+}

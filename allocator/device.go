@@ -1,0 +1,244 @@
+package allocator
+
+import (
+	"errors"
+	"fmt"
+	"strings"
+
+	"github.com/cudapool/cudapool/cuda"
+	"github.com/cudapool/cudapool/pools"
+)
+
+var errorsIs = errors.Is
+
+// capturing reports whether a capture may be under way on the device. It is
+// the guard in front of every driver free, event query and synchronize.
+func (d *device) capturing() bool { return d.graphs.Underway(d.query) }
+
+// malloc is the allocation algorithm (see the package comment). d.mu is held.
+func (d *device) malloc(size uint64, s cuda.Stream, capture uint64) (cuda.Ptr, error) {
+	capturing := d.capturing()
+	if !capturing && !d.ev.Idle() {
+		if err := d.ev.Process(d.ret); err != nil {
+			return 0, driverError("malloc", err, "querying the events of pending frees on device %d", d.id)
+		}
+	}
+	small, large := d.cache.Small, d.cache.Large
+	if p := d.graphs.Route(s, capture, d.newPools); p != nil {
+		small, large = p.Small, p.Large
+		capturing = true
+	}
+	r := d.cache.NewRequest(size, s, small, large)
+	b := d.cache.TakeFree(&r)
+	if b == nil {
+		var err error
+		if b, err = d.grow(&r, capturing); err != nil {
+			return 0, err
+		}
+	}
+	b = d.cache.Allocate(&r, b)
+	d.trace.add(actionAlloc, b.Ptr, b.Size, s)
+	return b.Ptr, nil
+}
+
+// grow finds memory for r when no cached block fits: a new segment, after
+// freeing what may be freed, or an out-of-memory error.
+func (d *device) grow(r *pools.Request, capturing bool) (*pools.Block, error) {
+	if !capturing {
+		if err := d.cache.GarbageCollect(d.freeTraced()); err != nil {
+			return nil, driverError("malloc", err, "freeing cached segments (garbage collection) on device %d", d.id)
+		}
+	}
+	if b, err := d.newSegment(r, false); b != nil || err != nil {
+		return b, err
+	}
+	if !capturing {
+		ok, err := d.cache.ReleaseAvailable(r, d.freeTraced())
+		if err != nil {
+			return nil, driverError("malloc", err, "freeing cached oversize segments on device %d", d.id)
+		}
+		if ok {
+			if b, err := d.newSegment(r, false); b != nil || err != nil {
+				return b, err
+			}
+		}
+		if err := d.releaseCached(); err != nil {
+			return nil, err
+		}
+		if b, err := d.newSegment(r, true); b != nil || err != nil {
+			return b, err
+		}
+	}
+	return nil, d.outOfMemory(r)
+}
+
+// newSegment allocates a segment for r from the driver. Running out of
+// memory is (nil, nil): the caller decides what to try next.
+func (d *device) newSegment(r *pools.Request, retry bool) (*pools.Block, error) {
+	if retry {
+		d.cache.Stats.NumAllocRetries++
+	}
+	if !d.cache.CanGrow(r.SegSize) {
+		return nil, nil
+	}
+	var p cuda.Ptr
+	err := d.withThreadRelaxed(func() (err error) {
+		p, err = d.drv.MemAlloc(d.id, r.SegSize)
+		return err
+	})
+	if errors.Is(err, cuda.ErrOutOfMemory) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, driverError("malloc", err, "allocating a %d-byte segment on device %d", r.SegSize, d.id)
+	}
+	d.trace.add(actionSegmentAlloc, p, r.SegSize, r.Stream)
+	return d.cache.AddSegment(r, p), nil
+}
+
+// freeTraced returns the segment-freeing function, tracing when enabled.
+func (d *device) freeTraced() pools.FreeFunc {
+	if !d.trace.on() {
+		return d.freeSeg
+	}
+	return func(base cuda.Ptr, size uint64) error {
+		if err := d.freeSeg(base, size); err != nil {
+			return err
+		}
+		d.trace.add(actionSegmentFree, base, size, 0)
+		return nil
+	}
+}
+
+// releaseCached waits for all pending frees, then returns every cached whole
+// segment of the default pools and of the released private pools to the
+// driver (PyTorch's release_cached_blocks). Never during capture.
+func (d *device) releaseCached() error {
+	if err := d.ev.Synchronize(d.ret); err != nil {
+		return driverError("empty_cache", err, "synchronizing the events of pending frees on device %d", d.id)
+	}
+	d.cache.Stats.NumSyncAllStreams++
+	free := d.freeTraced()
+	for _, p := range []*pools.BlockPool{d.cache.Large, d.cache.Small} {
+		if err := d.cache.ReleasePool(p, free); err != nil {
+			return driverError("empty_cache", err, "freeing cached segments on device %d", d.id)
+		}
+	}
+	for _, pp := range d.graphs.Pools.Freeable() {
+		for _, p := range []*pools.BlockPool{pp.Small, pp.Large} {
+			if err := d.cache.ReleasePool(p, free); err != nil {
+				return driverError("empty_cache", err, "freeing the segments of released pool {%d,%d} on device %d", pp.ID.A, pp.ID.B, d.id)
+			}
+		}
+		if pp.Segments() == 0 {
+			d.graphs.Pools.Drop(pp)
+		}
+	}
+	return nil
+}
+
+// free returns a user's block, or queues it behind its other streams' uses.
+func (d *device) free(b *pools.Block) error {
+	d.cache.Release(b)
+	d.trace.add(actionFreeRequested, b.Ptr, b.Size, b.Stream)
+	if b.Uses.Empty() {
+		d.returnBlock(b)
+		return nil
+	}
+	if d.capturing() {
+		// No event may be recorded for later query during a capture.
+		d.ev.Defer(b)
+		return nil
+	}
+	if err := d.ev.Insert(b); err != nil {
+		// The block stays queued (or deferred) for a later try: nothing is
+		// reused early and nothing is lost, but tell the caller.
+		return driverError("free", err, "recording events for the streams that use %#x", uintptr(b.Ptr))
+	}
+	return nil
+}
+
+// returnBlock puts a block whose uses are over back in its pool.
+func (d *device) returnBlock(b *pools.Block) {
+	d.trace.add(actionFreeCompleted, b.Ptr, b.Size, b.Stream)
+	d.cache.Return(b)
+}
+
+// capacity returns the device's total memory, read once.
+func (d *device) capacity() (uint64, error) {
+	if d.total == 0 {
+		_, total, err := d.drv.MemGetInfo(d.id)
+		if err != nil {
+			return 0, err
+		}
+		d.total = total
+	}
+	return d.total, nil
+}
+
+// outOfMemory counts the failure and builds PyTorch's message.
+func (d *device) outOfMemory(r *pools.Request) error {
+	d.cache.Stats.NumOOMs++
+	d.trace.add(actionOOM, 0, r.SegSize, r.Stream)
+	free, total, err := d.drv.MemGetInfo(d.id)
+	var b strings.Builder
+	fmt.Fprintf(&b, "CUDA out of memory. Tried to allocate %s. GPU %d", FormatSize(r.SegSize), d.id)
+	if err == nil {
+		fmt.Fprintf(&b, " has a total capacity of %s of which %s is free. ", FormatSize(total), FormatSize(free))
+	} else {
+		fmt.Fprintf(&b, " (memory info unavailable: %v). ", err)
+	}
+	if pl, ok := d.drv.(processLister); ok {
+		if procs, err := pl.DeviceProcesses(d.id); err == nil {
+			for _, p := range procs {
+				fmt.Fprintf(&b, "Process %d has %s memory in use. ", p.PID, FormatSize(p.Bytes))
+			}
+		}
+	}
+	if allowed, ok := d.cache.Allowed(); ok {
+		fmt.Fprintf(&b, "%s allowed; ", FormatSize(allowed))
+	}
+	st := &d.cache.Stats
+	allocated := st.AllocatedBytes[pools.StatAll].Current
+	reserved := st.ReservedBytes[pools.StatAll].Current
+	fmt.Fprintf(&b, "Of the allocated memory %s is allocated by PyTorch, and %s is reserved by PyTorch but unallocated.",
+		FormatSize(uint64(allocated)), FormatSize(uint64(reserved-allocated)))
+	b.WriteString(" If reserved but unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See documentation for Memory Management  (https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)")
+	return &Error{Op: "malloc", Kind: ErrOutOfMemory, Msg: b.String()}
+}
+
+// FormatSize renders a byte count as PyTorch's messages do.
+func FormatSize(n uint64) string {
+	switch {
+	case n <= 1024:
+		return fmt.Sprintf("%d bytes", n)
+	case n <= 1<<20:
+		return fmt.Sprintf("%.2f KiB", float64(n)/1024)
+	case n <= 1<<30:
+		return fmt.Sprintf("%.2f MiB", float64(n)/(1<<20))
+	default:
+		return fmt.Sprintf("%.2f GiB", float64(n)/(1<<30))
+	}
+}
+
+// check verifies the device's invariants beyond the cache's own: blocks
+// waiting on events are neither free nor allocated, and private pools with
+// no holder and no memory are gone.
+func (d *device) check() error {
+	if err := d.cache.Check(); err != nil {
+		return fmt.Errorf("device %d: %w", d.id, err)
+	}
+	var err error
+	d.ev.Each(func(b *pools.Block) {
+		if err == nil && (b.Allocated || !b.Active()) {
+			err = fmt.Errorf("device %d: block %#x waits on events but is allocated=%v active=%v", d.id, b.Ptr, b.Allocated, b.Active())
+		}
+	})
+	return err
+}
+
+func (d *device) mustCheck() {
+	if err := d.check(); err != nil {
+		panic("cudapool: invariant violated (debug_checks): " + err.Error())
+	}
+}

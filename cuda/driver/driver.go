@@ -1,0 +1,690 @@
+//go:build linux && cgo
+
+// Package driver is cudapool's real CUDA backend: it implements
+// allocator.Driver (and events.Driver) over the CUDA driver API, plus
+// DeviceProcesses through NVML for out-of-memory reports.
+//
+// Design:
+//
+//   - Nothing from the CUDA toolkit is needed to build. libcuda.so.1 is
+//     loaded at run time (purego.Dlopen/Dlsym) and the few C types used are
+//     declared below. Versioned symbols are looked up by their exported names
+//     (cuMemAlloc_v2, cuCtxPushCurrent_v2, ...); cuStreamGetCaptureInfo, whose
+//     ABI changed across releases, is fetched with cuGetProcAddress_v2 at an
+//     explicit API version (see resolveCaptureInfo).
+//
+//   - Every driver call goes through a static C function in the preamble
+//     that receives the function pointers and the arguments and makes the
+//     call: one cgo call (~45 ns), no Go allocation. purego's reflective
+//     calls allocate and cost 0.5-0.9 us, so purego is used only for
+//     Dlopen/Dlsym. Results come back as small structs by value, because a
+//     pointer to a Go variable passed to C escapes to the heap.
+//
+//   - Context handling: CUDA's current context is per OS thread and belongs
+//     to the caller (PyTorch sets it). A method that names a device makes
+//     that device's primary context current, calls, and restores what it
+//     found, entirely inside one C function, so no goroutine can move to
+//     another thread in between. When the device's primary context is
+//     already current (the usual case under PyTorch) it skips the push/pop.
+//     Primary contexts are retained lazily, once per device, on first use.
+//
+//   - NVML (DeviceProcesses) lives in nvml.go; see the comment there for
+//     how go-nvml is linked without leaving undefined nvml* symbols.
+package driver
+
+/*
+#include <stdint.h>
+#include <stdlib.h>
+
+// The CUDA driver API types used here (values and layouts from cuda.h).
+typedef int CUresult;
+typedef int CUdevice;
+typedef void *CUcontext;
+typedef void *CUstream;
+typedef void *CUevent;
+typedef unsigned long long CUdeviceptr; // CUdeviceptr_v2
+typedef unsigned long long cuuint64_t;
+
+// Function pointers resolved from libcuda.so.1. Stored as integers so that
+// Go can fill them without unsafe.Pointer conversions; cast at each call.
+typedef struct {
+	uintptr_t getProcAddress; // cuGetProcAddress_v2; 0 on pre-12.0 drivers
+	uintptr_t init;           // cuInit
+	uintptr_t driverGetVersion;
+	uintptr_t deviceGetCount;
+	uintptr_t deviceGet;
+	uintptr_t deviceGetPCIBusId;
+	uintptr_t primaryCtxRetain;  // cuDevicePrimaryCtxRetain
+	uintptr_t primaryCtxRelease; // cuDevicePrimaryCtxRelease_v2
+	uintptr_t ctxGetCurrent;
+	uintptr_t ctxPushCurrent; // cuCtxPushCurrent_v2
+	uintptr_t ctxPopCurrent;  // cuCtxPopCurrent_v2
+	uintptr_t ctxSynchronize;
+	uintptr_t memGetInfo; // cuMemGetInfo_v2
+	uintptr_t memAlloc;   // cuMemAlloc_v2
+	uintptr_t memFree;    // cuMemFree_v2
+	uintptr_t eventCreate;
+	uintptr_t eventRecord;
+	uintptr_t eventQuery;
+	uintptr_t eventSynchronize;
+	uintptr_t eventDestroy; // cuEventDestroy_v2
+	uintptr_t streamGetCaptureInfo;
+	uintptr_t threadExchangeStreamCaptureMode;
+} cp_api;
+
+// A result and up to two values, returned by value (no Go allocation).
+typedef struct {
+	CUresult r;
+	unsigned long long a, b;
+} cp_ret;
+
+typedef CUresult (*cp_fn_void)(void);
+typedef CUresult (*cp_fn_u)(unsigned int);
+typedef CUresult (*cp_fn_pi)(int *);
+typedef CUresult (*cp_fn_ctx)(CUcontext);
+typedef CUresult (*cp_fn_pctx)(CUcontext *);
+
+// Push ctx unless it is already current. *pushed tells cp_leave whether
+// there is something to pop.
+static inline CUresult cp_enter(const cp_api *a, uintptr_t ctx, int *pushed) {
+	CUcontext cur = NULL;
+	*pushed = 0;
+	if (((cp_fn_pctx)a->ctxGetCurrent)(&cur) == 0 && cur == (CUcontext)ctx)
+		return 0;
+	CUresult r = ((cp_fn_ctx)a->ctxPushCurrent)((CUcontext)ctx);
+	*pushed = r == 0;
+	return r;
+}
+
+// Pop what cp_enter pushed. The operation's own error wins over a pop error.
+static inline CUresult cp_leave(const cp_api *a, int pushed, CUresult r) {
+	if (pushed) {
+		CUcontext popped;
+		CUresult pr = ((cp_fn_pctx)a->ctxPopCurrent)(&popped);
+		if (r == 0)
+			r = pr;
+	}
+	return r;
+}
+
+// ---- cold calls (Open, first use of a device, DeviceProcesses) ----
+
+static CUresult cp_init(const cp_api *a) { return ((cp_fn_u)a->init)(0); }
+
+static cp_ret cp_driver_version(const cp_api *a) {
+	int v = 0;
+	cp_ret ret = {((cp_fn_pi)a->driverGetVersion)(&v), 0, 0};
+	ret.a = (unsigned long long)v;
+	return ret;
+}
+
+static cp_ret cp_device_count(const cp_api *a) {
+	int n = 0;
+	cp_ret ret = {((cp_fn_pi)a->deviceGetCount)(&n), 0, 0};
+	ret.a = (unsigned long long)n;
+	return ret;
+}
+
+static cp_ret cp_device_get(const cp_api *a, int ordinal) {
+	CUdevice d = 0;
+	cp_ret ret = {((CUresult (*)(CUdevice *, int))a->deviceGet)(&d, ordinal), 0, 0};
+	ret.a = (unsigned long long)d;
+	return ret;
+}
+
+static CUresult cp_device_pci_bus_id(const cp_api *a, CUdevice d, char *buf, int len) {
+	return ((CUresult (*)(char *, int, CUdevice))a->deviceGetPCIBusId)(buf, len, d);
+}
+
+static cp_ret cp_primary_retain(const cp_api *a, CUdevice d) {
+	CUcontext c = NULL;
+	cp_ret ret = {((CUresult (*)(CUcontext *, CUdevice))a->primaryCtxRetain)(&c, d), 0, 0};
+	ret.a = (uintptr_t)c;
+	return ret;
+}
+
+static CUresult cp_primary_release(const cp_api *a, CUdevice d) {
+	return ((CUresult (*)(CUdevice))a->primaryCtxRelease)(d);
+}
+
+// cuGetProcAddress_v2(const char *symbol, void **pfn, int cudaVersion,
+//                     cuuint64_t flags, CUdriverProcAddressQueryResult *status)
+static cp_ret cp_get_proc_address(const cp_api *a, const char *sym, int version, cuuint64_t flags) {
+	void *pfn = NULL;
+	int status = 0;
+	cp_ret ret = {((CUresult (*)(const char *, void **, int, cuuint64_t, int *))a->getProcAddress)(sym, &pfn, version, flags, &status), 0, 0};
+	ret.a = (uintptr_t)pfn;
+	ret.b = (unsigned long long)status;
+	return ret;
+}
+
+// ---- calls on the malloc/free path ----
+
+static cp_ret cp_mem_get_info(const cp_api *a, uintptr_t ctx) {
+	size_t free_ = 0, total = 0;
+	int pushed;
+	cp_ret ret = {cp_enter(a, ctx, &pushed), 0, 0};
+	if (ret.r == 0)
+		ret.r = ((CUresult (*)(size_t *, size_t *))a->memGetInfo)(&free_, &total);
+	ret.r = cp_leave(a, pushed, ret.r);
+	ret.a = free_;
+	ret.b = total;
+	return ret;
+}
+
+static cp_ret cp_mem_alloc(const cp_api *a, uintptr_t ctx, unsigned long long size) {
+	CUdeviceptr p = 0;
+	int pushed;
+	cp_ret ret = {cp_enter(a, ctx, &pushed), 0, 0};
+	if (ret.r == 0)
+		ret.r = ((CUresult (*)(CUdeviceptr *, size_t))a->memAlloc)(&p, (size_t)size);
+	ret.r = cp_leave(a, pushed, ret.r);
+	ret.a = p;
+	return ret;
+}
+
+// cuMemAlloc_v2 in relaxed capture mode: exchange, allocate, exchange back,
+// all on this thread in one call. Allocating in the thread's own (global or
+// thread-local) mode while a capture is under way would invalidate it.
+static cp_ret cp_mem_alloc_relaxed(const cp_api *a, uintptr_t ctx, unsigned long long size) {
+	int mode = 2; // CU_STREAM_CAPTURE_MODE_RELAXED
+	cp_ret ret = {((cp_fn_pi)a->threadExchangeStreamCaptureMode)(&mode), 0, 0};
+	if (ret.r != 0)
+		return ret;
+	ret = cp_mem_alloc(a, ctx, size);
+	CUresult r = ((cp_fn_pi)a->threadExchangeStreamCaptureMode)(&mode);
+	if (ret.r == 0 && r != 0) {
+		// Cannot restore the caller's mode: report that, but do not leak.
+		int pushed;
+		if (cp_enter(a, ctx, &pushed) == 0) {
+			((CUresult (*)(CUdeviceptr))a->memFree)((CUdeviceptr)ret.a);
+			cp_leave(a, pushed, 0);
+		}
+		ret.r = r;
+		ret.a = 0;
+	}
+	return ret;
+}
+
+static CUresult cp_mem_free(const cp_api *a, uintptr_t ctx, unsigned long long p) {
+	int pushed;
+	CUresult r = cp_enter(a, ctx, &pushed);
+	if (r == 0)
+		r = ((CUresult (*)(CUdeviceptr))a->memFree)((CUdeviceptr)p);
+	return cp_leave(a, pushed, r);
+}
+
+static CUresult cp_ctx_synchronize(const cp_api *a, uintptr_t ctx) {
+	int pushed;
+	CUresult r = cp_enter(a, ctx, &pushed);
+	if (r == 0)
+		r = ((cp_fn_void)a->ctxSynchronize)();
+	return cp_leave(a, pushed, r);
+}
+
+static cp_ret cp_event_create(const cp_api *a, uintptr_t ctx, unsigned int flags) {
+	CUevent e = NULL;
+	int pushed;
+	cp_ret ret = {cp_enter(a, ctx, &pushed), 0, 0};
+	if (ret.r == 0)
+		ret.r = ((CUresult (*)(CUevent *, unsigned int))a->eventCreate)(&e, flags);
+	ret.r = cp_leave(a, pushed, ret.r);
+	ret.a = (uintptr_t)e;
+	return ret;
+}
+
+static CUresult cp_event_record(const cp_api *a, uintptr_t ctx, uintptr_t e, uintptr_t s) {
+	int pushed;
+	CUresult r = cp_enter(a, ctx, &pushed);
+	if (r == 0)
+		r = ((CUresult (*)(CUevent, CUstream))a->eventRecord)((CUevent)e, (CUstream)s);
+	return cp_leave(a, pushed, r);
+}
+
+// eventQuery, eventSynchronize and eventDestroy share one signature.
+static CUresult cp_event_op(const cp_api *a, uintptr_t fn, uintptr_t ctx, uintptr_t e) {
+	int pushed;
+	CUresult r = cp_enter(a, ctx, &pushed);
+	if (r == 0)
+		r = ((CUresult (*)(CUevent))fn)((CUevent)e);
+	return cp_leave(a, pushed, r);
+}
+
+// Every cuStreamGetCaptureInfo variant starts (stream, status*, id*):
+//   v1 (10.1): 3 parameters
+//   v2 (11.3): + graph_out, dependencies_out, numDependencies_out
+//   v3 (12.3): + graph_out, dependencies_out, edgeData_out, numDependencies_out
+// The call always passes seven arguments, the optional ones NULL. In the
+// SysV x86-64 and AAPCS64 ABIs extra arguments are harmless (the caller owns
+// its registers and stack), so whichever variant was resolved, it reads
+// valid values: never a missing 7th argument from stale stack. NULL
+// dependencies_out also keeps v2 from failing with CUDA_ERROR_LOSSY_QUERY.
+static cp_ret cp_stream_capture_info(const cp_api *a, uintptr_t ctx, uintptr_t s) {
+	int status = 0; // CUstreamCaptureStatus
+	cuuint64_t id = 0;
+	int pushed;
+	cp_ret ret = {cp_enter(a, ctx, &pushed), 0, 0};
+	if (ret.r == 0)
+		ret.r = ((CUresult (*)(CUstream, int *, cuuint64_t *, void *, void *, void *, void *))a->streamGetCaptureInfo)(
+			(CUstream)s, &status, &id, NULL, NULL, NULL, NULL);
+	ret.r = cp_leave(a, pushed, ret.r);
+	ret.a = (unsigned long long)status;
+	ret.b = status != 0 ? id : 0; // id_out is only meaningful while capturing
+	return ret;
+}
+
+// cuThreadExchangeStreamCaptureMode works on the calling thread's mode and
+// needs no context.
+static cp_ret cp_exchange_capture_mode(const cp_api *a, int mode) {
+	int m = mode;
+	cp_ret ret = {((cp_fn_pi)a->threadExchangeStreamCaptureMode)(&m), 0, 0};
+	ret.a = (unsigned long long)m;
+	return ret;
+}
+*/
+import "C"
+
+import (
+	"errors"
+	"fmt"
+	"runtime"
+	"sync"
+	"sync/atomic"
+	"unsafe"
+
+	"github.com/ebitengine/purego"
+
+	"github.com/cudapool/cudapool/cuda"
+)
+
+// LibraryName is the CUDA driver library that Open loads.
+const LibraryName = "libcuda.so.1"
+
+const (
+	eventDisableTiming = 0x2 // CU_EVENT_DISABLE_TIMING
+
+	// captureInfoAPIVersion is the API version asked of cuGetProcAddress for
+	// cuStreamGetCaptureInfo: 12000 yields the v2 ABI on CUDA 12 and 13
+	// drivers alike (a driver serves every older API version it supports).
+	captureInfoAPIVersion = 12000
+)
+
+// Driver is the CUDA driver API. The zero value is not usable; call Open.
+// Its methods are safe for concurrent use, except Close.
+type Driver struct {
+	api     *C.cp_api // C memory, never freed: in-flight calls may still read it
+	lib     uintptr   // dlopen handle of libcuda.so.1
+	version int       // cuDriverGetVersion, e.g. 13000
+
+	// captureInfo names the cuStreamGetCaptureInfo variant in use, for
+	// diagnostics ("cuGetProcAddress_v2(cuStreamGetCaptureInfo, 12000)",
+	// "cuStreamGetCaptureInfo_v2", ...).
+	captureInfo string
+
+	devs []C.CUdevice // CUdevice of each ordinal
+
+	// ctxs[i] is device i's retained primary context, 0 until first use.
+	// Read without locking on every call; mu serialises retain/release.
+	ctxs []atomic.Uintptr
+	mu   sync.Mutex
+}
+
+// symbols are the exported names Open resolves. cuStreamGetCaptureInfo is
+// resolved separately; cuGetProcAddress_v2 is optional.
+var symbols = []struct {
+	name string
+	slot func(*C.cp_api) *C.uintptr_t
+}{
+	{"cuInit", func(a *C.cp_api) *C.uintptr_t { return &a.init }},
+	{"cuDriverGetVersion", func(a *C.cp_api) *C.uintptr_t { return &a.driverGetVersion }},
+	{"cuDeviceGetCount", func(a *C.cp_api) *C.uintptr_t { return &a.deviceGetCount }},
+	{"cuDeviceGet", func(a *C.cp_api) *C.uintptr_t { return &a.deviceGet }},
+	{"cuDeviceGetPCIBusId", func(a *C.cp_api) *C.uintptr_t { return &a.deviceGetPCIBusId }},
+	{"cuDevicePrimaryCtxRetain", func(a *C.cp_api) *C.uintptr_t { return &a.primaryCtxRetain }},
+	{"cuDevicePrimaryCtxRelease_v2", func(a *C.cp_api) *C.uintptr_t { return &a.primaryCtxRelease }},
+	{"cuCtxGetCurrent", func(a *C.cp_api) *C.uintptr_t { return &a.ctxGetCurrent }},
+	{"cuCtxPushCurrent_v2", func(a *C.cp_api) *C.uintptr_t { return &a.ctxPushCurrent }},
+	{"cuCtxPopCurrent_v2", func(a *C.cp_api) *C.uintptr_t { return &a.ctxPopCurrent }},
+	{"cuCtxSynchronize", func(a *C.cp_api) *C.uintptr_t { return &a.ctxSynchronize }},
+	{"cuMemGetInfo_v2", func(a *C.cp_api) *C.uintptr_t { return &a.memGetInfo }},
+	{"cuMemAlloc_v2", func(a *C.cp_api) *C.uintptr_t { return &a.memAlloc }},
+	{"cuMemFree_v2", func(a *C.cp_api) *C.uintptr_t { return &a.memFree }},
+	{"cuEventCreate", func(a *C.cp_api) *C.uintptr_t { return &a.eventCreate }},
+	{"cuEventRecord", func(a *C.cp_api) *C.uintptr_t { return &a.eventRecord }},
+	{"cuEventQuery", func(a *C.cp_api) *C.uintptr_t { return &a.eventQuery }},
+	{"cuEventSynchronize", func(a *C.cp_api) *C.uintptr_t { return &a.eventSynchronize }},
+	{"cuEventDestroy_v2", func(a *C.cp_api) *C.uintptr_t { return &a.eventDestroy }},
+	{"cuThreadExchangeStreamCaptureMode", func(a *C.cp_api) *C.uintptr_t { return &a.threadExchangeStreamCaptureMode }},
+}
+
+// Open loads libcuda.so.1, initialises the driver (cuInit(0)) and counts the
+// devices. Contexts are not touched until a device is first used. An error
+// (never a crash) is returned when the library or a device is missing.
+func Open() (*Driver, error) {
+	return openLibrary(LibraryName)
+}
+
+// openLibrary is Open with the library path as a parameter (tests load a
+// fake driver through it).
+func openLibrary(path string) (*Driver, error) {
+	lib, err := dlopen(path)
+	if err != nil {
+		return nil, fmt.Errorf("cudapool: cannot load the CUDA driver (%s): %w", path, err)
+	}
+	api := (*C.cp_api)(C.calloc(1, C.sizeof_cp_api))
+	d := &Driver{api: api, lib: lib}
+	ok := false
+	defer func() {
+		if !ok { // nothing escaped: undo the load
+			C.free(unsafe.Pointer(api))
+			_ = purego.Dlclose(lib)
+		}
+	}()
+	for _, s := range symbols {
+		p, err := purego.Dlsym(lib, s.name)
+		if err != nil || p == 0 {
+			return nil, fmt.Errorf("cudapool: the CUDA driver (%s) lacks %s; is it too old?", path, s.name)
+		}
+		*s.slot(api) = C.uintptr_t(p)
+	}
+	if p, err := purego.Dlsym(lib, "cuGetProcAddress_v2"); err == nil {
+		api.getProcAddress = C.uintptr_t(p)
+	}
+
+	if err := check(C.cp_init(api)); err != nil {
+		return nil, fmt.Errorf("cudapool: cuInit: %w", err)
+	}
+	ret := C.cp_driver_version(api)
+	if err := check(ret.r); err != nil {
+		return nil, fmt.Errorf("cudapool: cuDriverGetVersion: %w", err)
+	}
+	d.version = int(ret.a)
+	if err := d.resolveCaptureInfo(); err != nil {
+		return nil, err
+	}
+
+	ret = C.cp_device_count(api)
+	if err := check(ret.r); err != nil {
+		return nil, fmt.Errorf("cudapool: cuDeviceGetCount: %w", err)
+	}
+	n := int(ret.a)
+	d.devs = make([]C.CUdevice, n)
+	d.ctxs = make([]atomic.Uintptr, n)
+	for i := range n {
+		ret := C.cp_device_get(api, C.int(i))
+		if err := check(ret.r); err != nil {
+			return nil, fmt.Errorf("cudapool: cuDeviceGet(%d): %w", i, err)
+		}
+		d.devs[i] = C.CUdevice(ret.a)
+	}
+	ok = true
+	return d, nil
+}
+
+// dlopen wraps purego.Dlopen on a locked thread: dlerror's message is per
+// thread and purego reads it in a second call.
+func dlopen(path string) (uintptr, error) {
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	return purego.Dlopen(path, purego.RTLD_NOW|purego.RTLD_LOCAL)
+}
+
+// resolveCaptureInfo picks the cuStreamGetCaptureInfo entry point. Preferred:
+// cuGetProcAddress_v2 (CUDA 12.0+) at API version 12000, which names the ABI
+// explicitly (v2). Fallbacks for older drivers: the exported
+// cuStreamGetCaptureInfo_v2 (11.3+), then cuStreamGetCaptureInfo (v1).
+// cp_stream_capture_info is safe with any of them (see its comment).
+func (d *Driver) resolveCaptureInfo() error {
+	if d.api.getProcAddress != 0 {
+		name := C.CString("cuStreamGetCaptureInfo")
+		ret := C.cp_get_proc_address(d.api, name, captureInfoAPIVersion, 0 /* CU_GET_PROC_ADDRESS_DEFAULT */)
+		C.free(unsafe.Pointer(name))
+		if ret.r == 0 && ret.a != 0 && ret.b == 0 /* CU_GET_PROC_ADDRESS_SUCCESS */ {
+			d.api.streamGetCaptureInfo = C.uintptr_t(ret.a)
+			d.captureInfo = fmt.Sprintf("cuGetProcAddress_v2(cuStreamGetCaptureInfo, %d)", captureInfoAPIVersion)
+			return nil
+		}
+	}
+	for _, name := range []string{"cuStreamGetCaptureInfo_v2", "cuStreamGetCaptureInfo"} {
+		if p, err := purego.Dlsym(d.lib, name); err == nil && p != 0 {
+			d.api.streamGetCaptureInfo = C.uintptr_t(p)
+			d.captureInfo = name
+			return nil
+		}
+	}
+	return errors.New("cudapool: the CUDA driver has no cuStreamGetCaptureInfo; is it too old?")
+}
+
+// check converts a CUresult. Errors are cuda.Result values so that callers
+// can use errors.Is(err, cuda.ErrOutOfMemory).
+func check(r C.CUresult) error {
+	if r == 0 {
+		return nil
+	}
+	return cuda.Result(r)
+}
+
+// Version returns the driver's CUDA version (cuDriverGetVersion), e.g. 13000.
+func (d *Driver) Version() int { return d.version }
+
+// CaptureInfoEntryPoint says which cuStreamGetCaptureInfo variant is in use.
+func (d *Driver) CaptureInfoEntryPoint() string { return d.captureInfo }
+
+// ctx returns dev's primary context, retaining it on first use.
+func (d *Driver) ctx(dev int) (C.uintptr_t, error) {
+	if uint(dev) >= uint(len(d.ctxs)) {
+		return 0, cuda.ErrInvalidDevice
+	}
+	if c := d.ctxs[dev].Load(); c != 0 {
+		return C.uintptr_t(c), nil
+	}
+	return d.retain(dev)
+}
+
+// retain is ctx's slow path. Retaining creates the primary context if no one
+// has (PyTorch's runtime API uses the same one), which takes a while and
+// some device memory, hence lazily. A failure is not cached: the next call
+// tries again.
+func (d *Driver) retain(dev int) (C.uintptr_t, error) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if c := d.ctxs[dev].Load(); c != 0 {
+		return C.uintptr_t(c), nil
+	}
+	ret := C.cp_primary_retain(d.api, d.devs[dev])
+	if err := check(ret.r); err != nil {
+		return 0, fmt.Errorf("cudapool: cuDevicePrimaryCtxRetain(device %d): %w", dev, err)
+	}
+	d.ctxs[dev].Store(uintptr(ret.a))
+	return C.uintptr_t(ret.a), nil
+}
+
+// Close releases the primary contexts this Driver retained. The Driver stays
+// usable (it retains again on the next call), but Close must not run
+// concurrently with other methods. libcuda.so.1 stays loaded.
+func (d *Driver) Close() error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	var errs []error
+	for i := range d.ctxs {
+		if d.ctxs[i].Load() == 0 {
+			continue
+		}
+		if err := check(C.cp_primary_release(d.api, d.devs[i])); err != nil {
+			errs = append(errs, fmt.Errorf("cudapool: cuDevicePrimaryCtxRelease(device %d): %w", i, err))
+			continue
+		}
+		d.ctxs[i].Store(0)
+	}
+	return errors.Join(errs...)
+}
+
+// DeviceCount returns the number of devices cuDeviceGetCount reported at Open.
+func (d *Driver) DeviceCount() (int, error) { return len(d.devs), nil }
+
+// MemGetInfo returns dev's free and total memory in bytes (cuMemGetInfo_v2).
+func (d *Driver) MemGetInfo(dev int) (free, total uint64, err error) {
+	c, err := d.ctx(dev)
+	if err != nil {
+		return 0, 0, err
+	}
+	ret := C.cp_mem_get_info(d.api, c)
+	if err := check(ret.r); err != nil {
+		return 0, 0, err
+	}
+	return uint64(ret.a), uint64(ret.b), nil
+}
+
+// MemAlloc allocates size bytes on dev (cuMemAlloc_v2). It obeys the calling
+// thread's stream capture mode; see ExchangeCaptureMode and MemAllocRelaxed.
+func (d *Driver) MemAlloc(dev int, size uint64) (cuda.Ptr, error) {
+	c, err := d.ctx(dev)
+	if err != nil {
+		return 0, err
+	}
+	ret := C.cp_mem_alloc(d.api, c, C.ulonglong(size))
+	if err := check(ret.r); err != nil {
+		return 0, err
+	}
+	return cuda.Ptr(ret.a), nil
+}
+
+// MemAllocRelaxed is MemAlloc with the calling thread switched to relaxed
+// capture mode for the duration, in a single C call (so it needs no thread
+// pinning). It is what the allocator needs while a graph capture is under
+// way, and cheaper than ExchangeCaptureMode + MemAlloc + ExchangeCaptureMode.
+func (d *Driver) MemAllocRelaxed(dev int, size uint64) (cuda.Ptr, error) {
+	c, err := d.ctx(dev)
+	if err != nil {
+		return 0, err
+	}
+	ret := C.cp_mem_alloc_relaxed(d.api, c, C.ulonglong(size))
+	if err := check(ret.r); err != nil {
+		return 0, err
+	}
+	return cuda.Ptr(ret.a), nil
+}
+
+// MemFree frees p, allocated on dev (cuMemFree_v2).
+func (d *Driver) MemFree(dev int, p cuda.Ptr) error {
+	c, err := d.ctx(dev)
+	if err != nil {
+		return err
+	}
+	return check(C.cp_mem_free(d.api, c, C.ulonglong(p)))
+}
+
+// DeviceSynchronize waits for all work on dev's primary context
+// (cuCtxSynchronize).
+func (d *Driver) DeviceSynchronize(dev int) error {
+	c, err := d.ctx(dev)
+	if err != nil {
+		return err
+	}
+	return check(C.cp_ctx_synchronize(d.api, c))
+}
+
+// StreamCaptureInfo reports whether s is capturing and the capture sequence's
+// id (0 when not capturing). It is legal during capture.
+func (d *Driver) StreamCaptureInfo(dev int, s cuda.Stream) (cuda.CaptureStatus, uint64, error) {
+	c, err := d.ctx(dev)
+	if err != nil {
+		return cuda.CaptureNone, 0, err
+	}
+	ret := C.cp_stream_capture_info(d.api, c, C.uintptr_t(s))
+	if err := check(ret.r); err != nil {
+		return cuda.CaptureNone, 0, err
+	}
+	return cuda.CaptureStatus(ret.a), uint64(ret.b), nil
+}
+
+// ExchangeCaptureMode sets the calling OS thread's stream capture mode and
+// returns the previous one (cuThreadExchangeStreamCaptureMode).
+//
+// The mode belongs to the OS thread, not the goroutine. A caller that
+// exchanges, allocates and exchanges back must keep its goroutine on one
+// thread throughout: runtime.LockOSThread, or run inside a cgo callback (an
+// exported function called from C runs on the calling C thread and cannot
+// migrate until it returns, which covers cudapool's entry points).
+// MemAllocRelaxed does the whole sequence in one C call.
+func (d *Driver) ExchangeCaptureMode(mode cuda.CaptureMode) (cuda.CaptureMode, error) {
+	ret := C.cp_exchange_capture_mode(d.api, C.int(mode))
+	if err := check(ret.r); err != nil {
+		return mode, err
+	}
+	return cuda.CaptureMode(ret.a), nil
+}
+
+// EventCreate returns a new event on dev with timing disabled
+// (CU_EVENT_DISABLE_TIMING), the cheapest kind to record and query.
+func (d *Driver) EventCreate(dev int) (cuda.Event, error) {
+	c, err := d.ctx(dev)
+	if err != nil {
+		return 0, err
+	}
+	ret := C.cp_event_create(d.api, c, eventDisableTiming)
+	if err := check(ret.r); err != nil {
+		return 0, err
+	}
+	return cuda.Event(ret.a), nil
+}
+
+// EventRecord records e on stream s (cuEventRecord).
+func (d *Driver) EventRecord(dev int, e cuda.Event, s cuda.Stream) error {
+	c, err := d.ctx(dev)
+	if err != nil {
+		return err
+	}
+	return check(C.cp_event_record(d.api, c, C.uintptr_t(e), C.uintptr_t(s)))
+}
+
+// EventQuery reports whether the work before e's last record has completed.
+// CUDA_ERROR_NOT_READY is (false, nil).
+func (d *Driver) EventQuery(dev int, e cuda.Event) (bool, error) {
+	c, err := d.ctx(dev)
+	if err != nil {
+		return false, err
+	}
+	switch r := C.cp_event_op(d.api, d.api.eventQuery, c, C.uintptr_t(e)); r {
+	case 0:
+		return true, nil
+	case C.CUresult(cuda.ErrNotReady):
+		return false, nil
+	default:
+		return false, check(r)
+	}
+}
+
+// EventSynchronize waits for e (cuEventSynchronize).
+func (d *Driver) EventSynchronize(dev int, e cuda.Event) error {
+	c, err := d.ctx(dev)
+	if err != nil {
+		return err
+	}
+	return check(C.cp_event_op(d.api, d.api.eventSynchronize, c, C.uintptr_t(e)))
+}
+
+// EventDestroy destroys e (cuEventDestroy_v2).
+func (d *Driver) EventDestroy(dev int, e cuda.Event) error {
+	c, err := d.ctx(dev)
+	if err != nil {
+		return err
+	}
+	return check(C.cp_event_op(d.api, d.api.eventDestroy, c, C.uintptr_t(e)))
+}
+
+// pciBusID returns dev's PCI bus id ("0000:3b:00.0"), which names the same
+// GPU for CUDA and NVML: NVML ignores CUDA_VISIBLE_DEVICES, so CUDA ordinals
+// and NVML indices may differ.
+func (d *Driver) pciBusID(dev int) (string, error) {
+	if uint(dev) >= uint(len(d.devs)) {
+		return "", cuda.ErrInvalidDevice
+	}
+	const n = 64
+	buf := (*C.char)(C.malloc(n))
+	defer C.free(unsafe.Pointer(buf))
+	if err := check(C.cp_device_pci_bus_id(d.api, d.devs[dev], buf, n)); err != nil {
+		return "", fmt.Errorf("cudapool: cuDeviceGetPCIBusId(device %d): %w", dev, err)
+	}
+	return C.GoString(buf), nil
+}

@@ -1,0 +1,16 @@
+package sim_test
+
+import (
+	"github.com/cudapool/cudapool/allocator"
+	"github.com/cudapool/cudapool/cuda"
+	"github.com/cudapool/cudapool/cuda/sim"
+)
+
+// The simulator must stand in for the real driver wherever the allocator
+// takes one, including the optional process listing its OOM message uses.
+var (
+	_ allocator.Driver = (*sim.Driver)(nil)
+	_ interface {
+		DeviceProcesses(dev int) ([]cuda.ProcessMemory, error)
+	} = (*sim.Driver)(nil)
+)

@@ -1,0 +1,225 @@
+// Package events delays the return of freed blocks that other streams still
+// use, with CUDA events, as PyTorch's caching allocator does.
+//
+// record_stream adds a stream to a block's uses. When such a block is freed,
+// Insert records one event on each use stream and the block waits, holding a
+// count of outstanding events, until Process sees all of them complete; only
+// then does it go back to its pool. Each stream has its own FIFO of pending
+// events, queried front to back, so a long-running stream does not hold up
+// blocks waiting on others.
+//
+// During a CUDA graph capture no event may be queried or synchronized, and
+// an event recorded on a capturing stream could not be queried later, so a
+// block freed then is deferred (Defer) and its events are recorded by the
+// first Process after the last capture ends.
+//
+// A Tracker belongs to one device and is guarded by that device's lock.
+package events
+
+import (
+	"github.com/cudapool/cudapool/cuda"
+	"github.com/cudapool/cudapool/pools"
+)
+
+// RecordUse notes that s uses b. Uses by the allocating stream need no event.
+func RecordUse(b *pools.Block, s cuda.Stream) {
+	if s != b.Stream {
+		b.Uses.Add(s)
+	}
+}
+
+type pending struct {
+	ev cuda.Event
+	b  *pools.Block
+}
+
+// queue is one stream's pending events in record order.
+type queue struct {
+	items []pending
+	head  int
+}
+
+// Tracker holds a device's pending frees. The owner's lock guards it.
+type Tracker struct {
+	drv      Driver
+	dev      int
+	spare    []cuda.Event // event pool: created events ready for reuse
+	queues   map[cuda.Stream]*queue
+	deferred []*pools.Block // frees waiting for the end of all captures
+	pending  int            // events in all queues
+	created  int            // events created and not destroyed
+}
+
+// New returns a tracker for device dev.
+func New(drv Driver, dev int) *Tracker {
+	return &Tracker{drv: drv, dev: dev, queues: make(map[cuda.Stream]*queue)}
+}
+
+// Idle reports whether no free is pending. It is the cheap test the malloc
+// hot path makes before calling Process.
+func (t *Tracker) Idle() bool { return t.pending == 0 && len(t.deferred) == 0 }
+
+// Pending returns the number of outstanding events and deferred blocks.
+func (t *Tracker) Pending() (events, deferred int) { return t.pending, len(t.deferred) }
+
+// EventsCreated is the number of driver events alive (pooled or pending).
+func (t *Tracker) EventsCreated() int { return t.created }
+
+// Defer parks a freed block with uses until no capture is under way.
+func (t *Tracker) Defer(b *pools.Block) { t.deferred = append(t.deferred, b) }
+
+// Insert records an event on each of b's use streams and queues b behind
+// them. b must have uses and no events yet. If recording fails, the streams
+// not yet covered stay in b.Uses and b is deferred to be tried again, so the
+// block is never returned early and never lost.
+func (t *Tracker) Insert(b *pools.Block) error {
+	var uses [8]cuda.Stream
+	streams := uses[:0]
+	b.Uses.Each(func(s cuda.Stream) { streams = append(streams, s) })
+	b.Uses.Clear()
+	for i, s := range streams {
+		ev, err := t.event()
+		if err == nil {
+			if err = t.drv.EventRecord(t.dev, ev, s); err != nil {
+				t.spare = append(t.spare, ev)
+			}
+		}
+		if err != nil {
+			for _, rest := range streams[i:] {
+				b.Uses.Add(rest)
+			}
+			if b.EventCount == 0 {
+				t.Defer(b)
+			}
+			return err
+		}
+		q := t.queues[s]
+		if q == nil {
+			q = &queue{}
+			t.queues[s] = q
+		}
+		q.items = append(q.items, pending{ev, b})
+		b.EventCount++
+		t.pending++
+	}
+	return nil
+}
+
+func (t *Tracker) event() (cuda.Event, error) {
+	if n := len(t.spare); n > 0 {
+		ev := t.spare[n-1]
+		t.spare = t.spare[:n-1]
+		return ev, nil
+	}
+	ev, err := t.drv.EventCreate(t.dev)
+	if err == nil {
+		t.created++
+	}
+	return ev, err
+}
+
+// Process returns to the caller (through done) every block whose events
+// have all completed. It first records the events of deferred frees, so it
+// must only be called while no capture is under way.
+func (t *Tracker) Process(done func(*pools.Block)) error {
+	if err := t.insertDeferred(); err != nil {
+		return err
+	}
+	return t.drain(func(ev cuda.Event) (bool, error) { return t.drv.EventQuery(t.dev, ev) }, done)
+}
+
+// Synchronize waits for every pending event and returns all waiting blocks
+// (PyTorch's synchronize_and_free_events). Not during capture.
+func (t *Tracker) Synchronize(done func(*pools.Block)) error {
+	if err := t.insertDeferred(); err != nil {
+		return err
+	}
+	return t.drain(func(ev cuda.Event) (bool, error) {
+		return true, t.drv.EventSynchronize(t.dev, ev)
+	}, done)
+}
+
+func (t *Tracker) insertDeferred() error {
+	if len(t.deferred) == 0 {
+		return nil
+	}
+	blocks := t.deferred
+	t.deferred = nil
+	for i, b := range blocks {
+		if err := t.Insert(b); err != nil {
+			// Keep the rest for the next try; Insert already re-deferred b
+			// if it recorded nothing.
+			t.deferred = append(t.deferred, blocks[i+1:]...)
+			return err
+		}
+	}
+	return nil
+}
+
+// drain pops completed events from the front of each stream's queue.
+func (t *Tracker) drain(complete func(cuda.Event) (bool, error), done func(*pools.Block)) error {
+	if t.pending == 0 {
+		return nil
+	}
+	for s, q := range t.queues {
+		for q.head < len(q.items) {
+			p := q.items[q.head]
+			ok, err := complete(p.ev)
+			if err != nil {
+				return err
+			}
+			if !ok {
+				break
+			}
+			q.items[q.head] = pending{}
+			q.head++
+			t.pending--
+			t.spare = append(t.spare, p.ev)
+			p.b.EventCount--
+			if p.b.EventCount == 0 {
+				if p.b.Uses.Empty() {
+					done(p.b)
+				} else {
+					// An earlier Insert could not cover every stream.
+					t.Defer(p.b)
+				}
+			}
+		}
+		if q.head == len(q.items) {
+			delete(t.queues, s)
+		}
+	}
+	return nil
+}
+
+// Each calls fn for every block waiting on events or deferred.
+func (t *Tracker) Each(fn func(*pools.Block)) {
+	seen := map[*pools.Block]bool{}
+	visit := func(b *pools.Block) {
+		if !seen[b] {
+			seen[b] = true
+			fn(b)
+		}
+	}
+	for _, q := range t.queues {
+		for _, p := range q.items[q.head:] {
+			visit(p.b)
+		}
+	}
+	for _, b := range t.deferred {
+		visit(b)
+	}
+}
+
+// DestroySpare destroys the pooled events that no block waits on.
+func (t *Tracker) DestroySpare() error {
+	for len(t.spare) > 0 {
+		ev := t.spare[len(t.spare)-1]
+		if err := t.drv.EventDestroy(t.dev, ev); err != nil {
+			return err
+		}
+		t.spare = t.spare[:len(t.spare)-1]
+		t.created--
+	}
+	return nil
+}

@@ -1,0 +1,144 @@
+// Package pools holds the caching allocator's data and policy: blocks and
+// segments, the free-block sets, size rounding, the small and large pools,
+// splitting and merging, the max_split_size rules, garbage collection and the
+// memory fraction, and PyTorch's statistics.
+//
+// # Design
+//
+// A segment is one driver allocation. It is tiled, without gaps, by a doubly
+// linked list of blocks (Prev/Next). A block is in exactly one of these states:
+//
+//	allocated      handed to the user; indexed by address in Cache.active
+//	awaiting free  freed by the user but still used by other streams
+//	               (EventCount > 0 or Uses not empty); in no index
+//	free           in its BlockPool's free set, ordered by (stream, size,
+//	               address), so best fit on a stream is a lower-bound search
+//
+// Adjacent free blocks of one segment are merged at once, so two neighbours
+// are never both free. A block is reused only by the stream it was allocated
+// on; other streams' uses delay its return through events (package events).
+//
+// Nothing here calls CUDA. Where a policy ends in giving memory back to the
+// driver (release of cached blocks, garbage collection), the caller passes the
+// function that does it; the allocator package supplies the driver calls, the
+// order of the retries and the locking. Cache is not safe for concurrent use:
+// its owner holds one lock around every call.
+//
+// The cache-hit path (TakeFree, Allocate, Lookup, Release, Return) allocates
+// no Go memory: blocks are recycled through a free list, the free sets are
+// intrusive, and the address index is an open-addressing table that only
+// grows when the number of live blocks reaches a new high.
+package pools
+
+import "github.com/cudapool/cudapool/cuda"
+
+// PoolID names a memory pool the way PyTorch's MempoolId_t does: {0,0} is the
+// default pool, {n,0} a graph's private pool, {0,n} a user pool.
+type PoolID struct{ A, B uint64 }
+
+// IsDefault reports whether id is the default pool {0,0}.
+func (id PoolID) IsDefault() bool { return id.A == 0 && id.B == 0 }
+
+// Segment is one allocation from the driver.
+type Segment struct {
+	Base   cuda.Ptr
+	Size   uint64
+	Stream cuda.Stream // the stream the segment was allocated for
+	Pool   *BlockPool  // the pool its free blocks return to
+	Head   *Block      // the block at Base
+}
+
+// Block is a piece of a segment. The fields are guarded by the lock of the
+// Cache that owns the block.
+type Block struct {
+	Ptr       cuda.Ptr
+	Size      uint64
+	Requested uint64 // the size the user asked for (allocated blocks)
+	Stream    cuda.Stream
+	Pool      *BlockPool
+	Seg       *Segment
+	Prev      *Block // neighbours in the segment, by address
+	Next      *Block
+	Allocated bool
+	// EventCount is the number of recorded events that must complete before
+	// the block returns to its pool (package events).
+	EventCount int
+	// Uses are the streams other than Stream that used the block
+	// (record_stream).
+	Uses StreamSet
+
+	gcBase uint64 // Pool.freeCalls when the block became free
+
+	// Free-set links; the treap uses left/right/prio, the sorted slice none.
+	left, right *Block
+	prio        uint64
+	inSet       bool
+}
+
+// IsSplit reports whether the block shares its segment with other blocks.
+func (b *Block) IsSplit() bool { return b.Prev != nil || b.Next != nil }
+
+// Active reports whether the block is allocated or awaiting its free.
+func (b *Block) Active() bool { return b.Allocated || b.EventCount > 0 || !b.Uses.Empty() }
+
+// End is the first address after the block.
+func (b *Block) End() cuda.Ptr { return b.Ptr + cuda.Ptr(b.Size) }
+
+// StreamSet is a small set of streams, stored inline for the common case of
+// one or two side streams so that record_stream rarely allocates.
+type StreamSet struct {
+	inline [2]cuda.Stream
+	n      int
+	more   []cuda.Stream
+}
+
+// Add inserts s if it is not present.
+func (s *StreamSet) Add(st cuda.Stream) {
+	if s.Has(st) {
+		return
+	}
+	if s.n < len(s.inline) {
+		s.inline[s.n] = st
+		s.n++
+		return
+	}
+	s.more = append(s.more, st)
+}
+
+// Has reports whether st is in the set.
+func (s *StreamSet) Has(st cuda.Stream) bool {
+	for i := 0; i < s.n; i++ {
+		if s.inline[i] == st {
+			return true
+		}
+	}
+	for _, x := range s.more {
+		if x == st {
+			return true
+		}
+	}
+	return false
+}
+
+// Len is the number of streams in the set.
+func (s *StreamSet) Len() int { return s.n + len(s.more) }
+
+// Empty reports whether the set is empty.
+func (s *StreamSet) Empty() bool { return s.n == 0 }
+
+// Each calls fn for every stream in the set.
+func (s *StreamSet) Each(fn func(cuda.Stream)) {
+	for i := 0; i < s.n; i++ {
+		fn(s.inline[i])
+	}
+	for _, x := range s.more {
+		fn(x)
+	}
+}
+
+// Clear empties the set, keeping any overflow storage for reuse.
+func (s *StreamSet) Clear() {
+	s.n = 0
+	s.inline = [2]cuda.Stream{}
+	s.more = s.more[:0]
+}

@@ -1,0 +1,543 @@
+package pools
+
+import (
+	"fmt"
+	"sort"
+
+	"github.com/cudapool/cudapool/cuda"
+)
+
+// BlockPool is one set of free blocks: a device's default small or large
+// pool, or one half of a private pool.
+type BlockPool struct {
+	Blocks FreeSet
+	Small  bool
+	ID     PoolID
+	// Segments is the number of live segments whose blocks belong here;
+	// a private pool can be dropped once it reaches zero.
+	Segments int
+	// freeCalls counts best-fit searches, the clock by which garbage
+	// collection measures a cached block's age.
+	freeCalls uint64
+}
+
+// FreeFunc gives a whole segment back to the driver.
+type FreeFunc func(base cuda.Ptr, size uint64) error
+
+// Request is one malloc in progress.
+type Request struct {
+	Requested uint64      // bytes asked for
+	Size      uint64      // rounded block size
+	SegSize   uint64      // segment size if a new segment is needed
+	Stream    cuda.Stream // the allocating stream
+	Pool      *BlockPool
+}
+
+// Cache is one device's blocks, segments and statistics. See the package
+// comment; the owner's lock guards every field and call.
+type Cache struct {
+	cfg   Config
+	Small *BlockPool // the default pools
+	Large *BlockPool
+	Stats Stats
+	// Reserved is the bytes of all live segments (PyTorch's
+	// total_allocated_memory), the quantity the memory fraction bounds.
+	Reserved uint64
+	// allowed is the memory-fraction limit; fractionSet is false when none
+	// was set.
+	allowed     uint64
+	fractionSet bool
+
+	active   ptrMap                // allocated blocks by address
+	segments map[cuda.Ptr]*Segment // live segments by base address
+	spare    []*Block              // recycled Block structs
+}
+
+// NewCache returns an empty cache with the given policy.
+func NewCache(cfg Config) *Cache {
+	c := &Cache{active: newPtrMap(1024), segments: make(map[cuda.Ptr]*Segment)}
+	c.SetConfig(cfg)
+	c.Small = c.NewPool(true, PoolID{})
+	c.Large = c.NewPool(false, PoolID{})
+	return c
+}
+
+// Config returns the policy in force.
+func (c *Cache) Config() Config { return c.cfg }
+
+// SetConfig changes the policy. Blocks already cached keep their sizes.
+func (c *Cache) SetConfig(cfg Config) {
+	c.cfg = cfg
+	c.Stats.MaxSplitSize = -1
+	if cfg.MaxSplitSize != Unlimited {
+		c.Stats.MaxSplitSize = int64(cfg.MaxSplitSize)
+	}
+}
+
+// NewPool returns an empty block pool for a private pool.
+func (c *Cache) NewPool(small bool, id PoolID) *BlockPool {
+	return &BlockPool{Blocks: NewFreeSet(c.cfg.FreeSet), Small: small, ID: id}
+}
+
+// SetFraction limits Reserved to fraction × total. Fraction must be in [0, 1].
+func (c *Cache) SetFraction(fraction float64, total uint64) {
+	c.allowed = uint64(fraction * float64(total))
+	c.fractionSet = true
+}
+
+// Allowed returns the memory-fraction limit and whether one is set.
+func (c *Cache) Allowed() (uint64, bool) { return c.allowed, c.fractionSet }
+
+// NewRequest rounds size and picks the pool among small and large.
+func (c *Cache) NewRequest(size uint64, s cuda.Stream, small, large *BlockPool) Request {
+	r := Request{Requested: size, Size: c.cfg.RoundSize(size), Stream: s}
+	r.SegSize = c.cfg.SegmentSize(r.Size)
+	r.Pool = large
+	if IsSmall(r.Size) {
+		r.Pool = small
+	}
+	return r
+}
+
+func (c *Cache) gcEnabled() bool { return c.fractionSet && c.cfg.GCThreshold > 0 }
+
+// TakeFree removes and returns the best-fitting free block for r, or nil:
+// the smallest block on r's stream that is large enough, subject to the
+// max_split_size rules (an oversize block is not given to a request below
+// max_split_size, nor a block more than MaxNonSplitRounding larger to one
+// above it).
+func (c *Cache) TakeFree(r *Request) *Block {
+	p := r.Pool
+	if c.gcEnabled() {
+		p.freeCalls++
+	}
+	b := p.Blocks.LowerBound(r.Stream, r.Size)
+	if b == nil || b.Stream != r.Stream {
+		return nil
+	}
+	if r.Size < c.cfg.MaxSplitSize && b.Size >= c.cfg.MaxSplitSize {
+		return nil
+	}
+	if r.Size >= c.cfg.MaxSplitSize && b.Size >= r.Size+c.cfg.MaxNonSplitRounding {
+		return nil
+	}
+	p.Blocks.Remove(b)
+	return b
+}
+
+// CanGrow reports whether a new segment of size bytes fits the memory
+// fraction.
+func (c *Cache) CanGrow(size uint64) bool {
+	return !c.fractionSet || c.Reserved+size <= c.allowed
+}
+
+// AddSegment records a new driver allocation made for r and returns its one
+// block, ready for Allocate.
+func (c *Cache) AddSegment(r *Request, base cuda.Ptr) *Block {
+	seg := &Segment{Base: base, Size: r.SegSize, Stream: r.Stream, Pool: r.Pool}
+	b := c.newBlock()
+	b.Ptr, b.Size, b.Stream, b.Pool, b.Seg = base, r.SegSize, r.Stream, r.Pool, seg
+	seg.Head = b
+	c.segments[base] = seg
+	r.Pool.Segments++
+	c.Reserved += r.SegSize
+	c.Stats.Segment.Increase(r.Pool.Small, 1)
+	c.Stats.ReservedBytes.Increase(r.Pool.Small, int64(r.SegSize))
+	if r.SegSize >= c.cfg.MaxSplitSize {
+		c.Stats.OversizeSegments.Increase(1)
+	}
+	c.Stats.NumDeviceAlloc++
+	return b
+}
+
+func (c *Cache) shouldSplit(b *Block, size uint64) bool {
+	rest := b.Size - size
+	if b.Pool.Small {
+		return rest >= MinBlockSize
+	}
+	return size < c.cfg.MaxSplitSize && rest > SmallSize
+}
+
+// Allocate hands b (from TakeFree or AddSegment) to the user for r,
+// splitting off the unneeded tail into r's pool.
+func (c *Cache) Allocate(r *Request, b *Block) *Block {
+	small := r.Pool.Small
+	wasSplit := b.IsSplit()
+	if c.shouldSplit(b, r.Size) {
+		rest := b
+		b = c.newBlock()
+		b.Ptr, b.Size, b.Stream, b.Pool, b.Seg = rest.Ptr, r.Size, r.Stream, r.Pool, rest.Seg
+		b.Prev, b.Next = rest.Prev, rest
+		if b.Prev != nil {
+			b.Prev.Next = b
+		} else {
+			b.Seg.Head = b
+		}
+		rest.Prev = b
+		rest.Ptr += cuda.Ptr(r.Size)
+		rest.Size -= r.Size
+		c.insertFree(rest)
+		if wasSplit {
+			// An inactive split block shrank by the allocated size.
+			c.Stats.InactiveSplitBytes.Decrease(small, int64(b.Size))
+		} else {
+			// A whole block became split; its tail is inactive.
+			c.Stats.InactiveSplitBytes.Increase(small, int64(rest.Size))
+			c.Stats.InactiveSplit.Increase(small, 1)
+		}
+	} else if wasSplit {
+		c.Stats.InactiveSplitBytes.Decrease(small, int64(b.Size))
+		c.Stats.InactiveSplit.Decrease(small, 1)
+	}
+	b.Allocated = true
+	b.Requested = r.Requested
+	c.active.put(b.Ptr, b)
+	c.Stats.Allocation.Increase(small, 1)
+	c.Stats.AllocatedBytes.Increase(small, int64(b.Size))
+	c.Stats.Active.Increase(small, 1)
+	c.Stats.ActiveBytes.Increase(small, int64(b.Size))
+	c.Stats.RequestedBytes.Increase(small, int64(b.Requested))
+	if b.Size >= c.cfg.MaxSplitSize {
+		c.Stats.OversizeAllocations.Increase(1)
+	}
+	return b
+}
+
+// Lookup returns the allocated block at p, or nil.
+func (c *Cache) Lookup(p cuda.Ptr) *Block { return c.active.get(p) }
+
+// Release marks the allocated block b as freed by the user. It stays active
+// until Return; the caller first waits for its other streams' uses.
+func (c *Cache) Release(b *Block) {
+	if !b.Allocated {
+		panic("pools: Release of a block that is not allocated")
+	}
+	c.active.del(b.Ptr)
+	b.Allocated = false
+	small := b.Pool.Small
+	c.Stats.Allocation.Decrease(small, 1)
+	c.Stats.AllocatedBytes.Decrease(small, int64(b.Size))
+	if b.Size >= c.cfg.MaxSplitSize {
+		c.Stats.OversizeAllocations.Decrease(1)
+	}
+}
+
+// Return puts a released block, with no pending uses, back in its pool,
+// merged with its free neighbours.
+func (c *Cache) Return(b *Block) {
+	if b.Allocated || b.EventCount > 0 || !b.Uses.Empty() {
+		panic("pools: Return of a block still in use")
+	}
+	size, requested := b.Size, b.Requested
+	var splitBlocks, splitBytes int64
+	for _, n := range [2]*Block{b.Prev, b.Next} {
+		if sub := c.tryMerge(b, n); sub > 0 {
+			splitBlocks--
+			splitBytes -= int64(sub)
+		}
+	}
+	if b.IsSplit() {
+		splitBlocks++
+		splitBytes += int64(b.Size)
+	}
+	b.Requested = 0
+	c.insertFree(b)
+	small := b.Pool.Small
+	c.Stats.InactiveSplit.Add(small, splitBlocks)
+	c.Stats.InactiveSplitBytes.Add(small, splitBytes)
+	c.Stats.Active.Decrease(small, 1)
+	c.Stats.ActiveBytes.Decrease(small, int64(size))
+	c.Stats.RequestedBytes.Decrease(small, int64(requested))
+}
+
+// tryMerge absorbs the neighbour n into b if n is free, returning n's size.
+func (c *Cache) tryMerge(b, n *Block) uint64 {
+	if n == nil || n.Active() || !n.inSet {
+		return 0
+	}
+	n.Pool.Blocks.Remove(n)
+	if n == b.Prev {
+		b.Ptr = n.Ptr
+		b.Prev = n.Prev
+		if b.Prev != nil {
+			b.Prev.Next = b
+		} else {
+			b.Seg.Head = b
+		}
+	} else {
+		b.Next = n.Next
+		if b.Next != nil {
+			b.Next.Prev = b
+		}
+	}
+	size := n.Size
+	b.Size += size
+	c.putBlock(n)
+	return size
+}
+
+func (c *Cache) insertFree(b *Block) {
+	b.gcBase = b.Pool.freeCalls
+	b.Pool.Blocks.Insert(b)
+}
+
+// releaseSegment gives the free whole-segment block b back through free.
+func (c *Cache) releaseSegment(b *Block, free FreeFunc) error {
+	if b.IsSplit() || b.Active() {
+		panic("pools: releasing a block that is not a whole free segment")
+	}
+	if err := free(b.Ptr, b.Size); err != nil {
+		return err
+	}
+	p := b.Pool
+	p.Blocks.Remove(b)
+	p.Segments--
+	delete(c.segments, b.Ptr)
+	c.Reserved -= b.Size
+	c.Stats.Segment.Decrease(p.Small, 1)
+	c.Stats.ReservedBytes.Decrease(p.Small, int64(b.Size))
+	if b.Size >= c.cfg.MaxSplitSize {
+		c.Stats.OversizeSegments.Decrease(1)
+	}
+	c.Stats.NumDeviceFree++
+	c.putBlock(b)
+	return nil
+}
+
+// ReleaseAvailable frees cached oversize segments of r's pool and stream to
+// make room for r: the smallest single one that is large enough, else the
+// largest ones until their sum covers the request. It reports whether it
+// freed enough. It does nothing when max_split_size is unlimited.
+func (c *Cache) ReleaseAvailable(r *Request, free FreeFunc) (bool, error) {
+	max := c.cfg.MaxSplitSize
+	if max == Unlimited {
+		return false, nil
+	}
+	p := r.Pool
+	want := r.Size
+	if want < max {
+		want = max
+	}
+	if b := p.Blocks.LowerBound(r.Stream, want); b != nil && b.Stream == r.Stream {
+		if b.IsSplit() {
+			return false, nil
+		}
+		return true, c.releaseSegment(b, free)
+	}
+	var released uint64
+	for b := p.Blocks.Before(r.Stream, want, 0); b != nil && released < want &&
+		b.Stream == r.Stream && b.Size >= max; {
+		prev := p.Blocks.Before(b.Stream, b.Size, b.Ptr)
+		if !b.IsSplit() {
+			size := b.Size
+			if err := c.releaseSegment(b, free); err != nil {
+				return false, err
+			}
+			released += size
+		}
+		b = prev
+	}
+	return released >= want, nil
+}
+
+// ReleasePool frees every whole free segment cached in p.
+func (c *Cache) ReleasePool(p *BlockPool, free FreeFunc) error {
+	var whole []*Block
+	p.Blocks.Ascend(func(b *Block) bool {
+		if !b.IsSplit() {
+			whole = append(whole, b)
+		}
+		return true
+	})
+	for _, b := range whole {
+		if err := c.releaseSegment(b, free); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// GarbageCollect frees old whole segments of the default large pool once
+// Reserved exceeds GCThreshold × the fraction limit, oldest (least recently
+// reusable) first, until the excess is gone. It is a no-op unless both a
+// memory fraction and a threshold are set.
+func (c *Cache) GarbageCollect(free FreeFunc) error {
+	if !c.gcEnabled() {
+		return nil
+	}
+	threshold := uint64(c.cfg.GCThreshold * float64(c.allowed))
+	if c.Reserved <= threshold {
+		return nil
+	}
+	target := c.Reserved - threshold
+	p := c.Large
+	age := func(b *Block) uint64 { return p.freeCalls - b.gcBase }
+	var totalAge uint64
+	var n int
+	p.Blocks.Ascend(func(b *Block) bool {
+		if !b.IsSplit() {
+			totalAge += age(b)
+			n++
+		}
+		return true
+	})
+	var reclaimed uint64
+	for freed := true; reclaimed < target && freed && n > 0; {
+		// Free everything at or above the mean age, not just up to the
+		// target, so that GC does not run again at once.
+		mean := float64(totalAge) / float64(n)
+		freed = false
+		var victims []*Block
+		p.Blocks.Ascend(func(b *Block) bool {
+			if !b.IsSplit() && float64(age(b)) >= mean {
+				victims = append(victims, b)
+			}
+			return true
+		})
+		for _, b := range victims {
+			a, size := age(b), b.Size
+			if err := c.releaseSegment(b, free); err != nil {
+				return err
+			}
+			freed = true
+			reclaimed += size
+			totalAge -= a
+			n--
+		}
+	}
+	return nil
+}
+
+// Segments returns the live segments ordered by address.
+func (c *Cache) Segments() []*Segment {
+	out := make([]*Segment, 0, len(c.segments))
+	for _, s := range c.segments {
+		out = append(out, s)
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].Base < out[j].Base })
+	return out
+}
+
+// SegmentAt returns the live segment containing p, or nil. It scans, so it
+// is for error reporting and introspection only.
+func (c *Cache) SegmentAt(p cuda.Ptr) *Segment {
+	for _, s := range c.segments {
+		if p >= s.Base && p < s.Base+cuda.Ptr(s.Size) {
+			return s
+		}
+	}
+	return nil
+}
+
+// ActiveCount is the number of allocated blocks.
+func (c *Cache) ActiveCount() int { return c.active.n }
+
+func (c *Cache) newBlock() *Block {
+	if n := len(c.spare); n > 0 {
+		b := c.spare[n-1]
+		c.spare[n-1] = nil
+		c.spare = c.spare[:n-1]
+		return b
+	}
+	return new(Block)
+}
+
+func (c *Cache) putBlock(b *Block) {
+	more := b.Uses.more[:0]
+	*b = Block{}
+	b.Uses.more = more
+	c.spare = append(c.spare, b)
+}
+
+// Check verifies the cache's invariants and returns the first violation:
+// blocks tile their segments, neighbours are never both free, free blocks are
+// in their pool's set and allocated ones indexed, and the statistics equal a
+// recount. It walks everything; tests and the debug switch call it.
+func (c *Cache) Check() error {
+	var alloc, active, split [3]int64
+	var allocB, activeB, splitB, reqB, resB, segs [3]int64
+	inSets := map[*BlockPool]int{c.Small: 0, c.Large: 0}
+	var reserved uint64
+	for base, s := range c.segments {
+		if s.Base != base || s.Head == nil || s.Head.Ptr != base || s.Head.Prev != nil {
+			return fmt.Errorf("segment %#x: bad head", base)
+		}
+		inSets[s.Pool] += 0
+		t := poolStat(s.Pool.Small)
+		segs[t]++
+		resB[t] += int64(s.Size)
+		reserved += s.Size
+		next := s.Base
+		for b := s.Head; b != nil; b = b.Next {
+			if b.Ptr != next || b.Seg != s || b.Pool != s.Pool || b.Size == 0 {
+				return fmt.Errorf("segment %#x: block %#x+%d does not tile it (expected %#x)", base, b.Ptr, b.Size, next)
+			}
+			if b.Next != nil && b.Next.Prev != b {
+				return fmt.Errorf("block %#x: broken links", b.Ptr)
+			}
+			next = b.End()
+			free := !b.Active()
+			if free != b.inSet {
+				return fmt.Errorf("block %#x: free=%v but in free set=%v", b.Ptr, free, b.inSet)
+			}
+			if free {
+				inSets[b.Pool]++
+				if b.Next != nil && !b.Next.Active() {
+					return fmt.Errorf("blocks %#x and %#x: adjacent free blocks not merged", b.Ptr, b.Next.Ptr)
+				}
+				if b.IsSplit() {
+					split[t]++
+					splitB[t] += int64(b.Size)
+				}
+			} else {
+				active[t]++
+				activeB[t] += int64(b.Size)
+				reqB[t] += int64(b.Requested)
+			}
+			if b.Allocated {
+				alloc[t]++
+				allocB[t] += int64(b.Size)
+				if c.active.get(b.Ptr) != b {
+					return fmt.Errorf("block %#x: allocated but not indexed", b.Ptr)
+				}
+			}
+		}
+		if next != s.Base+cuda.Ptr(s.Size) {
+			return fmt.Errorf("segment %#x: blocks end at %#x, segment at %#x", base, next, s.Base+cuda.Ptr(s.Size))
+		}
+	}
+	for p, n := range inSets {
+		if p.Blocks.Len() != n {
+			return fmt.Errorf("pool %v small=%v: free set holds %d blocks, segments have %d free", p.ID, p.Small, p.Blocks.Len(), n)
+		}
+	}
+	if int(alloc[1]+alloc[2]) != c.active.n {
+		return fmt.Errorf("index holds %d blocks, %d allocated", c.active.n, alloc[1]+alloc[2])
+	}
+	if reserved != c.Reserved {
+		return fmt.Errorf("reserved %d, segments sum to %d", c.Reserved, reserved)
+	}
+	st := &c.Stats
+	for _, e := range []struct {
+		name string
+		a    *StatArray
+		want [3]int64
+	}{
+		{"allocation", &st.Allocation, alloc}, {"allocated_bytes", &st.AllocatedBytes, allocB},
+		{"active", &st.Active, active}, {"active_bytes", &st.ActiveBytes, activeB},
+		{"inactive_split", &st.InactiveSplit, split}, {"inactive_split_bytes", &st.InactiveSplitBytes, splitB},
+		{"requested_bytes", &st.RequestedBytes, reqB},
+		{"segment", &st.Segment, segs}, {"reserved_bytes", &st.ReservedBytes, resB},
+	} {
+		e.want[0] = e.want[1] + e.want[2]
+		for t := 0; t < 3; t++ {
+			if e.a[t].Current != e.want[t] {
+				return fmt.Errorf("stat %s.%s = %d, recount %d", e.name, statTypeNames[t], e.a[t].Current, e.want[t])
+			}
+			if e.a[t].Peak < e.a[t].Current {
+				return fmt.Errorf("stat %s.%s inconsistent: %+v", e.name, statTypeNames[t], e.a[t])
+			}
+		}
+	}
+	return nil
+}

@@ -1,0 +1,117 @@
+// Package privatepool keeps the private memory pools that CUDA graphs
+// allocate from.
+//
+// A graph's replays write into the memory its capture allocated, so that
+// memory must not be handed to anything else while the graph lives, even
+// after the capture has freed it. A private pool is a pair of block pools
+// (small, large) that only its captures allocate from. Its use count is the
+// number of captures and graphs holding it (begin increments, release
+// decrements). At zero the pool becomes freeable: its cached segments go back
+// to the driver at the next empty_cache or OOM retry, and the pool disappears
+// once it has no segments left. Blocks still allocated from it come back to it
+// when freed and leave with its last segment.
+//
+// A Registry belongs to one device and is guarded by that device's lock.
+package privatepool
+
+import (
+	"errors"
+	"fmt"
+	"sort"
+
+	"github.com/cudapool/cudapool/pools"
+)
+
+// ErrUnknownPool is returned for an id that names no live private pool.
+var ErrUnknownPool = errors.New("unknown memory pool")
+
+// Pool is one private pool.
+type Pool struct {
+	ID       pools.PoolID
+	UseCount int
+	Small    *pools.BlockPool
+	Large    *pools.BlockPool
+	// Auto marks a pool made for a capture nobody announced; it is never
+	// released because nobody will say when its graph dies.
+	Auto bool
+}
+
+// Segments is the number of segments the pool holds.
+func (p *Pool) Segments() int { return p.Small.Segments + p.Large.Segments }
+
+// Freeable reports whether every holder has released the pool.
+func (p *Pool) Freeable() bool { return p.UseCount == 0 && !p.Auto }
+
+// Registry maps ids to a device's private pools.
+type Registry struct {
+	pools map[pools.PoolID]*Pool
+}
+
+// NewPools makes the two block pools of a new private pool.
+type NewPools func(id pools.PoolID) (small, large *pools.BlockPool)
+
+// Get returns the pool with the given id, or nil.
+func (r *Registry) Get(id pools.PoolID) *Pool { return r.pools[id] }
+
+// Acquire returns the pool with the given id, creating it with use count 1,
+// or adds a user to an existing one (pool sharing between captures). A
+// freeable pool that is acquired again becomes live again.
+func (r *Registry) Acquire(id pools.PoolID, mk NewPools) *Pool {
+	if p := r.pools[id]; p != nil {
+		p.UseCount++
+		return p
+	}
+	if r.pools == nil {
+		r.pools = make(map[pools.PoolID]*Pool)
+	}
+	small, large := mk(id)
+	p := &Pool{ID: id, UseCount: 1, Small: small, Large: large}
+	r.pools[id] = p
+	return p
+}
+
+// Release drops one user of the pool. At zero the pool becomes freeable.
+func (r *Registry) Release(id pools.PoolID) error {
+	p := r.pools[id]
+	if p == nil || p.Auto {
+		return fmt.Errorf("%w {%d,%d}", ErrUnknownPool, id.A, id.B)
+	}
+	if p.UseCount == 0 {
+		return fmt.Errorf("%w {%d,%d}: already released by all its users", ErrUnknownPool, id.A, id.B)
+	}
+	p.UseCount--
+	return nil
+}
+
+// Freeable returns the pools no one holds, ordered by id.
+func (r *Registry) Freeable() []*Pool {
+	var out []*Pool
+	for _, p := range r.pools {
+		if p.Freeable() {
+			out = append(out, p)
+		}
+	}
+	sort.Slice(out, func(i, j int) bool {
+		a, b := out[i].ID, out[j].ID
+		return a.A < b.A || (a.A == b.A && a.B < b.B)
+	})
+	return out
+}
+
+// Drop forgets a freeable pool that has no segments left.
+func (r *Registry) Drop(p *Pool) {
+	if !p.Freeable() || p.Segments() != 0 {
+		panic("privatepool: dropping a pool that is held or holds memory")
+	}
+	delete(r.pools, p.ID)
+}
+
+// Len is the number of pools, live or freeable.
+func (r *Registry) Len() int { return len(r.pools) }
+
+// Each calls fn for every pool.
+func (r *Registry) Each(fn func(*Pool)) {
+	for _, p := range r.pools {
+		fn(p)
+	}
+}
