@@ -58,20 +58,27 @@ type Allocator struct {
 	announced atomic.Bool
 	cfgMu     sync.Mutex // serializes Configure
 	cfg       atomic.Pointer[Config]
+	// underway counts the captures the devices believe under way. CUDA's
+	// capture rules are process-wide (a free or synchronize on one device
+	// can invalidate a capture on another), so every device consults it.
+	underway atomic.Int64
 }
 
 // device is one GPU's allocator state.
 type device struct {
-	id  int
-	drv Driver
+	id       int
+	drv      Driver
+	underway *atomic.Int64 // the allocator's count of captures under way
 
 	mu     sync.Mutex
 	cache  *pools.Cache    // guarded by mu
 	ev     *events.Tracker // guarded by mu
 	graphs graphs.Router   // guarded by mu
 	trace  traceRing       // guarded by mu
-	debug  bool            // guarded by mu
-	total  uint64          // device capacity; guarded by mu (0: not yet read)
+	// counted is this device's contribution to underway; guarded by mu.
+	counted int64
+	debug   bool   // guarded by mu
+	total   uint64 // device capacity; guarded by mu (0: not yet read)
 
 	// Built once so that passing them costs no allocation.
 	freeSeg  pools.FreeFunc
@@ -89,7 +96,7 @@ func New(drv Driver, cfg Config) (*Allocator, error) {
 	a := &Allocator{drv: drv}
 	a.cfg.Store(&cfg)
 	for i := 0; i < n; i++ {
-		d := &device{id: i, drv: drv, cache: pools.NewCache(cfg.Pools), ev: events.New(drv, i)}
+		d := &device{id: i, drv: drv, underway: &a.underway, cache: pools.NewCache(cfg.Pools), ev: events.New(drv, i)}
 		d.trace.resize(cfg.HistoryEntries)
 		d.debug = cfg.DebugChecks
 		d.freeSeg = func(base cuda.Ptr, _ uint64) error { return drv.MemFree(d.id, base) }
@@ -280,6 +287,12 @@ func (a *Allocator) BaseAllocation(p cuda.Ptr) (cuda.Ptr, uint64, error) {
 // private pools, to the driver. A device with a capture under way is left
 // alone and reported in the error.
 func (a *Allocator) EmptyCache() error {
+	// First let every device notice the unannounced captures that ended.
+	for _, d := range a.devs {
+		d.mu.Lock()
+		d.capturing()
+		d.mu.Unlock()
+	}
 	var first error
 	for _, d := range a.devs {
 		d.mu.Lock()
@@ -336,6 +349,7 @@ func (a *Allocator) BeginAllocateToPool(dev int, id PoolID, filter func(cuda.Str
 	if err := d.graphs.Begin(id, filter, d.newPools); err != nil {
 		return poolError("begin_allocate_to_pool", err)
 	}
+	d.countCaptures()
 	return nil
 }
 
@@ -350,6 +364,7 @@ func (a *Allocator) EndAllocateToPool(dev int, id PoolID) error {
 	if err := d.graphs.End(id); err != nil {
 		return poolError("end_allocate_to_pool", err)
 	}
+	d.countCaptures()
 	return nil
 }
 

@@ -11,9 +11,24 @@ import (
 
 var errorsIs = errors.Is
 
-// capturing reports whether a capture may be under way on the device. It is
+// capturing reports whether a capture may be under way on any device. It is
 // the guard in front of every driver free, event query and synchronize.
-func (d *device) capturing() bool { return d.graphs.Underway(d.query) }
+// Unannounced captures of other devices are noticed to have ended when those
+// devices next look (and by EmptyCache); until then this errs on the safe
+// side.
+func (d *device) capturing() bool {
+	local := d.graphs.Underway(d.query)
+	d.countCaptures()
+	return local || d.underway.Load() > 0
+}
+
+// countCaptures publishes the device's number of captures under way.
+func (d *device) countCaptures() {
+	if n := int64(d.graphs.Count()); n != d.counted {
+		d.underway.Add(n - d.counted)
+		d.counted = n
+	}
+}
 
 // malloc is the allocation algorithm (see the package comment). d.mu is held.
 func (d *device) malloc(size uint64, s cuda.Stream, capture uint64) (cuda.Ptr, error) {
@@ -27,6 +42,7 @@ func (d *device) malloc(size uint64, s cuda.Stream, capture uint64) (cuda.Ptr, e
 	if p := d.graphs.Route(s, capture, d.newPools); p != nil {
 		small, large = p.Small, p.Large
 		capturing = true
+		d.countCaptures() // Route may have met a new unannounced capture
 	}
 	r := d.cache.NewRequest(size, s, small, large)
 	b := d.cache.TakeFree(&r)

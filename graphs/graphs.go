@@ -142,6 +142,9 @@ func (r *Router) Underway(query func(cuda.Stream) (cuda.CaptureStatus, uint64, e
 	return len(r.auto) > 0
 }
 
+// Count is the number of captures the router believes under way.
+func (r *Router) Count() int { return len(r.captures) + len(r.auto) }
+
 // Recording returns the ids of the pools with an announced capture.
 func (r *Router) Recording() []pools.PoolID {
 	out := make([]pools.PoolID, len(r.captures))

@@ -399,7 +399,7 @@ func openLibrary(path string) (*Driver, error) {
 		return nil, fmt.Errorf("cudapool: cuDriverGetVersion: %w", err)
 	}
 	d.version = int(ret.a)
-	if err := d.resolveCaptureInfo(); err != nil {
+	if err := d.resolveCaptureInfo(captureInfoAPIVersion); err != nil {
 		return nil, err
 	}
 
@@ -433,15 +433,16 @@ func dlopen(path string) (uintptr, error) {
 // cuGetProcAddress_v2 (CUDA 12.0+) at API version 12000, which names the ABI
 // explicitly (v2). Fallbacks for older drivers: the exported
 // cuStreamGetCaptureInfo_v2 (11.3+), then cuStreamGetCaptureInfo (v1).
-// cp_stream_capture_info is safe with any of them (see its comment).
-func (d *Driver) resolveCaptureInfo() error {
+// cp_stream_capture_info is safe with any of them, and with the v3 ABI that
+// API versions 13000+ yield (see its comment; a GPU test checks both).
+func (d *Driver) resolveCaptureInfo(version int) error {
 	if d.api.getProcAddress != 0 {
 		name := C.CString("cuStreamGetCaptureInfo")
-		ret := C.cp_get_proc_address(d.api, name, captureInfoAPIVersion, 0 /* CU_GET_PROC_ADDRESS_DEFAULT */)
+		ret := C.cp_get_proc_address(d.api, name, C.int(version), 0 /* CU_GET_PROC_ADDRESS_DEFAULT */)
 		C.free(unsafe.Pointer(name))
 		if ret.r == 0 && ret.a != 0 && ret.b == 0 /* CU_GET_PROC_ADDRESS_SUCCESS */ {
 			d.api.streamGetCaptureInfo = C.uintptr_t(ret.a)
-			d.captureInfo = fmt.Sprintf("cuGetProcAddress_v2(cuStreamGetCaptureInfo, %d)", captureInfoAPIVersion)
+			d.captureInfo = fmt.Sprintf("cuGetProcAddress_v2(cuStreamGetCaptureInfo, %d)", version)
 			return nil
 		}
 	}

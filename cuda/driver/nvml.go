@@ -92,7 +92,7 @@ func nvmlProcesses(busID string) ([]cuda.ProcessMemory, error) {
 	out := make([]cuda.ProcessMemory, 0, len(infos))
 	for _, p := range infos {
 		bytes := p.UsedGpuMemory
-		if bytes == nvml.VALUE_NOT_AVAILABLE {
+		if bytes == ^uint64(0) { // NVML_VALUE_NOT_AVAILABLE
 			bytes = 0
 		}
 		out = append(out, cuda.ProcessMemory{PID: p.Pid, Bytes: bytes})

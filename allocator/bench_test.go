@@ -1,0 +1,119 @@
+package allocator_test
+
+import (
+	"math/rand"
+	"testing"
+
+	"github.com/cudapool/cudapool/allocator"
+	"github.com/cudapool/cudapool/cuda"
+	"github.com/stretchr/testify/require"
+)
+
+// The hot path allocates no Go memory: a cache-hit malloc and its free, on
+// one size and on a mix, once the cache is warm.
+func TestHotPathAllocatesNothing(t *testing.T) {
+	a, _ := newAlloc(t, 1, 8*GiB, "")
+	a.ExpectAnnouncements()
+	warm := func(size uint64) { p := mustMalloc(t, a, 0, size, 0); require.NoError(t, a.Free(0, p, 0)) }
+	warm(4096)
+	allocs := testing.AllocsPerRun(1000, func() {
+		p, _ := a.Malloc(0, 4096, 0)
+		_ = a.Free(0, p, 0)
+	})
+	require.Zero(t, allocs, "cache-hit malloc+free of one size")
+
+	m := newMixed(a, 256)
+	m.run(20000) // warm: segments, block free list and index at their high water
+	allocs = testing.AllocsPerRun(2000, func() { m.run(1) })
+	require.Zero(t, allocs, "mixed sizes with many live blocks (splits and merges)")
+
+	// The same holds with stream uses recorded on the allocating stream.
+	p := mustMalloc(t, a, 0, 4096, 0)
+	allocs = testing.AllocsPerRun(1000, func() {
+		_ = a.RecordStream(p, 0)
+	})
+	require.Zero(t, allocs)
+}
+
+// mixed keeps n live blocks of sizes from 512 B to 144 MiB (the facts
+// document's reference mix) and replaces one per step.
+type mixed struct {
+	a     *allocator.Allocator
+	live  []cuda.Ptr
+	sizes []uint64
+	i     int
+}
+
+func newMixed(a *allocator.Allocator, n int) *mixed {
+	rng := rand.New(rand.NewSource(1))
+	m := &mixed{a: a, live: make([]cuda.Ptr, n)}
+	for i := 0; i < 4096; i++ {
+		var s uint64
+		switch r := rng.Intn(100); {
+		case r < 70:
+			s = uint64(rng.Intn(64*KiB) + 512)
+		case r < 95:
+			s = uint64(rng.Intn(8*MiB) + 1)
+		default:
+			s = uint64(rng.Intn(144*MiB) + 1)
+		}
+		m.sizes = append(m.sizes, s)
+	}
+	return m
+}
+
+func (m *mixed) run(n int) {
+	for k := 0; k < n; k++ {
+		slot := m.i % len(m.live)
+		if p := m.live[slot]; p != 0 {
+			_ = m.a.Free(0, p, 0)
+		}
+		m.live[slot], _ = m.a.Malloc(0, m.sizes[m.i%len(m.sizes)], 0)
+		m.i++
+	}
+}
+
+func BenchmarkHotPair(b *testing.B) {
+	a, _ := newAlloc(b, 1, 8*GiB, "")
+	a.ExpectAnnouncements()
+	p, _ := a.Malloc(0, 4096, 0)
+	_ = a.Free(0, p, 0)
+	b.ReportAllocs()
+	for b.Loop() {
+		p, _ := a.Malloc(0, 4096, 0)
+		_ = a.Free(0, p, 0)
+	}
+}
+
+func BenchmarkMixedPairs(b *testing.B) {
+	a, _ := newAlloc(b, 1, 80*GiB, "")
+	a.ExpectAnnouncements()
+	m := newMixed(a, 256)
+	m.run(20000)
+	b.ReportAllocs()
+	for b.Loop() {
+		m.run(1)
+	}
+}
+
+// Unannounced mode asks the driver about capture on every malloc.
+func BenchmarkHotPairCaptureQuery(b *testing.B) {
+	a, _ := newAlloc(b, 1, 8*GiB, "")
+	b.ReportAllocs()
+	for b.Loop() {
+		p, _ := a.Malloc(0, 4096, 0)
+		_ = a.Free(0, p, 0)
+	}
+}
+
+func BenchmarkParallelPairs(b *testing.B) {
+	a, _ := newAlloc(b, 1, 8*GiB, "")
+	a.ExpectAnnouncements()
+	b.ReportAllocs()
+	b.RunParallel(func(pb *testing.PB) {
+		for pb.Next() {
+			p, _ := a.Malloc(0, 4096, 0)
+			_ = a.Free(0, p, 0)
+		}
+	})
+}

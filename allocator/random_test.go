@@ -1,0 +1,300 @@
+package allocator_test
+
+import (
+	"encoding/binary"
+	"errors"
+	"math/rand"
+	"sort"
+	"testing"
+
+	"github.com/cudapool/cudapool/allocator"
+	"github.com/cudapool/cudapool/cuda"
+	"github.com/cudapool/cudapool/cuda/sim"
+	"github.com/cudapool/cudapool/pools"
+	"github.com/stretchr/testify/require"
+)
+
+// machine interprets a byte string as a sequence of allocator operations on
+// two devices, several streams and one capture at a time, and checks every
+// invariant after each step. The randomized test feeds it random bytes; the
+// fuzz target feeds it the fuzzer's.
+type machine struct {
+	t       testing.TB
+	a       *allocator.Allocator
+	drv     *sim.Driver
+	live    map[cuda.Ptr]liveAlloc
+	ptrs    []cuda.Ptr // live pointers, for picking one
+	pools   []allocator.PoolID
+	held    map[allocator.PoolID]int // holders not yet released
+	capture *runningCapture
+	nextID  uint64
+	data    []byte
+}
+
+type liveAlloc struct {
+	dev    int
+	size   uint64
+	stream cuda.Stream
+}
+
+type runningCapture struct {
+	dev    int
+	pool   allocator.PoolID
+	stream cuda.Stream
+}
+
+const (
+	devices      = 2
+	streams      = 3
+	captureBase  = cuda.Stream(50)
+	machineBytes = 256 * MiB
+)
+
+func newMachine(t testing.TB, conf string, data []byte) *machine {
+	cfg, _, err := allocator.ParseConfig(conf)
+	require.NoError(t, err)
+	drv := sim.New(sim.Options{Devices: devices, Memory: machineBytes})
+	a, err := allocator.New(drv, cfg)
+	require.NoError(t, err)
+	return &machine{t: t, a: a, drv: drv, live: map[cuda.Ptr]liveAlloc{}, held: map[allocator.PoolID]int{}, data: data}
+}
+
+func (m *machine) byte() int {
+	if len(m.data) == 0 {
+		return 0
+	}
+	b := m.data[0]
+	m.data = m.data[1:]
+	return int(b)
+}
+
+func (m *machine) size() uint64 {
+	// Mostly small, sometimes large, now and then huge.
+	var raw [4]byte
+	for i := range raw {
+		raw[i] = byte(m.byte())
+	}
+	n := uint64(binary.LittleEndian.Uint32(raw[:]))
+	switch n % 8 {
+	case 0, 1, 2, 3:
+		return n%(1*MiB) + 1
+	case 4, 5, 6:
+		return n%(24*MiB) + 1
+	default:
+		return n%(120*MiB) + 1
+	}
+}
+
+func (m *machine) run() {
+	for len(m.data) > 0 {
+		m.step()
+		require.NoError(m.t, m.a.CheckInvariants())
+		m.checkNoOverlap()
+		require.Zero(m.t, m.drv.Violations(), "%v", m.drv.ViolationLog())
+	}
+	m.drain()
+}
+
+func (m *machine) malloc(dev int, s cuda.Stream) {
+	size := m.size()
+	p, err := m.a.Malloc(dev, size, s)
+	if err != nil {
+		require.ErrorIs(m.t, err, allocator.ErrOutOfMemory)
+		return
+	}
+	require.NotZero(m.t, p)
+	_, dup := m.live[p]
+	require.False(m.t, dup, "pointer %#x handed out twice", p)
+	m.live[p] = liveAlloc{dev, size, s}
+	m.ptrs = append(m.ptrs, p)
+}
+
+func (m *machine) pick() (cuda.Ptr, liveAlloc, int) {
+	i := m.byte() % len(m.ptrs)
+	p := m.ptrs[i]
+	return p, m.live[p], i
+}
+
+func (m *machine) free(p cuda.Ptr, i int) {
+	la := m.live[p]
+	require.NoError(m.t, m.a.Free(la.dev, p, la.size))
+	delete(m.live, p)
+	m.ptrs[i] = m.ptrs[len(m.ptrs)-1]
+	m.ptrs = m.ptrs[:len(m.ptrs)-1]
+}
+
+func (m *machine) step() {
+	op := m.byte() % 16
+	dev := m.byte() % devices
+	s := cuda.Stream(m.byte() % streams)
+	switch {
+	case op < 5:
+		m.malloc(dev, s)
+	case op < 9:
+		if len(m.ptrs) > 0 {
+			p, _, i := m.pick()
+			m.free(p, i)
+		}
+	case op == 9:
+		if len(m.ptrs) > 0 {
+			p, _, _ := m.pick()
+			require.NoError(m.t, m.a.RecordStream(p, s))
+			m.drv.Submit(s)
+		}
+	case op == 10:
+		if m.byte()%2 == 0 {
+			m.drv.Complete(s)
+		} else {
+			m.drv.CompleteAll()
+		}
+	case op == 11:
+		err := m.a.EmptyCache()
+		if m.capture != nil {
+			require.ErrorIs(m.t, err, allocator.ErrCaptureUnderway)
+		} else {
+			require.NoError(m.t, err)
+		}
+	case op == 12:
+		if m.capture == nil {
+			m.beginCapture(dev)
+		} else {
+			m.endCapture()
+		}
+	case op == 13:
+		if m.capture != nil {
+			m.malloc(m.capture.dev, m.capture.stream)
+		}
+	case op == 14:
+		m.releaseSome()
+	case op == 15:
+		if m.byte()%8 == 0 {
+			f := float64(m.byte()%5+6) / 10
+			require.NoError(m.t, m.a.SetMemoryFraction(dev, f))
+		}
+	}
+}
+
+func (m *machine) beginCapture(dev int) {
+	var pool allocator.PoolID
+	// Share a held pool now and then, as graphs given pool=other.pool() do.
+	if k := m.byte(); len(m.pools) > 0 && k%3 == 0 {
+		pool = m.pools[k%len(m.pools)]
+		if m.held[pool] == 0 || pool.A%devices != uint64(dev) {
+			pool = allocator.PoolID{}
+		}
+	}
+	if pool == (allocator.PoolID{}) {
+		m.nextID++
+		pool = allocator.PoolID{A: m.nextID*devices + uint64(dev)} // device-specific ids
+		m.pools = append(m.pools, pool)
+	}
+	s := captureBase + cuda.Stream(dev)
+	require.NoError(m.t, m.a.BeginAllocateToPool(dev, pool, func(x cuda.Stream) bool { return x == s }))
+	mode := cuda.CaptureMode(m.byte() % 3)
+	require.NoError(m.t, m.drv.BeginCapture(s, mode))
+	m.held[pool]++
+	m.capture = &runningCapture{dev, pool, s}
+}
+
+func (m *machine) endCapture() {
+	c := m.capture
+	require.NoError(m.t, m.drv.EndCapture(c.stream))
+	require.NoError(m.t, m.a.EndAllocateToPool(c.dev, c.pool))
+	m.capture = nil
+}
+
+func (m *machine) releaseSome() {
+	for _, p := range m.pools {
+		if m.held[p] > 0 && (m.capture == nil || m.capture.pool != p) {
+			require.NoError(m.t, m.a.ReleasePool(int(p.A%devices), p))
+			m.held[p]--
+			return
+		}
+	}
+}
+
+func (m *machine) checkNoOverlap() {
+	type iv struct{ lo, hi cuda.Ptr }
+	var per [devices][]iv
+	for p, la := range m.live {
+		per[la.dev] = append(per[la.dev], iv{p, p + cuda.Ptr(la.size)})
+	}
+	for _, ivs := range per {
+		sort.Slice(ivs, func(i, j int) bool { return ivs[i].lo < ivs[j].lo })
+		for i := 1; i < len(ivs); i++ {
+			require.LessOrEqual(m.t, ivs[i-1].hi, ivs[i].lo, "live allocations overlap")
+		}
+	}
+}
+
+// drain frees everything and checks that nothing was lost.
+func (m *machine) drain() {
+	if m.capture != nil {
+		m.endCapture()
+	}
+	for len(m.ptrs) > 0 {
+		m.free(m.ptrs[0], 0)
+	}
+	for p, n := range m.held {
+		for ; n > 0; n-- {
+			require.NoError(m.t, m.a.ReleasePool(int(p.A%devices), p))
+		}
+	}
+	m.drv.CompleteAll()
+	require.NoError(m.t, m.a.EmptyCache())
+	require.NoError(m.t, m.a.CheckInvariants())
+	for dev := 0; dev < devices; dev++ {
+		require.Equal(m.t, 0, m.drv.Live(dev), "device %d: segments left after freeing everything", dev)
+		st, err := m.a.Stats(dev)
+		require.NoError(m.t, err)
+		for _, arr := range []pools.StatArray{st.Allocation, st.Segment, st.Active, st.ReservedBytes, st.AllocatedBytes, st.RequestedBytes, st.InactiveSplit} {
+			for k := range arr {
+				require.Zero(m.t, arr[k].Current)
+			}
+		}
+	}
+	require.Zero(m.t, m.drv.LiveEvents(), "events leaked")
+	require.Zero(m.t, m.drv.Violations(), "%v", m.drv.ViolationLog())
+}
+
+func TestRandomizedInvariants(t *testing.T) {
+	confs := []string{"", "max_split_size_mb:32", "roundup_power2_divisions:4,free_set:sorted",
+		"garbage_collection_threshold:0.7", "max_split_size_mb:20,max_non_split_rounding_mb:4"}
+	seeds := 12
+	if testing.Short() {
+		seeds = 3
+	}
+	for _, conf := range confs {
+		for seed := 0; seed < seeds; seed++ {
+			rng := rand.New(rand.NewSource(int64(seed)))
+			data := make([]byte, 6000)
+			rng.Read(data)
+			t.Run(conf+"/"+string(rune('a'+seed)), func(t *testing.T) {
+				lockThread(t)
+				newMachine(t, conf, data).run()
+			})
+		}
+	}
+}
+
+func FuzzAllocator(f *testing.F) {
+	f.Add([]byte{0, 0, 0, 1, 2, 3, 4, 5, 6, 0, 0, 7, 1, 1, 1})
+	f.Add([]byte{12, 0, 0, 0, 13, 0, 0, 1, 2, 3, 4, 6, 0, 0, 0, 12, 11, 14, 11})
+	rng := rand.New(rand.NewSource(99))
+	seed := make([]byte, 400)
+	rng.Read(seed)
+	f.Add(seed)
+	f.Fuzz(func(t *testing.T, data []byte) {
+		lockThread(t)
+		newMachine(t, "", data).run()
+	})
+}
+
+// The debug switch runs the invariant checks inside the allocator.
+func TestDebugChecksSwitch(t *testing.T) {
+	a, _ := newAlloc(t, 1, GiB, "debug_checks:True")
+	require.True(t, a.Config().DebugChecks)
+	p := mustMalloc(t, a, 0, 4096, 0)
+	require.NoError(t, a.Free(0, p, 0))
+	require.True(t, errors.Is(a.Free(0, p, 0), allocator.ErrAlreadyFreed))
+}

@@ -1,0 +1,45 @@
+package main
+
+// Calls from Go into the C and C++ parts of the library. The preamble may
+// define functions because this file exports nothing (cgo copies the
+// preamble of files with //export into two C files).
+
+/*
+#cgo CFLAGS: -I${SRCDIR}/../include -Wall
+#cgo CXXFLAGS: -I${SRCDIR}/../include -std=c++17 -Wall
+#include "capi.h"
+
+static inline void cp_set_error_go(_GoString_ s) { cp_set_error(_GoStringPtr(s), _GoStringLen(s)); }
+*/
+import "C"
+
+import (
+	"github.com/cudapool/cudapool/cuda"
+)
+
+// setError records msg as the calling thread's last error.
+func setError(msg string) { C.cp_set_error_go(msg) }
+
+// cFilter wraps a C cudapool_stream_filter and its context; nil for a NULL
+// filter (every stream).
+func cFilter(fn, ctx C.uintptr_t) func(cuda.Stream) bool {
+	if fn == 0 {
+		return nil
+	}
+	return func(s cuda.Stream) bool { return C.cp_call_c_filter(fn, ctx, C.uintptr_t(s)) != 0 }
+}
+
+// stdFilter wraps the heap copy of a std::function made by torch.cpp.
+func stdFilter(handle C.uintptr_t) func(cuda.Stream) bool {
+	if handle == 0 {
+		return nil
+	}
+	return func(s cuda.Stream) bool { return C.cp_call_std_filter(handle, C.uintptr_t(s)) != 0 }
+}
+
+// deleteStdFilter destroys the heap copy of a std::function.
+func deleteStdFilter(handle C.uintptr_t) {
+	if handle != 0 {
+		C.cp_delete_std_filter(handle)
+	}
+}

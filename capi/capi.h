@@ -1,0 +1,66 @@
+/*
+ * capi.h - declarations shared by the Go, C and C++ parts of libcudapool.so.
+ * Internal: nothing here is exported (see exports.map).
+ */
+#ifndef CUDAPOOL_CAPI_H
+#define CUDAPOOL_CAPI_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- Go exports (exports.go), called by the C and C++ wrappers. Pointers
+ * and streams cross as uintptr_t. ---- */
+extern uintptr_t cpgo_malloc(size_t size, int device, uintptr_t stream);
+extern uintptr_t cpgo_torch_malloc(size_t size, int device, uintptr_t stream);
+extern void cpgo_free(uintptr_t ptr, size_t size, int device, uintptr_t stream);
+extern void cpgo_init(int device_count);
+extern void cpgo_empty_cache(void);
+extern void cpgo_set_memory_fraction(double fraction, int device);
+extern uintptr_t cpgo_base_allocation(uintptr_t ptr, size_t *size);
+extern void cpgo_record_stream(uintptr_t ptr, uintptr_t stream);
+extern void cpgo_begin_allocate_to_pool(int device, unsigned long long a, unsigned long long b, uintptr_t filter,
+                                        uintptr_t ctx);
+extern void cpgo_torch_begin_allocate_to_pool(int device, unsigned long long a, unsigned long long b,
+                                              uintptr_t handle);
+extern void cpgo_end_allocate_to_pool(int device, unsigned long long a, unsigned long long b);
+extern void cpgo_release_pool(int device, unsigned long long a, unsigned long long b);
+extern char *cpgo_memory_stats_json(int device);
+extern char *cpgo_snapshot_json(void);
+extern void cpgo_reset_peak_stats(int device);
+extern void cpgo_reset_accumulated_stats(int device);
+extern int cpgo_configure(char *conf);
+extern int cpgo_sim_begin_capture(uintptr_t stream, int mode);
+extern int cpgo_sim_end_capture(uintptr_t stream);
+extern void cpgo_sim_submit(uintptr_t stream);
+extern void cpgo_sim_complete_all(void);
+extern long long cpgo_sim_violations(void);
+
+/* ---- C helpers (cudapool.c). ---- */
+
+/* Records msg (len bytes, not NUL-terminated) as this thread's last error. */
+void cp_set_error(const char *msg, size_t len);
+
+/* Non-zero in a forked child; then also records the fork error. */
+int cp_forked_child(void);
+
+/* Calls a C stream filter. */
+int cp_call_c_filter(uintptr_t filter, uintptr_t ctx, uintptr_t stream);
+
+/* ---- C++ helpers (torch.cpp). ---- */
+
+/* Calls the heap copy of a std::function<bool(cudaStream_t)>; an exception
+ * it throws counts as "no". */
+int cp_call_std_filter(uintptr_t handle, uintptr_t stream);
+
+/* Destroys the heap copy. */
+void cp_delete_std_filter(uintptr_t handle);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* CUDAPOOL_CAPI_H */

@@ -1,0 +1,193 @@
+/*
+ * cudapool.c - the public C entry points of libcudapool.so.
+ *
+ * Each function checks, before anything else, whether it runs in a child
+ * made by fork(): the Go runtime does not survive fork (its other threads
+ * are gone and the first allocation can hang), so in a child every entry
+ * point returns at once, records an error and never enters Go. Otherwise it
+ * converts its arguments and calls the Go export cpgo_<name> (exports.go).
+ *
+ * The last error is thread-local storage here, in C, so that reading it
+ * (cudapool_last_error) costs no Go call and works in a forked child; Go
+ * writes it through cp_set_error on the calling thread.
+ */
+#include <pthread.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "capi.h"
+#include "cudapool.h"
+
+/* ---- thread-local last error ---- */
+
+#define CP_ERROR_MAX 4096
+
+static __thread char cp_error[CP_ERROR_MAX];
+static __thread int cp_error_set;
+
+void cp_set_error(const char *msg, size_t len) {
+	if (msg == NULL)
+		len = 0;
+	if (len >= CP_ERROR_MAX)
+		len = CP_ERROR_MAX - 1; /* truncated: messages are far shorter */
+	if (len > 0)
+		memcpy(cp_error, msg, len);
+	cp_error[len] = 0;
+	cp_error_set = 1;
+}
+
+const char *cudapool_last_error(void) { return cp_error_set ? cp_error : NULL; }
+
+/* ---- fork ---- */
+
+static volatile sig_atomic_t cp_forked;
+
+static void cp_atfork_child(void) { cp_forked = 1; }
+
+__attribute__((constructor)) static void cp_register_atfork(void) {
+	pthread_atfork(NULL, NULL, cp_atfork_child);
+}
+
+#define CP_FORK_MSG "cudapool: called in a forked child; CUDA memory cannot be used after fork"
+
+int cp_forked_child(void) {
+	if (__builtin_expect(cp_forked, 0)) {
+		cp_set_error(CP_FORK_MSG, sizeof CP_FORK_MSG - 1);
+		return 1;
+	}
+	return 0;
+}
+
+/* ---- stream filters ---- */
+
+int cp_call_c_filter(uintptr_t filter, uintptr_t ctx, uintptr_t stream) {
+	return ((cudapool_stream_filter)filter)((void *)ctx, (cudapool_stream)stream) != 0;
+}
+
+/* ---- the API ---- */
+
+void *cudapool_malloc(size_t size, int device, cudapool_stream stream) {
+	if (cp_forked_child())
+		return NULL;
+	return (void *)cpgo_malloc(size, device, (uintptr_t)stream);
+}
+
+void cudapool_free(void *ptr, size_t size, int device, cudapool_stream stream) {
+	if (cp_forked_child() || ptr == NULL)
+		return;
+	cpgo_free((uintptr_t)ptr, size, device, (uintptr_t)stream);
+}
+
+void cudapool_init(int device_count) {
+	if (cp_forked_child())
+		return;
+	cpgo_init(device_count);
+}
+
+void cudapool_empty_cache(void) {
+	if (cp_forked_child())
+		return;
+	cpgo_empty_cache();
+}
+
+void cudapool_set_memory_fraction(double fraction, int device) {
+	if (cp_forked_child())
+		return;
+	cpgo_set_memory_fraction(fraction, device);
+}
+
+void *cudapool_base_allocation(void *ptr, size_t *size) {
+	if (cp_forked_child())
+		return NULL;
+	return (void *)cpgo_base_allocation((uintptr_t)ptr, size);
+}
+
+void cudapool_record_stream(void *ptr, cudapool_stream stream) {
+	if (cp_forked_child())
+		return;
+	cpgo_record_stream((uintptr_t)ptr, (uintptr_t)stream);
+}
+
+void cudapool_begin_allocate_to_pool(int device, unsigned long long pool_a, unsigned long long pool_b,
+                                     cudapool_stream_filter filter, void *ctx) {
+	if (cp_forked_child())
+		return;
+	cpgo_begin_allocate_to_pool(device, pool_a, pool_b, (uintptr_t)filter, (uintptr_t)ctx);
+}
+
+void cudapool_end_allocate_to_pool(int device, unsigned long long pool_a, unsigned long long pool_b) {
+	if (cp_forked_child())
+		return;
+	cpgo_end_allocate_to_pool(device, pool_a, pool_b);
+}
+
+void cudapool_release_pool(int device, unsigned long long pool_a, unsigned long long pool_b) {
+	if (cp_forked_child())
+		return;
+	cpgo_release_pool(device, pool_a, pool_b);
+}
+
+char *cudapool_memory_stats_json(int device) {
+	if (cp_forked_child())
+		return NULL;
+	return cpgo_memory_stats_json(device);
+}
+
+char *cudapool_snapshot_json(void) {
+	if (cp_forked_child())
+		return NULL;
+	return cpgo_snapshot_json();
+}
+
+/* Pure C: safe in a forked child, and the strings come from malloc. */
+void cudapool_string_free(char *s) { free(s); }
+
+void cudapool_reset_peak_stats(int device) {
+	if (cp_forked_child())
+		return;
+	cpgo_reset_peak_stats(device);
+}
+
+void cudapool_reset_accumulated_stats(int device) {
+	if (cp_forked_child())
+		return;
+	cpgo_reset_accumulated_stats(device);
+}
+
+int cudapool_configure(const char *conf) {
+	if (cp_forked_child())
+		return -1;
+	return cpgo_configure((char *)conf);
+}
+
+int cudapool_sim_begin_capture(cudapool_stream s, int mode) {
+	if (cp_forked_child())
+		return -1;
+	return cpgo_sim_begin_capture((uintptr_t)s, mode);
+}
+
+int cudapool_sim_end_capture(cudapool_stream s) {
+	if (cp_forked_child())
+		return -1;
+	return cpgo_sim_end_capture((uintptr_t)s);
+}
+
+void cudapool_sim_submit(cudapool_stream s) {
+	if (cp_forked_child())
+		return;
+	cpgo_sim_submit((uintptr_t)s);
+}
+
+void cudapool_sim_complete_all(void) {
+	if (cp_forked_child())
+		return;
+	cpgo_sim_complete_all();
+}
+
+long long cudapool_sim_violations(void) {
+	if (cp_forked_child())
+		return -1;
+	return cpgo_sim_violations();
+}

@@ -1,0 +1,237 @@
+// Command capi is libcudapool.so, cudapool's C ABI (include/cudapool.h),
+// built with go build -buildmode=c-shared.
+//
+// # Design
+//
+// Why the exports are wrapped in C. The Go functions exported here are
+// named cpgo_* and are not the library's interface: cudapool.c defines the
+// public cudapool_* functions, each of which first checks whether it runs in
+// a child made by fork() and only then calls its cpgo_* twin. The check
+// must happen before entering Go: a Go runtime does not survive fork (its
+// other threads are gone; the child hangs at its first allocation), and
+// PyTorch's DataLoader forks workers from processes that use CUDA. A
+// pthread_atfork child handler, registered by a constructor in cudapool.c,
+// sets the flag; in a child every function returns at once and records an
+// error. exports.map (a linker version script) keeps only cudapool_* in the
+// dynamic symbol table, so the cpgo_* functions cannot be called around the
+// check.
+//
+// torch.cpp holds the entry points PyTorch calls with C++ types
+// (std::pair pool ids, std::function stream filters) and the throwing
+// malloc; C++ exceptions are thrown there, after the Go call has returned,
+// and never cross Go frames.
+//
+// Errors. The last error is C thread-local storage (cudapool.c), written
+// from Go through cp_set_error: a cgo callback runs on the calling C thread,
+// so it lands in the caller's slot. It is set by every failure and left
+// alone by every success (errno-like), so a successful malloc never touches
+// it. Every export recovers panics: a panic is a cudapool bug, possibly with
+// a device lock still held, so it disables the library for the rest of the
+// process (every later call fails with the panic's message) instead of
+// crashing the host or risking a deadlock.
+//
+// State. One *allocator.Allocator, created on the first call from the
+// environment (see include/cudapool.h): CUDAPOOL_BACKEND picks the real
+// driver (cuda/driver) or the simulator (cuda/sim); CUDAPOOL_CONF, else
+// PYTORCH_CUDA_ALLOC_CONF, is the configuration. A failed initialization
+// is final: every call fails with its message, also printed once on stderr.
+//
+// This package only converts C types and wires the other packages together.
+package main
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"runtime/debug"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+
+	"github.com/cudapool/cudapool/allocator"
+	"github.com/cudapool/cudapool/cuda/driver"
+	"github.com/cudapool/cudapool/cuda/sim"
+)
+
+func main() {}
+
+// state is what every call works on. A state with err set makes every call
+// fail with err.
+type state struct {
+	a       *allocator.Allocator
+	sim     *sim.Driver // nil unless the backend is the simulator
+	backend string
+	err     error
+}
+
+var (
+	current  atomic.Pointer[state]
+	initOnce sync.Once
+)
+
+// load returns the state, initializing it on the first call.
+func load() *state {
+	if st := current.Load(); st != nil {
+		return st
+	}
+	initOnce.Do(func() {
+		var st *state
+		func() {
+			defer func() {
+				if r := recover(); r != nil {
+					st = &state{err: fmt.Errorf("cudapool: initialization failed: internal error: %v", r)}
+				}
+			}()
+			st = newState(os.LookupEnv)
+		}()
+		if st.err != nil {
+			warnOnce(st.err.Error())
+		}
+		current.CompareAndSwap(nil, st)
+	})
+	return current.Load()
+}
+
+// ready returns the allocator, or records the initialization error and
+// returns nil.
+func ready() *allocator.Allocator {
+	st := load()
+	if st.err != nil {
+		setError(st.err.Error())
+		return nil
+	}
+	return st.a
+}
+
+// newState builds the allocator that the environment describes.
+func newState(lookup func(string) (string, bool)) *state {
+	backend, _ := lookup("CUDAPOOL_BACKEND")
+	backend = strings.ToLower(strings.TrimSpace(backend))
+	st := &state{backend: backend}
+	confVar := "CUDAPOOL_CONF"
+	conf, ok := lookup(confVar)
+	if !ok {
+		confVar = "PYTORCH_CUDA_ALLOC_CONF"
+		conf, _ = lookup(confVar)
+	}
+	cfg, warnings, err := allocator.ParseConfig(conf)
+	reportWarnings(warnings)
+	if err != nil {
+		st.err = fmt.Errorf("%s (from %s=%q)", err.Error(), confVar, conf)
+		return st
+	}
+	var drv allocator.Driver
+	switch backend {
+	case "sim":
+		opts, err := simOptions(lookup)
+		if err != nil {
+			st.err = err
+			return st
+		}
+		st.sim = sim.New(opts)
+		drv = st.sim
+	case "", "cuda":
+		st.backend = "cuda"
+		d, err := driver.Open()
+		if err != nil {
+			st.err = fmt.Errorf("cudapool: the CUDA driver cannot be used (%s); install the NVIDIA driver, or set CUDAPOOL_BACKEND=sim to run on the simulator",
+				strings.TrimPrefix(err.Error(), "cudapool: "))
+			return st
+		}
+		drv = d
+	default:
+		st.err = fmt.Errorf("cudapool: CUDAPOOL_BACKEND=%q: expected cuda (the default) or sim", backend)
+		return st
+	}
+	a, err := allocator.New(drv, cfg)
+	if err != nil {
+		st.err = err
+		return st
+	}
+	st.a = a
+	return st
+}
+
+// simOptions reads CUDAPOOL_SIM_DEVICES and CUDAPOOL_SIM_MEMORY.
+func simOptions(lookup func(string) (string, bool)) (sim.Options, error) {
+	opts := sim.Options{Devices: 1, Memory: 80 << 30}
+	if v, ok := lookup("CUDAPOOL_SIM_DEVICES"); ok && strings.TrimSpace(v) != "" {
+		n, err := strconv.Atoi(strings.TrimSpace(v))
+		if err != nil || n < 1 || n > 1024 {
+			return opts, fmt.Errorf("cudapool: CUDAPOOL_SIM_DEVICES=%q: expected a number of devices from 1 to 1024", v)
+		}
+		opts.Devices = n
+	}
+	if v, ok := lookup("CUDAPOOL_SIM_MEMORY"); ok && strings.TrimSpace(v) != "" {
+		n, err := parseBytes(v)
+		if err != nil {
+			return opts, fmt.Errorf("cudapool: CUDAPOOL_SIM_MEMORY=%q: %v", v, err)
+		}
+		opts.Memory = n
+	}
+	return opts, nil
+}
+
+// parseBytes reads a byte count with an optional binary suffix: 80G,
+// 512MiB, 4096.
+func parseBytes(s string) (uint64, error) {
+	s = strings.TrimSpace(s)
+	digits := len(s) - len(strings.TrimLeft(s, "0123456789"))
+	unit := strings.ToUpper(strings.TrimSpace(s[digits:]))
+	unit = strings.TrimSuffix(strings.TrimSuffix(unit, "B"), "I")
+	shift, ok := map[string]uint{"": 0, "K": 10, "M": 20, "G": 30, "T": 40}[unit]
+	n, err := strconv.ParseUint(s[:digits], 10, 64)
+	if !ok || err != nil || n == 0 {
+		return 0, errors.New("expected a positive number of bytes, optionally with a suffix K, M, G or T (powers of 1024)")
+	}
+	if n > (1<<60)>>shift {
+		return 0, errors.New("more than 1 EiB")
+	}
+	return n << shift, nil
+}
+
+// poison disables the library after an internal error.
+func poison(err error) {
+	old := current.Load()
+	st := &state{err: err}
+	if old != nil {
+		st.backend = old.backend
+	}
+	current.Store(st)
+}
+
+// guard is deferred by every export: it turns a panic into an error and
+// disables the library (see the package comment).
+func guard(op string) {
+	r := recover()
+	if r == nil {
+		return
+	}
+	err := fmt.Errorf("cudapool: %s: internal error (%v); cudapool is disabled for the rest of this process", op, r)
+	poison(err)
+	setError(err.Error())
+	warnOnce(err.Error() + "\n" + string(debug.Stack()))
+}
+
+var warned sync.Map // messages already printed
+
+// warnOnce prints msg on stderr, prefixed "cudapool: ", once per process.
+func warnOnce(msg string) {
+	if _, dup := warned.LoadOrStore(msg, true); dup {
+		return
+	}
+	fmt.Fprintln(os.Stderr, "cudapool: "+strings.TrimPrefix(msg, "cudapool: "))
+}
+
+func reportWarnings(ws []string) {
+	for _, w := range ws {
+		warnOnce(w)
+	}
+}
+
+// fail records err as the calling thread's last error.
+func fail(err error) { setError(err.Error()) }
+
+// failf records a formatted message as the calling thread's last error.
+func failf(format string, args ...any) { setError(fmt.Sprintf(format, args...)) }

@@ -1,0 +1,7 @@
+//go:build linux && cgo && amd64
+
+package driver
+
+// NVMLProcesses exposes nvmlProcesses (DeviceProcesses after the CUDA
+// ordinal has become a PCI bus id).
+var NVMLProcesses = nvmlProcesses

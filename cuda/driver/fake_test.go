@@ -1,0 +1,448 @@
+//go:build linux && cgo
+
+package driver_test
+
+import (
+	"errors"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"strings"
+	"sync"
+	"testing"
+
+	"github.com/ebitengine/purego"
+
+	"github.com/cudapool/cudapool/allocator"
+	"github.com/cudapool/cudapool/cuda"
+	"github.com/cudapool/cudapool/cuda/driver"
+	"github.com/cudapool/cudapool/events"
+)
+
+// The real driver is what the allocator and the event layer consume, and it
+// offers the allocator's optional process listing.
+var (
+	_ allocator.Driver = (*driver.Driver)(nil)
+	_ events.Driver    = (*driver.Driver)(nil)
+	_ interface {
+		DeviceProcesses(dev int) ([]cuda.ProcessMemory, error)
+	} = (*driver.Driver)(nil)
+)
+
+// fakeLibs builds testdata/fakecuda.c and fakenvml.c once per test binary.
+// dir/libfakecuda.so is loaded in process by path; dir/ld holds the same
+// code as libcuda.so.1 and libnvidia-ml.so.1 for subprocesses that find
+// them through LD_LIBRARY_PATH. (No SONAME, so loading libfakecuda.so in
+// process never satisfies a later dlopen("libcuda.so.1").)
+var fakeLibs struct {
+	once sync.Once
+	dir  string
+	err  error
+}
+
+func buildFakes(t testing.TB) string {
+	t.Helper()
+	fakeLibs.once.Do(func() {
+		if _, err := exec.LookPath("gcc"); err != nil {
+			fakeLibs.err = err
+			return
+		}
+		dir, err := os.MkdirTemp("", "cudapool-fakes-")
+		if err != nil {
+			fakeLibs.err = err
+			return
+		}
+		if err := os.Mkdir(filepath.Join(dir, "ld"), 0o755); err != nil {
+			fakeLibs.err = err
+			return
+		}
+		for _, b := range [][2]string{
+			{"testdata/fakecuda.c", "libfakecuda.so"},
+			{"testdata/fakecuda.c", "ld/libcuda.so.1"},
+			{"testdata/fakenvml.c", "ld/libnvidia-ml.so.1"},
+		} {
+			out, err := exec.Command("gcc", "-Wall", "-O1", "-shared", "-fPIC", "-o", filepath.Join(dir, b[1]), b[0]).CombinedOutput()
+			if err != nil {
+				fakeLibs.err = errors.New(string(out))
+				return
+			}
+		}
+		fakeLibs.dir = dir
+	})
+	if fakeLibs.err != nil {
+		t.Skipf("cannot build the fake driver libraries: %v", fakeLibs.err)
+	}
+	return fakeLibs.dir
+}
+
+// fake is a Driver over the fake libcuda plus its probes.
+type fake struct {
+	*driver.Driver
+	pushes         func() int64
+	retains        func(int32) int64
+	liveAllocs     func() int64
+	liveEvents     func() int64
+	depth          func() int32
+	captureMode    func() int32
+	lastProcVer    func() int32
+	setCapture     func(uintptr, uint64)
+	ctxGetCurrent  func(*uintptr) int32
+	ctxPushCurrent func(uintptr) int32
+	ctxPopCurrent  func(*uintptr) int32
+}
+
+func openFake(t testing.TB) *fake {
+	t.Helper()
+	path := filepath.Join(buildFakes(t), "libfakecuda.so")
+	d, err := driver.OpenLibrary(path)
+	if err != nil {
+		t.Fatalf("OpenLibrary(fake): %v", err)
+	}
+	t.Cleanup(func() { _ = d.Close() })
+	h, err := purego.Dlopen(path, purego.RTLD_NOW|purego.RTLD_LOCAL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f := &fake{Driver: d}
+	for name, fn := range map[string]any{
+		"fake_pushes":            &f.pushes,
+		"fake_retains":           &f.retains,
+		"fake_live_allocs":       &f.liveAllocs,
+		"fake_live_events":       &f.liveEvents,
+		"fake_depth":             &f.depth,
+		"fake_capture_mode":      &f.captureMode,
+		"fake_last_proc_version": &f.lastProcVer,
+		"fake_set_capture":       &f.setCapture,
+		"cuCtxGetCurrent":        &f.ctxGetCurrent,
+		"cuCtxPushCurrent_v2":    &f.ctxPushCurrent,
+		"cuCtxPopCurrent_v2":     &f.ctxPopCurrent,
+	} {
+		purego.RegisterLibFunc(fn, h, name)
+	}
+	return f
+}
+
+func (f *fake) current() uintptr {
+	var c uintptr
+	f.ctxGetCurrent(&c)
+	return c
+}
+
+func primary(dev int) uintptr { return uintptr(0x1000 + dev) }
+
+func TestOpenMissingLibrary(t *testing.T) {
+	_, err := driver.OpenLibrary("/nonexistent/libcuda.so.1")
+	if err == nil {
+		t.Fatal("OpenLibrary of a missing file succeeded")
+	}
+	const want = "cudapool: cannot load the CUDA driver (/nonexistent/libcuda.so.1): "
+	if !strings.HasPrefix(err.Error(), want) {
+		t.Fatalf("error %q does not start with %q", err, want)
+	}
+}
+
+func TestOpenWithoutDriver(t *testing.T) {
+	if h, err := purego.Dlopen(driver.LibraryName, purego.RTLD_NOW|purego.RTLD_LOCAL); err == nil {
+		_ = purego.Dlclose(h)
+		t.Skip("libcuda.so.1 is installed here; the GPU tests cover Open")
+	}
+	d, err := driver.Open()
+	if err == nil || d != nil {
+		t.Fatalf("Open() = %v, %v without libcuda.so.1", d, err)
+	}
+	const want = "cudapool: cannot load the CUDA driver (libcuda.so.1): "
+	if !strings.HasPrefix(err.Error(), want) {
+		t.Fatalf("error %q does not start with %q", err, want)
+	}
+	t.Log(err)
+}
+
+func TestFakeOpen(t *testing.T) {
+	f := openFake(t)
+	if n, err := f.DeviceCount(); n != 2 || err != nil {
+		t.Fatalf("DeviceCount = %d, %v; want 2", n, err)
+	}
+	if v := f.Version(); v != 13000 {
+		t.Errorf("Version = %d", v)
+	}
+	if got := f.CaptureInfoEntryPoint(); !strings.HasPrefix(got, "cuGetProcAddress_v2(") {
+		t.Errorf("capture info entry point %q, want it from cuGetProcAddress_v2", got)
+	}
+	if v := f.lastProcVer(); v != 12000 {
+		t.Errorf("cuGetProcAddress_v2 asked for API version %d, want 12000", v)
+	}
+	if id, err := f.PCIBusID(1); id != "0000:3c:00.0" || err != nil {
+		t.Errorf("PCIBusID(1) = %q, %v", id, err)
+	}
+}
+
+func TestFakeCaptureInfoFallback(t *testing.T) {
+	buildFakes(t)
+	t.Setenv("FAKECUDA_NO_PROC_ADDRESS", "1")
+	f := openFake(t)
+	if got := f.CaptureInfoEntryPoint(); got != "cuStreamGetCaptureInfo_v2" {
+		t.Fatalf("capture info entry point %q, want the dlsym fallback", got)
+	}
+	if st, id, err := f.StreamCaptureInfo(0, 0); st != cuda.CaptureNone || id != 0 || err != nil {
+		t.Fatalf("StreamCaptureInfo = %v, %d, %v", st, id, err)
+	}
+}
+
+func TestFakeInitError(t *testing.T) {
+	dir := buildFakes(t)
+	t.Setenv("FAKECUDA_INIT_ERROR", "100")
+	_, err := driver.OpenLibrary(filepath.Join(dir, "libfakecuda.so"))
+	if !errors.Is(err, cuda.ErrNoDevice) || !strings.Contains(err.Error(), "cuInit") {
+		t.Fatalf("Open with cuInit failing: %v", err)
+	}
+}
+
+func TestFakeInvalidDevice(t *testing.T) {
+	f := openFake(t)
+	for _, dev := range []int{-1, 2} {
+		if _, err := f.MemAlloc(dev, 1024); !errors.Is(err, cuda.ErrInvalidDevice) {
+			t.Errorf("MemAlloc(%d): %v", dev, err)
+		}
+		if _, err := f.EventQuery(dev, 1); !errors.Is(err, cuda.ErrInvalidDevice) {
+			t.Errorf("EventQuery(%d): %v", dev, err)
+		}
+	}
+}
+
+// Every device method must work whatever context is current and leave the
+// thread's context stack as it found it.
+func TestFakeContextRestored(t *testing.T) {
+	f := openFake(t)
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+
+	exercise := func(dev int) {
+		t.Helper()
+		p, err := f.MemAlloc(dev, 4096)
+		if err != nil {
+			t.Fatalf("MemAlloc(%d): %v", dev, err)
+		}
+		if err := f.MemFree(dev, p); err != nil {
+			t.Fatalf("MemFree(%d): %v", dev, err)
+		}
+		if free, total, err := f.MemGetInfo(dev); err != nil || total != uint64(dev+1)<<34 || free >= total {
+			t.Fatalf("MemGetInfo(%d) = %d, %d, %v", dev, free, total, err)
+		}
+		e, err := f.EventCreate(dev)
+		if err != nil {
+			t.Fatalf("EventCreate(%d): %v", dev, err)
+		}
+		if err := f.EventRecord(dev, e, 0); err != nil {
+			t.Fatalf("EventRecord: %v", err)
+		}
+		if err := f.EventSynchronize(dev, e); err != nil {
+			t.Fatalf("EventSynchronize: %v", err)
+		}
+		if err := f.EventDestroy(dev, e); err != nil {
+			t.Fatalf("EventDestroy: %v", err)
+		}
+		if err := f.DeviceSynchronize(dev); err != nil {
+			t.Fatalf("DeviceSynchronize: %v", err)
+		}
+		if _, _, err := f.StreamCaptureInfo(dev, 0); err != nil {
+			t.Fatalf("StreamCaptureInfo: %v", err)
+		}
+	}
+
+	// No context current.
+	exercise(0)
+	if c, d := f.current(), f.depth(); c != 0 || d != 0 {
+		t.Fatalf("after calls with no context: current %#x, depth %d", c, d)
+	}
+
+	// Another device's primary context current: push/pop around each call.
+	f.ctxPushCurrent(primary(1))
+	before := f.pushes()
+	exercise(0)
+	if c, d := f.current(), f.depth(); c != primary(1) || d != 1 {
+		t.Fatalf("after calls under device 1: current %#x, depth %d", c, d)
+	}
+	if f.pushes() == before {
+		t.Fatal("device 0 calls under device 1's context pushed nothing")
+	}
+
+	// The device's own primary context current: no push needed.
+	before = f.pushes()
+	exercise(1)
+	if got := f.pushes() - before; got != 0 {
+		t.Errorf("%d pushes although the right context was current", got)
+	}
+	var popped uintptr
+	f.ctxPopCurrent(&popped)
+	if f.depth() != 0 {
+		t.Fatal("context stack not empty")
+	}
+}
+
+func TestFakeMemoryAndEvents(t *testing.T) {
+	f := openFake(t)
+	allocs := f.liveAllocs()
+	p, err := f.MemAlloc(1, 1<<20)
+	if err != nil || p == 0 {
+		t.Fatalf("MemAlloc = %#x, %v", p, err)
+	}
+	if _, err := f.MemAlloc(0, 1<<40); !errors.Is(err, cuda.ErrOutOfMemory) {
+		t.Errorf("huge MemAlloc: %v, want out of memory", err)
+	}
+	if _, err := f.MemAlloc(0, 0); !errors.Is(err, cuda.ErrInvalidValue) {
+		t.Errorf("MemAlloc(0 bytes): %v", err)
+	}
+	if err := f.MemFree(0, p); !errors.Is(err, cuda.ErrInvalidValue) {
+		t.Errorf("MemFree on the wrong device: %v (the fake rejects it)", err)
+	}
+	if err := f.MemFree(1, p); err != nil {
+		t.Fatal(err)
+	}
+	if got := f.liveAllocs(); got != allocs {
+		t.Errorf("live allocations %d, want %d", got, allocs)
+	}
+
+	evs := f.liveEvents()
+	e, err := f.EventCreate(0) // the fake insists on CU_EVENT_DISABLE_TIMING
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := f.EventRecord(0, e, 0); err != nil {
+		t.Fatal(err)
+	}
+	for i, want := range []bool{false, false, true} {
+		done, err := f.EventQuery(0, e)
+		if done != want || err != nil {
+			t.Fatalf("query %d: %v, %v; want %v, nil (not ready is not an error)", i, done, err, want)
+		}
+	}
+	if _, err := f.EventQuery(1, e); !errors.Is(err, cuda.ErrInvalidContext) {
+		t.Errorf("EventQuery with the wrong device: %v", err)
+	}
+	if err := f.EventDestroy(0, e); err != nil {
+		t.Fatal(err)
+	}
+	if got := f.liveEvents(); got != evs {
+		t.Errorf("live events %d, want %d", got, evs)
+	}
+}
+
+func TestFakeCapture(t *testing.T) {
+	f := openFake(t)
+	runtime.LockOSThread() // the capture mode is per OS thread
+	defer runtime.UnlockOSThread()
+
+	const s = cuda.Stream(0xcafe)
+	f.setCapture(uintptr(s), 42)
+	defer f.setCapture(0, 0)
+
+	if st, id, err := f.StreamCaptureInfo(0, s); st != cuda.CaptureActive || id != 42 || err != nil {
+		t.Fatalf("capturing stream: %v, %d, %v", st, id, err)
+	}
+	if st, id, err := f.StreamCaptureInfo(0, 0); st != cuda.CaptureNone || id != 0 || err != nil {
+		t.Fatalf("other stream: %v, %d, %v", st, id, err)
+	}
+
+	if _, err := f.MemAlloc(0, 4096); !errors.Is(err, cuda.ErrCaptureUnsupported) {
+		t.Fatalf("MemAlloc during a global-mode capture: %v", err)
+	}
+	prev, err := f.ExchangeCaptureMode(cuda.CaptureModeRelaxed)
+	if err != nil || prev != cuda.CaptureModeGlobal {
+		t.Fatalf("ExchangeCaptureMode = %v, %v", prev, err)
+	}
+	p, err := f.MemAlloc(0, 4096)
+	if err != nil {
+		t.Fatalf("MemAlloc in relaxed mode: %v", err)
+	}
+	if prev, err := f.ExchangeCaptureMode(prev); err != nil || prev != cuda.CaptureModeRelaxed {
+		t.Fatalf("exchange back = %v, %v", prev, err)
+	}
+	if err := f.MemFree(0, p); err != nil {
+		t.Fatal(err)
+	}
+
+	f.ExchangeCaptureMode(cuda.CaptureModeThreadLocal)
+	p, err = f.MemAllocRelaxed(0, 4096)
+	if err != nil {
+		t.Fatalf("MemAllocRelaxed: %v", err)
+	}
+	if m := f.captureMode(); m != int32(cuda.CaptureModeThreadLocal) {
+		t.Errorf("MemAllocRelaxed left the thread in mode %d", m)
+	}
+	f.ExchangeCaptureMode(cuda.CaptureModeGlobal)
+	if err := f.MemFree(0, p); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// The malloc/free path must not allocate Go memory.
+func TestFakeHotPathDoesNotAllocate(t *testing.T) {
+	f := openFake(t)
+	e, err := f.EventCreate(0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.EventDestroy(0, e)
+	for name, fn := range map[string]func(){
+		"EventRecord":       func() { _ = f.EventRecord(0, e, 0) },
+		"EventQuery":        func() { _, _ = f.EventQuery(0, e) },
+		"StreamCaptureInfo": func() { _, _, _ = f.StreamCaptureInfo(0, 0x1234) },
+		"ExchangeCaptureMode": func() {
+			runtime.LockOSThread()
+			m, _ := f.ExchangeCaptureMode(cuda.CaptureModeRelaxed)
+			_, _ = f.ExchangeCaptureMode(m)
+			runtime.UnlockOSThread()
+		},
+		"MemAlloc+MemFree": func() {
+			p, _ := f.MemAlloc(1, 512)
+			_ = f.MemFree(1, p)
+		},
+		"MemAllocRelaxed+MemFree": func() {
+			p, _ := f.MemAllocRelaxed(1, 512)
+			_ = f.MemFree(1, p)
+		},
+	} {
+		if n := testing.AllocsPerRun(1000, fn); n != 0 {
+			t.Errorf("%s: %v allocations per call", name, n)
+		}
+	}
+}
+
+func TestFakeClose(t *testing.T) {
+	f := openFake(t)
+	before := f.retains(0)
+	if _, err := f.MemAlloc(0, 512); err != nil {
+		t.Fatal(err)
+	}
+	if got := f.retains(0); got != before+1 {
+		t.Fatalf("retains %d, want %d (one per Driver and device)", got, before+1)
+	}
+	f.MemAlloc(0, 512)
+	if got := f.retains(0); got != before+1 {
+		t.Fatalf("retains %d after a second call, want %d", got, before+1)
+	}
+	if err := f.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if got := f.retains(0); got != before {
+		t.Fatalf("retains %d after Close, want %d", got, before)
+	}
+}
+
+func BenchmarkFakeEventQuery(b *testing.B) {
+	f := openFake(b)
+	e, _ := f.EventCreate(0)
+	b.ReportAllocs()
+	for b.Loop() {
+		f.EventQuery(0, e)
+	}
+}
+
+func BenchmarkFakeStreamCaptureInfo(b *testing.B) {
+	f := openFake(b)
+	b.ReportAllocs()
+	for b.Loop() {
+		f.StreamCaptureInfo(0, 0x1234)
+	}
+}

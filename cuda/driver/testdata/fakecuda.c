@@ -1,0 +1,226 @@
+// A fake libcuda for the tests: enough of the driver API for cuda/driver,
+// with checks that the right context is current and probes (fake_*) that the
+// tests call through purego. Device d's primary context is 0x1000+d; its
+// memory lives at 0x7f0000000000 + d<<32.
+
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef int CUresult;
+typedef void *CUcontext;
+typedef unsigned long long CUdeviceptr;
+
+#define NDEV 2
+#define PRIMARY(d) ((CUcontext)(uintptr_t)(0x1000 + (d)))
+#define MEMBASE(d) (0x7f0000000000ULL + ((unsigned long long)(d) << 32))
+
+static __thread CUcontext stack[32];
+static __thread int depth;
+static __thread int capture_mode; // 0 global, 1 thread-local, 2 relaxed
+
+static int initialised;
+static long pushes, retains[NDEV], live_allocs, live_events;
+static unsigned long long next_off[NDEV];
+static uintptr_t capturing_stream; // stream being captured (0: none)
+static unsigned long long capture_id;
+static int last_proc_version;
+
+static int env_int(const char *name) {
+	const char *v = getenv(name);
+	return v ? atoi(v) : 0;
+}
+
+static int cur_dev(void) {
+	if (depth == 0)
+		return -1;
+	uintptr_t c = (uintptr_t)stack[depth - 1];
+	return c >= 0x1000 && c < 0x1000 + NDEV ? (int)(c - 0x1000) : -1;
+}
+
+CUresult cuInit(unsigned int flags) {
+	int e = env_int("FAKECUDA_INIT_ERROR");
+	if (e)
+		return e;
+	if (flags != 0)
+		return 1;
+	initialised = 1;
+	return 0;
+}
+CUresult cuDriverGetVersion(int *v) { *v = 13000; return 0; }
+CUresult cuDeviceGetCount(int *n) { if (!initialised) return 3; *n = NDEV; return 0; }
+CUresult cuDeviceGet(int *d, int ordinal) {
+	if (ordinal < 0 || ordinal >= NDEV)
+		return 101;
+	*d = ordinal;
+	return 0;
+}
+CUresult cuDeviceGetPCIBusId(char *buf, int len, int dev) {
+	if (dev < 0 || dev >= NDEV)
+		return 101;
+	snprintf(buf, len, "0000:%02x:00.0", 0x3b + dev);
+	return 0;
+}
+CUresult cuDevicePrimaryCtxRetain(CUcontext *c, int dev) {
+	if (dev < 0 || dev >= NDEV)
+		return 101;
+	__atomic_add_fetch(&retains[dev], 1, __ATOMIC_SEQ_CST);
+	*c = PRIMARY(dev);
+	return 0;
+}
+CUresult cuDevicePrimaryCtxRelease_v2(int dev) {
+	if (dev < 0 || dev >= NDEV || retains[dev] == 0)
+		return 101;
+	__atomic_sub_fetch(&retains[dev], 1, __ATOMIC_SEQ_CST);
+	return 0;
+}
+CUresult cuCtxGetCurrent(CUcontext *c) { *c = depth ? stack[depth - 1] : NULL; return 0; }
+CUresult cuCtxPushCurrent_v2(CUcontext c) {
+	if (c == NULL || depth == 32)
+		return 1;
+	__atomic_add_fetch(&pushes, 1, __ATOMIC_SEQ_CST);
+	stack[depth++] = c;
+	return 0;
+}
+CUresult cuCtxPopCurrent_v2(CUcontext *c) {
+	if (depth == 0)
+		return 201;
+	depth--;
+	if (c)
+		*c = stack[depth];
+	return 0;
+}
+CUresult cuCtxSynchronize(void) { return cur_dev() < 0 ? 201 : 0; }
+CUresult cuMemGetInfo_v2(size_t *free_, size_t *total) {
+	int d = cur_dev();
+	if (d < 0)
+		return 201;
+	*total = (size_t)(d + 1) << 34;
+	*free_ = *total - ((size_t)1 << 20);
+	return 0;
+}
+CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t size) {
+	int d = cur_dev();
+	if (d < 0)
+		return 201;
+	if (size == 0)
+		return 1;
+	if (size > ((size_t)1 << 33))
+		return 2;
+	if (capturing_stream != 0 && capture_mode != 2)
+		return 900; // cudaMalloc is unsafe during a global/thread-local capture
+	*p = MEMBASE(d) + __atomic_fetch_add(&next_off[d], (size + 511) & ~511ULL, __ATOMIC_SEQ_CST);
+	__atomic_add_fetch(&live_allocs, 1, __ATOMIC_SEQ_CST);
+	return 0;
+}
+CUresult cuMemFree_v2(CUdeviceptr p) {
+	int d = cur_dev();
+	if (d < 0)
+		return 201;
+	if (p < MEMBASE(d) || p >= MEMBASE(d) + (1ULL << 32))
+		return 1; // not this context's memory: the wrong context was current
+	__atomic_sub_fetch(&live_allocs, 1, __ATOMIC_SEQ_CST);
+	return 0;
+}
+
+struct event { int dev, pending; };
+
+CUresult cuEventCreate(struct event **e, unsigned int flags) {
+	int d = cur_dev();
+	if (d < 0)
+		return 201;
+	if (flags != 2) // the driver must ask for CU_EVENT_DISABLE_TIMING
+		return 1;
+	*e = calloc(1, sizeof **e);
+	(*e)->dev = d;
+	__atomic_add_fetch(&live_events, 1, __ATOMIC_SEQ_CST);
+	return 0;
+}
+CUresult cuEventRecord(struct event *e, void *stream) {
+	(void)stream;
+	if (cur_dev() != e->dev)
+		return 201;
+	e->pending = 2; // not ready for the next two queries
+	return 0;
+}
+CUresult cuEventQuery(struct event *e) {
+	if (cur_dev() != e->dev)
+		return 201;
+	if (e->pending > 0) {
+		e->pending--;
+		return 600;
+	}
+	return 0;
+}
+CUresult cuEventSynchronize(struct event *e) {
+	if (cur_dev() != e->dev)
+		return 201;
+	e->pending = 0;
+	return 0;
+}
+CUresult cuEventDestroy_v2(struct event *e) {
+	if (cur_dev() != e->dev)
+		return 201;
+	free(e);
+	__atomic_sub_fetch(&live_events, 1, __ATOMIC_SEQ_CST);
+	return 0;
+}
+
+static CUresult capture_info(void *stream, int *status, unsigned long long *id) {
+	if (cur_dev() < 0)
+		return 201;
+	if (status == NULL)
+		return 1;
+	*status = capturing_stream != 0 && (uintptr_t)stream == capturing_stream ? 1 : 0;
+	if (id && *status)
+		*id = capture_id;
+	return 0;
+}
+// v2 ABI (CUDA 11.3+): the optional outputs must be NULL, as cuda/driver passes them.
+CUresult cuStreamGetCaptureInfo_v2(void *stream, int *status, unsigned long long *id, void **graph,
+				   const void ***deps, size_t *ndeps) {
+	if (graph || deps || ndeps)
+		return 1;
+	return capture_info(stream, status, id);
+}
+// v1 ABI (CUDA 10.1).
+CUresult cuStreamGetCaptureInfo(void *stream, int *status, unsigned long long *id) {
+	return capture_info(stream, status, id);
+}
+CUresult cuGetProcAddress_v2(const char *sym, void **pfn, int version, unsigned long long flags, int *status) {
+	last_proc_version = version;
+	*pfn = NULL;
+	if (env_int("FAKECUDA_NO_PROC_ADDRESS") || flags != 0) {
+		if (status)
+			*status = 1; // CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND
+		return 500;
+	}
+	if (strcmp(sym, "cuStreamGetCaptureInfo") == 0 && version >= 11030) {
+		*pfn = (void *)cuStreamGetCaptureInfo_v2;
+		if (status)
+			*status = 0;
+		return 0;
+	}
+	if (status)
+		*status = 1;
+	return 500;
+}
+CUresult cuThreadExchangeStreamCaptureMode(int *mode) {
+	if (*mode < 0 || *mode > 2)
+		return 1;
+	int old = capture_mode;
+	capture_mode = *mode;
+	*mode = old;
+	return 0;
+}
+
+// Probes for the tests.
+long fake_pushes(void) { return __atomic_load_n(&pushes, __ATOMIC_SEQ_CST); }
+long fake_retains(int dev) { return retains[dev]; }
+long fake_live_allocs(void) { return live_allocs; }
+long fake_live_events(void) { return live_events; }
+int fake_depth(void) { return depth; }
+int fake_capture_mode(void) { return capture_mode; }
+int fake_last_proc_version(void) { return last_proc_version; }
+void fake_set_capture(uintptr_t stream, unsigned long long id) { capturing_stream = stream; capture_id = id; }

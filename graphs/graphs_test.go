@@ -1,0 +1,75 @@
+package graphs_test
+
+import (
+	"testing"
+
+	"github.com/cudapool/cudapool/cuda"
+	"github.com/cudapool/cudapool/graphs"
+	"github.com/cudapool/cudapool/pools"
+	"github.com/cudapool/cudapool/privatepool"
+	"github.com/stretchr/testify/require"
+)
+
+func mk(id pools.PoolID) (*pools.BlockPool, *pools.BlockPool) {
+	c := pools.NewCache(pools.DefaultConfig())
+	return c.NewPool(true, id), c.NewPool(false, id)
+}
+
+func TestNewestCaptureFirst(t *testing.T) {
+	var r graphs.Router
+	g1, g2 := pools.PoolID{A: 1}, pools.PoolID{A: 2}
+	require.NoError(t, r.Begin(g1, func(s cuda.Stream) bool { return s <= 2 }, mk))
+	require.NoError(t, r.Begin(g2, func(s cuda.Stream) bool { return s == 2 }, mk))
+	require.Equal(t, g2, r.Route(2, 0, mk).ID, "both accept stream 2: the newer wins")
+	require.Equal(t, g1, r.Route(1, 0, mk).ID)
+	require.Nil(t, r.Route(3, 0, mk))
+	require.ErrorIs(t, r.Begin(g1, nil, mk), graphs.ErrAlreadyRecording)
+	require.NoError(t, r.End(g2))
+	require.Equal(t, g1, r.Route(2, 0, mk).ID)
+	require.ErrorIs(t, r.End(g2), graphs.ErrNotRecording)
+	require.Equal(t, []pools.PoolID{g1}, r.Recording())
+}
+
+func TestSharingAndRelease(t *testing.T) {
+	var r graphs.Router
+	g := pools.PoolID{B: 5}
+	require.NoError(t, r.Begin(g, nil, mk))
+	require.NoError(t, r.End(g))
+	require.NoError(t, r.Begin(g, nil, mk)) // a second graph shares it
+	require.NoError(t, r.End(g))
+	p := r.Pools.Get(g)
+	require.Equal(t, 2, p.UseCount)
+	require.NoError(t, r.Release(g))
+	require.Empty(t, r.Pools.Freeable())
+	require.NoError(t, r.Release(g))
+	require.Equal(t, []*privatepool.Pool{p}, r.Pools.Freeable())
+	r.Pools.Drop(p)
+	require.ErrorIs(t, r.Release(g), privatepool.ErrUnknownPool)
+}
+
+func TestUnannouncedCaptures(t *testing.T) {
+	var r graphs.Router
+	p := r.Route(7, 42, mk)
+	require.NotNil(t, p)
+	require.True(t, p.Auto)
+	require.Equal(t, graphs.AutoPoolID(42), p.ID)
+	require.Same(t, p, r.Route(7, 42, mk))
+	require.Equal(t, 1, r.Count())
+	status := cuda.CaptureActive
+	query := func(cuda.Stream) (cuda.CaptureStatus, uint64, error) { return status, 42, nil }
+	require.True(t, r.Underway(query))
+	status = cuda.CaptureNone
+	require.False(t, r.Underway(query), "the capture ended")
+	require.Zero(t, r.Count())
+	require.Same(t, p, r.Pools.Get(graphs.AutoPoolID(42)), "the pool is kept")
+	require.False(t, p.Freeable())
+	require.ErrorIs(t, r.Release(p.ID), privatepool.ErrUnknownPool, "nobody may release an automatic pool")
+}
+
+func TestUnderwayQueryErrorIsConservative(t *testing.T) {
+	var r graphs.Router
+	r.Route(7, 1, mk)
+	require.True(t, r.Underway(func(cuda.Stream) (cuda.CaptureStatus, uint64, error) {
+		return 0, 0, cuda.ErrInvalidHandle
+	}))
+}

@@ -1,0 +1,218 @@
+"""cudapool: a CUDA caching memory allocator for PyTorch, written in Go.
+
+Whole-process mode (before CUDA is initialized)::
+
+    import cudapool
+    cudapool.install()          # or: python -m cudapool train.py ...
+
+Per-pool mode (no install needed)::
+
+    pool = torch.cuda.MemPool(allocator=cudapool.allocator().allocator())
+    with torch.cuda.use_mem_pool(pool):
+        ...
+
+Statistics and introspection have PyTorch's shapes: memory_stats(),
+memory_summary(), snapshot() (readable by torch.cuda._memory_viz), ...
+"""
+
+import collections
+import json
+import sys
+
+from . import _lib
+from ._lib import CudapoolError, OutOfMemoryError
+from ._summary import format_summary
+from ._torch import allocator, install, installed
+
+__all__ = [
+    "CudapoolError",
+    "OutOfMemoryError",
+    "install",
+    "installed",
+    "allocator",
+    "library_path",
+    "configure",
+    "memory_stats",
+    "memory_stats_as_nested_dict",
+    "memory_allocated",
+    "memory_reserved",
+    "max_memory_allocated",
+    "max_memory_reserved",
+    "reset_peak_memory_stats",
+    "reset_accumulated_memory_stats",
+    "memory_summary",
+    "snapshot",
+    "memory_snapshot",
+    "record_memory_history",
+    "empty_cache",
+    "set_per_process_memory_fraction",
+]
+
+__version__ = "0.1.0"
+
+
+def library_path():
+    """Path of the libcudapool.so in use."""
+    return _lib.library_path()
+
+
+def _current_device():
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        try:
+            if torch.cuda.is_initialized():
+                return torch.cuda.current_device()
+        except Exception:  # a torch without CUDA support
+            pass
+    return 0
+
+
+def _device_index(device):
+    """None (current device), int, "cuda[:N]" or torch.device -> int."""
+    if device is None:
+        return _current_device()
+    if isinstance(device, bool):
+        raise TypeError(f"invalid device {device!r}: expected None, an int, a 'cuda:N' string or a torch.device")
+    if isinstance(device, int):
+        return device
+    if isinstance(device, str):
+        kind, _, index = device.partition(":")
+        if kind != "cuda" or (index and not index.isdigit()):
+            raise ValueError(f"invalid device {device!r}: expected 'cuda' or 'cuda:N'")
+        return int(index) if index else _current_device()
+    kind, index = getattr(device, "type", None), getattr(device, "index", None)
+    if kind is not None:  # torch.device
+        if kind != "cuda":
+            raise ValueError(f"expected a CUDA device, got {device!r}")
+        return _current_device() if index is None else int(index)
+    raise TypeError(f"invalid device {device!r}: expected None, an int, a 'cuda:N' string or a torch.device")
+
+
+def configure(conf):
+    """Apply allocator settings in PYTORCH_CUDA_ALLOC_CONF syntax, e.g.
+    ``"max_split_size_mb:256,garbage_collection_threshold:0.8"``. cudapool's
+    own keys: ``record_history:N``, ``debug_checks:True``."""
+    _lib.configure(conf)
+
+
+def memory_stats(device=None):
+    """torch.cuda.memory_stats() for cudapool: an OrderedDict sorted by key."""
+    stats = _lib.memory_stats(_device_index(device))
+    return collections.OrderedDict(sorted(stats.items()))
+
+
+def memory_stats_as_nested_dict(device=None):
+    """memory_stats() as nested dicts ("a.b.c" -> d["a"]["b"]["c"])."""
+    out = {}
+    for key, value in memory_stats(device).items():
+        node = out
+        *path, last = key.split(".")
+        for part in path:
+            node = node.setdefault(part, {})
+        node[last] = value
+    return out
+
+
+def _stat(key, device):
+    return _lib.memory_stats(_device_index(device))[key]
+
+
+def memory_allocated(device=None):
+    """Bytes currently allocated to tensors on device."""
+    return _stat("allocated_bytes.all.current", device)
+
+
+def max_memory_allocated(device=None):
+    """Peak of memory_allocated() since start or the last peak reset."""
+    return _stat("allocated_bytes.all.peak", device)
+
+
+def memory_reserved(device=None):
+    """Bytes held by cudapool on device (allocated and cached)."""
+    return _stat("reserved_bytes.all.current", device)
+
+
+def max_memory_reserved(device=None):
+    """Peak of memory_reserved() since start or the last peak reset."""
+    return _stat("reserved_bytes.all.peak", device)
+
+
+def reset_peak_memory_stats(device=None):
+    """Set every peak statistic to its current value."""
+    _lib.reset_peak_stats(_device_index(device))
+
+
+def reset_accumulated_memory_stats(device=None):
+    """Zero the allocated/freed totals and the event counters."""
+    _lib.reset_accumulated_stats(_device_index(device))
+
+
+def memory_summary(device=None, abbreviated=False):
+    """The table torch.cuda.memory_summary() prints, for cudapool's stats."""
+    dev = _device_index(device)
+    return format_summary(_lib.memory_stats(dev), dev, abbreviated)
+
+
+def snapshot(device=None, augment_with_fx_traces=False):
+    """torch.cuda.memory._snapshot() for cudapool: {"segments",
+    "device_traces", "allocator_settings", "external_annotations"}, which
+    torch.cuda._memory_viz and pytorch.org/memory_viz read. Traces are kept
+    only after record_memory_history(). The arguments are accepted for
+    compatibility; all devices are reported, as PyTorch does."""
+    snap = json.loads(_lib.snapshot_json())
+    for seg in snap.get("segments", ()):
+        if isinstance(seg.get("segment_pool_id"), list):
+            seg["segment_pool_id"] = tuple(seg["segment_pool_id"])
+    return snap
+
+
+def memory_snapshot(mempool_id=None, include_traces=True):
+    """torch.cuda.memory_snapshot(): the segment list, optionally of one pool."""
+    segments = snapshot()["segments"]
+    if mempool_id is not None:
+        want = tuple(mempool_id)
+        segments = [s for s in segments if tuple(s["segment_pool_id"]) == want]
+    return segments
+
+
+def _settings():
+    return snapshot()["allocator_settings"].get("PYTORCH_CUDA_ALLOC_CONF", "")
+
+
+def record_memory_history(max_entries=100_000):
+    """Keep the last max_entries allocator actions per device for
+    snapshot()["device_traces"]; 0 or None stops recording."""
+    n = int(max_entries or 0)
+    if n < 0:
+        raise ValueError(f"max_entries must be >= 0, got {max_entries}")
+    kept = [item for item in _split_conf(_settings()) if not item.strip().startswith("record_history:")]
+    _lib.configure(",".join(kept + [f"record_history:{n}"]))
+
+
+def _split_conf(conf):
+    """Split on commas outside brackets."""
+    items, depth, cur = [], 0, ""
+    for ch in conf:
+        depth += (ch == "[") - (ch == "]")
+        if ch == "," and depth == 0:
+            items.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    if cur.strip():
+        items.append(cur)
+    return [i for i in items if i.strip()]
+
+
+def empty_cache():
+    """Return every cached, unused segment to the driver."""
+    _lib.empty_cache()
+
+
+def set_per_process_memory_fraction(fraction, device=None):
+    """Limit what cudapool reserves on device to fraction of its memory."""
+    if not isinstance(fraction, float):
+        raise TypeError("Invalid type for fraction argument, must be `float`")
+    if fraction < 0 or fraction > 1:
+        raise ValueError(f"Invalid fraction value: {fraction}. Allowed range: 0~1")
+    _lib.set_memory_fraction(fraction, _device_index(device))

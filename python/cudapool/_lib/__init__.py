@@ -1,0 +1,341 @@
+"""Thin ctypes binding of libcudapool.so's C ABI (include/cudapool.h).
+
+The library is found by :func:`find_library` and loaded once per process (a Go
+c-shared library cannot be unloaded). Every wrapper here raises
+:class:`CudapoolError` with the library's message when the call fails.
+"""
+
+import ctypes
+import json
+import os
+import threading
+
+__all__ = [
+    "CudapoolError",
+    "OutOfMemoryError",
+    "LIBRARY_NAME",
+    "find_library",
+    "library_path",
+    "load",
+    "address",
+]
+
+LIBRARY_NAME = "libcudapool.so"
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+class CudapoolError(RuntimeError):
+    """A cudapool operation failed; the message is the library's."""
+
+
+class OutOfMemoryError(CudapoolError):
+    """cudapool could not find memory for an allocation."""
+
+
+# ---------------------------------------------------------------------------
+# Locating the library
+
+
+def candidates(env=None, package_dir=_HERE):
+    """The places looked at, in order, as (description, path) pairs.
+
+    1. ``$CUDAPOOL_LIBRARY``;
+    2. the copy shipped inside the installed package (``cudapool/_lib/``);
+    3. the repository's ``lib/`` when running from a checkout
+       (``python/cudapool/_lib`` -> ``lib/libcudapool.so``).
+    """
+    env = os.environ if env is None else env
+    out = []
+    explicit = env.get("CUDAPOOL_LIBRARY")
+    if explicit:
+        out.append(("$CUDAPOOL_LIBRARY", explicit))
+    out.append(("bundled with the package", os.path.join(package_dir, LIBRARY_NAME)))
+    repo = os.path.normpath(os.path.join(package_dir, os.pardir, os.pardir, os.pardir))
+    out.append(("repository lib/", os.path.join(repo, "lib", LIBRARY_NAME)))
+    return out
+
+
+def find_library(env=None, package_dir=_HERE):
+    """Return the absolute path of libcudapool.so, or raise CudapoolError.
+
+    ``$CUDAPOOL_LIBRARY``, when set, must name an existing file: it is not
+    silently skipped.
+    """
+    env = os.environ if env is None else env
+    looked = []
+    for what, path in candidates(env, package_dir):
+        if os.path.isfile(path):
+            return os.path.realpath(path)
+        looked.append(f"  {path} ({what}): not found")
+        if what == "$CUDAPOOL_LIBRARY":
+            raise CudapoolError(
+                "cudapool: CUDAPOOL_LIBRARY is set but names no file:\n"
+                + "\n".join(looked)
+                + "\nUnset it or point it at a built libcudapool.so."
+            )
+    raise CudapoolError(
+        "cudapool: cannot find libcudapool.so. Looked in:\n"
+        + "\n".join(looked)
+        + "\nBuild it with `make` (or `go build -buildmode=c-shared -o lib/libcudapool.so ./capi`) "
+        "in the repository, reinstall the package with `pip install ./python` where Go is "
+        "available, or set CUDAPOOL_LIBRARY to a built library."
+    )
+
+
+# ---------------------------------------------------------------------------
+# Loading
+
+stream_t = ctypes.c_void_p
+#: int (*)(void* ctx, cudapool_stream stream): nonzero if the stream's
+#: allocations go to the pool (see begin_allocate_to_pool).
+STREAM_FILTER = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
+
+_u64 = ctypes.c_ulonglong
+_SIGNATURES = {
+    "cudapool_malloc": (ctypes.c_void_p, [ctypes.c_size_t, ctypes.c_int, stream_t]),
+    "cudapool_free": (None, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, stream_t]),
+    "cudapool_init": (None, [ctypes.c_int]),
+    "cudapool_empty_cache": (None, []),
+    "cudapool_set_memory_fraction": (None, [ctypes.c_double, ctypes.c_int]),
+    "cudapool_base_allocation": (ctypes.c_void_p, [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t)]),
+    "cudapool_record_stream": (None, [ctypes.c_void_p, stream_t]),
+    "cudapool_begin_allocate_to_pool": (None, [ctypes.c_int, _u64, _u64, STREAM_FILTER, ctypes.c_void_p]),
+    "cudapool_end_allocate_to_pool": (None, [ctypes.c_int, _u64, _u64]),
+    "cudapool_release_pool": (None, [ctypes.c_int, _u64, _u64]),
+    # char* results are taken as void* so that they can be given back.
+    "cudapool_memory_stats_json": (ctypes.c_void_p, [ctypes.c_int]),
+    "cudapool_snapshot_json": (ctypes.c_void_p, []),
+    "cudapool_string_free": (None, [ctypes.c_void_p]),
+    "cudapool_reset_peak_stats": (None, [ctypes.c_int]),
+    "cudapool_reset_accumulated_stats": (None, [ctypes.c_int]),
+    "cudapool_configure": (ctypes.c_int, [ctypes.c_char_p]),
+    "cudapool_last_error": (ctypes.c_char_p, []),
+    # Simulator controls (meaningful with CUDAPOOL_BACKEND=sim).
+    "cudapool_sim_begin_capture": (ctypes.c_int, [stream_t, ctypes.c_int]),
+    "cudapool_sim_end_capture": (ctypes.c_int, [stream_t]),
+    "cudapool_sim_complete_all": (None, []),
+    "cudapool_sim_violations": (ctypes.c_longlong, []),
+}
+
+#: The C++ entry points PyTorch's CUDAPluggableAllocator hooks call.
+TORCH_SYMBOLS = (
+    "cudapool_torch_malloc",
+    "cudapool_torch_begin_allocate_to_pool",
+    "cudapool_torch_end_allocate_to_pool",
+    "cudapool_torch_release_pool",
+)
+
+_load_lock = threading.Lock()
+_lib = None
+_path = None
+
+
+def load():
+    """Load the library (once) and return the ctypes handle."""
+    global _lib, _path
+    if _lib is not None:
+        return _lib
+    with _load_lock:
+        if _lib is None:
+            path = find_library()
+            try:
+                # Plain CDLL, as torch's CUDAPluggableAllocator does: dlopen of
+                # the same path returns the same handle, so the hooks and
+                # this binding share one Go runtime.
+                lib = ctypes.CDLL(path)
+            except OSError as e:
+                raise CudapoolError(f"cudapool: cannot load {path}: {e}") from e
+            for name, (restype, argtypes) in _SIGNATURES.items():
+                fn = getattr(lib, name, None)
+                if fn is not None:
+                    fn.restype, fn.argtypes = restype, argtypes
+            _path = path
+            _lib = lib
+    return _lib
+
+
+def library_path():
+    """The path of the library in use (loading it if needed)."""
+    load()
+    return _path
+
+
+def address(name):
+    """Raw address of an exported function, for PyTorch's hook setters."""
+    fn = getattr(load(), name, None)
+    if fn is None:
+        raise CudapoolError(f"cudapool: {library_path()} does not export {name}")
+    return ctypes.cast(fn, ctypes.c_void_p).value
+
+
+def _fn(name):
+    fn = getattr(load(), name, None)
+    if fn is None:
+        raise CudapoolError(f"cudapool: {library_path()} does not export {name} (built without it?)")
+    return fn
+
+
+# ---------------------------------------------------------------------------
+# Errors. cudapool_last_error is per thread and errno-like: it keeps the last
+# failure's message until the next failure. A failure is known from the
+# return value (NULL, non-zero); void functions are checked by arming the
+# slot with a unique marker first (see _checked).
+
+
+def last_error():
+    """This thread's last failure message, or None."""
+    msg = _fn("cudapool_last_error")()
+    return None if msg is None else msg.decode("utf-8", "replace")
+
+
+def _error(default):
+    msg = last_error() or default
+    if "out of memory" in msg:
+        return OutOfMemoryError(msg)
+    return CudapoolError(msg)
+
+
+_marker_lock = threading.Lock()
+_marker_count = 0
+
+
+def _arm():
+    """Set this thread's last error to a fresh marker and return it.
+
+    cudapool_configure rejects an item without ':' before changing anything,
+    so this has no effect but the message.
+    """
+    global _marker_count
+    with _marker_lock:
+        _marker_count += 1
+        token = f"cudapool-python-marker-{os.getpid()}-{_marker_count}"
+    rc = _fn("cudapool_configure")(token.encode())
+    if rc == 0:  # pragma: no cover - would mean configure accepts anything
+        raise CudapoolError("cudapool: cannot arm the error marker (configure accepted it)")
+    return token
+
+
+def _checked(name, *args):
+    """Call a void function; raise if it recorded a failure."""
+    token = _arm()
+    _fn(name)(*args)
+    msg = last_error()
+    if msg is None or token not in msg:
+        err = _error(f"{name} failed")
+        raise err
+
+
+# ---------------------------------------------------------------------------
+# Wrappers
+
+
+def malloc(size, device=0, stream=0):
+    """Allocate; return the address as an int (0 for size 0)."""
+    p = _fn("cudapool_malloc")(size, device, stream)
+    if p is None:
+        if size == 0:
+            return 0
+        raise _error(f"cudapool_malloc({size}, device={device}) failed")
+    return p
+
+
+def free(ptr, size=0, device=0, stream=0):
+    _checked("cudapool_free", ptr, size, device, stream)
+
+
+def init(device_count):
+    _fn("cudapool_init")(device_count)
+
+
+def empty_cache():
+    _checked("cudapool_empty_cache")
+
+
+def set_memory_fraction(fraction, device=0):
+    _checked("cudapool_set_memory_fraction", fraction, device)
+
+
+def base_allocation(ptr):
+    """(segment base, segment size) of the segment holding ptr."""
+    size = ctypes.c_size_t(0)
+    base = _fn("cudapool_base_allocation")(ptr, ctypes.byref(size))
+    if base is None:
+        raise _error(f"cudapool_base_allocation({ptr:#x}) failed")
+    return base, size.value
+
+
+def record_stream(ptr, stream):
+    _checked("cudapool_record_stream", ptr, stream)
+
+
+def begin_allocate_to_pool(device, pool_id, filter=None, ctx=None):
+    """Route allocations whose stream passes filter (a STREAM_FILTER, or None
+    for every stream) to the private pool pool_id (a pair of ints). The
+    caller keeps filter alive until end_allocate_to_pool."""
+    a, b = pool_id
+    _checked("cudapool_begin_allocate_to_pool", device, a, b, filter or STREAM_FILTER(), ctx)
+
+
+def end_allocate_to_pool(device, pool_id):
+    a, b = pool_id
+    _checked("cudapool_end_allocate_to_pool", device, a, b)
+
+
+def release_pool(device, pool_id):
+    a, b = pool_id
+    _checked("cudapool_release_pool", device, a, b)
+
+
+def _take_string(p, what):
+    if p is None:
+        raise _error(f"{what} failed")
+    try:
+        return ctypes.string_at(p).decode("utf-8")
+    finally:
+        _fn("cudapool_string_free")(p)
+
+
+def memory_stats_json(device=0):
+    return _take_string(_fn("cudapool_memory_stats_json")(device), f"cudapool_memory_stats_json({device})")
+
+
+def memory_stats(device=0):
+    """The flat stats dict as the library reports it (unsorted)."""
+    return json.loads(memory_stats_json(device))
+
+
+def snapshot_json():
+    return _take_string(_fn("cudapool_snapshot_json")(), "cudapool_snapshot_json")
+
+
+def reset_peak_stats(device=0):
+    _checked("cudapool_reset_peak_stats", device)
+
+
+def reset_accumulated_stats(device=0):
+    _checked("cudapool_reset_accumulated_stats", device)
+
+
+def configure(conf):
+    """Apply a PYTORCH_CUDA_ALLOC_CONF-style string."""
+    if _fn("cudapool_configure")(conf.encode()) != 0:
+        raise _error(f"cudapool_configure({conf!r}) failed")
+
+
+def sim_begin_capture(stream, mode=0):
+    """Begin a simulated capture (mode 0 global, 1 thread-local, 2 relaxed);
+    returns the CUresult (0 on success)."""
+    return _fn("cudapool_sim_begin_capture")(stream, mode)
+
+
+def sim_end_capture(stream):
+    return _fn("cudapool_sim_end_capture")(stream)
+
+
+def sim_complete_all():
+    _fn("cudapool_sim_complete_all")()
+
+
+def sim_violations():
+    return _fn("cudapool_sim_violations")()
