@@ -98,10 +98,15 @@ func (d *device) newSegment(r *pools.Request, retry bool) (*pools.Block, error) 
 		return nil, nil
 	}
 	var p cuda.Ptr
-	err := d.withThreadRelaxed(func() (err error) {
-		p, err = d.drv.MemAlloc(d.id, r.SegSize)
-		return err
-	})
+	var err error
+	if ra, ok := d.drv.(relaxedAllocator); ok {
+		p, err = ra.MemAllocRelaxed(d.id, r.SegSize)
+	} else {
+		err = d.withThreadRelaxed(func() (err error) {
+			p, err = d.drv.MemAlloc(d.id, r.SegSize)
+			return err
+		})
+	}
 	if errors.Is(err, cuda.ErrOutOfMemory) {
 		return nil, nil
 	}

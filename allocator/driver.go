@@ -28,6 +28,13 @@ type Driver interface {
 	events.Driver
 }
 
+// relaxedAllocator is implemented by drivers that can switch the calling
+// thread to relaxed capture mode, allocate and switch back in one call
+// (the real driver does it in C, with no goroutine pinning).
+type relaxedAllocator interface {
+	MemAllocRelaxed(dev int, size uint64) (cuda.Ptr, error)
+}
+
 // processLister is implemented by drivers that can name the processes using a
 // device (the real driver, through NVML). The OOM message lists them.
 type processLister interface {

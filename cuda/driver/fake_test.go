@@ -41,6 +41,15 @@ var fakeLibs struct {
 	err  error
 }
 
+// TestMain removes the fake libraries after the tests.
+func TestMain(m *testing.M) {
+	code := m.Run()
+	if fakeLibs.dir != "" {
+		os.RemoveAll(fakeLibs.dir)
+	}
+	os.Exit(code)
+}
+
 func buildFakes(t testing.TB) string {
 	t.Helper()
 	fakeLibs.once.Do(func() {
