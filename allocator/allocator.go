@@ -343,12 +343,12 @@ func (a *Allocator) BeginAllocateToPool(dev int, id PoolID, filter func(cuda.Str
 	if err != nil {
 		return err
 	}
-	a.announced.Store(true)
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	if err := d.graphs.Begin(id, filter, d.newPools); err != nil {
 		return poolError("begin_allocate_to_pool", err)
 	}
+	a.announced.Store(true)
 	d.countCaptures()
 	return nil
 }

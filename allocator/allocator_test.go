@@ -317,6 +317,17 @@ func TestSnapshotShape(t *testing.T) {
 	require.Equal(t, 2, actions["free_completed"])
 }
 
+func TestOOMTraceEntry(t *testing.T) {
+	a, _ := newAlloc(t, 1, 100*MiB, "record_history:8")
+	_, err := a.Malloc(0, 200*MiB, 0)
+	require.ErrorIs(t, err, allocator.ErrOutOfMemory)
+	tr := a.Snapshot().DeviceTraces[0]
+	require.Len(t, tr, 1)
+	require.Equal(t, "oom", tr[0].Action)
+	require.NotNil(t, tr[0].DeviceFree, "the memory visualizer reads device_free")
+	require.Equal(t, uint64(100*MiB), *tr[0].DeviceFree)
+}
+
 func TestMultiDevice(t *testing.T) {
 	a, drv := newAlloc(t, 3, GiB, "")
 	require.Equal(t, 3, a.DeviceCount())

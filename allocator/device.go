@@ -200,8 +200,8 @@ func (d *device) capacity() (uint64, error) {
 // outOfMemory counts the failure and builds PyTorch's message.
 func (d *device) outOfMemory(r *pools.Request) error {
 	d.cache.Stats.NumOOMs++
-	d.trace.add(actionOOM, 0, r.SegSize, r.Stream)
 	free, total, err := d.drv.MemGetInfo(d.id)
+	d.trace.addOOM(r.SegSize, r.Stream, free)
 	var b strings.Builder
 	fmt.Fprintf(&b, "CUDA out of memory. Tried to allocate %s. GPU %d", FormatSize(r.SegSize), d.id)
 	if err == nil {

@@ -26,6 +26,7 @@ type traceEntry struct {
 	size   uint64
 	stream cuda.Stream
 	timeUS int64
+	free   uint64 // device free memory, for oom entries
 }
 
 // traceRing keeps the last N allocator actions of a device. Its storage is
@@ -56,7 +57,16 @@ func (t *traceRing) add(a action, addr cuda.Ptr, size uint64, s cuda.Stream) {
 	if len(t.buf) == 0 {
 		return
 	}
-	t.push(traceEntry{a, addr, size, s, time.Now().UnixMicro()})
+	t.push(traceEntry{a, addr, size, s, time.Now().UnixMicro(), 0})
+}
+
+// addOOM records an out-of-memory event with the device's free memory,
+// which PyTorch's memory visualizer reads.
+func (t *traceRing) addOOM(size uint64, s cuda.Stream, free uint64) {
+	if len(t.buf) == 0 {
+		return
+	}
+	t.push(traceEntry{actionOOM, 0, size, s, time.Now().UnixMicro(), free})
 }
 
 func (t *traceRing) push(e traceEntry) {
@@ -116,6 +126,8 @@ type TraceEntry struct {
 	Stream uint64 `json:"stream"`
 	TimeUS int64  `json:"time_us"`
 	Frames []any  `json:"frames"`
+	// DeviceFree is set on oom entries only.
+	DeviceFree *uint64 `json:"device_free,omitempty"`
 }
 
 // Snapshot returns every device's segments and blocks and the recorded
@@ -137,6 +149,9 @@ func (a *Allocator) Snapshot() Snapshot {
 		for i, e := range tr {
 			out[i] = TraceEntry{Action: actionNames[e.action], Addr: uint64(e.addr), Size: e.size,
 				Stream: uint64(e.stream), TimeUS: e.timeUS, Frames: []any{}}
+			if e.action == actionOOM {
+				out[i].DeviceFree = &tr[i].free
+			}
 		}
 		snap.DeviceTraces[d.id] = out
 	}

@@ -7,6 +7,7 @@ package main
 /*
 #cgo CFLAGS: -I${SRCDIR}/../include -Wall
 #cgo CXXFLAGS: -I${SRCDIR}/../include -std=c++17 -Wall
+#include <stdlib.h>
 #include "capi.h"
 
 static inline void cp_set_error_go(_GoString_ s) { cp_set_error(_GoStringPtr(s), _GoStringLen(s)); }
@@ -14,8 +15,24 @@ static inline void cp_set_error_go(_GoString_ s) { cp_set_error(_GoStringPtr(s),
 import "C"
 
 import (
+	"unsafe"
+
 	"github.com/cudapool/cudapool/cuda"
 )
+
+// lookupEnv reads the process's environment as it is now, through libc.
+// Go's os package sees only the environment the process started with (a
+// c-shared runtime copies it at load), which misses what a Python program
+// set in os.environ before the first allocation.
+func lookupEnv(key string) (string, bool) {
+	k := C.CString(key)
+	defer C.free(unsafe.Pointer(k))
+	v := C.getenv(k)
+	if v == nil {
+		return "", false
+	}
+	return C.GoString(v), true
+}
 
 // setError records msg as the calling thread's last error.
 func setError(msg string) { C.cp_set_error_go(msg) }

@@ -12,6 +12,12 @@
 extern "C" {
 #endif
 
+/* Nothing declared here is part of the library's interface: hidden
+ * visibility keeps these symbols out of the dynamic symbol table however the
+ * library is linked. (The Go exports get it from these declarations, which
+ * cgo's own definitions follow.) */
+#pragma GCC visibility push(hidden)
+
 /* ---- Go exports (exports.go), called by the C and C++ wrappers. Pointers
  * and streams cross as uintptr_t. ---- */
 extern uintptr_t cpgo_malloc(size_t size, int device, uintptr_t stream);
@@ -58,6 +64,8 @@ int cp_call_std_filter(uintptr_t handle, uintptr_t stream);
 
 /* Destroys the heap copy. */
 void cp_delete_std_filter(uintptr_t handle);
+
+#pragma GCC visibility pop
 
 #ifdef __cplusplus
 }

@@ -20,25 +20,50 @@
 #include "capi.h"
 #include "cudapool.h"
 
-/* ---- thread-local last error ---- */
+/* ---- thread-local last error ----
+ *
+ * Only a pointer is thread-local: the Go runtime makes the library use the
+ * static TLS model, whose space is small and shared by every library loaded
+ * with dlopen. The buffer is allocated on a thread's first failure and freed
+ * when the thread exits. */
 
 #define CP_ERROR_MAX 4096
 
-static __thread char cp_error[CP_ERROR_MAX];
-static __thread int cp_error_set;
+static __thread char *cp_error;
+static pthread_key_t cp_error_key;
+static pthread_once_t cp_error_once = PTHREAD_ONCE_INIT;
+static const char cp_error_nomem[] = "cudapool: out of host memory while recording an error";
+
+static void cp_error_free(void *buf) {
+	if (cp_error == buf)
+		cp_error = NULL;
+	free(buf);
+}
+
+static void cp_error_key_init(void) { pthread_key_create(&cp_error_key, cp_error_free); }
 
 void cp_set_error(const char *msg, size_t len) {
+	char *buf = cp_error;
+	if (buf == NULL || buf == cp_error_nomem) {
+		buf = malloc(CP_ERROR_MAX);
+		if (buf == NULL) {
+			cp_error = (char *)cp_error_nomem;
+			return;
+		}
+		pthread_once(&cp_error_once, cp_error_key_init);
+		pthread_setspecific(cp_error_key, buf); /* frees it at thread exit */
+		cp_error = buf;
+	}
 	if (msg == NULL)
 		len = 0;
 	if (len >= CP_ERROR_MAX)
 		len = CP_ERROR_MAX - 1; /* truncated: messages are far shorter */
 	if (len > 0)
-		memcpy(cp_error, msg, len);
-	cp_error[len] = 0;
-	cp_error_set = 1;
+		memcpy(buf, msg, len);
+	buf[len] = 0;
 }
 
-const char *cudapool_last_error(void) { return cp_error_set ? cp_error : NULL; }
+const char *cudapool_last_error(void) { return cp_error; }
 
 /* ---- fork ---- */
 

@@ -83,7 +83,7 @@ func load() *state {
 					st = &state{err: fmt.Errorf("cudapool: initialization failed: internal error: %v", r)}
 				}
 			}()
-			st = newState(os.LookupEnv)
+			st = newState(lookupEnv)
 		}()
 		if st.err != nil {
 			warnOnce(st.err.Error())

@@ -8,8 +8,13 @@
 // C++ parts: copy the filter to the heap for Go to call later
 // (cp_call_std_filter), and throw after the Go call has returned. No C++
 // exception ever crosses a Go frame.
+#include <dlfcn.h>
+
 #include <cstdint>
+#include <cstring>
 #include <functional>
+#include <string>
+#include <typeinfo>
 #include <new>
 #include <stdexcept>
 #include <utility>
@@ -26,10 +31,81 @@ using StreamFilter = std::function<bool(cudaStream_t)>;
 
 const char kFallbackOOM[] = "cudapool: out of memory";
 
-// cp_throw_oom raises the error PyTorch turns into a Python exception. It is
-// the one place to change to raise c10::OutOfMemoryError instead.
+// Raising torch.OutOfMemoryError
+//
+// PyTorch turns a c10::OutOfMemoryError into torch.OutOfMemoryError and any
+// other std::exception into RuntimeError. We build without PyTorch's
+// headers, so the exception is made from what libc10.so exports, found at
+// run time in the process that loaded us: c10::Error's constructor
+// Error(SourceLocation, std::string), OutOfMemoryError's vtable and
+// typeinfo, and the destructor. OutOfMemoryError adds nothing to Error
+// ("using Error::Error;"), so an Error constructed in place and given
+// OutOfMemoryError's vtable is one. The object is over-allocated (size only
+// matters for storage). If any symbol is missing (no PyTorch, another
+// version) we throw std::runtime_error with the same message.
+struct SourceLocation { // c10::SourceLocation
+	const char *function;
+	const char *file;
+	uint32_t line;
+};
+using ErrorCtor = void (*)(void *self, SourceLocation loc, std::string msg);
+using Dtor = void (*)(void *);
+
+extern "C" void *__cxa_allocate_exception(size_t) noexcept;
+extern "C" [[noreturn]] void __cxa_throw(void *, std::type_info *, void (*)(void *));
+
+struct C10OOM {
+	ErrorCtor ctor = nullptr;
+	Dtor dtor = nullptr;
+	void *vtable = nullptr;
+	std::type_info *type = nullptr;
+	bool ok = false;
+};
+
+void *c10sym(void *lib, const char *name) {
+	void *p = lib != nullptr ? dlsym(lib, name) : nullptr;
+	return p != nullptr ? p : dlsym(RTLD_DEFAULT, name);
+}
+
+const C10OOM &c10_oom() {
+	static const C10OOM s = [] {
+		C10OOM r;
+		void *lib = dlopen("libc10.so", RTLD_LAZY | RTLD_NOLOAD);
+		r.ctor = reinterpret_cast<ErrorCtor>(c10sym(lib,
+		    "_ZN3c105ErrorC1ENS_14SourceLocationENSt7__cxx1112basic_stringIcSt11char_traitsIcESaIcEEE"));
+		if (r.ctor == nullptr)
+			r.ctor = reinterpret_cast<ErrorCtor>(c10sym(lib,
+			    "_ZN3c105ErrorC2ENS_14SourceLocationENSt7__cxx1112basic_stringIcSt11char_traitsIcESaIcEEE"));
+		r.dtor = reinterpret_cast<Dtor>(c10sym(lib, "_ZN3c1016OutOfMemoryErrorD1Ev"));
+		if (r.dtor == nullptr)
+			r.dtor = reinterpret_cast<Dtor>(c10sym(lib, "_ZN3c105ErrorD1Ev"));
+		r.vtable = c10sym(lib, "_ZTVN3c1016OutOfMemoryErrorE");
+		r.type = static_cast<std::type_info *>(c10sym(lib, "_ZTIN3c1016OutOfMemoryErrorE"));
+		r.ok = r.ctor && r.dtor && r.vtable && r.type && getenv("CUDAPOOL_NO_C10_OOM") == nullptr;
+		return r;
+	}();
+	return s;
+}
+
+// cp_throw_oom raises the error PyTorch turns into a Python exception:
+// torch.OutOfMemoryError for an out-of-memory failure (with PyTorch's own
+// message, without our "cudapool: malloc: " prefix), RuntimeError otherwise.
 [[noreturn]] __attribute__((noinline)) void cp_throw_oom(const char *msg) {
-	throw std::runtime_error(msg != nullptr ? msg : kFallbackOOM);
+	std::string m = msg != nullptr ? msg : kFallbackOOM;
+	const char prefix[] = "cudapool: malloc: ";
+	bool oom = m.find("CUDA out of memory") != std::string::npos;
+	if (oom && m.compare(0, sizeof prefix - 1, prefix) == 0)
+		m.erase(0, sizeof prefix - 1);
+	const C10OOM &c = c10_oom();
+	if (oom && c.ok) {
+		void *e = __cxa_allocate_exception(1024);
+		std::memset(e, 0, 1024);
+		c.ctor(e, SourceLocation{"cudapool_torch_malloc", __FILE__, static_cast<uint32_t>(__LINE__)}, m);
+		// The vtable's address point is past offset-to-top and typeinfo.
+		*static_cast<void **>(e) = static_cast<char *>(c.vtable) + 2 * sizeof(void *);
+		__cxa_throw(e, c.type, c.dtor);
+	}
+	throw std::runtime_error(m);
 }
 
 void set_error(const char *msg) { cp_set_error(msg, std::char_traits<char>::length(msg)); }

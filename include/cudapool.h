@@ -116,7 +116,8 @@ void cudapool_reset_accumulated_stats(int device);
  * large_segment_size_mb, expandable_segments, release_lock_on_cudamalloc;
  * cudapool's own record_history:N, debug_checks:True, free_set:treap|sorted).
  * Unknown keys are reported once on stderr and ignored. Returns 0 on success,
- * -1 on an invalid value (the configuration is then unchanged). */
+ * -1 on an invalid value (the configuration is then unchanged) or when
+ * cudapool could not initialize (the last error says why). */
 int cudapool_configure(const char *conf);
 
 /* This thread's last failure message, or NULL if nothing has failed on this

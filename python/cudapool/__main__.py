@@ -8,7 +8,7 @@ import os
 import runpy
 import sys
 
-USAGE = __doc__.split("\n\n")[0] + "\n"
+USAGE = "usage: " + __doc__.split("\n\n")[0].replace("\n", "\n       ") + "\n"
 
 
 def main(argv=None):

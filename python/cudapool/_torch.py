@@ -109,12 +109,13 @@ def allocator():
 # ---------------------------------------------------------------------------
 # OOM -> torch.OutOfMemoryError.  >>> GPU MACHINE WORK (lead) <<<
 #
-# cudapool_torch_malloc throws a C++ exception when cudapool has no memory;
-# PyTorch's bindings turn a c10::OutOfMemoryError into torch.OutOfMemoryError
-# and any other std::exception into RuntimeError. Whatever makes the thrown
-# type torch.OutOfMemoryError (a c10::OutOfMemoryError thrown from the C++
-# wrapper, or a type/handler registered from here through the library) goes
-# into _setup_oom, which install() calls before making the allocator current.
+# cudapool_torch_malloc throws a C++ exception when cudapool has no memory
+# (capi/torch.cpp, cp_throw_oom: a std::runtime_error today, which reaches
+# Python as RuntimeError). PyTorch's bindings turn a c10::OutOfMemoryError
+# into torch.OutOfMemoryError. Whatever makes the thrown type
+# torch.OutOfMemoryError (cp_throw_oom throwing c10::OutOfMemoryError, or a
+# type/handler registered from Python through the library) is set up here:
+# install() calls _setup_oom before making the allocator current.
 # tests/gpu/test_gpu_memory.py::test_oom_is_torch_out_of_memory_error checks it.
 
 

@@ -114,6 +114,7 @@ _SIGNATURES = {
     # Simulator controls (meaningful with CUDAPOOL_BACKEND=sim).
     "cudapool_sim_begin_capture": (ctypes.c_int, [stream_t, ctypes.c_int]),
     "cudapool_sim_end_capture": (ctypes.c_int, [stream_t]),
+    "cudapool_sim_submit": (None, [stream_t]),
     "cudapool_sim_complete_all": (None, []),
     "cudapool_sim_violations": (ctypes.c_longlong, []),
 }
@@ -331,6 +332,12 @@ def sim_begin_capture(stream, mode=0):
 
 def sim_end_capture(stream):
     return _fn("cudapool_sim_end_capture")(stream)
+
+
+def sim_submit(stream):
+    """Queue one unit of simulated work on stream (pending until
+    sim_complete_all)."""
+    _checked("cudapool_sim_submit", stream)
 
 
 def sim_complete_all():

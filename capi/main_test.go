@@ -1,0 +1,113 @@
+package main
+
+import (
+	"strings"
+	"testing"
+
+	"github.com/cudapool/cudapool/pools"
+)
+
+func env(kv ...string) func(string) (string, bool) {
+	m := map[string]string{}
+	for i := 0; i+1 < len(kv); i += 2 {
+		m[kv[i]] = kv[i+1]
+	}
+	return func(k string) (string, bool) { v, ok := m[k]; return v, ok }
+}
+
+func TestNewStateSim(t *testing.T) {
+	st := newState(env("CUDAPOOL_BACKEND", "sim", "CUDAPOOL_SIM_DEVICES", "3", "CUDAPOOL_SIM_MEMORY", "2GiB",
+		"PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64"))
+	if st.err != nil {
+		t.Fatal(st.err)
+	}
+	if st.sim == nil || st.a.DeviceCount() != 3 || st.sim.Capacity(2) != 2<<30 {
+		t.Fatalf("sim backend not built as asked: %+v", st)
+	}
+	if got := st.a.Config().Pools.MaxSplitSize; got != 64<<20 {
+		t.Errorf("PYTORCH_CUDA_ALLOC_CONF not applied: max split %d", got)
+	}
+}
+
+func TestNewStateConfPrecedence(t *testing.T) {
+	// CUDAPOOL_CONF wins even when set to the empty string.
+	st := newState(env("CUDAPOOL_BACKEND", "sim", "CUDAPOOL_CONF", "", "PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64"))
+	if st.err != nil {
+		t.Fatal(st.err)
+	}
+	if got := st.a.Config().Pools.MaxSplitSize; got != pools.Unlimited {
+		t.Errorf("CUDAPOOL_CONF=\"\" should win: max split %d", got)
+	}
+}
+
+func TestNewStateErrors(t *testing.T) {
+	for _, c := range []struct {
+		env  []string
+		want string
+	}{
+		{[]string{"CUDAPOOL_BACKEND", "gpu"}, `CUDAPOOL_BACKEND="gpu": expected cuda`},
+		{[]string{"CUDAPOOL_BACKEND", "sim", "CUDAPOOL_CONF", "max_split_size_mb:x"}, `max_split_size_mb=x: expected a non-negative integer (from CUDAPOOL_CONF="max_split_size_mb:x")`},
+		{[]string{"CUDAPOOL_BACKEND", "sim", "PYTORCH_CUDA_ALLOC_CONF", "garbage_collection_threshold:1"}, "PYTORCH_CUDA_ALLOC_CONF"},
+		{[]string{"CUDAPOOL_BACKEND", "sim", "CUDAPOOL_SIM_DEVICES", "0"}, "CUDAPOOL_SIM_DEVICES"},
+		{[]string{"CUDAPOOL_BACKEND", "sim", "CUDAPOOL_SIM_MEMORY", "12Q"}, "CUDAPOOL_SIM_MEMORY"},
+	} {
+		st := newState(env(c.env...))
+		if st.err == nil || !strings.Contains(st.err.Error(), c.want) {
+			t.Errorf("%v: error %v, want it to contain %q", c.env, st.err, c.want)
+		}
+		if st.err != nil && !strings.HasPrefix(st.err.Error(), "cudapool: ") {
+			t.Errorf("%v: error %q lacks the cudapool: prefix", c.env, st.err)
+		}
+	}
+}
+
+func TestParseBytes(t *testing.T) {
+	for in, want := range map[string]uint64{
+		"4096": 4096, "1K": 1 << 10, "2M": 2 << 20, "80G": 80 << 30, "80GiB": 80 << 30, "1TB": 1 << 40,
+		" 3 g ": 3 << 30, "512B": 512, "1024": 1024,
+	} {
+		if got, err := parseBytes(in); err != nil || got != want {
+			t.Errorf("parseBytes(%q) = %d, %v; want %d", in, got, err, want)
+		}
+	}
+	for _, in := range []string{"", "0", "x", "12Q", "-1", "1.5G", "G", "2000000T"} {
+		if _, err := parseBytes(in); err == nil {
+			t.Errorf("parseBytes(%q) succeeded", in)
+		}
+	}
+}
+
+func TestStatsJSON(t *testing.T) {
+	var st pools.Stats
+	st.Allocation[pools.StatAll].Increase(3)
+	st.MaxSplitSize = -1
+	js := string(statsJSON(&st))
+	if n := strings.Count(js, `":`); n != 122 {
+		t.Errorf("%d keys, want 122", n)
+	}
+	for _, want := range []string{`{"allocation.all.current":3,`, `"max_split_size":-1}`, `"requested_bytes.large_pool.freed":0`} {
+		if !strings.Contains(js, want) {
+			t.Errorf("stats JSON lacks %s: %s", want, js)
+		}
+	}
+}
+
+func TestGuardDisablesAfterPanic(t *testing.T) {
+	old := current.Load()
+	defer current.Store(old)
+	current.Store(newState(env("CUDAPOOL_BACKEND", "sim")))
+	if ready() == nil {
+		t.Fatal("a fresh simulator state is not ready")
+	}
+	func() {
+		defer guard("malloc")
+		panic("boom")
+	}()
+	st := current.Load()
+	if st.err == nil || !strings.Contains(st.err.Error(), "cudapool: malloc: internal error (boom); cudapool is disabled") {
+		t.Fatalf("after a panic: state error %v", st.err)
+	}
+	if ready() != nil {
+		t.Error("ready() still returns an allocator after a panic")
+	}
+}

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Every GPU test of cudapool in one go, for one call on the GPU machine:
+#   1. the C ABI test program (gpu/test_gpu.c, built here with gcc; kernels
+#      compiled to PTX by nvcc),
+#   2. the PyTorch tests (python/gpu/run_gpu_tests.sh),
+#   3. optionally (RECORD_TRACE=1) a fresh allocation trace for the demo.
+# Needs lib/libcudapool.so built on the development machine (`make`), carried
+# along. Logs go to $OUT (default /tmp/cudapool-gpu-out); a table ends it.
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/cudapool-gpu-out}
+mkdir -p "$OUT" build/gpu
+CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+export LD_LIBRARY_PATH=$PWD/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+export CUDAPOOL_LIBRARY=$PWD/lib/libcudapool.so
+rows=()
+failed=0
+
+step() { # step NAME CMD...: run, log to $OUT/NAME.log, remember the outcome
+    local name=$1 t0 rc
+    shift
+    echo "=== $name"
+    t0=$(date +%s)
+    "$@" >"$OUT/$name.log" 2>&1
+    rc=$?
+    tail -n 40 "$OUT/$name.log"
+    [ "$rc" -ne 0 ] && failed=1
+    rows+=("$name|$([ "$rc" -eq 0 ] && echo PASS || echo "FAIL rc=$rc")|$(( $(date +%s) - t0 ))s|$(grep -E 'passed|RESULT' "$OUT/$name.log" | tail -n 1)")
+}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+[ -f lib/libcudapool.so ] || { echo "FATAL: lib/libcudapool.so missing: run make where Go is and carry lib"; exit 1; }
+
+build_c() {
+    "$CUDA_HOME/bin/nvcc" -ptx -arch=sm_90 gpu/kernels.cu -o build/gpu/kernels.ptx &&
+    gcc -O2 -Wall -Wno-unused-variable gpu/test_gpu.c -I include -I "$CUDA_HOME/include" \
+        -L lib -lcudapool -L "$CUDA_HOME/lib64/stubs" -lcuda -ldl -Wl,-rpath,"$PWD/lib" -o build/gpu/test_gpu
+}
+step build_c build_c
+[ -x build/gpu/test_gpu ] && step c_abi env KERNELS_PTX=build/gpu/kernels.ptx build/gpu/test_gpu
+step torch bash python/gpu/run_gpu_tests.sh
+if [ "${RECORD_TRACE:-0}" = 1 ]; then
+    step trace python3 bench/record_trace.py "$OUT/trace.txt" 3
+fi
+
+echo
+printf '%-10s %-12s %6s  %s\n' step result time summary
+for r in "${rows[@]}"; do
+    IFS='|' read -r n res t s <<<"$r"
+    printf '%-10s %-12s %6s  %s\n' "$n" "$res" "$t" "$s"
+done
+exit $failed

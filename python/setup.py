@@ -1,0 +1,123 @@
+"""Build step for the cudapool Python package: puts libcudapool.so into the
+package (cudapool/_lib/libcudapool.so). Metadata lives in pyproject.toml.
+
+Where the library comes from, first that works:
+  1. $CUDAPOOL_LIBRARY (a built libcudapool.so), copied;
+  2. `go build -buildmode=c-shared -o ... ./capi` in the repository that holds
+     this directory, when Go is on PATH;
+  3. the repository's lib/libcudapool.so (built with `make`), copied;
+  4. a libcudapool.so already in cudapool/_lib/ of this source tree.
+Otherwise the build fails and says what it tried; CUDAPOOL_ALLOW_NO_LIBRARY=1
+installs the Python code alone (the library is then found at run time
+through $CUDAPOOL_LIBRARY).
+"""
+
+import os
+import shutil
+import subprocess
+
+from setuptools import setup
+from setuptools.command.build_py import build_py
+from setuptools.dist import Distribution
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+LIB = "libcudapool.so"
+
+
+def _copy(src, dest):
+    shutil.copyfile(src, dest)
+    os.chmod(dest, 0o755)
+
+
+def provide_library(dest):
+    """Write libcudapool.so to dest; return a line saying where it came from."""
+    dest = os.path.abspath(dest)  # go runs in the repository root
+    tried = []
+    explicit = os.environ.get("CUDAPOOL_LIBRARY")
+    if explicit:
+        if os.path.isfile(explicit):
+            _copy(explicit, dest)
+            return f"copied $CUDAPOOL_LIBRARY ({explicit})"
+        tried.append(f"$CUDAPOOL_LIBRARY={explicit}: no such file")
+
+    if os.path.isfile(os.path.join(REPO, "go.mod")) and os.path.isdir(os.path.join(REPO, "capi")):
+        go = shutil.which("go")
+        if go:
+            cmd = [go, "build", "-buildmode=c-shared"]
+            exports = os.path.join(REPO, "capi", "exports.map")
+            if os.path.isfile(exports):  # export only cudapool_*, as the Makefile does
+                cmd.append(f"-ldflags=-extldflags=-Wl,--version-script={exports}")
+            cmd += ["-o", dest, "./capi"]
+            if os.path.exists(dest):
+                os.remove(dest)
+            proc = subprocess.run(cmd, cwd=REPO)
+            header = dest[: -len(".so")] + ".h"  # c-shared writes one beside the library
+            if os.path.exists(header):
+                os.remove(header)
+            if proc.returncode == 0 and os.path.isfile(dest):
+                return f"built with {' '.join(cmd)} in {REPO}"
+            tried.append(f"`{' '.join(cmd)}` in {REPO} failed (exit {proc.returncode})")
+        else:
+            tried.append("go is not on PATH, so the library could not be built")
+    else:
+        tried.append(f"no Go sources (go.mod, capi/) at {REPO}")
+
+    for what, path in (
+        ("the repository's lib/", os.path.join(REPO, "lib", LIB)),
+        ("the source tree's cudapool/_lib/", os.path.join(HERE, "cudapool", "_lib", LIB)),
+    ):
+        if os.path.isfile(path):
+            _copy(path, dest)
+            return f"copied {what} ({path})"
+        tried.append(f"{path}: not found")
+
+    if os.environ.get("CUDAPOOL_ALLOW_NO_LIBRARY") == "1":
+        return "no library bundled (CUDAPOOL_ALLOW_NO_LIBRARY=1); set CUDAPOOL_LIBRARY at run time"
+    raise RuntimeError(
+        "cudapool: no libcudapool.so to bundle. Tried:\n  - "
+        + "\n  - ".join(tried)
+        + "\nInstall Go and retry, run `make` in the repository first, set CUDAPOOL_LIBRARY to a "
+        "built library, or set CUDAPOOL_ALLOW_NO_LIBRARY=1 to install without it."
+    )
+
+
+class BuildPyWithLibrary(build_py):
+    def run(self):
+        super().run()
+        if self.dry_run:
+            return
+        dest_dir = os.path.join(self.build_lib, "cudapool", "_lib")
+        os.makedirs(dest_dir, exist_ok=True)
+        how = provide_library(os.path.join(dest_dir, LIB))
+        self.announce(f"cudapool: {how}", level=2)
+        print(f"cudapool: {how}")
+
+
+class BinaryDistribution(Distribution):
+    """The wheel holds a native library: tag it for this platform."""
+
+    def has_ext_modules(self):
+        return True
+
+
+cmdclass = {"build_py": BuildPyWithLibrary}
+try:  # setuptools >= 70.1 has its own bdist_wheel; older ones use wheel's
+    from setuptools.command.bdist_wheel import bdist_wheel
+except ImportError:
+    try:
+        from wheel.bdist_wheel import bdist_wheel
+    except ImportError:
+        bdist_wheel = None
+if bdist_wheel is not None:
+
+    class BdistWheelAnyPython(bdist_wheel):
+        """The library does not use Python's C API: py3-none-<platform>."""
+
+        def get_tag(self):
+            _, _, plat = super().get_tag()
+            return "py3", "none", plat
+
+    cmdclass["bdist_wheel"] = BdistWheelAnyPython
+
+setup(cmdclass=cmdclass, distclass=BinaryDistribution)

@@ -1,0 +1,3 @@
+# Makes `import torch` fail, to test cudapool without PyTorch on machines
+# that have it.
+raise ImportError("No module named 'torch' (hidden by cudapool's tests)")
