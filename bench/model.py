@@ -51,7 +51,7 @@ class GPT(nn.Module):
         logits = self.head(self.ln(x))
         if targets is None:
             return logits
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
 def seq_lens(steps, seed=0, lo=128, hi=1024):

@@ -11,6 +11,8 @@
 #include <dlfcn.h>
 
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <string>
@@ -62,26 +64,43 @@ struct C10OOM {
 	bool ok = false;
 };
 
-void *c10sym(void *lib, const char *name) {
-	void *p = lib != nullptr ? dlsym(lib, name) : nullptr;
-	return p != nullptr ? p : dlsym(RTLD_DEFAULT, name);
+// c10sym finds a symbol in the PyTorch libraries already loaded. A class
+// without a key function (OutOfMemoryError) has its vtable and typeinfo in
+// whichever library uses it, and PyTorch loads them RTLD_LOCAL, so each is
+// asked by name; a typeinfo copy from any of them matches PyTorch's catch.
+void *c10sym(const char *name) {
+	static const char *const libs[] = {"libc10.so", "libc10_cuda.so", "libtorch_cuda.so", "libtorch_cpu.so",
+	                                   "libtorch_python.so"};
+	for (const char *lib : libs) {
+		if (void *h = dlopen(lib, RTLD_LAZY | RTLD_NOLOAD)) {
+			void *p = dlsym(h, name);
+			dlclose(h);
+			if (p != nullptr)
+				return p;
+		}
+	}
+	return dlsym(RTLD_DEFAULT, name);
 }
 
 const C10OOM &c10_oom() {
 	static const C10OOM s = [] {
 		C10OOM r;
-		void *lib = dlopen("libc10.so", RTLD_LAZY | RTLD_NOLOAD);
-		r.ctor = reinterpret_cast<ErrorCtor>(c10sym(lib,
-		    "_ZN3c105ErrorC1ENS_14SourceLocationENSt7__cxx1112basic_stringIcSt11char_traitsIcESaIcEEE"));
+		r.ctor = reinterpret_cast<ErrorCtor>(
+		    c10sym("_ZN3c105ErrorC1ENS_14SourceLocationENSt7__cxx1112basic_stringIcSt11char_traitsIcESaIcEEE"));
 		if (r.ctor == nullptr)
-			r.ctor = reinterpret_cast<ErrorCtor>(c10sym(lib,
-			    "_ZN3c105ErrorC2ENS_14SourceLocationENSt7__cxx1112basic_stringIcSt11char_traitsIcESaIcEEE"));
-		r.dtor = reinterpret_cast<Dtor>(c10sym(lib, "_ZN3c1016OutOfMemoryErrorD1Ev"));
-		if (r.dtor == nullptr)
-			r.dtor = reinterpret_cast<Dtor>(c10sym(lib, "_ZN3c105ErrorD1Ev"));
-		r.vtable = c10sym(lib, "_ZTVN3c1016OutOfMemoryErrorE");
-		r.type = static_cast<std::type_info *>(c10sym(lib, "_ZTIN3c1016OutOfMemoryErrorE"));
+			r.ctor = reinterpret_cast<ErrorCtor>(
+			    c10sym("_ZN3c105ErrorC2ENS_14SourceLocationENSt7__cxx1112basic_stringIcSt11char_traitsIcESaIcEEE"));
+		r.vtable = c10sym("_ZTVN3c1016OutOfMemoryErrorE");
+		// The destructor is inline (not exported) in PyTorch 2.11; the
+		// vtable's first virtual slot is the complete-object destructor.
+		r.dtor = reinterpret_cast<Dtor>(c10sym("_ZN3c1016OutOfMemoryErrorD1Ev"));
+		if (r.dtor == nullptr && r.vtable != nullptr)
+			r.dtor = reinterpret_cast<Dtor>(static_cast<void **>(r.vtable)[2]);
+		r.type = static_cast<std::type_info *>(c10sym("_ZTIN3c1016OutOfMemoryErrorE"));
 		r.ok = r.ctor && r.dtor && r.vtable && r.type && getenv("CUDAPOOL_NO_C10_OOM") == nullptr;
+		if (!r.ok && getenv("CUDAPOOL_DEBUG_OOM") != nullptr)
+			fprintf(stderr, "cudapool: c10::OutOfMemoryError unavailable: ctor=%p dtor=%p vtable=%p typeinfo=%p\n",
+			        (void *)r.ctor, (void *)r.dtor, r.vtable, (void *)r.type);
 		return r;
 	}();
 	return s;

@@ -76,7 +76,6 @@ def install(patch_torch=True):
             hooks = alloc._allocator
             for setter, symbol in _HOOKS:
                 getattr(hooks, setter)(_lib.address(symbol))
-            _setup_oom(torch)
             try:
                 torch.cuda.memory.change_current_allocator(alloc)
             except RuntimeError as e:
@@ -104,24 +103,6 @@ def allocator():
                 _lib.library_path(), "cudapool_malloc", "cudapool_free"
             )
         return _per_pool
-
-
-# ---------------------------------------------------------------------------
-# OOM -> torch.OutOfMemoryError.  >>> GPU MACHINE WORK (lead) <<<
-#
-# cudapool_torch_malloc throws a C++ exception when cudapool has no memory
-# (capi/torch.cpp, cp_throw_oom: a std::runtime_error today, which reaches
-# Python as RuntimeError). PyTorch's bindings turn a c10::OutOfMemoryError
-# into torch.OutOfMemoryError. Whatever makes the thrown type
-# torch.OutOfMemoryError (cp_throw_oom throwing c10::OutOfMemoryError, or a
-# type/handler registered from Python through the library) is set up here:
-# install() calls _setup_oom before making the allocator current.
-# tests/gpu/test_gpu_memory.py::test_oom_is_torch_out_of_memory_error checks it.
-
-
-def _setup_oom(torch):
-    """Placeholder: make cudapool's OOM reach Python as torch.OutOfMemoryError."""
-    return None
 
 
 # ---------------------------------------------------------------------------

@@ -104,10 +104,10 @@ def test_out_of_memory_then_recovery():
 
 
 def test_oom_is_torch_out_of_memory_error():
-    """Open item for the GPU machine (see cudapool/_torch.py, _setup_oom):
-    users catch torch.OutOfMemoryError. Fails while the C++ wrapper throws
-    a plain std::runtime_error (RuntimeError)."""
+    """Users catch torch.OutOfMemoryError: capi/torch.cpp throws PyTorch's
+    own c10::OutOfMemoryError, with the native message."""
     total = torch.cuda.get_device_properties(0).total_memory
     torch.cuda.set_per_process_memory_fraction(0.01)
-    with pytest.raises(torch.OutOfMemoryError):
+    with pytest.raises(torch.OutOfMemoryError) as info:
         torch.empty(int(total * 0.05), dtype=torch.uint8, device="cuda")
+    assert str(info.value).startswith("CUDA out of memory. Tried to allocate")

@@ -12,7 +12,7 @@ torch = gpu_common.require_cuda()
 import cudapool  # noqa: E402
 
 N = 1 << 22  # 16 MiB of float32
-SLEEP_CYCLES = 200_000_000  # ~0.1 s of GPU time
+SLEEP_CYCLES = 1_000_000_000  # ~0.5 s of GPU time
 
 
 @pytest.fixture(autouse=True)
@@ -24,19 +24,29 @@ def installed():
 
 
 def test_record_stream_prevents_early_reuse():
+    # Load every kernel first: CUDA's lazy module loading synchronizes the
+    # context on a kernel's first launch, which would end the sleep early.
+    warm = torch.ones(N, device="cuda") * 1
+    torch.cuda._sleep(1)
+    del warm
+    torch.cuda.synchronize()
     side = torch.cuda.Stream()
     x = torch.ones(N, device="cuda")
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         torch.cuda._sleep(SLEEP_CYCLES)  # the side stream reads x late
         out = x * 1
+        busy = torch.cuda.Event()
+        busy.record(side)
     x.record_stream(side)
     ptr = x.data_ptr()
     del x
     z = torch.empty(N, device="cuda")  # default stream, runs at once
+    still_busy = not busy.query()
     z.fill_(7.0)
     reused = z.data_ptr() == ptr
     torch.cuda.synchronize()
+    assert still_busy, "inconclusive: the side stream finished before the allocation"
     assert not reused, "x's memory was handed out while the side stream still used it"
     assert bool((out == 1).all()), "the side stream read overwritten data"
 
