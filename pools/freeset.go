@@ -88,9 +88,26 @@ func (t *treap) Insert(b *Block) {
 	}
 	b.left, b.right, b.inSet = nil, nil, true
 	b.prio = hashPtr(b.Ptr)
-	l, r := split(t.root, keyOf(b))
-	t.root = merge(merge(l, b), r)
+	t.root = insert(t.root, b)
 	t.n++
+}
+
+// insert descends to where b's priority wins and splits only the subtree
+// below that point, which is small on average.
+func insert(n, b *Block) *Block {
+	if n == nil {
+		return b
+	}
+	if b.prio > n.prio {
+		b.left, b.right = split(n, keyOf(b))
+		return b
+	}
+	if keyOf(b).less(keyOf(n)) {
+		n.left = insert(n.left, b)
+	} else {
+		n.right = insert(n.right, b)
+	}
+	return n
 }
 
 // split divides n into the blocks ordered before (s, sz, p) and the rest.
