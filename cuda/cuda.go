@@ -18,6 +18,10 @@ type Event uintptr
 // Ptr is a device address (CUdeviceptr).
 type Ptr uintptr
 
+// MemHandle is a physical memory allocation made by cuMemCreate
+// (CUmemGenericAllocationHandle). Zero is never a valid handle.
+type MemHandle uint64
+
 // CaptureStatus mirrors CUstreamCaptureStatus.
 type CaptureStatus int
 

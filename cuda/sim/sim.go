@@ -42,8 +42,15 @@
 // during capture is dropped, not recorded, and graphs are never replayed),
 // cross-stream dependencies (cudaStreamWaitEvent) and the capture of joined
 // streams, the legacy stream's implicit synchronisation (ErrCaptureImplicit),
-// contexts and the current device, streams belonging to devices, timing, and
-// the virtual memory management API.
+// contexts and the current device, streams belonging to devices, and timing.
+//
+// The virtual memory management API (cuMemAddressReserve, cuMemCreate,
+// cuMemMap, cuMemSetAccess, cuMemUnmap, cuMemRelease, cuMemAddressFree) is
+// modelled in vmm.go: granularity, reserved and mapped ranges, physical
+// memory counted against capacity, and the same capture rules (creating,
+// mapping and setting access are potentially unsafe like MemAlloc; unmapping,
+// releasing and freeing an address range during any capture are refused like
+// MemFree).
 package sim
 
 import (
@@ -89,9 +96,10 @@ type Driver struct {
 	streams map[cuda.Stream]*stream // guarded by mu; created on first use
 	events  map[cuda.Event]*event   // guarded by mu; live events only
 
-	lastEvent     cuda.Event // guarded by mu; handles are never reused
-	eventsCreated int64      // guarded by mu
-	eventsGone    int64      // guarded by mu
+	lastEvent     cuda.Event     // guarded by mu; handles are never reused
+	lastHandle    cuda.MemHandle // guarded by mu; handles are never reused
+	eventsCreated int64          // guarded by mu
+	eventsGone    int64          // guarded by mu
 
 	// captures holds the capture sequences begun and not yet ended, active or
 	// invalidated, by stream.
@@ -117,7 +125,9 @@ type device struct {
 	live       map[cuda.Ptr]uint64 // live allocations and their sizes
 	allocs     int64
 	frees      int64
-	failAllocs int // MemAlloc calls still to fail
+	failAllocs int // MemAlloc and MemCreate calls still to fail
+
+	vmm vmmState // virtual memory management (vmm.go)
 }
 
 // free is what MemGetInfo reports, clamped at zero because external use may
@@ -178,6 +188,7 @@ func New(opts Options) *Driver {
 			next:     base,
 			limit:    base + 1<<rangeShift,
 			live:     make(map[cuda.Ptr]uint64),
+			vmm:      newVMMState(),
 		})
 	}
 	return d
@@ -360,14 +371,8 @@ func (d *Driver) MemFree(dev int, p cuda.Ptr) error {
 	if err != nil {
 		return err
 	}
-	if len(d.captures) > 0 {
-		all := make([]*capture, 0, len(d.captures))
-		for _, c := range d.captures {
-			all = append(all, c)
-		}
-		sortCaptures(all)
-		d.violate(fmt.Sprintf("MemFree(dev=%d, ptr=%#x) on thread %d during capture", dev, uintptr(p), tid), all)
-		return cuda.ErrCaptureUnsupported
+	if err := d.checkNoCapture(fmt.Sprintf("MemFree(dev=%d, ptr=%#x) on thread %d", dev, uintptr(p), tid)); err != nil {
+		return err
 	}
 	size, ok := dv.live[p]
 	if !ok {
@@ -377,6 +382,22 @@ func (d *Driver) MemFree(dev int, p cuda.Ptr) error {
 	dv.used -= size
 	dv.frees++
 	return nil
+}
+
+// checkNoCapture refuses a call that is illegal during any capture whatever
+// the modes (a free), invalidating every capture in progress; mu must be
+// held.
+func (d *Driver) checkNoCapture(call string) error {
+	if len(d.captures) == 0 {
+		return nil
+	}
+	all := make([]*capture, 0, len(d.captures))
+	for _, c := range d.captures {
+		all = append(all, c)
+	}
+	sortCaptures(all)
+	d.violate(call+" during capture", all)
+	return cuda.ErrCaptureUnsupported
 }
 
 // DeviceSynchronize completes all work on every stream (streams are not tied
@@ -647,8 +668,8 @@ func (d *Driver) SetExternalUse(dev int, bytes uint64) {
 	d.mustDevice(dev).external = bytes
 }
 
-// FailAllocs makes the next n MemAlloc calls on dev that pass their other
-// checks fail with ErrOutOfMemory.
+// FailAllocs makes the next n MemAlloc or MemCreate calls on dev that pass
+// their other checks fail with ErrOutOfMemory.
 func (d *Driver) FailAllocs(dev int, n int) {
 	d.mu.Lock()
 	defer d.mu.Unlock()

@@ -1,0 +1,388 @@
+package sim
+
+import (
+	"fmt"
+	"sort"
+	"syscall"
+
+	"github.com/cudapool/cudapool/cuda"
+)
+
+// The virtual memory management API, as cudapool's expandable segments use
+// it: reserve an address range once, create physical allocations of the
+// granularity, map them into the range, make the mapped range accessible,
+// and later unmap and release pages one by one.
+//
+// The model keeps, per device:
+//   - reservations: address ranges from cuMemAddressReserve, taken from the
+//     same bump pointer as MemAlloc (so they never overlap an allocation);
+//   - handles: physical allocations from cuMemCreate. Their bytes count in
+//     the device's used memory (MemGetInfo, Used) from creation until they are
+//     both released and unmapped everywhere, as in CUDA, where a released
+//     handle's memory lives on while a mapping refers to it;
+//   - mappings: which handle backs which part of which reservation, and
+//     whether cuMemSetAccess has made it accessible.
+//
+// Errors follow the driver: sizes and addresses must be multiples of the
+// granularity (ErrInvalidValue), a map must lie inside one reservation and
+// not overlap a mapping, an unmap must cover whole mappings, and an address
+// range can only be freed once nothing is mapped in it. Creating, mapping
+// and setting access are potentially unsafe calls (like MemAlloc: legal in
+// relaxed mode); unmapping, releasing and freeing an address range are
+// refused during any capture (like MemFree).
+
+// Granularity is the simulated allocation granularity
+// (cuMemGetAllocationGranularity), 2 MiB as on current NVIDIA GPUs.
+const Granularity = 2 << 20
+
+type vmmState struct {
+	reservations map[cuda.Ptr]uint64            // base -> size
+	byReserve    map[cuda.Ptr]map[cuda.Ptr]bool // reservation -> its mapped addresses
+	handles      map[cuda.MemHandle]*physical   // live (not released) handles
+	released     map[cuda.MemHandle]*physical   // released but still mapped
+	mappings     map[cuda.Ptr]*mapping          // by mapped address
+	maps         int64                          // successful MemMap calls
+	unmaps       int64                          // successful MemUnmap calls
+}
+
+type physical struct {
+	size     uint64
+	mapCount int
+}
+
+type mapping struct {
+	size       uint64
+	h          cuda.MemHandle
+	phys       *physical
+	reserve    cuda.Ptr
+	accessible bool
+}
+
+func newVMMState() vmmState {
+	return vmmState{
+		reservations: make(map[cuda.Ptr]uint64),
+		handles:      make(map[cuda.MemHandle]*physical),
+		mappings:     make(map[cuda.Ptr]*mapping),
+		released:     make(map[cuda.MemHandle]*physical),
+		byReserve:    make(map[cuda.Ptr]map[cuda.Ptr]bool),
+	}
+}
+
+func granular(n uint64) bool { return n != 0 && n%Granularity == 0 }
+
+// MemGranularity returns the allocation granularity for dev.
+func (d *Driver) MemGranularity(dev int) (uint64, error) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if _, err := d.device(dev); err != nil {
+		return 0, err
+	}
+	return Granularity, nil
+}
+
+// MemAddressReserve reserves size bytes of dev's address space. No memory is
+// used. It is a potentially unsafe call.
+func (d *Driver) MemAddressReserve(dev int, size uint64) (cuda.Ptr, error) {
+	tid := syscall.Gettid()
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	dv, err := d.device(dev)
+	if err != nil {
+		return 0, err
+	}
+	if !granular(size) {
+		return 0, cuda.ErrInvalidValue
+	}
+	if err := d.checkUnsafe(tid, fmt.Sprintf("MemAddressReserve(dev=%d, size=%d)", dev, size)); err != nil {
+		return 0, err
+	}
+	if size > dv.limit-dv.next {
+		return 0, cuda.ErrOutOfMemory
+	}
+	p := cuda.Ptr(dv.next)
+	dv.next += size
+	dv.vmm.reservations[p] = size
+	dv.vmm.byReserve[p] = make(map[cuda.Ptr]bool)
+	return p, nil
+}
+
+// MemAddressFree frees a reservation made by MemAddressReserve, with its
+// exact base and size. Nothing may be mapped in it. It is refused during any
+// capture.
+func (d *Driver) MemAddressFree(dev int, p cuda.Ptr, size uint64) error {
+	tid := syscall.Gettid()
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	dv, err := d.device(dev)
+	if err != nil {
+		return err
+	}
+	if err := d.checkNoCapture(fmt.Sprintf("MemAddressFree(dev=%d, ptr=%#x) on thread %d", dev, uintptr(p), tid)); err != nil {
+		return err
+	}
+	if sz, ok := dv.vmm.reservations[p]; !ok || sz != size || len(dv.vmm.byReserve[p]) > 0 {
+		return cuda.ErrInvalidValue
+	}
+	delete(dv.vmm.reservations, p)
+	delete(dv.vmm.byReserve, p)
+	return nil
+}
+
+// MemCreate allocates size bytes of physical memory on dev (a multiple of the
+// granularity). It counts against the device's capacity, fails with
+// ErrOutOfMemory when it does not fit or an injected failure (FailAllocs)
+// remains, and is a potentially unsafe call.
+func (d *Driver) MemCreate(dev int, size uint64) (cuda.MemHandle, error) {
+	tid := syscall.Gettid()
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	dv, err := d.device(dev)
+	if err != nil {
+		return 0, err
+	}
+	if !granular(size) {
+		return 0, cuda.ErrInvalidValue
+	}
+	if err := d.checkUnsafe(tid, fmt.Sprintf("MemCreate(dev=%d, size=%d)", dev, size)); err != nil {
+		return 0, err
+	}
+	if dv.failAllocs > 0 {
+		dv.failAllocs--
+		return 0, cuda.ErrOutOfMemory
+	}
+	if size > dv.free() {
+		return 0, cuda.ErrOutOfMemory
+	}
+	d.lastHandle++
+	dv.vmm.handles[d.lastHandle] = &physical{size: size}
+	dv.used += size
+	return d.lastHandle, nil
+}
+
+// findHandle returns a live handle of any device; mu must be held.
+func (d *Driver) findHandle(h cuda.MemHandle) (*device, *physical) {
+	for _, dv := range d.devs {
+		if ph := dv.vmm.handles[h]; ph != nil {
+			return dv, ph
+		}
+	}
+	return nil, nil
+}
+
+// MemRelease releases a handle. Its memory is freed once no mapping refers
+// to it. It is refused during any capture.
+func (d *Driver) MemRelease(h cuda.MemHandle) error {
+	tid := syscall.Gettid()
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if err := d.checkNoCapture(fmt.Sprintf("MemRelease(handle=%d) on thread %d", h, tid)); err != nil {
+		return err
+	}
+	dv, ph := d.findHandle(h)
+	if ph == nil {
+		return cuda.ErrInvalidHandle
+	}
+	delete(dv.vmm.handles, h)
+	if ph.mapCount > 0 {
+		dv.vmm.released[h] = ph
+		return nil
+	}
+	dv.used -= ph.size
+	return nil
+}
+
+// reservationOf returns the reservation holding [p, p+size) on dv; mu must be
+// held.
+func (dv *device) reservationOf(p cuda.Ptr, size uint64) (cuda.Ptr, bool) {
+	for base, sz := range dv.vmm.reservations {
+		if p >= base && uint64(p-base)+size <= sz && uint64(p-base) < sz {
+			return base, true
+		}
+	}
+	return 0, false
+}
+
+// overlaps reports whether [p, p+size) meets a mapping of dv; mu must be held.
+func (dv *device) overlaps(p cuda.Ptr, size uint64) bool {
+	for q, m := range dv.vmm.mappings {
+		if p < q+cuda.Ptr(m.size) && q < p+cuda.Ptr(size) {
+			return true
+		}
+	}
+	return false
+}
+
+// MemMap maps the whole of handle h (offset 0, size its size) at p, which
+// must lie in a reservation of the handle's device and meet no mapping. It
+// is a potentially unsafe call.
+func (d *Driver) MemMap(p cuda.Ptr, size uint64, h cuda.MemHandle) error {
+	tid := syscall.Gettid()
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	dv, ph := d.findHandle(h)
+	if ph == nil {
+		return cuda.ErrInvalidHandle
+	}
+	if size != ph.size || uint64(p)%Granularity != 0 {
+		return cuda.ErrInvalidValue
+	}
+	base, ok := dv.reservationOf(p, size)
+	if !ok || dv.overlaps(p, size) {
+		return cuda.ErrInvalidValue
+	}
+	if err := d.checkUnsafe(tid, fmt.Sprintf("MemMap(ptr=%#x, size=%d)", uintptr(p), size)); err != nil {
+		return err
+	}
+	ph.mapCount++
+	dv.vmm.mappings[p] = &mapping{size: size, h: h, phys: ph, reserve: base}
+	dv.vmm.byReserve[base][p] = true
+	dv.vmm.maps++
+	return nil
+}
+
+// mappedRun returns the mappings that tile [p, p+size) exactly, or nil; mu
+// must be held.
+func (dv *device) mappedRun(p cuda.Ptr, size uint64) []cuda.Ptr {
+	var out []cuda.Ptr
+	for q := p; q < p+cuda.Ptr(size); {
+		m := dv.vmm.mappings[q]
+		if m == nil {
+			return nil
+		}
+		out = append(out, q)
+		q += cuda.Ptr(m.size)
+	}
+	if len(out) == 0 {
+		return nil
+	}
+	last := out[len(out)-1]
+	if last+cuda.Ptr(dv.vmm.mappings[last].size) != p+cuda.Ptr(size) {
+		return nil
+	}
+	return out
+}
+
+// MemSetAccess makes [p, p+size) readable and writable from dev. The range
+// must be exactly covered by mappings on dev. It is a potentially unsafe
+// call.
+func (d *Driver) MemSetAccess(dev int, p cuda.Ptr, size uint64) error {
+	tid := syscall.Gettid()
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	dv, err := d.device(dev)
+	if err != nil {
+		return err
+	}
+	run := dv.mappedRun(p, size)
+	if run == nil {
+		return cuda.ErrInvalidValue
+	}
+	if err := d.checkUnsafe(tid, fmt.Sprintf("MemSetAccess(dev=%d, ptr=%#x, size=%d)", dev, uintptr(p), size)); err != nil {
+		return err
+	}
+	for _, q := range run {
+		dv.vmm.mappings[q].accessible = true
+	}
+	return nil
+}
+
+// MemUnmap unmaps [p, p+size), which must be exactly covered by mappings. A
+// released handle's memory is freed with its last mapping. It is refused
+// during any capture.
+func (d *Driver) MemUnmap(p cuda.Ptr, size uint64) error {
+	tid := syscall.Gettid()
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if err := d.checkNoCapture(fmt.Sprintf("MemUnmap(ptr=%#x, size=%d) on thread %d", uintptr(p), size, tid)); err != nil {
+		return err
+	}
+	for _, dv := range d.devs {
+		run := dv.mappedRun(p, size)
+		if run == nil {
+			continue
+		}
+		for _, q := range run {
+			m := dv.vmm.mappings[q]
+			delete(dv.vmm.mappings, q)
+			delete(dv.vmm.byReserve[m.reserve], q)
+			m.phys.mapCount--
+			if m.phys.mapCount == 0 && dv.vmm.released[m.h] == m.phys {
+				delete(dv.vmm.released, m.h)
+				dv.used -= m.phys.size
+			}
+		}
+		dv.vmm.unmaps++
+		return nil
+	}
+	return cuda.ErrInvalidValue
+}
+
+// Accessible reports whether every byte of [p, p+size) on dev is mapped and
+// accessible (memory from MemAlloc always is).
+func (d *Driver) Accessible(dev int, p cuda.Ptr, size uint64) bool {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	dv := d.mustDevice(dev)
+	for q, sz := range dv.live {
+		if p >= q && uint64(p-q)+size <= alignUp(sz) {
+			return true
+		}
+	}
+	var ms []cuda.Ptr
+	for q, m := range dv.vmm.mappings {
+		if q < p+cuda.Ptr(size) && p < q+cuda.Ptr(m.size) {
+			ms = append(ms, q)
+		}
+	}
+	sort.Slice(ms, func(i, j int) bool { return ms[i] < ms[j] })
+	next := p
+	for _, q := range ms {
+		m := dv.vmm.mappings[q]
+		if q > next || !m.accessible {
+			return false
+		}
+		next = q + cuda.Ptr(m.size)
+	}
+	return next >= p+cuda.Ptr(size)
+}
+
+// Mapped returns the bytes mapped in dev's reservations.
+func (d *Driver) Mapped(dev int) uint64 {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	var n uint64
+	for _, m := range d.mustDevice(dev).vmm.mappings {
+		n += m.size
+	}
+	return n
+}
+
+// Reservations returns the number of live address reservations on dev and
+// their total size.
+func (d *Driver) Reservations(dev int) (n int, bytes uint64) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	for _, sz := range d.mustDevice(dev).vmm.reservations {
+		n++
+		bytes += sz
+	}
+	return n, bytes
+}
+
+// Handles returns the number of physical allocations on dev not yet freed
+// (live handles, and released handles still mapped).
+func (d *Driver) Handles(dev int) int {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	v := &d.mustDevice(dev).vmm
+	return len(v.handles) + len(v.released)
+}
+
+// MapCalls returns the numbers of successful MemMap and MemUnmap calls on
+// dev.
+func (d *Driver) MapCalls(dev int) (maps, unmaps int64) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	v := &d.mustDevice(dev).vmm
+	return v.maps, v.unmaps
+}

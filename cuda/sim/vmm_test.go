@@ -1,0 +1,174 @@
+package sim_test
+
+import (
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/cudapool/cudapool/cuda"
+	"github.com/cudapool/cudapool/cuda/sim"
+)
+
+const gran = uint64(sim.Granularity)
+
+// The life of an expandable range: reserve, create, map, set access, unmap,
+// release, free; physical memory counts against capacity from create to the
+// later of release and unmap.
+func TestVMMLifecycle(t *testing.T) {
+	d := sim.New(sim.Options{Memory: 64 * mib})
+	g, err := d.MemGranularity(0)
+	require.NoError(t, err)
+	assert.Equal(t, gran, g)
+
+	base, err := d.MemAddressReserve(0, 32*mib)
+	require.NoError(t, err)
+	n, bytes := d.Reservations(0)
+	assert.Equal(t, 1, n)
+	assert.Equal(t, 32*mib, bytes)
+	free, _, _ := d.MemGetInfo(0)
+	assert.Equal(t, 64*mib, free, "a reservation uses no memory")
+
+	h1, err := d.MemCreate(0, gran)
+	require.NoError(t, err)
+	h2, err := d.MemCreate(0, gran)
+	require.NoError(t, err)
+	assert.Equal(t, 2*gran, d.Used(0))
+	require.NoError(t, d.MemMap(base, gran, h1))
+	require.NoError(t, d.MemMap(base+cuda.Ptr(gran), gran, h2))
+	assert.False(t, d.Accessible(0, base, 2*gran), "mapped but no access yet")
+	require.NoError(t, d.MemSetAccess(0, base, 2*gran))
+	assert.True(t, d.Accessible(0, base+100, 2*gran-200))
+	assert.False(t, d.Accessible(0, base, 3*gran))
+	assert.Equal(t, 2*gran, d.Mapped(0))
+
+	// Releasing a mapped handle keeps its memory until the unmap.
+	require.NoError(t, d.MemRelease(h1))
+	assert.Equal(t, 2*gran, d.Used(0))
+	require.NoError(t, d.MemUnmap(base, gran))
+	assert.Equal(t, gran, d.Used(0))
+	assert.Equal(t, 1, d.Handles(0))
+
+	require.ErrorIs(t, d.MemAddressFree(0, base, 32*mib), cuda.ErrInvalidValue, "still mapped")
+	require.NoError(t, d.MemUnmap(base+cuda.Ptr(gran), gran))
+	require.NoError(t, d.MemRelease(h2))
+	assert.Zero(t, d.Used(0))
+	assert.Zero(t, d.Handles(0))
+	require.NoError(t, d.MemAddressFree(0, base, 32*mib))
+	n, _ = d.Reservations(0)
+	assert.Zero(t, n)
+	maps, unmaps := d.MapCalls(0)
+	assert.Equal(t, int64(2), maps)
+	assert.Equal(t, int64(2), unmaps)
+}
+
+func TestVMMErrors(t *testing.T) {
+	d := sim.New(sim.Options{Memory: 8 * mib})
+	_, err := d.MemAddressReserve(0, gran+512)
+	require.ErrorIs(t, err, cuda.ErrInvalidValue, "size not a multiple of the granularity")
+	_, err = d.MemCreate(0, 4096)
+	require.ErrorIs(t, err, cuda.ErrInvalidValue)
+	_, err = d.MemCreate(0, 16*mib)
+	require.ErrorIs(t, err, cuda.ErrOutOfMemory, "beyond capacity")
+	d.FailAllocs(0, 1)
+	_, err = d.MemCreate(0, gran)
+	require.ErrorIs(t, err, cuda.ErrOutOfMemory, "injected failure")
+
+	base, err := d.MemAddressReserve(0, 4*gran)
+	require.NoError(t, err)
+	h, err := d.MemCreate(0, gran)
+	require.NoError(t, err)
+	h2, err := d.MemCreate(0, gran)
+	require.NoError(t, err)
+	require.ErrorIs(t, d.MemMap(base+cuda.Ptr(4*gran), gran, h), cuda.ErrInvalidValue, "outside the reservation")
+	require.ErrorIs(t, d.MemMap(base+512, gran, h), cuda.ErrInvalidValue, "misaligned")
+	require.ErrorIs(t, d.MemMap(base, 2*gran, h), cuda.ErrInvalidValue, "size is not the handle's")
+	require.ErrorIs(t, d.MemMap(base, gran, 999), cuda.ErrInvalidHandle)
+	require.NoError(t, d.MemMap(base, gran, h))
+	require.ErrorIs(t, d.MemMap(base, gran, h2), cuda.ErrInvalidValue, "overlaps a mapping")
+	require.ErrorIs(t, d.MemSetAccess(0, base, 2*gran), cuda.ErrInvalidValue, "part of the range unmapped")
+	require.ErrorIs(t, d.MemUnmap(base+cuda.Ptr(gran), gran), cuda.ErrInvalidValue, "nothing mapped there")
+	require.ErrorIs(t, d.MemUnmap(base, gran/2), cuda.ErrInvalidValue, "part of a mapping")
+	require.ErrorIs(t, d.MemAddressFree(0, base, 2*gran), cuda.ErrInvalidValue, "wrong size")
+	require.ErrorIs(t, d.MemRelease(999), cuda.ErrInvalidHandle)
+	require.NoError(t, d.MemUnmap(base, gran))
+	require.NoError(t, d.MemRelease(h))
+	require.NoError(t, d.MemRelease(h2))
+	require.ErrorIs(t, d.MemRelease(h), cuda.ErrInvalidHandle, "released twice")
+	assert.Zero(t, d.Violations())
+}
+
+// Creating, mapping and setting access follow MemAlloc's rules (legal in
+// relaxed mode); unmapping, releasing and freeing a range follow MemFree's
+// (refused during any capture).
+func TestVMMCaptureRules(t *testing.T) {
+	d := sim.New(sim.Options{Memory: gib})
+	th := newThread(t)
+	var base cuda.Ptr
+	var h, h2 cuda.MemHandle
+	var err error
+	th.do(func() {
+		base, err = d.MemAddressReserve(0, 8*gran)
+		if err == nil {
+			h, err = d.MemCreate(0, gran)
+		}
+		if err == nil {
+			err = d.MemMap(base, gran, h)
+		}
+	})
+	require.NoError(t, err)
+
+	capturer := newThread(t)
+	capturer.do(func() { err = d.BeginCapture(7, cuda.CaptureModeGlobal) })
+	require.NoError(t, err)
+	// Global mode: creating and mapping invalidate the capture.
+	th.do(func() { _, err = d.MemCreate(0, gran) })
+	require.ErrorIs(t, err, cuda.ErrCaptureUnsupported)
+	assert.Equal(t, int64(1), d.Violations())
+	capturer.do(func() { err = d.EndCapture(7) })
+	require.ErrorIs(t, err, cuda.ErrCaptureInvalidated)
+	d.ResetViolations()
+
+	// Relaxed mode: create, map, set access and reserve are legal.
+	capturer.do(func() { err = d.BeginCapture(7, cuda.CaptureModeGlobal) })
+	require.NoError(t, err)
+	th.do(func() {
+		var prev cuda.CaptureMode
+		prev, err = d.ExchangeCaptureMode(cuda.CaptureModeRelaxed)
+		if err == nil {
+			h2, err = d.MemCreate(0, gran)
+		}
+		if err == nil {
+			err = d.MemMap(base+cuda.Ptr(gran), gran, h2)
+		}
+		if err == nil {
+			err = d.MemSetAccess(0, base, 2*gran)
+		}
+		if err == nil {
+			_, err = d.MemAddressReserve(0, gran)
+		}
+		if _, xerr := d.ExchangeCaptureMode(prev); err == nil {
+			err = xerr
+		}
+	})
+	require.NoError(t, err)
+	assert.Zero(t, d.Violations())
+
+	// Unmap, release and address free are refused whatever the mode.
+	th.do(func() {
+		_, _ = d.ExchangeCaptureMode(cuda.CaptureModeRelaxed)
+		err = d.MemUnmap(base, gran)
+	})
+	require.ErrorIs(t, err, cuda.ErrCaptureUnsupported)
+	require.ErrorIs(t, d.MemRelease(h), cuda.ErrCaptureUnsupported)
+	require.ErrorIs(t, d.MemAddressFree(0, base, 8*gran), cuda.ErrCaptureUnsupported)
+	assert.Equal(t, int64(3), d.Violations())
+	assert.Equal(t, 2*gran, d.Mapped(0), "a refused call does nothing")
+	capturer.do(func() { err = d.EndCapture(7) })
+	require.ErrorIs(t, err, cuda.ErrCaptureInvalidated)
+
+	require.NoError(t, d.MemUnmap(base, 2*gran), "one unmap may cover several whole mappings")
+	require.NoError(t, d.MemRelease(h))
+	require.NoError(t, d.MemRelease(h2))
+	assert.Zero(t, d.Used(0))
+}
