@@ -39,13 +39,24 @@ type PoolID struct{ A, B uint64 }
 // IsDefault reports whether id is the default pool {0,0}.
 func (id PoolID) IsDefault() bool { return id.A == 0 && id.B == 0 }
 
-// Segment is one allocation from the driver.
+// Segment is one allocation from the driver, or one expandable segment (a
+// reserved address range that is mapped page by page; see expandable.go).
 type Segment struct {
 	Base   cuda.Ptr
-	Size   uint64
+	Size   uint64      // bytes allocated; for an expandable segment, reserved
 	Stream cuda.Stream // the stream the segment was allocated for
 	Pool   *BlockPool  // the pool its free blocks return to
 	Head   *Block      // the block at Base
+
+	// Expandable marks a reserved range whose blocks are mapped or not
+	// (Block.Unmapped); Mapped is the bytes mapped, PageSize the unit of
+	// mapping. Pages is the owner's record of the physical allocation
+	// behind each page (index (addr-Base)/PageSize, 0 where unmapped); the
+	// Mapper fills and empties it, this package only sizes it.
+	Expandable bool
+	PageSize   uint64
+	Mapped     uint64
+	Pages      []cuda.MemHandle
 }
 
 // Block is a piece of a segment. The fields are guarded by the lock of the
@@ -60,6 +71,9 @@ type Block struct {
 	Prev      *Block // neighbours in the segment, by address
 	Next      *Block
 	Allocated bool
+	// Unmapped marks a block of an expandable segment with no memory
+	// behind it: it is in its pool's Unmapped set, not in Blocks.
+	Unmapped bool
 	// EventCount is the number of recorded events that must complete before
 	// the block returns to its pool (package events).
 	EventCount int
@@ -77,6 +91,11 @@ type Block struct {
 
 // IsSplit reports whether the block shares its segment with other blocks.
 func (b *Block) IsSplit() bool { return b.Prev != nil || b.Next != nil }
+
+// wholeSegment reports whether b is all of an ordinary segment, which can be
+// given back to the driver in one free. Expandable segments give memory back
+// page by page instead (UnmapFree).
+func (b *Block) wholeSegment() bool { return !b.IsSplit() && !b.Seg.Expandable }
 
 // Active reports whether the block is allocated or awaiting its free.
 func (b *Block) Active() bool { return b.Allocated || b.EventCount > 0 || !b.Uses.Empty() }

@@ -11,8 +11,11 @@ import (
 // pool, or one half of a private pool.
 type BlockPool struct {
 	Blocks FreeSet
-	Small  bool
-	ID     PoolID
+	// Unmapped holds the unmapped blocks of the pool's expandable segments,
+	// in the same order as Blocks.
+	Unmapped FreeSet
+	Small    bool
+	ID       PoolID
 	// Segments is the number of live segments whose blocks belong here;
 	// a private pool can be dropped once it reaches zero.
 	Segments int
@@ -76,7 +79,7 @@ func (c *Cache) SetConfig(cfg Config) {
 
 // NewPool returns an empty block pool for a private pool.
 func (c *Cache) NewPool(small bool, id PoolID) *BlockPool {
-	return &BlockPool{Blocks: NewFreeSet(c.cfg.FreeSet), Small: small, ID: id}
+	return &BlockPool{Blocks: NewFreeSet(c.cfg.FreeSet), Unmapped: NewFreeSet(c.cfg.FreeSet), Small: small, ID: id}
 }
 
 // SetFraction limits Reserved to fraction × total. Fraction must be in [0, 1].
@@ -115,6 +118,9 @@ func (c *Cache) TakeFree(r *Request) *Block {
 	if b == nil || b.Stream != r.Stream {
 		return nil
 	}
+	if b.Seg.Expandable {
+		b = preferInterior(p, b)
+	}
 	if r.Size < c.cfg.MaxSplitSize && b.Size >= c.cfg.MaxSplitSize {
 		return nil
 	}
@@ -152,7 +158,7 @@ func (c *Cache) AddSegment(r *Request, base cuda.Ptr) *Block {
 
 func (c *Cache) shouldSplit(b *Block, size uint64) bool {
 	rest := b.Size - size
-	if b.Pool.Small {
+	if b.Pool.Small || b.Seg.Expandable {
 		return rest >= MinBlockSize
 	}
 	return size < c.cfg.MaxSplitSize && rest > SmallSize
@@ -177,7 +183,10 @@ func (c *Cache) Allocate(r *Request, b *Block) *Block {
 		rest.Ptr += cuda.Ptr(r.Size)
 		rest.Size -= r.Size
 		c.insertFree(rest)
-		if wasSplit {
+		if b.Seg.Expandable {
+			// inactive_split leaves expandable segments out, as PyTorch
+			// does: their free pages can always be given back.
+		} else if wasSplit {
 			// An inactive split block shrank by the allocated size.
 			c.Stats.InactiveSplitBytes.Decrease(small, int64(b.Size))
 		} else {
@@ -185,7 +194,7 @@ func (c *Cache) Allocate(r *Request, b *Block) *Block {
 			c.Stats.InactiveSplitBytes.Increase(small, int64(rest.Size))
 			c.Stats.InactiveSplit.Increase(small, 1)
 		}
-	} else if wasSplit {
+	} else if wasSplit && !b.Seg.Expandable {
 		c.Stats.InactiveSplitBytes.Decrease(small, int64(b.Size))
 		c.Stats.InactiveSplit.Decrease(small, 1)
 	}
@@ -243,19 +252,26 @@ func (c *Cache) Return(b *Block) {
 	b.Requested = 0
 	c.insertFree(b)
 	small := b.Pool.Small
-	c.Stats.InactiveSplit.Add(small, splitBlocks)
-	c.Stats.InactiveSplitBytes.Add(small, splitBytes)
+	if !b.Seg.Expandable {
+		c.Stats.InactiveSplit.Add(small, splitBlocks)
+		c.Stats.InactiveSplitBytes.Add(small, splitBytes)
+	}
 	c.Stats.Active.Decrease(small, 1)
 	c.Stats.ActiveBytes.Decrease(small, int64(size))
 	c.Stats.RequestedBytes.Decrease(small, int64(requested))
 }
 
-// tryMerge absorbs the neighbour n into b if n is free, returning n's size.
+// tryMerge absorbs the neighbour n into b if n is free and mapped alike,
+// returning n's size. b must be in no set.
 func (c *Cache) tryMerge(b, n *Block) uint64 {
-	if n == nil || n.Active() || !n.inSet {
+	if n == nil || n.Active() || !n.inSet || n.Unmapped != b.Unmapped {
 		return 0
 	}
-	n.Pool.Blocks.Remove(n)
+	if n.Unmapped {
+		n.Pool.Unmapped.Remove(n)
+	} else {
+		n.Pool.Blocks.Remove(n)
+	}
 	if n == b.Prev {
 		b.Ptr = n.Ptr
 		b.Prev = n.Prev
@@ -283,7 +299,7 @@ func (c *Cache) insertFree(b *Block) {
 
 // releaseSegment gives the free whole-segment block b back through free.
 func (c *Cache) releaseSegment(b *Block, free FreeFunc) error {
-	if b.IsSplit() || b.Active() {
+	if !b.wholeSegment() || b.Active() {
 		panic("pools: releasing a block that is not a whole free segment")
 	}
 	if err := free(b.Ptr, b.Size); err != nil {
@@ -319,7 +335,7 @@ func (c *Cache) ReleaseAvailable(r *Request, free FreeFunc) (bool, error) {
 		want = max
 	}
 	if b := p.Blocks.LowerBound(r.Stream, want); b != nil && b.Stream == r.Stream {
-		if b.IsSplit() {
+		if !b.wholeSegment() {
 			return false, nil
 		}
 		return true, c.releaseSegment(b, free)
@@ -328,7 +344,7 @@ func (c *Cache) ReleaseAvailable(r *Request, free FreeFunc) (bool, error) {
 	for b := p.Blocks.Before(r.Stream, want, 0); b != nil && released < want &&
 		b.Stream == r.Stream && b.Size >= max; {
 		prev := p.Blocks.Before(b.Stream, b.Size, b.Ptr)
-		if !b.IsSplit() {
+		if b.wholeSegment() {
 			size := b.Size
 			if err := c.releaseSegment(b, free); err != nil {
 				return false, err
@@ -340,11 +356,12 @@ func (c *Cache) ReleaseAvailable(r *Request, free FreeFunc) (bool, error) {
 	return released >= want, nil
 }
 
-// ReleasePool frees every whole free segment cached in p.
+// ReleasePool frees every whole free ordinary segment cached in p (see
+// UnmapFree for expandable segments).
 func (c *Cache) ReleasePool(p *BlockPool, free FreeFunc) error {
 	var whole []*Block
 	p.Blocks.Ascend(func(b *Block) bool {
-		if !b.IsSplit() {
+		if b.wholeSegment() {
 			whole = append(whole, b)
 		}
 		return true
@@ -375,7 +392,7 @@ func (c *Cache) GarbageCollect(free FreeFunc) error {
 	var totalAge uint64
 	var n int
 	p.Blocks.Ascend(func(b *Block) bool {
-		if !b.IsSplit() {
+		if b.wholeSegment() {
 			totalAge += age(b)
 			n++
 		}
@@ -389,7 +406,7 @@ func (c *Cache) GarbageCollect(free FreeFunc) error {
 		freed = false
 		var victims []*Block
 		p.Blocks.Ascend(func(b *Block) bool {
-			if !b.IsSplit() && float64(age(b)) >= mean {
+			if b.wholeSegment() && float64(age(b)) >= mean {
 				victims = append(victims, b)
 			}
 			return true
@@ -450,42 +467,69 @@ func (c *Cache) putBlock(b *Block) {
 }
 
 // Check verifies the cache's invariants and returns the first violation:
-// blocks tile their segments, neighbours are never both free, free blocks are
-// in their pool's set and allocated ones indexed, and the statistics equal a
-// recount. It walks everything; tests and the debug switch call it.
+// blocks tile their segments, neighbours are never both free (and mapped
+// alike), free blocks are in their pool's set and allocated ones indexed,
+// and the statistics equal a recount. In expandable segments the unmapped
+// blocks are whole pages in their pool's Unmapped set, the mapped blocks
+// add up to Segment.Mapped, and reserved memory is mapped memory. It walks
+// everything; tests and the debug switch call it.
 func (c *Cache) Check() error {
 	var alloc, active, split [3]int64
 	var allocB, activeB, splitB, reqB, resB, segs [3]int64
 	inSets := map[*BlockPool]int{c.Small: 0, c.Large: 0}
+	unmapped := map[*BlockPool]int{c.Small: 0, c.Large: 0}
 	var reserved uint64
 	for base, s := range c.segments {
 		if s.Base != base || s.Head == nil || s.Head.Ptr != base || s.Head.Prev != nil {
 			return fmt.Errorf("segment %#x: bad head", base)
 		}
 		inSets[s.Pool] += 0
+		unmapped[s.Pool] += 0
 		t := poolStat(s.Pool.Small)
-		segs[t]++
-		resB[t] += int64(s.Size)
-		reserved += s.Size
+		if s.Expandable {
+			if s.PageSize == 0 || s.Size%s.PageSize != 0 || uint64(len(s.Pages)) != s.Size/s.PageSize {
+				return fmt.Errorf("expandable segment %#x: size %d, page %d, %d pages", base, s.Size, s.PageSize, len(s.Pages))
+			}
+		} else {
+			segs[t]++
+			resB[t] += int64(s.Size)
+			reserved += s.Size
+		}
+		var mapped uint64
 		next := s.Base
 		for b := s.Head; b != nil; b = b.Next {
-			if b.Ptr != next || b.Seg != s || b.Pool != s.Pool || b.Size == 0 {
+			if b.Ptr != next || b.Seg != s || b.Pool != s.Pool || b.Size == 0 || b.Stream != s.Stream {
 				return fmt.Errorf("segment %#x: block %#x+%d does not tile it (expected %#x)", base, b.Ptr, b.Size, next)
 			}
 			if b.Next != nil && b.Next.Prev != b {
 				return fmt.Errorf("block %#x: broken links", b.Ptr)
 			}
 			next = b.End()
+			if b.Unmapped {
+				switch {
+				case !s.Expandable:
+					return fmt.Errorf("block %#x: unmapped in an ordinary segment", b.Ptr)
+				case uint64(b.Ptr-s.Base)%s.PageSize != 0 || b.Size%s.PageSize != 0:
+					return fmt.Errorf("unmapped block %#x+%d: not whole pages", b.Ptr, b.Size)
+				case b.Active() || !b.inSet:
+					return fmt.Errorf("unmapped block %#x: active=%v, in its set=%v", b.Ptr, b.Active(), b.inSet)
+				case b.Next != nil && b.Next.Unmapped:
+					return fmt.Errorf("unmapped blocks %#x and %#x not merged", b.Ptr, b.Next.Ptr)
+				}
+				unmapped[b.Pool]++
+				continue
+			}
+			mapped += b.Size
 			free := !b.Active()
 			if free != b.inSet {
 				return fmt.Errorf("block %#x: free=%v but in free set=%v", b.Ptr, free, b.inSet)
 			}
 			if free {
 				inSets[b.Pool]++
-				if b.Next != nil && !b.Next.Active() {
+				if b.Next != nil && !b.Next.Active() && !b.Next.Unmapped {
 					return fmt.Errorf("blocks %#x and %#x: adjacent free blocks not merged", b.Ptr, b.Next.Ptr)
 				}
-				if b.IsSplit() {
+				if b.IsSplit() && !s.Expandable {
 					split[t]++
 					splitB[t] += int64(b.Size)
 				}
@@ -505,10 +549,22 @@ func (c *Cache) Check() error {
 		if next != s.Base+cuda.Ptr(s.Size) {
 			return fmt.Errorf("segment %#x: blocks end at %#x, segment at %#x", base, next, s.Base+cuda.Ptr(s.Size))
 		}
+		if s.Expandable {
+			if mapped != s.Mapped {
+				return fmt.Errorf("expandable segment %#x: blocks map %d bytes, segment says %d", base, mapped, s.Mapped)
+			}
+			resB[t] += int64(mapped)
+			reserved += mapped
+		}
 	}
 	for p, n := range inSets {
 		if p.Blocks.Len() != n {
 			return fmt.Errorf("pool %v small=%v: free set holds %d blocks, segments have %d free", p.ID, p.Small, p.Blocks.Len(), n)
+		}
+	}
+	for p, n := range unmapped {
+		if p.Unmapped.Len() != n {
+			return fmt.Errorf("pool %v small=%v: unmapped set holds %d blocks, segments have %d unmapped", p.ID, p.Small, p.Unmapped.Len(), n)
 		}
 	}
 	if int(alloc[1]+alloc[2]) != c.active.n {

@@ -16,6 +16,8 @@ type FreeSet interface {
 	LowerBound(s cuda.Stream, size uint64) *Block
 	// Before returns the last block strictly before (s, size, ptr), or nil.
 	Before(s cuda.Stream, size uint64, ptr cuda.Ptr) *Block
+	// After returns the block following b (which is in the set), or nil.
+	After(b *Block) *Block
 	Len() int
 	// Ascend calls fn in order until it returns false. fn must not modify
 	// the set.
@@ -187,6 +189,19 @@ func (t *treap) Before(s cuda.Stream, size uint64, ptr cuda.Ptr) *Block {
 	return best
 }
 
+func (t *treap) After(b *Block) *Block {
+	var best *Block
+	k := keyOf(b)
+	for n := t.root; n != nil; {
+		if k.less(keyOf(n)) {
+			best, n = n, n.left
+		} else {
+			n = n.right
+		}
+	}
+	return best
+}
+
 func (t *treap) Len() int { return t.n }
 
 func (t *treap) Ascend(fn func(*Block) bool) { ascend(t.root, fn) }
@@ -248,6 +263,13 @@ func (x *sortedSet) LowerBound(s cuda.Stream, size uint64) *Block {
 func (x *sortedSet) Before(s cuda.Stream, size uint64, ptr cuda.Ptr) *Block {
 	if i := x.search(s, size, ptr); i > 0 {
 		return x.s[i-1]
+	}
+	return nil
+}
+
+func (x *sortedSet) After(b *Block) *Block {
+	if i := x.search(b.Stream, b.Size, b.Ptr) + 1; i < len(x.s) {
+		return x.s[i]
 	}
 	return nil
 }

@@ -51,6 +51,10 @@ func TestFreeSetOrderAndBounds(t *testing.T) {
 		require.Same(t, a, s.Before(1, 8192, 0))
 		require.Same(t, b, s.Before(a.Stream, a.Size, a.Ptr))
 		require.Nil(t, s.Before(1, 4096, 0x1000))
+		require.Same(t, a, s.After(b))
+		require.Same(t, c, s.After(a))
+		require.Same(t, d, s.After(c))
+		require.Nil(t, s.After(d))
 
 		s.Remove(b)
 		require.False(t, b.inSet)
@@ -96,6 +100,13 @@ func TestFreeSetRandomAgainstModel(t *testing.T) {
 		var got []*Block
 		s.Ascend(func(b *Block) bool { got = append(got, b); return true })
 		require.Equal(t, sortedModel(model), got)
+		for i, b := range got {
+			var want *Block
+			if i+1 < len(got) {
+				want = got[i+1]
+			}
+			require.Same(t, want, s.After(b))
+		}
 	})
 }
 

@@ -1,0 +1,295 @@
+package pools
+
+import (
+	"errors"
+
+	"github.com/cudapool/cudapool/cuda"
+)
+
+// Expandable segments (expandable_segments:True).
+//
+// # Design
+//
+// An ordinary segment is one cuMemAlloc: its size is fixed, so a block can
+// never grow past the segment's end, and a free block stranded between two
+// allocated ones of another segment is fragmentation that only empty_cache
+// can return. An expandable segment is instead one large reserved address
+// range (cuMemAddressReserve) per pool and stream, backed page by page with
+// physical memory (cuMemCreate + cuMemMap + cuMemSetAccess) as it is needed,
+// so the pool's memory grows at the end of one range and a block can span
+// what would have been segment boundaries.
+//
+// The segment's blocks tile the whole reserved range. A block is mapped
+// (an ordinary block: allocated, awaiting its free, or free in the pool's
+// Blocks) or unmapped (Unmapped set, in the pool's Unmapped set, always whole
+// pages). Neighbours that are both free and mapped alike are merged, so free
+// mapped and unmapped blocks alternate between allocated ones. Reserved
+// memory is mapped memory: Segment.Mapped, counted in Cache.Reserved and
+// reserved_bytes.
+//
+// Growth (no mapped free block fits): FindExpandable picks, on the request's
+// stream, the lowest-addressed unmapped block that, with the free mapped
+// block just before it and the free and unmapped blocks after it, spans the
+// request; MapExpandable maps just enough pages at its start, merging each
+// newly mapped piece with the free mapped neighbours, until one free block
+// covers the request. With no such room the owner reserves a new segment
+// (AddExpandable). Best fit prefers, among blocks that fit, one that is not
+// the growing end of a segment (preferInterior), so that the end stays free
+// to grow.
+//
+// Release (empty_cache, the OOM retry; never during a capture): UnmapFree
+// unmaps the whole pages inside each free mapped block; the partial pages at
+// its ends stay mapped as free blocks. A segment left with nothing mapped
+// gives its address range back.
+//
+// Splitting follows the small-pool rule in expandable segments (any
+// remainder of at least 512 B), since unneeded pages can be unmapped
+// later, and inactive_split counts leave expandable blocks out: both as in
+// PyTorch. The segment statistic counts ordinary segments only; snapshots
+// show each contiguous mapped run as a segment.
+//
+// The driver work is the owner's, through Mapper.
+
+// Mapper does the driver work for expandable segments.
+type Mapper interface {
+	// Map backs [seg.Base+off, +size), whole pages, with physical memory
+	// and makes it accessible. It maps all of it or nothing.
+	Map(seg *Segment, off, size uint64) error
+	// Unmap unmaps and releases the pages of [seg.Base+off, +size).
+	Unmap(seg *Segment, off, size uint64) error
+	// Free gives back the address range of seg, which has nothing mapped.
+	Free(seg *Segment) error
+}
+
+// ErrFraction is MapExpandable's answer when mapping would exceed the
+// memory fraction.
+var ErrFraction = errors.New("pools: the memory fraction does not allow mapping more")
+
+// AddExpandable records a new reserved range of size bytes at base for r's
+// pool and stream, mapped in pages of page bytes, and returns its one
+// (unmapped) block, a candidate for MapExpandable.
+func (c *Cache) AddExpandable(r *Request, base cuda.Ptr, size, page uint64) *Block {
+	seg := &Segment{Base: base, Size: size, Stream: r.Stream, Pool: r.Pool,
+		Expandable: true, PageSize: page, Pages: make([]cuda.MemHandle, size/page)}
+	b := c.newBlock()
+	b.Ptr, b.Size, b.Stream, b.Pool, b.Seg, b.Unmapped = base, size, r.Stream, r.Pool, seg, true
+	seg.Head = b
+	c.segments[base] = seg
+	r.Pool.Segments++
+	r.Pool.Unmapped.Insert(b)
+	return b
+}
+
+// allocatable reports whether b is free, mapped or not.
+func allocatable(b *Block) bool { return b != nil && !b.Active() }
+
+// FindExpandable returns the start of the lowest-addressed run of free and
+// unmapped blocks on r's stream, in r's pool, that contains an unmapped
+// block and spans r.Size, or nil.
+func (c *Cache) FindExpandable(r *Request) *Block {
+	p := r.Pool
+	var best *Block
+	for u := p.Unmapped.LowerBound(r.Stream, 0); u != nil && u.Stream == r.Stream; u = p.Unmapped.After(u) {
+		start := u
+		if allocatable(u.Prev) {
+			start = u.Prev
+		}
+		if best != nil && best.Ptr <= start.Ptr {
+			continue
+		}
+		var n uint64
+		for b := start; n < r.Size && allocatable(b); b = b.Next {
+			n += b.Size
+		}
+		if n >= r.Size {
+			best = start
+		}
+	}
+	return best
+}
+
+// MapExpandable maps pages at the start of the run that FindExpandable (or
+// AddExpandable) returned until one free block covers r, and returns that
+// block, out of the free set and ready for Allocate. On an error (the
+// Mapper's, or ErrFraction) the pages mapped so far stay mapped as free
+// blocks.
+func (c *Cache) MapExpandable(r *Request, start *Block, m Mapper) (*Block, error) {
+	b := start
+	if b.Unmapped {
+		var err error
+		if b, err = c.mapBlock(b, min(b.Size, r.Size), m); err != nil {
+			return nil, err
+		}
+	}
+	for b.Size < r.Size {
+		// The run alternates: b (free, mapped) is followed by an unmapped
+		// block, which mapBlock maps and merges into b.
+		next := b.Next
+		var err error
+		if b, err = c.mapBlock(next, min(next.Size, r.Size-b.Size), m); err != nil {
+			return nil, err
+		}
+	}
+	b.Pool.Blocks.Remove(b)
+	return b, nil
+}
+
+// mapBlock maps the first size bytes (rounded up to pages) of the unmapped
+// block u and returns the free mapped block that contains them after merging
+// with its free mapped neighbours.
+func (c *Cache) mapBlock(u *Block, size uint64, m Mapper) (*Block, error) {
+	seg := u.Seg
+	size = roundUp(size, seg.PageSize)
+	if !c.CanGrow(size) {
+		return nil, ErrFraction
+	}
+	if err := m.Map(seg, uint64(u.Ptr-seg.Base), size); err != nil {
+		return nil, err
+	}
+	p := u.Pool
+	p.Unmapped.Remove(u)
+	if size < u.Size {
+		rest := c.newBlock()
+		rest.Ptr, rest.Size, rest.Stream, rest.Pool, rest.Seg, rest.Unmapped = u.Ptr+cuda.Ptr(size), u.Size-size, u.Stream, p, seg, true
+		rest.Prev, rest.Next = u, u.Next
+		if u.Next != nil {
+			u.Next.Prev = rest
+		}
+		u.Next = rest
+		u.Size = size
+		p.Unmapped.Insert(rest)
+	}
+	u.Unmapped = false
+	c.tryMerge(u, u.Prev)
+	c.tryMerge(u, u.Next)
+	c.insertFree(u)
+	seg.Mapped += size
+	c.Reserved += size
+	c.Stats.ReservedBytes.Increase(p.Small, int64(size))
+	c.Stats.NumDeviceAlloc++
+	return u, nil
+}
+
+// preferInterior is best fit's rule in expandable segments: b fits, but if
+// it is the growing end of its segment (followed by unmapped space), a
+// later block of the stream that fits and could grow less is taken instead.
+func preferInterior(p *BlockPool, b *Block) *Block {
+	for n := p.Blocks.After(b); b.Seg.Expandable && n != nil && n.Stream == b.Stream &&
+		expandableSize(n) < expandableSize(b); n = p.Blocks.After(n) {
+		b = n
+	}
+	return b
+}
+
+// expandableSize is the size b could grow to by mapping what follows it.
+func expandableSize(b *Block) uint64 {
+	if b.Next != nil && b.Next.Unmapped {
+		return b.Size + b.Next.Size
+	}
+	return b.Size
+}
+
+// UnmapFree unmaps the whole pages of every free mapped block of p's
+// expandable segments and gives back the address ranges of the segments left
+// with nothing mapped. Never during a capture.
+func (c *Cache) UnmapFree(p *BlockPool, m Mapper) error {
+	var free []*Block
+	p.Blocks.Ascend(func(b *Block) bool {
+		if b.Seg.Expandable {
+			free = append(free, b)
+		}
+		return true
+	})
+	for _, b := range free {
+		if err := c.unmapBlock(b, m); err != nil {
+			return err
+		}
+	}
+	var empty []*Block
+	p.Unmapped.Ascend(func(b *Block) bool {
+		if !b.IsSplit() {
+			empty = append(empty, b)
+		}
+		return true
+	})
+	for _, b := range empty {
+		if err := m.Free(b.Seg); err != nil {
+			return err
+		}
+		p.Unmapped.Remove(b)
+		p.Segments--
+		delete(c.segments, b.Seg.Base)
+		c.putBlock(b)
+	}
+	return nil
+}
+
+// unmapBlock unmaps the whole pages inside the free mapped block b, leaving
+// the partial pages at its ends as free mapped blocks.
+func (c *Cache) unmapBlock(b *Block, m Mapper) error {
+	seg := b.Seg
+	lo := roundUp(uint64(b.Ptr-seg.Base), seg.PageSize)
+	hi := uint64(b.End()-seg.Base) / seg.PageSize * seg.PageSize
+	if hi <= lo {
+		return nil
+	}
+	if err := m.Unmap(seg, lo, hi-lo); err != nil {
+		return err
+	}
+	p := b.Pool
+	p.Blocks.Remove(b)
+	if start := seg.Base + cuda.Ptr(lo); b.Ptr < start {
+		before := c.newBlock()
+		before.Ptr, before.Size, before.Stream, before.Pool, before.Seg = b.Ptr, uint64(start-b.Ptr), b.Stream, p, seg
+		before.Prev, before.Next = b.Prev, b
+		if b.Prev != nil {
+			b.Prev.Next = before
+		} else {
+			seg.Head = before
+		}
+		b.Prev = before
+		b.Ptr, b.Size = start, b.Size-before.Size
+		c.insertFree(before)
+	}
+	if end := seg.Base + cuda.Ptr(hi); end < b.End() {
+		after := c.newBlock()
+		after.Ptr, after.Size, after.Stream, after.Pool, after.Seg = end, uint64(b.End()-end), b.Stream, p, seg
+		after.Prev, after.Next = b, b.Next
+		if b.Next != nil {
+			b.Next.Prev = after
+		}
+		b.Next = after
+		b.Size -= after.Size
+		c.insertFree(after)
+	}
+	b.Unmapped = true
+	c.tryMerge(b, b.Prev)
+	c.tryMerge(b, b.Next)
+	p.Unmapped.Insert(b)
+	n := hi - lo
+	seg.Mapped -= n
+	c.Reserved -= n
+	c.Stats.ReservedBytes.Decrease(p.Small, int64(n))
+	c.Stats.NumDeviceFree++
+	return nil
+}
+
+// MappedRun returns the contiguous mapped range of an expandable segment
+// that contains p (what a snapshot shows as one segment), or false if p is
+// in no mapped block.
+func (c *Cache) MappedRun(seg *Segment, p cuda.Ptr) (cuda.Ptr, uint64, bool) {
+	for b := seg.Head; b != nil; b = b.Next {
+		if b.Unmapped || p < b.Ptr || p >= b.End() {
+			continue
+		}
+		first, last := b, b
+		for first.Prev != nil && !first.Prev.Unmapped {
+			first = first.Prev
+		}
+		for last.Next != nil && !last.Next.Unmapped {
+			last = last.Next
+		}
+		return first.Ptr, uint64(last.End() - first.Ptr), true
+	}
+	return 0, 0, false
+}

@@ -1,0 +1,156 @@
+package pools
+
+import (
+	"errors"
+	"testing"
+
+	"github.com/cudapool/cudapool/cuda"
+	"github.com/stretchr/testify/require"
+)
+
+const page = 2 * MiB
+
+// fakeMapper records page states and can fail.
+type fakeMapper struct {
+	mapped map[cuda.Ptr]bool
+	fail   error
+	freed  int
+}
+
+func newFakeMapper() *fakeMapper { return &fakeMapper{mapped: map[cuda.Ptr]bool{}} }
+
+func (m *fakeMapper) Map(seg *Segment, off, size uint64) error {
+	if m.fail != nil {
+		return m.fail
+	}
+	for o := off; o < off+size; o += seg.PageSize {
+		p := seg.Base + cuda.Ptr(o)
+		if m.mapped[p] {
+			return errors.New("mapped twice")
+		}
+		m.mapped[p] = true
+		seg.Pages[o/seg.PageSize] = 1
+	}
+	return nil
+}
+
+func (m *fakeMapper) Unmap(seg *Segment, off, size uint64) error {
+	for o := off; o < off+size; o += seg.PageSize {
+		p := seg.Base + cuda.Ptr(o)
+		if !m.mapped[p] {
+			return errors.New("unmapping an unmapped page")
+		}
+		delete(m.mapped, p)
+		seg.Pages[o/seg.PageSize] = 0
+	}
+	return nil
+}
+
+func (m *fakeMapper) Free(seg *Segment) error { m.freed++; return nil }
+
+// expAlloc is the allocator's growth path in miniature.
+func expAlloc(t *testing.T, c *Cache, m Mapper, size uint64, s cuda.Stream) *Block {
+	t.Helper()
+	r := c.NewRequest(size, s, c.Small, c.Large)
+	b := c.TakeFree(&r)
+	if b == nil {
+		start := c.FindExpandable(&r)
+		if start == nil {
+			start = c.AddExpandable(&r, cuda.Ptr(0x10000000000)*cuda.Ptr(len(c.segments)+1), 64*page, page)
+		}
+		var err error
+		b, err = c.MapExpandable(&r, start, m)
+		require.NoError(t, err)
+	}
+	b = c.Allocate(&r, b)
+	require.NoError(t, c.Check())
+	return b
+}
+
+func expFree(t *testing.T, c *Cache, b *Block) {
+	t.Helper()
+	c.Release(b)
+	c.Return(b)
+	require.NoError(t, c.Check())
+}
+
+// A block grows across page boundaries: consecutive allocations tile one
+// range, and a freed tail merges with newly mapped pages.
+func TestExpandableGrowsAcrossPages(t *testing.T) {
+	c := NewCache(DefaultConfig())
+	m := newFakeMapper()
+	a := expAlloc(t, c, m, 3*MiB, 0) // maps 2 pages
+	require.Equal(t, 1, len(c.segments))
+	require.Equal(t, uint64(2*page), c.Reserved)
+	require.Zero(t, c.Stats.Segment[StatAll].Current, "expandable segments are not counted as segments")
+	b := expAlloc(t, c, m, 3*MiB, 0) // 1 MiB free after a, maps 1 more page
+	require.Equal(t, a.End(), b.Ptr, "b continues where a ends, across the page boundary")
+	require.Equal(t, uint64(3*page), c.Reserved)
+	require.Len(t, m.mapped, 3)
+
+	// Freeing b leaves a free tail of 4 MiB followed by unmapped space; a
+	// 7 MiB request maps 2 more pages and spans all of it.
+	expFree(t, c, b)
+	d := expAlloc(t, c, m, 7*MiB, 0)
+	require.Equal(t, a.End(), d.Ptr)
+	require.Equal(t, uint64(5*page), c.Reserved)
+	require.Zero(t, c.Stats.InactiveSplit[StatAll].Current)
+
+	// Another stream gets its own range.
+	e := expAlloc(t, c, m, 512, 1)
+	require.Equal(t, 2, len(c.segments))
+	require.True(t, c.Small.Unmapped.Len() == 1)
+	expFree(t, c, e)
+
+	// Release unmaps the whole free pages; the partial page after d stays.
+	expFree(t, c, a)
+	require.NoError(t, c.UnmapFree(c.Large, m))
+	require.NoError(t, c.UnmapFree(c.Small, m))
+	require.NoError(t, c.Check())
+	require.Equal(t, 1, m.freed, "the small range had nothing mapped left and was given back")
+	// d covers [3 MiB, 10 MiB): pages 1..4 stay mapped, page 0 does not.
+	require.Equal(t, uint64(4*page), c.Reserved)
+	base, size, ok := c.MappedRun(d.Seg, d.Ptr)
+	require.True(t, ok)
+	require.Equal(t, d.Seg.Base+page, base)
+	require.Equal(t, uint64(4*page), size)
+
+	expFree(t, c, d)
+	require.NoError(t, c.UnmapFree(c.Large, m))
+	require.NoError(t, c.Check())
+	require.Zero(t, c.Reserved)
+	require.Empty(t, m.mapped)
+	require.Equal(t, 2, m.freed)
+	require.Empty(t, c.segments)
+}
+
+// Best fit keeps the growing end of a segment for requests that need to
+// grow, and mapping failures leave a consistent cache.
+func TestExpandablePreferInteriorAndFailures(t *testing.T) {
+	c := NewCache(DefaultConfig())
+	m := newFakeMapper()
+	a := expAlloc(t, c, m, 4*MiB, 0)
+	b := expAlloc(t, c, m, 4*MiB, 0)
+	x := expAlloc(t, c, m, 2*MiB, 0) // the tail now has 2 MiB free, then unmapped space
+	expFree(t, c, a)                 // 4 MiB hole inside
+	// A 1.5 MiB request: the tail (2 MiB, could grow) and the 4 MiB hole
+	// both fit the size order; the hole, which cannot grow, is taken.
+	y := expAlloc(t, c, m, 3*MiB/2, 0)
+	require.Equal(t, a.Seg.Base, y.Ptr)
+	_ = b
+	_ = x
+
+	m.fail = cuda.ErrOutOfMemory
+	r := c.NewRequest(40*MiB, 0, c.Small, c.Large)
+	start := c.FindExpandable(&r)
+	require.NotNil(t, start)
+	_, err := c.MapExpandable(&r, start, m)
+	require.ErrorIs(t, err, cuda.ErrOutOfMemory)
+	require.NoError(t, c.Check())
+
+	m.fail = nil
+	c.SetFraction(0.5, 40*MiB) // 20 MiB allowed, 12 MiB mapped
+	_, err = c.MapExpandable(&r, start, m)
+	require.ErrorIs(t, err, ErrFraction)
+	require.NoError(t, c.Check())
+}
