@@ -130,15 +130,12 @@ func TestExpandablePreferInteriorAndFailures(t *testing.T) {
 	c := NewCache(DefaultConfig())
 	m := newFakeMapper()
 	a := expAlloc(t, c, m, 4*MiB, 0)
-	b := expAlloc(t, c, m, 4*MiB, 0)
-	x := expAlloc(t, c, m, 2*MiB, 0) // the tail now has 2 MiB free, then unmapped space
-	expFree(t, c, a)                 // 4 MiB hole inside
-	// A 1.5 MiB request: the tail (2 MiB, could grow) and the 4 MiB hole
-	// both fit the size order; the hole, which cannot grow, is taken.
-	y := expAlloc(t, c, m, 3*MiB/2, 0)
-	require.Equal(t, a.Seg.Base, y.Ptr)
-	_ = b
-	_ = x
+	expAlloc(t, c, m, 9*MiB/2, 0) // 10 MiB mapped: 1.5 MiB free at the end, then unmapped space
+	expFree(t, c, a)              // a 4 MiB hole inside
+	// A 1.25 MiB request: the end block (1.5 MiB, could grow) and the 4 MiB
+	// hole both fit; the hole, which cannot grow, is taken.
+	y := expAlloc(t, c, m, 5*MiB/4, 0)
+	require.Equal(t, base, y.Ptr)
 
 	m.fail = cuda.ErrOutOfMemory
 	r := c.NewRequest(40*MiB, 0, c.Small, c.Large)
