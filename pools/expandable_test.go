@@ -131,7 +131,8 @@ func TestExpandablePreferInteriorAndFailures(t *testing.T) {
 	m := newFakeMapper()
 	a := expAlloc(t, c, m, 4*MiB, 0)
 	expAlloc(t, c, m, 9*MiB/2, 0) // 10 MiB mapped: 1.5 MiB free at the end, then unmapped space
-	expFree(t, c, a)              // a 4 MiB hole inside
+	base := a.Ptr
+	expFree(t, c, a) // a 4 MiB hole inside
 	// A 1.25 MiB request: the end block (1.5 MiB, could grow) and the 4 MiB
 	// hole both fit; the hole, which cannot grow, is taken.
 	y := expAlloc(t, c, m, 5*MiB/4, 0)
