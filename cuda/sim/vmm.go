@@ -159,26 +159,20 @@ func (d *Driver) MemCreate(dev int, size uint64) (cuda.MemHandle, error) {
 	return d.lastHandle, nil
 }
 
-// findHandle returns a live handle of any device; mu must be held.
-func (d *Driver) findHandle(h cuda.MemHandle) (*device, *physical) {
-	for _, dv := range d.devs {
-		if ph := dv.vmm.handles[h]; ph != nil {
-			return dv, ph
-		}
-	}
-	return nil, nil
-}
-
-// MemRelease releases a handle. Its memory is freed once no mapping refers
-// to it. It is refused during any capture.
-func (d *Driver) MemRelease(h cuda.MemHandle) error {
+// MemRelease releases a handle of dev. Its memory is freed once no mapping
+// refers to it. It is refused during any capture.
+func (d *Driver) MemRelease(dev int, h cuda.MemHandle) error {
 	tid := syscall.Gettid()
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	if err := d.checkNoCapture(fmt.Sprintf("MemRelease(handle=%d) on thread %d", h, tid)); err != nil {
+	dv, err := d.device(dev)
+	if err != nil {
 		return err
 	}
-	dv, ph := d.findHandle(h)
+	if err := d.checkNoCapture(fmt.Sprintf("MemRelease(dev=%d, handle=%d) on thread %d", dev, h, tid)); err != nil {
+		return err
+	}
+	ph := dv.vmm.handles[h]
 	if ph == nil {
 		return cuda.ErrInvalidHandle
 	}
@@ -212,14 +206,18 @@ func (dv *device) overlaps(p cuda.Ptr, size uint64) bool {
 	return false
 }
 
-// MemMap maps the whole of handle h (offset 0, size its size) at p, which
-// must lie in a reservation of the handle's device and meet no mapping. It
-// is a potentially unsafe call.
-func (d *Driver) MemMap(p cuda.Ptr, size uint64, h cuda.MemHandle) error {
+// MemMap maps the whole of dev's handle h (offset 0, size its size) at p,
+// which must lie in a reservation of dev and meet no mapping. It is a
+// potentially unsafe call.
+func (d *Driver) MemMap(dev int, p cuda.Ptr, size uint64, h cuda.MemHandle) error {
 	tid := syscall.Gettid()
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	dv, ph := d.findHandle(h)
+	dv, err := d.device(dev)
+	if err != nil {
+		return err
+	}
+	ph := dv.vmm.handles[h]
 	if ph == nil {
 		return cuda.ErrInvalidHandle
 	}
@@ -286,21 +284,21 @@ func (d *Driver) MemSetAccess(dev int, p cuda.Ptr, size uint64) error {
 	return nil
 }
 
-// MemUnmap unmaps [p, p+size), which must be exactly covered by mappings. A
-// released handle's memory is freed with its last mapping. It is refused
-// during any capture.
-func (d *Driver) MemUnmap(p cuda.Ptr, size uint64) error {
+// MemUnmap unmaps [p, p+size) on dev, which must be exactly covered by
+// mappings. A released handle's memory is freed with its last mapping. It is
+// refused during any capture.
+func (d *Driver) MemUnmap(dev int, p cuda.Ptr, size uint64) error {
 	tid := syscall.Gettid()
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	if err := d.checkNoCapture(fmt.Sprintf("MemUnmap(ptr=%#x, size=%d) on thread %d", uintptr(p), size, tid)); err != nil {
+	dv, err := d.device(dev)
+	if err != nil {
 		return err
 	}
-	for _, dv := range d.devs {
-		run := dv.mappedRun(p, size)
-		if run == nil {
-			continue
-		}
+	if err := d.checkNoCapture(fmt.Sprintf("MemUnmap(dev=%d, ptr=%#x, size=%d) on thread %d", dev, uintptr(p), size, tid)); err != nil {
+		return err
+	}
+	if run := dv.mappedRun(p, size); run != nil {
 		for _, q := range run {
 			m := dv.vmm.mappings[q]
 			delete(dv.vmm.mappings, q)

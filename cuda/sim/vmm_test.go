@@ -34,8 +34,8 @@ func TestVMMLifecycle(t *testing.T) {
 	h2, err := d.MemCreate(0, gran)
 	require.NoError(t, err)
 	assert.Equal(t, 2*gran, d.Used(0))
-	require.NoError(t, d.MemMap(base, gran, h1))
-	require.NoError(t, d.MemMap(base+cuda.Ptr(gran), gran, h2))
+	require.NoError(t, d.MemMap(0, base, gran, h1))
+	require.NoError(t, d.MemMap(0, base+cuda.Ptr(gran), gran, h2))
 	assert.False(t, d.Accessible(0, base, 2*gran), "mapped but no access yet")
 	require.NoError(t, d.MemSetAccess(0, base, 2*gran))
 	assert.True(t, d.Accessible(0, base+100, 2*gran-200))
@@ -43,15 +43,15 @@ func TestVMMLifecycle(t *testing.T) {
 	assert.Equal(t, 2*gran, d.Mapped(0))
 
 	// Releasing a mapped handle keeps its memory until the unmap.
-	require.NoError(t, d.MemRelease(h1))
+	require.NoError(t, d.MemRelease(0, h1))
 	assert.Equal(t, 2*gran, d.Used(0))
-	require.NoError(t, d.MemUnmap(base, gran))
+	require.NoError(t, d.MemUnmap(0, base, gran))
 	assert.Equal(t, gran, d.Used(0))
 	assert.Equal(t, 1, d.Handles(0))
 
 	require.ErrorIs(t, d.MemAddressFree(0, base, 32*mib), cuda.ErrInvalidValue, "still mapped")
-	require.NoError(t, d.MemUnmap(base+cuda.Ptr(gran), gran))
-	require.NoError(t, d.MemRelease(h2))
+	require.NoError(t, d.MemUnmap(0, base+cuda.Ptr(gran), gran))
+	require.NoError(t, d.MemRelease(0, h2))
 	assert.Zero(t, d.Used(0))
 	assert.Zero(t, d.Handles(0))
 	require.NoError(t, d.MemAddressFree(0, base, 32*mib))
@@ -80,21 +80,21 @@ func TestVMMErrors(t *testing.T) {
 	require.NoError(t, err)
 	h2, err := d.MemCreate(0, gran)
 	require.NoError(t, err)
-	require.ErrorIs(t, d.MemMap(base+cuda.Ptr(4*gran), gran, h), cuda.ErrInvalidValue, "outside the reservation")
-	require.ErrorIs(t, d.MemMap(base+512, gran, h), cuda.ErrInvalidValue, "misaligned")
-	require.ErrorIs(t, d.MemMap(base, 2*gran, h), cuda.ErrInvalidValue, "size is not the handle's")
-	require.ErrorIs(t, d.MemMap(base, gran, 999), cuda.ErrInvalidHandle)
-	require.NoError(t, d.MemMap(base, gran, h))
-	require.ErrorIs(t, d.MemMap(base, gran, h2), cuda.ErrInvalidValue, "overlaps a mapping")
+	require.ErrorIs(t, d.MemMap(0, base+cuda.Ptr(4*gran), gran, h), cuda.ErrInvalidValue, "outside the reservation")
+	require.ErrorIs(t, d.MemMap(0, base+512, gran, h), cuda.ErrInvalidValue, "misaligned")
+	require.ErrorIs(t, d.MemMap(0, base, 2*gran, h), cuda.ErrInvalidValue, "size is not the handle's")
+	require.ErrorIs(t, d.MemMap(0, base, gran, 999), cuda.ErrInvalidHandle)
+	require.NoError(t, d.MemMap(0, base, gran, h))
+	require.ErrorIs(t, d.MemMap(0, base, gran, h2), cuda.ErrInvalidValue, "overlaps a mapping")
 	require.ErrorIs(t, d.MemSetAccess(0, base, 2*gran), cuda.ErrInvalidValue, "part of the range unmapped")
-	require.ErrorIs(t, d.MemUnmap(base+cuda.Ptr(gran), gran), cuda.ErrInvalidValue, "nothing mapped there")
-	require.ErrorIs(t, d.MemUnmap(base, gran/2), cuda.ErrInvalidValue, "part of a mapping")
+	require.ErrorIs(t, d.MemUnmap(0, base+cuda.Ptr(gran), gran), cuda.ErrInvalidValue, "nothing mapped there")
+	require.ErrorIs(t, d.MemUnmap(0, base, gran/2), cuda.ErrInvalidValue, "part of a mapping")
 	require.ErrorIs(t, d.MemAddressFree(0, base, 2*gran), cuda.ErrInvalidValue, "wrong size")
-	require.ErrorIs(t, d.MemRelease(999), cuda.ErrInvalidHandle)
-	require.NoError(t, d.MemUnmap(base, gran))
-	require.NoError(t, d.MemRelease(h))
-	require.NoError(t, d.MemRelease(h2))
-	require.ErrorIs(t, d.MemRelease(h), cuda.ErrInvalidHandle, "released twice")
+	require.ErrorIs(t, d.MemRelease(0, 999), cuda.ErrInvalidHandle)
+	require.NoError(t, d.MemUnmap(0, base, gran))
+	require.NoError(t, d.MemRelease(0, h))
+	require.NoError(t, d.MemRelease(0, h2))
+	require.ErrorIs(t, d.MemRelease(0, h), cuda.ErrInvalidHandle, "released twice")
 	assert.Zero(t, d.Violations())
 }
 
@@ -113,7 +113,7 @@ func TestVMMCaptureRules(t *testing.T) {
 			h, err = d.MemCreate(0, gran)
 		}
 		if err == nil {
-			err = d.MemMap(base, gran, h)
+			err = d.MemMap(0, base, gran, h)
 		}
 	})
 	require.NoError(t, err)
@@ -139,7 +139,7 @@ func TestVMMCaptureRules(t *testing.T) {
 			h2, err = d.MemCreate(0, gran)
 		}
 		if err == nil {
-			err = d.MemMap(base+cuda.Ptr(gran), gran, h2)
+			err = d.MemMap(0, base+cuda.Ptr(gran), gran, h2)
 		}
 		if err == nil {
 			err = d.MemSetAccess(0, base, 2*gran)
@@ -157,18 +157,18 @@ func TestVMMCaptureRules(t *testing.T) {
 	// Unmap, release and address free are refused whatever the mode.
 	th.do(func() {
 		_, _ = d.ExchangeCaptureMode(cuda.CaptureModeRelaxed)
-		err = d.MemUnmap(base, gran)
+		err = d.MemUnmap(0, base, gran)
 	})
 	require.ErrorIs(t, err, cuda.ErrCaptureUnsupported)
-	require.ErrorIs(t, d.MemRelease(h), cuda.ErrCaptureUnsupported)
+	require.ErrorIs(t, d.MemRelease(0, h), cuda.ErrCaptureUnsupported)
 	require.ErrorIs(t, d.MemAddressFree(0, base, 8*gran), cuda.ErrCaptureUnsupported)
 	assert.Equal(t, int64(3), d.Violations())
 	assert.Equal(t, 2*gran, d.Mapped(0), "a refused call does nothing")
 	capturer.do(func() { err = d.EndCapture(7) })
 	require.ErrorIs(t, err, cuda.ErrCaptureInvalidated)
 
-	require.NoError(t, d.MemUnmap(base, 2*gran), "one unmap may cover several whole mappings")
-	require.NoError(t, d.MemRelease(h))
-	require.NoError(t, d.MemRelease(h2))
+	require.NoError(t, d.MemUnmap(0, base, 2*gran), "one unmap may cover several whole mappings")
+	require.NoError(t, d.MemRelease(0, h))
+	require.NoError(t, d.MemRelease(0, h2))
 	assert.Zero(t, d.Used(0))
 }
