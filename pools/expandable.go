@@ -53,9 +53,13 @@ import (
 // Mapper does the driver work for expandable segments.
 type Mapper interface {
 	// Map backs [seg.Base+off, +size), whole pages, with physical memory
-	// and makes it accessible. It maps all of it or nothing.
-	Map(seg *Segment, off, size uint64) error
-	// Unmap unmaps and releases the pages of [seg.Base+off, +size).
+	// and makes it accessible, from the start. It returns the bytes it did
+	// map (all of them unless it fails): nothing needs undoing on an error,
+	// which matters during a capture, when nothing may be unmapped.
+	Map(seg *Segment, off, size uint64) (uint64, error)
+	// Unmap unmaps and releases the pages of [seg.Base+off, +size). If it
+	// fails part way, the pages it did release are marked 0 in seg.Pages and
+	// a later call skips them.
 	Unmap(seg *Segment, off, size uint64) error
 	// Free gives back the address range of seg, which has nothing mapped.
 	Free(seg *Segment) error
@@ -136,16 +140,28 @@ func (c *Cache) MapExpandable(r *Request, start *Block, m Mapper) (*Block, error
 
 // mapBlock maps the first size bytes (rounded up to pages) of the unmapped
 // block u and returns the free mapped block that contains them after merging
-// with its free mapped neighbours.
+// with its free mapped neighbours. What the Mapper mapped before failing is
+// recorded all the same.
 func (c *Cache) mapBlock(u *Block, size uint64, m Mapper) (*Block, error) {
 	seg := u.Seg
 	size = roundUp(size, seg.PageSize)
 	if !c.CanGrow(size) {
 		return nil, ErrFraction
 	}
-	if err := m.Map(seg, uint64(u.Ptr-seg.Base), size); err != nil {
+	done, err := m.Map(seg, uint64(u.Ptr-seg.Base), size)
+	if done > 0 {
+		u = c.recordMapped(u, done)
+	}
+	if err != nil {
 		return nil, err
 	}
+	return u, nil
+}
+
+// recordMapped turns the first size bytes of the unmapped block u into a
+// free mapped block, merged with its free mapped neighbours, and returns it.
+func (c *Cache) recordMapped(u *Block, size uint64) *Block {
+	seg := u.Seg
 	p := u.Pool
 	p.Unmapped.Remove(u)
 	if size < u.Size {
@@ -167,7 +183,7 @@ func (c *Cache) mapBlock(u *Block, size uint64, m Mapper) (*Block, error) {
 	c.Reserved += size
 	c.Stats.ReservedBytes.Increase(p.Small, int64(size))
 	c.Stats.NumDeviceAlloc++
-	return u, nil
+	return u
 }
 
 // preferInterior is best fit's rule in expandable segments: b fits, but if

@@ -12,26 +12,27 @@ const page = 2 * MiB
 
 // fakeMapper records page states and can fail.
 type fakeMapper struct {
-	mapped map[cuda.Ptr]bool
-	fail   error
-	freed  int
+	mapped    map[cuda.Ptr]bool
+	fail      error
+	failAfter uint64 // bytes mapped before failing
+	freed     int
 }
 
 func newFakeMapper() *fakeMapper { return &fakeMapper{mapped: map[cuda.Ptr]bool{}} }
 
-func (m *fakeMapper) Map(seg *Segment, off, size uint64) error {
-	if m.fail != nil {
-		return m.fail
-	}
+func (m *fakeMapper) Map(seg *Segment, off, size uint64) (uint64, error) {
 	for o := off; o < off+size; o += seg.PageSize {
 		p := seg.Base + cuda.Ptr(o)
+		if m.fail != nil && (m.failAfter == 0 || o-off >= m.failAfter) {
+			return o - off, m.fail
+		}
 		if m.mapped[p] {
-			return errors.New("mapped twice")
+			return o - off, errors.New("mapped twice")
 		}
 		m.mapped[p] = true
 		seg.Pages[o/seg.PageSize] = 1
 	}
-	return nil
+	return size, nil
 }
 
 func (m *fakeMapper) Unmap(seg *Segment, off, size uint64) error {
@@ -145,9 +146,19 @@ func TestExpandablePreferInteriorAndFailures(t *testing.T) {
 	_, err := c.MapExpandable(&r, start, m)
 	require.ErrorIs(t, err, cuda.ErrOutOfMemory)
 	require.NoError(t, c.Check())
+	// A failure part way: what was mapped is recorded, nothing is lost.
+	m.failAfter = 2 * page
+	before := c.Reserved
+	_, err = c.MapExpandable(&r, start, m)
+	require.ErrorIs(t, err, cuda.ErrOutOfMemory)
+	require.NoError(t, c.Check())
+	require.Equal(t, before+2*page, c.Reserved)
+	require.Len(t, m.mapped, int(c.Reserved/page))
+	m.failAfter = 0
 
 	m.fail = nil
-	c.SetFraction(0.5, 40*MiB) // 20 MiB allowed, 12 MiB mapped
+	c.SetFraction(0.5, 40*MiB) // 20 MiB allowed, 14 MiB mapped
+	start = c.FindExpandable(&r)
 	_, err = c.MapExpandable(&r, start, m)
 	require.ErrorIs(t, err, ErrFraction)
 	require.NoError(t, c.Check())
