@@ -34,6 +34,8 @@
 package allocator
 
 import (
+	"fmt"
+	"os"
 	"runtime"
 	"sync"
 	"sync/atomic"
@@ -62,6 +64,10 @@ type Allocator struct {
 	// capture rules are process-wide (a free or synchronize on one device
 	// can invalidate a capture on another), so every device consults it.
 	underway atomic.Int64
+	// onWarning reports conditions worth a message but not an error (each
+	// message once); nil: stderr.
+	onWarning atomic.Pointer[func(string)]
+	warned    sync.Map
 }
 
 // device is one GPU's allocator state.
@@ -79,6 +85,16 @@ type device struct {
 	counted int64
 	debug   bool   // guarded by mu
 	total   uint64 // device capacity; guarded by mu (0: not yet read)
+
+	// Expandable segments (expandable.go), all guarded by mu.
+	wantExpandable bool      // the configuration asks for them
+	vmm            vmmDriver // nil: the driver has no VMM API
+	vmmState       int8      // 0: not probed yet, 1: usable, -1: not
+	page           uint64    // mapping unit, once probed
+	mapCapturing   bool      // a capture may be under way during Map
+	orphans        []orphan  // physical memory to give back after captures
+	mapper         vmmMapper
+	warn           func(string)
 
 	// Built once so that passing them costs no allocation.
 	freeSeg  pools.FreeFunc
@@ -107,6 +123,10 @@ func New(drv Driver, cfg Config) (*Allocator, error) {
 			return drv.StreamCaptureInfo(d.id, s)
 		}
 		d.ret = d.returnBlock
+		d.vmm, _ = drv.(vmmDriver)
+		d.wantExpandable = cfg.ExpandableSegments
+		d.mapper = vmmMapper{d}
+		d.warn = a.warn
 		a.devs = append(a.devs, d)
 	}
 	return a, nil
@@ -128,8 +148,25 @@ func (a *Allocator) Configure(cfg Config) {
 		d.cache.SetConfig(cfg.Pools)
 		d.trace.resize(cfg.HistoryEntries)
 		d.debug = cfg.DebugChecks
+		d.wantExpandable = cfg.ExpandableSegments
 		d.mu.Unlock()
 	}
+}
+
+// SetWarningHandler routes the allocator's warnings (conditions that are not
+// errors, such as expandable segments falling back to ordinary ones) to fn,
+// once per message. By default they go to stderr.
+func (a *Allocator) SetWarningHandler(fn func(msg string)) { a.onWarning.Store(&fn) }
+
+func (a *Allocator) warn(msg string) {
+	if _, dup := a.warned.LoadOrStore(msg, true); dup {
+		return
+	}
+	if fn := a.onWarning.Load(); fn != nil && *fn != nil {
+		(*fn)(msg)
+		return
+	}
+	fmt.Fprintln(os.Stderr, "cudapool: "+msg)
 }
 
 // ExpectAnnouncements tells the allocator that every capture will be
@@ -260,10 +297,19 @@ func (a *Allocator) RecordStream(p cuda.Ptr, s cuda.Stream) error {
 }
 
 // BaseAllocation returns the segment that contains p (an allocated pointer,
-// or any address inside a segment).
+// or any address inside a segment). In an expandable segment that is the
+// contiguous mapped run containing p, the unit a snapshot shows as a
+// segment: the largest range around p that is all accessible memory.
+// (PyTorch refuses expandable blocks here, because its callers share the
+// range with other processes through cudaIpcGetMemHandle, which VMM memory
+// does not support; a range is more useful to in-process callers, and an IPC
+// caller fails on the driver's side either way.)
 func (a *Allocator) BaseAllocation(p cuda.Ptr) (cuda.Ptr, uint64, error) {
 	if d, b := a.find(p); d != nil {
 		base, size := b.Seg.Base, b.Seg.Size
+		if b.Seg.Expandable {
+			base, size, _ = d.cache.MappedRun(b.Seg, b.Ptr)
+		}
 		d.mu.Unlock()
 		return base, size, nil
 	}
@@ -272,11 +318,15 @@ func (a *Allocator) BaseAllocation(p cuda.Ptr) (cuda.Ptr, uint64, error) {
 		seg := d.cache.SegmentAt(p)
 		var base cuda.Ptr
 		var size uint64
-		if seg != nil {
+		ok := seg != nil
+		if ok {
 			base, size = seg.Base, seg.Size
+			if seg.Expandable {
+				base, size, ok = d.cache.MappedRun(seg, p)
+			}
 		}
 		d.mu.Unlock()
-		if seg != nil {
+		if ok {
 			return base, size, nil
 		}
 	}

@@ -261,9 +261,10 @@ func TestConfigParse(t *testing.T) {
 		_, _, err := allocator.ParseConfig(bad)
 		require.ErrorIs(t, err, allocator.ErrInvalidConfig, bad)
 	}
-	_, warn, err = allocator.ParseConfig("expandable_segments:True")
+	exp, warn, err := allocator.ParseConfig("expandable_segments:True")
 	require.NoError(t, err)
-	require.Contains(t, warn[0], "not implemented")
+	require.Empty(t, warn, "expandable segments are implemented")
+	require.True(t, exp.ExpandableSegments)
 
 	round, _, err := allocator.ParseConfig(cfg.String())
 	require.NoError(t, err)

@@ -13,8 +13,10 @@ import (
 // PYTORCH_CUDA_ALLOC_CONF syntax: comma-separated key:value pairs.
 type Config struct {
 	Pools pools.Config
-	// ExpandableSegments is accepted for compatibility; cudapool does not
-	// implement it yet and says so once.
+	// ExpandableSegments grows each pool's memory by mapping pages into one
+	// reserved address range per stream instead of allocating segments
+	// (see expandable.go). Without the driver's virtual memory management
+	// API it falls back to ordinary segments with a warning.
 	ExpandableSegments bool
 	// ReleaseLockOnMalloc is accepted for compatibility; cudapool keeps the
 	// device lock across the driver allocation.
@@ -124,9 +126,6 @@ func (c *Config) set(key, val string) (warning string, err error) {
 			return "", err
 		}
 		c.ExpandableSegments = b
-		if b {
-			return "expandable_segments:True is not implemented by cudapool yet; using ordinary segments", nil
-		}
 	case "release_lock_on_cudamalloc":
 		b, err := parseBool(key, val)
 		if err != nil {

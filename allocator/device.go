@@ -94,6 +94,9 @@ func (d *device) newSegment(r *pools.Request, retry bool) (*pools.Block, error) 
 	if retry {
 		d.cache.Stats.NumAllocRetries++
 	}
+	if d.expandable() {
+		return d.growExpandable(r, d.capturing())
+	}
 	if !d.cache.CanGrow(r.SegSize) {
 		return nil, nil
 	}
@@ -132,23 +135,33 @@ func (d *device) freeTraced() pools.FreeFunc {
 }
 
 // releaseCached waits for all pending frees, then returns every cached whole
-// segment of the default pools and of the released private pools to the
-// driver (PyTorch's release_cached_blocks). Never during capture.
+// segment, and every free page of expandable segments, of the default pools
+// and of the released private pools to the driver (PyTorch's
+// release_cached_blocks). Never during capture.
 func (d *device) releaseCached() error {
 	if err := d.ev.Synchronize(d.ret); err != nil {
 		return driverError("empty_cache", err, "synchronizing the events of pending frees on device %d", d.id)
 	}
 	d.cache.Stats.NumSyncAllStreams++
+	if err := d.releaseOrphans(); err != nil {
+		return err
+	}
 	free := d.freeTraced()
 	for _, p := range []*pools.BlockPool{d.cache.Large, d.cache.Small} {
 		if err := d.cache.ReleasePool(p, free); err != nil {
 			return driverError("empty_cache", err, "freeing cached segments on device %d", d.id)
+		}
+		if err := d.cache.UnmapFree(p, d.mapper); err != nil {
+			return driverError("empty_cache", err, "unmapping the free pages of expandable segments on device %d", d.id)
 		}
 	}
 	for _, pp := range d.graphs.Pools.Freeable() {
 		for _, p := range []*pools.BlockPool{pp.Small, pp.Large} {
 			if err := d.cache.ReleasePool(p, free); err != nil {
 				return driverError("empty_cache", err, "freeing the segments of released pool {%d,%d} on device %d", pp.ID.A, pp.ID.B, d.id)
+			}
+			if err := d.cache.UnmapFree(p, d.mapper); err != nil {
+				return driverError("empty_cache", err, "unmapping the pages of released pool {%d,%d} on device %d", pp.ID.A, pp.ID.B, d.id)
 			}
 		}
 		if pp.Segments() == 0 {

@@ -90,9 +90,25 @@ func (m *machine) run() {
 		m.step()
 		require.NoError(m.t, m.a.CheckInvariants())
 		m.checkNoOverlap()
+		m.checkMemory()
 		require.Zero(m.t, m.drv.Violations(), "%v", m.drv.ViolationLog())
 	}
 	m.drain()
+}
+
+// checkMemory checks the allocator against the driver: every live
+// allocation is memory the device can reach (mapped and accessible, in
+// expandable segments), and the memory the driver has handed out is what
+// the allocator counts as reserved.
+func (m *machine) checkMemory() {
+	for p, la := range m.live {
+		require.True(m.t, m.drv.Accessible(la.dev, p, la.size), "allocation %#x+%d is not accessible memory", p, la.size)
+	}
+	for dev := 0; dev < devices; dev++ {
+		st, err := m.a.Stats(dev)
+		require.NoError(m.t, err)
+		require.Equal(m.t, uint64(st.ReservedBytes[pools.StatAll].Current), m.drv.Used(dev), "device %d: reserved bytes vs driver memory", dev)
+	}
 }
 
 func (m *machine) malloc(dev int, s cuda.Stream) {
@@ -245,6 +261,9 @@ func (m *machine) drain() {
 	require.NoError(m.t, m.a.CheckInvariants())
 	for dev := 0; dev < devices; dev++ {
 		require.Equal(m.t, 0, m.drv.Live(dev), "device %d: segments left after freeing everything", dev)
+		require.Zero(m.t, m.drv.Handles(dev), "device %d: physical allocations left", dev)
+		n, _ := m.drv.Reservations(dev)
+		require.Zero(m.t, n, "device %d: address ranges left", dev)
 		st, err := m.a.Stats(dev)
 		require.NoError(m.t, err)
 		for _, arr := range []pools.StatArray{st.Allocation, st.Segment, st.Active, st.ReservedBytes, st.AllocatedBytes, st.RequestedBytes, st.InactiveSplit} {
@@ -259,7 +278,9 @@ func (m *machine) drain() {
 
 func TestRandomizedInvariants(t *testing.T) {
 	confs := []string{"", "max_split_size_mb:32", "roundup_power2_divisions:4,free_set:sorted",
-		"garbage_collection_threshold:0.7", "max_split_size_mb:20,max_non_split_rounding_mb:4"}
+		"garbage_collection_threshold:0.7", "max_split_size_mb:20,max_non_split_rounding_mb:4",
+		"expandable_segments:True", "expandable_segments:True,max_split_size_mb:32,free_set:sorted",
+		"expandable_segments:True,garbage_collection_threshold:0.7,roundup_power2_divisions:4"}
 	seeds := 12
 	if testing.Short() {
 		seeds = 3
@@ -286,7 +307,12 @@ func FuzzAllocator(f *testing.F) {
 	f.Add(seed)
 	f.Fuzz(func(t *testing.T, data []byte) {
 		lockThread(t)
-		newMachine(t, "", data).run()
+		// The first byte picks ordinary or expandable segments.
+		conf := ""
+		if len(data) > 0 && data[0]%2 == 1 {
+			conf = "expandable_segments:True"
+		}
+		newMachine(t, conf, data).run()
 	})
 }
 

@@ -16,9 +16,11 @@ const (
 	actionSegmentAlloc
 	actionSegmentFree
 	actionOOM
+	actionSegmentMap   // pages of an expandable segment mapped
+	actionSegmentUnmap // pages of an expandable segment unmapped
 )
 
-var actionNames = [...]string{"alloc", "free_requested", "free_completed", "segment_alloc", "segment_free", "oom"}
+var actionNames = [...]string{"alloc", "free_requested", "free_completed", "segment_alloc", "segment_free", "oom", "segment_map", "segment_unmap"}
 
 type traceEntry struct {
 	action action
@@ -141,7 +143,7 @@ func (a *Allocator) Snapshot() Snapshot {
 	for _, d := range a.devs {
 		d.mu.Lock()
 		for _, s := range d.cache.Segments() {
-			snap.Segments = append(snap.Segments, segmentInfo(d.id, s))
+			snap.Segments = appendSegmentInfo(snap.Segments, d.id, s)
 		}
 		tr := d.trace.entries()
 		d.mu.Unlock()
@@ -165,21 +167,32 @@ func (a *Allocator) Snapshot() Snapshot {
 		"PYTORCH_CUDA_ALLOC_CONF":      cfg.String(),
 		"max_split_size":               maxSplit,
 		"garbage_collection_threshold": p.GCThreshold,
-		"expandable_segments":          false,
+		"expandable_segments":          cfg.ExpandableSegments,
 		"roundup_power2_divisions":     p.RoundupDivisions,
 		"record_history":               cfg.HistoryEntries,
 	}
 	return snap
 }
 
-func segmentInfo(dev int, s *pools.Segment) SegmentInfo {
+// appendSegmentInfo describes s: one segment, or for an expandable segment
+// one per contiguous mapped run (PyTorch's convention; unmapped space is not
+// memory and its blocks are not shown).
+func appendSegmentInfo(out []SegmentInfo, dev int, s *pools.Segment) []SegmentInfo {
 	typ := "large"
 	if s.Pool.Small {
 		typ = "small"
 	}
-	si := SegmentInfo{Device: dev, Address: uint64(s.Base), Stream: uint64(s.Stream), SegmentType: typ,
-		SegmentPoolID: [2]uint64{s.Pool.ID.A, s.Pool.ID.B}, Frames: []any{}}
+	var si *SegmentInfo
 	for b := s.Head; b != nil; b = b.Next {
+		if b.Unmapped {
+			si = nil
+			continue
+		}
+		if si == nil {
+			out = append(out, SegmentInfo{Device: dev, Address: uint64(b.Ptr), Stream: uint64(s.Stream), SegmentType: typ,
+				SegmentPoolID: [2]uint64{s.Pool.ID.A, s.Pool.ID.B}, IsExpandable: s.Expandable, Frames: []any{}})
+			si = &out[len(out)-1]
+		}
 		state := "inactive"
 		switch {
 		case b.Allocated:
@@ -196,5 +209,5 @@ func segmentInfo(dev int, s *pools.Segment) SegmentInfo {
 		si.Blocks = append(si.Blocks, BlockInfo{Address: uint64(b.Ptr), Size: b.Size, RequestedSize: b.Requested,
 			State: state, Frames: []any{}})
 	}
-	return si
+	return out
 }

@@ -1,0 +1,222 @@
+package allocator
+
+import (
+	"errors"
+	"fmt"
+
+	"github.com/cudapool/cudapool/cuda"
+	"github.com/cudapool/cudapool/pools"
+)
+
+// Expandable segments: the driver side of pools/expandable.go.
+//
+// With expandable_segments:True, growth no longer allocates a segment: each
+// (pool, stream) pair, private pools included, has one reserved address range
+// (or more, should one fill up) whose pages are mapped on demand. The page
+// size is the driver's allocation granularity (2 MiB on current GPUs), the
+// finest unit that can be mapped and unmapped alone, so reserved memory
+// exceeds what the blocks need by less than one page per range. Reserving
+// and mapping follow the rule of new segments: the thread is switched to
+// relaxed capture mode, so both are legal during a capture, whose graph then
+// owns the pages through its private pool. Unmapping happens only where
+// ordinary segments are freed (empty_cache, the OOM retry, released private
+// pools), which is never while a capture may be under way.
+//
+// Each page is its own physical allocation (cuMemCreate), so that any page
+// can be unmapped and released alone; access is set once per mapped run.
+// Failures never need undoing during a capture: Map reports the pages it did
+// map, and the rare pages that must be dropped during a capture (a failed
+// cuMemSetAccess) are parked in orphans and released after it.
+//
+// Reservation sizes: the default large pool reserves the device's capacity
+// plus an eighth (as PyTorch does, so that pages unmapped in the middle of
+// the range can be mapped again at its end); the small pools and the private
+// pools an eighth of the capacity, since virtual address space, though large,
+// is not endless and a process may hold many graphs. A request larger than
+// that gets a range of its own size.
+
+// orphan is physical memory to give back once no capture is under way: a
+// mapping (p, size) to unmap, if size > 0, and its handle to release.
+type orphan struct {
+	p    cuda.Ptr
+	size uint64
+	h    cuda.MemHandle
+}
+
+// expandable reports whether growth maps pages of expandable segments. On
+// first use it probes the driver's VMM support and warns once if it is
+// missing. d.mu is held.
+func (d *device) expandable() bool {
+	if !d.wantExpandable {
+		return false
+	}
+	if d.vmmState == 0 {
+		d.vmmState = -1
+		if d.vmm == nil {
+			d.warn("expandable_segments:True: the CUDA driver has no virtual memory management API; using ordinary segments")
+		} else if g, err := d.vmm.MemGranularity(d.id); err != nil || g == 0 {
+			d.warn(fmt.Sprintf("expandable_segments:True: device %d does not support virtual memory management (granularity %d, %v); using ordinary segments", d.id, g, err))
+		} else {
+			// Pages of at least 2 MiB: a smaller granularity would only
+			// multiply the driver calls.
+			d.page = (pools.RoundLarge + g - 1) / g * g
+			d.vmmState = 1
+		}
+	}
+	return d.vmmState == 1
+}
+
+// growExpandable maps pages for r, reserving a new range if none has room.
+// Running out of memory (or of the memory fraction) is (nil, nil), as in
+// newSegment. d.mu is held.
+func (d *device) growExpandable(r *pools.Request, capturing bool) (*pools.Block, error) {
+	start := d.cache.FindExpandable(r)
+	if start == nil {
+		size, err := d.reserveSize(r)
+		if err != nil {
+			return nil, driverError("malloc", err, "reading device %d's memory size", d.id)
+		}
+		var p cuda.Ptr
+		err = d.withThreadRelaxed(func() (err error) {
+			p, err = d.vmm.MemAddressReserve(d.id, size)
+			return err
+		})
+		if errors.Is(err, cuda.ErrOutOfMemory) {
+			return nil, nil
+		}
+		if err != nil {
+			return nil, driverError("malloc", err, "reserving %d bytes of address space on device %d", size, d.id)
+		}
+		start = d.cache.AddExpandable(r, p, size, d.page)
+	}
+	var b *pools.Block
+	d.mapCapturing = capturing
+	err := d.withThreadRelaxed(func() (err error) {
+		b, err = d.cache.MapExpandable(r, start, d.mapper)
+		return err
+	})
+	switch {
+	case errors.Is(err, cuda.ErrOutOfMemory), errors.Is(err, pools.ErrFraction):
+		return nil, nil
+	case err != nil:
+		return nil, driverError("malloc", err, "mapping memory for a %d-byte block on device %d", r.Size, d.id)
+	}
+	return b, nil
+}
+
+// reserveSize is the address range reserved for a new expandable segment
+// of r's pool (see the file comment).
+func (d *device) reserveSize(r *pools.Request) (uint64, error) {
+	total, err := d.capacity()
+	if err != nil {
+		return 0, err
+	}
+	size := total / 8
+	if r.Pool == d.cache.Large {
+		size += total
+	}
+	size = max(size, r.Size)
+	return (size + d.page - 1) / d.page * d.page, nil
+}
+
+// vmmMapper is the pools.Mapper of a device, over its vmmDriver. Its
+// methods run with d.mu held, Map on a thread in relaxed capture mode.
+type vmmMapper struct{ d *device }
+
+// Map creates and maps one physical allocation per page, then sets access
+// on what it mapped.
+func (m vmmMapper) Map(seg *pools.Segment, off, size uint64) (uint64, error) {
+	d, page := m.d, seg.PageSize
+	base := seg.Base + cuda.Ptr(off)
+	var done uint64
+	var err error
+	for done < size {
+		var h cuda.MemHandle
+		if h, err = d.vmm.MemCreate(d.id, page); err != nil {
+			break
+		}
+		if err = d.vmm.MemMap(d.id, base+cuda.Ptr(done), page, h); err != nil {
+			d.dropPhysical(orphan{h: h})
+			break
+		}
+		seg.Pages[(off+done)/page] = h
+		done += page
+	}
+	if done == 0 {
+		return 0, err
+	}
+	if aerr := d.vmm.MemSetAccess(d.id, base, done); aerr != nil {
+		// Memory the device cannot reach must not be handed out.
+		for o := uint64(0); o < done; o += page {
+			i := (off + o) / page
+			d.dropPhysical(orphan{base + cuda.Ptr(o), page, seg.Pages[i]})
+			seg.Pages[i] = 0
+		}
+		return 0, aerr
+	}
+	d.trace.add(actionSegmentMap, base, done, seg.Stream)
+	return done, err
+}
+
+// Unmap unmaps and releases each page of the range that is still mapped.
+func (m vmmMapper) Unmap(seg *pools.Segment, off, size uint64) error {
+	d, page := m.d, seg.PageSize
+	for o := off; o < off+size; o += page {
+		i := o / page
+		h := seg.Pages[i]
+		if h == 0 {
+			continue // released by an earlier call that failed later on
+		}
+		p := seg.Base + cuda.Ptr(o)
+		if err := d.vmm.MemUnmap(d.id, p, page); err != nil {
+			return driverError("empty_cache", err, "unmapping %#x on device %d", uintptr(p), d.id)
+		}
+		seg.Pages[i] = 0
+		if err := d.vmm.MemRelease(d.id, h); err != nil {
+			return driverError("empty_cache", err, "releasing the memory of %#x on device %d", uintptr(p), d.id)
+		}
+	}
+	d.trace.add(actionSegmentUnmap, seg.Base+cuda.Ptr(off), size, seg.Stream)
+	return nil
+}
+
+// Free gives back a range with nothing mapped.
+func (m vmmMapper) Free(seg *pools.Segment) error {
+	d := m.d
+	if err := d.vmm.MemAddressFree(d.id, seg.Base, seg.Size); err != nil {
+		return driverError("empty_cache", err, "freeing the address range %#x on device %d", uintptr(seg.Base), d.id)
+	}
+	return nil
+}
+
+// dropPhysical gives back a mapping and its handle after a failed map: at
+// once, or after the captures if one may be under way.
+func (d *device) dropPhysical(o orphan) {
+	if d.mapCapturing {
+		d.orphans = append(d.orphans, o)
+		return
+	}
+	d.releaseOrphan(o)
+}
+
+func (d *device) releaseOrphan(o orphan) error {
+	if o.size > 0 {
+		if err := d.vmm.MemUnmap(d.id, o.p, o.size); err != nil {
+			return err
+		}
+	}
+	return d.vmm.MemRelease(d.id, o.h)
+}
+
+// releaseOrphans gives back the parked physical memory. Never during a
+// capture.
+func (d *device) releaseOrphans() error {
+	for len(d.orphans) > 0 {
+		o := d.orphans[len(d.orphans)-1]
+		if err := d.releaseOrphan(o); err != nil {
+			return driverError("empty_cache", err, "releasing memory whose mapping failed on device %d", d.id)
+		}
+		d.orphans = d.orphans[:len(d.orphans)-1]
+	}
+	return nil
+}
