@@ -24,9 +24,12 @@ import (
 //
 // Each page is its own physical allocation (cuMemCreate), so that any page
 // can be unmapped and released alone; access is set once per mapped run.
-// Failures never need undoing during a capture: Map reports the pages it did
-// map, and the rare pages that must be dropped during a capture (a failed
-// cuMemSetAccess) are parked in orphans and released after it.
+// Running out of memory leaves nothing mapped (Map creates every page before
+// mapping any). Nothing needs unmapping or releasing during a capture: Map
+// reports the pages it did map, handles it could not use wait in spare for
+// the next Map, and the rare pages that must be dropped during a capture (a
+// failed cuMemSetAccess) are parked in orphans; both are released at the
+// next release of cached memory.
 //
 // Reservation sizes: the default large pool reserves the device's capacity
 // plus an eighth (as PyTorch does, so that pages unmapped in the middle of
@@ -123,20 +126,45 @@ func (d *device) reserveSize(r *pools.Request) (uint64, error) {
 // methods run with d.mu held, Map on a thread in relaxed capture mode.
 type vmmMapper struct{ d *device }
 
-// Map creates and maps one physical allocation per page, then sets access
-// on what it mapped.
+// Map creates one physical allocation per page, then maps them and sets
+// access on what it mapped. It creates them all before mapping any, so
+// that running out of memory part way leaves nothing mapped: the handles
+// made are released at once, or, during a capture (when nothing may be
+// released), kept as spares for the next Map. It does not start when the
+// driver reports too little free memory, so that a request that cannot fit
+// does not take the device's last pages with it.
 func (m vmmMapper) Map(seg *pools.Segment, off, size uint64) (uint64, error) {
 	d, page := m.d, seg.PageSize
 	base := seg.Base + cuda.Ptr(off)
-	var done uint64
+	n := int(size / page)
+	if fresh := uint64(max(n-len(d.spare), 0)) * page; fresh > 0 {
+		if free, _, err := d.drv.MemGetInfo(d.id); err == nil && free < fresh {
+			return 0, cuda.ErrOutOfMemory
+		}
+	}
+	hs := d.handles[:0]
 	var err error
-	for done < size {
+	for len(hs) < n {
+		if k := len(d.spare); k > 0 {
+			hs = append(hs, d.spare[k-1])
+			d.spare = d.spare[:k-1]
+			continue
+		}
 		var h cuda.MemHandle
 		if h, err = d.vmm.MemCreate(d.id, page); err != nil {
 			break
 		}
+		hs = append(hs, h)
+	}
+	d.handles = hs[:0]
+	if err != nil {
+		d.dropHandles(hs)
+		return 0, err
+	}
+	var done uint64
+	for i, h := range hs {
 		if err = d.vmm.MemMap(d.id, base+cuda.Ptr(done), page, h); err != nil {
-			d.dropPhysical(orphan{h: h})
+			d.dropHandles(hs[i:])
 			break
 		}
 		seg.Pages[(off+done)/page] = h
@@ -156,6 +184,16 @@ func (m vmmMapper) Map(seg *pools.Segment, off, size uint64) (uint64, error) {
 	}
 	d.trace.add(actionSegmentMap, base, done, seg.Stream)
 	return done, err
+}
+
+// dropHandles gives back handles that were not mapped: at once, or, while a
+// capture may be under way, into the spares.
+func (d *device) dropHandles(hs []cuda.MemHandle) {
+	for _, h := range hs {
+		if d.mapCapturing || d.vmm.MemRelease(d.id, h) != nil {
+			d.spare = append(d.spare, h)
+		}
+	}
 }
 
 // Unmap unmaps and releases each page of the range that is still mapped.
@@ -208,9 +246,15 @@ func (d *device) releaseOrphan(o orphan) error {
 	return d.vmm.MemRelease(d.id, o.h)
 }
 
-// releaseOrphans gives back the parked physical memory. Never during a
-// capture.
+// releaseOrphans gives back the parked physical memory and the spare
+// handles. Never during a capture.
 func (d *device) releaseOrphans() error {
+	for len(d.spare) > 0 {
+		if err := d.vmm.MemRelease(d.id, d.spare[len(d.spare)-1]); err != nil {
+			return driverError("empty_cache", err, "releasing spare physical memory on device %d", d.id)
+		}
+		d.spare = d.spare[:len(d.spare)-1]
+	}
 	for len(d.orphans) > 0 {
 		o := d.orphans[len(d.orphans)-1]
 		if err := d.releaseOrphan(o); err != nil {
