@@ -12,7 +12,14 @@ import (
 // The hot path allocates no Go memory: a cache-hit malloc and its free, on
 // one size and on a mix, once the cache is warm.
 func TestHotPathAllocatesNothing(t *testing.T) {
-	a, _ := newAlloc(t, 1, 8*GiB, "")
+	for _, conf := range []string{"", "expandable_segments:True"} {
+		t.Run(conf, func(t *testing.T) { testHotPathAllocatesNothing(t, conf) })
+	}
+}
+
+func testHotPathAllocatesNothing(t *testing.T, conf string) {
+	lockThread(t)
+	a, _ := newAlloc(t, 1, 8*GiB, conf)
 	a.ExpectAnnouncements()
 	warm := func(size uint64) { p := mustMalloc(t, a, 0, size, 0); require.NoError(t, a.Free(0, p, 0)) }
 	warm(4096)

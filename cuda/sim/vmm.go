@@ -2,7 +2,6 @@ package sim
 
 import (
 	"fmt"
-	"sort"
 	"syscall"
 
 	"github.com/cudapool/cudapool/cuda"
@@ -41,6 +40,7 @@ type vmmState struct {
 	handles      map[cuda.MemHandle]*physical   // live (not released) handles
 	released     map[cuda.MemHandle]*physical   // released but still mapped
 	mappings     map[cuda.Ptr]*mapping          // by mapped address
+	pages        map[cuda.Ptr]cuda.Ptr          // each mapped granule -> its mapping's address
 	maps         int64                          // successful MemMap calls
 	unmaps       int64                          // successful MemUnmap calls
 }
@@ -63,6 +63,7 @@ func newVMMState() vmmState {
 		reservations: make(map[cuda.Ptr]uint64),
 		handles:      make(map[cuda.MemHandle]*physical),
 		mappings:     make(map[cuda.Ptr]*mapping),
+		pages:        make(map[cuda.Ptr]cuda.Ptr),
 		released:     make(map[cuda.MemHandle]*physical),
 		byReserve:    make(map[cuda.Ptr]map[cuda.Ptr]bool),
 	}
@@ -196,10 +197,11 @@ func (dv *device) reservationOf(p cuda.Ptr, size uint64) (cuda.Ptr, bool) {
 	return 0, false
 }
 
-// overlaps reports whether [p, p+size) meets a mapping of dv; mu must be held.
+// overlaps reports whether [p, p+size), granule aligned, meets a mapping of
+// dv; mu must be held.
 func (dv *device) overlaps(p cuda.Ptr, size uint64) bool {
-	for q, m := range dv.vmm.mappings {
-		if p < q+cuda.Ptr(m.size) && q < p+cuda.Ptr(size) {
+	for q := p; q < p+cuda.Ptr(size); q += Granularity {
+		if _, ok := dv.vmm.pages[q]; ok {
 			return true
 		}
 	}
@@ -233,6 +235,9 @@ func (d *Driver) MemMap(dev int, p cuda.Ptr, size uint64, h cuda.MemHandle) erro
 	}
 	ph.mapCount++
 	dv.vmm.mappings[p] = &mapping{size: size, h: h, phys: ph, reserve: base}
+	for q := p; q < p+cuda.Ptr(size); q += Granularity {
+		dv.vmm.pages[q] = p
+	}
 	dv.vmm.byReserve[base][p] = true
 	dv.vmm.maps++
 	return nil
@@ -302,6 +307,9 @@ func (d *Driver) MemUnmap(dev int, p cuda.Ptr, size uint64) error {
 		for _, q := range run {
 			m := dv.vmm.mappings[q]
 			delete(dv.vmm.mappings, q)
+			for g := q; g < q+cuda.Ptr(m.size); g += Granularity {
+				delete(dv.vmm.pages, g)
+			}
 			delete(dv.vmm.byReserve[m.reserve], q)
 			m.phys.mapCount--
 			if m.phys.mapCount == 0 && dv.vmm.released[m.h] == m.phys {
@@ -326,22 +334,17 @@ func (d *Driver) Accessible(dev int, p cuda.Ptr, size uint64) bool {
 			return true
 		}
 	}
-	var ms []cuda.Ptr
-	for q, m := range dv.vmm.mappings {
-		if q < p+cuda.Ptr(size) && p < q+cuda.Ptr(m.size) {
-			ms = append(ms, q)
-		}
+	if size == 0 {
+		return true
 	}
-	sort.Slice(ms, func(i, j int) bool { return ms[i] < ms[j] })
-	next := p
-	for _, q := range ms {
-		m := dv.vmm.mappings[q]
-		if q > next || !m.accessible {
+	end := p + cuda.Ptr(size)
+	for g := p / Granularity * Granularity; g < end; g += Granularity {
+		q, ok := dv.vmm.pages[g]
+		if !ok || !dv.vmm.mappings[q].accessible {
 			return false
 		}
-		next = q + cuda.Ptr(m.size)
 	}
-	return next >= p+cuda.Ptr(size)
+	return true
 }
 
 // Mapped returns the bytes mapped in dev's reservations.
