@@ -149,6 +149,7 @@ func newState(lookup func(string) (string, bool)) *state {
 		st.err = err
 		return st
 	}
+	a.SetWarningHandler(warnOnce)
 	st.a = a
 	return st
 }
