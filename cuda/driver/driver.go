@@ -70,6 +70,17 @@ typedef struct {
 	uintptr_t eventDestroy; // cuEventDestroy_v2
 	uintptr_t streamGetCaptureInfo;
 	uintptr_t threadExchangeStreamCaptureMode;
+	// Virtual memory management (expandable segments); all 0 when the
+	// driver lacks any of them.
+	uintptr_t deviceGetAttribute;
+	uintptr_t memGetAllocationGranularity;
+	uintptr_t memAddressReserve;
+	uintptr_t memAddressFree;
+	uintptr_t memCreate;
+	uintptr_t memRelease;
+	uintptr_t memMap;
+	uintptr_t memUnmap;
+	uintptr_t memSetAccess;
 } cp_api;
 
 // A result and up to two values, returned by value (no Go allocation).
@@ -273,6 +284,150 @@ static cp_ret cp_stream_capture_info(const cp_api *a, uintptr_t ctx, uintptr_t s
 	return ret;
 }
 
+// ---- virtual memory management (expandable segments) ----
+//
+// The structs below are cuda.h's, written out because no CUDA header is
+// used. Enums are 4-byte ints in the x86-64 and AArch64 ABIs.
+//
+// CUmemLocation: { CUmemLocationType type; int id; }, 8 bytes.
+typedef struct {
+	int type; // CU_MEM_LOCATION_TYPE_DEVICE = 1
+	int id;   // the device ordinal
+} cp_mem_location;
+
+// CUmemAllocationProp, 32 bytes, unchanged from CUDA 10.2 to 13:
+//   offset  0  CUmemAllocationType type                  (PINNED = 1)
+//   offset  4  CUmemAllocationHandleType requestedHandleTypes (NONE = 0)
+//   offset  8  CUmemLocation location
+//   offset 16  void *win32HandleMetaData                 (NULL)
+//   offset 24  struct allocFlags { unsigned char compressionType;
+//              unsigned char gpuDirectRDMACapable; unsigned short usage;
+//              unsigned char reserved[4]; }              (all 0)
+typedef struct {
+	int type;
+	int requestedHandleTypes;
+	cp_mem_location location;
+	void *win32HandleMetaData;
+	unsigned char compressionType;
+	unsigned char gpuDirectRDMACapable;
+	unsigned short usage;
+	unsigned char reserved[4];
+} cp_mem_alloc_prop;
+_Static_assert(sizeof(cp_mem_alloc_prop) == 32, "CUmemAllocationProp is 32 bytes");
+_Static_assert(__builtin_offsetof(cp_mem_alloc_prop, location) == 8, "location at 8");
+_Static_assert(__builtin_offsetof(cp_mem_alloc_prop, win32HandleMetaData) == 16, "win32HandleMetaData at 16");
+_Static_assert(__builtin_offsetof(cp_mem_alloc_prop, compressionType) == 24, "allocFlags at 24");
+
+// CUmemAccessDesc: { CUmemLocation location; CUmemAccess_flags flags; },
+// 12 bytes.
+typedef struct {
+	cp_mem_location location;
+	int flags; // CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3
+} cp_mem_access_desc;
+_Static_assert(sizeof(cp_mem_access_desc) == 12, "CUmemAccessDesc is 12 bytes");
+
+// Pinned device memory on device ordinal dev, no shareable handle.
+static cp_mem_alloc_prop cp_device_prop(int dev) {
+	cp_mem_alloc_prop p = {0};
+	p.type = 1;          // CU_MEM_ALLOCATION_TYPE_PINNED
+	p.location.type = 1; // CU_MEM_LOCATION_TYPE_DEVICE
+	p.location.id = dev;
+	return p;
+}
+
+// The granularity of dev's physical allocations, 0 if the device does not
+// support virtual memory management
+// (CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED = 102).
+static cp_ret cp_mem_granularity(const cp_api *a, uintptr_t ctx, CUdevice d, int ordinal) {
+	int supported = 0;
+	size_t g = 0;
+	int pushed;
+	cp_ret ret = {cp_enter(a, ctx, &pushed), 0, 0};
+	if (ret.r == 0)
+		ret.r = ((CUresult (*)(int *, int, CUdevice))a->deviceGetAttribute)(&supported, 102, d);
+	if (ret.r == 0 && supported) {
+		cp_mem_alloc_prop p = cp_device_prop(ordinal);
+		ret.r = ((CUresult (*)(size_t *, const cp_mem_alloc_prop *, int))a->memGetAllocationGranularity)(
+			&g, &p, 1); // CU_MEM_ALLOC_GRANULARITY_RECOMMENDED
+	}
+	ret.r = cp_leave(a, pushed, ret.r);
+	ret.a = g;
+	return ret;
+}
+
+static cp_ret cp_mem_address_reserve(const cp_api *a, uintptr_t ctx, unsigned long long size) {
+	CUdeviceptr p = 0;
+	int pushed;
+	cp_ret ret = {cp_enter(a, ctx, &pushed), 0, 0};
+	// Alignment 0: the granularity. No fixed address, no flags.
+	if (ret.r == 0)
+		ret.r = ((CUresult (*)(CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long))a->memAddressReserve)(
+			&p, (size_t)size, 0, 0, 0);
+	ret.r = cp_leave(a, pushed, ret.r);
+	ret.a = p;
+	return ret;
+}
+
+static CUresult cp_mem_address_free(const cp_api *a, uintptr_t ctx, unsigned long long p, unsigned long long size) {
+	int pushed;
+	CUresult r = cp_enter(a, ctx, &pushed);
+	if (r == 0)
+		r = ((CUresult (*)(CUdeviceptr, size_t))a->memAddressFree)((CUdeviceptr)p, (size_t)size);
+	return cp_leave(a, pushed, r);
+}
+
+static cp_ret cp_mem_create(const cp_api *a, uintptr_t ctx, int ordinal, unsigned long long size) {
+	unsigned long long h = 0; // CUmemGenericAllocationHandle
+	cp_mem_alloc_prop p = cp_device_prop(ordinal);
+	int pushed;
+	cp_ret ret = {cp_enter(a, ctx, &pushed), 0, 0};
+	if (ret.r == 0)
+		ret.r = ((CUresult (*)(unsigned long long *, size_t, const cp_mem_alloc_prop *, unsigned long long))a->memCreate)(
+			&h, (size_t)size, &p, 0);
+	ret.r = cp_leave(a, pushed, ret.r);
+	ret.a = h;
+	return ret;
+}
+
+static CUresult cp_mem_release(const cp_api *a, uintptr_t ctx, unsigned long long h) {
+	int pushed;
+	CUresult r = cp_enter(a, ctx, &pushed);
+	if (r == 0)
+		r = ((CUresult (*)(unsigned long long))a->memRelease)(h);
+	return cp_leave(a, pushed, r);
+}
+
+// Maps all of h (offset 0) at p.
+static CUresult cp_mem_map(const cp_api *a, uintptr_t ctx, unsigned long long p, unsigned long long size, unsigned long long h) {
+	int pushed;
+	CUresult r = cp_enter(a, ctx, &pushed);
+	if (r == 0)
+		r = ((CUresult (*)(CUdeviceptr, size_t, size_t, unsigned long long, unsigned long long))a->memMap)(
+			(CUdeviceptr)p, (size_t)size, 0, h, 0);
+	return cp_leave(a, pushed, r);
+}
+
+static CUresult cp_mem_unmap(const cp_api *a, uintptr_t ctx, unsigned long long p, unsigned long long size) {
+	int pushed;
+	CUresult r = cp_enter(a, ctx, &pushed);
+	if (r == 0)
+		r = ((CUresult (*)(CUdeviceptr, size_t))a->memUnmap)((CUdeviceptr)p, (size_t)size);
+	return cp_leave(a, pushed, r);
+}
+
+// Read and write access for device ordinal dev.
+static CUresult cp_mem_set_access(const cp_api *a, uintptr_t ctx, int ordinal, unsigned long long p, unsigned long long size) {
+	// Location: CU_MEM_LOCATION_TYPE_DEVICE (1), the ordinal; flags:
+	// CU_MEM_ACCESS_FLAGS_PROT_READWRITE (3).
+	cp_mem_access_desc desc = {{1, ordinal}, 3};
+	int pushed;
+	CUresult r = cp_enter(a, ctx, &pushed);
+	if (r == 0)
+		r = ((CUresult (*)(CUdeviceptr, size_t, const cp_mem_access_desc *, size_t))a->memSetAccess)(
+			(CUdeviceptr)p, (size_t)size, &desc, 1);
+	return cp_leave(a, pushed, r);
+}
+
 // cuThreadExchangeStreamCaptureMode works on the calling thread's mode and
 // needs no context.
 static cp_ret cp_exchange_capture_mode(const cp_api *a, int mode) {
@@ -323,6 +478,10 @@ type Driver struct {
 
 	devs []C.CUdevice // CUdevice of each ordinal
 
+	// vmm reports whether every virtual memory management entry point
+	// (vmmSymbols) was found.
+	vmm bool
+
 	// ctxs[i] is device i's retained primary context, 0 until first use.
 	// Read without locking on every call; mu serialises retain/release.
 	ctxs []atomic.Uintptr
@@ -357,6 +516,24 @@ var symbols = []struct {
 	{"cuThreadExchangeStreamCaptureMode", func(a *C.cp_api) *C.uintptr_t { return &a.threadExchangeStreamCaptureMode }},
 }
 
+// vmmSymbols are the virtual memory management entry points. They are
+// optional: without all of them the Driver reports ErrNotSupported from
+// MemGranularity and the allocator uses ordinary segments.
+var vmmSymbols = []struct {
+	name string
+	slot func(*C.cp_api) *C.uintptr_t
+}{
+	{"cuDeviceGetAttribute", func(a *C.cp_api) *C.uintptr_t { return &a.deviceGetAttribute }},
+	{"cuMemGetAllocationGranularity", func(a *C.cp_api) *C.uintptr_t { return &a.memGetAllocationGranularity }},
+	{"cuMemAddressReserve", func(a *C.cp_api) *C.uintptr_t { return &a.memAddressReserve }},
+	{"cuMemAddressFree", func(a *C.cp_api) *C.uintptr_t { return &a.memAddressFree }},
+	{"cuMemCreate", func(a *C.cp_api) *C.uintptr_t { return &a.memCreate }},
+	{"cuMemRelease", func(a *C.cp_api) *C.uintptr_t { return &a.memRelease }},
+	{"cuMemMap", func(a *C.cp_api) *C.uintptr_t { return &a.memMap }},
+	{"cuMemUnmap", func(a *C.cp_api) *C.uintptr_t { return &a.memUnmap }},
+	{"cuMemSetAccess", func(a *C.cp_api) *C.uintptr_t { return &a.memSetAccess }},
+}
+
 // Open loads libcuda.so.1, initialises the driver (cuInit(0)) and counts the
 // devices. Contexts are not touched until a device is first used. An error
 // (never a crash) is returned when the library or a device is missing.
@@ -389,6 +566,15 @@ func openLibrary(path string) (*Driver, error) {
 	}
 	if p, err := purego.Dlsym(lib, "cuGetProcAddress_v2"); err == nil {
 		api.getProcAddress = C.uintptr_t(p)
+	}
+	d.vmm = true
+	for _, s := range vmmSymbols {
+		p, err := purego.Dlsym(lib, s.name)
+		if err != nil || p == 0 {
+			d.vmm = false
+			break
+		}
+		*s.slot(api) = C.uintptr_t(p)
 	}
 
 	if err := check(C.cp_init(api)); err != nil {
@@ -688,4 +874,114 @@ func (d *Driver) pciBusID(dev int) (string, error) {
 		return "", fmt.Errorf("cudapool: cuDeviceGetPCIBusId(device %d): %w", dev, err)
 	}
 	return C.GoString(buf), nil
+}
+
+// The virtual memory management API, which the allocator's expandable
+// segments use (see allocator/expandable.go). Physical memory is pinned
+// device memory of the named device, with no shareable handle; access is
+// read-write for that device only.
+
+// MemGranularity returns the recommended granularity of dev's physical
+// allocations (cuMemGetAllocationGranularity), or ErrNotSupported when the
+// driver or the device lacks virtual memory management.
+func (d *Driver) MemGranularity(dev int) (uint64, error) {
+	c, err := d.ctx(dev)
+	if err != nil {
+		return 0, err
+	}
+	if !d.vmm {
+		return 0, cuda.ErrNotSupported
+	}
+	ret := C.cp_mem_granularity(d.api, c, d.devs[dev], C.int(dev))
+	if err := check(ret.r); err != nil {
+		return 0, err
+	}
+	if ret.a == 0 {
+		return 0, cuda.ErrNotSupported
+	}
+	return uint64(ret.a), nil
+}
+
+// MemAddressReserve reserves size bytes of address space (cuMemAddressReserve),
+// aligned to the granularity. It obeys the thread's capture mode.
+func (d *Driver) MemAddressReserve(dev int, size uint64) (cuda.Ptr, error) {
+	c, err := d.vmmCtx(dev)
+	if err != nil {
+		return 0, err
+	}
+	ret := C.cp_mem_address_reserve(d.api, c, C.ulonglong(size))
+	if err := check(ret.r); err != nil {
+		return 0, err
+	}
+	return cuda.Ptr(ret.a), nil
+}
+
+// MemAddressFree frees a whole reservation (cuMemAddressFree).
+func (d *Driver) MemAddressFree(dev int, p cuda.Ptr, size uint64) error {
+	c, err := d.vmmCtx(dev)
+	if err != nil {
+		return err
+	}
+	return check(C.cp_mem_address_free(d.api, c, C.ulonglong(p), C.ulonglong(size)))
+}
+
+// MemCreate allocates size bytes of physical memory on dev (cuMemCreate).
+// It obeys the thread's capture mode.
+func (d *Driver) MemCreate(dev int, size uint64) (cuda.MemHandle, error) {
+	c, err := d.vmmCtx(dev)
+	if err != nil {
+		return 0, err
+	}
+	ret := C.cp_mem_create(d.api, c, C.int(dev), C.ulonglong(size))
+	if err := check(ret.r); err != nil {
+		return 0, err
+	}
+	return cuda.MemHandle(ret.a), nil
+}
+
+// MemRelease releases a handle (cuMemRelease); its memory is freed once it
+// is unmapped.
+func (d *Driver) MemRelease(dev int, h cuda.MemHandle) error {
+	c, err := d.vmmCtx(dev)
+	if err != nil {
+		return err
+	}
+	return check(C.cp_mem_release(d.api, c, C.ulonglong(h)))
+}
+
+// MemMap maps all of h at p (cuMemMap, offset 0). It obeys the thread's
+// capture mode.
+func (d *Driver) MemMap(dev int, p cuda.Ptr, size uint64, h cuda.MemHandle) error {
+	c, err := d.vmmCtx(dev)
+	if err != nil {
+		return err
+	}
+	return check(C.cp_mem_map(d.api, c, C.ulonglong(p), C.ulonglong(size), C.ulonglong(h)))
+}
+
+// MemSetAccess makes [p, p+size) readable and writable from dev
+// (cuMemSetAccess). It obeys the thread's capture mode.
+func (d *Driver) MemSetAccess(dev int, p cuda.Ptr, size uint64) error {
+	c, err := d.vmmCtx(dev)
+	if err != nil {
+		return err
+	}
+	return check(C.cp_mem_set_access(d.api, c, C.int(dev), C.ulonglong(p), C.ulonglong(size)))
+}
+
+// MemUnmap unmaps [p, p+size) (cuMemUnmap).
+func (d *Driver) MemUnmap(dev int, p cuda.Ptr, size uint64) error {
+	c, err := d.vmmCtx(dev)
+	if err != nil {
+		return err
+	}
+	return check(C.cp_mem_unmap(d.api, c, C.ulonglong(p), C.ulonglong(size)))
+}
+
+// vmmCtx is ctx for the VMM calls, which need the entry points.
+func (d *Driver) vmmCtx(dev int) (C.uintptr_t, error) {
+	if !d.vmm {
+		return 0, cuda.ErrNotSupported
+	}
+	return d.ctx(dev)
 }

@@ -47,3 +47,12 @@ func (d *Driver) EventDestroy(int, cuda.Event) error             { return errUns
 func (d *Driver) DeviceProcesses(int) ([]cuda.ProcessMemory, error) {
 	return nil, errUnsupported
 }
+
+func (d *Driver) MemGranularity(int) (uint64, error)                 { return 0, errUnsupported }
+func (d *Driver) MemAddressReserve(int, uint64) (cuda.Ptr, error)    { return 0, errUnsupported }
+func (d *Driver) MemAddressFree(int, cuda.Ptr, uint64) error         { return errUnsupported }
+func (d *Driver) MemCreate(int, uint64) (cuda.MemHandle, error)      { return 0, errUnsupported }
+func (d *Driver) MemRelease(int, cuda.MemHandle) error               { return errUnsupported }
+func (d *Driver) MemMap(int, cuda.Ptr, uint64, cuda.MemHandle) error { return errUnsupported }
+func (d *Driver) MemSetAccess(int, cuda.Ptr, uint64) error           { return errUnsupported }
+func (d *Driver) MemUnmap(int, cuda.Ptr, uint64) error               { return errUnsupported }

@@ -99,6 +99,10 @@ type fake struct {
 	ctxGetCurrent  func(*uintptr) int32
 	ctxPushCurrent func(uintptr) int32
 	ctxPopCurrent  func(*uintptr) int32
+	liveHandles    func() int64
+	liveReserves   func() int64
+	mappedBytes    func() int64
+	setAccessCalls func() int64
 }
 
 func openFake(t testing.TB) *fake {
@@ -126,6 +130,10 @@ func openFake(t testing.TB) *fake {
 		"cuCtxGetCurrent":        &f.ctxGetCurrent,
 		"cuCtxPushCurrent_v2":    &f.ctxPushCurrent,
 		"cuCtxPopCurrent_v2":     &f.ctxPopCurrent,
+		"fake_live_handles":      &f.liveHandles,
+		"fake_live_reservations": &f.liveReserves,
+		"fake_mapped_bytes":      &f.mappedBytes,
+		"fake_set_access_calls":  &f.setAccessCalls,
 	} {
 		purego.RegisterLibFunc(fn, h, name)
 	}
@@ -453,5 +461,114 @@ func BenchmarkFakeStreamCaptureInfo(b *testing.B) {
 	b.ReportAllocs()
 	for b.Loop() {
 		f.StreamCaptureInfo(0, 0x1234)
+	}
+}
+
+// The VMM calls pass the structs cuda.h defines (the fake checks their
+// layout and contents), name the right device and leave the thread's
+// context as they found it.
+func TestFakeVMM(t *testing.T) {
+	f := openFake(t)
+	const gran = 2 << 20
+	g, err := f.MemGranularity(1)
+	if err != nil || g != gran {
+		t.Fatalf("MemGranularity = %d, %v", g, err)
+	}
+	handles, reserves, mapped, access := f.liveHandles(), f.liveReserves(), f.mappedBytes(), f.setAccessCalls()
+	base, err := f.MemAddressReserve(1, 8*gran)
+	if err != nil || base == 0 {
+		t.Fatalf("MemAddressReserve = %#x, %v", base, err)
+	}
+	if _, err := f.MemAddressReserve(1, gran+1); !errors.Is(err, cuda.ErrInvalidValue) {
+		t.Errorf("MemAddressReserve of a partial granule: %v", err)
+	}
+	var hs []cuda.MemHandle
+	for i := 0; i < 2; i++ {
+		h, err := f.MemCreate(1, gran)
+		if err != nil || h == 0 {
+			t.Fatalf("MemCreate = %d, %v", h, err)
+		}
+		if err := f.MemMap(1, base+cuda.Ptr(i*gran), gran, h); err != nil {
+			t.Fatal(err)
+		}
+		hs = append(hs, h)
+	}
+	if err := f.MemSetAccess(1, base, 2*gran); err != nil {
+		t.Fatal(err)
+	}
+	if got := f.depth(); got != 0 {
+		t.Errorf("context stack depth %d after the calls, want 0", got)
+	}
+	if f.liveHandles()-handles != 2 || f.mappedBytes()-mapped != 2*gran || f.liveReserves()-reserves != 1 || f.setAccessCalls()-access != 1 {
+		t.Errorf("handles %d, mapped %d, reservations %d, access calls %d", f.liveHandles()-handles, f.mappedBytes()-mapped, f.liveReserves()-reserves, f.setAccessCalls()-access)
+	}
+	for i, h := range hs {
+		if err := f.MemUnmap(1, base+cuda.Ptr(i*gran), gran); err != nil {
+			t.Fatal(err)
+		}
+		if err := f.MemRelease(1, h); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := f.MemAddressFree(1, base, 8*gran); err != nil {
+		t.Fatal(err)
+	}
+	if f.liveHandles() != handles || f.mappedBytes() != mapped || f.liveReserves() != reserves {
+		t.Errorf("left behind: handles %d, mapped %d, reservations %d", f.liveHandles()-handles, f.mappedBytes()-mapped, f.liveReserves()-reserves)
+	}
+
+	// Creating obeys the capture mode, like cuMemAlloc.
+	f.setCapture(9, 1)
+	if _, err := f.MemCreate(0, gran); !errors.Is(err, cuda.ErrCaptureUnsupported) {
+		t.Errorf("MemCreate in global mode during capture: %v", err)
+	}
+	f.setCapture(0, 0)
+
+	// A device without VMM support: the allocator falls back.
+	t.Setenv("FAKECUDA_NO_VMM", "1")
+	if _, err := f.MemGranularity(0); !errors.Is(err, cuda.ErrNotSupported) {
+		t.Errorf("MemGranularity without VMM support: %v", err)
+	}
+}
+
+// The allocator runs expandable segments over the fake driver.
+func TestFakeAllocatorExpandable(t *testing.T) {
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	f := openFake(t)
+	cfg, _, err := allocator.ParseConfig("expandable_segments:True")
+	if err != nil {
+		t.Fatal(err)
+	}
+	a, err := allocator.New(f.Driver, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	a.SetWarningHandler(func(msg string) { t.Errorf("warning: %s", msg) })
+	allocs, mapped := f.liveAllocs(), f.mappedBytes()
+	p, err := a.Malloc(0, 3<<20, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	q, err := a.Malloc(0, 3<<20, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if q != p+3<<20 || f.liveAllocs() != allocs || f.mappedBytes()-mapped != 6<<20 {
+		t.Errorf("p %#x q %#x, cuMemAlloc'd %d, mapped %d", p, q, f.liveAllocs()-allocs, f.mappedBytes()-mapped)
+	}
+	for _, x := range []cuda.Ptr{p, q} {
+		if err := a.Free(0, x, 0); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := a.EmptyCache(); err != nil {
+		t.Fatal(err)
+	}
+	if f.mappedBytes() != mapped || f.liveReserves() != 0 || f.liveHandles() != 0 {
+		t.Errorf("after empty_cache: mapped %d, reservations %d, handles %d", f.mappedBytes()-mapped, f.liveReserves(), f.liveHandles())
+	}
+	if err := a.CheckInvariants(); err != nil {
+		t.Fatal(err)
 	}
 }

@@ -215,7 +215,112 @@ CUresult cuThreadExchangeStreamCaptureMode(int *mode) {
 	return 0;
 }
 
+// Virtual memory management. The fake checks the struct layouts cuda/driver
+// writes (CUmemAllocationProp, CUmemAccessDesc), that the named device's
+// context is current, and keeps counts for the probes. Address ranges come
+// from VBASE(d); FAKECUDA_NO_VMM=1 makes devices report no VMM support.
+#define GRAN (2ULL << 20)
+#define VBASE(d) (0x7e0000000000ULL + ((unsigned long long)(d) << 36))
+
+typedef struct { int type, id; } fake_location;
+typedef struct {
+	int type, requestedHandleTypes;
+	fake_location location;
+	void *win32HandleMetaData;
+	unsigned char compressionType, gpuDirectRDMACapable;
+	unsigned short usage;
+	unsigned char reserved[4];
+} fake_prop; // CUmemAllocationProp, 32 bytes
+typedef struct { fake_location location; int flags; } fake_access; // CUmemAccessDesc
+
+static long live_handles, live_reservations, set_access_calls;
+static long long mapped_bytes;
+static unsigned long long next_handle, next_vaddr[NDEV];
+
+static int good_prop(const fake_prop *p) {
+	static const unsigned char zero[4];
+	return sizeof(fake_prop) == 32 && p->type == 1 && p->requestedHandleTypes == 0 &&
+	       p->location.type == 1 && p->location.id >= 0 && p->location.id < NDEV &&
+	       p->win32HandleMetaData == NULL && p->compressionType == 0 && p->gpuDirectRDMACapable == 0 &&
+	       p->usage == 0 && memcmp(p->reserved, zero, 4) == 0;
+}
+
+CUresult cuDeviceGetAttribute(int *v, int attr, int dev) {
+	if (dev < 0 || dev >= NDEV)
+		return 101;
+	if (attr != 102) // CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED
+		return 1;
+	*v = !env_int("FAKECUDA_NO_VMM");
+	return 0;
+}
+CUresult cuMemGetAllocationGranularity(size_t *g, const fake_prop *p, int option) {
+	if (!good_prop(p) || (option != 0 && option != 1))
+		return 1;
+	*g = GRAN;
+	return 0;
+}
+CUresult cuMemAddressReserve(CUdeviceptr *p, size_t size, size_t align, CUdeviceptr addr, unsigned long long flags) {
+	int d = cur_dev();
+	if (d < 0)
+		return 201;
+	if (size == 0 || size % GRAN || align % GRAN || addr || flags)
+		return 1;
+	*p = VBASE(d) + __atomic_fetch_add(&next_vaddr[d], size, __ATOMIC_SEQ_CST);
+	__atomic_add_fetch(&live_reservations, 1, __ATOMIC_SEQ_CST);
+	return 0;
+}
+CUresult cuMemAddressFree(CUdeviceptr p, size_t size) {
+	if (p == 0 || size % GRAN)
+		return 1;
+	__atomic_sub_fetch(&live_reservations, 1, __ATOMIC_SEQ_CST);
+	return 0;
+}
+CUresult cuMemCreate(unsigned long long *h, size_t size, const fake_prop *p, unsigned long long flags) {
+	int d = cur_dev();
+	if (d < 0)
+		return 201;
+	if (!good_prop(p) || p->location.id != d || size == 0 || size % GRAN || flags)
+		return 1;
+	if (capturing_stream != 0 && capture_mode != 2)
+		return 900;
+	*h = __atomic_add_fetch(&next_handle, 1, __ATOMIC_SEQ_CST);
+	__atomic_add_fetch(&live_handles, 1, __ATOMIC_SEQ_CST);
+	return 0;
+}
+CUresult cuMemRelease(unsigned long long h) {
+	if (h == 0 || h > next_handle)
+		return 1;
+	__atomic_sub_fetch(&live_handles, 1, __ATOMIC_SEQ_CST);
+	return 0;
+}
+CUresult cuMemMap(CUdeviceptr p, size_t size, size_t offset, unsigned long long h, unsigned long long flags) {
+	if (p % GRAN || size == 0 || size % GRAN || offset || flags || h == 0 || h > next_handle)
+		return 1;
+	__atomic_add_fetch(&mapped_bytes, (long long)size, __ATOMIC_SEQ_CST);
+	return 0;
+}
+CUresult cuMemUnmap(CUdeviceptr p, size_t size) {
+	if (p % GRAN || size == 0 || size % GRAN)
+		return 1;
+	__atomic_sub_fetch(&mapped_bytes, (long long)size, __ATOMIC_SEQ_CST);
+	return 0;
+}
+CUresult cuMemSetAccess(CUdeviceptr p, size_t size, const fake_access *desc, size_t count) {
+	int d = cur_dev();
+	if (d < 0)
+		return 201;
+	if (sizeof(fake_access) != 12 || p % GRAN || size % GRAN || count != 1 ||
+	    desc->location.type != 1 || desc->location.id != d || desc->flags != 3)
+		return 1;
+	__atomic_add_fetch(&set_access_calls, 1, __ATOMIC_SEQ_CST);
+	return 0;
+}
+
 // Probes for the tests.
+long fake_live_handles(void) { return live_handles; }
+long fake_live_reservations(void) { return live_reservations; }
+long long fake_mapped_bytes(void) { return mapped_bytes; }
+long fake_set_access_calls(void) { return set_access_calls; }
 long fake_pushes(void) { return __atomic_load_n(&pushes, __ATOMIC_SEQ_CST); }
 long fake_retains(int dev) { return retains[dev]; }
 long fake_live_allocs(void) { return live_allocs; }
