@@ -222,6 +222,50 @@ static void test_oom(void) {
   cudapool_empty_cache();
 }
 
+/* expandable_segments:True: blocks continue across 2 MiB page boundaries,
+ * the memory is usable by kernels, captures map pages in relaxed mode, and
+ * empty_cache unmaps. Runs after the other tests (announced captures only:
+ * unannounced capture detection stops at the first announcement). */
+static void test_expandable(CUstream s1, CUstream cs) {
+  cudapool_empty_cache();
+  CHECK(cudapool_configure("expandable_segments:True") == 0, "configure expandable_segments:True (%s)", lasterr());
+  const unsigned n = (3u << 20) / 4;
+  void *a = cudapool_malloc(3u << 20, 0, (cudapool_stream)s1);
+  void *b = cudapool_malloc(3u << 20, 0, (cudapool_stream)s1);
+  CHECK(a && b && (char *)b == (char *)a + (3u << 20),
+        "expandable: consecutive blocks are contiguous across a page boundary (%p %p %s)", a, b, lasterr());
+  if (a && b) {
+    fill(s1, a, n, 5);
+    fill(s1, b, n, 7);
+    unsigned *host = malloc(6u << 20);
+    CU(cuStreamSynchronize(s1));
+    CU(cuMemcpyDtoH(host, (CUdeviceptr)a, 6u << 20));
+    int okv = 1;
+    for (unsigned i = 0; i < 2 * n; i++) okv &= host[i] == (i < n ? 5u : 7u);
+    CHECK(okv, "expandable: kernels write both blocks, read back through the mapping");
+    free(host);
+    size_t bsize = 0;
+    void *base = cudapool_base_allocation(b, &bsize);
+    CHECK(base == a && bsize == (6u << 20), "expandable: base allocation is the mapped run (%p, %zu MiB)", base,
+          bsize >> 20);
+    cudapool_free(a, 3u << 20, 0, (cudapool_stream)s1);
+    cudapool_free(b, 3u << 20, 0, (cudapool_stream)s1);
+  }
+  test_capture(cs, 1, CU_STREAM_CAPTURE_MODE_GLOBAL);
+  test_capture(cs, 1, CU_STREAM_CAPTURE_MODE_THREAD_LOCAL);
+  test_empty_cache();
+  char *js = cudapool_snapshot_json();
+  CHECK(js && strstr(js, "\"is_expandable\":true") == NULL, "after empty_cache no expandable segment is left");
+  cudapool_string_free(js);
+  void *c = cudapool_malloc(40u << 20, 0, (cudapool_stream)s1);
+  js = cudapool_snapshot_json();
+  CHECK(c && js && strstr(js, "\"is_expandable\":true") != NULL, "the snapshot marks expandable segments");
+  cudapool_string_free(js);
+  cudapool_free(c, 40u << 20, 0, (cudapool_stream)s1);
+  cudapool_empty_cache();
+  CHECK(cudapool_configure("expandable_segments:False") == 0, "configure expandable_segments:False");
+}
+
 static void test_two_devices(int ndev) {
   if (ndev < 2) {
     printf("skip two devices: only %d device\n", ndev);
@@ -276,6 +320,7 @@ int main(void) {
   test_empty_cache();
   test_fraction(total);
   test_oom();
+  test_expandable(s1, cs);
   test_two_devices(ndev);
 
   char *js = cudapool_memory_stats_json(0);

@@ -66,7 +66,8 @@ void cudapool_set_memory_fraction(double fraction, int device);
 
 /* Returns the base of the segment that contains ptr and writes its size to
  * *size; NULL (and an error) if ptr is not in any segment or an argument is
- * NULL. */
+ * NULL. With expandable_segments:True the "segment" is the contiguous mapped
+ * range around ptr (what snapshots show as one segment). */
 void *cudapool_base_allocation(void *ptr, size_t *size);
 
 /* Notes that stream uses the allocation ptr: after cudapool_free(ptr), the
