@@ -13,7 +13,13 @@ import (
 // Many goroutines allocate, free and record uses on several streams and two
 // devices at once; run with -race.
 func TestConcurrentMallocFree(t *testing.T) {
-	a, drv := newAlloc(t, 2, 4*GiB, "")
+	for _, conf := range []string{"", "expandable_segments:True"} {
+		t.Run(conf, func(t *testing.T) { testConcurrentMallocFree(t, conf) })
+	}
+}
+
+func testConcurrentMallocFree(t *testing.T, conf string) {
+	a, drv := newAlloc(t, 2, 4*GiB, conf)
 	a.ExpectAnnouncements()
 	const workers = 16
 	iters := 3000
@@ -90,6 +96,7 @@ func TestConcurrentMallocFree(t *testing.T) {
 	require.NoError(t, a.EmptyCache())
 	for dev := 0; dev < 2; dev++ {
 		require.Zero(t, drv.Live(dev))
+		require.Zero(t, drv.Used(dev), "no physical memory left mapped")
 		require.Zero(t, stats(t, a, dev).Allocation[pools.StatAll].Current)
 	}
 }
