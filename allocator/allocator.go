@@ -17,10 +17,12 @@
 //     pool; otherwise the default pools. Small or large by rounded size.
 //  3. Best fit on the stream in that pool.
 //  4. Else grow: garbage-collect old cached segments if configured; allocate
-//     a new segment; else free cached oversize segments and retry; else wait
-//     for all pending events, free every cached whole segment (and the
-//     released private pools) and retry. Steps that free memory are skipped
-//     while a capture is under way.
+//     a new segment (with expandable_segments:True, map pages into the
+//     pool's reserved range instead: expandable.go); else free cached
+//     oversize segments and retry; else wait for all pending events, free
+//     every cached whole segment and unmap every free page (and the released
+//     private pools') and retry. Steps that free memory are skipped while a
+//     capture is under way.
 //  5. Else out of memory, with PyTorch's message.
 //
 // New segments are allocated with the calling thread switched to relaxed

@@ -5,14 +5,18 @@
 //
 // # Design
 //
-// A segment is one driver allocation. It is tiled, without gaps, by a doubly
-// linked list of blocks (Prev/Next). A block is in exactly one of these states:
+// A segment is one driver allocation, or, with expandable segments, one
+// reserved address range mapped page by page (expandable.go). It is tiled,
+// without gaps, by a doubly linked list of blocks (Prev/Next). A block is in
+// exactly one of these states:
 //
 //	allocated      handed to the user; indexed by address in Cache.active
 //	awaiting free  freed by the user but still used by other streams
 //	               (EventCount > 0 or Uses not empty); in no index
 //	free           in its BlockPool's free set, ordered by (stream, size,
 //	               address), so best fit on a stream is a lower-bound search
+//	unmapped       (expandable segments only) address space with no memory
+//	               behind it, in its BlockPool's Unmapped set
 //
 // Adjacent free blocks of one segment are merged at once, so two neighbours
 // are never both free. A block is reused only by the stream it was allocated
