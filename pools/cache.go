@@ -505,6 +505,17 @@ func (c *Cache) Check() error {
 				return fmt.Errorf("block %#x: broken links", b.Ptr)
 			}
 			next = b.End()
+			if s.Expandable {
+				// The owner's page table agrees: every page a mapped block
+				// touches has memory, no page of an unmapped block has.
+				first := uint64(b.Ptr-s.Base) / s.PageSize
+				last := (uint64(b.End()-s.Base) - 1) / s.PageSize
+				for i := first; i <= last && i < uint64(len(s.Pages)); i++ {
+					if (s.Pages[i] == 0) != b.Unmapped {
+						return fmt.Errorf("expandable segment %#x: page %d has handle %d, block %#x unmapped=%v", base, i, s.Pages[i], b.Ptr, b.Unmapped)
+					}
+				}
+			}
 			if b.Unmapped {
 				switch {
 				case !s.Expandable:
