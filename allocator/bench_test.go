@@ -93,7 +93,13 @@ func BenchmarkHotPair(b *testing.B) {
 }
 
 func BenchmarkMixedPairs(b *testing.B) {
-	a, _ := newAlloc(b, 1, 80*GiB, "")
+	for _, conf := range []string{"", "expandable_segments:True"} {
+		b.Run(conf, func(b *testing.B) { benchmarkMixedPairs(b, conf) })
+	}
+}
+
+func benchmarkMixedPairs(b *testing.B, conf string) {
+	a, _ := newAlloc(b, 1, 80*GiB, conf)
 	a.ExpectAnnouncements()
 	m := newMixed(a, 256)
 	m.run(20000)
