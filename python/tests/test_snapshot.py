@@ -91,3 +91,24 @@ def test_memory_snapshot_filters_by_pool(allocs):
     assert len(cudapool.memory_snapshot()) == 1
     assert len(cudapool.memory_snapshot((0, 0))) == 1
     assert cudapool.memory_snapshot((1, 0)) == []
+
+
+def test_expandable_segments(allocs):
+    """With expandable_segments:True the snapshot shows each mapped run of a
+    reserved range as one expandable segment, as PyTorch does."""
+    cudapool.configure("expandable_segments:True")
+    p = allocs.malloc(3 * MiB)
+    q = allocs.malloc(3 * MiB)
+    assert q == p + 3 * MiB  # one block continues the other across a 2 MiB page
+    snap = cudapool.snapshot()
+    assert snap["allocator_settings"]["expandable_segments"] is True
+    (seg,) = snap["segments"]
+    assert set(seg) == SEGMENT_KEYS
+    assert seg["is_expandable"] is True
+    assert (seg["address"], seg["total_size"], seg["allocated_size"]) == (p, 6 * MiB, 6 * MiB)
+    assert cudapool.memory_reserved(0) == 6 * MiB
+    allocs.free(p)
+    allocs.free(q)
+    cudapool.empty_cache()
+    assert cudapool.snapshot()["segments"] == []
+    assert cudapool.memory_reserved(0) == 0
