@@ -2,6 +2,7 @@ package allocator_test
 
 import (
 	"sync"
+	"sync/atomic"
 	"testing"
 
 	"github.com/cudapool/cudapool/allocator"
@@ -65,7 +66,7 @@ func TestEmptyCacheWaitsForEvents(t *testing.T) {
 func captureFilter(drv *sim.Driver, id *uint64) func(cuda.Stream) bool {
 	return func(s cuda.Stream) bool {
 		st, cid, err := drv.StreamCaptureInfo(0, s)
-		return err == nil && st == cuda.CaptureActive && cid == *id
+		return err == nil && st == cuda.CaptureActive && cid == atomic.LoadUint64(id)
 	}
 }
 
@@ -74,7 +75,8 @@ func beginCapture(t *testing.T, a *allocator.Allocator, drv *sim.Driver, pool al
 	id := new(uint64)
 	require.NoError(t, a.BeginAllocateToPool(0, pool, captureFilter(drv, id)))
 	require.NoError(t, drv.BeginCapture(s, mode))
-	_, *id, _ = drv.StreamCaptureInfo(0, s)
+	_, cid, _ := drv.StreamCaptureInfo(0, s)
+	atomic.StoreUint64(id, cid)
 	return id
 }
 
@@ -200,7 +202,8 @@ func TestTwoConcurrentCaptures(t *testing.T) {
 			pool := allocator.PoolID{A: uint64(i)}
 			require.NoError(t, a.BeginAllocateToPool(0, pool, captureFilter(drv, id)))
 			require.NoError(t, drv.BeginCapture(s, cuda.CaptureModeThreadLocal))
-			_, *id, _ = drv.StreamCaptureInfo(0, s)
+			_, cid, _ := drv.StreamCaptureInfo(0, s)
+			atomic.StoreUint64(id, cid)
 			<-ready // both captures under way together
 			res := &result{}
 			for k := 0; k < 20; k++ {

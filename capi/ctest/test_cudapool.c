@@ -514,6 +514,43 @@ static int cmp_held(const void *a, const void *b) {
 	return x < y ? -1 : x > y;
 }
 
+static void test_expandable(void) {
+	printf("-- expandable_segments:True\n");
+	cudapool_stream cs = STREAM(0x5000);
+	struct filter_ctx fc = {cs, 0};
+	cudapool_empty_cache();
+	CHECK(cudapool_configure("expandable_segments:True") == 0, "configure expandable_segments:True");
+	void *a = cudapool_malloc(3 * MiB, 0, 0);
+	void *b = cudapool_malloc(3 * MiB, 0, 0);
+	CHECK(a && b && (char *)b == (char *)a + 3 * MiB, "the second block continues the first across a page boundary");
+	size_t sz = 0;
+	CHECK(cudapool_base_allocation(b, &sz) == a && sz == 6 * MiB, "base_allocation gives the mapped run");
+	CHECK(stat_of(0, "reserved_bytes.all.current") == (long long)(6 * MiB), "reserved bytes are mapped bytes");
+	CHECK(stat_of(0, "segment.all.current") == 0, "expandable ranges are not counted as segments (as in PyTorch)");
+	char *snap = cudapool_snapshot_json();
+	CHECK(snap && count_substr(snap, "\"is_expandable\":true") == 1, "the snapshot shows one expandable segment");
+	cudapool_string_free(snap);
+
+	/* A capture maps pages for its private pool in relaxed mode. */
+	cudapool_begin_allocate_to_pool(0, 8, 0, capture_filter, &fc);
+	CHECK(cudapool_sim_begin_capture(cs, 0) == 0, "sim_begin_capture (global mode)");
+	void *x = cudapool_malloc(24 * MiB, 0, cs);
+	CHECK(x != NULL, "a large malloc inside the capture maps pages");
+	cudapool_free(x, 24 * MiB, 0, cs);
+	cudapool_free(a, 3 * MiB, 0, 0);
+	cudapool_empty_cache();
+	CHECK(err_has("capture is under way"), "empty_cache during the capture is refused");
+	CHECK(stat_of(0, "reserved_bytes.all.current") == (long long)(30 * MiB), "nothing was unmapped");
+	CHECK(cudapool_sim_end_capture(cs) == 0, "the capture was not invalidated");
+	cudapool_end_allocate_to_pool(0, 8, 0);
+	cudapool_release_pool(0, 8, 0);
+	cudapool_free(b, 3 * MiB, 0, 0);
+	cudapool_empty_cache();
+	CHECK(stat_of(0, "reserved_bytes.all.current") == 0, "empty_cache unmapped every page");
+	CHECK(cudapool_sim_violations() == 0, "no capture violations");
+	CHECK(cudapool_configure("") == 0, "back to the defaults");
+}
+
 static void test_threads(void) {
 	printf("-- %d threads\n", THREADS);
 	long long base = stat_of(0, "allocation.all.current");
@@ -739,6 +776,7 @@ int main(int argc, char **argv) {
 	test_streams();
 	test_unannounced_capture();
 	test_capture();
+	test_expandable();
 	test_threads();
 	test_fork();
 	test_environment(argv[0]);
