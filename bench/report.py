@@ -41,7 +41,7 @@ class Metric:
     """One row: value(record) -> number or None."""
 
     def __init__(self, label, kind, key, unit, scale=1.0, digits=2, better="lower", target=None,
-                 section=None, note=None):
+                 section=None, errkey=None):
         self.label = label
         self.kind = kind
         self.key = key  # a record key, or a function(record) -> value or None
@@ -50,8 +50,8 @@ class Metric:
         self.digits = digits
         self.better = better  # "lower", "higher" or None
         self.target = target  # max (lower) / min (higher) cudapool/native ratio
-        self.section = section  # the section whose error explains a missing value
-        self.note = note
+        self.section = section  # the result section that holds the value
+        self.errkey = errkey  # its "<errkey>_error" explains a missing value (default: section)
 
     def value(self, rec):
         if rec is None:
@@ -95,9 +95,9 @@ METRICS = [
     Metric("C: malloc+free, mixed 512 B-144 MiB, 256 live", "c", "mixed_ns_per_pair", "ns/pair", digits=0,
            target=0.8, section="mixed"),
     Metric("C: 4 threads, own streams, 4 KiB pairs", "c", _mpairs("threads4_pairs_per_s"), "M pairs/s",
-           better="higher", section="threads"),
+           better="higher", section="threads", errkey="threads4"),
     Metric("C: 8 threads, own streams, 4 KiB pairs", "c", _mpairs("threads8_pairs_per_s"), "M pairs/s",
-           better="higher", section="threads"),
+           better="higher", section="threads", errkey="threads8"),
     Metric("torch.empty + free, 4 KiB", "torch", "empty_small_us", "us/pair", target=1.05, section="empty"),
     Metric("torch.empty + free, mixed sizes", "torch", "empty_mixed_us", "us/pair", target=1.05, section="empty"),
     Metric("GPT-2 training step, variable seq len", "torch", "train_ms_per_step", "ms/step", target=1.02,
@@ -175,7 +175,7 @@ class Results:
         """Why the metric has no value for config (a short text)."""
         kind = metric.kind
         errs = self.errors.get((kind, config), {})
-        for sec in (metric.section, "init", "meta"):
+        for sec in (metric.errkey, metric.section, "init", "meta"):
             if sec and sec in errs:
                 return f"{sec}: {errs[sec]}"
         names = [f"{kind}_{config}"]
@@ -335,6 +335,10 @@ def machine_lines(res):
             backends.append(f"{LABELS[cfg]}: {b}")
     if backends:
         lines.append("- allocator backends reported: " + "; ".join(backends))
+    exp = res.record("c", "expandable") or {}
+    if isinstance(exp.get("trace_segments_now"), int) and isinstance(exp.get("trace_expandable_segments_now"), int):
+        lines.append(f"- expandable_segments check (C, after the trace): {exp['trace_expandable_segments_now']} of "
+                     f"{exp['trace_segments_now']} segments are expandable")
     return lines
 
 

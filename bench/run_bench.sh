@@ -30,6 +30,7 @@
 # BENCH_SIM=1 (c_bench on cudapool's simulator: for testing without a GPU),
 # BENCH_UPDATE_REPO=0 (leave bench/RESULTS.md and README.md alone: write the
 # results file and an updated copy of the README to $OUT only).
+# shellcheck disable=SC2317  # the step functions are called through run_step
 set -u
 cd "$(dirname "$0")/.." || exit 1
 REPO=$PWD
@@ -145,6 +146,7 @@ EOF
     cat "$BUILD/torch_env.txt"
     TORCH_DIR=$(sed -n 's/^TORCH_DIR=//p' "$BUILD/torch_env.txt")
     TORCH_ABI=$(sed -n 's/^TORCH_ABI=//p' "$BUILD/torch_env.txt")
+    TORCH_ABI=${TORCH_ABI:-1}
     local tv tc
     tv=$(sed -n 's/^TORCH_VERSION=//p' "$BUILD/torch_env.txt")
     tc=$(sed -n 's/^TORCH_CUDA=//p' "$BUILD/torch_env.txt")
@@ -153,7 +155,7 @@ EOF
         "$(json_str "$mem")" "$(json_str "$cpu")" "$(json_str "$tv")" "$(json_str "$tc")" \
         "$(json_str "$commit")" "$dirty" >"$RES/meta.json"
     echo "GPU: ${gpu:-none found}, driver ${drv:-?}; PyTorch ${tv:-?}"
-    return $rc
+    return "$rc"
 }
 TORCH_DIR=""
 TORCH_ABI=1
@@ -175,22 +177,30 @@ build_native() {
         echo "torch's include directory not found (TORCH_DIR='$TORCH_DIR')"
         return 1
     fi
-    local inc=(-I bench -I "$TORCH_DIR/include")
-    [ -d "$CUDA_HOME/include" ] && inc+=(-I "$CUDA_HOME/include")
-    local d
+    # CUDA headers: the toolkit's, else (or then) those of torch's pip packages.
+    local sys_inc=() pip_inc=() d
+    [ -d "$CUDA_HOME/include" ] && sys_inc=(-I "$CUDA_HOME/include")
     for d in "$TORCH_DIR"/../nvidia/cu*/include "$TORCH_DIR"/../nvidia/cuda_runtime/include; do
-        [ -d "$d" ] && inc+=(-I "$d")
+        [ -d "$d" ] && pip_inc+=(-I "$d")
     done
-    local std extras
-    for std in c++17 c++20; do
-        for extras in -DNB_EXTRAS -DNB_PLAIN; do
-            echo "--- g++ -std=$std $extras"
-            if timeout 240 g++ -std="$std" -O2 -D_GLIBCXX_USE_CXX11_ABI="$TORCH_ABI" "$extras" "${inc[@]}" \
-                bench/native_bench.cpp -o "$BUILD/native_bench" \
-                -L "$TORCH_DIR/lib" -lc10_cuda -lc10 -Wl,-rpath,"$TORCH_DIR/lib" -Wl,--allow-shlib-undefined -pthread; then
-                echo "built native_bench with -std=$std $extras"
-                return 0
-            fi
+    local order std extras inc
+    for order in system pip; do
+        if [ "$order" = system ]; then
+            inc=(-I bench -I "$TORCH_DIR/include" "${sys_inc[@]}" "${pip_inc[@]}")
+        else
+            if [ ${#pip_inc[@]} -eq 0 ] || [ ${#sys_inc[@]} -eq 0 ]; then continue; fi  # nothing new to try
+            inc=(-I bench -I "$TORCH_DIR/include" "${pip_inc[@]}" "${sys_inc[@]}")
+        fi
+        for std in c++17 c++20; do
+            for extras in -DNB_EXTRAS -DNB_PLAIN; do
+                echo "--- g++ -std=$std $extras (CUDA headers: $order first)"
+                if timeout 240 g++ -std="$std" -O2 -D_GLIBCXX_USE_CXX11_ABI="$TORCH_ABI" "$extras" "${inc[@]}" \
+                    bench/native_bench.cpp -o "$BUILD/native_bench" \
+                    -L "$TORCH_DIR/lib" -lc10_cuda -lc10 -Wl,-rpath,"$TORCH_DIR/lib" -Wl,--allow-shlib-undefined -pthread; then
+                    echo "built native_bench with -std=$std $extras (CUDA headers: $order first)"
+                    return 0
+                fi
+            done
         done
     done
     return 1

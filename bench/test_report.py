@@ -142,7 +142,7 @@ class TestReport(unittest.TestCase):
             {"kind": "step", "name": "build_native", "status": "failed", "reason": "g++ failed"},
         ])
         res = report.load(self.dir)
-        self.assertEqual(res.bad_lines, 2)  # the cut line and "[1, 2]"; "not json" is skipped silently
+        self.assertEqual(res.bad_lines, 1)  # the cut line; lines not starting with "{" are skipped
         rows, notes = report.build_rows(res)
         self.assertEqual(row(rows, "C: malloc+free, 4 KiB")[2], "0.854x")
         mixed = row(rows, "C: malloc+free, mixed")
@@ -150,7 +150,8 @@ class TestReport(unittest.TestCase):
         self.assertEqual(mixed[4], "n/a")
         text = report.text_table(rows, notes)
         self.assertIn("trace: malloc of 8 bytes failed", text)
-        self.assertIn("threads: thread 3: malloc failed", text)  # T=4 has -1 (unknown): the section's error
+        self.assertIn("threads8: thread 3: malloc failed", text)
+        self.assertEqual(row(rows, "C: 4 threads")[1]["cudapool"].split()[0], "n/a")  # -1: unknown
         self.assertIn("torch_native: timed out after 240 s", text)
         self.assertIn("meta: RuntimeError: no GPU", text)
         self.assertIn("build_native: g++ failed", text)  # c expandable: no results, build failed

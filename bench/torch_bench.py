@@ -77,7 +77,7 @@ def parse_args(argv=None):
     p.add_argument("--sections", default=",".join(SECTIONS),
                    help="comma-separated subset of " + ",".join(SECTIONS))
     p.add_argument("--warmup", type=int, default=5, help="training warm-up steps")
-    p.add_argument("--steps", type=int, default=40, help="timed training steps")
+    p.add_argument("--steps", type=int, default=60, help="timed training steps")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--graph-seq", type=int, default=512)
     p.add_argument("--graph-replays", type=int, default=50)
