@@ -148,6 +148,18 @@ static void bk_trace_extras(char *buf, size_t len) {
 #endif
 }
 
+// In a program without ATen's CUDA library, c10's "has primary context"
+// hook is a stub that throws ("Should never been called"); getStreamFromPool
+// and the cudaMallocAsync backend reach it. ATen's CUDAHooks registers the
+// real one at load; this program registers a trivial one instead (the
+// primary context exists: the allocator made it current).
+namespace c10::cuda::_internal {
+void setHasPrimaryContext(bool (*func)(c10::DeviceIndex));
+}
+
+static bool has_primary_context(c10::DeviceIndex) { return true; }
+
 int main(int argc, char **argv) {
+	c10::cuda::_internal::setHasPrimaryContext(has_primary_context);
 	return wl_main(argc, argv);
 }

@@ -20,6 +20,7 @@ import argparse
 import datetime
 import glob
 import json
+import statistics
 import os
 import sys
 
@@ -162,6 +163,11 @@ class Results:
                 continue
             if k.endswith("_error"):
                 errs[k[: -len("_error")]] = str(v)
+            elif k == "train_ms_per_step" and isinstance(v, (int, float)):
+                # Several interleaved training runs per config: the median.
+                samples = rec.setdefault("_train_samples", [])
+                samples.append(float(v))
+                rec[k] = statistics.median(samples)
             else:
                 rec[k] = v
         rec.setdefault("_sections", [])
@@ -256,6 +262,21 @@ def build_rows(res):
             ok = ratio <= m.target + 1e-12 if m.better == "lower" else ratio >= m.target - 1e-12
             met = "yes" if ok else "NO"
         rows.append((m, cells, ratio_text, m.target_text() if m.better else "-", met))
+    train = {c: (res.record("torch", c) or {}).get("_train_samples") for c in CONFIGS}
+    if any(train.values()):
+        note("training ms/step: median of " + ", ".join(
+            f"{LABELS[c]} {len(v)}" for c, v in train.items() if v) + " runs, each in a fresh process, interleaved")
+    floor = (res.record("torch", "floor") or {}).get("empty_small_us")
+    if floor is not None:
+        nat = (res.record("torch", "native") or {}).get("empty_small_us")
+        cp = (res.record("torch", "cudapool") or {}).get("empty_small_us")
+        text = (f"floor: torch.empty + free, 4 KiB, through CUDAPluggableAllocator with a trivial C allocator "
+                f"behind it (bench/floor_alloc.c): {floor:.2f} us/pair")
+        if nat:
+            text += f" = {floor / nat:.3f}x native"
+        if cp:
+            text += f"; cudapool adds {1e3 * (cp - floor):.0f} ns to that floor"
+        note(text)
     return rows, notes
 
 

@@ -55,6 +55,9 @@ CONFIGS = {
     "expandable": "expandable_segments:True",
     "async": "backend:cudaMallocAsync",
     "cudapool": None,
+    # A trivial C pluggable allocator (bench/floor_alloc.c): what PyTorch's
+    # CUDAPluggableAllocator path costs by itself. Only the 4 KiB loop.
+    "floor": None,
 }
 SECTIONS = ("train", "graph", "empty")
 VOCAB = 16384
@@ -231,6 +234,8 @@ def bench_empty(torch, args):
     reps = [small(args.empty_pairs) for _ in range(args.reps)]
     out = {"empty_small_us": statistics.median(reps), "empty_small_reps_us": reps,
            "empty_pairs": args.empty_pairs}
+    if args.config == "floor":  # it caches by exact size: the mixed loop would exhaust memory
+        return out
 
     sizes, slots = workloads.mixed_sequence()
     mask = workloads.SEQ - 1
@@ -273,6 +278,12 @@ def main(argv=None):
             cudapool.install()
             meta["cudapool_library"] = cudapool.library_path()
         import torch
+
+        if cfg == "floor":
+            lib = os.environ["FLOOR_LIB"]
+            floor = torch.cuda.memory.CUDAPluggableAllocator(lib, "floor_malloc", "floor_free")
+            torch.cuda.memory.change_current_allocator(floor)
+            meta["floor_library"] = lib
 
         if not torch.cuda.is_available():
             raise RuntimeError("torch.cuda.is_available() is False")
