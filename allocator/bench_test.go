@@ -130,3 +130,51 @@ func BenchmarkParallelPairs(b *testing.B) {
 		}
 	})
 }
+
+// benchSequence is bench/workloads.h's mixed workload (sizes log-uniform in
+// 512 B-144 MiB, 256 live slots, splitmix64 from the same seed), so the Go
+// profile matches what the GPU benchmark measures through the C ABI.
+func benchSequence() (sizes []uint64, slots []int) {
+	st := uint64(0x5EED0001)
+	next := func() uint64 {
+		st += 0x9E3779B97F4A7C15
+		z := st
+		z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9
+		z = (z ^ (z >> 27)) * 0x94D049BB133111EB
+		return z ^ (z >> 31)
+	}
+	for i := 0; i < 65536; i++ {
+		e := 9 + next()%19
+		lo := uint64(1) << e
+		span := lo
+		if e == 27 {
+			span = 16 << 20
+		}
+		sizes = append(sizes, lo+next()%span)
+		slots = append(slots, int(next()%256))
+	}
+	return sizes, slots
+}
+
+func BenchmarkMixedWorkloadsH(b *testing.B) {
+	a, _ := newAlloc(b, 1, 140*GiB, "")
+	a.ExpectAnnouncements()
+	sizes, slots := benchSequence()
+	live := make([]cuda.Ptr, 256)
+	i := 0
+	step := func() {
+		j := i & 65535
+		if p := live[slots[j]]; p != 0 {
+			_ = a.Free(0, p, 0)
+		}
+		live[slots[j]], _ = a.Malloc(0, sizes[j], 0)
+		i++
+	}
+	for k := 0; k < 65536; k++ {
+		step()
+	}
+	b.ReportAllocs()
+	for b.Loop() {
+		step()
+	}
+}

@@ -66,18 +66,25 @@ type Segment struct {
 // Block is a piece of a segment. The fields are guarded by the lock of the
 // Cache that owns the block.
 type Block struct {
-	Ptr       cuda.Ptr
-	Size      uint64
+	// The free-set key and links come first so that a tree search touches
+	// one cache line per node. The treap uses left/right/prio; the sorted
+	// slice none of them.
+	Ptr         cuda.Ptr
+	Size        uint64
+	Stream      cuda.Stream
+	left, right *Block
+	prio        uint64
+	inSet       bool
+
+	Allocated bool
+	// Unmapped marks a block of an expandable segment with no memory
+	// behind it: it is in its pool's Unmapped set, not in Blocks.
+	Unmapped  bool
 	Requested uint64 // the size the user asked for (allocated blocks)
-	Stream    cuda.Stream
 	Pool      *BlockPool
 	Seg       *Segment
 	Prev      *Block // neighbours in the segment, by address
 	Next      *Block
-	Allocated bool
-	// Unmapped marks a block of an expandable segment with no memory
-	// behind it: it is in its pool's Unmapped set, not in Blocks.
-	Unmapped bool
 	// EventCount is the number of recorded events that must complete before
 	// the block returns to its pool (package events).
 	EventCount int
@@ -86,11 +93,6 @@ type Block struct {
 	Uses StreamSet
 
 	gcBase uint64 // Pool.freeCalls when the block became free
-
-	// Free-set links; the treap uses left/right/prio, the sorted slice none.
-	left, right *Block
-	prio        uint64
-	inSet       bool
 }
 
 // IsSplit reports whether the block shares its segment with other blocks.

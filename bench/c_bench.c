@@ -1,0 +1,167 @@
+/*
+ * c_bench.c - the C-level workloads of bench/workloads.h through
+ * libcudapool.so (cudapool_malloc / cudapool_free on device 0).
+ *
+ *   c_bench --config cudapool [--trace demo/trace.txt] [options of workloads.h]
+ *
+ * Needs no CUDA headers or link-time libcuda: the few driver functions used
+ * to make device 0's primary context current and to create streams are
+ * looked up in libcuda.so.1 at run time. With CUDAPOOL_BACKEND=sim the
+ * library's simulator is used and streams are made-up handles (for testing
+ * the benchmark without a GPU).
+ *
+ * As under PyTorch (whose cudapool_torch_malloc declares it), the allocator
+ * is told that every capture is announced, so malloc does not ask the driver
+ * whether the stream is capturing: a never-used private pool is announced
+ * once, as capi/ctest/replay.c does.
+ */
+#define _POSIX_C_SOURCE 200809L
+#include <dlfcn.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cudapool.h"
+#include "workloads.h"
+
+typedef int CUresult;
+typedef int CUdevice;
+typedef struct CUctx_st *CUcontext;
+typedef struct CUstream_st *CUstream;
+
+static struct {
+	CUresult (*init)(unsigned int);
+	CUresult (*deviceGet)(CUdevice *, int);
+	CUresult (*primaryCtxRetain)(CUcontext *, CUdevice);
+	CUresult (*ctxSetCurrent)(CUcontext);
+	CUresult (*ctxSynchronize)(void);
+	CUresult (*streamCreate)(CUstream *, unsigned int);
+} cu;
+
+static CUcontext g_ctx;
+static int g_sim;
+static uintptr_t g_fake_stream = 0x5000;
+static __thread char g_err[512];
+
+static int reject_all(void *ctx, cudapool_stream s) {
+	(void)ctx;
+	(void)s;
+	return 0;
+}
+
+static const char *bk_last_error(void) {
+	if (g_err[0])
+		return g_err;
+	const char *e = cudapool_last_error();
+	return e ? e : "";
+}
+
+#define LOAD(field, name)                                                                                   \
+	do {                                                                                                    \
+		*(void **)(&cu.field) = dlsym(h, name);                                                             \
+		if (cu.field == NULL) {                                                                             \
+			snprintf(g_err, sizeof g_err, "libcuda.so.1 has no %s", name);                                  \
+			return -1;                                                                                      \
+		}                                                                                                   \
+	} while (0)
+
+static int bk_init(char *name, size_t name_len) {
+	const char *backend = getenv("CUDAPOOL_BACKEND");
+	g_sim = backend != NULL && strcmp(backend, "sim") == 0;
+	if (!g_sim) {
+		void *h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
+		if (h == NULL) {
+			snprintf(g_err, sizeof g_err, "dlopen(libcuda.so.1): %s", dlerror());
+			return -1;
+		}
+		LOAD(init, "cuInit");
+		LOAD(deviceGet, "cuDeviceGet");
+		LOAD(primaryCtxRetain, "cuDevicePrimaryCtxRetain");
+		LOAD(ctxSetCurrent, "cuCtxSetCurrent");
+		LOAD(ctxSynchronize, "cuCtxSynchronize");
+		LOAD(streamCreate, "cuStreamCreate");
+		CUdevice dev;
+		CUresult r;
+		if ((r = cu.init(0)) != 0 || (r = cu.deviceGet(&dev, 0)) != 0 || (r = cu.primaryCtxRetain(&g_ctx, dev)) != 0 ||
+		    (r = cu.ctxSetCurrent(g_ctx)) != 0) {
+			snprintf(g_err, sizeof g_err, "CUDA driver setup failed (CUresult %d)", r);
+			return -1;
+		}
+	}
+	cudapool_init(-1);
+	if (cudapool_last_error() != NULL)
+		return -1;
+	/* Announce a never-used private pool (see the comment at the top). */
+	cudapool_begin_allocate_to_pool(0, 0, 1ULL << 62, reject_all, NULL);
+	cudapool_end_allocate_to_pool(0, 0, 1ULL << 62);
+	cudapool_release_pool(0, 0, 1ULL << 62);
+	snprintf(name, name_len, "cudapool%s", g_sim ? " (simulator)" : "");
+	return 0;
+}
+
+static void *bk_malloc(size_t size, bk_stream s) {
+	return cudapool_malloc(size, 0, (cudapool_stream)s);
+}
+
+static void bk_free(void *p, size_t size, bk_stream s) {
+	cudapool_free(p, size, 0, (cudapool_stream)s);
+}
+
+static bk_stream bk_stream_new(void) {
+	if (g_sim) {
+		g_fake_stream += 0x100;
+		return (bk_stream)g_fake_stream;
+	}
+	CUstream s = NULL;
+	CUresult r = cu.streamCreate(&s, 1 /* CU_STREAM_NON_BLOCKING */);
+	if (r != 0) {
+		snprintf(g_err, sizeof g_err, "cuStreamCreate: CUresult %d", r);
+		return NULL;
+	}
+	return (bk_stream)s;
+}
+
+static void bk_thread_enter(void) {
+	if (!g_sim)
+		cu.ctxSetCurrent(g_ctx);
+}
+
+static void bk_empty_cache(void) {
+	cudapool_empty_cache();
+}
+
+static void bk_sync(void) {
+	if (!g_sim)
+		cu.ctxSynchronize();
+}
+
+static long long stat_of(const char *js, const char *key) {
+	char pat[128];
+	snprintf(pat, sizeof pat, "\"%s\":", key);
+	const char *p = js ? strstr(js, pat) : NULL;
+	return p ? strtoll(p + strlen(pat), NULL, 10) : -1;
+}
+
+static int bk_stats(long long *cur_res, long long *peak_alloc, long long *peak_res, long long *peak_segs) {
+	char *js = cudapool_memory_stats_json(0);
+	if (js == NULL)
+		return -1;
+	*cur_res = stat_of(js, "reserved_bytes.all.current");
+	*peak_alloc = stat_of(js, "allocated_bytes.all.peak");
+	*peak_res = stat_of(js, "reserved_bytes.all.peak");
+	*peak_segs = stat_of(js, "segment.all.peak");
+	cudapool_string_free(js);
+	return 0;
+}
+
+static void bk_trace_extras(char *buf, size_t len) {
+	char *js = cudapool_memory_stats_json(0);
+	snprintf(buf, len, "\"trace_device_allocs\":%lld,\"trace_alloc_retries\":%lld", stat_of(js, "num_device_alloc"),
+	         stat_of(js, "num_alloc_retries"));
+	cudapool_string_free(js);
+}
+
+int main(int argc, char **argv) {
+	return wl_main(argc, argv);
+}

@@ -1,0 +1,472 @@
+#!/usr/bin/env python3
+"""Builds the benchmark comparison from the JSON result lines of a run.
+
+    python3 bench/report.py --results DIR [--md bench/RESULTS.md] [--readme README.md]
+
+Reads every *.json / *.jsonl file under DIR (one JSON object per line, as
+printed by bench/c_bench, bench/native_bench, bench/torch_bench.py and
+bench/run_bench.sh), prints the comparison table, writes the markdown
+results file and replaces the README's performance section: the text
+between the lines `<!-- perf:start -->` and `<!-- perf:end -->` (left alone,
+with a note, when the README or its markers are missing).
+
+Result lines: {"kind": "c"|"torch", "config": CONFIG, "section": ..., ...}
+merged per (kind, config); {"kind": "meta", ...} describes the machine;
+{"kind": "step", "name": ..., "status": ..., ...} tells how each step of
+run_bench.sh ended, to explain missing numbers. Nothing here needs torch;
+a missing or broken result is shown as "n/a" with its reason.
+"""
+import argparse
+import datetime
+import glob
+import json
+import statistics
+import os
+import sys
+
+CONFIGS = ["native", "expandable", "async", "cudapool"]
+LABELS = {
+    "native": "native",
+    "expandable": "native expandable",
+    "async": "native cudaMallocAsync",
+    "cudapool": "cudapool",
+}
+START = "<!-- perf:start -->"
+END = "<!-- perf:end -->"
+
+GiB = float(1 << 30)
+MiB = float(1 << 20)
+
+
+class Metric:
+    """One row: value(record) -> number or None."""
+
+    def __init__(self, label, kind, key, unit, scale=1.0, digits=2, better="lower", target=None,
+                 section=None, errkey=None):
+        self.label = label
+        self.kind = kind
+        self.key = key  # a record key, or a function(record) -> value or None
+        self.unit = unit
+        self.scale = scale
+        self.digits = digits
+        self.better = better  # "lower", "higher" or None
+        self.target = target  # max (lower) / min (higher) cudapool/native ratio
+        self.section = section  # the result section that holds the value
+        self.errkey = errkey  # its "<errkey>_error" explains a missing value (default: section)
+
+    def value(self, rec):
+        if rec is None:
+            return None
+        v = self.key(rec) if callable(self.key) else rec.get(self.key)
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            return None
+        if v != v or v < 0:  # NaN, or -1 for "unknown"
+            return None
+        return v / self.scale
+
+    def fmt(self, v):
+        return f"{v:,.{self.digits}f}" if v is not None else "n/a"
+
+    def target_text(self):
+        if self.target is None:
+            return "-"
+        op = "<=" if self.better == "lower" else ">="
+        return f"{op} {self.target:g}x"
+
+
+def _ratio(num, den):
+    def f(rec):
+        a, b = rec.get(num), rec.get(den)
+        if not isinstance(a, (int, float)) or not isinstance(b, (int, float)) or a < 0 or b <= 0:
+            return None
+        return a / b
+    return f
+
+
+def _mpairs(key):
+    def f(rec):
+        v = rec.get(key)
+        return v / 1e6 if isinstance(v, (int, float)) and v >= 0 else None
+    return f
+
+
+METRICS = [
+    Metric("C: malloc+free, 4 KiB hot loop", "c", "hot_ns_per_pair", "ns/pair", digits=0, target=1.0,
+           section="hot"),
+    Metric("C: malloc+free, mixed 512 B-144 MiB, 256 live", "c", "mixed_ns_per_pair", "ns/pair", digits=0,
+           target=0.8, section="mixed"),
+    Metric("C: 4 threads, own streams, 4 KiB pairs", "c", _mpairs("threads4_pairs_per_s"), "M pairs/s",
+           better="higher", section="threads", errkey="threads4"),
+    Metric("C: 8 threads, own streams, 4 KiB pairs", "c", _mpairs("threads8_pairs_per_s"), "M pairs/s",
+           better="higher", section="threads", errkey="threads8"),
+    Metric("torch.empty + free, 4 KiB", "torch", "empty_small_us", "us/pair", target=1.05, section="empty"),
+    Metric("torch.empty + free, mixed sizes", "torch", "empty_mixed_us", "us/pair", target=1.05, section="empty"),
+    Metric("GPT-2 training step, variable seq len", "torch", "train_ms_per_step", "ms/step", target=1.02,
+           section="train"),
+    Metric("training peak allocated", "torch", "train_peak_allocated", "GiB", scale=GiB, better=None,
+           section="train"),
+    Metric("training peak reserved", "torch", "train_peak_reserved", "GiB", scale=GiB, target=1.0,
+           section="train"),
+    Metric("training reserved / allocated", "torch", _ratio("train_peak_reserved", "train_peak_allocated"), "x",
+           digits=3, section="train"),
+    Metric("CUDA graph capture (forward)", "torch", "graph_capture_ms", "ms", digits=1, better=None,
+           section="graph"),
+    Metric("CUDA graph replay", "torch", "graph_replay_ms", "ms", digits=2, better=None, section="graph"),
+    Metric("CUDA graph private pool", "torch", "graph_pool_bytes", "MiB", scale=MiB, digits=1, target=1.0,
+           section="graph"),
+    Metric("graph: device memory taken (mem_get_info)", "torch", "graph_devmem_delta", "MiB", scale=MiB,
+           digits=1, better=None, section="graph"),
+    Metric("trace replay: peak allocated", "c", "trace_peak_allocated", "GiB", scale=GiB, better=None,
+           section="trace"),
+    Metric("trace replay: peak reserved", "c", "trace_peak_reserved", "GiB", scale=GiB, section="trace"),
+    Metric("trace replay: reserved / allocated", "c", _ratio("trace_peak_reserved", "trace_peak_allocated"), "x",
+           digits=3, section="trace"),
+    Metric("trace replay: time per op (cached)", "c", "trace_ns_per_op", "ns/op", digits=0, section="trace"),
+]
+
+
+# ---------------------------------------------------------------------------
+# Loading
+
+
+class Results:
+    def __init__(self):
+        self.records = {}  # (kind, config) -> merged fields
+        self.errors = {}  # (kind, config) -> {section: message}
+        self.meta = {}
+        self.steps = {}  # step name -> record
+        self.bad_lines = 0
+        self.files = []
+
+    def add(self, obj):
+        if not isinstance(obj, dict):
+            self.bad_lines += 1
+            return
+        kind = obj.get("kind")
+        if kind == "meta":
+            self.meta.update({k: v for k, v in obj.items() if k != "kind"})
+            return
+        if kind == "step":
+            name = obj.get("name")
+            if isinstance(name, str):
+                self.steps[name] = obj
+            return
+        config = obj.get("config")
+        if kind not in ("c", "torch") or not isinstance(config, str):
+            self.bad_lines += 1
+            return
+        rec = self.records.setdefault((kind, config), {})
+        errs = self.errors.setdefault((kind, config), {})
+        section = obj.get("section") if isinstance(obj.get("section"), str) else "?"
+        for k, v in obj.items():
+            if k in ("kind", "config", "section"):
+                continue
+            if k.endswith("_error"):
+                errs[k[: -len("_error")]] = str(v)
+            elif k == "train_ms_per_step" and isinstance(v, (int, float)):
+                # Several interleaved training runs per config: the median.
+                samples = rec.setdefault("_train_samples", [])
+                samples.append(float(v))
+                rec[k] = statistics.median(samples)
+            else:
+                rec[k] = v
+        rec.setdefault("_sections", [])
+        if section not in rec["_sections"]:
+            rec["_sections"].append(section)
+
+    def record(self, kind, config):
+        return self.records.get((kind, config))
+
+    def reason(self, metric, config):
+        """Why the metric has no value for config (a short text)."""
+        kind = metric.kind
+        errs = self.errors.get((kind, config), {})
+        for sec in (metric.errkey, metric.section, "init", "meta"):
+            if sec and sec in errs:
+                return f"{sec}: {errs[sec]}"
+        names = [f"{kind}_{config}"]
+        if kind == "c":
+            names.append("build_c" if config == "cudapool" else "build_native")
+        for name in names:
+            st = self.steps.get(name)
+            if st and st.get("status") not in (None, "ok"):
+                why = st.get("reason") or st.get("status")
+                return f"{name}: {why}"
+        rec = self.record(kind, config)
+        if rec is None:
+            return f"no {kind} results for {config}"
+        if metric.section and metric.section not in rec.get("_sections", []):
+            return f"section {metric.section} did not report (crash or timeout?)"
+        return "not measured"
+
+
+def load(results_dir):
+    res = Results()
+    paths = []
+    if results_dir and os.path.isdir(results_dir):
+        for pat in ("*.json", "*.jsonl"):
+            paths.extend(glob.glob(os.path.join(results_dir, "**", pat), recursive=True))
+    for path in sorted(set(paths)):
+        res.files.append(path)
+        try:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                text = f.read()
+        except OSError:
+            res.bad_lines += 1
+            continue
+        for line in text.splitlines():
+            line = line.strip()
+            if not line.startswith("{"):
+                continue
+            try:
+                res.add(json.loads(line))
+            except ValueError:
+                res.bad_lines += 1
+    return res
+
+
+# ---------------------------------------------------------------------------
+# The table
+
+
+def build_rows(res):
+    """[(metric, cells{config: text}, ratio_text, target_text, met_text)], notes."""
+    rows, notes = [], []
+
+    def note(text):
+        if text not in notes:
+            notes.append(text)
+        return notes.index(text) + 1
+
+    for m in METRICS:
+        cells, vals = {}, {}
+        for cfg in CONFIGS:
+            v = m.value(res.record(m.kind, cfg))
+            vals[cfg] = v
+            if v is None:
+                cells[cfg] = f"n/a [{note(res.reason(m, cfg))}]"
+            else:
+                cells[cfg] = m.fmt(v)
+        if m.key == "graph_pool_bytes" and vals["async"] is not None:
+            src = (res.record("torch", "async") or {}).get("graph_pool_source")
+            if src == "mem_get_info":
+                cells["async"] += f" [{note('cudaMallocAsync: graph pool measured as the drop in free device memory (mem_get_info), its reserved statistic does not include graph memory')}]"
+        nat, cp = vals["native"], vals["cudapool"]
+        ratio = cp / nat if nat not in (None, 0) and cp is not None else None
+        ratio_text = f"{ratio:.3f}x" if ratio is not None else "n/a"
+        if m.target is None or m.better is None:
+            met = "-"
+        elif ratio is None:
+            met = "n/a"
+        else:
+            ok = ratio <= m.target + 1e-12 if m.better == "lower" else ratio >= m.target - 1e-12
+            met = "yes" if ok else "NO"
+        rows.append((m, cells, ratio_text, m.target_text() if m.better else "-", met))
+    train = {c: (res.record("torch", c) or {}).get("_train_samples") for c in CONFIGS}
+    if any(train.values()):
+        note("training ms/step: median of " + ", ".join(
+            f"{LABELS[c]} {len(v)}" for c, v in train.items() if v) + " runs, each in a fresh process, interleaved")
+    floor = (res.record("torch", "floor") or {}).get("empty_small_us")
+    if floor is not None:
+        nat = (res.record("torch", "native") or {}).get("empty_small_us")
+        cp = (res.record("torch", "cudapool") or {}).get("empty_small_us")
+        text = (f"floor: torch.empty + free, 4 KiB, through CUDAPluggableAllocator with a trivial C allocator "
+                f"behind it (bench/floor_alloc.c): {floor:.2f} us/pair")
+        if nat:
+            text += f" = {floor / nat:.3f}x native"
+        if cp:
+            text += f"; cudapool adds {1e3 * (cp - floor):.0f} ns to that floor"
+        note(text)
+    return rows, notes
+
+
+HEADERS = ["metric", "unit"] + [LABELS[c] for c in CONFIGS] + ["cudapool/native", "target", "met?"]
+
+
+def _cells(row):
+    m, cells, ratio, target, met = row
+    return [m.label, m.unit] + [cells[c] for c in CONFIGS] + [ratio, target, met]
+
+
+def text_table(rows, notes):
+    data = [HEADERS] + [_cells(r) for r in rows]
+    widths = [max(len(r[i]) for r in data) for i in range(len(HEADERS))]
+    out = []
+    for n, r in enumerate(data):
+        parts = []
+        for i, c in enumerate(r):
+            parts.append(c.ljust(widths[i]) if i < 2 else c.rjust(widths[i]))
+        out.append("  ".join(parts).rstrip())
+        if n == 0:
+            out.append("  ".join("-" * w for w in widths))
+    for i, t in enumerate(notes, 1):
+        out.append(f"[{i}] {t}")
+    return "\n".join(out)
+
+
+def _md_escape(s):
+    return s.replace("|", "\\|")
+
+
+def md_table(rows, notes):
+    out = ["| " + " | ".join(HEADERS) + " |",
+           "|" + "|".join(["---", "---"] + ["---:"] * (len(HEADERS) - 2)) + "|"]
+    for r in rows:
+        out.append("| " + " | ".join(_md_escape(c) for c in _cells(r)) + " |")
+    if notes:
+        out.append("")
+        for i, t in enumerate(notes, 1):
+            out.append(f"[{i}] {_md_escape(t)}  ")
+    return "\n".join(out)
+
+
+# ---------------------------------------------------------------------------
+# Header and methodology
+
+
+def machine_lines(res):
+    meta = dict(res.meta)
+    torch_meta = {}
+    for cfg in CONFIGS:
+        rec = res.record("torch", cfg) or {}
+        for k in ("torch_version", "torch_cuda", "device_name"):
+            if rec.get(k) and k not in torch_meta:
+                torch_meta[k] = rec[k]
+    date = meta.get("date_utc") or datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    gpu = meta.get("gpu") or torch_meta.get("device_name") or "unknown GPU"
+    if meta.get("gpu_memory"):
+        gpu += f" ({meta['gpu_memory']})"
+    torch_v = meta.get("torch_version") or torch_meta.get("torch_version") or "unknown"
+    cuda_v = meta.get("torch_cuda") or torch_meta.get("torch_cuda")
+    lines = [
+        f"- date: {date}",
+        f"- GPU: {gpu}" + (f", driver {meta['driver']}" if meta.get("driver") else ""),
+        f"- PyTorch {torch_v}" + (f" (CUDA {cuda_v})" if cuda_v else ""),
+    ]
+    if meta.get("git_commit"):
+        lines.append(f"- cudapool: commit {meta['git_commit']}" + (" (with local changes)" if meta.get("git_dirty") else ""))
+    if meta.get("host_cpu"):
+        lines.append(f"- CPU: {meta['host_cpu']}")
+    backends = []
+    for cfg in CONFIGS:
+        rec = res.record("c", cfg) or {}
+        trec = res.record("torch", cfg) or {}
+        b = rec.get("backend") or trec.get("allocator_backend")
+        if b:
+            backends.append(f"{LABELS[cfg]}: {b}")
+    if backends:
+        lines.append("- allocator backends reported: " + "; ".join(backends))
+    exp = res.record("c", "expandable") or {}
+    if isinstance(exp.get("trace_segments_now"), int) and isinstance(exp.get("trace_expandable_segments_now"), int):
+        lines.append(f"- expandable_segments check (C, after the trace): {exp['trace_expandable_segments_now']} of "
+                     f"{exp['trace_segments_now']} segments are expandable")
+    return lines
+
+
+def params_line(res):
+    c = res.record("c", "native") or res.record("c", "cudapool") or {}
+    t = res.record("torch", "native") or res.record("torch", "cudapool") or {}
+    parts = []
+    if c.get("hot_pairs"):
+        parts.append(f"C hot: {c['hot_pairs']:,} pairs x {c.get('reps', '?')} reps (median)")
+    if c.get("mixed_pairs"):
+        parts.append(f"C mixed: {c['mixed_pairs']:,} pairs x {c.get('reps', '?')} reps after one 65,536-pair warm-up cycle")
+    if c.get("thread_secs"):
+        parts.append(f"threads: {c['thread_secs']} s x {c.get('thread_reps', '?')} reps")
+    if t.get("train_steps"):
+        parts.append(f"training: {t.get('train_warmup_steps', '?')} warm-up + {t['train_steps']} timed steps, batch {t.get('train_batch', '?')}")
+    if t.get("graph_seq"):
+        parts.append(f"graph: batch {t.get('graph_batch', '?')} x seq {t['graph_seq']}, {t.get('graph_replays', '?')} replays")
+    if c.get("trace_ops"):
+        parts.append(f"trace: {c['trace_ops']:,} ops x {c.get('trace_repeats', '?')} passes")
+    return "; ".join(parts)
+
+
+METHOD = """\
+How: `bench/run_bench.sh` runs every configuration in a fresh process, with the same inputs, in one run.
+C level: `bench/workloads.h` holds the workloads, compiled into `bench/c_bench.c` (cudapool's C ABI) and
+`bench/native_bench.cpp` (PyTorch's `c10::cuda::CUDACachingAllocator::raw_alloc_with_stream`/`raw_delete`,
+allocator chosen by `PYTORCH_CUDA_ALLOC_CONF`). torch level: `bench/torch_bench.py` (GPT-2 small from
+`bench/model.py`, bf16 autocast, AdamW, variable sequence lengths; `torch.cuda.graph` of its forward).
+Trace: `demo/trace.txt` (3 recorded GPT-2 training steps) replayed through each allocator.
+Ratios are cudapool / native (same run); for M pairs/s higher is better, elsewhere lower is better."""
+
+
+def render_markdown(res, rows, notes, title=True):
+    out = []
+    if title:
+        out += ["# cudapool benchmark results", ""]
+    out.append("Generated by `bench/run_bench.sh` (`bench/report.py`); do not edit by hand.")
+    out.append("")
+    out += machine_lines(res)
+    out.append("")
+    out.append(md_table(rows, notes))
+    out.append("")
+    out.append(METHOD)
+    p = params_line(res)
+    if p:
+        out += ["", f"Sizes: {p}."]
+    return "\n".join(out) + "\n"
+
+
+def update_readme(path, section_md):
+    """Replaces the text between the markers. Returns a message."""
+    if not path:
+        return "README: not requested"
+    if not os.path.isfile(path):
+        return f"README: {path} does not exist; performance section not updated"
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    i = text.find(START)
+    j = text.find(END, i + len(START)) if i >= 0 else -1
+    if i < 0 or j < 0:
+        return f"README: {path} has no {START} ... {END} markers; performance section not updated"
+    new = text[: i + len(START)] + "\n" + section_md.rstrip("\n") + "\n" + text[j:]
+    if new != text:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(new)
+        return f"README: performance section of {path} updated"
+    return f"README: performance section of {path} already up to date"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="cudapool benchmark report")
+    p.add_argument("--results", required=True, help="directory with the JSON result files")
+    p.add_argument("--md", default=None, help="write the markdown results here (e.g. bench/RESULTS.md)")
+    p.add_argument("--readme", default=None, help="README whose perf section to replace")
+    args = p.parse_args(argv)
+
+    res = load(args.results)
+    rows, notes = build_rows(res)
+    msgs = []
+    if not res.files:
+        msgs.append(f"no result files under {args.results}")
+    if res.bad_lines:
+        msgs.append(f"{res.bad_lines} result line(s) could not be read")
+    if args.md:
+        try:
+            d = os.path.dirname(args.md)
+            if d:
+                os.makedirs(d, exist_ok=True)
+            with open(args.md, "w", encoding="utf-8") as f:
+                f.write(render_markdown(res, rows, notes, title=True))
+            msgs.append(f"wrote {args.md}")
+        except OSError as e:
+            msgs.append(f"could not write {args.md}: {e}")
+    if args.readme:
+        try:
+            msgs.append(update_readme(args.readme, render_markdown(res, rows, notes, title=False)))
+        except OSError as e:
+            msgs.append(f"README: {e}")
+    for m in msgs:
+        print(m)
+    print()
+    for line in machine_lines(res):
+        print(line)
+    print()
+    print(text_table(rows, notes))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

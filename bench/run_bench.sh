@@ -1,0 +1,293 @@
+#!/usr/bin/env bash
+# run_bench.sh - cudapool's benchmark suite, in one call on the GPU machine.
+#
+#   bash bench/run_bench.sh            (from anywhere; QUICK=1 for a short run)
+#
+# Compares cudapool with PyTorch's allocator in three configurations (native,
+# expandable_segments:True, backend:cudaMallocAsync), each in a fresh
+# process, same inputs, same run:
+#   1. C level (bench/workloads.h): 4 KiB hot malloc+free loop, mixed sizes
+#      with 256 live blocks, 4 and 8 threads on their own streams, and a
+#      replay of demo/trace.txt (peak reserved vs allocated). cudapool through
+#      bench/c_bench.c + lib/libcudapool.so; PyTorch's allocators through
+#      bench/native_bench.cpp + libc10_cuda.
+#   2. torch level (bench/torch_bench.py): GPT-2 training with variable
+#      sequence lengths, CUDA graph capture/replay, torch.empty + free.
+# then prints the comparison table (bench/report.py), writes
+# bench/RESULTS.md and the README's performance section (between
+# <!-- perf:start --> and <!-- perf:end -->).
+#
+# Needs: lib/libcudapool.so built beforehand (`make`, where Go is) and carried
+# along; python3 with CUDA PyTorch; gcc, g++. No network.
+# Everything lands in $OUT (default /tmp/cudapool-bench-out): results/*.json
+# (the raw result lines), logs/*.log, report.txt, RESULTS.md, README.md.
+# The table is printed last.
+#
+# Environment: OUT, PYTHON (python3), CUDA_HOME (/usr/local/cuda), QUICK=1,
+# BENCH_BUDGET_S (no new step starts after this many seconds, default 480),
+# BENCH_HARD_S (every step is cut off by then, default 560),
+# BENCH_C_ARGS / BENCH_TORCH_ARGS (extra arguments for the programs),
+# BENCH_SIM=1 (c_bench on cudapool's simulator: for testing without a GPU),
+# BENCH_UPDATE_REPO=0 (leave bench/RESULTS.md and README.md alone: write the
+# results file and an updated copy of the README to $OUT only).
+# shellcheck disable=SC2317  # the step functions are called through run_step
+set -u
+cd "$(dirname "$0")/.." || exit 1
+REPO=$PWD
+OUT=${OUT:-/tmp/cudapool-bench-out}
+RES=$OUT/results
+LOGS=$OUT/logs
+BUILD=$REPO/build/bench
+PY=${PYTHON:-python3}
+CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+BUDGET=${BENCH_BUDGET_S:-480}
+HARD=${BENCH_HARD_S:-560}
+QUICK=${QUICK:-0}
+CONFIGS=(native expandable async cudapool)
+
+mkdir -p "$RES" "$LOGS" "$BUILD"
+rm -f "$RES"/*.json "$RES"/*.jsonl "$LOGS"/*.log "$OUT/report.txt"
+STEPS=$RES/steps.jsonl
+: >"$STEPS"
+T0=$(date +%s)
+SUMMARY=()
+
+# The allocator settings come from each step alone.
+unset PYTORCH_CUDA_ALLOC_CONF PYTORCH_ALLOC_CONF CUDAPOOL_CONF CUDAPOOL_BACKEND
+export CUDAPOOL_LIBRARY=$REPO/lib/libcudapool.so
+export PYTHONUNBUFFERED=1
+
+alloc_conf() { # the PYTORCH_CUDA_ALLOC_CONF of a config ("" = unset)
+    case $1 in
+    expandable) echo "expandable_segments:True" ;;
+    async) echo "backend:cudaMallocAsync" ;;
+    *) echo "" ;;
+    esac
+}
+
+elapsed() { echo $(($(date +%s) - T0)); }
+
+json_str() { # a JSON string literal (no python needed)
+    local s=${1//\\/\\\\}
+    s=${s//\"/\\\"}
+    s=${s//$'\n'/ }
+    s=${s//$'\t'/ }
+    s=${s//$'\r'/ }
+    printf '"%s"' "$s"
+}
+
+record_step() { # NAME STATUS SECS REASON
+    printf '{"kind":"step","name":%s,"status":%s,"secs":%s,"reason":%s}\n' \
+        "$(json_str "$1")" "$(json_str "$2")" "$3" "$(json_str "$4")" >>"$STEPS"
+    SUMMARY+=("$1|$2|$3|$4")
+}
+
+# run_step NAME LIMIT OUTFILE CMD...: runs CMD with a time limit (capped by
+# the hard deadline); stdout goes to OUTFILE (the log when OUTFILE is ""),
+# stderr to logs/NAME.log. Shell functions run without a time limit.
+run_step() {
+    local name=$1 limit=$2 outfile=$3
+    shift 3
+    local log=$LOGS/$name.log now left t rc dt
+    now=$(elapsed)
+    left=$((HARD - now))
+    if [ "$now" -ge "$BUDGET" ] || [ "$left" -lt 20 ]; then
+        record_step "$name" skipped 0 "time budget spent (${now}s elapsed)"
+        echo "=== $name: skipped, time budget spent (${now}s)"
+        return 1
+    fi
+    [ "$limit" -gt "$left" ] && limit=$left
+    echo "=== $name (limit ${limit}s, at ${now}s)"
+    t=$(date +%s)
+    if declare -F "$1" >/dev/null; then
+        "$@" >"$log" 2>&1
+        rc=$?
+    elif [ -n "$outfile" ]; then
+        timeout -k 5 "$limit" "$@" >"$outfile" 2>"$log"
+        rc=$?
+    else
+        timeout -k 5 "$limit" "$@" >"$log" 2>&1
+        rc=$?
+    fi
+    dt=$(($(date +%s) - t))
+    if [ "$rc" -eq 0 ]; then
+        record_step "$name" ok "$dt" ""
+    elif [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
+        record_step "$name" timeout "$dt" "timed out after ${limit}s (logs/$name.log)"
+    else
+        record_step "$name" failed "$dt" "exit code $rc (logs/$name.log)"
+    fi
+    tail -n 4 "$log" 2>/dev/null | cut -c1-200 | sed 's/^/    /'
+    return "$rc"
+}
+
+# ---- 1. the machine -------------------------------------------------------
+
+collect_meta() {
+    local gpu drv mem cpu commit dirty
+    gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)
+    drv=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -n 1)
+    mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader 2>/dev/null | head -n 1)
+    cpu=$(grep -m 1 'model name' /proc/cpuinfo 2>/dev/null | sed 's/.*: *//')
+    commit=${BENCH_GIT_COMMIT:-$(git -C "$REPO" rev-parse --short HEAD 2>/dev/null)}
+    dirty=false
+    if [ -z "${BENCH_GIT_COMMIT:-}" ] && [ -n "$(git -C "$REPO" status --porcelain 2>/dev/null | head -n 1)" ]; then
+        dirty=true
+    fi
+    # torch's version, include dir and C++ ABI; no CUDA initialization.
+    "$PY" - >"$BUILD/torch_env.txt" <<'EOF'
+import os, torch
+print("TORCH_DIR=" + os.path.dirname(torch.__file__))
+print("TORCH_ABI=%d" % int(torch._C._GLIBCXX_USE_CXX11_ABI))
+print("TORCH_VERSION=" + torch.__version__)
+print("TORCH_CUDA=" + str(torch.version.cuda))
+EOF
+    local rc=$?
+    cat "$BUILD/torch_env.txt"
+    TORCH_DIR=$(sed -n 's/^TORCH_DIR=//p' "$BUILD/torch_env.txt")
+    TORCH_ABI=$(sed -n 's/^TORCH_ABI=//p' "$BUILD/torch_env.txt")
+    TORCH_ABI=${TORCH_ABI:-1}
+    local tv tc
+    tv=$(sed -n 's/^TORCH_VERSION=//p' "$BUILD/torch_env.txt")
+    tc=$(sed -n 's/^TORCH_CUDA=//p' "$BUILD/torch_env.txt")
+    printf '{"kind":"meta","date_utc":%s,"gpu":%s,"driver":%s,"gpu_memory":%s,"host_cpu":%s,"torch_version":%s,"torch_cuda":%s,"git_commit":%s,"git_dirty":%s}\n' \
+        "$(json_str "$(date -u '+%Y-%m-%d %H:%M UTC')")" "$(json_str "$gpu")" "$(json_str "$drv")" \
+        "$(json_str "$mem")" "$(json_str "$cpu")" "$(json_str "$tv")" "$(json_str "$tc")" \
+        "$(json_str "$commit")" "$dirty" >"$RES/meta.json"
+    echo "GPU: ${gpu:-none found}, driver ${drv:-?}; PyTorch ${tv:-?}"
+    return "$rc"
+}
+TORCH_DIR=""
+TORCH_ABI=1
+run_step meta 0 "" collect_meta
+
+# ---- 2. build -------------------------------------------------------------
+
+build_c() {
+    if [ ! -f lib/libcudapool.so ]; then
+        echo "lib/libcudapool.so is missing: run make where Go is, and carry lib/"
+        return 1
+    fi
+    gcc -std=c11 -O2 -Wall -I include -I bench bench/c_bench.c -o "$BUILD/c_bench" \
+        -L lib -lcudapool -ldl -pthread -Wl,-rpath,"$REPO/lib"
+}
+
+build_native() {
+    if [ -z "$TORCH_DIR" ] || [ ! -d "$TORCH_DIR/include" ]; then
+        echo "torch's include directory not found (TORCH_DIR='$TORCH_DIR')"
+        return 1
+    fi
+    # CUDA headers: the toolkit's, else (or then) those of torch's pip packages.
+    local sys_inc=() pip_inc=() d
+    [ -d "$CUDA_HOME/include" ] && sys_inc=(-I "$CUDA_HOME/include")
+    for d in "$TORCH_DIR"/../nvidia/cu*/include "$TORCH_DIR"/../nvidia/cuda_runtime/include; do
+        [ -d "$d" ] && pip_inc+=(-I "$d")
+    done
+    local order std extras inc
+    for order in system pip; do
+        if [ "$order" = system ]; then
+            inc=(-I bench -I "$TORCH_DIR/include" "${sys_inc[@]}" "${pip_inc[@]}")
+        else
+            if [ ${#pip_inc[@]} -eq 0 ] || [ ${#sys_inc[@]} -eq 0 ]; then continue; fi  # nothing new to try
+            inc=(-I bench -I "$TORCH_DIR/include" "${pip_inc[@]}" "${sys_inc[@]}")
+        fi
+        for std in c++17 c++20; do
+            for extras in -DNB_EXTRAS -DNB_PLAIN; do
+                echo "--- g++ -std=$std $extras (CUDA headers: $order first)"
+                if timeout 240 g++ -std="$std" -O2 -D_GLIBCXX_USE_CXX11_ABI="$TORCH_ABI" "$extras" "${inc[@]}" \
+                    bench/native_bench.cpp -o "$BUILD/native_bench" \
+                    -L "$TORCH_DIR/lib" -lc10_cuda -lc10 -Wl,-rpath,"$TORCH_DIR/lib" -Wl,--allow-shlib-undefined -pthread; then
+                    echo "built native_bench with -std=$std $extras (CUDA headers: $order first)"
+                    return 0
+                fi
+            done
+        done
+    done
+    return 1
+}
+
+rm -f "$BUILD/c_bench" "$BUILD/native_bench"
+run_step build_c 0 "" build_c
+run_step build_native 0 "" build_native
+
+# ---- 3. C level -----------------------------------------------------------
+
+C_ARGS=(--trace demo/trace.txt)
+T_ARGS=()
+if [ "$QUICK" = 1 ]; then
+    C_ARGS+=(--hot-pairs 200000 --mixed-pairs 50000 --reps 3 --thread-secs 0.2 --thread-reps 2 --trace-repeats 3)
+    T_ARGS+=(--warmup 3 --steps 10 --empty-pairs 20000 --mixed-pairs 10000 --reps 3 --graph-replays 10)
+fi
+# shellcheck disable=SC2206  # word splitting intended
+C_ARGS+=(${BENCH_C_ARGS:-})
+# shellcheck disable=SC2206
+T_ARGS+=(${BENCH_TORCH_ARGS:-})
+
+for cfg in "${CONFIGS[@]}"; do
+    if [ "$cfg" = cudapool ]; then
+        prog=$BUILD/c_bench
+        envs=(env -u PYTORCH_CUDA_ALLOC_CONF)
+        # BENCH_SIM=1: cudapool's simulator (to test this script without a GPU)
+        [ "${BENCH_SIM:-0}" = 1 ] && envs+=(CUDAPOOL_BACKEND=sim)
+    else
+        prog=$BUILD/native_bench
+        conf=$(alloc_conf "$cfg")
+        if [ -n "$conf" ]; then envs=(env "PYTORCH_CUDA_ALLOC_CONF=$conf"); else envs=(env -u PYTORCH_CUDA_ALLOC_CONF); fi
+    fi
+    if [ ! -x "$prog" ]; then
+        record_step "c_$cfg" skipped 0 "$(basename "$prog") was not built (logs/build_*.log)"
+        echo "=== c_$cfg: skipped, $(basename "$prog") was not built"
+        continue
+    fi
+    run_step "c_$cfg" 120 "$RES/c_$cfg.json" "${envs[@]}" "$prog" --config "$cfg" "${C_ARGS[@]}"
+done
+
+# ---- 4. torch level -------------------------------------------------------
+
+for cfg in "${CONFIGS[@]}"; do
+    run_step "torch_$cfg" 180 "$RES/torch_$cfg.json" "$PY" bench/torch_bench.py "$cfg" "${T_ARGS[@]}"
+done
+
+# Training time varies from process to process by more than the 2% target:
+# two more training-only runs of every config, interleaved, and the report
+# takes the median of the three.
+for rep in 2 3; do
+    for cfg in "${CONFIGS[@]}"; do
+        run_step "train_${cfg}_$rep" 90 "$RES/torch_${cfg}_train$rep.json" \
+            "$PY" bench/torch_bench.py "$cfg" --sections train "${T_ARGS[@]}"
+    done
+done
+
+# The floor: torch.empty(4 KiB) through CUDAPluggableAllocator with a trivial
+# C allocator behind it (bench/floor_alloc.c).
+build_floor() { gcc -O2 -Wall -shared -fPIC bench/floor_alloc.c -o "$BUILD/libfloor.so" -ldl -pthread; }
+run_step build_floor 0 "" build_floor
+run_step torch_floor 60 "$RES/torch_floor.json" env FLOOR_LIB="$BUILD/libfloor.so" \
+    "$PY" bench/torch_bench.py floor --sections empty "${T_ARGS[@]}"
+
+# ---- 5. report ------------------------------------------------------------
+
+rm -f "$OUT/RESULTS.md" "$OUT/README.md"
+if [ "${BENCH_UPDATE_REPO:-1}" = 0 ]; then
+    [ -f README.md ] && cp README.md "$OUT/README.md"
+    "$PY" bench/report.py --results "$RES" --md "$OUT/RESULTS.md" --readme "$OUT/README.md" >"$OUT/report.txt" 2>&1
+    report_rc=$?
+else
+    "$PY" bench/report.py --results "$RES" --md bench/RESULTS.md --readme README.md >"$OUT/report.txt" 2>&1
+    report_rc=$?
+    cp bench/RESULTS.md "$OUT/RESULTS.md" 2>/dev/null
+    [ -f README.md ] && cp README.md "$OUT/README.md"
+fi
+
+echo
+echo "==== steps (logs and results in $OUT) ===="
+for r in "${SUMMARY[@]}"; do
+    IFS='|' read -r n st secs why <<<"$r"
+    printf '%-18s %-8s %5ss  %s\n' "$n" "$st" "$secs" "$why"
+done
+echo "total: $(elapsed)s"
+echo
+echo "==== cudapool vs PyTorch's allocators ===="
+cat "$OUT/report.txt"
+[ "$report_rc" -eq 0 ] || echo "report.py failed (exit $report_rc)"
+exit "$report_rc"

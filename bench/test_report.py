@@ -1,0 +1,241 @@
+"""Unit tests of the benchmark suite's pure-Python parts (no torch, no GPU).
+
+    python3 bench/test_report.py        or        python3 -m pytest bench/test_report.py
+"""
+import io
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import unittest
+from contextlib import redirect_stdout
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import report  # noqa: E402
+import torch_bench  # noqa: E402  (imports no torch at module level)
+import workloads  # noqa: E402
+
+GiB = 1 << 30
+
+
+def write_lines(path, objs):
+    with open(path, "w") as f:
+        for o in objs:
+            f.write(o if isinstance(o, str) else json.dumps(o))
+            f.write("\n")
+
+
+def c_rec(config, hot, mixed, t4=4e6, t8=6e6, pa=5 * GiB, pr=6 * GiB):
+    return [
+        {"kind": "c", "config": config, "section": "init", "backend": config, "reps": 5},
+        {"kind": "c", "config": config, "section": "trace", "trace_peak_allocated": pa, "trace_peak_reserved": pr,
+         "trace_ns_per_op": 300.0, "trace_ops": 6653, "trace_repeats": 5},
+        {"kind": "c", "config": config, "section": "hot", "hot_ns_per_pair": hot, "hot_pairs": 1000000},
+        {"kind": "c", "config": config, "section": "mixed", "mixed_ns_per_pair": mixed, "mixed_pairs": 200000},
+        {"kind": "c", "config": config, "section": "threads", "threads4_pairs_per_s": t4,
+         "threads8_pairs_per_s": t8, "thread_secs": 0.5, "thread_reps": 3},
+    ]
+
+
+def torch_rec(config, step_ms, pa, pr, pool, small=2.3, mixed=3.1):
+    return [
+        {"kind": "torch", "config": config, "section": "meta", "torch_version": "2.11.0+cu130",
+         "device_name": "NVIDIA H200", "torch_cuda": "13.0"},
+        {"kind": "torch", "config": config, "section": "train", "train_ms_per_step": step_ms,
+         "train_peak_allocated": pa, "train_peak_reserved": pr, "train_steps": 40},
+        {"kind": "torch", "config": config, "section": "graph", "graph_capture_ms": 100.0, "graph_replay_ms": 8.0,
+         "graph_pool_bytes": pool, "graph_devmem_delta": pool,
+         "graph_pool_source": "mem_get_info" if config == "async" else "reserved"},
+        {"kind": "torch", "config": config, "section": "empty", "empty_small_us": small, "empty_mixed_us": mixed},
+    ]
+
+
+def row(rows, label_start):
+    for r in rows:
+        if r[0].label.startswith(label_start):
+            return r
+    raise KeyError(label_start)
+
+
+class TestWorkloads(unittest.TestCase):
+    def test_mixed_sequence_matches_c_generator(self):
+        # The first entries printed by `c_bench --print-mixed 8` (bench/workloads.h).
+        expect = [(286924, 119), (7545, 90), (1093, 246), (46540577, 248), (33203284, 164), (3581, 131),
+                  (28533608, 89), (663682, 62)]
+        sizes, slots = workloads.mixed_sequence(8)
+        self.assertEqual(list(zip(sizes, slots)), expect)
+
+    def test_mixed_sequence_range(self):
+        sizes, slots = workloads.mixed_sequence(4096)
+        self.assertGreaterEqual(min(sizes), 512)
+        self.assertLess(max(sizes), 144 << 20)
+        self.assertTrue(all(0 <= s < workloads.LIVE for s in slots))
+
+
+class TestReport(unittest.TestCase):
+    def setUp(self):
+        self.tmp = tempfile.TemporaryDirectory()
+        self.dir = self.tmp.name
+
+    def tearDown(self):
+        self.tmp.cleanup()
+
+    def full_run(self):
+        write_lines(os.path.join(self.dir, "c_native.json"), c_rec("native", 480.0, 830.0))
+        write_lines(os.path.join(self.dir, "c_expandable.json"), c_rec("expandable", 500.0, 900.0))
+        write_lines(os.path.join(self.dir, "c_async.json"), c_rec("async", 900.0, 1200.0))
+        write_lines(os.path.join(self.dir, "c_cudapool.json"), c_rec("cudapool", 400.0, 600.0, t4=8e6))
+        write_lines(os.path.join(self.dir, "torch_native.json"), torch_rec("native", 36.1, 10 * GiB, 12 * GiB, 800 << 20))
+        write_lines(os.path.join(self.dir, "torch_expandable.json"),
+                    torch_rec("expandable", 35.0, 10 * GiB, 11 * GiB, 700 << 20))
+        write_lines(os.path.join(self.dir, "torch_async.json"), torch_rec("async", 38.6, 10 * GiB, 11 * GiB, 600 << 20))
+        write_lines(os.path.join(self.dir, "torch_cudapool.json"),
+                    torch_rec("cudapool", 37.0, 10 * GiB, 11 * GiB, 800 << 20, small=2.5))
+        write_lines(os.path.join(self.dir, "meta.json"), [
+            {"kind": "meta", "date_utc": "2026-11-22 10:00 UTC", "gpu": "NVIDIA H200", "driver": "580.1",
+             "torch_version": "2.11.0+cu130", "torch_cuda": "13.0"}])
+
+    def test_values_ratios_and_targets(self):
+        self.full_run()
+        res = report.load(self.dir)
+        rows, notes = report.build_rows(res)
+        hot = row(rows, "C: malloc+free, 4 KiB")
+        self.assertEqual(hot[1]["native"], "480")
+        self.assertEqual(hot[1]["cudapool"], "400")
+        self.assertEqual(hot[2], "0.833x")
+        self.assertEqual(hot[4], "yes")
+        mixed = row(rows, "C: malloc+free, mixed")
+        self.assertEqual(mixed[4], "yes")  # 600/830 = 0.72 <= 0.8
+        self.assertEqual(row(rows, "torch.empty + free, 4 KiB")[4], "NO")  # 2.5/2.3 > 1.05
+        step = row(rows, "GPT-2 training step")
+        self.assertEqual(step[2], "1.025x")
+        self.assertEqual(step[4], "NO")  # > 1.02
+        self.assertEqual(row(rows, "training peak reserved")[4], "yes")
+        self.assertEqual(row(rows, "CUDA graph private pool")[4], "yes")  # equal is met
+        self.assertEqual(row(rows, "training reserved / allocated")[1]["native"], "1.200")
+        self.assertEqual(row(rows, "C: 4 threads")[1]["cudapool"], "8.00")
+        self.assertEqual(row(rows, "C: 4 threads")[2], "2.000x")
+        # the async graph pool comes from mem_get_info: footnoted
+        self.assertIn("[", row(rows, "CUDA graph private pool")[1]["async"])
+        self.assertTrue(any("mem_get_info" in n for n in notes))
+        self.assertNotIn("n/a", "".join(row(rows, "trace replay: peak reserved")[1].values()))
+
+    def test_missing_and_broken_results_do_not_crash(self):
+        write_lines(os.path.join(self.dir, "c_native.json"), c_rec("native", 480.0, 830.0))
+        write_lines(os.path.join(self.dir, "c_cudapool.json"), [
+            {"kind": "c", "config": "cudapool", "section": "init", "backend": "cudapool"},
+            {"kind": "c", "config": "cudapool", "section": "trace", "trace_error": "malloc of 8 bytes failed"},
+            {"kind": "c", "config": "cudapool", "section": "hot", "hot_ns_per_pair": 410.0},
+            '{"kind": "c", "config": "cudapool", "section": "mixed", "mixed_ns_per',  # cut short by a kill
+            "not json at all",
+            "[1, 2]",
+            {"kind": "c", "config": "cudapool", "section": "threads", "threads4_pairs_per_s": -1,
+             "threads8_error": "thread 3: malloc failed"},
+        ])
+        write_lines(os.path.join(self.dir, "torch_async.json"), [
+            {"kind": "torch", "config": "async", "section": "meta", "meta_error": "RuntimeError: no GPU"}])
+        write_lines(os.path.join(self.dir, "steps.jsonl"), [
+            {"kind": "step", "name": "torch_native", "status": "timeout", "reason": "timed out after 240 s"},
+            {"kind": "step", "name": "build_native", "status": "failed", "reason": "g++ failed"},
+        ])
+        res = report.load(self.dir)
+        self.assertEqual(res.bad_lines, 1)  # the cut line; lines not starting with "{" are skipped
+        rows, notes = report.build_rows(res)
+        self.assertEqual(row(rows, "C: malloc+free, 4 KiB")[2], "0.854x")
+        mixed = row(rows, "C: malloc+free, mixed")
+        self.assertTrue(mixed[1]["cudapool"].startswith("n/a ["))
+        self.assertEqual(mixed[4], "n/a")
+        text = report.text_table(rows, notes)
+        self.assertIn("trace: malloc of 8 bytes failed", text)
+        self.assertIn("threads8: thread 3: malloc failed", text)
+        self.assertEqual(row(rows, "C: 4 threads")[1]["cudapool"].split()[0], "n/a")  # -1: unknown
+        self.assertIn("torch_native: timed out after 240 s", text)
+        self.assertIn("meta: RuntimeError: no GPU", text)
+        self.assertIn("build_native: g++ failed", text)  # c expandable: no results, build failed
+        self.assertIn("section mixed did not report", text)
+        md = report.md_table(rows, notes)
+        self.assertEqual(md.count("\n| "), len(report.METRICS) + 0)  # header + rows, one line each
+
+    def test_empty_directory(self):
+        buf = io.StringIO()
+        with redirect_stdout(buf):
+            rc = report.main(["--results", os.path.join(self.dir, "nothing-here")])
+        self.assertEqual(rc, 0)
+        out = buf.getvalue()
+        self.assertIn("no result files", out)
+        self.assertIn("n/a", out)
+
+    def test_main_writes_markdown_and_readme(self):
+        self.full_run()
+        readme = os.path.join(self.dir, "README.md")
+        with open(readme, "w") as f:
+            f.write("# cudapool\n\nintro\n\n## Performance\n\n<!-- perf:start -->\nold table\n<!-- perf:end -->\n\nrest\n")
+        md = os.path.join(self.dir, "out", "RESULTS.md")
+        buf = io.StringIO()
+        with redirect_stdout(buf):
+            report.main(["--results", self.dir, "--md", md, "--readme", readme])
+        with open(md) as f:
+            results = f.read()
+        self.assertIn("# cudapool benchmark results", results)
+        self.assertIn("NVIDIA H200", results)
+        self.assertIn("2.11.0+cu130", results)
+        self.assertIn("2026-11-22 10:00 UTC", results)
+        with open(readme) as f:
+            text = f.read()
+        self.assertNotIn("old table", text)
+        self.assertTrue(text.startswith("# cudapool\n\nintro\n\n## Performance\n\n<!-- perf:start -->\n"))
+        self.assertTrue(text.endswith("<!-- perf:end -->\n\nrest\n"))
+        self.assertIn("| GPT-2 training step, variable seq len | ms/step | 36.10 |", text)
+        self.assertNotIn("# cudapool benchmark results", text)
+        # a second run leaves it as it is
+        with redirect_stdout(io.StringIO()):
+            report.main(["--results", self.dir, "--readme", readme])
+        with open(readme) as f:
+            self.assertEqual(f.read(), text)
+
+    def test_readme_without_markers_is_left_alone(self):
+        readme = os.path.join(self.dir, "README.md")
+        with open(readme, "w") as f:
+            f.write("# cudapool\n<!-- perf:end -->\n<!-- perf:start -->\n")
+        msg = report.update_readme(readme, "table\n")
+        self.assertIn("no <!-- perf:start -->", msg)
+        with open(readme) as f:
+            self.assertEqual(f.read(), "# cudapool\n<!-- perf:end -->\n<!-- perf:start -->\n")
+        self.assertIn("does not exist", report.update_readme(os.path.join(self.dir, "nope.md"), "x"))
+
+
+class TestTorchBenchArgs(unittest.TestCase):
+    def test_parse_args(self):
+        a = torch_bench.parse_args(["cudapool", "--sections", "empty,train", "--steps", "3"])
+        self.assertEqual(a.config, "cudapool")
+        self.assertEqual(a.sections, ["train", "empty"])  # always in the fixed order
+        self.assertEqual(a.steps, 3)
+        with redirect_stdout(io.StringIO()), self.assertRaises(SystemExit):
+            with open(os.devnull, "w") as devnull:
+                old, sys.stderr = sys.stderr, devnull
+                try:
+                    torch_bench.parse_args(["native", "--sections", "bogus"])
+                finally:
+                    sys.stderr = old
+
+    def test_allocator_env(self):
+        env = {"PYTORCH_CUDA_ALLOC_CONF": "x", "PYTORCH_ALLOC_CONF": "y", "CUDAPOOL_CONF": "z", "HOME": "/"}
+        torch_bench.set_allocator_env("async", env)
+        self.assertEqual(env, {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync", "HOME": "/"})
+        torch_bench.set_allocator_env("cudapool", env)
+        self.assertEqual(env, {"HOME": "/"})
+        torch_bench.set_allocator_env("native", env)
+        self.assertEqual(env, {"HOME": "/"})
+
+
+class TestScript(unittest.TestCase):
+    def test_run_bench_sh_parses(self):
+        r = subprocess.run(["bash", "-n", os.path.join(HERE, "run_bench.sh")], capture_output=True, text=True)
+        self.assertEqual(r.returncode, 0, r.stderr)
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -1,0 +1,333 @@
+#!/usr/bin/env python3
+"""PyTorch-level benchmarks of one allocator configuration, in this process.
+
+    python3 bench/torch_bench.py CONFIG [--sections train,graph,empty] [...]
+
+CONFIG is one of
+    native      PyTorch's caching allocator (PYTORCH_CUDA_ALLOC_CONF unset)
+    expandable  the same with expandable_segments:True
+    async       backend:cudaMallocAsync
+    cudapool    cudapool.install() (libcudapool.so from $CUDAPOOL_LIBRARY or
+                the repository's lib/), before CUDA is initialized
+The allocator variables of the environment are replaced by the config's.
+Run each config in a fresh process (bench/run_bench.sh does).
+
+Sections, in this order (the same for every config):
+  train  GPT-2 small (bench/model.py), bf16 autocast, AdamW, batch 8,
+         variable sequence lengths from model.seq_lens (seed 1): warm-up
+         steps, then timed steps (synchronized wall time, mean ms/step).
+         Peak allocated / reserved over the whole section, which runs first
+         in a fresh process (torch.cuda.max_memory_allocated/reserved;
+         cudapool.install() routes these to cudapool).
+  graph  torch.cuda.graph capture of the same model's forward (bf16 weights,
+         no_grad, batch 8, sequence 512) after a warm-up on a side stream:
+         capture time (the whole `with torch.cuda.graph` block, instantiation
+         included), mean replay time, and the private pool's size: reserved
+         bytes after capture minus before (the cache is emptied first). The
+         cudaMallocAsync backend's graph memory is not in its reserved
+         statistic, so for it the pool size is the drop of free device memory
+         (torch.cuda.mem_get_info) from before the capture to after the first
+         replay; that drop is reported for every config too.
+  empty  torch.empty + free: 4 KiB (median us/pair of reps), and the C
+         benchmark's mixed sequence (bench/workloads.py: 256 live tensors,
+         512 B - 144 MiB) after one warm-up cycle.
+
+Output: one JSON line per section on stdout ("kind":"torch"); a failing
+section prints its "<section>_error" and the next one still runs.
+"""
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+
+import workloads  # noqa: E402
+
+CONFIGS = {
+    "native": "",
+    "expandable": "expandable_segments:True",
+    "async": "backend:cudaMallocAsync",
+    "cudapool": None,
+    # A trivial C pluggable allocator (bench/floor_alloc.c): what PyTorch's
+    # CUDAPluggableAllocator path costs by itself. Only the 4 KiB loop.
+    "floor": None,
+}
+SECTIONS = ("train", "graph", "empty")
+VOCAB = 16384
+
+
+def emit(config, section, **fields):
+    rec = {"kind": "torch", "config": config, "section": section}
+    rec.update(fields)
+    print(json.dumps(rec), flush=True)
+
+
+def short_error(e):
+    lines = [ln for ln in str(e).splitlines() if ln.strip()]
+    return f"{type(e).__name__}: {lines[0][:300] if lines else ''}"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("config", choices=sorted(CONFIGS))
+    p.add_argument("--sections", default=",".join(SECTIONS),
+                   help="comma-separated subset of " + ",".join(SECTIONS))
+    p.add_argument("--warmup", type=int, default=5, help="training warm-up steps")
+    p.add_argument("--steps", type=int, default=60, help="timed training steps")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--graph-seq", type=int, default=512)
+    p.add_argument("--graph-replays", type=int, default=50)
+    p.add_argument("--empty-pairs", type=int, default=100_000, help="4 KiB pairs per rep")
+    p.add_argument("--mixed-pairs", type=int, default=50_000, help="mixed pairs per rep")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--model-layers", type=int, default=12, help="(for quick tests) GPT layers")
+    args = p.parse_args(argv)
+    secs = [s.strip() for s in args.sections.split(",") if s.strip()]
+    bad = [s for s in secs if s not in SECTIONS]
+    if bad or not secs:
+        p.error(f"unknown section(s) {bad}; choose from {','.join(SECTIONS)}")
+    args.sections = [s for s in SECTIONS if s in secs]
+    for name in ("warmup", "steps", "batch", "graph_seq", "graph_replays", "empty_pairs", "mixed_pairs", "reps"):
+        if getattr(args, name) < (0 if name == "warmup" else 1):
+            p.error(f"--{name.replace('_', '-')} must be positive")
+    return args
+
+
+def set_allocator_env(config, environ=None):
+    """Replaces the allocator variables of environ with the config's."""
+    env = os.environ if environ is None else environ
+    for key in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "CUDAPOOL_CONF", "CUDAPOOL_BACKEND"):
+        env.pop(key, None)
+    conf = CONFIGS[config]
+    if conf:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = conf
+
+
+def cleanup(torch):
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
+def bench_train(torch, args):
+    from model import GPT, batch, seq_lens
+
+    torch.manual_seed(0)
+    model = GPT(layers=args.model_layers).cuda()
+    model_bytes = torch.cuda.memory_allocated()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    lens = seq_lens(args.warmup + args.steps, seed=1)
+
+    def step(i):
+        x, y = batch(lens[i], args.batch, VOCAB, "cuda", seed=i)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    t0 = time.perf_counter()
+    for i in range(args.warmup):
+        step(i)
+    torch.cuda.synchronize()
+    warm_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    loss = None
+    for i in range(args.warmup, args.warmup + args.steps):
+        loss = step(i)
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    final_loss = float(loss.detach())
+    out = {
+        "train_ms_per_step": dt * 1e3 / args.steps,
+        "train_steps": args.steps,
+        "train_warmup_steps": args.warmup,
+        "train_warmup_s": warm_s,
+        "train_batch": args.batch,
+        "train_tokens_timed": args.batch * sum(lens[args.warmup:]),
+        "train_peak_allocated": int(torch.cuda.max_memory_allocated()),
+        "train_peak_reserved": int(torch.cuda.max_memory_reserved()),
+        "train_model_bytes": int(model_bytes),
+        "train_final_loss": final_loss,
+    }
+    del model, opt, loss
+    return out
+
+
+def bench_graph(torch, args):
+    from model import GPT
+
+    torch.manual_seed(0)
+    model = GPT(layers=args.model_layers).cuda().to(torch.bfloat16).eval()
+    gen = torch.Generator(device="cuda").manual_seed(1234)
+    x = torch.randint(0, VOCAB, (args.batch, args.graph_seq), device="cuda", generator=gen)
+    out = {"graph_batch": args.batch, "graph_seq": args.graph_seq, "graph_replays": args.graph_replays}
+    with torch.no_grad():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                model(x)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(args.graph_replays):
+            ref = model(x)
+        torch.cuda.synchronize()
+        out["graph_eager_ms"] = (time.perf_counter() - t0) * 1e3 / args.graph_replays
+
+        # torch.cuda.graph empties the cache itself before capturing; do it
+        # first so that "before" is what the capture starts from.
+        cleanup(torch)
+        reserved0 = torch.cuda.memory_reserved()
+        free0 = torch.cuda.mem_get_info()[0]
+        g = torch.cuda.CUDAGraph()
+        t0 = time.perf_counter()
+        with torch.cuda.graph(g):
+            y = model(x)
+        torch.cuda.synchronize()
+        out["graph_capture_ms"] = (time.perf_counter() - t0) * 1e3
+        reserved1 = torch.cuda.memory_reserved()
+        g.replay()
+        torch.cuda.synchronize()
+        free1 = torch.cuda.mem_get_info()[0]
+        out["graph_max_abs_diff"] = float((y.float() - ref.float()).abs().max())
+        t0 = time.perf_counter()
+        for _ in range(args.graph_replays):
+            g.replay()
+        torch.cuda.synchronize()
+        out["graph_replay_ms"] = (time.perf_counter() - t0) * 1e3 / args.graph_replays
+        out["graph_pool_reserved_delta"] = int(reserved1 - reserved0)
+        out["graph_devmem_delta"] = int(free0 - free1)
+        if args.config == "async":
+            out["graph_pool_bytes"] = out["graph_devmem_delta"]
+            out["graph_pool_source"] = "mem_get_info"
+        else:
+            out["graph_pool_bytes"] = out["graph_pool_reserved_delta"]
+            out["graph_pool_source"] = "reserved"
+        del g, y, ref
+    del model, x
+    return out
+
+
+def bench_empty(torch, args):
+    dev = torch.device("cuda", 0)
+    u8 = torch.uint8
+    empty = torch.empty
+    size = workloads.HOT_SIZE
+
+    def small(n):
+        t0 = time.perf_counter_ns()
+        for _ in range(n):
+            empty(size, dtype=u8, device=dev)
+        return (time.perf_counter_ns() - t0) / n / 1e3
+
+    small(10_000)
+    reps = [small(args.empty_pairs) for _ in range(args.reps)]
+    out = {"empty_small_us": statistics.median(reps), "empty_small_reps_us": reps,
+           "empty_pairs": args.empty_pairs}
+    if args.config == "floor":  # it caches by exact size: the mixed loop would exhaust memory
+        return out
+
+    sizes, slots = workloads.mixed_sequence()
+    mask = workloads.SEQ - 1
+    live = [empty(sizes[s], dtype=u8, device=dev) for s in range(workloads.LIVE)]
+
+    def mixed(start, n):
+        t0 = time.perf_counter_ns()
+        for i in range(start, start + n):
+            j = i & mask
+            s = slots[j]
+            live[s] = None
+            live[s] = empty(sizes[j], dtype=u8, device=dev)
+        return (time.perf_counter_ns() - t0) / n / 1e3
+
+    t0 = time.perf_counter()
+    mixed(0, workloads.SEQ)
+    out["empty_mixed_warmup_ms"] = (time.perf_counter() - t0) * 1e3
+    start = workloads.SEQ
+    mreps = []
+    for _ in range(args.reps):
+        mreps.append(mixed(start, args.mixed_pairs))
+        start += args.mixed_pairs
+    out.update({"empty_mixed_us": statistics.median(mreps), "empty_mixed_reps_us": mreps,
+                "empty_mixed_pairs": args.mixed_pairs})
+    live.clear()
+    return out
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    cfg = args.config
+    set_allocator_env(cfg)
+    t_start = time.perf_counter()
+    meta = {"alloc_conf": CONFIGS[cfg] if CONFIGS[cfg] is not None else "cudapool"}
+    try:
+        if cfg == "cudapool":
+            sys.path.insert(0, os.path.join(REPO, "python"))
+            import cudapool
+
+            cudapool.install()
+            meta["cudapool_library"] = cudapool.library_path()
+        import torch
+
+        if cfg == "floor":
+            lib = os.environ["FLOOR_LIB"]
+            floor = torch.cuda.memory.CUDAPluggableAllocator(lib, "floor_malloc", "floor_free")
+            torch.cuda.memory.change_current_allocator(floor)
+            meta["floor_library"] = lib
+
+        if not torch.cuda.is_available():
+            raise RuntimeError("torch.cuda.is_available() is False")
+        torch.cuda.init()
+        meta.update({
+            "torch_version": torch.__version__,
+            "torch_cuda": torch.version.cuda,
+            "device_name": torch.cuda.get_device_name(0),
+            "device_total_bytes": int(torch.cuda.get_device_properties(0).total_memory),
+        })
+        try:
+            meta["allocator_backend"] = torch.cuda.get_allocator_backend()
+        except Exception as e:  # noqa: BLE001
+            meta["allocator_backend"] = f"? ({short_error(e)})"
+    except Exception as e:  # noqa: BLE001
+        traceback.print_exc()
+        emit(cfg, "meta", meta_error=short_error(e), **meta)
+        return 1
+    emit(cfg, "meta", **meta)
+
+    funcs = {"train": bench_train, "graph": bench_graph, "empty": bench_empty}
+    failed = 0
+    for name in args.sections:
+        t0 = time.perf_counter()
+        try:
+            res = funcs[name](torch, args)
+            res[f"{name}_section_s"] = time.perf_counter() - t0
+            emit(cfg, name, **res)
+            print(f"[{cfg}] {name}: " + ", ".join(
+                f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                for k, v in res.items() if not isinstance(v, list)), file=sys.stderr, flush=True)
+        except Exception as e:  # noqa: BLE001
+            failed += 1
+            traceback.print_exc()
+            emit(cfg, name, **{f"{name}_error": short_error(e)})
+        try:
+            cleanup(torch)
+            if name == "train":
+                torch.cuda.reset_peak_memory_stats()
+        except Exception as e:  # noqa: BLE001
+            print(f"[{cfg}] cleanup after {name}: {short_error(e)}", file=sys.stderr, flush=True)
+    emit(cfg, "done", torch_total_s=time.perf_counter() - t_start)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
