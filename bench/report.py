@@ -24,12 +24,13 @@ import statistics
 import os
 import sys
 
-CONFIGS = ["native", "expandable", "async", "cudapool"]
+CONFIGS = ["native", "expandable", "async", "cudapool", "cudapool_exp"]
 LABELS = {
     "native": "native",
     "expandable": "native expandable",
     "async": "native cudaMallocAsync",
     "cudapool": "cudapool",
+    "cudapool_exp": "cudapool expandable",
 }
 START = "<!-- perf:start -->"
 END = "<!-- perf:end -->"
@@ -186,7 +187,7 @@ class Results:
                 return f"{sec}: {errs[sec]}"
         names = [f"{kind}_{config}"]
         if kind == "c":
-            names.append("build_c" if config == "cudapool" else "build_native")
+            names.append("build_c" if config.startswith("cudapool") else "build_native")
         for name in names:
             st = self.steps.get(name)
             if st and st.get("status") not in (None, "ok"):
@@ -277,6 +278,21 @@ def build_rows(res):
         if cp:
             text += f"; cudapool adds {1e3 * (cp - floor):.0f} ns to that floor"
         note(text)
+    # Expandable segments: cudapool's against PyTorch's own (issue 7's goal:
+    # reserved/allocated at or below native expandable, step time within 2%
+    # of native).
+    ce, ne = res.record("torch", "cudapool_exp") or {}, res.record("torch", "expandable") or {}
+    nat = res.record("torch", "native") or {}
+    frag = _ratio("train_peak_reserved", "train_peak_allocated")
+    parts = []
+    if frag(ce) is not None and frag(ne) is not None:
+        parts.append(f"training reserved/allocated {frag(ce):.3f} vs native expandable {frag(ne):.3f}"
+                     f" ({'met' if frag(ce) <= frag(ne) + 1e-12 else 'NOT met'})")
+    step, nstep = ce.get("train_ms_per_step"), nat.get("train_ms_per_step")
+    if isinstance(step, (int, float)) and isinstance(nstep, (int, float)) and step > 0 and nstep > 0:
+        parts.append(f"step time {step / nstep:.3f}x native (target <= 1.02x: {'met' if step / nstep <= 1.02 + 1e-12 else 'NOT met'})")
+    if parts:
+        note("cudapool expandable: " + "; ".join(parts))
     return rows, notes
 
 

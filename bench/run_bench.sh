@@ -3,9 +3,9 @@
 #
 #   bash bench/run_bench.sh            (from anywhere; QUICK=1 for a short run)
 #
-# Compares cudapool with PyTorch's allocator in three configurations (native,
-# expandable_segments:True, backend:cudaMallocAsync), each in a fresh
-# process, same inputs, same run:
+# Compares cudapool (as is, and with expandable_segments:True) with PyTorch's
+# allocator in three configurations (native, expandable_segments:True,
+# backend:cudaMallocAsync), each in a fresh process, same inputs, same run:
 #   1. C level (bench/workloads.h): 4 KiB hot malloc+free loop, mixed sizes
 #      with 256 live blocks, 4 and 8 threads on their own streams, and a
 #      replay of demo/trace.txt (peak reserved vs allocated). cudapool through
@@ -43,7 +43,7 @@ CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 BUDGET=${BENCH_BUDGET_S:-480}
 HARD=${BENCH_HARD_S:-560}
 QUICK=${QUICK:-0}
-CONFIGS=(native expandable async cudapool)
+CONFIGS=(native expandable async cudapool cudapool_exp)
 
 mkdir -p "$RES" "$LOGS" "$BUILD"
 rm -f "$RES"/*.json "$RES"/*.jsonl "$LOGS"/*.log "$OUT/report.txt"
@@ -224,9 +224,10 @@ C_ARGS+=(${BENCH_C_ARGS:-})
 T_ARGS+=(${BENCH_TORCH_ARGS:-})
 
 for cfg in "${CONFIGS[@]}"; do
-    if [ "$cfg" = cudapool ]; then
+    if [ "$cfg" = cudapool ] || [ "$cfg" = cudapool_exp ]; then
         prog=$BUILD/c_bench
         envs=(env -u PYTORCH_CUDA_ALLOC_CONF)
+        [ "$cfg" = cudapool_exp ] && envs+=(CUDAPOOL_CONF=expandable_segments:True)
         # BENCH_SIM=1: cudapool's simulator (to test this script without a GPU)
         [ "${BENCH_SIM:-0}" = 1 ] && envs+=(CUDAPOOL_BACKEND=sim)
     else

@@ -88,6 +88,9 @@ class TestReport(unittest.TestCase):
         write_lines(os.path.join(self.dir, "c_expandable.json"), c_rec("expandable", 500.0, 900.0))
         write_lines(os.path.join(self.dir, "c_async.json"), c_rec("async", 900.0, 1200.0))
         write_lines(os.path.join(self.dir, "c_cudapool.json"), c_rec("cudapool", 400.0, 600.0, t4=8e6))
+        write_lines(os.path.join(self.dir, "c_cudapool_exp.json"), c_rec("cudapool_exp", 410.0, 620.0))
+        write_lines(os.path.join(self.dir, "torch_cudapool_exp.json"),
+                    torch_rec("cudapool_exp", 36.5, 10 * GiB, 10.5 * GiB, 700 << 20))
         write_lines(os.path.join(self.dir, "torch_native.json"), torch_rec("native", 36.1, 10 * GiB, 12 * GiB, 800 << 20))
         write_lines(os.path.join(self.dir, "torch_expandable.json"),
                     torch_rec("expandable", 35.0, 10 * GiB, 11 * GiB, 700 << 20))
@@ -122,6 +125,10 @@ class TestReport(unittest.TestCase):
         self.assertIn("[", row(rows, "CUDA graph private pool")[1]["async"])
         self.assertTrue(any("mem_get_info" in n for n in notes))
         self.assertNotIn("n/a", "".join(row(rows, "trace replay: peak reserved")[1].values()))
+        self.assertEqual(row(rows, "training reserved / allocated")[1]["cudapool_exp"], "1.050")
+        # 1.05 <= native expandable's 1.1; 36.5 / 36.1 = 1.011 <= 1.02
+        self.assertTrue(any(n.startswith("cudapool expandable: training reserved/allocated 1.050 vs native "
+                                         "expandable 1.100 (met); step time 1.011x native") for n in notes), notes)
 
     def test_missing_and_broken_results_do_not_crash(self):
         write_lines(os.path.join(self.dir, "c_native.json"), c_rec("native", 480.0, 830.0))

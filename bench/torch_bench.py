@@ -55,6 +55,8 @@ CONFIGS = {
     "expandable": "expandable_segments:True",
     "async": "backend:cudaMallocAsync",
     "cudapool": None,
+    # cudapool with expandable_segments:True (set through cudapool.configure).
+    "cudapool_exp": None,
     # A trivial C pluggable allocator (bench/floor_alloc.c): what PyTorch's
     # CUDAPluggableAllocator path costs by itself. Only the 4 KiB loop.
     "floor": None,
@@ -271,11 +273,14 @@ def main(argv=None):
     t_start = time.perf_counter()
     meta = {"alloc_conf": CONFIGS[cfg] if CONFIGS[cfg] is not None else "cudapool"}
     try:
-        if cfg == "cudapool":
+        if cfg in ("cudapool", "cudapool_exp"):
             sys.path.insert(0, os.path.join(REPO, "python"))
             import cudapool
 
             cudapool.install()
+            if cfg == "cudapool_exp":
+                cudapool.configure("expandable_segments:True")
+                meta["alloc_conf"] = "cudapool expandable_segments:True"
             meta["cudapool_library"] = cudapool.library_path()
         import torch
 
