@@ -36,6 +36,7 @@
 package allocator
 
 import (
+	"errors"
 	"fmt"
 	"os"
 	"runtime"
@@ -226,21 +227,48 @@ func (a *Allocator) Free(dev int, p cuda.Ptr, size uint64) error {
 		return err
 	}
 	d.mu.Lock()
-	b := d.cache.Lookup(p)
-	if b == nil {
-		d.mu.Unlock()
-		return a.explainUnknown("free", dev, p)
-	}
-	if size != 0 && size != b.Requested {
-		d.mu.Unlock()
-		return newError("free", ErrInvalidArgument, "pointer %#x was allocated with %d bytes, freed with %d; not freed", uintptr(p), b.Requested, size)
-	}
-	err = d.free(b)
+	err = d.freeLocked(p, size)
 	if d.debug {
 		d.mustCheck()
 	}
 	d.mu.Unlock()
+	if err != nil {
+		return a.explainFree(err)
+	}
+	return nil
+}
+
+// explainFree replaces the error of a free that found no block by one that
+// says what the pointer is; it runs without any device lock held, since it
+// looks at every device.
+func (a *Allocator) explainFree(err error) error {
+	var u unknownAt
+	if errors.As(err, &u) {
+		return a.explainUnknown("free", u.dev, u.p)
+	}
 	return err
+}
+
+// freeLocked frees the block at p. d.mu is held.
+func (d *device) freeLocked(p cuda.Ptr, size uint64) error {
+	b := d.cache.Lookup(p)
+	if b == nil {
+		return &Error{Op: "free", Kind: ErrUnknownPointer, Msg: "pointer not allocated on this device", Err: unknownAt{d.id, p}}
+	}
+	if size != 0 && size != b.Requested {
+		return newError("free", ErrInvalidArgument, "pointer %#x was allocated with %d bytes, freed with %d; not freed", uintptr(p), b.Requested, size)
+	}
+	return d.free(b)
+}
+
+// unknownAt carries the device and pointer of a free that found no block.
+type unknownAt struct {
+	dev int
+	p   cuda.Ptr
+}
+
+func (u unknownAt) Error() string {
+	return fmt.Sprintf("pointer %#x on device %d", uintptr(u.p), u.dev)
 }
 
 // explainUnknown builds the error for a pointer that device dev has not
@@ -510,4 +538,75 @@ func (d *device) withThreadRelaxed(fn func() error) error {
 		err = rerr
 	}
 	return err
+}
+
+// PendingFree is a free the caller deferred (the C ABI queues PyTorch's
+// frees and hands them over with the next call; see capi).
+type PendingFree struct {
+	Dev  int
+	Ptr  cuda.Ptr
+	Size uint64
+}
+
+// MallocAfterFrees performs the pending frees, then the malloc. The frees of
+// dev happen under the same lock hold as the malloc, so a malloc+free pair
+// costs one lock and one call. It returns the malloc's error and, separately,
+// the first failed free's.
+func (a *Allocator) MallocAfterFrees(dev int, size uint64, s cuda.Stream, frees []PendingFree) (p cuda.Ptr, err, freeErr error) {
+	d, err := a.device("malloc", dev)
+	if err != nil || size == 0 || size > pools.MaxRequest {
+		freeErr = a.FreeMany(frees)
+		p, err = a.Malloc(dev, size, s)
+		return p, err, freeErr
+	}
+	var capture uint64
+	if !a.announced.Load() {
+		st, id, qerr := a.drv.StreamCaptureInfo(dev, s)
+		if qerr != nil {
+			return 0, driverError("malloc", qerr, "querying the capture status of stream %#x", uintptr(s)), a.FreeMany(frees)
+		}
+		if st != cuda.CaptureNone {
+			capture = id
+		}
+	}
+	others := 0
+	d.mu.Lock()
+	for i := range frees {
+		if frees[i].Dev != dev {
+			others++
+			continue
+		}
+		if e := d.freeLocked(frees[i].Ptr, frees[i].Size); e != nil && freeErr == nil {
+			freeErr = e
+		}
+	}
+	p, err = d.malloc(size, s, capture)
+	if d.debug {
+		d.mustCheck()
+	}
+	d.mu.Unlock()
+	if others > 0 {
+		for i := range frees {
+			if frees[i].Dev != dev {
+				if e := a.Free(frees[i].Dev, frees[i].Ptr, frees[i].Size); e != nil && freeErr == nil {
+					freeErr = e
+				}
+			}
+		}
+	}
+	if freeErr != nil {
+		freeErr = a.explainFree(freeErr)
+	}
+	return p, err, freeErr
+}
+
+// FreeMany performs deferred frees and returns the first error.
+func (a *Allocator) FreeMany(frees []PendingFree) error {
+	var first error
+	for i := range frees {
+		if err := a.Free(frees[i].Dev, frees[i].Ptr, frees[i].Size); err != nil && first == nil {
+			first = err
+		}
+	}
+	return first
 }

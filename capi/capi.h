@@ -18,10 +18,27 @@ extern "C" {
  * cgo's own definitions follow.) */
 #pragma GCC visibility push(hidden)
 
+/* A free PyTorch made that waits in the queue (cudapool.c). */
+typedef struct {
+	uintptr_t ptr;
+	size_t size;
+	int device;
+} cp_pending_free;
+
+/* The queue's capacity: the most frees one call hands to Go. */
+#define CP_FREEQ_CAP 64
+
+/* The number of queued frees: read without the lock as a hint. */
+extern volatile int cp_freeq_n;
+
+/* Moves up to cap queued frees to out and returns how many. */
+size_t cp_take_frees(cp_pending_free *out, size_t cap);
+
 /* ---- Go exports (exports.go), called by the C and C++ wrappers. Pointers
  * and streams cross as uintptr_t. ---- */
 extern uintptr_t cpgo_malloc(size_t size, int device, uintptr_t stream);
-extern uintptr_t cpgo_torch_malloc(size_t size, int device, uintptr_t stream);
+extern uintptr_t cpgo_torch_malloc(size_t size, int device, uintptr_t stream, cp_pending_free *frees, size_t nfrees);
+extern void cpgo_free_batch(cp_pending_free *frees, size_t nfrees);
 extern void cpgo_free(uintptr_t ptr, size_t size, int device, uintptr_t stream);
 extern void cpgo_init(int device_count);
 extern void cpgo_empty_cache(void);

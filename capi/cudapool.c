@@ -13,6 +13,7 @@
  */
 #include <pthread.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -83,6 +84,63 @@ int cp_forked_child(void) {
 		return 1;
 	}
 	return 0;
+}
+
+/* ---- PyTorch's frees, queued ----
+ *
+ * A call from C into Go costs a few hundred nanoseconds when it comes from
+ * a Python thread (the interpreter evicts the callback's working set between
+ * calls), which made a torch.empty+free pair pay for two of them. PyTorch's
+ * free hook returns nothing and PyTorch ignores failures, so
+ * cudapool_torch_free only queues the free here; the next call into the
+ * library on any thread hands the queue to Go first (cudapool_torch_malloc
+ * passes it along with the malloc, which performs those frees under the same
+ * device lock). Every other entry point drains the queue before it does
+ * anything, so statistics, snapshots and empty_cache never see a queued
+ * free. A queued free of a block other streams use records its events when
+ * it is drained, a little later than at the free itself: that only delays
+ * the block's reuse. The plain C cudapool_free is not queued: its errors
+ * reach its caller. */
+static cp_pending_free cp_freeq[CP_FREEQ_CAP];
+volatile int cp_freeq_n;
+static atomic_flag cp_freeq_lock = ATOMIC_FLAG_INIT;
+
+static void freeq_lock(void) {
+	while (atomic_flag_test_and_set_explicit(&cp_freeq_lock, memory_order_acquire))
+		;
+}
+
+static void freeq_unlock(void) { atomic_flag_clear_explicit(&cp_freeq_lock, memory_order_release); }
+
+size_t cp_take_frees(cp_pending_free *out, size_t cap) {
+	freeq_lock();
+	size_t n = (size_t)cp_freeq_n;
+	if (n > cap)
+		n = cap;
+	memcpy(out, cp_freeq, n * sizeof *out);
+	memmove(cp_freeq, cp_freeq + n, ((size_t)cp_freeq_n - n) * sizeof *out);
+	cp_freeq_n -= (int)n;
+	freeq_unlock();
+	return n;
+}
+
+void cudapool_torch_free(void *ptr, size_t size, int device, cudapool_stream stream) {
+	(void)stream;
+	if (cp_forked_child() || ptr == NULL)
+		return;
+	freeq_lock();
+	if (cp_freeq_n < CP_FREEQ_CAP) {
+		cp_freeq[cp_freeq_n++] = (cp_pending_free){(uintptr_t)ptr, size, device};
+		freeq_unlock();
+		return;
+	}
+	/* Full: hand the queue and this free to Go now. */
+	cp_pending_free batch[CP_FREEQ_CAP + 1];
+	memcpy(batch, cp_freeq, sizeof cp_freeq);
+	batch[CP_FREEQ_CAP] = (cp_pending_free){(uintptr_t)ptr, size, device};
+	cp_freeq_n = 0;
+	freeq_unlock();
+	cpgo_free_batch(batch, CP_FREEQ_CAP + 1);
 }
 
 /* ---- stream filters ---- */

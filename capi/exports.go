@@ -15,6 +15,7 @@ import (
 	"strconv"
 	"sync"
 	"sync/atomic"
+	"unsafe"
 
 	"github.com/cudapool/cudapool/allocator"
 	"github.com/cudapool/cudapool/cuda"
@@ -25,11 +26,23 @@ import (
 //export cpgo_malloc
 func cpgo_malloc(size C.size_t, dev C.int, stream C.uintptr_t) C.uintptr_t {
 	defer guard("malloc")
-	a := ready()
-	if a == nil {
+	st := load()
+	if st.err != nil {
+		setError(st.err.Error())
 		return 0
 	}
-	p, err := a.Malloc(int(dev), uint64(size), cuda.Stream(stream))
+	var buf [C.CP_FREEQ_CAP]allocator.PendingFree
+	var frees []allocator.PendingFree
+	if C.cp_freeq_n != 0 {
+		frees = takeFrees(&buf)
+	}
+	return mallocAfter(st.a, size, dev, stream, frees)
+}
+
+// mallocAfter performs the queued frees and the malloc in one lock hold.
+func mallocAfter(a *allocator.Allocator, size C.size_t, dev C.int, stream C.uintptr_t, frees []allocator.PendingFree) C.uintptr_t {
+	p, err, ferr := a.MallocAfterFrees(int(dev), uint64(size), cuda.Stream(stream), frees)
+	reportFreeError(ferr)
 	if err != nil {
 		fail(err)
 		return 0
@@ -37,27 +50,36 @@ func cpgo_malloc(size C.size_t, dev C.int, stream C.uintptr_t) C.uintptr_t {
 	return C.uintptr_t(p)
 }
 
+//export cpgo_free_batch
+func cpgo_free_batch(frees *C.cp_pending_free, n C.size_t) {
+	defer guard("free")
+	st := load()
+	if st.err != nil {
+		return
+	}
+	var buf [C.CP_FREEQ_CAP + 1]allocator.PendingFree
+	reportFreeError(st.a.FreeMany(convertFrees(buf[:0], unsafe.Slice(frees, int(n)))))
+}
+
 // torchAnnounced is set once cudapool_torch_malloc has told the allocator
 // that every capture is announced (PyTorch calls the begin hook for each).
 var torchAnnounced atomic.Bool
 
 //export cpgo_torch_malloc
-func cpgo_torch_malloc(size C.size_t, dev C.int, stream C.uintptr_t) C.uintptr_t {
+func cpgo_torch_malloc(size C.size_t, dev C.int, stream C.uintptr_t, frees *C.cp_pending_free, nfrees C.size_t) C.uintptr_t {
 	defer guard("malloc")
-	a := ready()
-	if a == nil {
+	st := load()
+	if st.err != nil {
+		setError(st.err.Error())
 		return 0
 	}
+	a := st.a
 	if !torchAnnounced.Load() {
 		a.ExpectAnnouncements()
 		torchAnnounced.Store(true)
 	}
-	p, err := a.Malloc(int(dev), uint64(size), cuda.Stream(stream))
-	if err != nil {
-		fail(err)
-		return 0
-	}
-	return C.uintptr_t(p)
+	var buf [C.CP_FREEQ_CAP]allocator.PendingFree
+	return mallocAfter(a, size, dev, stream, convertFrees(buf[:0], unsafe.Slice(frees, int(nfrees))))
 }
 
 //export cpgo_free

@@ -39,6 +39,11 @@
 // This package only converts C types and wires the other packages together.
 package main
 
+/*
+#include "capi.h"
+*/
+import "C"
+
 import (
 	"errors"
 	"fmt"
@@ -50,6 +55,7 @@ import (
 	"sync/atomic"
 
 	"github.com/cudapool/cudapool/allocator"
+	"github.com/cudapool/cudapool/cuda"
 	"github.com/cudapool/cudapool/cuda/driver"
 	"github.com/cudapool/cudapool/cuda/sim"
 )
@@ -95,13 +101,42 @@ func load() *state {
 
 // ready returns the allocator, or records the initialization error and
 // returns nil.
+// Every entry point but the mallocs first performs the frees PyTorch queued
+// (cudapool_torch_free), so that nothing observes a queued free.
 func ready() *allocator.Allocator {
 	st := load()
 	if st.err != nil {
 		setError(st.err.Error())
 		return nil
 	}
+	if C.cp_freeq_n != 0 {
+		var buf [C.CP_FREEQ_CAP]allocator.PendingFree
+		reportFreeError(st.a.FreeMany(takeFrees(&buf)))
+	}
 	return st.a
+}
+
+// takeFrees moves the queued frees into buf and returns them.
+func takeFrees(buf *[C.CP_FREEQ_CAP]allocator.PendingFree) []allocator.PendingFree {
+	var raw [C.CP_FREEQ_CAP]C.cp_pending_free
+	n := int(C.cp_take_frees(&raw[0], C.CP_FREEQ_CAP))
+	return convertFrees(buf[:0], raw[:n])
+}
+
+func convertFrees(dst []allocator.PendingFree, src []C.cp_pending_free) []allocator.PendingFree {
+	for _, f := range src {
+		dst = append(dst, allocator.PendingFree{Dev: int(f.device), Ptr: cuda.Ptr(f.ptr), Size: uint64(f.size)})
+	}
+	return dst
+}
+
+// reportFreeError reports a failed queued free: PyTorch ignores the result
+// of its free hook, so besides this thread's last error it goes to stderr.
+func reportFreeError(err error) {
+	if err != nil {
+		fail(err)
+		warnOnce(err.Error() + " (a free queued by cudapool_torch_free)")
+	}
 }
 
 // newState builds the allocator that the environment describes.

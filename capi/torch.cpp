@@ -139,7 +139,10 @@ void *cudapool_torch_malloc(size_t size, int device, cudaStream_t stream) {
 			return nullptr;
 		cp_throw_oom(cudapool_last_error());
 	}
-	void *p = reinterpret_cast<void *>(cpgo_torch_malloc(size, device, reinterpret_cast<uintptr_t>(stream)));
+	// Queued frees (cudapool_torch_free) go along, done before the malloc.
+	cp_pending_free frees[CP_FREEQ_CAP];
+	size_t n = cp_freeq_n != 0 ? cp_take_frees(frees, CP_FREEQ_CAP) : 0;
+	void *p = reinterpret_cast<void *>(cpgo_torch_malloc(size, device, reinterpret_cast<uintptr_t>(stream), frees, n));
 	if (p == nullptr && size > 0)
 		cp_throw_oom(cudapool_last_error());
 	return p;

@@ -154,8 +154,8 @@ long long cudapool_sim_violations(void);
 
 /* ---- PyTorch entry points (C++ only), with the exact types that
  * torch.cuda.memory.CUDAPluggableAllocator and its _allocator setters call.
- * Use cudapool_torch_malloc and cudapool_free as the allocator's alloc and
- * free functions; cudapool_init, cudapool_empty_cache,
+ * Use cudapool_torch_malloc and cudapool_torch_free as the allocator's
+ * alloc and free functions; cudapool_init, cudapool_empty_cache,
  * cudapool_set_memory_fraction, cudapool_base_allocation and
  * cudapool_record_stream as the other hooks. ---- */
 extern "C" {
@@ -165,6 +165,12 @@ extern "C" {
  * check for NULL). Size 0 returns NULL. Declares that every capture is
  * announced through cudapool_torch_begin_allocate_to_pool. */
 void *cudapool_torch_malloc(size_t size, int device, cudapool_stream stream);
+
+/* cudapool_free for PyTorch's free hook: the free is queued and performed by
+ * the next call into the library (first thing, on any thread), which halves
+ * the calls into Go per allocation. Failures (PyTorch ignores them) are
+ * reported on stderr and as the last error of the thread that performs it. */
+void cudapool_torch_free(void *ptr, size_t size, int device, cudapool_stream stream);
 
 /* PyTorch's MempoolId_t and stream filter. The filter is copied; the copy is
  * destroyed when the pool's end is processed. */

@@ -249,6 +249,37 @@ void test_torch_capture() {
 	CHECK(cudapool_sim_violations() == 0, "still no capture violations");
 }
 
+void test_torch_free_queue() {
+	std::printf("-- cudapool_torch_free (queued frees)\n");
+	std::string what;
+	cudapool_stream s = stream(0x777);
+	void *p = torch_malloc(4096, 0, s, &what);
+	long long before = stat_of(0, "allocation.all.current");
+	cudapool_torch_free(p, 4096, 0, s);
+	CHECK(stat_of(0, "allocation.all.current") == before - 1, "a queued free is done before the stats are read");
+	void *q = torch_malloc(4096, 0, s, &what);
+	cudapool_torch_free(q, 4096, 0, s);
+	void *r = torch_malloc(4096, 0, s, &what);
+	CHECK(q == p && r == p, "a queued free is done before the next malloc, which reuses the block");
+	// More frees than the queue holds: the overflow hands them all to Go.
+	std::vector<void *> ps;
+	for (int i = 0; i < 150; i++)
+		ps.push_back(torch_malloc(1000 + i, 0, s, &what));
+	long long live = stat_of(0, "allocation.all.current");
+	for (int i = 0; i < 150; i++)
+		cudapool_torch_free(ps[i], 1000 + i, 0, s);
+	CHECK(stat_of(0, "allocation.all.current") == live - 150, "150 queued frees, past the queue's capacity, all done");
+	// A bad free: reported by the call that performs it; nothing else changes.
+	cudapool_torch_free(r, 4096, 0, s);
+	cudapool_torch_free(r, 4096, 0, s); // double free
+	void *t = torch_malloc(8192, 0, s, &what);
+	CHECK(t != nullptr && what.empty(), "the malloc after a queued double free succeeds");
+	CHECK(err_has("already freed"), "... and the double free is the thread's last error: %s", last_error().c_str());
+	cudapool_torch_free(t, 8192, 0, s);
+	cudapool_empty_cache();
+	CHECK(stat_of(0, "allocation.all.current") == live - 151, "r and t were freed once each, nothing else");
+}
+
 void test_threads() {
 	std::printf("-- threads\n");
 	std::atomic<int> failures{0};
@@ -260,7 +291,7 @@ void test_threads() {
 			for (int i = 0; i < 2000; i++) {
 				x = x * 1664525u + 1013904223u;
 				if (live.size() > 6 || (!live.empty() && (x & 1))) {
-					cudapool_free(live.back().first, live.back().second, 0, stream(0x900 + t));
+					cudapool_torch_free(live.back().first, live.back().second, 0, stream(0x900 + t));
 					live.pop_back();
 					continue;
 				}
@@ -272,12 +303,12 @@ void test_threads() {
 				}
 			}
 			for (auto &l : live)
-				cudapool_free(l.first, l.second, 0, stream(0x900 + t));
+				cudapool_torch_free(l.first, l.second, 0, stream(0x900 + t));
 		});
 	for (auto &t : ts)
 		t.join();
-	CHECK(failures.load() == 0, "8 std::threads x 2000 torch_malloc/free: no exception");
-	CHECK(stat_of(0, "allocation.all.current") == 0, "all freed");
+	CHECK(failures.load() == 0, "8 std::threads x 2000 torch_malloc/torch_free: no exception");
+	CHECK(stat_of(0, "allocation.all.current") == 0, "all freed (the stats call performs the queued frees)");
 	cudapool_empty_cache();
 }
 
@@ -314,6 +345,7 @@ int main() {
 	test_c_api_from_cpp();
 	test_torch_malloc();
 	test_torch_capture();
+	test_torch_free_queue();
 	test_threads();
 	test_fork();
 	std::printf("C++ ABI: %d passed, %d failed\n", passed, failed);

@@ -70,7 +70,7 @@ def install(patch_torch=True):
                 )
             path = _lib.library_path()
             try:
-                alloc = torch.cuda.memory.CUDAPluggableAllocator(path, "cudapool_torch_malloc", "cudapool_free")
+                alloc = torch.cuda.memory.CUDAPluggableAllocator(path, "cudapool_torch_malloc", "cudapool_torch_free")
             except (AttributeError, RuntimeError, OSError) as e:
                 raise CudapoolError(f"cudapool.install(): cannot create a CUDAPluggableAllocator from {path}: {e}") from e
             hooks = alloc._allocator

@@ -21,7 +21,7 @@ def test_install_sets_every_hook():
         assert cudapool.installed()
         hooks = alloc._allocator
         assert hooks.alloc_fn == _lib.address("cudapool_torch_malloc")
-        assert hooks.free_fn == _lib.address("cudapool_free")
+        assert hooks.free_fn == _lib.address("cudapool_torch_free")
         expected = {
             "set_init_fn": "cudapool_init",
             "set_reset_fn": "cudapool_empty_cache",
