@@ -196,26 +196,31 @@ func (d *device) dropHandles(hs []cuda.MemHandle) {
 	}
 }
 
-// Unmap unmaps and releases each page of the range that is still mapped.
-func (m vmmMapper) Unmap(seg *pools.Segment, off, size uint64) error {
+// Unmap unmaps and releases each page of the range in turn. A page whose
+// unmap succeeded counts as unmapped even if its release fails; its handle
+// then waits in spare (released at the next release of cached memory, or
+// reused).
+func (m vmmMapper) Unmap(seg *pools.Segment, off, size uint64) (uint64, error) {
 	d, page := m.d, seg.PageSize
-	for o := off; o < off+size; o += page {
+	var err error
+	o := off
+	for ; o < off+size; o += page {
 		i := o / page
-		h := seg.Pages[i]
-		if h == 0 {
-			continue // released by an earlier call that failed later on
-		}
 		p := seg.Base + cuda.Ptr(o)
-		if err := d.vmm.MemUnmap(d.id, p, page); err != nil {
-			return driverError("empty_cache", err, "unmapping %#x on device %d", uintptr(p), d.id)
+		if err = d.vmm.MemUnmap(d.id, p, page); err != nil {
+			err = driverError("empty_cache", err, "unmapping %#x on device %d", uintptr(p), d.id)
+			break
 		}
+		h := seg.Pages[i]
 		seg.Pages[i] = 0
-		if err := d.vmm.MemRelease(d.id, h); err != nil {
-			return driverError("empty_cache", err, "releasing the memory of %#x on device %d", uintptr(p), d.id)
+		if rerr := d.vmm.MemRelease(d.id, h); rerr != nil {
+			d.spare = append(d.spare, h)
 		}
 	}
-	d.trace.add(actionSegmentUnmap, seg.Base+cuda.Ptr(off), size, seg.Stream)
-	return nil
+	if o > off {
+		d.trace.add(actionSegmentUnmap, seg.Base+cuda.Ptr(off), o-off, seg.Stream)
+	}
+	return o - off, err
 }
 
 // Free gives back a range with nothing mapped.

@@ -279,3 +279,78 @@ func TestExpandableToggle(t *testing.T) {
 	require.Zero(t, drv.Used(0))
 	require.NoError(t, a.CheckInvariants())
 }
+
+// flakyVMM fails chosen VMM calls of the simulator.
+type flakyVMM struct {
+	*sim.Driver
+	failUnmaps, failReleases, failAccess int
+}
+
+func (f *flakyVMM) MemUnmap(dev int, p cuda.Ptr, size uint64) error {
+	if f.failUnmaps > 0 {
+		f.failUnmaps--
+		return cuda.ErrUnknown
+	}
+	return f.Driver.MemUnmap(dev, p, size)
+}
+
+func (f *flakyVMM) MemRelease(dev int, h cuda.MemHandle) error {
+	if f.failReleases > 0 {
+		f.failReleases--
+		return cuda.ErrUnknown
+	}
+	return f.Driver.MemRelease(dev, h)
+}
+
+func (f *flakyVMM) MemSetAccess(dev int, p cuda.Ptr, size uint64) error {
+	if f.failAccess > 0 {
+		f.failAccess--
+		return cuda.ErrUnknown
+	}
+	return f.Driver.MemSetAccess(dev, p, size)
+}
+
+// Driver failures while mapping or unmapping leave the allocator consistent
+// with the driver and leak nothing once the driver works again.
+func TestExpandableDriverFailures(t *testing.T) {
+	lockThread(t)
+	cfg, _, err := allocator.ParseConfig(expandable)
+	require.NoError(t, err)
+	s := sim.New(sim.Options{Memory: GiB})
+	drv := &flakyVMM{Driver: s}
+	a, err := allocator.New(drv, cfg)
+	require.NoError(t, err)
+	check := func() {
+		t.Helper()
+		require.NoError(t, a.CheckInvariants())
+		st := stats(t, a, 0)
+		require.Equal(t, uint64(st.ReservedBytes[pools.StatAll].Current), s.Mapped(0), "reserved is what the driver has mapped")
+	}
+
+	drv.failAccess = 1
+	_, err = a.Malloc(0, 10*MiB, 0)
+	require.Error(t, err, "memory without access is not handed out")
+	check()
+	p := mustMalloc(t, a, 0, 10*MiB, 0)
+	require.True(t, s.Accessible(0, p, 10*MiB))
+
+	require.NoError(t, a.Free(0, p, 0))
+	drv.failReleases = 1
+	require.NoError(t, a.EmptyCache(), "a failed release keeps the handle for later")
+	check()
+	require.Zero(t, s.Mapped(0))
+	require.NoError(t, a.EmptyCache(), "the spare handle is released now")
+	require.Zero(t, s.Used(0))
+
+	q := mustMalloc(t, a, 0, 10*MiB, 0)
+	require.NoError(t, a.Free(0, q, 0))
+	drv.failUnmaps = 1
+	require.Error(t, a.EmptyCache())
+	check()
+	require.NoError(t, a.EmptyCache())
+	check()
+	require.Zero(t, s.Used(0))
+	require.Zero(t, s.Handles(0))
+	n, _ := s.Reservations(0)
+	require.Zero(t, n)
+}

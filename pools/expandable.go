@@ -57,10 +57,11 @@ type Mapper interface {
 	// map (all of them unless it fails): nothing needs undoing on an error,
 	// which matters during a capture, when nothing may be unmapped.
 	Map(seg *Segment, off, size uint64) (uint64, error)
-	// Unmap unmaps and releases the pages of [seg.Base+off, +size). If it
-	// fails part way, the pages it did release are marked 0 in seg.Pages and
-	// a later call skips them.
-	Unmap(seg *Segment, off, size uint64) error
+	// Unmap unmaps and releases the pages of [seg.Base+off, +size), from
+	// the start, and returns the bytes it did unmap (all of them unless it
+	// fails), which are then recorded as unmapped: memory that may be gone
+	// is never handed out.
+	Unmap(seg *Segment, off, size uint64) (uint64, error)
 	// Free gives back the address range of seg, which has nothing mapped.
 	Free(seg *Segment) error
 }
@@ -249,9 +250,11 @@ func (c *Cache) unmapBlock(b *Block, m Mapper) error {
 	if hi <= lo {
 		return nil
 	}
-	if err := m.Unmap(seg, lo, hi-lo); err != nil {
+	done, err := m.Unmap(seg, lo, hi-lo)
+	if done == 0 {
 		return err
 	}
+	hi = lo + done
 	p := b.Pool
 	p.Blocks.Remove(b)
 	if start := seg.Base + cuda.Ptr(lo); b.Ptr < start {
@@ -287,7 +290,7 @@ func (c *Cache) unmapBlock(b *Block, m Mapper) error {
 	c.Reserved -= n
 	c.Stats.ReservedBytes.Decrease(p.Small, int64(n))
 	c.Stats.NumDeviceFree++
-	return nil
+	return err
 }
 
 // MappedRun returns the contiguous mapped range of an expandable segment

@@ -14,7 +14,8 @@ const page = 2 * MiB
 type fakeMapper struct {
 	mapped    map[cuda.Ptr]bool
 	fail      error
-	failAfter uint64 // bytes mapped before failing
+	failAfter uint64 // bytes mapped (or unmapped) before failing
+	unmapFail error
 	freed     int
 }
 
@@ -35,16 +36,19 @@ func (m *fakeMapper) Map(seg *Segment, off, size uint64) (uint64, error) {
 	return size, nil
 }
 
-func (m *fakeMapper) Unmap(seg *Segment, off, size uint64) error {
+func (m *fakeMapper) Unmap(seg *Segment, off, size uint64) (uint64, error) {
 	for o := off; o < off+size; o += seg.PageSize {
 		p := seg.Base + cuda.Ptr(o)
+		if m.unmapFail != nil && o-off >= m.failAfter {
+			return o - off, m.unmapFail
+		}
 		if !m.mapped[p] {
-			return errors.New("unmapping an unmapped page")
+			return o - off, errors.New("unmapping an unmapped page")
 		}
 		delete(m.mapped, p)
 		seg.Pages[o/seg.PageSize] = 0
 	}
-	return nil
+	return size, nil
 }
 
 func (m *fakeMapper) Free(seg *Segment) error { m.freed++; return nil }
@@ -156,8 +160,25 @@ func TestExpandablePreferInteriorAndFailures(t *testing.T) {
 	require.Len(t, m.mapped, int(c.Reserved/page))
 	m.failAfter = 0
 
+	// Unmapping that fails part way records what it did unmap.
 	m.fail = nil
-	c.SetFraction(0.5, 40*MiB) // 20 MiB allowed, 14 MiB mapped
+	m.unmapFail, m.failAfter = cuda.ErrUnknown, page // the 2-page tail fails half way
+	require.ErrorIs(t, c.UnmapFree(c.Large, m), cuda.ErrUnknown)
+	require.NoError(t, c.Check())
+	require.Len(t, m.mapped, int(c.Reserved/page))
+	m.unmapFail, m.failAfter = nil, 0
+	require.NoError(t, c.UnmapFree(c.Large, m))
+	require.NoError(t, c.Check())
+	require.Len(t, m.mapped, int(c.Reserved/page))
+	mapped := c.Reserved
+	big, err := c.MapExpandable(&r, c.FindExpandable(&r), m) // the unmapped pages are mapped again
+	require.NoError(t, err)
+	require.Greater(t, c.Reserved, mapped)
+	expFree(t, c, c.Allocate(&r, big))
+	require.NoError(t, c.UnmapFree(c.Large, m))
+	require.NoError(t, c.Check())
+
+	c.SetFraction(0.5, 40*MiB) // 20 MiB allowed
 	start = c.FindExpandable(&r)
 	_, err = c.MapExpandable(&r, start, m)
 	require.ErrorIs(t, err, ErrFraction)
