@@ -21,8 +21,8 @@ import (
 //
 // The segment's blocks tile the whole reserved range. A block is mapped
 // (an ordinary block: allocated, awaiting its free, or free in the pool's
-// Blocks) or unmapped (Unmapped set, in the pool's Unmapped set, always whole
-// pages). Neighbours that are both free and mapped alike are merged, so free
+// Blocks) or unmapped (Block.Unmapped: in the pool's Unmapped set, always
+// whole pages). Neighbours that are both free and mapped alike are merged, so free
 // mapped and unmapped blocks alternate between allocated ones. Reserved
 // memory is mapped memory: Segment.Mapped, counted in Cache.Reserved and
 // reserved_bytes.
