@@ -64,7 +64,8 @@ type vmmDriver interface {
 	MemRelease(dev int, h cuda.MemHandle) error
 	// MemMap maps all of h at p, inside a reservation.
 	MemMap(dev int, p cuda.Ptr, size uint64, h cuda.MemHandle) error
-	// MemSetAccess makes a mapped range readable and writable from dev.
+	// MemSetAccess makes a mapped range readable and writable from dev
+	// (the real driver: and from the devices that can access it as peers).
 	MemSetAccess(dev int, p cuda.Ptr, size uint64) error
 	// MemUnmap unmaps a range that mappings cover exactly.
 	MemUnmap(dev int, p cuda.Ptr, size uint64) error

@@ -81,6 +81,7 @@ typedef struct {
 	uintptr_t memMap;
 	uintptr_t memUnmap;
 	uintptr_t memSetAccess;
+	uintptr_t deviceCanAccessPeer; // optional
 } cp_api;
 
 // A result and up to two values, returned by value (no Go allocation).
@@ -415,17 +416,35 @@ static CUresult cp_mem_unmap(const cp_api *a, uintptr_t ctx, unsigned long long 
 	return cp_leave(a, pushed, r);
 }
 
-// Read and write access for device ordinal dev.
-static CUresult cp_mem_set_access(const cp_api *a, uintptr_t ctx, int ordinal, unsigned long long p, unsigned long long size) {
+// Read and write access for device ordinal dev and for the ordinals in the
+// bit mask peers (ordinals below 64).
+static CUresult cp_mem_set_access(const cp_api *a, uintptr_t ctx, int ordinal, unsigned long long peers,
+				  unsigned long long p, unsigned long long size) {
 	// Location: CU_MEM_LOCATION_TYPE_DEVICE (1), the ordinal; flags:
 	// CU_MEM_ACCESS_FLAGS_PROT_READWRITE (3).
-	cp_mem_access_desc desc = {{1, ordinal}, 3};
+	cp_mem_access_desc desc[65];
+	size_t n = 0;
+	desc[n++] = (cp_mem_access_desc){{1, ordinal}, 3};
+	for (int i = 0; i < 64; i++)
+		if (i != ordinal && (peers >> i & 1))
+			desc[n++] = (cp_mem_access_desc){{1, i}, 3};
 	int pushed;
 	CUresult r = cp_enter(a, ctx, &pushed);
 	if (r == 0)
 		r = ((CUresult (*)(CUdeviceptr, size_t, const cp_mem_access_desc *, size_t))a->memSetAccess)(
-			(CUdeviceptr)p, (size_t)size, &desc, 1);
+			(CUdeviceptr)p, (size_t)size, desc, n);
 	return cp_leave(a, pushed, r);
+}
+
+// Whether device d can access peer's memory (cuDeviceCanAccessPeer); 0 when
+// the driver lacks the call.
+static cp_ret cp_can_access_peer(const cp_api *a, CUdevice d, CUdevice peer) {
+	int can = 0;
+	cp_ret ret = {0, 0, 0};
+	if (a->deviceCanAccessPeer)
+		ret.r = ((CUresult (*)(int *, CUdevice, CUdevice))a->deviceCanAccessPeer)(&can, d, peer);
+	ret.a = (unsigned long long)can;
+	return ret;
 }
 
 // cuThreadExchangeStreamCaptureMode works on the calling thread's mode and
@@ -481,6 +500,9 @@ type Driver struct {
 	// vmm reports whether every virtual memory management entry point
 	// (vmmSymbols) was found.
 	vmm bool
+	// peers[i] is accessPeers(i) | peersKnown once computed, 0 before;
+	// computing it twice is harmless.
+	peers []atomic.Uint64
 
 	// ctxs[i] is device i's retained primary context, 0 until first use.
 	// Read without locking on every call; mu serialises retain/release.
@@ -567,6 +589,9 @@ func openLibrary(path string) (*Driver, error) {
 	if p, err := purego.Dlsym(lib, "cuGetProcAddress_v2"); err == nil {
 		api.getProcAddress = C.uintptr_t(p)
 	}
+	if p, err := purego.Dlsym(lib, "cuDeviceCanAccessPeer"); err == nil {
+		api.deviceCanAccessPeer = C.uintptr_t(p)
+	}
 	d.vmm = true
 	for _, s := range vmmSymbols {
 		p, err := purego.Dlsym(lib, s.name)
@@ -596,6 +621,7 @@ func openLibrary(path string) (*Driver, error) {
 	n := int(ret.a)
 	d.devs = make([]C.CUdevice, n)
 	d.ctxs = make([]atomic.Uintptr, n)
+	d.peers = make([]atomic.Uint64, n)
 	for i := range n {
 		ret := C.cp_device_get(api, C.int(i))
 		if err := check(ret.r); err != nil {
@@ -966,8 +992,36 @@ func (d *Driver) MemSetAccess(dev int, p cuda.Ptr, size uint64) error {
 	if err != nil {
 		return err
 	}
-	return check(C.cp_mem_set_access(d.api, c, C.int(dev), C.ulonglong(p), C.ulonglong(size)))
+	return check(C.cp_mem_set_access(d.api, c, C.int(dev), C.ulonglong(d.accessPeers(dev)), C.ulonglong(p), C.ulonglong(size)))
 }
+
+// accessPeers returns, as a bit mask of ordinals, the devices that can
+// access dev's memory as peers, found once per device. MemSetAccess grants
+// them access too: memory from cuMemCreate is reachable only from the
+// devices named in cuMemSetAccess, whatever cuCtxEnablePeerAccess says, and
+// PyTorch copies between GPUs with kernels that read the other GPU's memory
+// directly. (PyTorch's own expandable segments grant that access when it
+// enables peer access, a hook pluggable allocators do not get.)
+func (d *Driver) accessPeers(dev int) uint64 {
+	if m := d.peers[dev].Load(); m != 0 {
+		return m &^ peersKnown
+	}
+	var mask uint64
+	for i := range d.devs {
+		if i == dev || i >= 63 {
+			continue
+		}
+		if ret := C.cp_can_access_peer(d.api, d.devs[i], d.devs[dev]); ret.r == 0 && ret.a != 0 {
+			mask |= 1 << i
+		}
+	}
+	d.peers[dev].Store(mask | peersKnown)
+	return mask
+}
+
+// peersKnown marks a computed entry of Driver.peers (ordinals stay below 63:
+// devices beyond are not given peer access).
+const peersKnown = 1 << 63
 
 // MemUnmap unmaps [p, p+size) (cuMemUnmap).
 func (d *Driver) MemUnmap(dev int, p cuda.Ptr, size uint64) error {

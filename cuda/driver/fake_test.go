@@ -103,6 +103,7 @@ type fake struct {
 	liveReserves   func() int64
 	mappedBytes    func() int64
 	setAccessCalls func() int64
+	lastAccessN    func() int64
 }
 
 func openFake(t testing.TB) *fake {
@@ -134,6 +135,7 @@ func openFake(t testing.TB) *fake {
 		"fake_live_reservations": &f.liveReserves,
 		"fake_mapped_bytes":      &f.mappedBytes,
 		"fake_set_access_calls":  &f.setAccessCalls,
+		"fake_last_access_count": &f.lastAccessN,
 	} {
 		purego.RegisterLibFunc(fn, h, name)
 	}
@@ -495,6 +497,9 @@ func TestFakeVMM(t *testing.T) {
 	}
 	if err := f.MemSetAccess(1, base, 2*gran); err != nil {
 		t.Fatal(err)
+	}
+	if n := f.lastAccessN(); n != 2 {
+		t.Errorf("cuMemSetAccess got %d descriptors, want 2 (the device and its peer)", n)
 	}
 	if got := f.depth(); got != 0 {
 		t.Errorf("context stack depth %d after the calls, want 0", got)

@@ -233,7 +233,7 @@ typedef struct {
 } fake_prop; // CUmemAllocationProp, 32 bytes
 typedef struct { fake_location location; int flags; } fake_access; // CUmemAccessDesc
 
-static long live_handles, live_reservations, set_access_calls;
+static long live_handles, live_reservations, set_access_calls, last_access_count;
 static long long mapped_bytes;
 static unsigned long long next_handle, next_vaddr[NDEV];
 
@@ -305,13 +305,26 @@ CUresult cuMemUnmap(CUdeviceptr p, size_t size) {
 	__atomic_sub_fetch(&mapped_bytes, (long long)size, __ATOMIC_SEQ_CST);
 	return 0;
 }
+// Peers: every device can access every other (FAKECUDA_NO_PEERS=1: none).
+CUresult cuDeviceCanAccessPeer(int *can, int dev, int peer) {
+	if (dev < 0 || dev >= NDEV || peer < 0 || peer >= NDEV)
+		return 101;
+	*can = dev != peer && !env_int("FAKECUDA_NO_PEERS");
+	return 0;
+}
+// The first descriptor is the current device's; the others its peers'.
 CUresult cuMemSetAccess(CUdeviceptr p, size_t size, const fake_access *desc, size_t count) {
 	int d = cur_dev();
 	if (d < 0)
 		return 201;
-	if (sizeof(fake_access) != 12 || p % GRAN || size % GRAN || count != 1 ||
-	    desc->location.type != 1 || desc->location.id != d || desc->flags != 3)
+	if (sizeof(fake_access) != 12 || p % GRAN || size % GRAN || count < 1 || count > NDEV ||
+	    desc[0].location.id != d)
 		return 1;
+	for (size_t i = 0; i < count; i++)
+		if (desc[i].location.type != 1 || desc[i].location.id < 0 || desc[i].location.id >= NDEV ||
+		    desc[i].flags != 3 || (i > 0 && desc[i].location.id == d))
+			return 1;
+	last_access_count = (long)count;
 	__atomic_add_fetch(&set_access_calls, 1, __ATOMIC_SEQ_CST);
 	return 0;
 }
@@ -321,6 +334,7 @@ long fake_live_handles(void) { return live_handles; }
 long fake_live_reservations(void) { return live_reservations; }
 long long fake_mapped_bytes(void) { return mapped_bytes; }
 long fake_set_access_calls(void) { return set_access_calls; }
+long fake_last_access_count(void) { return last_access_count; }
 long fake_pushes(void) { return __atomic_load_n(&pushes, __ATOMIC_SEQ_CST); }
 long fake_retains(int dev) { return retains[dev]; }
 long fake_live_allocs(void) { return live_allocs; }
