@@ -39,6 +39,11 @@ build_c() {
 step build_c build_c
 [ -x build/gpu/test_gpu ] && step c_abi env KERNELS_PTX=build/gpu/kernels.ptx build/gpu/test_gpu
 step torch bash python/gpu/run_gpu_tests.sh
+# The PyTorch tests again with expandable segments (cudapool reads
+# PYTORCH_CUDA_ALLOC_CONF when CUDAPOOL_CONF is unset).
+if [ "${EXPANDABLE:-1}" = 1 ]; then
+    step torch_exp env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True bash python/gpu/run_gpu_tests.sh
+fi
 if [ "${RECORD_TRACE:-0}" = 1 ]; then
     step trace python3 bench/record_trace.py "$OUT/trace.txt" 3
 fi
