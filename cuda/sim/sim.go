@@ -195,6 +195,23 @@ func New(opts Options) *Driver {
 }
 
 // device returns device dev; mu must be held.
+// admitPhysical applies the rules every allocation of physical memory obeys
+// (MemAlloc, MemCreate): the calling thread's capture mode, injected
+// failures, then the capacity. d.mu is held.
+func (d *Driver) admitPhysical(tid int, dv *device, call string, size uint64) error {
+	if err := d.checkUnsafe(tid, call); err != nil {
+		return err
+	}
+	if dv.failAllocs > 0 {
+		dv.failAllocs--
+		return cuda.ErrOutOfMemory
+	}
+	if size > dv.free() {
+		return cuda.ErrOutOfMemory
+	}
+	return nil
+}
+
 func (d *Driver) device(dev int) (*device, error) {
 	if dev < 0 || dev >= len(d.devs) {
 		return nil, cuda.ErrInvalidDevice
@@ -337,15 +354,8 @@ func (d *Driver) MemAlloc(dev int, size uint64) (cuda.Ptr, error) {
 	if size == 0 {
 		return 0, cuda.ErrInvalidValue
 	}
-	if err := d.checkUnsafe(tid, fmt.Sprintf("MemAlloc(dev=%d, size=%d)", dev, size)); err != nil {
+	if err := d.admitPhysical(tid, dv, fmt.Sprintf("MemAlloc(dev=%d, size=%d)", dev, size), size); err != nil {
 		return 0, err
-	}
-	if dv.failAllocs > 0 {
-		dv.failAllocs--
-		return 0, cuda.ErrOutOfMemory
-	}
-	if size > dv.free() {
-		return 0, cuda.ErrOutOfMemory
 	}
 	// Only a huge capacity from Options could exhaust the address range. The
 	// first test bounds size, so rounding it up cannot overflow.

@@ -144,15 +144,8 @@ func (d *Driver) MemCreate(dev int, size uint64) (cuda.MemHandle, error) {
 	if !granular(size) {
 		return 0, cuda.ErrInvalidValue
 	}
-	if err := d.checkUnsafe(tid, fmt.Sprintf("MemCreate(dev=%d, size=%d)", dev, size)); err != nil {
+	if err := d.admitPhysical(tid, dv, fmt.Sprintf("MemCreate(dev=%d, size=%d)", dev, size), size); err != nil {
 		return 0, err
-	}
-	if dv.failAllocs > 0 {
-		dv.failAllocs--
-		return 0, cuda.ErrOutOfMemory
-	}
-	if size > dv.free() {
-		return 0, cuda.ErrOutOfMemory
 	}
 	d.lastHandle++
 	dv.vmm.handles[d.lastHandle] = &physical{size: size}
