@@ -75,9 +75,10 @@ type Allocator struct {
 
 // device is one GPU's allocator state.
 type device struct {
-	id       int
-	drv      Driver
-	underway *atomic.Int64 // the allocator's count of captures under way
+	id        int
+	drv       Driver
+	underway  *atomic.Int64 // the allocator's count of captures under way
+	announced *atomic.Bool  // the allocator's: captures are announced
 
 	mu     sync.Mutex
 	cache  *pools.Cache    // guarded by mu
@@ -117,7 +118,7 @@ func New(drv Driver, cfg Config) (*Allocator, error) {
 	a := &Allocator{drv: drv}
 	a.cfg.Store(&cfg)
 	for i := 0; i < n; i++ {
-		d := &device{id: i, drv: drv, underway: &a.underway, cache: pools.NewCache(cfg.Pools), ev: events.New(drv, i)}
+		d := &device{id: i, drv: drv, underway: &a.underway, announced: &a.announced, cache: pools.NewCache(cfg.Pools), ev: events.New(drv, i)}
 		d.trace.resize(cfg.HistoryEntries)
 		d.debug = cfg.DebugChecks
 		d.freeSeg = func(base cuda.Ptr, _ uint64) error { return drv.MemFree(d.id, base) }

@@ -32,10 +32,12 @@ func (d *device) countCaptures() {
 
 // malloc is the allocation algorithm (see the package comment). d.mu is held.
 func (d *device) malloc(size uint64, s cuda.Stream, capture uint64) (cuda.Ptr, error) {
-	capturing := d.capturing()
+	// capture != 0: the stream captures, though Route has not yet counted it.
+	capturing := capture != 0 || d.capturing()
 	if !capturing && !d.ev.Idle() {
 		if err := d.ev.Process(d.ret); err != nil {
-			return 0, driverError("malloc", err, "querying the events of pending frees on device %d", d.id)
+			// Not the malloc's failure: the blocks concerned stay queued.
+			d.warn(driverError("malloc", err, "querying the events of pending frees on device %d (the blocks concerned wait for new events)", d.id).Error())
 		}
 	}
 	small, large := d.cache.Small, d.cache.Large
@@ -179,7 +181,7 @@ func (d *device) free(b *pools.Block) error {
 		d.returnBlock(b)
 		return nil
 	}
-	if d.capturing() {
+	if d.capturing() || d.useCapturing(b) {
 		// No event may be recorded for later query during a capture.
 		d.ev.Defer(b)
 		return nil
@@ -190,6 +192,21 @@ func (d *device) free(b *pools.Block) error {
 		return driverError("free", err, "recording events for the streams that use %#x", uintptr(b.Ptr))
 	}
 	return nil
+}
+
+// useCapturing reports, when nobody announces captures, whether one of b's
+// use streams is capturing: an event recorded there could not be queried.
+func (d *device) useCapturing(b *pools.Block) bool {
+	if d.announced.Load() {
+		return false
+	}
+	capturing := false
+	b.Uses.Each(func(s cuda.Stream) {
+		if st, _, err := d.drv.StreamCaptureInfo(d.id, s); err == nil && st != cuda.CaptureNone {
+			capturing = true
+		}
+	})
+	return capturing
 }
 
 // returnBlock puts a block whose uses are over back in its pool.

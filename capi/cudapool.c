@@ -96,8 +96,9 @@ int cp_forked_child(void) {
  * library on any thread hands the queue to Go first (cudapool_torch_malloc
  * passes it along with the malloc, which performs those frees under the same
  * device lock). Every other entry point drains the queue before it does
- * anything, so statistics, snapshots and empty_cache never see a queued
- * free. A queued free of a block other streams use records its events when
+ * anything, so statistics, snapshots and empty_cache reflect every free
+ * queued before the call (except a batch another thread has just taken and
+ * is still performing). A queued free of a block other streams use records its events when
  * it is drained, a little later than at the free itself: that only delays
  * the block's reuse. The plain C cudapool_free is not queued: its errors
  * reach its caller. */

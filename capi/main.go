@@ -40,6 +40,10 @@
 package main
 
 /*
+// cp_take_frees copies into the caller's buffer and never calls Go: the
+// buffer may stay on the Go stack (no allocation per drain).
+#cgo noescape cp_take_frees
+#cgo nocallback cp_take_frees
 #include "capi.h"
 */
 import "C"

@@ -157,39 +157,62 @@ func (t *Tracker) insertDeferred() error {
 }
 
 // drain pops completed events from the front of each stream's queue.
+//
+// An event the driver cannot query (one recorded into a capture nobody
+// announced, or on a stream of another context) is dropped, and its stream
+// goes back into the block's uses, so that the block is deferred and a
+// fresh event is recorded for it: one bad event never blocks the queue, and
+// the block is still never returned early. The first such error is
+// returned after everything else was processed.
 func (t *Tracker) drain(complete func(cuda.Event) (bool, error), done func(*pools.Block)) error {
 	if t.pending == 0 {
 		return nil
 	}
+	var first error
 	for s, q := range t.queues {
 		for q.head < len(q.items) {
 			p := q.items[q.head]
 			ok, err := complete(p.ev)
-			if err != nil {
-				return err
-			}
-			if !ok {
+			if !ok && err == nil {
 				break
 			}
 			q.items[q.head] = pending{}
 			q.head++
 			t.pending--
-			t.spare = append(t.spare, p.ev)
+			if err != nil {
+				if first == nil {
+					first = err
+				}
+				if t.drv.EventDestroy(t.dev, p.ev) == nil {
+					t.created--
+				}
+				p.b.Uses.Add(s)
+			} else {
+				t.spare = append(t.spare, p.ev)
+			}
 			p.b.EventCount--
 			if p.b.EventCount == 0 {
 				if p.b.Uses.Empty() {
 					done(p.b)
 				} else {
-					// An earlier Insert could not cover every stream.
+					// Some stream still needs an event: record it anew.
 					t.Defer(p.b)
 				}
 			}
 		}
-		if q.head == len(q.items) {
-			delete(t.queues, s)
+		switch {
+		case q.head == len(q.items):
+			// Keep the emptied queue and its storage for the stream's next frees.
+			q.items, q.head = q.items[:0], 0
+		case q.head > len(q.items)/2:
+			// A stream that always has an event outstanding never empties
+			// its queue: compact it so that it does not grow without bound.
+			n := copy(q.items, q.items[q.head:])
+			clear(q.items[n:])
+			q.items, q.head = q.items[:n], 0
 		}
 	}
-	return nil
+	return first
 }
 
 // Each calls fn for every block waiting on events or deferred.

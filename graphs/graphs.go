@@ -129,8 +129,13 @@ func (r *Router) Underway(query func(cuda.Stream) (cuda.CaptureStatus, uint64, e
 	live := r.auto[:0]
 	for _, a := range r.auto {
 		st, id, err := query(a.stream)
-		// On error assume it still runs: freeing during a capture is worse
-		// than keeping memory a little longer.
+		// A stream that no longer exists (destroyed after its capture, the
+		// usual C pattern) is not capturing. On any other error assume it
+		// still runs: freeing during a capture is worse than keeping memory
+		// a little longer.
+		if streamGone(err) {
+			continue
+		}
 		if err != nil || (st != cuda.CaptureNone && id == a.id) {
 			live = append(live, a)
 		}
@@ -140,6 +145,11 @@ func (r *Router) Underway(query func(cuda.Stream) (cuda.CaptureStatus, uint64, e
 	}
 	r.auto = live
 	return len(r.auto) > 0
+}
+
+func streamGone(err error) bool {
+	return errors.Is(err, cuda.ErrInvalidHandle) || errors.Is(err, cuda.ErrInvalidContext) ||
+		errors.Is(err, cuda.ErrInvalidValue)
 }
 
 // Count is the number of captures the router believes under way.

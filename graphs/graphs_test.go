@@ -70,6 +70,10 @@ func TestUnderwayQueryErrorIsConservative(t *testing.T) {
 	var r graphs.Router
 	r.Route(7, 1, mk)
 	require.True(t, r.Underway(func(cuda.Stream) (cuda.CaptureStatus, uint64, error) {
+		return 0, 0, cuda.ErrUnknown
+	}), "an unexplained error: assume the capture still runs")
+	require.False(t, r.Underway(func(cuda.Stream) (cuda.CaptureStatus, uint64, error) {
 		return 0, 0, cuda.ErrInvalidHandle
-	}))
+	}), "the stream was destroyed: its capture is over")
+	require.Zero(t, r.Count())
 }

@@ -75,6 +75,37 @@ func (c *Cache) SetConfig(cfg Config) {
 	if cfg.MaxSplitSize != Unlimited {
 		c.Stats.MaxSplitSize = int64(cfg.MaxSplitSize)
 	}
+	// Blocks and segments are counted as oversize against the threshold in
+	// force; recount under the new one so that their frees balance.
+	allocs, segs := c.countOversize()
+	adjust(&c.Stats.OversizeAllocations, allocs)
+	adjust(&c.Stats.OversizeSegments, segs)
+}
+
+// countOversize counts the allocated blocks and the (ordinary) segments at
+// or above max_split_size.
+func (c *Cache) countOversize() (allocs, segs int64) {
+	max := c.cfg.MaxSplitSize
+	c.active.each(func(b *Block) {
+		if b.Size >= max {
+			allocs++
+		}
+	})
+	for _, s := range c.segments {
+		if !s.Expandable && s.Size >= max {
+			segs++
+		}
+	}
+	return allocs, segs
+}
+
+// adjust moves st's current value to want through an increase or decrease.
+func adjust(st *Stat, want int64) {
+	if d := want - st.Current; d > 0 {
+		st.Increase(d)
+	} else if d < 0 {
+		st.Decrease(-d)
+	}
 }
 
 // NewPool returns an empty block pool for a private pool.
@@ -580,6 +611,10 @@ func (c *Cache) Check() error {
 	}
 	if int(alloc[1]+alloc[2]) != c.active.n {
 		return fmt.Errorf("index holds %d blocks, %d allocated", c.active.n, alloc[1]+alloc[2])
+	}
+	if allocs, segs := c.countOversize(); allocs != c.Stats.OversizeAllocations.Current || segs != c.Stats.OversizeSegments.Current {
+		return fmt.Errorf("oversize stats %d allocations, %d segments; recount %d, %d",
+			c.Stats.OversizeAllocations.Current, c.Stats.OversizeSegments.Current, allocs, segs)
 	}
 	if reserved != c.Reserved {
 		return fmt.Errorf("reserved %d, segments sum to %d", c.Reserved, reserved)
