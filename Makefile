@@ -86,6 +86,8 @@ test-python: lib
 	@if [ -d python/tests ]; then \
 		cd python && python3 -m pytest -q tests; \
 	else echo "python/tests does not exist: skipped"; fi
+	$(call section,benchmark report generator tests)
+	python3 -m pytest -q bench/test_report.py
 
 # demo: replay a recorded allocation trace through the library, on the GPU
 # if there is one, else on the simulator. make demo TRACE=... REPEATS=...
