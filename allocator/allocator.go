@@ -200,16 +200,9 @@ func (a *Allocator) Malloc(dev int, size uint64, s cuda.Stream) (cuda.Ptr, error
 	if size > pools.MaxRequest {
 		return 0, newError("malloc", ErrInvalidSize, "%d bytes is more than any device has (limit 1 EiB)", size)
 	}
-	var capture uint64
-	if !a.announced.Load() {
-		// Nobody announces captures: ask the driver (outside the lock).
-		st, id, err := a.drv.StreamCaptureInfo(dev, s)
-		if err != nil {
-			return 0, driverError("malloc", err, "querying the capture status of stream %#x", uintptr(s))
-		}
-		if st != cuda.CaptureNone {
-			capture = id
-		}
+	capture, err := a.unannouncedCapture(dev, s)
+	if err != nil {
+		return 0, err
 	}
 	d.mu.Lock()
 	p, err := d.malloc(size, s, capture)
@@ -218,6 +211,23 @@ func (a *Allocator) Malloc(dev int, size uint64, s cuda.Stream) (cuda.Ptr, error
 	}
 	d.mu.Unlock()
 	return p, err
+}
+
+// unannouncedCapture returns the capture sequence s belongs to (0: none)
+// when nobody announces captures; then it asks the driver, outside any lock.
+// Once captures are announced it returns 0 without a driver call.
+func (a *Allocator) unannouncedCapture(dev int, s cuda.Stream) (uint64, error) {
+	if a.announced.Load() {
+		return 0, nil
+	}
+	st, id, err := a.drv.StreamCaptureInfo(dev, s)
+	if err != nil {
+		return 0, driverError("malloc", err, "querying the capture status of stream %#x", uintptr(s))
+	}
+	if st == cuda.CaptureNone {
+		return 0, nil
+	}
+	return id, nil
 }
 
 // Free returns the block at p. size, if not zero, must be the size that was
@@ -560,15 +570,9 @@ func (a *Allocator) MallocAfterFrees(dev int, size uint64, s cuda.Stream, frees 
 		p, err = a.Malloc(dev, size, s)
 		return p, err, freeErr
 	}
-	var capture uint64
-	if !a.announced.Load() {
-		st, id, qerr := a.drv.StreamCaptureInfo(dev, s)
-		if qerr != nil {
-			return 0, driverError("malloc", qerr, "querying the capture status of stream %#x", uintptr(s)), a.FreeMany(frees)
-		}
-		if st != cuda.CaptureNone {
-			capture = id
-		}
+	capture, err := a.unannouncedCapture(dev, s)
+	if err != nil {
+		return 0, err, a.FreeMany(frees)
 	}
 	others := 0
 	d.mu.Lock()
