@@ -33,6 +33,7 @@
 #define CUDAPOOL_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 #ifdef __cplusplus
 #include <functional>
@@ -124,6 +125,219 @@ int cudapool_configure(const char *conf);
 /* This thread's last failure message, or NULL if nothing has failed on this
  * thread. Valid until the thread's next failing cudapool call. */
 const char *cudapool_last_error(void);
+
+/* Clears this thread's last error, so that a call whose result does not
+ * say whether it failed can be checked with cudapool_last_error() after it. */
+void cudapool_clear_error(void);
+
+/* ---- PyTorch's CUDAAllocator interface ----
+ *
+ * What cudapool's C++ allocator class (python/cudapool/csrc) needs beyond
+ * malloc and free. Every function records a message on failure, as above.
+ * A "context" is an opaque non-zero id the caller chose for a captured
+ * stack (memory history); 0 means none. */
+
+/* cudapool_malloc, after performing the frees queued with
+ * cudapool_free_deferred / cudapool_torch_free (one call into the allocator
+ * for both), recording context as the allocation's context. */
+void *cudapool_malloc_ctx(size_t size, int device, cudapool_stream stream, unsigned long long context);
+
+/* Queues the free of ptr (size 0: unknown; device -1: unknown, found by
+ * cudapool), performed by the next call into the library; context is the
+ * free's context. Failures are reported on stderr. */
+void cudapool_free_deferred(void *ptr, size_t size, int device, unsigned long long context);
+
+/* Declares that every CUDA graph capture will be announced with
+ * begin_allocate_to_pool (PyTorch does), so malloc need not ask the driver
+ * whether its stream captures. */
+void cudapool_expect_announced_captures(void);
+
+/* Applies the keys of conf on top of the configuration in force (as
+ * torch.cuda.memory._set_allocator_settings does); 0 = ok, -1 = error
+ * (configuration unchanged). */
+int cudapool_configure_update(const char *conf);
+
+/* One statistic, and torch.cuda.memory_stats()'s values of one device;
+ * arrays are indexed all (0), small pool (1), large pool (2). */
+typedef struct {
+	long long current, peak, allocated, freed;
+} cudapool_stat;
+
+typedef struct {
+	cudapool_stat allocation[3], segment[3], active[3], inactive_split[3], allocated_bytes[3], reserved_bytes[3],
+	    active_bytes[3], inactive_split_bytes[3], requested_bytes[3];
+	long long num_alloc_retries, num_ooms;
+	cudapool_stat oversize_allocations, oversize_segments;
+	long long num_sync_all_streams, num_device_alloc, num_device_free, max_split_size;
+} cudapool_device_stats;
+
+/* 0 on success, -1 on failure. */
+int cudapool_get_device_stats(int device, cudapool_device_stats *out);
+
+/* The largest block cudapool could hand out on device without asking the
+ * driver, PyTorch's cacheInfo: *largest is raised to the largest cached free
+ * block; a *largest of 0 first becomes the device's free memory. */
+int cudapool_cache_info(int device, size_t *largest);
+
+/* The memory fraction in force on device (1 when none was set); -1 on
+ * failure. */
+double cudapool_get_memory_fraction(int device);
+
+/* Returns the cached, unused segments to the driver, as cudapool_empty_cache,
+ * recording context on the segment frees. */
+int cudapool_empty_cache_ctx(unsigned long long context);
+
+/* ---- Memory pools (torch.cuda.MemPool) ---- */
+
+/* Creates the private pool {a,b} on device with one holder, or adds one. */
+int cudapool_pool_create_or_incref(int device, unsigned long long a, unsigned long long b);
+/* The pool's holders (0 for a pool that does not exist); -1 on failure. */
+int cudapool_pool_use_count(int device, unsigned long long a, unsigned long long b);
+/* Blocks of the pool are never split (each allocation its own segment). */
+int cudapool_pool_set_no_split(int device, unsigned long long a, unsigned long long b);
+/* The pool serves allocations that would otherwise fail out of memory. */
+int cudapool_pool_set_use_on_oom(int device, unsigned long long a, unsigned long long b, int use);
+/* Returns the pool's cached, unused segments (device -1: on every device). */
+int cudapool_empty_pool(int device, unsigned long long a, unsigned long long b);
+
+/* A pool's segment source (torch.cuda.MemPool(allocator=...)): called with an
+ * allocator lock held, in relaxed capture mode; they must not call cudapool.
+ * alloc returns NULL when out of memory; free returns 0 on success. */
+typedef void *(*cudapool_segment_alloc_fn)(void *ctx, size_t size, int device, cudapool_stream stream);
+typedef int (*cudapool_segment_free_fn)(void *ctx, void *ptr, size_t size, int device);
+int cudapool_pool_set_source(int device, unsigned long long a, unsigned long long b, cudapool_segment_alloc_fn alloc,
+                             cudapool_segment_free_fn free_fn, void *ctx);
+
+/* ---- Private-pool checkpoints (torch.compile's CUDA graph trees) ---- */
+
+/* Records the block layout of pool {a,b}; returns a checkpoint id, 0 on
+ * failure. Release it with cudapool_checkpoint_release. */
+unsigned long long cudapool_checkpoint_pool(int device, unsigned long long a, unsigned long long b);
+void cudapool_checkpoint_release(unsigned long long checkpoint);
+
+typedef struct {
+	size_t nfreed;
+	void **freed; /* blocks the restore freed */
+	size_t nallocated;
+	void **allocated; /* blocks allocated after the restore: the checkpoint's */
+} cudapool_restore_result;
+
+/* Restores the checkpoint's pool to its layout: every block allocated in the
+ * pool now is freed, and the checkpoint's allocated blocks are allocated
+ * again at their addresses. Fills *out (release with
+ * cudapool_restore_result_free); 0 on success, -1 on failure. */
+int cudapool_checkpoint_restore(int device, unsigned long long checkpoint, cudapool_restore_result *out);
+void cudapool_restore_result_free(cudapool_restore_result *r);
+
+/* 1 if the blocks allocated in pool {a,b} are exactly expected[0..n), 0 if
+ * not, -1 on failure. */
+int cudapool_pool_check_live(int device, unsigned long long a, unsigned long long b, void *const *expected, size_t n);
+
+/* ---- Memory history ---- */
+
+/* Which operations the caller should gather a context for (bits). */
+#define CUDAPOOL_GATHER_ALLOC 1u
+#define CUDAPOOL_GATHER_FREE 2u
+#define CUDAPOOL_GATHER_RELEASE 4u
+unsigned cudapool_gather_mask(void);
+
+/* PyTorch's recordHistory: when is RecordContext (0 never, 1 state, 2 alloc,
+ * 3 all); skip_actions is a comma-separated list of trace actions not to
+ * record ("" or NULL: none). 0 on success, -1 on failure. */
+int cudapool_record_history(int enabled, size_t max_entries, int when, int clear, const char *skip_actions);
+int cudapool_history_enabled(void);
+/* Writes up to cap context ids still referenced; returns how many exist. */
+size_t cudapool_live_contexts(unsigned long long *out, size_t cap);
+void cudapool_set_user_metadata(const char *metadata);
+/* The user metadata; free with cudapool_string_free. */
+char *cudapool_get_user_metadata(void);
+void cudapool_push_compile_context(const char *context);
+void cudapool_pop_compile_context(void);
+int cudapool_record_annotation(int device, const char *const *keys, const char *const *values, size_t n);
+
+/* ---- Snapshots with PyTorch's structure ---- */
+
+typedef struct {
+	size_t size, requested_size;
+	int gc_counter, allocated, active;
+	unsigned long long context;
+} cudapool_block_info;
+
+typedef struct {
+	int device, is_large, is_expandable;
+	size_t address, total_size, requested_size, allocated_size, active_size;
+	uintptr_t stream;
+	unsigned long long pool_a, pool_b, context;
+	size_t first_block, nblocks; /* its blocks in cudapool_snapshot.blocks */
+} cudapool_segment_info;
+
+/* action: PyTorch's TraceEntry::Action (0 alloc, 1 free_requested,
+ * 2 free_completed, 3 segment_alloc, 4 segment_free, 5 segment_map,
+ * 6 segment_unmap, 7 snapshot, 8 oom; for oom, addr is the device's free
+ * memory). */
+typedef struct {
+	int action, device;
+	size_t addr, size;
+	uintptr_t stream;
+	unsigned long long pool_a, pool_b, context;
+	long long time_us;
+	const char *compile_context, *user_metadata;
+} cudapool_trace_entry;
+
+typedef struct {
+	int device;
+	long long time_us;
+	size_t n;
+	const char *const *keys, *const *values;
+} cudapool_annotation;
+
+typedef struct {
+	double garbage_collection_threshold;
+	size_t max_split_size;
+	int expandable_segments, release_lock_on_malloc;
+	const char *settings;
+	size_t nroundup;
+	const size_t *roundup_power2_divisions;
+} cudapool_config_info;
+
+typedef struct {
+	size_t nsegments;
+	cudapool_segment_info *segments;
+	size_t nblocks;
+	cudapool_block_info *blocks;
+	size_t ndevices, ntraces;
+	cudapool_trace_entry *traces; /* every device's, oldest first per device */
+	size_t nannotations;
+	cudapool_annotation *annotations;
+	cudapool_config_info config;
+} cudapool_snapshot;
+
+/* The segments of every pool (by_pool 0) or of pool {a,b}, and the traces if
+ * include_traces. NULL on failure. Free with cudapool_snapshot_free. */
+cudapool_snapshot *cudapool_snapshot_take(int by_pool, unsigned long long a, unsigned long long b, int include_traces);
+void cudapool_snapshot_free(cudapool_snapshot *s);
+
+/* ---- Out of memory and CUDA IPC ---- */
+
+typedef struct {
+	int device;
+	size_t size;         /* the request, rounded */
+	size_t device_total; /* the device's memory, or the memory fraction's limit */
+	size_t device_free;
+} cudapool_oom_info;
+
+/* This thread's last out-of-memory failure: 0 and *out filled, or -1. */
+int cudapool_last_oom(cudapool_oom_info *out);
+
+/* The CUDA IPC handle (cudaIpcMemHandle_t, 64 bytes) of the segment holding
+ * the allocation ptr, and ptr's offset in it; 0 or -1 (memory in expandable
+ * segments cannot be shared). */
+int cudapool_ipc_handle(void *ptr, unsigned char handle[64], size_t *offset, int *device);
+/* Opens another process's handle on device; one handle opened twice maps
+ * once. NULL on failure. */
+void *cudapool_ipc_open(int device, const unsigned char handle[64]);
+/* Drops one cudapool_ipc_open of ptr; the last closes the mapping. */
+int cudapool_ipc_close(void *ptr);
 
 /* ---- Simulator controls (CUDAPOOL_BACKEND=sim only; otherwise they fail
  * with an error and return -1 or do nothing). ---- */
