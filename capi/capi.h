@@ -22,7 +22,8 @@ extern "C" {
 typedef struct {
 	uintptr_t ptr;
 	size_t size;
-	int device;
+	int device; /* -1: unknown, found by the allocator */
+	unsigned long long ctx; /* the free's context (memory history), 0: none */
 } cp_pending_free;
 
 /* The queue's capacity: the most frees one call hands to Go. */
@@ -33,6 +34,14 @@ extern volatile int cp_freeq_n;
 
 /* Moves up to cap queued frees to out and returns how many. */
 size_t cp_take_frees(cp_pending_free *out, size_t cap);
+
+/* Which operations need a context (CUDAPOOL_GATHER_*), written by Go when
+ * history settings change, read by cudapool_gather_mask without a Go call. */
+extern volatile unsigned cp_gather_mask;
+
+/* This thread's last out-of-memory failure (cudapool_last_oom), written by
+ * Go through cp_set_oom on the failing thread. */
+void cp_set_oom(int device, size_t size, size_t device_total, size_t device_free);
 
 /* ---- Go exports (exports.go), called by the C and C++ wrappers. Pointers
  * and streams cross as uintptr_t. ---- */
@@ -61,6 +70,43 @@ extern int cpgo_sim_end_capture(uintptr_t stream);
 extern void cpgo_sim_submit(uintptr_t stream);
 extern void cpgo_sim_complete_all(void);
 extern long long cpgo_sim_violations(void);
+
+/* ---- Go exports for PyTorch's CUDAAllocator interface (torchabi.go). ---- */
+extern uintptr_t cpgo_malloc_ctx(size_t size, int device, uintptr_t stream, unsigned long long ctx,
+                                 cp_pending_free *frees, size_t nfrees);
+extern void cpgo_expect_announced(void);
+extern int cpgo_configure_update(char *conf);
+extern int cpgo_get_device_stats(int device, void *out);
+extern int cpgo_cache_info(int device, size_t *largest);
+extern double cpgo_get_memory_fraction(int device);
+extern int cpgo_empty_cache_ctx(unsigned long long ctx);
+extern int cpgo_pool_create_or_incref(int device, unsigned long long a, unsigned long long b);
+extern int cpgo_pool_use_count(int device, unsigned long long a, unsigned long long b);
+extern int cpgo_pool_set_no_split(int device, unsigned long long a, unsigned long long b);
+extern int cpgo_pool_set_use_on_oom(int device, unsigned long long a, unsigned long long b, int use);
+extern int cpgo_empty_pool(int device, unsigned long long a, unsigned long long b);
+extern int cpgo_pool_set_source(int device, unsigned long long a, unsigned long long b, uintptr_t alloc,
+                                uintptr_t free_fn, uintptr_t ctx);
+extern unsigned long long cpgo_checkpoint_pool(int device, unsigned long long a, unsigned long long b);
+extern void cpgo_checkpoint_release(unsigned long long cp);
+extern int cpgo_checkpoint_restore(int device, unsigned long long cp, void *out);
+extern int cpgo_pool_check_live(int device, unsigned long long a, unsigned long long b, void *expected, size_t n);
+extern int cpgo_record_history(int enabled, size_t max_entries, int when, int clear, char *skip);
+extern int cpgo_history_enabled(void);
+extern size_t cpgo_live_contexts(unsigned long long *out, size_t cap);
+extern void cpgo_set_user_metadata(char *md);
+extern char *cpgo_get_user_metadata(void);
+extern void cpgo_push_compile_context(char *c);
+extern void cpgo_pop_compile_context(void);
+extern int cpgo_record_annotation(int device, void *keys, void *values, size_t n);
+extern void *cpgo_snapshot_take(int by_pool, unsigned long long a, unsigned long long b, int traces);
+extern int cpgo_ipc_handle(uintptr_t ptr, unsigned char *handle, size_t *offset, int *device);
+extern uintptr_t cpgo_ipc_open(int device, unsigned char *handle);
+extern int cpgo_ipc_close(uintptr_t ptr);
+
+/* Segment sources of MemPools (cudapool.c): call the C function pointers. */
+uintptr_t cp_call_segment_alloc(uintptr_t fn, uintptr_t ctx, size_t size, int device, uintptr_t stream);
+int cp_call_segment_free(uintptr_t fn, uintptr_t ctx, uintptr_t ptr, size_t size, int device);
 
 /* ---- C helpers (cudapool.c). ---- */
 

@@ -64,7 +64,14 @@ void cp_set_error(const char *msg, size_t len) {
 	buf[len] = 0;
 }
 
-const char *cudapool_last_error(void) { return cp_error; }
+const char *cudapool_last_error(void) { return (cp_error != NULL && cp_error[0] != 0) ? cp_error : NULL; }
+
+void cudapool_clear_error(void) {
+	if (cp_error != NULL && cp_error != cp_error_nomem)
+		cp_error[0] = 0;
+	else if (cp_error == cp_error_nomem)
+		cp_error = NULL;
+}
 
 /* ---- fork ---- */
 
@@ -125,23 +132,28 @@ size_t cp_take_frees(cp_pending_free *out, size_t cap) {
 	return n;
 }
 
-void cudapool_torch_free(void *ptr, size_t size, int device, cudapool_stream stream) {
-	(void)stream;
+void cudapool_free_deferred(void *ptr, size_t size, int device, unsigned long long context) {
 	if (cp_forked_child() || ptr == NULL)
 		return;
+	cp_pending_free f = {(uintptr_t)ptr, size, device, context};
 	freeq_lock();
 	if (cp_freeq_n < CP_FREEQ_CAP) {
-		cp_freeq[cp_freeq_n++] = (cp_pending_free){(uintptr_t)ptr, size, device};
+		cp_freeq[cp_freeq_n++] = f;
 		freeq_unlock();
 		return;
 	}
 	/* Full: hand the queue and this free to Go now. */
 	cp_pending_free batch[CP_FREEQ_CAP + 1];
 	memcpy(batch, cp_freeq, sizeof cp_freeq);
-	batch[CP_FREEQ_CAP] = (cp_pending_free){(uintptr_t)ptr, size, device};
+	batch[CP_FREEQ_CAP] = f;
 	cp_freeq_n = 0;
 	freeq_unlock();
 	cpgo_free_batch(batch, CP_FREEQ_CAP + 1);
+}
+
+void cudapool_torch_free(void *ptr, size_t size, int device, cudapool_stream stream) {
+	(void)stream;
+	cudapool_free_deferred(ptr, size, device, 0);
 }
 
 /* ---- stream filters ---- */
@@ -274,4 +286,142 @@ long long cudapool_sim_violations(void) {
 	if (cp_forked_child())
 		return -1;
 	return cpgo_sim_violations();
+}
+
+/* ---- PyTorch's CUDAAllocator interface (the C++ class in python/cudapool/csrc) ---- */
+
+volatile unsigned cp_gather_mask;
+
+unsigned cudapool_gather_mask(void) { return cp_gather_mask; }
+
+static __thread cudapool_oom_info cp_oom;
+static __thread int cp_oom_set;
+
+void cp_set_oom(int device, size_t size, size_t device_total, size_t device_free) {
+	cp_oom = (cudapool_oom_info){device, size, device_total, device_free};
+	cp_oom_set = 1;
+}
+
+int cudapool_last_oom(cudapool_oom_info *out) {
+	if (!cp_oom_set || out == NULL)
+		return -1;
+	*out = cp_oom;
+	return 0;
+}
+
+void *cudapool_malloc_ctx(size_t size, int device, cudapool_stream stream, unsigned long long context) {
+	if (cp_forked_child())
+		return NULL;
+	cp_pending_free frees[CP_FREEQ_CAP];
+	size_t n = cp_freeq_n != 0 ? cp_take_frees(frees, CP_FREEQ_CAP) : 0;
+	return (void *)cpgo_malloc_ctx(size, device, (uintptr_t)stream, context, frees, n);
+}
+
+#define CP_FORWARD(ret, fail, name, params, args) \
+	ret name params {                          \
+		if (cp_forked_child())             \
+			return fail;               \
+		return cpgo_##args;                \
+	}
+#define CP_FORWARD_VOID(name, params, args) \
+	void name params {                   \
+		if (cp_forked_child())       \
+			return;              \
+		cpgo_##args;                 \
+	}
+
+CP_FORWARD_VOID(cudapool_expect_announced_captures, (void), expect_announced())
+CP_FORWARD(int, -1, cudapool_configure_update, (const char *conf), configure_update((char *)conf))
+CP_FORWARD(int, -1, cudapool_get_device_stats, (int device, cudapool_device_stats *out),
+           get_device_stats(device, out))
+CP_FORWARD(int, -1, cudapool_cache_info, (int device, size_t *largest), cache_info(device, largest))
+CP_FORWARD(double, -1, cudapool_get_memory_fraction, (int device), get_memory_fraction(device))
+CP_FORWARD(int, -1, cudapool_empty_cache_ctx, (unsigned long long context), empty_cache_ctx(context))
+CP_FORWARD(int, -1, cudapool_pool_create_or_incref, (int device, unsigned long long a, unsigned long long b),
+           pool_create_or_incref(device, a, b))
+CP_FORWARD(int, -1, cudapool_pool_use_count, (int device, unsigned long long a, unsigned long long b),
+           pool_use_count(device, a, b))
+CP_FORWARD(int, -1, cudapool_pool_set_no_split, (int device, unsigned long long a, unsigned long long b),
+           pool_set_no_split(device, a, b))
+CP_FORWARD(int, -1, cudapool_pool_set_use_on_oom,
+           (int device, unsigned long long a, unsigned long long b, int use), pool_set_use_on_oom(device, a, b, use))
+CP_FORWARD(int, -1, cudapool_empty_pool, (int device, unsigned long long a, unsigned long long b),
+           empty_pool(device, a, b))
+CP_FORWARD(int, -1, cudapool_pool_set_source,
+           (int device, unsigned long long a, unsigned long long b, cudapool_segment_alloc_fn alloc,
+            cudapool_segment_free_fn free_fn, void *ctx),
+           pool_set_source(device, a, b, (uintptr_t)alloc, (uintptr_t)free_fn, (uintptr_t)ctx))
+CP_FORWARD(unsigned long long, 0, cudapool_checkpoint_pool, (int device, unsigned long long a, unsigned long long b),
+           checkpoint_pool(device, a, b))
+CP_FORWARD_VOID(cudapool_checkpoint_release, (unsigned long long checkpoint), checkpoint_release(checkpoint))
+CP_FORWARD(int, -1, cudapool_checkpoint_restore,
+           (int device, unsigned long long checkpoint, cudapool_restore_result *out),
+           checkpoint_restore(device, checkpoint, out))
+CP_FORWARD(int, -1, cudapool_pool_check_live,
+           (int device, unsigned long long a, unsigned long long b, void *const *expected, size_t n),
+           pool_check_live(device, a, b, (void *)expected, n))
+CP_FORWARD(int, -1, cudapool_record_history,
+           (int enabled, size_t max_entries, int when, int clear, const char *skip_actions),
+           record_history(enabled, max_entries, when, clear, (char *)skip_actions))
+CP_FORWARD(int, 0, cudapool_history_enabled, (void), history_enabled())
+CP_FORWARD(size_t, 0, cudapool_live_contexts, (unsigned long long *out, size_t cap), live_contexts(out, cap))
+CP_FORWARD_VOID(cudapool_set_user_metadata, (const char *md), set_user_metadata((char *)md))
+CP_FORWARD(char *, NULL, cudapool_get_user_metadata, (void), get_user_metadata())
+CP_FORWARD_VOID(cudapool_push_compile_context, (const char *c), push_compile_context((char *)c))
+CP_FORWARD_VOID(cudapool_pop_compile_context, (void), pop_compile_context())
+CP_FORWARD(int, -1, cudapool_record_annotation,
+           (int device, const char *const *keys, const char *const *values, size_t n),
+           record_annotation(device, (void *)keys, (void *)values, n))
+CP_FORWARD(cudapool_snapshot *, NULL, cudapool_snapshot_take, (int by_pool, unsigned long long a, unsigned long long b,
+           int include_traces), snapshot_take(by_pool, a, b, include_traces))
+CP_FORWARD(int, -1, cudapool_ipc_handle, (void *ptr, unsigned char handle[64], size_t *offset, int *device),
+           ipc_handle((uintptr_t)ptr, handle, offset, device))
+void *cudapool_ipc_open(int device, const unsigned char handle[64]) {
+	if (cp_forked_child())
+		return NULL;
+	return (void *)cpgo_ipc_open(device, (unsigned char *)handle);
+}
+CP_FORWARD(int, -1, cudapool_ipc_close, (void *ptr), ipc_close((uintptr_t)ptr))
+
+/* Pure C: frees what cudapool_checkpoint_restore and cudapool_snapshot_take
+ * allocated with malloc. */
+void cudapool_restore_result_free(cudapool_restore_result *r) {
+	if (r == NULL)
+		return;
+	free(r->freed);
+	free(r->allocated);
+	r->freed = r->allocated = NULL;
+	r->nfreed = r->nallocated = 0;
+}
+
+void cudapool_snapshot_free(cudapool_snapshot *s) {
+	if (s == NULL)
+		return;
+	for (size_t i = 0; i < s->ntraces; i++) {
+		free((void *)s->traces[i].compile_context);
+		free((void *)s->traces[i].user_metadata);
+	}
+	for (size_t i = 0; i < s->nannotations; i++) {
+		for (size_t k = 0; k < s->annotations[i].n; k++) {
+			free((void *)s->annotations[i].keys[k]);
+			free((void *)s->annotations[i].values[k]);
+		}
+		free((void *)s->annotations[i].keys);
+		free((void *)s->annotations[i].values);
+	}
+	free(s->segments);
+	free(s->blocks);
+	free(s->traces);
+	free(s->annotations);
+	free((void *)s->config.settings);
+	free((void *)s->config.roundup_power2_divisions);
+	free(s);
+}
+
+uintptr_t cp_call_segment_alloc(uintptr_t fn, uintptr_t ctx, size_t size, int device, uintptr_t stream) {
+	return (uintptr_t)((cudapool_segment_alloc_fn)fn)((void *)ctx, size, device, (cudapool_stream)stream);
+}
+
+int cp_call_segment_free(uintptr_t fn, uintptr_t ctx, uintptr_t ptr, size_t size, int device) {
+	return ((cudapool_segment_free_fn)fn)((void *)ctx, (void *)ptr, size, device);
 }

@@ -15,6 +15,7 @@ through $CUDAPOOL_LIBRARY).
 import os
 import shutil
 import subprocess
+import sys
 
 from setuptools import setup
 from setuptools.command.build_py import build_py
@@ -82,16 +83,54 @@ def provide_library(dest):
     )
 
 
+def provide_torch_class(pkg_dir, lib_path):
+    """Build the C++ allocator class against the torch importable here, if
+    any (pip's build isolation usually hides it: then install() builds it on
+    first use). Returns a line saying what happened."""
+    try:
+        import torch  # noqa: F401
+    except Exception as e:
+        return f"C++ allocator class not prebuilt (torch is not importable at build time: {e}); built on first install()"
+    # The build directory's copy of the package, with the library just put in.
+    sys.path.insert(0, os.path.dirname(pkg_dir))
+    try:
+        from cudapool import _ext  # the copy in the build directory
+        import torch
+
+        name = "cudapool_torch_prebuilt.so"
+        _ext.build(out=os.path.join(pkg_dir, "_lib", name), library=lib_path, rpath="$ORIGIN")
+        with open(os.path.join(pkg_dir, "_lib", "torch_ext.txt"), "w") as f:
+            f.write(f"{torch.__version__} {name}\n")
+        return f"C++ allocator class prebuilt for torch {torch.__version__}"
+    except Exception as e:
+        return f"C++ allocator class not prebuilt ({e}); built on first install()"
+    finally:
+        sys.path.pop(0)
+        for m in [m for m in sys.modules if m == "cudapool" or m.startswith("cudapool.")]:
+            del sys.modules[m]
+
+
 class BuildPyWithLibrary(build_py):
     def run(self):
         super().run()
         if self.dry_run:
             return
-        dest_dir = os.path.join(self.build_lib, "cudapool", "_lib")
+        pkg_dir = os.path.join(self.build_lib, "cudapool")
+        dest_dir = os.path.join(pkg_dir, "_lib")
         os.makedirs(dest_dir, exist_ok=True)
         how = provide_library(os.path.join(dest_dir, LIB))
         self.announce(f"cudapool: {how}", level=2)
         print(f"cudapool: {how}")
+        # The C++ allocator class's source and the C ABI header it includes.
+        csrc = os.path.join(pkg_dir, "csrc")
+        os.makedirs(csrc, exist_ok=True)
+        _copy(os.path.join(HERE, "cudapool", "csrc", "torch_allocator.cpp"), os.path.join(csrc, "torch_allocator.cpp"))
+        header = os.path.join(REPO, "include", "cudapool.h")
+        if os.path.isfile(header):
+            _copy(header, os.path.join(csrc, "cudapool.h"))
+        if os.path.isfile(os.path.join(dest_dir, LIB)):
+            how = provide_torch_class(pkg_dir, os.path.join(dest_dir, LIB))
+            print(f"cudapool: {how}")
 
 
 class BinaryDistribution(Distribution):

@@ -22,13 +22,14 @@ import sys
 from . import _lib
 from ._lib import CudapoolError, OutOfMemoryError
 from ._summary import format_summary
-from ._torch import allocator, install, installed
+from ._torch import allocator, install, installed, mode
 
 __all__ = [
     "CudapoolError",
     "OutOfMemoryError",
     "install",
     "installed",
+    "mode",
     "allocator",
     "library_path",
     "configure",

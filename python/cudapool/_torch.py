@@ -1,10 +1,11 @@
 """PyTorch integration: install() (whole-process mode), allocator()
 (per-pool mode) and the routing of torch.cuda's statistics to cudapool."""
 
+import os
 import sys
 import threading
 
-from . import _lib
+from . import _ext, _lib
 from ._lib import CudapoolError
 
 # PyTorch hook setter -> exported symbol. The four torch_* entry points are
@@ -21,7 +22,8 @@ _HOOKS = (
 )
 
 _lock = threading.RLock()
-_installed = None  # the CUDAPluggableAllocator made current by install()
+_installed = None  # the allocator object made current by install()
+_mode = None  # "class" or "pluggable" once installed
 _per_pool = None  # the one allocator() hands out
 _originals = {}  # (module, name) -> the torch function we replaced
 
@@ -46,18 +48,41 @@ def installed():
     return _installed is not None
 
 
-def install(patch_torch=True):
+def mode():
+    """How cudapool is PyTorch's allocator: "class" (the C++ allocator class,
+    full fidelity), "pluggable" (torch's CUDAPluggableAllocator with hooks),
+    or None (not installed)."""
+    return _mode
+
+
+_FALLBACK_LOST = (
+    "torch.compile(mode='reduce-overhead') runs with CUDA graph trees off, and cuDNN benchmark mode "
+    "(cacheInfo), CUDA IPC, MemPool(), torch._C memory statistics and memory history with stacks are "
+    "unavailable"
+)
+
+
+def install(patch_torch=True, cpp_class=None):
     """Make cudapool the CUDA allocator of this process.
 
     Must run before CUDA is initialized (before the first CUDA tensor).
-    Idempotent. With patch_torch (the default), torch.cuda.memory_stats,
-    memory_allocated, max_memory_allocated, memory_reserved,
-    max_memory_reserved, reset_peak_memory_stats, memory_summary,
-    memory._snapshot (and a few siblings) report cudapool's state, since
-    PyTorch refuses them for pluggable allocators. Returns the
-    CUDAPluggableAllocator.
+    Idempotent. Returns the allocator object PyTorch holds.
+
+    cpp_class: None (default) uses cudapool's C++ allocator class
+    (csrc/torch_allocator.cpp, built against this torch on first use and
+    cached), through which every torch.cuda and torch._C memory function
+    reaches cudapool; if it cannot be built here it falls back to PyTorch's
+    CUDAPluggableAllocator with cudapool's hooks, saying once on stderr what
+    is then unavailable and why. True requires the class (CudapoolError if
+    unavailable); False forces the fallback. $CUDAPOOL_TORCH_EXT=0 also
+    forces it.
+
+    With patch_torch (the default), in the fallback only, torch.cuda's
+    statistics functions (memory_stats, memory_allocated, ...,
+    memory._snapshot) are pointed at cudapool, since PyTorch refuses them
+    for pluggable allocators.
     """
-    global _installed
+    global _installed, _mode
     with _lock:
         torch = _import_torch("cudapool.install()")
         if _installed is None:
@@ -68,22 +93,55 @@ def install(patch_torch=True):
                     "Call cudapool.install() at the very start of the program, or run it "
                     "with `python -m cudapool script.py`."
                 )
-            path = _lib.library_path()
-            try:
-                alloc = torch.cuda.memory.CUDAPluggableAllocator(path, "cudapool_torch_malloc", "cudapool_torch_free")
-            except (AttributeError, RuntimeError, OSError) as e:
-                raise CudapoolError(f"cudapool.install(): cannot create a CUDAPluggableAllocator from {path}: {e}") from e
-            hooks = alloc._allocator
-            for setter, symbol in _HOOKS:
-                getattr(hooks, setter)(_lib.address(symbol))
-            try:
-                torch.cuda.memory.change_current_allocator(alloc)
-            except RuntimeError as e:
-                raise CudapoolError(f"cudapool.install(): PyTorch refused the allocator: {e}") from e
-            _installed = alloc
-        if patch_torch:
+            if cpp_class is not False:
+                try:
+                    _ext.install(fast=os.environ.get("CUDAPOOL_TORCH_EXT_FAST", "1") != "0")
+                    _installed = torch.cuda.memory._get_current_allocator()
+                    _mode = "class"
+                except _ext.ExtensionUnavailable as e:
+                    if cpp_class:
+                        raise CudapoolError(f"cudapool.install(cpp_class=True): the C++ allocator class is unavailable: {e}") from e
+                    _fallback_note(torch, str(e))
+            if _installed is None:
+                _installed = _install_pluggable(torch)
+                _mode = "pluggable"
+        if patch_torch and _mode == "pluggable":
             _patch_torch(torch)
         return _installed
+
+
+def _fallback_note(torch, why):
+    """Say once why the C++ class is not used, and turn CUDA graph trees off
+    (they need graph-pool checkpoints, which only the class provides)."""
+    try:
+        import torch._inductor.config as inductor_config
+
+        inductor_config.triton.cudagraph_trees = False
+    except Exception:  # no inductor in this torch: nothing to turn off
+        pass
+    sys.stderr.write(
+        "cudapool: using PyTorch's CUDAPluggableAllocator path: the C++ allocator class is unavailable ("
+        + why.replace("\n", " ").strip()
+        + "); "
+        + _FALLBACK_LOST
+        + ".\n"
+    )
+
+
+def _install_pluggable(torch):
+    path = _lib.library_path()
+    try:
+        alloc = torch.cuda.memory.CUDAPluggableAllocator(path, "cudapool_torch_malloc", "cudapool_torch_free")
+    except (AttributeError, RuntimeError, OSError) as e:
+        raise CudapoolError(f"cudapool.install(): cannot create a CUDAPluggableAllocator from {path}: {e}") from e
+    hooks = alloc._allocator
+    for setter, symbol in _HOOKS:
+        getattr(hooks, setter)(_lib.address(symbol))
+    try:
+        torch.cuda.memory.change_current_allocator(alloc)
+    except RuntimeError as e:
+        raise CudapoolError(f"cudapool.install(): PyTorch refused the allocator: {e}") from e
+    return alloc
 
 
 def allocator():

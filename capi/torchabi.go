@@ -1,0 +1,721 @@
+package main
+
+// Exports for PyTorch's CUDAAllocator interface, called by the C wrappers in
+// cudapool.c on behalf of cudapool's C++ allocator class
+// (python/cudapool/csrc/torch_allocator.cpp). As in exports.go, each one
+// recovers panics, records failures for the calling thread and converts
+// types; the allocator package holds every rule.
+
+/*
+#include <stdlib.h>
+#include <string.h>
+#include "capi.h"
+#include "cudapool.h"
+*/
+import "C"
+
+import (
+	"errors"
+	"strings"
+	"sync"
+	"unsafe"
+
+	"github.com/cudapool/cudapool/allocator"
+	"github.com/cudapool/cudapool/cuda"
+	"github.com/cudapool/cudapool/pools"
+)
+
+//export cpgo_malloc_ctx
+func cpgo_malloc_ctx(size C.size_t, dev C.int, stream C.uintptr_t, ctx C.ulonglong, frees *C.cp_pending_free, nfrees C.size_t) C.uintptr_t {
+	defer guard("malloc")
+	st := load()
+	if st.err != nil {
+		setError(st.err.Error())
+		return 0
+	}
+	var buf [C.CP_FREEQ_CAP]allocator.PendingFree
+	p, err, ferr := st.a.MallocAfterFrees(int(dev), uint64(size), cuda.Stream(stream), uint64(ctx),
+		convertFrees(buf[:0], unsafe.Slice(frees, int(nfrees))))
+	reportFreeError(ferr)
+	if err != nil {
+		failMalloc(err)
+		return 0
+	}
+	return C.uintptr_t(p)
+}
+
+// failMalloc records a failed malloc, and for out of memory the numbers
+// PyTorch's out-of-memory observers receive.
+func failMalloc(err error) {
+	if oom := allocator.OOMInfoOf(err); oom != nil {
+		C.cp_set_oom(C.int(oom.Device), C.size_t(oom.Size), C.size_t(oom.Total), C.size_t(oom.Free))
+	}
+	fail(err)
+}
+
+//export cpgo_expect_announced
+func cpgo_expect_announced() {
+	defer guard("expect_announced_captures")
+	if a := ready(); a != nil {
+		a.ExpectAnnouncements()
+		torchAnnounced.Store(true)
+	}
+}
+
+//export cpgo_configure_update
+func cpgo_configure_update(conf *C.char) (rc C.int) {
+	rc = -1
+	defer guard("configure")
+	if conf == nil {
+		failf("cudapool: configure: the configuration string is NULL")
+		return -1
+	}
+	a := ready()
+	if a == nil {
+		return -1
+	}
+	cfg, warnings, err := allocator.ParseConfigOnto(a.Config(), C.GoString(conf))
+	reportWarnings(warnings)
+	if err != nil {
+		fail(err)
+		return -1
+	}
+	a.Configure(cfg)
+	return 0
+}
+
+func statC(s pools.Stat) C.cudapool_stat {
+	return C.cudapool_stat{current: C.longlong(s.Current), peak: C.longlong(s.Peak), allocated: C.longlong(s.Allocated), freed: C.longlong(s.Freed)}
+}
+
+func statArrayC(dst *[3]C.cudapool_stat, src *pools.StatArray) {
+	for i := range src {
+		dst[i] = statC(src[i])
+	}
+}
+
+//export cpgo_get_device_stats
+func cpgo_get_device_stats(dev C.int, out unsafe.Pointer) (rc C.int) {
+	rc = -1
+	defer guard("memory_stats")
+	if out == nil {
+		failf("cudapool: memory_stats: the output pointer is NULL")
+		return -1
+	}
+	a := ready()
+	if a == nil {
+		return -1
+	}
+	st, err := a.Stats(int(dev))
+	if err != nil {
+		fail(err)
+		return -1
+	}
+	o := (*C.cudapool_device_stats)(out)
+	statArrayC(&o.allocation, &st.Allocation)
+	statArrayC(&o.segment, &st.Segment)
+	statArrayC(&o.active, &st.Active)
+	statArrayC(&o.inactive_split, &st.InactiveSplit)
+	statArrayC(&o.allocated_bytes, &st.AllocatedBytes)
+	statArrayC(&o.reserved_bytes, &st.ReservedBytes)
+	statArrayC(&o.active_bytes, &st.ActiveBytes)
+	statArrayC(&o.inactive_split_bytes, &st.InactiveSplitBytes)
+	statArrayC(&o.requested_bytes, &st.RequestedBytes)
+	o.num_alloc_retries = C.longlong(st.NumAllocRetries)
+	o.num_ooms = C.longlong(st.NumOOMs)
+	o.oversize_allocations = statC(st.OversizeAllocations)
+	o.oversize_segments = statC(st.OversizeSegments)
+	o.num_sync_all_streams = C.longlong(st.NumSyncAllStreams)
+	o.num_device_alloc = C.longlong(st.NumDeviceAlloc)
+	o.num_device_free = C.longlong(st.NumDeviceFree)
+	o.max_split_size = C.longlong(st.MaxSplitSize)
+	return 0
+}
+
+//export cpgo_cache_info
+func cpgo_cache_info(dev C.int, largest *C.size_t) (rc C.int) {
+	rc = -1
+	defer guard("cache_info")
+	if largest == nil {
+		failf("cudapool: cache_info: the size pointer is NULL")
+		return -1
+	}
+	a := ready()
+	if a == nil {
+		return -1
+	}
+	n, err := a.CacheInfo(int(dev), uint64(*largest))
+	if err != nil {
+		fail(err)
+		return -1
+	}
+	*largest = C.size_t(n)
+	return 0
+}
+
+//export cpgo_get_memory_fraction
+func cpgo_get_memory_fraction(dev C.int) (f C.double) {
+	f = -1
+	defer guard("get_memory_fraction")
+	a := ready()
+	if a == nil {
+		return -1
+	}
+	v, err := a.MemoryFraction(int(dev))
+	if err != nil {
+		fail(err)
+		return -1
+	}
+	return C.double(v)
+}
+
+//export cpgo_empty_cache_ctx
+func cpgo_empty_cache_ctx(ctx C.ulonglong) (rc C.int) {
+	rc = -1
+	defer guard("empty_cache")
+	a := ready()
+	if a == nil {
+		return -1
+	}
+	if err := a.EmptyCacheCtx(uint64(ctx)); err != nil {
+		fail(err)
+		return -1
+	}
+	return 0
+}
+
+// result records err and converts it to the C convention (0 / -1).
+func result(err error) C.int {
+	if err != nil {
+		fail(err)
+		return -1
+	}
+	return 0
+}
+
+//export cpgo_pool_create_or_incref
+func cpgo_pool_create_or_incref(dev C.int, a, b C.ulonglong) (rc C.int) {
+	rc = -1
+	defer guard("create_or_incref_pool")
+	al := ready()
+	if al == nil {
+		return -1
+	}
+	k := key(dev, a, b)
+	return result(al.CreateOrIncrefPool(k.dev, k.id))
+}
+
+//export cpgo_pool_use_count
+func cpgo_pool_use_count(dev C.int, a, b C.ulonglong) (rc C.int) {
+	rc = -1
+	defer guard("get_pool_use_count")
+	al := ready()
+	if al == nil {
+		return -1
+	}
+	k := key(dev, a, b)
+	n, err := al.PoolUseCount(k.dev, k.id)
+	if err != nil {
+		fail(err)
+		return -1
+	}
+	return C.int(n)
+}
+
+//export cpgo_pool_set_no_split
+func cpgo_pool_set_no_split(dev C.int, a, b C.ulonglong) (rc C.int) {
+	rc = -1
+	defer guard("set_no_split")
+	al := ready()
+	if al == nil {
+		return -1
+	}
+	k := key(dev, a, b)
+	return result(al.SetPoolNoSplit(k.dev, k.id))
+}
+
+//export cpgo_pool_set_use_on_oom
+func cpgo_pool_set_use_on_oom(dev C.int, a, b C.ulonglong, use C.int) (rc C.int) {
+	rc = -1
+	defer guard("set_use_on_oom")
+	al := ready()
+	if al == nil {
+		return -1
+	}
+	k := key(dev, a, b)
+	return result(al.SetPoolUseOnOOM(k.dev, k.id, use != 0))
+}
+
+//export cpgo_empty_pool
+func cpgo_empty_pool(dev C.int, a, b C.ulonglong) (rc C.int) {
+	rc = -1
+	defer guard("empty_cache")
+	al := ready()
+	if al == nil {
+		return -1
+	}
+	id := allocator.PoolID{A: uint64(a), B: uint64(b)}
+	if dev >= 0 {
+		return result(al.EmptyPool(int(dev), id))
+	}
+	for d := 0; d < al.DeviceCount(); d++ {
+		if err := al.EmptyPool(d, id); err != nil && !errors.Is(err, allocator.ErrUnknownPool) {
+			return result(err)
+		}
+	}
+	return 0
+}
+
+// cSource is a MemPool's segment source given as C function pointers.
+type cSource struct{ alloc, free, ctx C.uintptr_t }
+
+func (s cSource) Alloc(dev int, size uint64, st cuda.Stream) (cuda.Ptr, error) {
+	p := C.cp_call_segment_alloc(s.alloc, s.ctx, C.size_t(size), C.int(dev), C.uintptr_t(st))
+	if p == 0 {
+		return 0, cuda.ErrOutOfMemory
+	}
+	return cuda.Ptr(p), nil
+}
+
+func (s cSource) Free(dev int, p cuda.Ptr, size uint64) error {
+	if C.cp_call_segment_free(s.free, s.ctx, C.uintptr_t(p), C.size_t(size), C.int(dev)) != 0 {
+		return errSourceFree
+	}
+	return nil
+}
+
+var errSourceFree = sourceError("the MemPool's allocator failed to free a segment")
+
+type sourceError string
+
+func (e sourceError) Error() string { return string(e) }
+
+//export cpgo_pool_set_source
+func cpgo_pool_set_source(dev C.int, a, b C.ulonglong, alloc, free, ctx C.uintptr_t) (rc C.int) {
+	rc = -1
+	defer guard("create_or_incref_pool")
+	if alloc == 0 || free == 0 {
+		failf("cudapool: pool_set_source: the alloc and free functions must not be NULL")
+		return -1
+	}
+	al := ready()
+	if al == nil {
+		return -1
+	}
+	k := key(dev, a, b)
+	return result(al.SetPoolSource(k.dev, k.id, cSource{alloc, free, ctx}))
+}
+
+// checkpoints maps the ids handed to C to the allocator's checkpoints.
+var checkpoints struct {
+	mu   sync.Mutex
+	next uint64
+	m    map[uint64]*allocator.Checkpoint
+}
+
+//export cpgo_checkpoint_pool
+func cpgo_checkpoint_pool(dev C.int, a, b C.ulonglong) (id C.ulonglong) {
+	defer guard("get_checkpoint_state")
+	al := ready()
+	if al == nil {
+		return 0
+	}
+	k := key(dev, a, b)
+	cp, err := al.CheckpointPool(k.dev, k.id)
+	if err != nil {
+		fail(err)
+		return 0
+	}
+	checkpoints.mu.Lock()
+	defer checkpoints.mu.Unlock()
+	if checkpoints.m == nil {
+		checkpoints.m = make(map[uint64]*allocator.Checkpoint)
+	}
+	checkpoints.next++
+	checkpoints.m[checkpoints.next] = cp
+	return C.ulonglong(checkpoints.next)
+}
+
+//export cpgo_checkpoint_release
+func cpgo_checkpoint_release(id C.ulonglong) {
+	defer guard("checkpoint_release")
+	checkpoints.mu.Lock()
+	cp := checkpoints.m[uint64(id)]
+	delete(checkpoints.m, uint64(id))
+	checkpoints.mu.Unlock()
+	if cp != nil {
+		if a := ready(); a != nil {
+			a.ReleaseCheckpoint(cp)
+		}
+	}
+}
+
+// cArray copies ptrs into a malloc'd array (NULL when empty).
+func cArray(ptrs []cuda.Ptr) *unsafe.Pointer {
+	if len(ptrs) == 0 {
+		return nil
+	}
+	arr := (*unsafe.Pointer)(C.malloc(C.size_t(len(ptrs)) * C.size_t(unsafe.Sizeof(uintptr(0)))))
+	s := unsafe.Slice((*uintptr)(unsafe.Pointer(arr)), len(ptrs))
+	for i, p := range ptrs {
+		s[i] = uintptr(p)
+	}
+	return arr
+}
+
+//export cpgo_checkpoint_restore
+func cpgo_checkpoint_restore(dev C.int, id C.ulonglong, out unsafe.Pointer) (rc C.int) {
+	rc = -1
+	defer guard("set_checkpoint_pool_state")
+	if out == nil {
+		failf("cudapool: set_checkpoint_pool_state: the result pointer is NULL")
+		return -1
+	}
+	al := ready()
+	if al == nil {
+		return -1
+	}
+	checkpoints.mu.Lock()
+	cp := checkpoints.m[uint64(id)]
+	checkpoints.mu.Unlock()
+	if cp == nil {
+		failf("cudapool: set_checkpoint_pool_state: checkpoint %d does not exist (released?)", uint64(id))
+		return -1
+	}
+	res, err := al.RestoreCheckpoint(int(dev), cp)
+	if err != nil {
+		fail(err)
+		return -1
+	}
+	o := (*C.cudapool_restore_result)(out)
+	o.nfreed, o.freed = C.size_t(len(res.Freed)), cArray(res.Freed)
+	o.nallocated, o.allocated = C.size_t(len(res.Allocated)), cArray(res.Allocated)
+	return 0
+}
+
+//export cpgo_pool_check_live
+func cpgo_pool_check_live(dev C.int, a, b C.ulonglong, expected unsafe.Pointer, n C.size_t) (rc C.int) {
+	rc = -1
+	defer guard("check_pool_live_allocations")
+	if expected == nil && n > 0 {
+		failf("cudapool: check_pool_live_allocations: the array is NULL")
+		return -1
+	}
+	al := ready()
+	if al == nil {
+		return -1
+	}
+	ptrs := make([]cuda.Ptr, int(n))
+	if n > 0 {
+		for i, p := range unsafe.Slice((*uintptr)(expected), int(n)) {
+			ptrs[i] = cuda.Ptr(p)
+		}
+	}
+	k := key(dev, a, b)
+	ok, err := al.CheckPoolLive(k.dev, k.id, ptrs)
+	if err != nil {
+		fail(err)
+		return -1
+	}
+	if ok {
+		return 1
+	}
+	return 0
+}
+
+//export cpgo_record_history
+func cpgo_record_history(enabled C.int, max C.size_t, when C.int, clear C.int, skip *C.char) (rc C.int) {
+	rc = -1
+	defer guard("record_history")
+	a := ready()
+	if a == nil {
+		return -1
+	}
+	var actions []string
+	if skip != nil {
+		for _, s := range strings.Split(C.GoString(skip), ",") {
+			if s = strings.TrimSpace(s); s != "" {
+				actions = append(actions, s)
+			}
+		}
+	}
+	const maxEntries = 1 << 30 // an "unlimited" request from Python is sys.maxsize
+	n := uint64(max)
+	if n > maxEntries {
+		n = maxEntries
+	}
+	err := a.RecordHistory(allocator.HistoryOptions{Enabled: enabled != 0, MaxEntries: int(n),
+		When: allocator.HistoryLevel(when), Clear: clear != 0, SkipActions: actions})
+	C.cp_gather_mask = C.uint(a.GatherMask())
+	return result(err)
+}
+
+//export cpgo_history_enabled
+func cpgo_history_enabled() C.int {
+	defer guard("is_history_enabled")
+	if a := ready(); a != nil && a.HistoryEnabled() {
+		return 1
+	}
+	return 0
+}
+
+//export cpgo_live_contexts
+func cpgo_live_contexts(out *C.ulonglong, cap C.size_t) C.size_t {
+	defer guard("live_contexts")
+	a := ready()
+	if a == nil {
+		return 0
+	}
+	ids := a.LiveContexts(nil)
+	checkpoints.mu.Lock()
+	for _, cp := range checkpoints.m {
+		ids = cp.AppendContexts(ids)
+	}
+	checkpoints.mu.Unlock()
+	if out != nil {
+		dst := unsafe.Slice(out, int(cap))
+		for i := 0; i < len(ids) && i < len(dst); i++ {
+			dst[i] = C.ulonglong(ids[i])
+		}
+	}
+	return C.size_t(len(ids))
+}
+
+//export cpgo_set_user_metadata
+func cpgo_set_user_metadata(md *C.char) {
+	defer guard("set_user_metadata")
+	if a := ready(); a != nil {
+		s := ""
+		if md != nil {
+			s = C.GoString(md)
+		}
+		a.SetUserMetadata(s)
+	}
+}
+
+//export cpgo_get_user_metadata
+func cpgo_get_user_metadata() *C.char {
+	defer guard("get_user_metadata")
+	if a := ready(); a != nil {
+		return C.CString(a.UserMetadata())
+	}
+	return nil
+}
+
+//export cpgo_push_compile_context
+func cpgo_push_compile_context(c *C.char) {
+	defer guard("push_compile_context")
+	if a := ready(); a != nil && c != nil {
+		a.PushCompileContext(C.GoString(c))
+	}
+}
+
+//export cpgo_pop_compile_context
+func cpgo_pop_compile_context() {
+	defer guard("pop_compile_context")
+	if a := ready(); a != nil {
+		a.PopCompileContext()
+	}
+}
+
+//export cpgo_record_annotation
+func cpgo_record_annotation(dev C.int, keys, values unsafe.Pointer, n C.size_t) (rc C.int) {
+	rc = -1
+	defer guard("record_annotation")
+	if n > 0 && (keys == nil || values == nil) {
+		failf("cudapool: record_annotation: the key or value array is NULL")
+		return -1
+	}
+	a := ready()
+	if a == nil {
+		return -1
+	}
+	kv := make([][2]string, int(n))
+	if n > 0 {
+		ks := unsafe.Slice((**C.char)(keys), int(n))
+		vs := unsafe.Slice((**C.char)(values), int(n))
+		for i := range kv {
+			kv[i] = [2]string{C.GoString(ks[i]), C.GoString(vs[i])}
+		}
+	}
+	return result(a.RecordAnnotation(int(dev), kv))
+}
+
+// traceActions numbers the trace actions as PyTorch's TraceEntry::Action.
+var traceActions = map[string]C.int{
+	"alloc": 0, "free_requested": 1, "free_completed": 2, "segment_alloc": 3, "segment_free": 4,
+	"segment_map": 5, "segment_unmap": 6, "snapshot": 7, "oom": 8,
+}
+
+// cmalloc allocates n elements of T with C.malloc, zeroed.
+func cmalloc[T any](n int) *T {
+	if n == 0 {
+		return nil
+	}
+	var zero T
+	return (*T)(C.calloc(C.size_t(n), C.size_t(unsafe.Sizeof(zero))))
+}
+
+func cstr(s string) *C.char {
+	if s == "" {
+		return nil
+	}
+	return C.CString(s)
+}
+
+//export cpgo_snapshot_take
+func cpgo_snapshot_take(byPool C.int, a, b C.ulonglong, traces C.int) unsafe.Pointer {
+	defer guard("snapshot")
+	al := ready()
+	if al == nil {
+		return nil
+	}
+	var pool *allocator.PoolID
+	if byPool != 0 {
+		pool = &allocator.PoolID{A: uint64(a), B: uint64(b)}
+	}
+	snap := al.SnapshotOf(pool, traces != 0)
+	out := cmalloc[C.cudapool_snapshot](1)
+
+	nblocks := 0
+	for _, s := range snap.Segments {
+		nblocks += len(s.Blocks)
+	}
+	out.nsegments = C.size_t(len(snap.Segments))
+	out.segments = cmalloc[C.cudapool_segment_info](len(snap.Segments))
+	out.nblocks = C.size_t(nblocks)
+	out.blocks = cmalloc[C.cudapool_block_info](nblocks)
+	segs := unsafe.Slice(out.segments, len(snap.Segments))
+	blocks := unsafe.Slice(out.blocks, nblocks)
+	bi := 0
+	for i, s := range snap.Segments {
+		g := &segs[i]
+		g.device, g.is_expandable = C.int(s.Device), cbool(s.IsExpandable)
+		g.is_large = cbool(s.SegmentType == "large")
+		g.address, g.total_size, g.requested_size = C.size_t(s.Address), C.size_t(s.TotalSize), C.size_t(s.RequestedSize)
+		g.allocated_size, g.active_size = C.size_t(s.AllocatedSize), C.size_t(s.ActiveSize)
+		g.stream = C.uintptr_t(s.Stream)
+		g.pool_a, g.pool_b, g.context = C.ulonglong(s.SegmentPoolID[0]), C.ulonglong(s.SegmentPoolID[1]), C.ulonglong(s.Context)
+		g.first_block, g.nblocks = C.size_t(bi), C.size_t(len(s.Blocks))
+		for _, blk := range s.Blocks {
+			blocks[bi] = C.cudapool_block_info{size: C.size_t(blk.Size), requested_size: C.size_t(blk.RequestedSize),
+				allocated: cbool(blk.Allocated), active: cbool(blk.Active), context: C.ulonglong(blk.Context)}
+			bi++
+		}
+	}
+
+	out.ndevices = C.size_t(len(snap.DeviceTraces))
+	ntraces := 0
+	for _, t := range snap.DeviceTraces {
+		ntraces += len(t)
+	}
+	out.ntraces = C.size_t(ntraces)
+	out.traces = cmalloc[C.cudapool_trace_entry](ntraces)
+	tr := unsafe.Slice(out.traces, ntraces)
+	ti := 0
+	for dev, entries := range snap.DeviceTraces {
+		for _, e := range entries {
+			t := &tr[ti]
+			ti++
+			t.action, t.device = traceActions[e.Action], C.int(dev)
+			t.addr, t.size, t.stream = C.size_t(e.Addr), C.size_t(e.Size), C.uintptr_t(e.Stream)
+			if e.DeviceFree != nil {
+				t.addr = C.size_t(*e.DeviceFree) // PyTorch keeps the free memory of an oom in addr
+			}
+			t.pool_a, t.pool_b, t.context = C.ulonglong(e.PoolID[0]), C.ulonglong(e.PoolID[1]), C.ulonglong(e.Context)
+			t.time_us = C.longlong(e.TimeUS)
+			t.compile_context, t.user_metadata = cstr(e.CompileContext), cstr(e.UserMetadata)
+		}
+	}
+
+	out.nannotations = C.size_t(len(snap.ExternalAnnotations))
+	out.annotations = cmalloc[C.cudapool_annotation](len(snap.ExternalAnnotations))
+	ann := unsafe.Slice(out.annotations, len(snap.ExternalAnnotations))
+	for i, e := range snap.ExternalAnnotations {
+		ann[i].device, ann[i].time_us, ann[i].n = C.int(e.Device), C.longlong(e.TimeUS), C.size_t(len(e.Metadata))
+		keys := cmalloc[*C.char](len(e.Metadata))
+		vals := cmalloc[*C.char](len(e.Metadata))
+		ks, vs := unsafe.Slice(keys, len(e.Metadata)), unsafe.Slice(vals, len(e.Metadata))
+		for k, kv := range e.Metadata {
+			ks[k], vs[k] = C.CString(kv[0]), C.CString(kv[1])
+		}
+		ann[i].keys, ann[i].values = keys, vals
+	}
+
+	cfg := al.Config()
+	c := &out.config
+	c.garbage_collection_threshold = C.double(cfg.Pools.GCThreshold)
+	c.max_split_size = C.size_t(cfg.Pools.MaxSplitSize)
+	c.expandable_segments = cbool(cfg.ExpandableSegments)
+	c.release_lock_on_malloc = cbool(cfg.ReleaseLockOnMalloc)
+	c.settings = C.CString(cfg.String())
+	divs := cfg.Pools.RoundupDivisions
+	arr := cmalloc[C.size_t](len(divs))
+	dst := unsafe.Slice(arr, len(divs))
+	for i := range dst {
+		dst[i] = C.size_t(divs[i])
+	}
+	c.nroundup, c.roundup_power2_divisions = C.size_t(len(divs)), arr
+	return unsafe.Pointer(out)
+}
+
+func cbool(b bool) C.int {
+	if b {
+		return 1
+	}
+	return 0
+}
+
+//export cpgo_ipc_handle
+func cpgo_ipc_handle(p C.uintptr_t, handle *C.uchar, offset *C.size_t, dev *C.int) (rc C.int) {
+	rc = -1
+	defer guard("share_ipc_handle")
+	if handle == nil || offset == nil || dev == nil {
+		failf("cudapool: ipc_handle: an output pointer is NULL")
+		return -1
+	}
+	a := ready()
+	if a == nil {
+		return -1
+	}
+	h, off, d, err := a.IpcHandle(cuda.Ptr(p))
+	if err != nil {
+		fail(err)
+		return -1
+	}
+	copy(unsafe.Slice((*byte)(unsafe.Pointer(handle)), len(h)), h[:])
+	*offset, *dev = C.size_t(off), C.int(d)
+	return 0
+}
+
+//export cpgo_ipc_open
+func cpgo_ipc_open(dev C.int, handle *C.uchar) C.uintptr_t {
+	defer guard("get_ipc_dev_ptr")
+	if handle == nil {
+		failf("cudapool: ipc_open: the handle is NULL")
+		return 0
+	}
+	a := ready()
+	if a == nil {
+		return 0
+	}
+	var h cuda.IpcHandle
+	copy(h[:], unsafe.Slice((*byte)(unsafe.Pointer(handle)), len(h)))
+	p, err := a.IpcOpen(int(dev), h)
+	if err != nil {
+		fail(err)
+		return 0
+	}
+	return C.uintptr_t(p)
+}
+
+//export cpgo_ipc_close
+func cpgo_ipc_close(p C.uintptr_t) (rc C.int) {
+	rc = -1
+	defer guard("ipc_close")
+	a := ready()
+	if a == nil {
+		return -1
+	}
+	return result(a.IpcClose(cuda.Ptr(p)))
+}
