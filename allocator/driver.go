@@ -70,3 +70,23 @@ type vmmDriver interface {
 	// MemUnmap unmaps a range that mappings cover exactly.
 	MemUnmap(dev int, p cuda.Ptr, size uint64) error
 }
+
+// ipcDriver is implemented by drivers with CUDA IPC of memory (cuda/driver,
+// where the driver has it, and cuda/sim), which lets another process map
+// memory from MemAlloc; see ipc.go. None of the calls is stream-ordered, and
+// none disturbs a capture under way (tried on the driver with a global-mode
+// capture and the calling thread in global mode), so they need no
+// capture-mode switching.
+type ipcDriver interface {
+	// IpcGetMemHandle returns the IPC handle of the MemAlloc allocation
+	// holding p. Memory of other kinds (VMM-mapped, or itself opened from
+	// another process) fails with cuda.ErrInvalidValue.
+	IpcGetMemHandle(dev int, p cuda.Ptr) (cuda.IpcHandle, error)
+	// IpcOpenMemHandle maps the memory h names into dev's primary context.
+	// The driver counts references: a handle already open returns the same
+	// address.
+	IpcOpenMemHandle(dev int, h cuda.IpcHandle) (cuda.Ptr, error)
+	// IpcCloseMemHandle drops one reference to a mapping IpcOpenMemHandle
+	// returned on dev; the last one unmaps it.
+	IpcCloseMemHandle(dev int, p cuda.Ptr) error
+}

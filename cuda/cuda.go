@@ -22,6 +22,12 @@ type Ptr uintptr
 // (CUmemGenericAllocationHandle). Zero is never a valid handle.
 type MemHandle uint64
 
+// IpcHandle is a CUDA IPC memory handle (CUipcMemHandle, the same 64 bytes
+// as a cudaIpcMemHandle_t): it names an allocation made with cuMemAlloc so
+// that another process can map it (cuIpcOpenMemHandle). Its bytes are opaque
+// and may be sent to another process as they are.
+type IpcHandle [64]byte
+
 // CaptureStatus mirrors CUstreamCaptureStatus.
 type CaptureStatus int
 

@@ -1,8 +1,10 @@
 //go:build linux && cgo
 
 // Package driver is cudapool's real CUDA backend: it implements
-// allocator.Driver (and events.Driver) over the CUDA driver API, plus
-// DeviceProcesses through NVML for out-of-memory reports.
+// allocator.Driver (and events.Driver) over the CUDA driver API, with the
+// allocator's optional virtual memory management and CUDA IPC calls where
+// the driver has them, plus DeviceProcesses through NVML for out-of-memory
+// reports.
 //
 // Design:
 //
@@ -82,6 +84,10 @@ typedef struct {
 	uintptr_t memUnmap;
 	uintptr_t memSetAccess;
 	uintptr_t deviceCanAccessPeer; // optional
+	// CUDA IPC of memory; all 0 when the driver lacks any of them.
+	uintptr_t ipcGetMemHandle;
+	uintptr_t ipcOpenMemHandle; // cuIpcOpenMemHandle_v2, else cuIpcOpenMemHandle
+	uintptr_t ipcCloseMemHandle;
 } cp_api;
 
 // A result and up to two values, returned by value (no Go allocation).
@@ -447,6 +453,55 @@ static cp_ret cp_can_access_peer(const cp_api *a, CUdevice d, CUdevice peer) {
 	return ret;
 }
 
+// ---- CUDA IPC of memory ----
+//
+// CUipcMemHandle is { char reserved[64]; } (CU_IPC_HANDLE_SIZE), returned
+// through a pointer by cuIpcGetMemHandle and passed by value to
+// cuIpcOpenMemHandle (on the stack in the x86-64 and AArch64 ABIs; declaring
+// the struct lets the compiler get that right). It crosses the cgo boundary
+// by value too, so no Go memory is handed to C.
+typedef struct {
+	unsigned char reserved[64];
+} cp_ipc_handle;
+_Static_assert(sizeof(cp_ipc_handle) == 64, "CUipcMemHandle is 64 bytes");
+
+typedef struct {
+	CUresult r;
+	cp_ipc_handle h;
+} cp_ipc_ret;
+
+static cp_ipc_ret cp_ipc_get_mem_handle(const cp_api *a, uintptr_t ctx, unsigned long long p) {
+	cp_ipc_ret ret = {0};
+	int pushed;
+	ret.r = cp_enter(a, ctx, &pushed);
+	if (ret.r == 0)
+		ret.r = ((CUresult (*)(cp_ipc_handle *, CUdeviceptr))a->ipcGetMemHandle)(&ret.h, (CUdeviceptr)p);
+	ret.r = cp_leave(a, pushed, ret.r);
+	return ret;
+}
+
+// Opens h in the current (primary) context with
+// CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS (1), the only flag, which
+// cuIpcOpenMemHandle_v2 requires (0 is CUDA_ERROR_INVALID_VALUE).
+static cp_ret cp_ipc_open_mem_handle(const cp_api *a, uintptr_t ctx, cp_ipc_handle h) {
+	CUdeviceptr p = 0;
+	int pushed;
+	cp_ret ret = {cp_enter(a, ctx, &pushed), 0, 0};
+	if (ret.r == 0)
+		ret.r = ((CUresult (*)(CUdeviceptr *, cp_ipc_handle, unsigned int))a->ipcOpenMemHandle)(&p, h, 1);
+	ret.r = cp_leave(a, pushed, ret.r);
+	ret.a = p;
+	return ret;
+}
+
+static CUresult cp_ipc_close_mem_handle(const cp_api *a, uintptr_t ctx, unsigned long long p) {
+	int pushed;
+	CUresult r = cp_enter(a, ctx, &pushed);
+	if (r == 0)
+		r = ((CUresult (*)(CUdeviceptr))a->ipcCloseMemHandle)((CUdeviceptr)p);
+	return cp_leave(a, pushed, r);
+}
+
 // cuThreadExchangeStreamCaptureMode works on the calling thread's mode and
 // needs no context.
 static cp_ret cp_exchange_capture_mode(const cp_api *a, int mode) {
@@ -500,6 +555,9 @@ type Driver struct {
 	// vmm reports whether every virtual memory management entry point
 	// (vmmSymbols) was found.
 	vmm bool
+	// ipcOpen names the cuIpcOpenMemHandle entry point in use
+	// ("cuIpcOpenMemHandle_v2"), "" when the driver lacks CUDA IPC.
+	ipcOpen string
 	// peers[i] is accessPeers(i) | peersKnown once computed, 0 before;
 	// computing it twice is harmless.
 	peers []atomic.Uint64
@@ -592,6 +650,7 @@ func openLibrary(path string) (*Driver, error) {
 	if p, err := purego.Dlsym(lib, "cuDeviceCanAccessPeer"); err == nil {
 		api.deviceCanAccessPeer = C.uintptr_t(p)
 	}
+	d.resolveIPC()
 	d.vmm = true
 	for _, s := range vmmSymbols {
 		p, err := purego.Dlsym(lib, s.name)
@@ -631,6 +690,28 @@ func openLibrary(path string) (*Driver, error) {
 	}
 	ok = true
 	return d, nil
+}
+
+// resolveIPC finds the CUDA IPC entry points: cuIpcGetMemHandle,
+// cuIpcCloseMemHandle and cuIpcOpenMemHandle_v2 (the name cuda.h has mapped
+// cuIpcOpenMemHandle to since CUDA 11), else the original
+// cuIpcOpenMemHandle. Without all three the IPC methods return
+// ErrNotSupported.
+func (d *Driver) resolveIPC() {
+	get, err1 := purego.Dlsym(d.lib, "cuIpcGetMemHandle")
+	closeFn, err2 := purego.Dlsym(d.lib, "cuIpcCloseMemHandle")
+	if err1 != nil || err2 != nil || get == 0 || closeFn == 0 {
+		return
+	}
+	for _, name := range []string{"cuIpcOpenMemHandle_v2", "cuIpcOpenMemHandle"} {
+		if p, err := purego.Dlsym(d.lib, name); err == nil && p != 0 {
+			d.api.ipcGetMemHandle = C.uintptr_t(get)
+			d.api.ipcOpenMemHandle = C.uintptr_t(p)
+			d.api.ipcCloseMemHandle = C.uintptr_t(closeFn)
+			d.ipcOpen = name
+			return
+		}
+	}
 }
 
 // dlopen wraps purego.Dlopen on a locked thread: dlerror's message is per
@@ -1030,6 +1111,76 @@ func (d *Driver) MemUnmap(dev int, p cuda.Ptr, size uint64) error {
 		return err
 	}
 	return check(C.cp_mem_unmap(d.api, c, C.ulonglong(p), C.ulonglong(size)))
+}
+
+// CUDA IPC of memory, which lets another process map memory from cuMemAlloc
+// (PyTorch's torch.multiprocessing sends CUDA tensors this way). Each call
+// runs in dev's primary context, the one PyTorch's runtime uses, so a
+// mapping opened here is the one a runtime cudaIpcOpenMemHandle would find.
+// None of them is stream-ordered, and on the driver tried (580, CUDA 13)
+// none of them disturbs a stream capture under way, whatever the thread's
+// capture mode.
+
+// IpcEntryPoint names the cuIpcOpenMemHandle variant in use
+// ("cuIpcOpenMemHandle_v2"), or "" when the driver lacks CUDA IPC.
+func (d *Driver) IpcEntryPoint() string { return d.ipcOpen }
+
+// IpcGetMemHandle returns the IPC handle of the cuMemAlloc allocation that
+// holds p (cuIpcGetMemHandle). The driver accepts any address inside the
+// allocation and names the whole allocation; memory of other kinds (mapped
+// with the VMM API, or opened from another process) fails with
+// ErrInvalidValue. ErrNotSupported: the driver has no CUDA IPC.
+func (d *Driver) IpcGetMemHandle(dev int, p cuda.Ptr) (cuda.IpcHandle, error) {
+	c, err := d.ipcCtx(dev)
+	if err != nil {
+		return cuda.IpcHandle{}, err
+	}
+	ret := C.cp_ipc_get_mem_handle(d.api, c, C.ulonglong(p))
+	if err := check(ret.r); err != nil {
+		return cuda.IpcHandle{}, err
+	}
+	return *(*cuda.IpcHandle)(unsafe.Pointer(&ret.h.reserved)), nil
+}
+
+// IpcOpenMemHandle maps memory another process exported with
+// IpcGetMemHandle into dev's primary context (cuIpcOpenMemHandle_v2 with
+// CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS, so memory of another device is
+// reachable through peer access). The driver counts references: opening a
+// handle already open in the context returns the same address, and each
+// open needs its IpcCloseMemHandle. A handle of freed memory, or bytes that
+// are no handle, fail with ErrInvalidValue; a handle made by this same
+// process fails with ErrInvalidContext (CUDA refuses that).
+func (d *Driver) IpcOpenMemHandle(dev int, h cuda.IpcHandle) (cuda.Ptr, error) {
+	c, err := d.ipcCtx(dev)
+	if err != nil {
+		return 0, err
+	}
+	var ch C.cp_ipc_handle
+	*(*cuda.IpcHandle)(unsafe.Pointer(&ch.reserved)) = h
+	ret := C.cp_ipc_open_mem_handle(d.api, c, ch)
+	if err := check(ret.r); err != nil {
+		return 0, err
+	}
+	return cuda.Ptr(ret.a), nil
+}
+
+// IpcCloseMemHandle drops one reference to a mapping IpcOpenMemHandle
+// returned on dev (cuIpcCloseMemHandle); the last one unmaps it. Any other
+// address, including one inside the mapping, fails with ErrInvalidValue.
+func (d *Driver) IpcCloseMemHandle(dev int, p cuda.Ptr) error {
+	c, err := d.ipcCtx(dev)
+	if err != nil {
+		return err
+	}
+	return check(C.cp_ipc_close_mem_handle(d.api, c, C.ulonglong(p)))
+}
+
+// ipcCtx is ctx for the IPC calls, which need the entry points.
+func (d *Driver) ipcCtx(dev int) (C.uintptr_t, error) {
+	if d.ipcOpen == "" {
+		return 0, cuda.ErrNotSupported
+	}
+	return d.ctx(dev)
 }
 
 // vmmCtx is ctx for the VMM calls, which need the entry points.

@@ -56,3 +56,10 @@ func (d *Driver) MemRelease(int, cuda.MemHandle) error               { return er
 func (d *Driver) MemMap(int, cuda.Ptr, uint64, cuda.MemHandle) error { return errUnsupported }
 func (d *Driver) MemSetAccess(int, cuda.Ptr, uint64) error           { return errUnsupported }
 func (d *Driver) MemUnmap(int, cuda.Ptr, uint64) error               { return errUnsupported }
+
+func (d *Driver) IpcEntryPoint() string { return "" }
+func (d *Driver) IpcGetMemHandle(int, cuda.Ptr) (cuda.IpcHandle, error) {
+	return cuda.IpcHandle{}, errUnsupported
+}
+func (d *Driver) IpcOpenMemHandle(int, cuda.IpcHandle) (cuda.Ptr, error) { return 0, errUnsupported }
+func (d *Driver) IpcCloseMemHandle(int, cuda.Ptr) error                  { return errUnsupported }

@@ -3,6 +3,7 @@
 package driver_test
 
 import (
+	"encoding/binary"
 	"errors"
 	"os"
 	"os/exec"
@@ -28,12 +29,17 @@ var (
 	_ interface {
 		DeviceProcesses(dev int) ([]cuda.ProcessMemory, error)
 	} = (*driver.Driver)(nil)
+	_ interface {
+		IpcGetMemHandle(dev int, p cuda.Ptr) (cuda.IpcHandle, error)
+		IpcOpenMemHandle(dev int, h cuda.IpcHandle) (cuda.Ptr, error)
+		IpcCloseMemHandle(dev int, p cuda.Ptr) error
+	} = (*driver.Driver)(nil)
 )
 
 // fakeLibs builds testdata/fakecuda.c and fakenvml.c once per test binary.
-// dir/libfakecuda.so is loaded in process by path; dir/ld holds the same
-// code as libcuda.so.1 and libnvidia-ml.so.1 for subprocesses that find
-// them through LD_LIBRARY_PATH. (No SONAME, so loading libfakecuda.so in
+// dir/libfakecuda.so is loaded in process by path (and two variants without
+// some IPC entry points); dir/ld holds the same code as libcuda.so.1 and
+// libnvidia-ml.so.1 for subprocesses that find them through LD_LIBRARY_PATH. (No SONAME, so loading libfakecuda.so in
 // process never satisfies a later dlopen("libcuda.so.1").)
 var fakeLibs struct {
 	once sync.Once
@@ -66,12 +72,18 @@ func buildFakes(t testing.TB) string {
 			fakeLibs.err = err
 			return
 		}
-		for _, b := range [][2]string{
-			{"testdata/fakecuda.c", "libfakecuda.so"},
-			{"testdata/fakecuda.c", "ld/libcuda.so.1"},
-			{"testdata/fakenvml.c", "ld/libnvidia-ml.so.1"},
+		for _, b := range [][3]string{
+			{"testdata/fakecuda.c", "libfakecuda.so", ""},
+			{"testdata/fakecuda.c", "libfakecuda-noipc.so", "-DFAKECUDA_NO_IPC"},
+			{"testdata/fakecuda.c", "libfakecuda-ipcv1.so", "-DFAKECUDA_IPC_V1"},
+			{"testdata/fakecuda.c", "ld/libcuda.so.1", ""},
+			{"testdata/fakenvml.c", "ld/libnvidia-ml.so.1", ""},
 		} {
-			out, err := exec.Command("gcc", "-Wall", "-O1", "-shared", "-fPIC", "-o", filepath.Join(dir, b[1]), b[0]).CombinedOutput()
+			args := []string{"-Wall", "-O1", "-shared", "-fPIC", "-o", filepath.Join(dir, b[1]), b[0]}
+			if b[2] != "" {
+				args = append(args, b[2])
+			}
+			out, err := exec.Command("gcc", args...).CombinedOutput()
 			if err != nil {
 				fakeLibs.err = errors.New(string(out))
 				return
@@ -104,6 +116,9 @@ type fake struct {
 	mappedBytes    func() int64
 	setAccessCalls func() int64
 	lastAccessN    func() int64
+	ipcMappings    func() int64
+	ipcOpens       func() int64
+	ipcV1Opens     func() int64
 }
 
 func openFake(t testing.TB) *fake {
@@ -136,6 +151,9 @@ func openFake(t testing.TB) *fake {
 		"fake_mapped_bytes":      &f.mappedBytes,
 		"fake_set_access_calls":  &f.setAccessCalls,
 		"fake_last_access_count": &f.lastAccessN,
+		"fake_ipc_mappings":      &f.ipcMappings,
+		"fake_ipc_opens":         &f.ipcOpens,
+		"fake_ipc_v1_opens":      &f.ipcV1Opens,
 	} {
 		purego.RegisterLibFunc(fn, h, name)
 	}
@@ -574,6 +592,246 @@ func TestFakeAllocatorExpandable(t *testing.T) {
 		t.Errorf("after empty_cache: mapped %d, reservations %d, handles %d", f.mappedBytes()-mapped, f.liveReserves()-reserves, f.liveHandles()-handles)
 	}
 	if err := a.CheckInvariants(); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// fakeHandle is the fake libcuda's CUipcMemHandle (testdata/fakecuda.c).
+type fakeHandle struct {
+	magic              string
+	dev                int32
+	base, size, serial uint64
+}
+
+func decodeFake(t *testing.T, h cuda.IpcHandle) fakeHandle {
+	t.Helper()
+	le := binary.LittleEndian
+	f := fakeHandle{
+		magic:  string(h[:8]),
+		dev:    int32(le.Uint32(h[8:])),
+		base:   le.Uint64(h[16:]),
+		size:   le.Uint64(h[24:]),
+		serial: le.Uint64(h[32:]),
+	}
+	if f.magic != "FAKEIPC\x00" || le.Uint32(h[12:]) != 0 || f.serial == 0 {
+		t.Fatalf("not a handle of the fake: % x", h)
+	}
+	return f
+}
+
+// The IPC calls name the right device's context, pass CUipcMemHandle's 64
+// bytes intact both ways (the fake checks every byte of what it receives),
+// use cuIpcOpenMemHandle_v2 with CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS (the
+// fake refuses other flags) and restore the thread's context.
+func TestFakeIPC(t *testing.T) {
+	f := openFake(t)
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	if got := f.IpcEntryPoint(); got != "cuIpcOpenMemHandle_v2" {
+		t.Fatalf("IPC open entry point %q, want cuIpcOpenMemHandle_v2", got)
+	}
+	p, err := f.MemAlloc(1, 1<<20)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h, err := f.IpcGetMemHandle(1, p+4096)
+	if err != nil {
+		t.Fatalf("IpcGetMemHandle inside an allocation: %v", err)
+	}
+	if fh := decodeFake(t, h); fh.dev != 1 || fh.base != uint64(p) || fh.size != 1<<20 {
+		t.Fatalf("handle names device %d, %#x (%d bytes); want device 1, %#x (1 MiB)", fh.dev, fh.base, fh.size, p)
+	}
+	if h2, err := f.IpcGetMemHandle(1, p); err != nil || h2 != h {
+		t.Fatalf("IpcGetMemHandle of the base = %v; want the same handle", err)
+	}
+	if _, err := f.IpcGetMemHandle(0, p); !errors.Is(err, cuda.ErrInvalidValue) {
+		t.Errorf("IpcGetMemHandle naming the wrong device: %v", err)
+	}
+	if _, err := f.IpcGetMemHandle(1, p+1<<20); !errors.Is(err, cuda.ErrInvalidValue) {
+		t.Errorf("IpcGetMemHandle past the allocation: %v", err)
+	}
+	if _, err := f.IpcGetMemHandle(2, p); !errors.Is(err, cuda.ErrInvalidDevice) {
+		t.Errorf("IpcGetMemHandle on device 2: %v", err)
+	}
+
+	// Open on device 0 while device 1's context is current.
+	f.ctxPushCurrent(primary(1))
+	mappings, opens := f.ipcMappings(), f.ipcOpens()
+	q, err := f.IpcOpenMemHandle(0, h)
+	if err != nil || q == 0 {
+		t.Fatalf("IpcOpenMemHandle = %#x, %v", q, err)
+	}
+	if c, d := f.current(), f.depth(); c != primary(1) || d != 1 {
+		t.Fatalf("after IpcOpenMemHandle: current %#x, depth %d", c, d)
+	}
+	if q2, err := f.IpcOpenMemHandle(0, h); err != nil || q2 != q {
+		t.Fatalf("second open = %#x, %v; want %#x (the driver counts references)", q2, err, q)
+	}
+	if got := f.ipcMappings() - mappings; got != 1 {
+		t.Errorf("%d new mappings, want 1", got)
+	}
+	if got := f.ipcOpens() - opens; got != 2 {
+		t.Errorf("%d opens, want 2", got)
+	}
+	if f.ipcV1Opens() != 0 {
+		t.Error("the original cuIpcOpenMemHandle was called")
+	}
+	if err := f.IpcCloseMemHandle(1, q); !errors.Is(err, cuda.ErrInvalidValue) {
+		t.Errorf("IpcCloseMemHandle in the wrong context: %v", err)
+	}
+	if err := f.IpcCloseMemHandle(0, q+4096); !errors.Is(err, cuda.ErrInvalidValue) {
+		t.Errorf("IpcCloseMemHandle inside the mapping: %v", err)
+	}
+	for i := 0; i < 2; i++ {
+		if err := f.IpcCloseMemHandle(0, q); err != nil {
+			t.Fatalf("close %d: %v", i+1, err)
+		}
+	}
+	if got := f.ipcMappings(); got != mappings {
+		t.Errorf("%d mappings left", got-mappings)
+	}
+	if err := f.IpcCloseMemHandle(0, q); !errors.Is(err, cuda.ErrInvalidValue) {
+		t.Errorf("third close: %v", err)
+	}
+	var popped uintptr
+	f.ctxPopCurrent(&popped)
+	if f.depth() != 0 {
+		t.Fatal("context stack not empty")
+	}
+
+	// Handles that are not, or no longer, handles.
+	for name, x := range map[string]cuda.IpcHandle{
+		"zero":    {},
+		"garbage": func() cuda.IpcHandle { x := h; x[63] = 1; return x }(),
+	} {
+		if _, err := f.IpcOpenMemHandle(0, x); !errors.Is(err, cuda.ErrInvalidValue) {
+			t.Errorf("open of a %s handle: %v", name, err)
+		}
+	}
+	if err := f.MemFree(1, p); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := f.IpcOpenMemHandle(0, h); !errors.Is(err, cuda.ErrInvalidValue) {
+		t.Errorf("open of a freed allocation's handle: %v", err)
+	}
+	if n := testing.AllocsPerRun(100, func() { _, _ = f.IpcGetMemHandle(0, 0x10) }); n != 0 {
+		t.Errorf("IpcGetMemHandle: %v allocations per call", n)
+	}
+}
+
+// Drivers without cuIpcOpenMemHandle_v2 use the original; drivers without
+// IPC say ErrNotSupported.
+func TestFakeIPCEntryPoints(t *testing.T) {
+	dir := buildFakes(t)
+	d, err := driver.OpenLibrary(filepath.Join(dir, "libfakecuda-ipcv1.so"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Close()
+	if got := d.IpcEntryPoint(); got != "cuIpcOpenMemHandle" {
+		t.Fatalf("entry point %q, want cuIpcOpenMemHandle", got)
+	}
+	p, err := d.MemAlloc(0, 4096)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h, err := d.IpcGetMemHandle(0, p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	q, err := d.IpcOpenMemHandle(0, h)
+	if err != nil {
+		t.Fatalf("open through cuIpcOpenMemHandle: %v", err)
+	}
+	if err := d.IpcCloseMemHandle(0, q); err != nil {
+		t.Fatal(err)
+	}
+	if err := d.MemFree(0, p); err != nil {
+		t.Fatal(err)
+	}
+
+	n, err := driver.OpenLibrary(filepath.Join(dir, "libfakecuda-noipc.so"))
+	if err != nil {
+		t.Fatalf("a driver without IPC must still open: %v", err)
+	}
+	defer n.Close()
+	if got := n.IpcEntryPoint(); got != "" {
+		t.Errorf("entry point %q without IPC", got)
+	}
+	if _, err := n.IpcGetMemHandle(0, p); !errors.Is(err, cuda.ErrNotSupported) {
+		t.Errorf("IpcGetMemHandle: %v", err)
+	}
+	if _, err := n.IpcOpenMemHandle(0, h); !errors.Is(err, cuda.ErrNotSupported) {
+		t.Errorf("IpcOpenMemHandle: %v", err)
+	}
+	if err := n.IpcCloseMemHandle(0, q); !errors.Is(err, cuda.ErrNotSupported) {
+		t.Errorf("IpcCloseMemHandle: %v", err)
+	}
+}
+
+// The allocator shares a block through the real driver's code: the handle
+// names the block's segment (a cuMemAlloc allocation) and the offset
+// places the block in it; opening twice maps once.
+func TestFakeAllocatorIPC(t *testing.T) {
+	f := openFake(t)
+	cfg, _, err := allocator.ParseConfig("")
+	if err != nil {
+		t.Fatal(err)
+	}
+	a, err := allocator.New(f.Driver, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	a.ExpectAnnouncements()
+	p1, err := a.Malloc(1, 4096, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p2, err := a.Malloc(1, 4096, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h, off, dev, err := a.IpcHandle(p2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	base, size, err := a.BaseAllocation(p2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	fh := decodeFake(t, h)
+	if dev != 1 || fh.dev != 1 || fh.base != uint64(base) || fh.size != size || off != uint64(p2-base) || off == 0 {
+		t.Fatalf("handle of device %d segment %#x (%d bytes), offset %d, dev %d; want segment %#x (%d bytes), offset %d",
+			fh.dev, fh.base, fh.size, off, dev, base, size, p2-base)
+	}
+	mappings, opens := f.ipcMappings(), f.ipcOpens()
+	q, err := a.IpcOpen(0, h)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if q2, err := a.IpcOpen(0, h); err != nil || q2 != q {
+		t.Fatalf("second IpcOpen = %#x, %v", q2, err)
+	}
+	if f.ipcOpens()-opens != 1 || f.ipcMappings()-mappings != 1 {
+		t.Errorf("%d driver opens, %d mappings; want 1 and 1", f.ipcOpens()-opens, f.ipcMappings()-mappings)
+	}
+	for i := 0; i < 2; i++ {
+		if err := a.IpcClose(q); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if f.ipcMappings() != mappings {
+		t.Error("mapping left open")
+	}
+	if err := a.IpcClose(q); !errors.Is(err, allocator.ErrUnknownPointer) {
+		t.Errorf("third IpcClose: %v", err)
+	}
+	for _, p := range []cuda.Ptr{p1, p2} {
+		if err := a.Free(1, p, 0); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := a.EmptyCache(); err != nil {
 		t.Fatal(err)
 	}
 }

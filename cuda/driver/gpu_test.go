@@ -3,14 +3,18 @@
 package driver_test
 
 import (
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"os"
+	"os/exec"
 	"runtime"
+	"strings"
 	"testing"
 
 	"github.com/ebitengine/purego"
 
+	"github.com/cudapool/cudapool/allocator"
 	"github.com/cudapool/cudapool/cuda"
 	"github.com/cudapool/cudapool/cuda/driver"
 )
@@ -48,6 +52,8 @@ type rawCUDA struct {
 	streamBeginCapture func(uintptr, int32) int32
 	streamEndCapture   func(uintptr, *uintptr) int32
 	graphDestroy       func(uintptr) int32
+	memsetD8           func(uintptr, uint8, uintptr) int32
+	memcpyDtoH         func(*byte, uintptr, uintptr) int32
 }
 
 func openRaw(t testing.TB) *rawCUDA {
@@ -69,6 +75,8 @@ func openRaw(t testing.TB) *rawCUDA {
 		"cuStreamBeginCapture_v2":      &r.streamBeginCapture,
 		"cuStreamEndCapture":           &r.streamEndCapture,
 		"cuGraphDestroy":               &r.graphDestroy,
+		"cuMemsetD8_v2":                &r.memsetD8,
+		"cuMemcpyDtoH_v2":              &r.memcpyDtoH,
 	} {
 		purego.RegisterLibFunc(fn, h, name)
 	}
@@ -79,6 +87,24 @@ func (r *rawCUDA) current() uintptr {
 	var c uintptr
 	r.ctxGetCurrent(&c)
 	return c
+}
+
+// pushPrimary makes device 0's primary context current on the calling
+// thread, which must be locked, until the test ends.
+func (r *rawCUDA) pushPrimary(t testing.TB) {
+	t.Helper()
+	var dev int32
+	r.deviceGet(&dev, 0)
+	var ctx uintptr
+	if res := r.primaryCtxRetain(&ctx, dev); res != 0 {
+		t.Fatalf("cuDevicePrimaryCtxRetain: %d", res)
+	}
+	r.ctxPushCurrent(ctx)
+	t.Cleanup(func() {
+		var c uintptr
+		r.ctxPopCurrent(&c)
+		r.primaryCtxRelease(dev)
+	})
 }
 
 func TestGPUOpen(t *testing.T) {
@@ -373,4 +399,239 @@ func BenchmarkGPUStreamCaptureInfoContextCurrent(b *testing.B) {
 	raw.ctxPushCurrent(ctx)
 	defer func() { var c uintptr; raw.ctxPopCurrent(&c) }()
 	benchGPU(b, func(d *driver.Driver, e cuda.Event) { d.StreamCaptureInfo(0, 0) })
+}
+
+// ipcHelperEnv passes TestGPUIpc's handles to its helper process.
+const ipcHelperEnv = "CUDAPOOL_TEST_IPC_HELPER"
+
+// TestGPUIpc shares memory with another process as PyTorch does: the
+// allocator names a block by its segment's handle and offset, and a helper
+// process (this test binary, running TestGPUIpcHelper) maps the segment,
+// reads the block's bytes, and checks the rest of the IPC contract. The
+// exporting process itself may only get handles: CUDA refuses a process its
+// own handles.
+func TestGPUIpc(t *testing.T) {
+	d := openGPU(t)
+	raw := openRaw(t)
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	raw.pushPrimary(t)
+	t.Logf("IPC open entry point: %s", d.IpcEntryPoint())
+
+	buf, err := d.MemAlloc(0, 4<<20)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.MemFree(0, buf)
+	h, err := d.IpcGetMemHandle(0, buf)
+	if err != nil {
+		t.Fatalf("IpcGetMemHandle of a cuMemAlloc buffer: %v", err)
+	}
+	if h == (cuda.IpcHandle{}) {
+		t.Fatal("all-zero handle")
+	}
+	if hi, err := d.IpcGetMemHandle(0, buf+4096); err != nil || hi != h {
+		t.Errorf("IpcGetMemHandle inside the buffer = %v; want the buffer's handle", err)
+	}
+	if _, err := d.IpcGetMemHandle(0, buf+4<<20); !errors.Is(err, cuda.ErrInvalidValue) {
+		t.Errorf("IpcGetMemHandle past the buffer: %v", err)
+	}
+	if q, err := d.IpcOpenMemHandle(0, h); err == nil {
+		d.IpcCloseMemHandle(0, q)
+		t.Error("the exporting process opened its own handle")
+	} else {
+		t.Logf("opening its own handle: %v", err)
+	}
+
+	// VMM memory (expandable segments) has no IPC handle.
+	if g, err := d.MemGranularity(0); err == nil {
+		v, err := d.MemAddressReserve(0, g)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer d.MemAddressFree(0, v, g)
+		mh, err := d.MemCreate(0, g)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer d.MemRelease(0, mh)
+		if err := d.MemMap(0, v, g, mh); err != nil {
+			t.Fatal(err)
+		}
+		defer d.MemUnmap(0, v, g)
+		if err := d.MemSetAccess(0, v, g); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := d.IpcGetMemHandle(0, v); !errors.Is(err, cuda.ErrInvalidValue) {
+			t.Errorf("IpcGetMemHandle of VMM memory: %v, want CUDA_ERROR_INVALID_VALUE", err)
+		}
+	}
+
+	// A block that is not at its segment's start, filled with 0x5a.
+	cfg, _, err := allocator.ParseConfig("")
+	if err != nil {
+		t.Fatal(err)
+	}
+	a, err := allocator.New(d, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	a.ExpectAnnouncements()
+	b1, err := a.Malloc(0, 4096, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b2, err := a.Malloc(0, 4096, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r := raw.memsetD8(uintptr(b1), 0x11, 4096); r != 0 {
+		t.Fatalf("cuMemsetD8: %d", r)
+	}
+	if r := raw.memsetD8(uintptr(b2), 0x5a, 4096); r != 0 {
+		t.Fatalf("cuMemsetD8: %d", r)
+	}
+	if err := d.DeviceSynchronize(0); err != nil {
+		t.Fatal(err)
+	}
+	bh, off, dev, err := a.IpcHandle(b2)
+	if err != nil || dev != 0 || off == 0 {
+		t.Fatalf("IpcHandle = offset %d, device %d, %v; want a non-zero offset on device 0", off, dev, err)
+	}
+
+	// A handle of memory freed since.
+	stale, err := d.MemAlloc(0, 2<<20)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sh, err := d.IpcGetMemHandle(0, stale)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := d.MemFree(0, stale); err != nil {
+		t.Fatal(err)
+	}
+
+	cmd := exec.Command(os.Args[0], "-test.run=^TestGPUIpcHelper$", "-test.v")
+	cmd.Env = append(os.Environ(), fmt.Sprintf("%s=%s:%d:%s", ipcHelperEnv, hex.EncodeToString(bh[:]), off, hex.EncodeToString(sh[:])))
+	out, err := cmd.CombinedOutput()
+	t.Logf("helper process:\n%s", out)
+	if err != nil {
+		t.Fatalf("helper process: %v", err)
+	}
+	if !strings.Contains(string(out), "--- PASS: TestGPUIpcHelper") {
+		t.Fatal("the helper process did not run its test")
+	}
+	for _, p := range []cuda.Ptr{b1, b2} {
+		if err := a.Free(0, p, 0); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := a.EmptyCache(); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestGPUIpcHelper is TestGPUIpc's other process.
+func TestGPUIpcHelper(t *testing.T) {
+	arg := os.Getenv(ipcHelperEnv)
+	if arg == "" {
+		t.Skip("run by TestGPUIpc")
+	}
+	parts := strings.Split(arg, ":")
+	var h, stale cuda.IpcHandle
+	var off uint64
+	if len(parts) != 3 || hexInto(h[:], parts[0]) != nil || hexInto(stale[:], parts[2]) != nil {
+		t.Fatalf("bad %s %q", ipcHelperEnv, arg)
+	}
+	if _, err := fmt.Sscan(parts[1], &off); err != nil {
+		t.Fatal(err)
+	}
+	d := openGPU(t)
+	raw := openRaw(t)
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	raw.pushPrimary(t)
+	cfg, _, err := allocator.ParseConfig("")
+	if err != nil {
+		t.Fatal(err)
+	}
+	a, err := allocator.New(d, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	// Open and close during a global-mode capture, the thread in global
+	// mode: the capture must survive (the simulator models this).
+	var s uintptr
+	if r := raw.streamCreate(&s, 1); r != 0 {
+		t.Fatalf("cuStreamCreate: %d", r)
+	}
+	defer raw.streamDestroy(s)
+	if r := raw.streamBeginCapture(s, 0); r != 0 {
+		t.Fatalf("cuStreamBeginCapture_v2: %d", r)
+	}
+	q, err := a.IpcOpen(0, h)
+	if err == nil {
+		err = a.IpcClose(q)
+	}
+	var g uintptr
+	if r := raw.streamEndCapture(s, &g); r != 0 {
+		t.Errorf("cuStreamEndCapture: %d: IPC calls invalidated the capture", r)
+	} else {
+		raw.graphDestroy(g)
+	}
+	if err != nil {
+		t.Fatalf("IpcOpen/IpcClose during capture: %v", err)
+	}
+
+	q, err = a.IpcOpen(0, h)
+	if err != nil {
+		t.Fatalf("IpcOpen: %v", err)
+	}
+	if q2, err := a.IpcOpen(0, h); err != nil || q2 != q {
+		t.Fatalf("second IpcOpen = %#x, %v; want %#x", q2, err, q)
+	}
+	var got [4096]byte
+	if r := raw.memcpyDtoH(&got[0], uintptr(q)+uintptr(off), uintptr(len(got))); r != 0 {
+		t.Fatalf("cuMemcpyDtoH from the mapping: %d", r)
+	}
+	for i, b := range got {
+		if b != 0x5a {
+			t.Fatalf("byte %d of the shared block is %#x, want 0x5a", i, b)
+		}
+	}
+	t.Logf("read the block at mapping %#x + %d", q, off)
+	for i := 0; i < 2; i++ {
+		if err := a.IpcClose(q); err != nil {
+			t.Fatalf("IpcClose %d: %v", i+1, err)
+		}
+	}
+	if r := raw.memcpyDtoH(&got[0], uintptr(q)+uintptr(off), 16); r == 0 {
+		t.Error("the mapping is still readable after the last IpcClose")
+	}
+	if err := a.IpcClose(q); !errors.Is(err, allocator.ErrUnknownPointer) {
+		t.Errorf("third IpcClose: %v", err)
+	}
+	if _, err := a.IpcOpen(0, stale); !errors.Is(err, allocator.ErrInvalidArgument) || !errors.Is(err, cuda.ErrInvalidValue) {
+		t.Errorf("IpcOpen of a freed buffer's handle: %v", err)
+	}
+	if _, err := d.IpcOpenMemHandle(0, cuda.IpcHandle{}); !errors.Is(err, cuda.ErrInvalidValue) {
+		t.Errorf("IpcOpenMemHandle of a zero handle: %v", err)
+	}
+	if err := d.IpcCloseMemHandle(0, q); !errors.Is(err, cuda.ErrInvalidValue) {
+		t.Errorf("IpcCloseMemHandle of a closed mapping: %v", err)
+	}
+}
+
+func hexInto(dst []byte, s string) error {
+	b, err := hex.DecodeString(s)
+	if err != nil {
+		return err
+	}
+	if len(b) != len(dst) {
+		return fmt.Errorf("%d bytes, want %d", len(b), len(dst))
+	}
+	copy(dst, b)
+	return nil
 }

@@ -7,10 +7,16 @@ import (
 )
 
 // The simulator must stand in for the real driver wherever the allocator
-// takes one, including the optional process listing its OOM message uses.
+// takes one, including the optional process listing its OOM message uses
+// and CUDA IPC.
 var (
 	_ allocator.Driver = (*sim.Driver)(nil)
 	_ interface {
 		DeviceProcesses(dev int) ([]cuda.ProcessMemory, error)
+	} = (*sim.Driver)(nil)
+	_ interface {
+		IpcGetMemHandle(dev int, p cuda.Ptr) (cuda.IpcHandle, error)
+		IpcOpenMemHandle(dev int, h cuda.IpcHandle) (cuda.Ptr, error)
+		IpcCloseMemHandle(dev int, p cuda.Ptr) error
 	} = (*sim.Driver)(nil)
 )

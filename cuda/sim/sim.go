@@ -51,6 +51,12 @@
 // mapping and setting access are potentially unsafe like MemAlloc; unmapping,
 // releasing and freeing an address range during any capture are refused like
 // MemFree).
+//
+// CUDA IPC of memory (cuIpcGetMemHandle, cuIpcOpenMemHandle,
+// cuIpcCloseMemHandle) is modelled in ipc.go: handles that name a live
+// allocation and detect stale ones, reference-counted mappings that alias the
+// exported memory, and a violation for freeing memory whose IPC mapping is
+// still open.
 package sim
 
 import (
@@ -98,6 +104,8 @@ type Driver struct {
 
 	lastEvent     cuda.Event     // guarded by mu; handles are never reused
 	lastHandle    cuda.MemHandle // guarded by mu; handles are never reused
+	lastIpcGen    uint64         // guarded by mu; IPC handle generations (ipc.go)
+	instance      uint64         // this Driver's number, in its IPC handles
 	eventsCreated int64          // guarded by mu
 	eventsGone    int64          // guarded by mu
 
@@ -128,6 +136,7 @@ type device struct {
 	failAllocs int // MemAlloc and MemCreate calls still to fail
 
 	vmm vmmState // virtual memory management (vmm.go)
+	ipc ipcState // CUDA IPC (ipc.go)
 }
 
 // free is what MemGetInfo reports, clamped at zero because external use may
@@ -180,6 +189,7 @@ func New(opts Options) *Driver {
 		events:   make(map[cuda.Event]*event),
 		captures: make(map[cuda.Stream]*capture),
 		modes:    make(map[int]cuda.CaptureMode),
+		instance: instances.Add(1),
 	}
 	for i := range opts.Devices {
 		base := uint64(i+1) << rangeShift
@@ -189,6 +199,7 @@ func New(opts Options) *Driver {
 			limit:    base + 1<<rangeShift,
 			live:     make(map[cuda.Ptr]uint64),
 			vmm:      newVMMState(),
+			ipc:      newIPCState(),
 		})
 	}
 	return d
@@ -373,6 +384,8 @@ func (d *Driver) MemAlloc(dev int, size uint64) (cuda.Ptr, error) {
 
 // MemFree frees a live allocation of dev. It is refused during any capture,
 // whatever the modes, and then invalidates every capture in progress.
+// Freeing an allocation while an IPC mapping of it is open succeeds but is a
+// violation (see ipc.go).
 func (d *Driver) MemFree(dev int, p cuda.Ptr) error {
 	tid := syscall.Gettid()
 	d.mu.Lock()
@@ -388,6 +401,7 @@ func (d *Driver) MemFree(dev int, p cuda.Ptr) error {
 	if !ok {
 		return cuda.ErrInvalidValue
 	}
+	d.ipcFreed(tid, dev, p)
 	delete(dv.live, p)
 	dv.used -= size
 	dv.frees++
@@ -728,8 +742,9 @@ func (d *Driver) LiveEvents() int {
 	return int(d.eventsCreated - d.eventsGone)
 }
 
-// Violations returns the number of capture-rule violations since New or the
-// last ResetViolations.
+// Violations returns the number of violations since New or the last
+// ResetViolations: calls that broke a capture rule, and frees of memory
+// still open through CUDA IPC.
 func (d *Driver) Violations() int64 {
 	d.mu.Lock()
 	defer d.mu.Unlock()

@@ -317,7 +317,8 @@ func (d *Driver) MemUnmap(dev int, p cuda.Ptr, size uint64) error {
 }
 
 // Accessible reports whether every byte of [p, p+size) on dev is mapped and
-// accessible (memory from MemAlloc always is).
+// accessible (memory from MemAlloc always is, and so is an open IPC
+// mapping).
 func (d *Driver) Accessible(dev int, p cuda.Ptr, size uint64) bool {
 	d.mu.Lock()
 	defer d.mu.Unlock()
@@ -326,6 +327,9 @@ func (d *Driver) Accessible(dev int, p cuda.Ptr, size uint64) bool {
 		if p >= q && uint64(p-q)+size <= alignUp(sz) {
 			return true
 		}
+	}
+	if _, im := dv.importAt(p, size); im != nil {
+		return true
 	}
 	if size == 0 {
 		return true

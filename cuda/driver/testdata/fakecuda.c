@@ -3,6 +3,7 @@
 // tests call through purego. Device d's primary context is 0x1000+d; its
 // memory lives at 0x7f0000000000 + d<<32.
 
+#include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -26,6 +27,41 @@ static unsigned long long next_off[NDEV];
 static uintptr_t capturing_stream; // stream being captured (0: none)
 static unsigned long long capture_id;
 static int last_proc_version;
+
+// Live cuMemAlloc allocations, for cuIpcGetMemHandle: base, size and a
+// serial number that makes each allocation's IPC handle unique.
+#define MAXALLOC 4096
+static pthread_mutex_t alloc_mu = PTHREAD_MUTEX_INITIALIZER;
+static struct { CUdeviceptr base; size_t size; unsigned long long serial; } allocs[MAXALLOC];
+static unsigned long long last_serial;
+
+static int track_alloc(CUdeviceptr p, size_t size) {
+	int ok = 0;
+	pthread_mutex_lock(&alloc_mu);
+	for (int i = 0; i < MAXALLOC; i++)
+		if (allocs[i].base == 0) {
+			allocs[i].base = p;
+			allocs[i].size = size;
+			allocs[i].serial = ++last_serial;
+			ok = 1;
+			break;
+		}
+	pthread_mutex_unlock(&alloc_mu);
+	return ok;
+}
+
+static int untrack_alloc(CUdeviceptr p) {
+	int ok = 0;
+	pthread_mutex_lock(&alloc_mu);
+	for (int i = 0; i < MAXALLOC; i++)
+		if (allocs[i].base == p) {
+			allocs[i].base = 0;
+			ok = 1;
+			break;
+		}
+	pthread_mutex_unlock(&alloc_mu);
+	return ok;
+}
 
 static int env_int(const char *name) {
 	const char *v = getenv(name);
@@ -111,6 +147,8 @@ CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t size) {
 	if (capturing_stream != 0 && capture_mode != 2)
 		return 900; // cudaMalloc is unsafe during a global/thread-local capture
 	*p = MEMBASE(d) + __atomic_fetch_add(&next_off[d], (size + 511) & ~511ULL, __ATOMIC_SEQ_CST);
+	if (!track_alloc(*p, size))
+		return 2;
 	__atomic_add_fetch(&live_allocs, 1, __ATOMIC_SEQ_CST);
 	return 0;
 }
@@ -120,6 +158,8 @@ CUresult cuMemFree_v2(CUdeviceptr p) {
 		return 201;
 	if (p < MEMBASE(d) || p >= MEMBASE(d) + (1ULL << 32))
 		return 1; // not this context's memory: the wrong context was current
+	if (!untrack_alloc(p))
+		return 1; // not a live allocation's base
 	__atomic_sub_fetch(&live_allocs, 1, __ATOMIC_SEQ_CST);
 	return 0;
 }
@@ -328,6 +368,143 @@ CUresult cuMemSetAccess(CUdeviceptr p, size_t size, const fake_access *desc, siz
 	__atomic_add_fetch(&set_access_calls, 1, __ATOMIC_SEQ_CST);
 	return 0;
 }
+
+// CUDA IPC. A handle is "FAKEIPC" (8 bytes with its NUL), the allocation's
+// device (int32), 4 zero bytes, its base, size and serial (uint64 each,
+// little-endian on the test machines) and 24 zero bytes, so that the tests
+// can check what cuIpcGetMemHandle named and that cuIpcOpenMemHandle
+// received the 64 bytes intact. As in the driver, any address inside an
+// allocation names the whole allocation, an opened handle is reference
+// counted per context (opening it again returns the same address) and
+// closing needs the opening context and the mapping's exact address. Unlike
+// the driver, a process may open its own handles (the driver says
+// CUDA_ERROR_INVALID_CONTEXT): the fake plays both processes. Mappings come
+// from IBASE(d). Built with -DFAKECUDA_NO_IPC the library has no IPC entry
+// points; with -DFAKECUDA_IPC_V1 it lacks cuIpcOpenMemHandle_v2.
+#define IBASE(d) (0x7d0000000000ULL + ((unsigned long long)(d) << 36))
+
+typedef struct {
+	char magic[8];
+	int dev, pad;
+	unsigned long long base, size, serial;
+	unsigned char zero[24];
+} fake_ipc_handle; // CUipcMemHandle
+_Static_assert(sizeof(fake_ipc_handle) == 64, "CUipcMemHandle is 64 bytes");
+
+#define MAXMAP 256
+static struct { int dev, refs; CUdeviceptr addr; unsigned long long serial; } maps[MAXMAP];
+static long ipc_opens, ipc_v1_opens;
+
+#ifndef FAKECUDA_NO_IPC
+static unsigned long long next_iaddr[NDEV];
+
+CUresult cuIpcGetMemHandle(fake_ipc_handle *h, CUdeviceptr p) {
+	int d = cur_dev();
+	if (d < 0)
+		return 201;
+	CUresult r = 1; // not inside a live cuMemAlloc allocation of this device
+	pthread_mutex_lock(&alloc_mu);
+	for (int i = 0; i < MAXALLOC; i++)
+		if (allocs[i].base && p >= allocs[i].base && p < allocs[i].base + allocs[i].size &&
+		    allocs[i].base >= MEMBASE(d) && allocs[i].base < MEMBASE(d) + (1ULL << 32)) {
+			memset(h, 0, sizeof *h);
+			memcpy(h->magic, "FAKEIPC", 8);
+			h->dev = d;
+			h->base = allocs[i].base;
+			h->size = allocs[i].size;
+			h->serial = allocs[i].serial;
+			r = 0;
+			break;
+		}
+	pthread_mutex_unlock(&alloc_mu);
+	return r;
+}
+
+static CUresult ipc_open(CUdeviceptr *p, fake_ipc_handle h, unsigned int flags) {
+	static const unsigned char zero[24];
+	int d = cur_dev();
+	if (d < 0)
+		return 201;
+	if (flags != 1) // CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS, required by _v2
+		return 1;
+	if (memcmp(h.magic, "FAKEIPC", 8) != 0 || h.pad != 0 || memcmp(h.zero, zero, sizeof zero) != 0)
+		return 1;
+	CUresult r = 1; // no live allocation has this serial: stale or forged
+	pthread_mutex_lock(&alloc_mu);
+	for (int i = 0; i < MAXALLOC; i++)
+		if (allocs[i].base && allocs[i].serial == h.serial && allocs[i].base == h.base) {
+			r = 0;
+			break;
+		}
+	if (r == 0) {
+		int free_slot = -1, found = -1;
+		for (int i = 0; i < MAXMAP; i++) {
+			if (maps[i].refs && maps[i].dev == d && maps[i].serial == h.serial)
+				found = i;
+			if (!maps[i].refs && free_slot < 0)
+				free_slot = i;
+		}
+		if (found >= 0) {
+			maps[found].refs++;
+			*p = maps[found].addr;
+		} else if (free_slot < 0) {
+			r = 2;
+		} else {
+			maps[free_slot].dev = d;
+			maps[free_slot].refs = 1;
+			maps[free_slot].serial = h.serial;
+			maps[free_slot].addr = IBASE(d) + next_iaddr[d];
+			next_iaddr[d] += (h.size + GRAN - 1) / GRAN * GRAN;
+			*p = maps[free_slot].addr;
+		}
+		if (r == 0)
+			ipc_opens++;
+	}
+	pthread_mutex_unlock(&alloc_mu);
+	return r;
+}
+
+#ifndef FAKECUDA_IPC_V1
+CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *p, fake_ipc_handle h, unsigned int flags) {
+	return ipc_open(p, h, flags);
+}
+#endif
+CUresult cuIpcOpenMemHandle(CUdeviceptr *p, fake_ipc_handle h, unsigned int flags) {
+	CUresult r = ipc_open(p, h, flags);
+	if (r == 0)
+		__atomic_add_fetch(&ipc_v1_opens, 1, __ATOMIC_SEQ_CST);
+	return r;
+}
+
+CUresult cuIpcCloseMemHandle(CUdeviceptr p) {
+	int d = cur_dev();
+	if (d < 0)
+		return 201;
+	CUresult r = 1; // not a mapping of this context
+	pthread_mutex_lock(&alloc_mu);
+	for (int i = 0; i < MAXMAP; i++)
+		if (maps[i].refs && maps[i].dev == d && maps[i].addr == p) {
+			maps[i].refs--;
+			r = 0;
+			break;
+		}
+	pthread_mutex_unlock(&alloc_mu);
+	return r;
+}
+#endif
+
+// The IPC mappings open (references counted once) and the successful opens
+// (all, and through the original cuIpcOpenMemHandle).
+long fake_ipc_mappings(void) {
+	long n = 0;
+	pthread_mutex_lock(&alloc_mu);
+	for (int i = 0; i < MAXMAP; i++)
+		n += maps[i].refs > 0;
+	pthread_mutex_unlock(&alloc_mu);
+	return n;
+}
+long fake_ipc_opens(void) { return ipc_opens; }
+long fake_ipc_v1_opens(void) { return ipc_v1_opens; }
 
 // Probes for the tests.
 long fake_live_handles(void) { return live_handles; }
