@@ -70,6 +70,8 @@ import (
 // huge limit (Python's default is sys.maxsize) costs only what is used; once
 // full, each entry overwrites the oldest. Recording an entry allocates
 // nothing beyond the ring's growth; with history off it returns at once.
+// The entries one operation makes share its time, read once (the clock is
+// the dearest part of recording).
 // The allocator-wide state (labels, annotations, the gather mask) is in
 // history. Lock order: history.mu before any device's lock.
 
@@ -152,21 +154,26 @@ type deviceHistory struct {
 	ring  ring[traceEntry]
 	// op is the context of the operation in progress, 0 when it has none
 	// or its level does not keep it (begin and end bracket operations).
-	op     uint64
+	op uint64
+	// inOp is set between begin and end; now is then the operation's time,
+	// read at its first entry (0: none yet), so that an operation reads the
+	// clock once however many entries it makes.
+	inOp   bool
+	now    int64
 	labels *atomic.Pointer[historyLabels] // the allocator's
 }
 
 // begin starts an operation whose context is ctx, kept if the level is at
 // least need.
 func (h *deviceHistory) begin(ctx uint64, need HistoryLevel) {
-	h.op = 0
+	h.op, h.inOp, h.now = 0, true, 0
 	if h.level >= need {
 		h.op = ctx
 	}
 }
 
 // end ends the operation begun last.
-func (h *deviceHistory) end() { h.op = 0 }
+func (h *deviceHistory) end() { h.op, h.inOp, h.now = 0, false, 0 }
 
 // ctxOr is the context of the operation in progress, else own.
 func (h *deviceHistory) ctxOr(own uint64) uint64 {
@@ -185,7 +192,14 @@ func (d *device) record(act action, addr cuda.Ptr, size uint64, s cuda.Stream, p
 	if h.level < HistoryAlloc {
 		ctx = 0
 	}
-	h.ring.push(traceEntry{action: act, addr: addr, size: size, stream: s, timeUS: time.Now().UnixMicro(),
+	t := h.now
+	if t == 0 {
+		t = time.Now().UnixMicro()
+		if h.inOp {
+			h.now = t
+		}
+	}
+	h.ring.push(traceEntry{action: act, addr: addr, size: size, stream: s, timeUS: t,
 		pool: pool, ctx: ctx, labels: h.labels.Load()})
 }
 
