@@ -33,6 +33,10 @@
 //
 // The driver is reached only through the Driver interface, so the same code
 // runs on the GPU (cuda/driver) and on the simulator (cuda/sim).
+//
+// The memory history (PyTorch's _record_memory_history: a trace of actions,
+// the callers' contexts on blocks, segments and entries) is in history.go;
+// snapshots in snapshot.go.
 package allocator
 
 import (
@@ -71,6 +75,7 @@ type Allocator struct {
 	// message once); nil: stderr.
 	onWarning atomic.Pointer[func(string)]
 	warned    sync.Map
+	hist      history // memory history (history.go)
 }
 
 // device is one GPU's allocator state.
@@ -84,7 +89,7 @@ type device struct {
 	cache  *pools.Cache    // guarded by mu
 	ev     *events.Tracker // guarded by mu
 	graphs graphs.Router   // guarded by mu
-	trace  traceRing       // guarded by mu
+	hist   deviceHistory   // guarded by mu (history.go)
 	// counted is this device's contribution to underway; guarded by mu.
 	counted int64
 	debug   bool   // guarded by mu
@@ -117,11 +122,12 @@ func New(drv Driver, cfg Config) (*Allocator, error) {
 	}
 	a := &Allocator{drv: drv}
 	a.cfg.Store(&cfg)
+	a.hist.publish()
 	for i := 0; i < n; i++ {
 		d := &device{id: i, drv: drv, underway: &a.underway, announced: &a.announced, cache: pools.NewCache(cfg.Pools), ev: events.New(drv, i)}
-		d.trace.resize(cfg.HistoryEntries)
+		d.hist.labels = &a.hist.labels
 		d.debug = cfg.DebugChecks
-		d.freeSeg = func(base cuda.Ptr, _ uint64) error { return drv.MemFree(d.id, base) }
+		d.freeSeg = d.freeSegment
 		d.newPools = func(id pools.PoolID) (*pools.BlockPool, *pools.BlockPool) {
 			return d.cache.NewPool(true, id), d.cache.NewPool(false, id)
 		}
@@ -135,7 +141,18 @@ func New(drv Driver, cfg Config) (*Allocator, error) {
 		d.warn = a.warn
 		a.devs = append(a.devs, d)
 	}
+	if cfg.HistoryEntries > 0 {
+		a.historyFromConfig(cfg.HistoryEntries)
+	}
 	return a, nil
+}
+
+// historyFromConfig applies the record_history:N configuration key: N > 0
+// records the trace of the last N actions per device, without contexts (the
+// key predates them, and gathering stacks costs time nobody asked to spend);
+// N = 0 stops the history. RecordHistory asks for more.
+func (a *Allocator) historyFromConfig(n int) {
+	_ = a.RecordHistory(HistoryOptions{Enabled: n > 0, MaxEntries: max(n, 0)})
 }
 
 // DeviceCount is the number of devices.
@@ -144,18 +161,21 @@ func (a *Allocator) DeviceCount() int { return len(a.devs) }
 // Config returns the configuration in force.
 func (a *Allocator) Config() Config { return *a.cfg.Load() }
 
-// Configure replaces the configuration. Cached blocks keep their sizes.
+// Configure replaces the configuration. Cached blocks keep their sizes. A
+// changed record_history key restarts the history (see historyFromConfig).
 func (a *Allocator) Configure(cfg Config) {
 	a.cfgMu.Lock()
 	defer a.cfgMu.Unlock()
-	a.cfg.Store(&cfg)
+	old := a.cfg.Swap(&cfg)
 	for _, d := range a.devs {
 		d.mu.Lock()
 		d.cache.SetConfig(cfg.Pools)
-		d.trace.resize(cfg.HistoryEntries)
 		d.debug = cfg.DebugChecks
 		d.wantExpandable = cfg.ExpandableSegments
 		d.mu.Unlock()
+	}
+	if cfg.HistoryEntries != old.HistoryEntries {
+		a.historyFromConfig(cfg.HistoryEntries)
 	}
 }
 
@@ -190,6 +210,12 @@ func (a *Allocator) device(op string, dev int) (*device, error) {
 // Malloc allocates size bytes on device dev for use on stream s. Size 0
 // returns a nil pointer and no error, as PyTorch expects.
 func (a *Allocator) Malloc(dev int, size uint64, s cuda.Stream) (cuda.Ptr, error) {
+	return a.MallocCtx(dev, size, s, 0)
+}
+
+// MallocCtx is Malloc with the id of the caller's context (0: none), gathered
+// when GatherMask has GatherAlloc (see history.go).
+func (a *Allocator) MallocCtx(dev int, size uint64, s cuda.Stream, ctx uint64) (cuda.Ptr, error) {
 	d, err := a.device("malloc", dev)
 	if err != nil {
 		return 0, err
@@ -205,7 +231,9 @@ func (a *Allocator) Malloc(dev int, size uint64, s cuda.Stream) (cuda.Ptr, error
 		return 0, err
 	}
 	d.mu.Lock()
+	d.hist.begin(ctx, HistoryState)
 	p, err := d.malloc(size, s, capture)
+	d.hist.end()
 	if d.debug {
 		d.mustCheck()
 	}
@@ -233,12 +261,20 @@ func (a *Allocator) unannouncedCapture(dev int, s cuda.Stream) (uint64, error) {
 // Free returns the block at p. size, if not zero, must be the size that was
 // asked for (PyTorch passes it back); a mismatch frees nothing.
 func (a *Allocator) Free(dev int, p cuda.Ptr, size uint64) error {
+	return a.FreeCtx(dev, p, size, 0)
+}
+
+// FreeCtx is Free with the id of the caller's context (0: none), gathered
+// when GatherMask has GatherFree (see history.go).
+func (a *Allocator) FreeCtx(dev int, p cuda.Ptr, size uint64, ctx uint64) error {
 	d, err := a.device("free", dev)
 	if err != nil {
 		return err
 	}
 	d.mu.Lock()
+	d.hist.begin(ctx, HistoryAll)
 	err = d.freeLocked(p, size)
+	d.hist.end()
 	if d.debug {
 		d.mustCheck()
 	}
@@ -379,7 +415,11 @@ func (a *Allocator) BaseAllocation(p cuda.Ptr) (cuda.Ptr, uint64, error) {
 // EmptyCache returns every cached whole segment, and the memory of released
 // private pools, to the driver. A device with a capture under way is left
 // alone and reported in the error.
-func (a *Allocator) EmptyCache() error {
+func (a *Allocator) EmptyCache() error { return a.EmptyCacheCtx(0) }
+
+// EmptyCacheCtx is EmptyCache with the id of the caller's context (0: none),
+// gathered when GatherMask has GatherRelease (see history.go).
+func (a *Allocator) EmptyCacheCtx(ctx uint64) error {
 	// First let every device notice the unannounced captures that ended.
 	for _, d := range a.devs {
 		d.mu.Lock()
@@ -393,7 +433,9 @@ func (a *Allocator) EmptyCache() error {
 		if d.capturing() {
 			err = newError("empty_cache", ErrCaptureUnderway, "device %d: a CUDA graph capture is under way; its cache is kept", d.id)
 		} else {
+			d.hist.begin(ctx, HistoryAll)
 			err = d.releaseCached()
+			d.hist.end()
 			if err == nil {
 				err = d.ev.DestroySpare()
 			}
@@ -557,17 +599,18 @@ type PendingFree struct {
 	Dev  int
 	Ptr  cuda.Ptr
 	Size uint64
+	Ctx  uint64 // the free's context id, as for FreeCtx (0: none)
 }
 
-// MallocAfterFrees performs the pending frees, then the malloc. The frees of
-// dev happen under the same lock hold as the malloc, so a malloc+free pair
-// costs one lock and one call. It returns the malloc's error and, separately,
-// the first failed free's.
-func (a *Allocator) MallocAfterFrees(dev int, size uint64, s cuda.Stream, frees []PendingFree) (p cuda.Ptr, err, freeErr error) {
+// MallocAfterFrees performs the pending frees, then the malloc (whose context
+// id is ctx, as for MallocCtx). The frees of dev happen under the same lock
+// hold as the malloc, so a malloc+free pair costs one lock and one call. It
+// returns the malloc's error and, separately, the first failed free's.
+func (a *Allocator) MallocAfterFrees(dev int, size uint64, s cuda.Stream, ctx uint64, frees []PendingFree) (p cuda.Ptr, err, freeErr error) {
 	d, err := a.device("malloc", dev)
 	if err != nil || size == 0 || size > pools.MaxRequest {
 		freeErr = a.FreeMany(frees)
-		p, err = a.Malloc(dev, size, s)
+		p, err = a.MallocCtx(dev, size, s, ctx)
 		return p, err, freeErr
 	}
 	capture, err := a.unannouncedCapture(dev, s)
@@ -581,11 +624,14 @@ func (a *Allocator) MallocAfterFrees(dev int, size uint64, s cuda.Stream, frees 
 			others++
 			continue
 		}
+		d.hist.begin(frees[i].Ctx, HistoryAll)
 		if e := d.freeLocked(frees[i].Ptr, frees[i].Size); e != nil && freeErr == nil {
 			freeErr = e
 		}
 	}
+	d.hist.begin(ctx, HistoryState)
 	p, err = d.malloc(size, s, capture)
+	d.hist.end()
 	if d.debug {
 		d.mustCheck()
 	}
@@ -593,7 +639,7 @@ func (a *Allocator) MallocAfterFrees(dev int, size uint64, s cuda.Stream, frees 
 	if others > 0 {
 		for i := range frees {
 			if frees[i].Dev != dev {
-				if e := a.Free(frees[i].Dev, frees[i].Ptr, frees[i].Size); e != nil && freeErr == nil {
+				if e := a.FreeCtx(frees[i].Dev, frees[i].Ptr, frees[i].Size, frees[i].Ctx); e != nil && freeErr == nil {
 					freeErr = e
 				}
 			}
@@ -609,7 +655,7 @@ func (a *Allocator) MallocAfterFrees(dev int, size uint64, s cuda.Stream, frees 
 func (a *Allocator) FreeMany(frees []PendingFree) error {
 	var first error
 	for i := range frees {
-		if err := a.Free(frees[i].Dev, frees[i].Ptr, frees[i].Size); err != nil && first == nil {
+		if err := a.FreeCtx(frees[i].Dev, frees[i].Ptr, frees[i].Size, frees[i].Ctx); err != nil && first == nil {
 			first = err
 		}
 	}

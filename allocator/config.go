@@ -22,7 +22,9 @@ type Config struct {
 	// device lock across the driver allocation.
 	ReleaseLockOnMalloc bool
 	// HistoryEntries bounds the per-device trace of allocator actions kept
-	// for snapshots (0: no trace). cudapool's own key: record_history.
+	// for snapshots (0: no trace). cudapool's own key: record_history. A
+	// value > 0 turns the memory history on without contexts (level
+	// never); Allocator.RecordHistory asks for more (history.go).
 	HistoryEntries int
 	// DebugChecks verifies every invariant after each operation (slow).
 	// cudapool's own key: debug_checks.

@@ -55,7 +55,8 @@ func (d *device) malloc(size uint64, s cuda.Stream, capture uint64) (cuda.Ptr, e
 		}
 	}
 	b = d.cache.Allocate(&r, b)
-	d.trace.add(actionAlloc, b.Ptr, b.Size, s)
+	b.Context = d.hist.op
+	d.record(actionAlloc, b.Ptr, b.Requested, s, b.Pool.ID, b.Context)
 	return b.Ptr, nil
 }
 
@@ -63,7 +64,7 @@ func (d *device) malloc(size uint64, s cuda.Stream, capture uint64) (cuda.Ptr, e
 // freeing what may be freed, or an out-of-memory error.
 func (d *device) grow(r *pools.Request, capturing bool) (*pools.Block, error) {
 	if !capturing {
-		if err := d.cache.GarbageCollect(d.freeTraced()); err != nil {
+		if err := d.cache.GarbageCollect(d.freeSeg); err != nil {
 			return nil, driverError("malloc", err, "freeing cached segments (garbage collection) on device %d", d.id)
 		}
 	}
@@ -71,7 +72,7 @@ func (d *device) grow(r *pools.Request, capturing bool) (*pools.Block, error) {
 		return b, err
 	}
 	if !capturing {
-		ok, err := d.cache.ReleaseAvailable(r, d.freeTraced())
+		ok, err := d.cache.ReleaseAvailable(r, d.freeSeg)
 		if err != nil {
 			return nil, driverError("malloc", err, "freeing cached oversize segments on device %d", d.id)
 		}
@@ -118,22 +119,24 @@ func (d *device) newSegment(r *pools.Request, retry bool) (*pools.Block, error) 
 	if err != nil {
 		return nil, driverError("malloc", err, "allocating a %d-byte segment on device %d", r.SegSize, d.id)
 	}
-	d.trace.add(actionSegmentAlloc, p, r.SegSize, r.Stream)
-	return d.cache.AddSegment(r, p), nil
+	d.record(actionSegmentAlloc, p, r.SegSize, r.Stream, r.Pool.ID, d.hist.op)
+	b := d.cache.AddSegment(r, p)
+	b.Seg.Context = d.hist.op
+	return b, nil
 }
 
-// freeTraced returns the segment-freeing function, tracing when enabled.
-func (d *device) freeTraced() pools.FreeFunc {
-	if !d.trace.on() {
-		return d.freeSeg
+// freeSegment gives a whole cached segment back to the driver (the cache's
+// FreeFunc, d.freeSeg) and records it. d.mu is held.
+func (d *device) freeSegment(base cuda.Ptr, size uint64) error {
+	if err := d.drv.MemFree(d.id, base); err != nil {
+		return err
 	}
-	return func(base cuda.Ptr, size uint64) error {
-		if err := d.freeSeg(base, size); err != nil {
-			return err
+	if d.hist.on {
+		if seg := d.cache.SegmentOf(base); seg != nil {
+			d.record(actionSegmentFree, base, size, seg.Stream, seg.Pool.ID, d.hist.ctxOr(seg.Context))
 		}
-		d.trace.add(actionSegmentFree, base, size, 0)
-		return nil
 	}
+	return nil
 }
 
 // releaseCached waits for all pending frees, then returns every cached whole
@@ -148,7 +151,7 @@ func (d *device) releaseCached() error {
 	if err := d.releaseOrphans(); err != nil {
 		return err
 	}
-	free := d.freeTraced()
+	free := d.freeSeg
 	for _, p := range []*pools.BlockPool{d.cache.Large, d.cache.Small} {
 		if err := d.cache.ReleasePool(p, free); err != nil {
 			return driverError("empty_cache", err, "freeing cached segments on device %d", d.id)
@@ -176,7 +179,7 @@ func (d *device) releaseCached() error {
 // free returns a user's block, or queues it behind its other streams' uses.
 func (d *device) free(b *pools.Block) error {
 	d.cache.Release(b)
-	d.trace.add(actionFreeRequested, b.Ptr, b.Size, b.Stream)
+	d.record(actionFreeRequested, b.Ptr, b.Requested, b.Stream, b.Pool.ID, d.hist.ctxOr(b.Context))
 	if b.Uses.Empty() {
 		d.returnBlock(b)
 		return nil
@@ -209,9 +212,11 @@ func (d *device) useCapturing(b *pools.Block) bool {
 	return capturing
 }
 
-// returnBlock puts a block whose uses are over back in its pool.
+// returnBlock puts a block whose uses are over back in its pool; its
+// context goes.
 func (d *device) returnBlock(b *pools.Block) {
-	d.trace.add(actionFreeCompleted, b.Ptr, b.Size, b.Stream)
+	d.record(actionFreeCompleted, b.Ptr, b.Requested, b.Stream, b.Pool.ID, d.hist.ctxOr(b.Context))
+	b.Context = 0
 	d.cache.Return(b)
 }
 
@@ -231,7 +236,7 @@ func (d *device) capacity() (uint64, error) {
 func (d *device) outOfMemory(r *pools.Request) error {
 	d.cache.Stats.NumOOMs++
 	free, total, err := d.drv.MemGetInfo(d.id)
-	d.trace.addOOM(r.SegSize, r.Stream, free)
+	d.record(actionOOM, cuda.Ptr(free), r.Size, r.Stream, r.Pool.ID, d.hist.op)
 	var b strings.Builder
 	fmt.Fprintf(&b, "CUDA out of memory. Tried to allocate %s. GPU %d", FormatSize(r.SegSize), d.id)
 	if err == nil {

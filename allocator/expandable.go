@@ -182,7 +182,11 @@ func (m vmmMapper) Map(seg *pools.Segment, off, size uint64) (uint64, error) {
 		}
 		return 0, aerr
 	}
-	d.trace.add(actionSegmentMap, base, done, seg.Stream)
+	d.record(actionSegmentMap, base, done, seg.Stream, seg.Pool.ID, d.hist.op)
+	if off == 0 && seg.Context == 0 {
+		// The segment's context is the one that mapped its start.
+		seg.Context = d.hist.op
+	}
 	return done, err
 }
 
@@ -218,7 +222,14 @@ func (m vmmMapper) Unmap(seg *pools.Segment, off, size uint64) (uint64, error) {
 		}
 	}
 	if o > off {
-		d.trace.add(actionSegmentUnmap, seg.Base+cuda.Ptr(off), o-off, seg.Stream)
+		// Without an operation's context, the segment's, if the unmapped
+		// range becomes the segment's start (as PyTorch, whose head block
+		// carries it).
+		var own uint64
+		if h := seg.Head; off == 0 || h.Unmapped && h.End() == seg.Base+cuda.Ptr(off) {
+			own = seg.Context
+		}
+		d.record(actionSegmentUnmap, seg.Base+cuda.Ptr(off), o-off, seg.Stream, seg.Pool.ID, d.hist.ctxOr(own))
 	}
 	return o - off, err
 }

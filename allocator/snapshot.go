@@ -1,8 +1,6 @@
 package allocator
 
 import (
-	"time"
-
 	"github.com/cudapool/cudapool/cuda"
 	"github.com/cudapool/cudapool/pools"
 )
@@ -18,97 +16,51 @@ const (
 	actionOOM
 	actionSegmentMap   // pages of an expandable segment mapped
 	actionSegmentUnmap // pages of an expandable segment unmapped
+	actionSnapshot     // a snapshot was taken (size: its active bytes)
 )
 
-var actionNames = [...]string{"alloc", "free_requested", "free_completed", "segment_alloc", "segment_free", "oom", "segment_map", "segment_unmap"}
+var actionNames = [...]string{"alloc", "free_requested", "free_completed", "segment_alloc", "segment_free", "oom", "segment_map", "segment_unmap", "snapshot"}
 
+// traceEntry is one recorded action (see history.go).
 type traceEntry struct {
 	action action
-	addr   cuda.Ptr
+	addr   cuda.Ptr // for oom: the device's free memory
 	size   uint64
 	stream cuda.Stream
 	timeUS int64
-	free   uint64 // device free memory, for oom entries
-}
-
-// traceRing keeps the last N allocator actions of a device. Its storage is
-// allocated when history is switched on, so recording allocates nothing.
-type traceRing struct {
-	buf  []traceEntry
-	next int // where the next entry goes
-	full bool
-}
-
-func (t *traceRing) on() bool { return len(t.buf) > 0 }
-
-func (t *traceRing) resize(n int) {
-	if n == len(t.buf) {
-		return
-	}
-	old := t.entries()
-	t.buf, t.next, t.full = nil, 0, false
-	if n > 0 {
-		t.buf = make([]traceEntry, n)
-		for _, e := range old[max(0, len(old)-n):] {
-			t.push(e)
-		}
-	}
-}
-
-func (t *traceRing) add(a action, addr cuda.Ptr, size uint64, s cuda.Stream) {
-	if len(t.buf) == 0 {
-		return
-	}
-	t.push(traceEntry{a, addr, size, s, time.Now().UnixMicro(), 0})
-}
-
-// addOOM records an out-of-memory event with the device's free memory,
-// which PyTorch's memory visualizer reads.
-func (t *traceRing) addOOM(size uint64, s cuda.Stream, free uint64) {
-	if len(t.buf) == 0 {
-		return
-	}
-	t.push(traceEntry{actionOOM, 0, size, s, time.Now().UnixMicro(), free})
-}
-
-func (t *traceRing) push(e traceEntry) {
-	t.buf[t.next] = e
-	t.next++
-	if t.next == len(t.buf) {
-		t.next, t.full = 0, true
-	}
-}
-
-func (t *traceRing) entries() []traceEntry {
-	if !t.full {
-		return append([]traceEntry(nil), t.buf[:t.next]...)
-	}
-	return append(append([]traceEntry(nil), t.buf[t.next:]...), t.buf[:t.next]...)
+	pool   PoolID
+	ctx    uint64
+	labels *historyLabels // shared with the other entries made meanwhile
 }
 
 // Snapshot is torch.cuda.memory._snapshot()'s shape; encoding/json renders
-// it as PyTorch's dict.
+// it as PyTorch's dict. Context fields carry the ids the caller passed to the
+// ...Ctx operations (see history.go); the caller turns them into frames.
 type Snapshot struct {
-	Segments            []SegmentInfo  `json:"segments"`
-	DeviceTraces        [][]TraceEntry `json:"device_traces"`
-	AllocatorSettings   map[string]any `json:"allocator_settings"`
-	ExternalAnnotations []any          `json:"external_annotations"`
+	Segments            []SegmentInfo     `json:"segments"`
+	DeviceTraces        [][]TraceEntry    `json:"device_traces"`
+	AllocatorSettings   map[string]any    `json:"allocator_settings"`
+	ExternalAnnotations []AnnotationEntry `json:"external_annotations"`
 }
 
 // SegmentInfo describes one segment.
 type SegmentInfo struct {
-	Device        int         `json:"device"`
-	Address       uint64      `json:"address"`
-	TotalSize     uint64      `json:"total_size"`
-	AllocatedSize uint64      `json:"allocated_size"`
-	ActiveSize    uint64      `json:"active_size"`
-	RequestedSize uint64      `json:"requested_size"`
-	Stream        uint64      `json:"stream"`
-	SegmentType   string      `json:"segment_type"`
-	SegmentPoolID [2]uint64   `json:"segment_pool_id"`
-	IsExpandable  bool        `json:"is_expandable"`
-	Frames        []any       `json:"frames"`
-	Blocks        []BlockInfo `json:"blocks"`
+	Device        int       `json:"device"`
+	Address       uint64    `json:"address"`
+	TotalSize     uint64    `json:"total_size"`
+	AllocatedSize uint64    `json:"allocated_size"`
+	ActiveSize    uint64    `json:"active_size"`
+	RequestedSize uint64    `json:"requested_size"`
+	Stream        uint64    `json:"stream"`
+	SegmentType   string    `json:"segment_type"`
+	SegmentPoolID [2]uint64 `json:"segment_pool_id"`
+	IsExpandable  bool      `json:"is_expandable"`
+	// Context is the context of the malloc that allocated the segment (for
+	// an expandable segment: mapped its first page, shown on the mapped run
+	// at its start); 0: none.
+	Context uint64      `json:"context,omitempty"`
+	Frames  []any       `json:"frames"`
+	Blocks  []BlockInfo `json:"blocks"`
 }
 
 // BlockInfo describes one block of a segment.
@@ -117,7 +69,14 @@ type BlockInfo struct {
 	Size          uint64 `json:"size"`
 	RequestedSize uint64 `json:"requested_size"`
 	State         string `json:"state"`
-	Frames        []any  `json:"frames"`
+	// Allocated and Active are PyTorch's BlockInfo flags: handed to the
+	// user; allocated or awaiting its free.
+	Allocated bool `json:"allocated"`
+	Active    bool `json:"active"`
+	// Context is the context of the malloc that allocated the block, kept
+	// until its free completes; 0: none.
+	Context uint64 `json:"context,omitempty"`
+	Frames  []any  `json:"frames"`
 }
 
 // TraceEntry is one recorded allocator action.
@@ -126,36 +85,67 @@ type TraceEntry struct {
 	Addr   uint64 `json:"addr"`
 	Size   uint64 `json:"size"`
 	Stream uint64 `json:"stream"`
-	TimeUS int64  `json:"time_us"`
-	Frames []any  `json:"frames"`
+	TimeUS int64  `json:"time_us"` // microseconds since the Unix epoch
+	// Device and PoolID are the device and the pool of the block or
+	// segment concerned (for snapshot entries: the pool asked for).
+	Device int       `json:"device"`
+	PoolID [2]uint64 `json:"pool_id"`
+	// Context is the context recorded with the action (level alloc and
+	// above); 0: none.
+	Context        uint64 `json:"context,omitempty"`
+	CompileContext string `json:"compile_context"`
+	UserMetadata   string `json:"user_metadata"`
+	Frames         []any  `json:"frames"`
 	// DeviceFree is set on oom entries only.
 	DeviceFree *uint64 `json:"device_free,omitempty"`
 }
 
-// Snapshot returns every device's segments and blocks and the recorded
-// traces.
-func (a *Allocator) Snapshot() Snapshot {
+// Snapshot returns every device's segments and blocks, the recorded traces
+// and annotations: SnapshotOf(nil, true).
+func (a *Allocator) Snapshot() Snapshot { return a.SnapshotOf(nil, true) }
+
+// SnapshotOf returns the segments of pool (nil: of every pool), with the
+// traces and annotations if includeTraces (else device_traces and
+// external_annotations are empty). Each device records a snapshot entry
+// after its trace is read, as PyTorch does.
+func (a *Allocator) SnapshotOf(pool *PoolID, includeTraces bool) Snapshot {
 	snap := Snapshot{
 		Segments:            []SegmentInfo{},
-		DeviceTraces:        make([][]TraceEntry, len(a.devs)),
-		ExternalAnnotations: []any{},
+		DeviceTraces:        [][]TraceEntry{},
+		ExternalAnnotations: []AnnotationEntry{},
 	}
+	var asked PoolID
+	if pool != nil {
+		asked = *pool
+	}
+	if includeTraces {
+		snap.DeviceTraces = make([][]TraceEntry, len(a.devs))
+		a.hist.mu.Lock()
+		a.hist.annotations.each(func(e *AnnotationEntry) { snap.ExternalAnnotations = append(snap.ExternalAnnotations, *e) })
+		a.hist.mu.Unlock()
+	}
+	var tr []traceEntry
 	for _, d := range a.devs {
+		tr = tr[:0]
 		d.mu.Lock()
-		for _, s := range d.cache.Segments() {
-			snap.Segments = appendSegmentInfo(snap.Segments, d.id, s)
+		if includeTraces {
+			d.hist.ring.each(func(e *traceEntry) { tr = append(tr, *e) })
 		}
-		tr := d.trace.entries()
-		d.mu.Unlock()
-		out := make([]TraceEntry, len(tr))
-		for i, e := range tr {
-			out[i] = TraceEntry{Action: actionNames[e.action], Addr: uint64(e.addr), Size: e.size,
-				Stream: uint64(e.stream), TimeUS: e.timeUS, Frames: []any{}}
-			if e.action == actionOOM {
-				out[i].DeviceFree = &tr[i].free
+		first := len(snap.Segments)
+		for _, s := range d.cache.Segments() {
+			if pool == nil || s.Pool.ID == *pool {
+				snap.Segments = appendSegmentInfo(snap.Segments, d.id, s)
 			}
 		}
-		snap.DeviceTraces[d.id] = out
+		var active uint64
+		for _, si := range snap.Segments[first:] {
+			active += si.ActiveSize
+		}
+		d.record(actionSnapshot, 0, active, 0, asked, 0)
+		d.mu.Unlock()
+		if includeTraces {
+			snap.DeviceTraces[d.id] = traceEntries(d.id, tr)
+		}
 	}
 	cfg := a.Config()
 	p := cfg.Pools
@@ -172,6 +162,24 @@ func (a *Allocator) Snapshot() Snapshot {
 		"record_history":               cfg.HistoryEntries,
 	}
 	return snap
+}
+
+// traceEntries renders device dev's recorded entries.
+func traceEntries(dev int, tr []traceEntry) []TraceEntry {
+	out := make([]TraceEntry, len(tr))
+	for i, e := range tr {
+		out[i] = TraceEntry{Action: actionNames[e.action], Addr: uint64(e.addr), Size: e.size,
+			Stream: uint64(e.stream), TimeUS: e.timeUS, Device: dev, PoolID: [2]uint64{e.pool.A, e.pool.B},
+			Context: e.ctx, Frames: []any{}}
+		if e.labels != nil {
+			out[i].CompileContext, out[i].UserMetadata = e.labels.compile, e.labels.user
+		}
+		if e.action == actionOOM {
+			free := uint64(e.addr)
+			out[i].Addr, out[i].DeviceFree = 0, &free
+		}
+	}
+	return out
 }
 
 // appendSegmentInfo describes s: one segment, or for an expandable segment
@@ -192,6 +200,9 @@ func appendSegmentInfo(out []SegmentInfo, dev int, s *pools.Segment) []SegmentIn
 			out = append(out, SegmentInfo{Device: dev, Address: uint64(b.Ptr), Stream: uint64(s.Stream), SegmentType: typ,
 				SegmentPoolID: [2]uint64{s.Pool.ID.A, s.Pool.ID.B}, IsExpandable: s.Expandable, Frames: []any{}})
 			si = &out[len(out)-1]
+			if b.Ptr == s.Base {
+				si.Context = s.Context
+			}
 		}
 		state := "inactive"
 		switch {
@@ -207,7 +218,7 @@ func appendSegmentInfo(out []SegmentInfo, dev int, s *pools.Segment) []SegmentIn
 		}
 		si.TotalSize += b.Size
 		si.Blocks = append(si.Blocks, BlockInfo{Address: uint64(b.Ptr), Size: b.Size, RequestedSize: b.Requested,
-			State: state, Frames: []any{}})
+			State: state, Allocated: b.Allocated, Active: b.Active(), Context: b.Context, Frames: []any{}})
 	}
 	return out
 }

@@ -61,6 +61,10 @@ type Segment struct {
 	PageSize   uint64
 	Mapped     uint64
 	Pages      []cuda.MemHandle
+
+	// Context is the owner's opaque id of the caller's context (stack)
+	// when the segment was allocated, or its first page mapped; 0: none.
+	Context uint64
 }
 
 // Block is a piece of a segment. The fields are guarded by the lock of the
@@ -81,6 +85,7 @@ type Block struct {
 	// behind it: it is in its pool's Unmapped set, not in Blocks.
 	Unmapped  bool
 	Requested uint64 // the size the user asked for (allocated blocks)
+	Context   uint64 // opaque id of the caller's context (stack) when allocated; 0: none
 	Pool      *BlockPool
 	Seg       *Segment
 	Prev      *Block // neighbours in the segment, by address

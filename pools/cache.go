@@ -477,6 +477,9 @@ func (c *Cache) SegmentAt(p cuda.Ptr) *Segment {
 	return nil
 }
 
+// SegmentOf returns the live segment whose base is base, or nil.
+func (c *Cache) SegmentOf(base cuda.Ptr) *Segment { return c.segments[base] }
+
 // ActiveCount is the number of allocated blocks.
 func (c *Cache) ActiveCount() int { return c.active.n }
 
