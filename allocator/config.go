@@ -38,7 +38,12 @@ func DefaultConfig() Config { return Config{Pools: pools.DefaultConfig()} }
 // defaults. Unknown keys are not an error; they come back in warnings, with
 // notes on accepted options that have no effect, for the caller to report.
 func ParseConfig(s string) (cfg Config, warnings []string, err error) {
-	cfg = DefaultConfig()
+	return parseOnto(DefaultConfig(), s)
+}
+
+// parseOnto applies the keys of s to cfg.
+func parseOnto(cfg Config, s string) (Config, []string, error) {
+	var warnings []string
 	for _, item := range splitTop(s) {
 		item = strings.TrimSpace(item)
 		if item == "" {

@@ -3,10 +3,12 @@ package allocator
 import (
 	"errors"
 	"fmt"
+	"os"
 	"strings"
 
 	"github.com/cudapool/cudapool/cuda"
 	"github.com/cudapool/cudapool/pools"
+	"github.com/cudapool/cudapool/privatepool"
 )
 
 var errorsIs = errors.Is
@@ -232,11 +234,13 @@ func (d *device) capacity() (uint64, error) {
 	return d.total, nil
 }
 
-// outOfMemory counts the failure and builds PyTorch's message.
+// outOfMemory counts the failure and builds PyTorch 2.11's message; the
+// error carries the numbers PyTorch's out-of-memory observers receive.
 func (d *device) outOfMemory(r *pools.Request) error {
 	d.cache.Stats.NumOOMs++
 	free, total, err := d.drv.MemGetInfo(d.id)
 	d.record(actionOOM, cuda.Ptr(free), r.Size, r.Stream, r.Pool.ID, d.hist.op)
+	info := &OOMInfo{Device: d.id, Size: r.SegSize, Total: total, Free: free}
 	var b strings.Builder
 	fmt.Fprintf(&b, "CUDA out of memory. Tried to allocate %s. GPU %d", FormatSize(r.SegSize), d.id)
 	if err == nil {
@@ -247,20 +251,42 @@ func (d *device) outOfMemory(r *pools.Request) error {
 	if pl, ok := d.drv.(processLister); ok {
 		if procs, err := pl.DeviceProcesses(d.id); err == nil {
 			for _, p := range procs {
-				fmt.Fprintf(&b, "Process %d has %s memory in use. ", p.PID, FormatSize(p.Bytes))
+				if int(p.PID) == os.Getpid() {
+					fmt.Fprintf(&b, "Including non-PyTorch memory, this process has %s memory in use. ", FormatSize(p.Bytes))
+				} else {
+					fmt.Fprintf(&b, "Process %d has %s memory in use. ", p.PID, FormatSize(p.Bytes))
+				}
 			}
 		}
 	}
 	if allowed, ok := d.cache.Allowed(); ok {
-		fmt.Fprintf(&b, "%s allowed; ", FormatSize(allowed))
+		info.Total = allowed
+		if err != nil || allowed < total {
+			fmt.Fprintf(&b, "%s allowed; ", FormatSize(allowed))
+		}
 	}
 	st := &d.cache.Stats
-	allocated := st.AllocatedBytes[pools.StatAll].Current
-	reserved := st.ReservedBytes[pools.StatAll].Current
-	fmt.Fprintf(&b, "Of the allocated memory %s is allocated by PyTorch, and %s is reserved by PyTorch but unallocated.",
-		FormatSize(uint64(allocated)), FormatSize(uint64(reserved-allocated)))
-	b.WriteString(" If reserved but unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See documentation for Memory Management  (https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)")
-	return &Error{Op: "malloc", Kind: ErrOutOfMemory, Msg: b.String()}
+	allocated := uint64(st.AllocatedBytes[pools.StatAll].Current)
+	reserved := uint64(st.ReservedBytes[pools.StatAll].Current)
+	// Free memory cached in private pools counts as allocated: only their
+	// graphs can use it.
+	var private uint64
+	d.graphs.Pools.Each(func(p *privatepool.Pool) {
+		for _, bp := range [2]*pools.BlockPool{p.Small, p.Large} {
+			bp.Blocks.Ascend(func(blk *pools.Block) bool { private += blk.Size; return true })
+		}
+	})
+	fmt.Fprintf(&b, "Of the allocated memory %s is allocated by PyTorch, ", FormatSize(allocated+private))
+	if private > 0 {
+		fmt.Fprintf(&b, "with %s allocated in private pools (e.g., CUDA Graphs), ", FormatSize(private))
+	}
+	unallocated := uint64(0)
+	if reserved > allocated+private {
+		unallocated = reserved - allocated - private
+	}
+	fmt.Fprintf(&b, "and %s is reserved by PyTorch but unallocated.", FormatSize(unallocated))
+	b.WriteString(" If reserved but unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See documentation for Memory Management  (https://docs.pytorch.org/docs/stable/notes/cuda.html#optimizing-memory-usage-with-pytorch-cuda-alloc-conf)")
+	return &Error{Op: "malloc", Kind: ErrOutOfMemory, Msg: b.String(), OOM: info}
 }
 
 // FormatSize renders a byte count as PyTorch's messages do.

@@ -29,6 +29,25 @@ type Error struct {
 	Kind error  // one of the Err* values above
 	Msg  string
 	Err  error // the underlying driver error, if any
+	// OOM describes an out-of-memory failure of malloc (nil otherwise).
+	OOM *OOMInfo
+}
+
+// OOMInfo is what PyTorch tells its out-of-memory observers.
+type OOMInfo struct {
+	Device int
+	Size   uint64 // the segment size that could not be allocated
+	Total  uint64 // the device's memory, or the memory fraction's limit
+	Free   uint64 // the device's free memory
+}
+
+// OOMInfoOf returns the out-of-memory details of a malloc error, or nil.
+func OOMInfoOf(err error) *OOMInfo {
+	var e *Error
+	if errors.As(err, &e) {
+		return e.OOM
+	}
+	return nil
 }
 
 func (e *Error) Error() string {

@@ -40,7 +40,8 @@ size_t cp_take_frees(cp_pending_free *out, size_t cap);
 extern volatile unsigned cp_gather_mask;
 
 /* This thread's last out-of-memory failure (cudapool_last_oom), written by
- * Go through cp_set_oom on the failing thread. */
+ * Go through cp_set_oom on the failing thread; a device of -1 says the last
+ * failure was not out of memory. */
 void cp_set_oom(int device, size_t size, size_t device_total, size_t device_free);
 
 /* ---- Go exports (exports.go), called by the C and C++ wrappers. Pointers
@@ -75,6 +76,7 @@ extern long long cpgo_sim_violations(void);
 extern uintptr_t cpgo_malloc_ctx(size_t size, int device, uintptr_t stream, unsigned long long ctx,
                                  cp_pending_free *frees, size_t nfrees);
 extern void cpgo_expect_announced(void);
+extern int cpgo_free_ctx(uintptr_t ptr, size_t size, int device, unsigned long long ctx);
 extern int cpgo_configure_update(char *conf);
 extern int cpgo_get_device_stats(int device, void *out);
 extern int cpgo_cache_info(int device, size_t *largest);

@@ -299,7 +299,7 @@ static __thread int cp_oom_set;
 
 void cp_set_oom(int device, size_t size, size_t device_total, size_t device_free) {
 	cp_oom = (cudapool_oom_info){device, size, device_total, device_free};
-	cp_oom_set = 1;
+	cp_oom_set = device >= 0;
 }
 
 int cudapool_last_oom(cudapool_oom_info *out) {
@@ -331,6 +331,8 @@ void *cudapool_malloc_ctx(size_t size, int device, cudapool_stream stream, unsig
 	}
 
 CP_FORWARD_VOID(cudapool_expect_announced_captures, (void), expect_announced())
+CP_FORWARD(int, -1, cudapool_free_ctx, (void *ptr, size_t size, int device, unsigned long long context),
+           free_ctx((uintptr_t)ptr, size, device, context))
 CP_FORWARD(int, -1, cudapool_configure_update, (const char *conf), configure_update((char *)conf))
 CP_FORWARD(int, -1, cudapool_get_device_stats, (int device, cudapool_device_stats *out),
            get_device_stats(device, out))

@@ -41,7 +41,7 @@ func cpgo_malloc(size C.size_t, dev C.int, stream C.uintptr_t) C.uintptr_t {
 
 // mallocAfter performs the queued frees and the malloc in one lock hold.
 func mallocAfter(a *allocator.Allocator, size C.size_t, dev C.int, stream C.uintptr_t, frees []allocator.PendingFree) C.uintptr_t {
-	p, err, ferr := a.MallocAfterFrees(int(dev), uint64(size), cuda.Stream(stream), frees)
+	p, err, ferr := a.MallocAfterFrees(int(dev), uint64(size), cuda.Stream(stream), 0, frees)
 	reportFreeError(ferr)
 	if err != nil {
 		fail(err)

@@ -129,7 +129,7 @@ func takeFrees(buf *[C.CP_FREEQ_CAP]allocator.PendingFree) []allocator.PendingFr
 
 func convertFrees(dst []allocator.PendingFree, src []C.cp_pending_free) []allocator.PendingFree {
 	for _, f := range src {
-		dst = append(dst, allocator.PendingFree{Dev: int(f.device), Ptr: cuda.Ptr(f.ptr), Size: uint64(f.size)})
+		dst = append(dst, allocator.PendingFree{Dev: int(f.device), Ptr: cuda.Ptr(f.ptr), Size: uint64(f.size), Ctx: uint64(f.ctx)})
 	}
 	return dst
 }

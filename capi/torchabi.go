@@ -49,8 +49,24 @@ func cpgo_malloc_ctx(size C.size_t, dev C.int, stream C.uintptr_t, ctx C.ulonglo
 func failMalloc(err error) {
 	if oom := allocator.OOMInfoOf(err); oom != nil {
 		C.cp_set_oom(C.int(oom.Device), C.size_t(oom.Size), C.size_t(oom.Total), C.size_t(oom.Free))
+	} else {
+		C.cp_set_oom(-1, 0, 0, 0)
 	}
 	fail(err)
+}
+
+//export cpgo_free_ctx
+func cpgo_free_ctx(p C.uintptr_t, size C.size_t, dev C.int, ctx C.ulonglong) (rc C.int) {
+	rc = -1
+	defer guard("free")
+	a := ready()
+	if a == nil {
+		return -1
+	}
+	if dev < 0 {
+		return result(a.FreeAnyCtx(cuda.Ptr(p), uint64(size), uint64(ctx)))
+	}
+	return result(a.FreeCtx(int(dev), cuda.Ptr(p), uint64(size), uint64(ctx)))
 }
 
 //export cpgo_expect_announced
@@ -64,6 +80,8 @@ func cpgo_expect_announced() {
 
 //export cpgo_configure_update
 func cpgo_configure_update(conf *C.char) (rc C.int) {
+	// (Concurrent updates are serialized by PyTorch's settings parser; a
+	// cudapool_configure racing with one may lose one of the two.)
 	rc = -1
 	defer guard("configure")
 	if conf == nil {
@@ -74,7 +92,7 @@ func cpgo_configure_update(conf *C.char) (rc C.int) {
 	if a == nil {
 		return -1
 	}
-	cfg, warnings, err := allocator.ParseConfigOnto(a.Config(), C.GoString(conf))
+	cfg, warnings, err := allocator.ParseConfigUpdate(a.Config(), C.GoString(conf))
 	reportWarnings(warnings)
 	if err != nil {
 		fail(err)

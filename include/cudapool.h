@@ -147,6 +147,10 @@ void *cudapool_malloc_ctx(size_t size, int device, cudapool_stream stream, unsig
  * free's context. Failures are reported on stderr. */
 void cudapool_free_deferred(void *ptr, size_t size, int device, unsigned long long context);
 
+/* Frees ptr at once, as cudapool_free, but size 0 and device -1 may be
+ * unknown; context is the free's context. 0 on success, -1 on failure. */
+int cudapool_free_ctx(void *ptr, size_t size, int device, unsigned long long context);
+
 /* Declares that every CUDA graph capture will be announced with
  * begin_allocate_to_pool (PyTorch does), so malloc need not ask the driver
  * whether its stream captures. */

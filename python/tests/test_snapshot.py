@@ -7,8 +7,8 @@ import cudapool
 MiB = 1 << 20
 SEGMENT_KEYS = {"device", "address", "total_size", "allocated_size", "active_size", "requested_size", "stream",
                 "segment_type", "segment_pool_id", "is_expandable", "frames", "blocks"}
-BLOCK_KEYS = {"address", "size", "requested_size", "state", "frames"}
-TRACE_KEYS = {"action", "addr", "size", "stream", "time_us", "frames"}
+BLOCK_KEYS = {"address", "size", "requested_size", "state", "frames", "allocated", "active"}
+TRACE_KEYS = {"action", "addr", "size", "stream", "time_us", "frames", "device", "pool_id", "compile_context", "user_metadata"}
 
 
 def test_shape_and_consistency(allocs):

@@ -317,7 +317,7 @@ struct PoolState : CCA::AllocatorState {
 
 // PyTorch's handle string: a version byte, a type byte ('c': a cudaMalloc'd
 // segment), then the 64-byte cudaIpcMemHandle_t (see shareIpcHandle).
-constexpr char kIpcVersion = 1;
+constexpr char kIpcVersion = 2;
 constexpr char kIpcCudaMalloc = 'c';
 constexpr size_t kIpcHandleSize = 64;
 
@@ -347,12 +347,26 @@ class Allocator final : public Base {
 		return malloc_on(n, current_device(), stream);
 	}
 
+	// raw_delete frees at once (not queued like the DataPtr deleter), so
+	// that a bad pointer raises here, with native's words first.
 	void raw_delete(void *p) override {
 		if (!fast_) {
 			Base::raw_delete(p);
 			return;
 		}
-		free_ptr(p);
+		if (p == nullptr)
+			return;
+		int rc;
+		{
+			std::shared_lock<std::shared_mutex> r(contexts.inflight);
+			rc = cudapool_free_ctx(p, 0, -1, gather(CUDAPOOL_GATHER_FREE));
+		}
+		contexts.maybe_sweep();
+		if (rc != 0) {
+			std::string msg = last_error("cudapool: free failed");
+			cudapool_clear_error();
+			TORCH_CHECK(false, "invalid device pointer: ", p, " (", msg, ")");
+		}
 	}
 
 	void init(int device_count) override {
@@ -511,7 +525,7 @@ class Allocator final : public Base {
 			const cudapool_trace_entry &t = s->traces[i];
 			TE e(static_cast<TE::Action>(t.action), static_cast<DeviceIndex>(t.device), t.addr, t.size,
 			     reinterpret_cast<void *>(t.stream), {t.pool_a, t.pool_b}, 0, contexts.get(t.context),
-			     t.compile_context ? t.compile_context : "", t.user_metadata ? t.user_metadata : "");
+			     t.compile_context ? t.compile_context : "N/A", t.user_metadata ? t.user_metadata : "");
 			e.time_.t_ = static_cast<time_t>(t.time_us);
 			out.device_traces[static_cast<size_t>(t.device)].push_back(std::move(e));
 		}
