@@ -81,6 +81,7 @@ type Block struct {
 	// behind it: it is in its pool's Unmapped set, not in Blocks.
 	Unmapped  bool
 	Requested uint64 // the size the user asked for (allocated blocks)
+	Context   uint64 // opaque id of the caller's context (stack) when allocated; 0: none
 	Pool      *BlockPool
 	Seg       *Segment
 	Prev      *Block // neighbours in the segment, by address
