@@ -18,8 +18,10 @@
 //  3. Best fit on the stream in that pool.
 //  4. Else grow: garbage-collect old cached segments if configured; allocate
 //     a new segment (with expandable_segments:True, map pages into the
-//     pool's reserved range instead: expandable.go); else free cached
-//     oversize segments and retry; else wait for all pending events, free
+//     pool's reserved range instead: expandable.go); else, for a request
+//     of the default pools, take a cached block of a user pool marked
+//     use_on_oom (mempool.go); else free cached oversize segments and
+//     retry; else wait for all pending events, free
 //     every cached whole segment and unmap every free page (and the released
 //     private pools') and retry. Steps that free memory are skipped while a
 //     capture is under way.
@@ -107,6 +109,16 @@ type device struct {
 	mapper         vmmMapper
 	warn           func(string)
 
+	// sources supply the segments of private pools that have their own
+	// (SetPoolSource), by pool id; guarded by mu.
+	sources map[PoolID]SegmentSource
+	// fraction is the memory fraction the configuration asks for
+	// (per_process_memory_fraction), applied when the device next grows,
+	// since that needs the device's capacity from the driver;
+	// fractionPending says it is not yet applied. Both guarded by mu.
+	fraction        float64
+	fractionPending bool
+
 	// Built once so that passing them costs no allocation.
 	freeSeg  pools.FreeFunc
 	newPools privatepool.NewPools
@@ -137,6 +149,7 @@ func New(drv Driver, cfg Config) (*Allocator, error) {
 		d.ret = d.returnBlock
 		d.vmm, _ = drv.(vmmDriver)
 		d.wantExpandable = cfg.ExpandableSegments
+		d.fraction, d.fractionPending = cfg.MemoryFraction, cfg.MemoryFractionSet
 		d.mapper = vmmMapper{d}
 		d.warn = a.warn
 		a.devs = append(a.devs, d)
@@ -162,7 +175,9 @@ func (a *Allocator) DeviceCount() int { return len(a.devs) }
 func (a *Allocator) Config() Config { return *a.cfg.Load() }
 
 // Configure replaces the configuration. Cached blocks keep their sizes. A
-// changed record_history key restarts the history (see historyFromConfig).
+// changed record_history key restarts the history (see historyFromConfig);
+// per_process_memory_fraction in cfg becomes every device's memory
+// fraction; without one, the devices keep theirs.
 func (a *Allocator) Configure(cfg Config) {
 	a.cfgMu.Lock()
 	defer a.cfgMu.Unlock()
@@ -172,6 +187,9 @@ func (a *Allocator) Configure(cfg Config) {
 		d.cache.SetConfig(cfg.Pools)
 		d.debug = cfg.DebugChecks
 		d.wantExpandable = cfg.ExpandableSegments
+		if cfg.MemoryFractionSet {
+			d.fraction, d.fractionPending = cfg.MemoryFraction, true
+		}
 		d.mu.Unlock()
 	}
 	if cfg.HistoryEntries != old.HistoryEntries {
@@ -223,8 +241,8 @@ func (a *Allocator) MallocCtx(dev int, size uint64, s cuda.Stream, ctx uint64) (
 	if size == 0 {
 		return 0, nil
 	}
-	if size > pools.MaxRequest {
-		return 0, newError("malloc", ErrInvalidSize, "%d bytes is more than any device has (limit 1 EiB)", size)
+	if size >= pools.MaxRequest {
+		return 0, tooLarge()
 	}
 	capture, err := a.unannouncedCapture(dev, s)
 	if err != nil {
@@ -239,6 +257,12 @@ func (a *Allocator) MallocCtx(dev int, size uint64, s cuda.Stream, ctx uint64) (
 	}
 	d.mu.Unlock()
 	return p, err
+}
+
+// tooLarge is PyTorch's error, word for word, for a request of 1 EiB or
+// more: an out-of-memory error (torch.OutOfMemoryError), counted nowhere.
+func tooLarge() error {
+	return newError("malloc", ErrOutOfMemory, "CUDA out of memory. Tried to allocate more than 1EB memory.")
 }
 
 // unannouncedCapture returns the capture sequence s belongs to (0: none)
@@ -285,6 +309,27 @@ func (a *Allocator) FreeCtx(dev int, p cuda.Ptr, size uint64, ctx uint64) error 
 	return nil
 }
 
+// FreeAny frees the block at p on whichever device holds it (a caller that
+// does not know the device). size is checked as in Free. It allocates
+// nothing unless it fails.
+func (a *Allocator) FreeAny(p cuda.Ptr, size uint64) error { return a.FreeAnyCtx(p, size, 0) }
+
+// FreeAnyCtx is FreeAny with the free's context id (as for FreeCtx).
+func (a *Allocator) FreeAnyCtx(p cuda.Ptr, size uint64, ctx uint64) error {
+	d, b := a.find(p)
+	if d == nil {
+		return a.explainUnknown("free", -1, p)
+	}
+	d.hist.begin(ctx, HistoryAll)
+	err := d.freeBlock(b, size)
+	d.hist.end()
+	if d.debug {
+		d.mustCheck()
+	}
+	d.mu.Unlock()
+	return err
+}
+
 // explainFree replaces the error of a free that found no block by one that
 // says what the pointer is; it runs without any device lock held, since it
 // looks at every device.
@@ -302,8 +347,14 @@ func (d *device) freeLocked(p cuda.Ptr, size uint64) error {
 	if b == nil {
 		return &Error{Op: "free", Kind: ErrUnknownPointer, Msg: "pointer not allocated on this device", Err: unknownAt{d.id, p}}
 	}
+	return d.freeBlock(b, size)
+}
+
+// freeBlock frees the allocated block b, whose requested size must be size
+// unless size is 0. d.mu is held.
+func (d *device) freeBlock(b *pools.Block, size uint64) error {
 	if size != 0 && size != b.Requested {
-		return newError("free", ErrInvalidArgument, "pointer %#x was allocated with %d bytes, freed with %d; not freed", uintptr(p), b.Requested, size)
+		return newError("free", ErrInvalidArgument, "pointer %#x was allocated with %d bytes, freed with %d; not freed", uintptr(b.Ptr), b.Requested, size)
 	}
 	return d.free(b)
 }
@@ -452,7 +503,8 @@ func (a *Allocator) EmptyCacheCtx(ctx uint64) error {
 }
 
 // SetMemoryFraction limits the memory cudapool reserves on dev to fraction
-// of the device's capacity.
+// of the device's capacity. As in PyTorch, 1 means no limit (and garbage
+// collection, which needs a limit, stays off).
 func (a *Allocator) SetMemoryFraction(dev int, fraction float64) error {
 	d, err := a.device("set_memory_fraction", dev)
 	if err != nil {
@@ -468,6 +520,7 @@ func (a *Allocator) SetMemoryFraction(dev int, fraction float64) error {
 		return driverError("set_memory_fraction", err, "reading device %d's memory size", dev)
 	}
 	d.cache.SetFraction(fraction, total)
+	d.fractionPending = false // this call overrides the configuration's
 	return nil
 }
 
@@ -596,19 +649,20 @@ func (d *device) withThreadRelaxed(fn func() error) error {
 // PendingFree is a free the caller deferred (the C ABI queues PyTorch's
 // frees and hands them over with the next call; see capi).
 type PendingFree struct {
-	Dev  int
+	Dev  int // -1: unknown, the device that holds Ptr (FreeAny)
 	Ptr  cuda.Ptr
 	Size uint64
 	Ctx  uint64 // the free's context id, as for FreeCtx (0: none)
 }
 
 // MallocAfterFrees performs the pending frees, then the malloc (whose context
-// id is ctx, as for MallocCtx). The frees of dev happen under the same lock
-// hold as the malloc, so a malloc+free pair costs one lock and one call. It
-// returns the malloc's error and, separately, the first failed free's.
+// id is ctx, as for MallocCtx). The frees of dev, and those of unknown
+// device (Dev -1) that dev holds, happen under the same lock hold as the
+// malloc, so a malloc+free pair costs one lock and one call. It returns the
+// malloc's error and, separately, the first failed free's.
 func (a *Allocator) MallocAfterFrees(dev int, size uint64, s cuda.Stream, ctx uint64, frees []PendingFree) (p cuda.Ptr, err, freeErr error) {
 	d, err := a.device("malloc", dev)
-	if err != nil || size == 0 || size > pools.MaxRequest {
+	if err != nil || size == 0 || size >= pools.MaxRequest {
 		freeErr = a.FreeMany(frees)
 		p, err = a.MallocCtx(dev, size, s, ctx)
 		return p, err, freeErr
@@ -617,15 +671,31 @@ func (a *Allocator) MallocAfterFrees(dev int, size uint64, s cuda.Stream, ctx ui
 	if err != nil {
 		return 0, err, a.FreeMany(frees)
 	}
+	// done marks the frees of unknown device done under the lock (only the
+	// first 128 are tried on dev first: the C queue holds 65).
+	var done [2]uint64
+	isDone := func(i int) bool { return i < 128 && done[i/64]&(1<<(i%64)) != 0 }
 	others := 0
 	d.mu.Lock()
 	for i := range frees {
-		if frees[i].Dev != dev {
+		f := &frees[i]
+		var b *pools.Block
+		if f.Dev == -1 && i < 128 {
+			b = d.cache.Lookup(f.Ptr)
+		}
+		if f.Dev != dev && b == nil {
 			others++
 			continue
 		}
-		d.hist.begin(frees[i].Ctx, HistoryAll)
-		if e := d.freeLocked(frees[i].Ptr, frees[i].Size); e != nil && freeErr == nil {
+		d.hist.begin(f.Ctx, HistoryAll)
+		var e error
+		if b != nil {
+			e = d.freeBlock(b, f.Size)
+			done[i/64] |= 1 << (i % 64)
+		} else {
+			e = d.freeLocked(f.Ptr, f.Size)
+		}
+		if e != nil && freeErr == nil {
 			freeErr = e
 		}
 	}
@@ -638,8 +708,8 @@ func (a *Allocator) MallocAfterFrees(dev int, size uint64, s cuda.Stream, ctx ui
 	d.mu.Unlock()
 	if others > 0 {
 		for i := range frees {
-			if frees[i].Dev != dev {
-				if e := a.FreeCtx(frees[i].Dev, frees[i].Ptr, frees[i].Size, frees[i].Ctx); e != nil && freeErr == nil {
+			if f := &frees[i]; f.Dev != dev && !isDone(i) {
+				if e := a.freePending(f); e != nil && freeErr == nil {
 					freeErr = e
 				}
 			}
@@ -655,9 +725,16 @@ func (a *Allocator) MallocAfterFrees(dev int, size uint64, s cuda.Stream, ctx ui
 func (a *Allocator) FreeMany(frees []PendingFree) error {
 	var first error
 	for i := range frees {
-		if err := a.FreeCtx(frees[i].Dev, frees[i].Ptr, frees[i].Size, frees[i].Ctx); err != nil && first == nil {
+		if err := a.freePending(&frees[i]); err != nil && first == nil {
 			first = err
 		}
 	}
 	return first
+}
+
+func (a *Allocator) freePending(f *PendingFree) error {
+	if f.Dev == -1 {
+		return a.FreeAnyCtx(f.Ptr, f.Size, f.Ctx)
+	}
+	return a.FreeCtx(f.Dev, f.Ptr, f.Size, f.Ctx)
 }

@@ -72,7 +72,8 @@ func TestBadInput(t *testing.T) {
 		{"size mismatch", a.Free(0, p, 100), allocator.ErrInvalidArgument},
 		{"negative device", errOf(a.Malloc(-1, 10, 0)), allocator.ErrInvalidDevice},
 		{"unknown device", errOf(a.Malloc(2, 10, 0)), allocator.ErrInvalidDevice},
-		{"absurd size", errOf(a.Malloc(0, 1<<61, 0)), allocator.ErrInvalidSize},
+		{"absurd size", errOf(a.Malloc(0, 1<<61, 0)), allocator.ErrOutOfMemory},
+		{"1 EiB exactly", errOf(a.Malloc(0, 1<<60, 0)), allocator.ErrOutOfMemory},
 		{"record_stream unknown", a.RecordStream(0xbeef000, 3), allocator.ErrUnknownPointer},
 		{"release unknown pool", a.ReleasePool(0, allocator.PoolID{A: 9}), allocator.ErrUnknownPool},
 		{"end not recording", a.EndAllocateToPool(0, allocator.PoolID{A: 9}), allocator.ErrNotRecording},
@@ -87,22 +88,28 @@ func TestBadInput(t *testing.T) {
 		require.True(t, errors.As(tc.err, &e), tc.name)
 		require.Contains(t, e.Error(), "cudapool: ")
 	}
-	require.Equal(t, before, stats(t, a, 0), "bad input changes nothing")
+	require.Equal(t, before, stats(t, a, 0), "bad input changes nothing (an absurd size is no OOM in the stats)")
+	_, err := a.Malloc(0, 1<<60, 0)
+	require.EqualError(t, err, "cudapool: malloc: CUDA out of memory. Tried to allocate more than 1EB memory.", "PyTorch's text")
 
 	require.NoError(t, a.Free(0, p, 4096))
-	err := a.Free(0, p, 4096)
+	err = a.Free(0, p, 4096)
 	require.ErrorIs(t, err, allocator.ErrAlreadyFreed, "double free is recognised: %v", err)
 
 	z, err := a.Malloc(0, 0, 0)
 	require.NoError(t, err, "size 0 is not an error")
 	require.Zero(t, z)
 
+	// A second begin of a recording pool is another holder (two threads
+	// each in use_mem_pool of one pool): each needs its end and release.
 	require.NoError(t, a.BeginAllocateToPool(0, allocator.PoolID{A: 1}, nil))
-	err = a.BeginAllocateToPool(0, allocator.PoolID{A: 1}, nil)
-	require.ErrorIs(t, err, allocator.ErrAlreadyRecording)
+	require.NoError(t, a.BeginAllocateToPool(0, allocator.PoolID{A: 1}, nil))
 	require.NoError(t, a.EndAllocateToPool(0, allocator.PoolID{A: 1}))
+	require.NoError(t, a.EndAllocateToPool(0, allocator.PoolID{A: 1}))
+	require.ErrorIs(t, a.EndAllocateToPool(0, allocator.PoolID{A: 1}), allocator.ErrNotRecording, "ended twice")
 	require.NoError(t, a.ReleasePool(0, allocator.PoolID{A: 1}))
-	require.ErrorIs(t, a.ReleasePool(0, allocator.PoolID{A: 1}), allocator.ErrUnknownPool, "released twice")
+	require.NoError(t, a.ReleasePool(0, allocator.PoolID{A: 1}))
+	require.ErrorIs(t, a.ReleasePool(0, allocator.PoolID{A: 1}), allocator.ErrUnknownPool, "released three times")
 	require.NoError(t, a.CheckInvariants())
 	require.Zero(t, drv.Violations())
 }
@@ -182,7 +189,7 @@ func TestMemoryFractionLimits(t *testing.T) {
 
 func TestGarbageCollectionThreshold(t *testing.T) {
 	a, drv := newAlloc(t, 1, 1000*MiB, "garbage_collection_threshold:0.5")
-	require.NoError(t, a.SetMemoryFraction(0, 1)) // GC needs a fraction
+	require.NoError(t, a.SetMemoryFraction(0, 0.999)) // GC needs a limit (1 is none)
 	var ps []cuda.Ptr
 	for i := 0; i < 9; i++ { // 540 MiB: above the 500 MiB threshold
 		ps = append(ps, mustMalloc(t, a, 0, 60*MiB, 0))

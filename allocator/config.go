@@ -29,6 +29,12 @@ type Config struct {
 	// DebugChecks verifies every invariant after each operation (slow).
 	// cudapool's own key: debug_checks.
 	DebugChecks bool
+	// MemoryFraction, when MemoryFractionSet, is every device's memory
+	// fraction (PyTorch 2.11's per_process_memory_fraction), applied when
+	// the allocator is made and on Configure; SetMemoryFraction overrides
+	// it per device. In [0, 1]; 1 is no limit.
+	MemoryFraction    float64
+	MemoryFractionSet bool
 }
 
 // DefaultConfig is PyTorch's default configuration.
@@ -148,6 +154,15 @@ func (c *Config) set(key, val string) (warning string, err error) {
 		}
 	case "pinned_use_cuda_host_register", "pinned_num_register_threads", "pinned_use_background_threads", "pinned_reserve_segment_size_mb":
 		// Host (pinned) memory options: not this allocator's business.
+	case "per_process_memory_fraction":
+		f, err := strconv.ParseFloat(val, 64)
+		if err != nil {
+			return "", configError("per_process_memory_fraction=%s: expected a number", val)
+		}
+		if !(f >= 0 && f <= 1) {
+			return "", configError("per_process_memory_fraction is invalid, set it in [0.0, 1.0] (got %s)", val)
+		}
+		c.MemoryFraction, c.MemoryFractionSet = f, true
 	case "record_history":
 		n, err := parseUint(key, val)
 		if err != nil {
@@ -287,6 +302,9 @@ func (c Config) String() string {
 	}
 	if c.ExpandableSegments {
 		parts = append(parts, "expandable_segments:True")
+	}
+	if c.MemoryFractionSet {
+		parts = append(parts, fmt.Sprintf("per_process_memory_fraction:%g", c.MemoryFraction))
 	}
 	if c.HistoryEntries > 0 {
 		parts = append(parts, fmt.Sprintf("record_history:%d", c.HistoryEntries))

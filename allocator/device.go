@@ -65,6 +65,11 @@ func (d *device) malloc(size uint64, s cuda.Stream, capture uint64) (cuda.Ptr, e
 // grow finds memory for r when no cached block fits: a new segment, after
 // freeing what may be freed, or an out-of-memory error.
 func (d *device) grow(r *pools.Request, capturing bool) (*pools.Block, error) {
+	if d.fractionPending {
+		if err := d.applyFraction(); err != nil {
+			return nil, err
+		}
+	}
 	if !capturing {
 		if err := d.cache.GarbageCollect(d.freeSeg); err != nil {
 			return nil, driverError("malloc", err, "freeing cached segments (garbage collection) on device %d", d.id)
@@ -73,8 +78,11 @@ func (d *device) grow(r *pools.Request, capturing bool) (*pools.Block, error) {
 	if b, err := d.newSegment(r, false); b != nil || err != nil {
 		return b, err
 	}
+	if b := d.borrow(r); b != nil {
+		return b, nil
+	}
 	if !capturing {
-		ok, err := d.cache.ReleaseAvailable(r, d.freeSeg)
+		ok, err := d.cache.ReleaseAvailable(r, d.freeFor(r.Pool))
 		if err != nil {
 			return nil, driverError("malloc", err, "freeing cached oversize segments on device %d", d.id)
 		}
@@ -93,13 +101,49 @@ func (d *device) grow(r *pools.Request, capturing bool) (*pools.Block, error) {
 	return nil, d.outOfMemory(r)
 }
 
-// newSegment allocates a segment for r from the driver. Running out of
-// memory is (nil, nil): the caller decides what to try next.
+// applyFraction applies the configuration's memory fraction, now that the
+// device's capacity can be read. d.mu is held.
+func (d *device) applyFraction() error {
+	total, err := d.capacity()
+	if err != nil {
+		return driverError("malloc", err, "reading device %d's memory size for per_process_memory_fraction", d.id)
+	}
+	d.cache.SetFraction(d.fraction, total)
+	d.fractionPending = false
+	return nil
+}
+
+// borrow is PyTorch's last resort before freeing cached memory: a request
+// of the default pools takes a cached block of a live pool marked
+// use_on_oom, which the block then belongs to (its free returns it there).
+// It changes r's pool to that pool's. d.mu is held.
+func (d *device) borrow(r *pools.Request) *pools.Block {
+	if !r.Pool.ID.IsDefault() {
+		return nil // already in a private pool: no other pool is tried
+	}
+	def := r.Pool
+	for _, pp := range d.graphs.Pools.UseOnOOM() {
+		r.Pool = pp.Large
+		if def.Small {
+			r.Pool = pp.Small
+		}
+		if b := d.cache.TakeFree(r); b != nil {
+			return b
+		}
+	}
+	r.Pool = def
+	return nil
+}
+
+// newSegment allocates a segment for r from the driver, or from the
+// pool's segment source. Running out of memory is (nil, nil): the caller
+// decides what to try next.
 func (d *device) newSegment(r *pools.Request, retry bool) (*pools.Block, error) {
 	if retry {
 		d.cache.Stats.NumAllocRetries++
 	}
-	if d.expandable() {
+	src := d.sourceOf(r.Pool)
+	if src == nil && d.expandable() {
 		return d.growExpandable(r, d.capturing())
 	}
 	if !d.cache.CanGrow(r.SegSize) {
@@ -107,7 +151,21 @@ func (d *device) newSegment(r *pools.Request, retry bool) (*pools.Block, error) 
 	}
 	var p cuda.Ptr
 	var err error
-	if ra, ok := d.drv.(relaxedAllocator); ok {
+	if src != nil {
+		// Like a driver allocation, in relaxed capture mode: legal during
+		// any capture.
+		err = d.withThreadRelaxed(func() (err error) {
+			p, err = src.Alloc(d.id, r.SegSize, r.Stream)
+			return err
+		})
+		if err == nil && p == 0 {
+			err = cuda.ErrOutOfMemory // PyTorch: a null segment is out of memory
+		}
+		if err != nil && !errors.Is(err, cuda.ErrOutOfMemory) {
+			return nil, &Error{Op: "malloc", Kind: ErrDriver, Err: err,
+				Msg: fmt.Sprintf("the segment source of pool {%d,%d} failed to allocate %d bytes on device %d", r.Pool.ID.A, r.Pool.ID.B, r.SegSize, d.id)}
+		}
+	} else if ra, ok := d.drv.(relaxedAllocator); ok {
 		p, err = ra.MemAllocRelaxed(d.id, r.SegSize)
 	} else {
 		err = d.withThreadRelaxed(func() (err error) {
@@ -127,18 +185,49 @@ func (d *device) newSegment(r *pools.Request, retry bool) (*pools.Block, error) 
 	return b, nil
 }
 
+// sourceOf returns the segment source of the pool p belongs to, or nil for
+// the driver.
+func (d *device) sourceOf(p *pools.BlockPool) SegmentSource {
+	if p.ID.IsDefault() || len(d.sources) == 0 {
+		return nil
+	}
+	return d.sources[p.ID]
+}
+
+// freeFor returns the function that gives p's segments back: to the pool's
+// segment source if it has one, else to the driver (d.freeSeg).
+func (d *device) freeFor(p *pools.BlockPool) pools.FreeFunc {
+	src := d.sourceOf(p)
+	if src == nil {
+		return d.freeSeg
+	}
+	return func(base cuda.Ptr, size uint64) error {
+		if err := src.Free(d.id, base, size); err != nil {
+			return err
+		}
+		d.recordSegmentFree(base, size)
+		return nil
+	}
+}
+
 // freeSegment gives a whole cached segment back to the driver (the cache's
 // FreeFunc, d.freeSeg) and records it. d.mu is held.
 func (d *device) freeSegment(base cuda.Ptr, size uint64) error {
 	if err := d.drv.MemFree(d.id, base); err != nil {
 		return err
 	}
+	d.recordSegmentFree(base, size)
+	return nil
+}
+
+// recordSegmentFree records the free of the segment at base (still in the
+// cache) in the history.
+func (d *device) recordSegmentFree(base cuda.Ptr, size uint64) {
 	if d.hist.on {
 		if seg := d.cache.SegmentOf(base); seg != nil {
 			d.record(actionSegmentFree, base, size, seg.Stream, seg.Pool.ID, d.hist.ctxOr(seg.Context))
 		}
 	}
-	return nil
 }
 
 // releaseCached waits for all pending frees, then returns every cached whole
@@ -163,17 +252,28 @@ func (d *device) releaseCached() error {
 		}
 	}
 	for _, pp := range d.graphs.Pools.Freeable() {
-		for _, p := range []*pools.BlockPool{pp.Small, pp.Large} {
-			if err := d.cache.ReleasePool(p, free); err != nil {
-				return driverError("empty_cache", err, "freeing the segments of released pool {%d,%d} on device %d", pp.ID.A, pp.ID.B, d.id)
-			}
-			if err := d.cache.UnmapFree(p, d.mapper); err != nil {
-				return driverError("empty_cache", err, "unmapping the pages of released pool {%d,%d} on device %d", pp.ID.A, pp.ID.B, d.id)
-			}
+		if err := d.releasePrivate(pp); err != nil {
+			return err
 		}
-		if pp.Segments() == 0 {
-			d.graphs.Pools.Drop(pp)
+	}
+	return nil
+}
+
+// releasePrivate gives back the cached segments and free pages of the
+// released private pool pp, and forgets the pool once it holds nothing.
+// Never during a capture.
+func (d *device) releasePrivate(pp *privatepool.Pool) error {
+	for _, p := range []*pools.BlockPool{pp.Small, pp.Large} {
+		if err := d.cache.ReleasePool(p, d.freeFor(p)); err != nil {
+			return driverError("empty_cache", err, "freeing the segments of released pool {%d,%d} on device %d", pp.ID.A, pp.ID.B, d.id)
 		}
+		if err := d.cache.UnmapFree(p, d.mapper); err != nil {
+			return driverError("empty_cache", err, "unmapping the pages of released pool {%d,%d} on device %d", pp.ID.A, pp.ID.B, d.id)
+		}
+	}
+	if pp.Segments() == 0 {
+		d.graphs.Pools.Drop(pp)
+		delete(d.sources, pp.ID)
 	}
 	return nil
 }

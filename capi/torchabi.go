@@ -361,10 +361,8 @@ func cpgo_checkpoint_release(id C.ulonglong) {
 	cp := checkpoints.m[uint64(id)]
 	delete(checkpoints.m, uint64(id))
 	checkpoints.mu.Unlock()
-	if cp != nil {
-		if a := ready(); a != nil {
-			a.ReleaseCheckpoint(cp)
-		}
+	if cp == nil && id != 0 {
+		failf("cudapool: checkpoint_release: checkpoint %d does not exist (released twice?)", uint64(id))
 	}
 }
 

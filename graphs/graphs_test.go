@@ -23,11 +23,64 @@ func TestNewestCaptureFirst(t *testing.T) {
 	require.Equal(t, g2, r.Route(2, 0, mk).ID, "both accept stream 2: the newer wins")
 	require.Equal(t, g1, r.Route(1, 0, mk).ID)
 	require.Nil(t, r.Route(3, 0, mk))
-	require.ErrorIs(t, r.Begin(g1, nil, mk), graphs.ErrAlreadyRecording)
 	require.NoError(t, r.End(g2))
 	require.Equal(t, g1, r.Route(2, 0, mk).ID)
 	require.ErrorIs(t, r.End(g2), graphs.ErrNotRecording)
 	require.Equal(t, []pools.PoolID{g1}, r.Recording())
+}
+
+// One pool begun twice at once, as by two threads each in use_mem_pool of
+// it: each thread's allocations go to the pool, and each end removes the
+// ending thread's routing whatever the order.
+func TestSeveralBeginsOfOnePool(t *testing.T) {
+	var r graphs.Router
+	g := pools.PoolID{B: 3}
+	caller := 0 // the "thread" making the call
+	thread := func(id int) graphs.Filter { return func(cuda.Stream) bool { return caller == id } }
+	require.NoError(t, r.Begin(g, thread(1), mk))
+	require.NoError(t, r.Begin(g, thread(2), mk))
+	require.Equal(t, 2, r.Pools.Get(g).UseCount, "each begin holds the pool")
+	require.Equal(t, 2, r.Count())
+	for _, c := range []int{1, 2} {
+		caller = c
+		require.Equal(t, g, r.Route(5, 0, mk).ID, "thread %d", c)
+	}
+	caller = 3
+	require.Nil(t, r.Route(5, 0, mk), "another thread allocates from the default pools")
+
+	caller = 2 // the second thread ends first
+	require.NoError(t, r.End(g))
+	require.True(t, r.IsRecording(g))
+	require.Nil(t, r.Route(5, 0, mk), "thread 2's routing went")
+	caller = 1
+	require.NotNil(t, r.Route(5, 0, mk), "thread 1's stays")
+	require.NoError(t, r.End(g))
+	require.False(t, r.IsRecording(g))
+	require.Nil(t, r.Route(5, 0, mk))
+	require.ErrorIs(t, r.End(g), graphs.ErrNotRecording)
+	require.Zero(t, r.Count())
+}
+
+// With filters that do not tell threads apart, End removes the oldest
+// routing, as PyTorch does.
+func TestEndRemovesOldestByDefault(t *testing.T) {
+	var r graphs.Router
+	g := pools.PoolID{A: 4}
+	require.NoError(t, r.Begin(g, func(s cuda.Stream) bool { return s == 1 }, mk))
+	require.NoError(t, r.Begin(g, func(s cuda.Stream) bool { return s == 2 }, mk))
+	require.NoError(t, r.End(g))
+	require.Nil(t, r.Route(1, 0, mk), "the first begin's routing went")
+	require.NotNil(t, r.Route(2, 0, mk))
+	require.Equal(t, []pools.PoolID{g}, r.Recording())
+}
+
+func TestBeginRefusals(t *testing.T) {
+	var r graphs.Router
+	require.ErrorIs(t, r.Begin(pools.PoolID{}, nil, mk), privatepool.ErrUnknownPool, "the default pool")
+	auto := r.Route(7, 9, mk)
+	require.ErrorIs(t, r.Begin(auto.ID, nil, mk), privatepool.ErrUnknownPool, "an automatic pool")
+	require.Equal(t, 1, auto.UseCount, "unchanged")
+	require.Equal(t, 1, r.Count(), "only the unannounced capture")
 }
 
 func TestSharingAndRelease(t *testing.T) {

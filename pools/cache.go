@@ -16,6 +16,10 @@ type BlockPool struct {
 	Unmapped FreeSet
 	Small    bool
 	ID       PoolID
+	// NoSplit (a MemPool made with no_split=True) hands out whole free
+	// blocks: a block of this pool is never split, so each allocation
+	// keeps a segment, or an expandable run, to itself.
+	NoSplit bool
 	// Segments is the number of live segments whose blocks belong here;
 	// a private pool can be dropped once it reaches zero.
 	Segments int
@@ -46,9 +50,10 @@ type Cache struct {
 	// Reserved is the bytes of all live segments (PyTorch's
 	// total_allocated_memory), the quantity the memory fraction bounds.
 	Reserved uint64
-	// allowed is the memory-fraction limit; fractionSet is false when none
-	// was set.
+	// allowed is the memory-fraction limit, fraction the fraction it was
+	// set from; fractionSet is false when there is no limit.
 	allowed     uint64
+	fraction    float64
 	fractionSet bool
 
 	active   ptrMap                // allocated blocks by address
@@ -113,11 +118,19 @@ func (c *Cache) NewPool(small bool, id PoolID) *BlockPool {
 	return &BlockPool{Blocks: NewFreeSet(c.cfg.FreeSet), Unmapped: NewFreeSet(c.cfg.FreeSet), Small: small, ID: id}
 }
 
-// SetFraction limits Reserved to fraction × total. Fraction must be in [0, 1].
+// SetFraction limits Reserved to fraction × total. Fraction must be in
+// [0, 1]; 1 removes the limit, as in PyTorch (which then also leaves
+// garbage collection off: it needs a limit).
 func (c *Cache) SetFraction(fraction float64, total uint64) {
-	c.allowed = uint64(fraction * float64(total))
-	c.fractionSet = true
+	c.allowed, c.fraction, c.fractionSet = 0, 0, false
+	if fraction < 1 {
+		c.allowed = uint64(fraction * float64(total))
+		c.fraction, c.fractionSet = fraction, true
+	}
 }
+
+// Fraction returns the memory fraction in force and whether one is set.
+func (c *Cache) Fraction() (float64, bool) { return c.fraction, c.fractionSet }
 
 // Allowed returns the memory-fraction limit and whether one is set.
 func (c *Cache) Allowed() (uint64, bool) { return c.allowed, c.fractionSet }
@@ -188,6 +201,9 @@ func (c *Cache) AddSegment(r *Request, base cuda.Ptr) *Block {
 }
 
 func (c *Cache) shouldSplit(b *Block, size uint64) bool {
+	if b.Pool.NoSplit {
+		return false
+	}
 	rest := b.Size - size
 	if b.Pool.Small || b.Seg.Expandable {
 		return rest >= MinBlockSize

@@ -245,13 +245,23 @@ func TestMemoryFraction(t *testing.T) {
 	allowed, ok := h.c.Allowed()
 	require.True(t, ok)
 	require.Equal(t, uint64(50*MiB), allowed)
+	f, ok := h.c.Fraction()
+	require.True(t, ok)
+	require.Equal(t, 0.5, f, "the fraction as set, not as rounded to bytes")
+
+	h.c.SetFraction(1, 100*MiB) // PyTorch: 1 is no limit at all
+	_, ok = h.c.Allowed()
+	require.False(t, ok)
+	_, ok = h.c.Fraction()
+	require.False(t, ok)
+	require.True(t, h.c.CanGrow(1<<40))
 }
 
 func TestGarbageCollection(t *testing.T) {
 	cfg := DefaultConfig()
 	cfg.GCThreshold = 0.5
 	h := newHarness(t, cfg)
-	h.c.SetFraction(1, 200*MiB) // threshold: 100 MiB
+	h.c.SetFraction(0.5, 400*MiB) // threshold: half of 200 MiB
 	var old []*Block
 	for i := 0; i < 4; i++ {
 		old = append(old, h.malloc(30*MiB, 0))
@@ -271,8 +281,11 @@ func TestGarbageCollection(t *testing.T) {
 	require.LessOrEqual(t, h.c.Reserved, uint64(100*MiB), "GC frees down to the threshold")
 	require.NoError(t, h.c.Check())
 
-	off := newHarness(t, DefaultConfig()) // no fraction set: GC is off
+	off := newHarness(t, cfg) // no fraction set: GC is off
 	off.freeBlock(off.malloc(30*MiB, 0))
+	require.NoError(t, off.c.GarbageCollect(off.free))
+	require.Empty(t, off.freed)
+	off.c.SetFraction(1, 20*MiB) // fraction 1 is no limit: GC stays off
 	require.NoError(t, off.c.GarbageCollect(off.free))
 	require.Empty(t, off.freed)
 }

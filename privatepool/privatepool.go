@@ -11,6 +11,13 @@
 // once it has no segments left. Blocks still allocated from it come back to it
 // when freed and leave with its last segment.
 //
+// User pools (torch.cuda.MemPool) are the same thing: creating one holds it
+// (CreateOrIncref, use count 1), each use_mem_pool block holds it once more
+// while it runs (begin, then end and release), and destroying it releases
+// it. Such a pool may refuse to split its blocks (no_split) and may lend its
+// cached blocks to the default pools as a last resort before an
+// out-of-memory error (use_on_oom).
+//
 // A Registry belongs to one device and is guarded by that device's lock.
 package privatepool
 
@@ -34,6 +41,19 @@ type Pool struct {
 	// Auto marks a pool made for a capture nobody announced; it is never
 	// released because nobody will say when its graph dies.
 	Auto bool
+	// NoSplit: the pool's blocks are never split (MemPool(no_split=True));
+	// set on both block pools, where the split decision reads it.
+	NoSplit bool
+	// UseOnOOM: a request of the default pools that finds no memory may
+	// take a cached block of this pool before anything is freed
+	// (MemPool(use_on_oom=True)).
+	UseOnOOM bool
+}
+
+// SetNoSplit makes the pool hand out whole blocks from now on.
+func (p *Pool) SetNoSplit() {
+	p.NoSplit = true
+	p.Small.NoSplit, p.Large.NoSplit = true, true
 }
 
 // Segments is the number of segments the pool holds.
@@ -70,6 +90,41 @@ func (r *Registry) Acquire(id pools.PoolID, mk NewPools) *Pool {
 	return p
 }
 
+// Incref is Acquire for a caller that names the pool (a capture, a
+// MemPool): it refuses the default pool and the automatic pools of
+// unannounced captures, which no caller may hold.
+func (r *Registry) Incref(id pools.PoolID, mk NewPools) (*Pool, error) {
+	if id.IsDefault() {
+		return nil, fmt.Errorf("%w: {0,0} is the default pool, not a private one", ErrUnknownPool)
+	}
+	if p := r.pools[id]; p != nil && p.Auto {
+		return nil, fmt.Errorf("%w {%d,%d}: the automatic pool of an unannounced capture", ErrUnknownPool, id.A, id.B)
+	}
+	return r.Acquire(id, mk), nil
+}
+
+// UseCount returns the number of holders of the pool id, 0 for a released
+// pool that still holds memory, or an error for an unknown pool.
+func (r *Registry) UseCount(id pools.PoolID) (int, error) {
+	p := r.pools[id]
+	if p == nil {
+		return 0, fmt.Errorf("%w {%d,%d}", ErrUnknownPool, id.A, id.B)
+	}
+	return p.UseCount, nil
+}
+
+// UseOnOOM returns the live pools marked use_on_oom, ordered by id.
+func (r *Registry) UseOnOOM() []*Pool {
+	var out []*Pool
+	for _, p := range r.pools {
+		if p.UseOnOOM && !p.Freeable() {
+			out = append(out, p)
+		}
+	}
+	sortByID(out)
+	return out
+}
+
 // Release drops one user of the pool. At zero the pool becomes freeable.
 func (r *Registry) Release(id pools.PoolID) error {
 	p := r.pools[id]
@@ -91,11 +146,15 @@ func (r *Registry) Freeable() []*Pool {
 			out = append(out, p)
 		}
 	}
-	sort.Slice(out, func(i, j int) bool {
-		a, b := out[i].ID, out[j].ID
+	sortByID(out)
+	return out
+}
+
+func sortByID(ps []*Pool) {
+	sort.Slice(ps, func(i, j int) bool {
+		a, b := ps[i].ID, ps[j].ID
 		return a.A < b.A || (a.A == b.A && a.B < b.B)
 	})
-	return out
 }
 
 // Drop forgets a freeable pool that has no segments left.

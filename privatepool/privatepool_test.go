@@ -56,3 +56,46 @@ func TestReacquireRevives(t *testing.T) {
 	require.Equal(t, 1, p.UseCount)
 	require.False(t, p.Freeable())
 }
+
+func TestIncrefAndUseCount(t *testing.T) {
+	var r privatepool.Registry
+	id := pools.PoolID{B: 7}
+	_, err := r.UseCount(id)
+	require.ErrorIs(t, err, privatepool.ErrUnknownPool, "unknown pool: an error, as PyTorch asserts")
+	p, err := r.Incref(id, mk)
+	require.NoError(t, err)
+	n, err := r.UseCount(id)
+	require.NoError(t, err)
+	require.Equal(t, 1, n)
+	q, err := r.Incref(id, mk)
+	require.NoError(t, err)
+	require.Same(t, p, q)
+	require.NoError(t, r.Release(id))
+	require.NoError(t, r.Release(id))
+	n, err = r.UseCount(id)
+	require.NoError(t, err)
+	require.Zero(t, n, "released but not yet dropped")
+
+	_, err = r.Incref(pools.PoolID{}, mk)
+	require.ErrorIs(t, err, privatepool.ErrUnknownPool)
+	auto := r.Acquire(pools.PoolID{A: 1 << 63}, mk)
+	auto.Auto = true
+	_, err = r.Incref(auto.ID, mk)
+	require.ErrorIs(t, err, privatepool.ErrUnknownPool)
+	require.Equal(t, 1, auto.UseCount)
+}
+
+func TestPoolFlags(t *testing.T) {
+	var r privatepool.Registry
+	a := r.Acquire(pools.PoolID{B: 2}, mk)
+	b := r.Acquire(pools.PoolID{B: 1}, mk)
+	c := r.Acquire(pools.PoolID{A: 1}, mk)
+	a.UseOnOOM, b.UseOnOOM, c.UseOnOOM = true, true, true
+	require.Equal(t, []*privatepool.Pool{b, a, c}, r.UseOnOOM(), "ordered by id")
+	require.NoError(t, r.Release(b.ID))
+	require.Equal(t, []*privatepool.Pool{a, c}, r.UseOnOOM(), "a released pool lends nothing")
+
+	require.False(t, a.Small.NoSplit || a.Large.NoSplit)
+	a.SetNoSplit()
+	require.True(t, a.NoSplit && a.Small.NoSplit && a.Large.NoSplit)
+}
