@@ -66,10 +66,17 @@ func AutoPoolID(captureID uint64) pools.PoolID {
 
 // Begin starts routing the allocations accepted by filter (nil: all) to the
 // pool id, creating the pool or holding an existing one once more (pool
-// sharing between captures, a MemPool made by CreateOrIncref). One pool may
-// be begun several times at once, each with its own filter (threads each in
-// use_mem_pool of the same pool); each begin needs its end.
+// sharing between captures, a MemPool made by CreateOrIncref).
 func (r *Router) Begin(id pools.PoolID, filter Filter, mk privatepool.NewPools) error {
+	// As PyTorch: one routing per pool at a time (a nested use_mem_pool of
+	// the same pool, or two threads in it at once, is refused), checked
+	// before the use count changes (PyTorch's check comes after its
+	// increment, which then leaks).
+	for _, c := range r.captures {
+		if c.pool.ID == id {
+			return fmt.Errorf("%w: {%d,%d}", ErrAlreadyRecording, id.A, id.B)
+		}
+	}
 	p, err := r.Pools.Incref(id, mk)
 	if err != nil {
 		return err
@@ -78,39 +85,18 @@ func (r *Router) Begin(id pools.PoolID, filter Filter, mk privatepool.NewPools) 
 	return nil
 }
 
-// End stops one routing to the pool id. PyTorch's end names only the pool,
-// and removes its first (oldest) routing. When the pool has several,
-// End first removes the oldest whose filter accepts the legacy stream when
-// asked on the calling thread: a per-thread filter (use_mem_pool's) accepts
-// only on the thread that began it, which is the thread that ends it, so
-// threads that end out of order each remove their own routing. With none
-// such (capture filters accept only capturing streams), the oldest goes.
+// End stops routing to the pool id.
 func (r *Router) End(id pools.PoolID) error {
-	victim, n := -1, 0
 	for i, c := range r.captures {
 		if c.pool.ID == id {
-			if victim < 0 {
-				victim = i
-			}
-			n++
+			last := len(r.captures) - 1
+			copy(r.captures[i:], r.captures[i+1:])
+			r.captures[last] = capture{} // drop the references to the pool and filter
+			r.captures = r.captures[:last]
+			return nil
 		}
 	}
-	if victim < 0 {
-		return fmt.Errorf("%w: {%d,%d}", ErrNotRecording, id.A, id.B)
-	}
-	if n > 1 {
-		for i, c := range r.captures {
-			if c.pool.ID == id && (c.filter == nil || c.filter(0)) {
-				victim = i
-				break
-			}
-		}
-	}
-	last := len(r.captures) - 1
-	copy(r.captures[victim:], r.captures[victim+1:])
-	r.captures[last] = capture{} // drop the references to the pool and filter
-	r.captures = r.captures[:last]
-	return nil
+	return fmt.Errorf("%w: {%d,%d}", ErrNotRecording, id.A, id.B)
 }
 
 // IsRecording reports whether an announced capture routes to the pool id.

@@ -29,49 +29,24 @@ func TestNewestCaptureFirst(t *testing.T) {
 	require.Equal(t, []pools.PoolID{g1}, r.Recording())
 }
 
-// One pool begun twice at once, as by two threads each in use_mem_pool of
-// it: each thread's allocations go to the pool, and each end removes the
-// ending thread's routing whatever the order.
-func TestSeveralBeginsOfOnePool(t *testing.T) {
+// One routing per pool at a time, as in PyTorch: a second begin of a pool
+// that is being allocated to (a nested use_mem_pool of the same pool, or a
+// second thread in it) is refused and leaves the use count alone; other
+// pools nest, the newest winning.
+func TestOneRoutingPerPool(t *testing.T) {
 	var r graphs.Router
-	g := pools.PoolID{B: 3}
-	caller := 0 // the "thread" making the call
-	thread := func(id int) graphs.Filter { return func(cuda.Stream) bool { return caller == id } }
-	require.NoError(t, r.Begin(g, thread(1), mk))
-	require.NoError(t, r.Begin(g, thread(2), mk))
-	require.Equal(t, 2, r.Pools.Get(g).UseCount, "each begin holds the pool")
-	require.Equal(t, 2, r.Count())
-	for _, c := range []int{1, 2} {
-		caller = c
-		require.Equal(t, g, r.Route(5, 0, mk).ID, "thread %d", c)
-	}
-	caller = 3
-	require.Nil(t, r.Route(5, 0, mk), "another thread allocates from the default pools")
-
-	caller = 2 // the second thread ends first
+	g, h := pools.PoolID{B: 3}, pools.PoolID{B: 4}
+	require.NoError(t, r.Begin(g, nil, mk))
+	require.ErrorIs(t, r.Begin(g, func(cuda.Stream) bool { return true }, mk), graphs.ErrAlreadyRecording)
+	require.Equal(t, 1, r.Pools.Get(g).UseCount, "the refused begin holds nothing")
+	require.Equal(t, 1, r.Count())
+	require.NoError(t, r.Begin(h, nil, mk), "another pool nests")
+	require.Equal(t, h, r.Route(5, 0, mk).ID, "the newest routing wins")
+	require.NoError(t, r.End(h))
+	require.Equal(t, g, r.Route(5, 0, mk).ID)
 	require.NoError(t, r.End(g))
-	require.True(t, r.IsRecording(g))
-	require.Nil(t, r.Route(5, 0, mk), "thread 2's routing went")
-	caller = 1
-	require.NotNil(t, r.Route(5, 0, mk), "thread 1's stays")
-	require.NoError(t, r.End(g))
-	require.False(t, r.IsRecording(g))
-	require.Nil(t, r.Route(5, 0, mk))
 	require.ErrorIs(t, r.End(g), graphs.ErrNotRecording)
 	require.Zero(t, r.Count())
-}
-
-// With filters that do not tell threads apart, End removes the oldest
-// routing, as PyTorch does.
-func TestEndRemovesOldestByDefault(t *testing.T) {
-	var r graphs.Router
-	g := pools.PoolID{A: 4}
-	require.NoError(t, r.Begin(g, func(s cuda.Stream) bool { return s == 1 }, mk))
-	require.NoError(t, r.Begin(g, func(s cuda.Stream) bool { return s == 2 }, mk))
-	require.NoError(t, r.End(g))
-	require.Nil(t, r.Route(1, 0, mk), "the first begin's routing went")
-	require.NotNil(t, r.Route(2, 0, mk))
-	require.Equal(t, []pools.PoolID{g}, r.Recording())
 }
 
 func TestBeginRefusals(t *testing.T) {
