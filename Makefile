@@ -60,9 +60,15 @@ $(BUILD)/test_cudapool_cpp: capi/ctest/test_cudapool.cpp include/cudapool.h lib
 	@mkdir -p $(BUILD)
 	$(CXX) -std=c++17 $(TEST_CFLAGS) -o $@ $< $(TEST_LDFLAGS)
 
-test-c: $(BUILD)/test_cudapool
+$(BUILD)/test_torchabi: capi/ctest/test_torchabi.c include/cudapool.h lib
+	@mkdir -p $(BUILD)
+	$(CC) -std=c11 $(TEST_CFLAGS) -o $@ $< $(TEST_LDFLAGS)
+
+test-c: $(BUILD)/test_cudapool $(BUILD)/test_torchabi
 	$(call section,C ABI test (simulator))
 	$(SIM_ENV) ./$(BUILD)/test_cudapool
+	$(call section,C ABI for the PyTorch allocator class (simulator))
+	$(SIM_ENV) CUDAPOOL_SIM_MEMORY=8G ./$(BUILD)/test_torchabi
 
 test-cxx: $(BUILD)/test_cudapool_cpp
 	$(call section,C++ ABI test (simulator))

@@ -195,7 +195,8 @@ int cudapool_empty_cache_ctx(unsigned long long context);
 
 /* Creates the private pool {a,b} on device with one holder, or adds one. */
 int cudapool_pool_create_or_incref(int device, unsigned long long a, unsigned long long b);
-/* The pool's holders (0 for a pool that does not exist); -1 on failure. */
+/* The pool's holders (0 once released by all); -1 on failure, e.g. for a
+ * pool that does not exist. */
 int cudapool_pool_use_count(int device, unsigned long long a, unsigned long long b);
 /* Blocks of the pool are never split (each allocation its own segment). */
 int cudapool_pool_set_no_split(int device, unsigned long long a, unsigned long long b);

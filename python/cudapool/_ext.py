@@ -179,9 +179,10 @@ def build(torch_dir=None, out=None, cuda_include=None, abi=None, library=None, c
     rpath = rpath or libdir
     key = _key([src_bytes, hdr_bytes, torch_dir, version, abi, library, cxx, rpath, INTERFACE_VERSION] + list(inc))
     if out is None:
+        # The cache: the name is a hash of everything the build depends on.
         out = os.path.join(cache_dir(), f"cudapool_torch_{key}.so")
-    if os.path.isfile(out):
-        return out
+        if os.path.isfile(out):
+            return out
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     torch_lib = os.path.join(torch_dir, "lib")
     cmd = [cxx, "-std=c++20", "-O2", "-fPIC", "-shared", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
