@@ -241,7 +241,10 @@ func TestCheckpointErrors(t *testing.T) {
 	cp, err := a.CheckpointPool(0, g)
 	require.NoError(t, err)
 	require.NoError(t, a.CreateOrIncrefPool(0, gone))
-	require.NoError(t, a.ReleasePool(0, gone)) // released: no checkpoints
+	require.NoError(t, a.ReleasePool(0, gone)) // released, not yet emptied
+	cpGone, err := a.CheckpointPool(0, gone)
+	require.NoError(t, err, "as in PyTorch, a released pool that still exists can be checkpointed")
+	require.Empty(t, cpGone.Allocated())
 	require.NoError(t, a.CreateOrIncrefPool(1, g))
 	cp1, err := a.CheckpointPool(1, g) // the same id on device 1
 	require.NoError(t, err)
@@ -259,7 +262,7 @@ func TestCheckpointErrors(t *testing.T) {
 		{"checkpoint: bad device", errOfCP(a.CheckpointPool(2, g)), allocator.ErrInvalidDevice, "device 2 does not exist"},
 		{"checkpoint: unknown pool", errOfCP(a.CheckpointPool(0, allocator.PoolID{A: 9})), allocator.ErrUnknownPool, "no private pool {9,0}"},
 		{"checkpoint: default pool", errOfCP(a.CheckpointPool(0, allocator.PoolID{})), allocator.ErrUnknownPool, "no private pool {0,0}"},
-		{"checkpoint: released pool", errOfCP(a.CheckpointPool(0, gone)), allocator.ErrUnknownPool, "released by all its holders"},
+		{"restore: released pool", errOfRR(a.RestoreCheckpoint(0, cpGone)), allocator.ErrUnknownPool, "released by all its holders"},
 		{"restore: bad device", errOfRR(a.RestoreCheckpoint(-1, cp)), allocator.ErrInvalidDevice, "device -1"},
 		{"restore: nil checkpoint", errOfRR(a.RestoreCheckpoint(0, nil)), allocator.ErrInvalidArgument, "no checkpoint"},
 		{"restore: another device's checkpoint", errOfRR(a.RestoreCheckpoint(0, cp1)), allocator.ErrInvalidArgument, "device 1, not device 0"},
