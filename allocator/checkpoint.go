@@ -175,8 +175,9 @@ func (a *Allocator) CheckPoolLive(dev int, id PoolID, expected []cuda.Ptr) (bool
 	return n == len(want), nil
 }
 
-// livePool returns private pool id, which must exist and be held (a
-// restore into a released pool would allocate in it again). d.mu is held.
+// livePool returns private pool id, which must exist, be held (a restore
+// into a released pool would allocate in it again) and be announced. d.mu
+// is held.
 func (d *device) livePool(op string, id PoolID) (*privatepool.Pool, error) {
 	pp := d.graphs.Pools.Get(id)
 	switch {
@@ -184,6 +185,9 @@ func (d *device) livePool(op string, id PoolID) (*privatepool.Pool, error) {
 		return nil, newError(op, ErrUnknownPool, "device %d has no private pool {%d,%d}", d.id, id.A, id.B)
 	case pp.Freeable():
 		return nil, newError(op, ErrUnknownPool, "pool {%d,%d} on device %d was released by all its holders; a checkpoint cannot be restored into it", id.A, id.B, d.id)
+	case pp.Auto:
+		// Its capture may be under way, and nothing says when it is not.
+		return nil, newError(op, ErrUnknownPool, "pool {%d,%d} on device %d is the automatic pool of an unannounced capture; a checkpoint cannot be restored into it", id.A, id.B, d.id)
 	}
 	return pp, nil
 }

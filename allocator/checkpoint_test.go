@@ -278,6 +278,21 @@ func TestCheckpointErrors(t *testing.T) {
 	require.NoError(t, err, "a released pool that still exists can be asked")
 	require.True(t, live)
 
+	// An unannounced capture's automatic pool: checkpointed, not restored
+	// into (its capture may still be under way).
+	b, err := allocator.New(drv, allocator.DefaultConfig())
+	require.NoError(t, err)
+	require.NoError(t, drv.BeginCapture(11, cuda.CaptureModeRelaxed))
+	_, cid, _ := drv.StreamCaptureInfo(0, 11)
+	mustMalloc(t, b, 0, 4096, 11)
+	cpAuto, err := b.CheckpointPool(0, allocator.PoolID{A: 1<<63 | cid})
+	require.NoError(t, err)
+	require.Len(t, cpAuto.Allocated(), 1)
+	_, err = b.RestoreCheckpoint(0, cpAuto)
+	require.ErrorIs(t, err, allocator.ErrUnknownPool)
+	require.ErrorContains(t, err, "automatic pool")
+	require.NoError(t, drv.EndCapture(11))
+
 	// Restoring a pool that a capture is recording into: refused.
 	beginCapture(t, a, drv, g, 7, cuda.CaptureModeThreadLocal)
 	_, err = a.RestoreCheckpoint(0, cp)

@@ -320,16 +320,15 @@ func TestMemPoolUseOnOOM(t *testing.T) {
 // fakeSource is a segment source with its own address range that counts
 // its calls and checks the capture mode it is called in.
 type fakeSource struct {
-	drv          *sim.Driver
-	mu           sync.Mutex
-	next         cuda.Ptr
-	live         map[cuda.Ptr]uint64
-	allocs       int
-	frees        int
-	notRelaxed   int
-	failOOM      bool
-	failOther    error
-	freedOnStrm0 bool
+	drv        *sim.Driver
+	mu         sync.Mutex
+	next       cuda.Ptr
+	live       map[cuda.Ptr]uint64
+	allocs     int
+	frees      int
+	notRelaxed int
+	failOOM    bool
+	failOther  error
 }
 
 func (f *fakeSource) Alloc(dev int, size uint64, s cuda.Stream) (cuda.Ptr, error) {
