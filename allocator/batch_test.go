@@ -4,6 +4,7 @@ import (
 	"testing"
 
 	"github.com/cudapool/cudapool/allocator"
+	"github.com/cudapool/cudapool/cuda"
 	"github.com/cudapool/cudapool/pools"
 	"github.com/stretchr/testify/require"
 )
@@ -46,4 +47,73 @@ func TestMallocAfterFreesAllocatesNothing(t *testing.T) {
 		p, _, _ = a.MallocAfterFrees(0, 4096, 0, 0, batch)
 	})
 	require.Zero(t, allocs)
+}
+
+// Frees of unknown device (Dev -1): found on the malloc's device first,
+// else on whichever device holds them.
+func TestFreesOfUnknownDevice(t *testing.T) {
+	a, _ := newAlloc(t, 3, GiB, "")
+	p := mustMalloc(t, a, 0, 4096, 0)
+	q := mustMalloc(t, a, 2, 4096, 0)
+	r, err, ferr := a.MallocAfterFrees(0, 4096, 0, []allocator.PendingFree{{Dev: -1, Ptr: p, Size: 4096}, {Dev: -1, Ptr: q}})
+	require.NoError(t, err)
+	require.NoError(t, ferr)
+	require.Equal(t, p, r, "p was freed before the malloc, under its lock")
+	require.Zero(t, stats(t, a, 2).Allocation[pools.StatAll].Current, "q found on device 2")
+
+	_, _, ferr = a.MallocAfterFrees(1, 4096, 0, []allocator.PendingFree{{Dev: -1, Ptr: q}})
+	require.ErrorIs(t, ferr, allocator.ErrAlreadyFreed, "%v", ferr)
+	_, _, ferr = a.MallocAfterFrees(1, 4096, 0, []allocator.PendingFree{{Dev: -1, Ptr: r, Size: 99}})
+	require.ErrorIs(t, ferr, allocator.ErrInvalidArgument, "size mismatch: %v", ferr)
+	require.Equal(t, int64(1), stats(t, a, 0).Allocation[pools.StatAll].Current, "r not freed")
+
+	require.ErrorIs(t, a.FreeMany([]allocator.PendingFree{{Dev: -1, Ptr: 0xbad000}}), allocator.ErrUnknownPointer)
+	require.NoError(t, a.FreeMany([]allocator.PendingFree{{Dev: -1, Ptr: r, Size: 4096}}))
+	require.ErrorIs(t, a.FreeMany([]allocator.PendingFree{{Dev: -2, Ptr: r}}), allocator.ErrInvalidDevice, "only -1 means unknown")
+	require.NoError(t, a.CheckInvariants())
+}
+
+func TestFreeAny(t *testing.T) {
+	a, _ := newAlloc(t, 2, GiB, "")
+	p := mustMalloc(t, a, 1, 30*MiB, 0)
+	for _, tc := range []struct {
+		name string
+		p    cuda.Ptr
+		size uint64
+		kind error
+	}{
+		{"unknown", 0xbad000, 0, allocator.ErrUnknownPointer},
+		{"interior", p + 512, 0, allocator.ErrUnknownPointer},
+		{"size mismatch", p, 1, allocator.ErrInvalidArgument},
+	} {
+		err := a.FreeAny(tc.p, tc.size)
+		require.ErrorIs(t, err, tc.kind, tc.name)
+		var e *allocator.Error
+		require.ErrorAs(t, err, &e, tc.name)
+	}
+	require.Equal(t, int64(1), stats(t, a, 1).Allocation[pools.StatAll].Current, "bad input freed nothing")
+	require.NoError(t, a.FreeAny(p, 30*MiB))
+	require.Zero(t, stats(t, a, 1).Allocation[pools.StatAll].Current)
+	require.ErrorIs(t, a.FreeAny(p, 0), allocator.ErrAlreadyFreed)
+}
+
+func TestFreesOfUnknownDeviceAllocateNothing(t *testing.T) {
+	a, _ := newAlloc(t, 2, GiB, "")
+	a.ExpectAnnouncements()
+	p := mustMalloc(t, a, 0, 4096, 0)
+	q := mustMalloc(t, a, 1, 4096, 0)
+	batch := make([]allocator.PendingFree, 2)
+	allocs := testing.AllocsPerRun(1000, func() {
+		batch[0] = allocator.PendingFree{Dev: -1, Ptr: p, Size: 4096} // on the malloc's device
+		batch[1] = allocator.PendingFree{Dev: -1, Ptr: q, Size: 4096} // on the other
+		p, _, _ = a.MallocAfterFrees(0, 4096, 0, batch)
+		q, _ = a.Malloc(1, 4096, 0)
+	})
+	require.Zero(t, allocs, "MallocAfterFrees with frees of unknown device")
+	allocs = testing.AllocsPerRun(1000, func() {
+		_ = a.FreeAny(q, 4096)
+		q, _ = a.Malloc(1, 4096, 0)
+	})
+	require.Zero(t, allocs, "FreeAny")
+	require.NoError(t, a.CheckInvariants())
 }

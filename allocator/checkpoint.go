@@ -38,9 +38,9 @@ import (
 //   - A pool that an announced capture is recording into is not restored:
 //     its capture's blocks would be freed under it. (Graph trees restore
 //     between captures.) Other devices' and pools' captures do not matter.
-//   - Released pools (use count 0) are neither checkpointed nor restored,
-//     as in PyTorch; a checkpoint names its device, and restoring it on
-//     another is an error.
+//   - As in PyTorch, a released pool (use count 0) that still exists can be
+//     checkpointed but not restored into; a checkpoint names its device,
+//     and restoring it on another is an error.
 //   - Statistics after a restore are those of the restored layout (no
 //     allocation that never was is counted), and Check() holds.
 
@@ -102,9 +102,9 @@ func (a *Allocator) CheckpointPool(dev int, id PoolID) (*Checkpoint, error) {
 	}
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	pp, err := d.livePool(op, id)
-	if err != nil {
-		return nil, err
+	pp := d.graphs.Pools.Get(id)
+	if pp == nil {
+		return nil, newError(op, ErrUnknownPool, "device %d has no private pool {%d,%d}", dev, id.A, id.B)
 	}
 	d.settle()
 	segs, err := d.cache.SaveLayout(pp.Small, pp.Large)
@@ -189,15 +189,19 @@ func (a *Allocator) CheckPoolLive(dev int, id PoolID, expected []cuda.Ptr) (bool
 	return n == len(want), nil
 }
 
-// livePool returns private pool id, which must exist and be held. d.mu is
-// held.
+// livePool returns private pool id, which must exist, be held (a restore
+// into a released pool would allocate in it again) and be announced. d.mu
+// is held.
 func (d *device) livePool(op string, id PoolID) (*privatepool.Pool, error) {
 	pp := d.graphs.Pools.Get(id)
 	switch {
 	case pp == nil:
 		return nil, newError(op, ErrUnknownPool, "device %d has no private pool {%d,%d}", d.id, id.A, id.B)
 	case pp.Freeable():
-		return nil, newError(op, ErrUnknownPool, "pool {%d,%d} on device %d was released by all its holders; a released pool has no checkpoints", id.A, id.B, d.id)
+		return nil, newError(op, ErrUnknownPool, "pool {%d,%d} on device %d was released by all its holders; a checkpoint cannot be restored into it", id.A, id.B, d.id)
+	case pp.Auto:
+		// Its capture may be under way, and nothing says when it is not.
+		return nil, newError(op, ErrUnknownPool, "pool {%d,%d} on device %d is the automatic pool of an unannounced capture; a checkpoint cannot be restored into it", id.A, id.B, d.id)
 	}
 	return pp, nil
 }

@@ -403,12 +403,17 @@ func FormatSize(n uint64) string {
 	}
 }
 
-// check verifies the device's invariants beyond the cache's own: blocks
-// waiting on events are neither free nor allocated, and private pools with
-// no holder and no memory are gone.
+// check verifies the device's invariants beyond the cache's own: segment
+// sources belong to existing pools, and blocks waiting on events are
+// neither free nor allocated.
 func (d *device) check() error {
 	if err := d.cache.Check(); err != nil {
 		return fmt.Errorf("device %d: %w", d.id, err)
+	}
+	for id := range d.sources {
+		if pp := d.graphs.Pools.Get(id); pp == nil || pp.Auto {
+			return fmt.Errorf("device %d: a segment source for pool {%d,%d}, which does not exist", d.id, id.A, id.B)
+		}
 	}
 	var err error
 	d.ev.Each(func(b *pools.Block) {

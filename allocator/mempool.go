@@ -32,7 +32,8 @@ import (
 // instead; clearing use_on_oom of a pool that is gone is not an error.
 
 // SegmentSource supplies a private pool's segments instead of the driver
-// (MemPool(allocator=X)).
+// (MemPool(allocator=X)). Its methods are called with the device's lock
+// held, so they must not call back into the allocator.
 type SegmentSource interface {
 	// Alloc is called in relaxed capture mode like driver allocations;
 	// return an error wrapping cuda.ErrOutOfMemory for OOM.

@@ -3,9 +3,13 @@
 //
 // PyTorch announces a capture with begin(pool id, filter) before it starts
 // capturing and end(pool id) right after; the filter answers "does this
-// stream capture into this graph". While any announced capture is under way,
-// an allocation goes to the pool of the newest capture whose filter accepts
-// its stream, and to the default pools otherwise.
+// stream capture into this graph". use_mem_pool does the same with a filter
+// that accepts the calling thread's allocations. While any announced
+// capture is under way, an allocation goes to the pool of the newest
+// capture whose filter accepts its stream, and to the default pools
+// otherwise. Unlike PyTorch, which refuses a second begin of a pool that is
+// already being allocated to, one pool may be begun several times at once
+// (two threads each in use_mem_pool of it); see End for which one ends.
 //
 // Code that captures without announcing anything (a C program calling
 // cuStreamBeginCapture) is handled too: until the first announcement ever,

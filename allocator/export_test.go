@@ -1,0 +1,45 @@
+package allocator
+
+import (
+	"github.com/cudapool/cudapool/cuda"
+	"github.com/cudapool/cudapool/pools"
+)
+
+// Internals exposed to this package's tests only.
+
+// PoolLayout returns the current block layout of private pool id on dev.
+func PoolLayout(a *Allocator, dev int, id PoolID) ([]pools.SegmentState, error) {
+	d := a.devs[dev]
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	pp := d.graphs.Pools.Get(id)
+	if pp == nil {
+		return nil, nil
+	}
+	return d.cache.SaveLayout(pp.Small, pp.Large)
+}
+
+// CheckpointLayout returns the layout a checkpoint holds.
+func CheckpointLayout(cp *Checkpoint) []pools.SegmentState { return cp.segs }
+
+// SetContext sets the context id of the allocated block at p, as a malloc
+// recording its caller's context would.
+func SetContext(a *Allocator, p cuda.Ptr, ctx uint64) bool {
+	d, b := a.find(p)
+	if d == nil {
+		return false
+	}
+	b.Context = ctx
+	d.mu.Unlock()
+	return true
+}
+
+// ContextOf returns the context id of the allocated block at p.
+func ContextOf(a *Allocator, p cuda.Ptr) uint64 {
+	d, b := a.find(p)
+	if d == nil {
+		return 0
+	}
+	defer d.mu.Unlock()
+	return b.Context
+}
