@@ -94,6 +94,8 @@ test-python: lib
 	else echo "python/tests does not exist: skipped"; fi
 	$(call section,benchmark report generator tests)
 	python3 -m pytest -q bench/test_report.py
+	$(call section,PyTorch test report generator tests)
+	python3 -m pytest -q -p no:cacheprovider gpu/pytorch_tests/test_report.py
 
 # demo: replay a recorded allocation trace through the library, on the GPU
 # if there is one, else on the simulator. make demo TRACE=... REPEATS=...

@@ -55,15 +55,15 @@ func TestFreesOfUnknownDevice(t *testing.T) {
 	a, _ := newAlloc(t, 3, GiB, "")
 	p := mustMalloc(t, a, 0, 4096, 0)
 	q := mustMalloc(t, a, 2, 4096, 0)
-	r, err, ferr := a.MallocAfterFrees(0, 4096, 0, []allocator.PendingFree{{Dev: -1, Ptr: p, Size: 4096}, {Dev: -1, Ptr: q}})
+	r, err, ferr := a.MallocAfterFrees(0, 4096, 0, 0, []allocator.PendingFree{{Dev: -1, Ptr: p, Size: 4096}, {Dev: -1, Ptr: q}})
 	require.NoError(t, err)
 	require.NoError(t, ferr)
 	require.Equal(t, p, r, "p was freed before the malloc, under its lock")
 	require.Zero(t, stats(t, a, 2).Allocation[pools.StatAll].Current, "q found on device 2")
 
-	_, _, ferr = a.MallocAfterFrees(1, 4096, 0, []allocator.PendingFree{{Dev: -1, Ptr: q}})
+	_, _, ferr = a.MallocAfterFrees(1, 4096, 0, 0, []allocator.PendingFree{{Dev: -1, Ptr: q}})
 	require.ErrorIs(t, ferr, allocator.ErrAlreadyFreed, "%v", ferr)
-	_, _, ferr = a.MallocAfterFrees(1, 4096, 0, []allocator.PendingFree{{Dev: -1, Ptr: r, Size: 99}})
+	_, _, ferr = a.MallocAfterFrees(1, 4096, 0, 0, []allocator.PendingFree{{Dev: -1, Ptr: r, Size: 99}})
 	require.ErrorIs(t, ferr, allocator.ErrInvalidArgument, "size mismatch: %v", ferr)
 	require.Equal(t, int64(1), stats(t, a, 0).Allocation[pools.StatAll].Current, "r not freed")
 
@@ -106,7 +106,7 @@ func TestFreesOfUnknownDeviceAllocateNothing(t *testing.T) {
 	allocs := testing.AllocsPerRun(1000, func() {
 		batch[0] = allocator.PendingFree{Dev: -1, Ptr: p, Size: 4096} // on the malloc's device
 		batch[1] = allocator.PendingFree{Dev: -1, Ptr: q, Size: 4096} // on the other
-		p, _, _ = a.MallocAfterFrees(0, 4096, 0, batch)
+		p, _, _ = a.MallocAfterFrees(0, 4096, 0, 0, batch)
 		q, _ = a.Malloc(1, 4096, 0)
 	})
 	require.Zero(t, allocs, "MallocAfterFrees with frees of unknown device")

@@ -151,13 +151,15 @@ func TestMemPoolErrors(t *testing.T) {
 	require.NoError(t, a.CheckInvariants())
 }
 
-// Two threads each in use_mem_pool of the same pool at once: each thread's
-// allocations go to the pool, other threads' do not, and each end removes
-// the ending thread's routing, whichever ends first.
-func TestMemPoolTwoThreadsOnePool(t *testing.T) {
+// Threads and pools, as in PyTorch: while one thread is in use_mem_pool of
+// a pool, a second thread's begin of the same pool is refused (and holds
+// nothing); threads in different pools route independently, each thread's
+// allocations going to its own pool only.
+func TestMemPoolThreads(t *testing.T) {
 	a, drv := newAlloc(t, 1, GiB, "")
-	pool := allocator.PoolID{B: 2}
+	pool, other := allocator.PoolID{B: 2}, allocator.PoolID{B: 3}
 	require.NoError(t, a.CreateOrIncrefPool(0, pool))
+	require.NoError(t, a.CreateOrIncrefPool(0, other))
 
 	type step struct {
 		do   func() // run on the worker's thread
@@ -190,33 +192,42 @@ func TestMemPoolTwoThreadsOnePool(t *testing.T) {
 
 	var end1, end2 func()
 	on(w1, func() { end1 = useMemPool(t, a, pool) })
-	on(w2, func() { end2 = useMemPool(t, a, pool) })
-	require.Equal(t, 3, useCount(t, a, pool))
+	on(w2, func() {
+		err := a.BeginAllocateToPool(0, pool, nil)
+		require.ErrorIs(t, err, allocator.ErrAlreadyRecording, "the pool is in use by thread 1")
+	})
+	require.Equal(t, 2, useCount(t, a, pool), "the refused begin holds nothing")
+	on(w2, func() { end2 = useMemPool(t, a, other) })
 	p1, p2, p3 := malloc(w1), malloc(w2), malloc(w3)
-	require.True(t, inPool(t, a, pool, p1, p2), "both threads allocate from the pool; the third does not")
+	// inPool: the pool's allocated blocks are exactly these.
+	require.True(t, inPool(t, a, pool, p1), "thread 1 allocates from its pool")
+	require.True(t, inPool(t, a, other, p2), "thread 2 from its own; thread 3 (p3) from neither")
 
 	on(w2, end2) // the second thread leaves first
 	q2, q1 := malloc(w2), malloc(w1)
-	require.True(t, inPool(t, a, pool, p1, p2, q1), "thread 1 still allocates from the pool, thread 2 no more")
+	require.True(t, inPool(t, a, other, p2), "thread 2 no more (q2 is not in its pool)")
+	require.True(t, inPool(t, a, pool, p1, q1), "thread 1 still")
 	on(w1, end1)
 	r1 := malloc(w1)
-	require.True(t, inPool(t, a, pool, p1, p2, q1))
+	require.True(t, inPool(t, a, pool, p1, q1), "nor thread 1 after its end (r1)")
 	require.Equal(t, 1, useCount(t, a, pool))
+	require.Equal(t, 1, useCount(t, a, other))
 	for _, p := range []cuda.Ptr{p1, p2, p3, q1, q2, r1} {
 		require.NoError(t, a.Free(0, p, 0))
 	}
 	require.NoError(t, a.CheckInvariants())
 	require.Zero(t, drv.Violations())
 
-	// The same with the threads running freely.
+	// The same with threads running freely, each with its own pool.
 	var wg sync.WaitGroup
 	for i := 0; i < 4; i++ {
 		wg.Add(1)
-		go func() {
+		go func(own allocator.PoolID) {
 			defer wg.Done()
 			lockThread(t)
+			require.NoError(t, a.CreateOrIncrefPool(0, own))
 			for k := 0; k < 50; k++ {
-				end := useMemPool(t, a, pool)
+				end := useMemPool(t, a, own)
 				p := mustMalloc(t, a, 0, uint64(k+1)*KiB, 0)
 				q := mustMalloc(t, a, 0, 4096, 0)
 				end()
@@ -225,10 +236,10 @@ func TestMemPoolTwoThreadsOnePool(t *testing.T) {
 					require.NoError(t, a.Free(0, x, 0))
 				}
 			}
-		}()
+			require.Equal(t, 1, useCount(t, a, own))
+		}(allocator.PoolID{B: uint64(10 + i)})
 	}
 	wg.Wait()
-	require.Equal(t, 1, useCount(t, a, pool))
 	require.NoError(t, a.CheckInvariants())
 }
 

@@ -7,7 +7,10 @@ import "github.com/cudapool/cudapool/pools"
 // roundup_power2_divisions and garbage_collection_threshold first return to
 // their defaults (PyTorch's parser resets them on every call), then the keys
 // in s are applied; every other setting keeps its value unless s names it.
-// On error base is returned unchanged.
+// per_process_memory_fraction is accepted but, as in PyTorch, only read when
+// the allocator is created: an update never changes a device's fraction
+// (set_per_process_memory_fraction does). On error base is returned
+// unchanged.
 func ParseConfigUpdate(base Config, s string) (Config, []string, error) {
 	cfg := base
 	def := pools.DefaultConfig()
@@ -18,5 +21,6 @@ func ParseConfigUpdate(base Config, s string) (Config, []string, error) {
 	if err != nil {
 		return base, warnings, err
 	}
+	out.MemoryFraction, out.MemoryFractionSet = 0, false
 	return out, warnings, nil
 }

@@ -5,6 +5,8 @@
 # exits non-zero if anything failed.
 #
 #   python/gpu/run_gpu_tests.sh            # from anywhere; PYTHON=python3.12 to choose
+#   GPU_TESTS="parity multi" python/gpu/run_gpu_tests.sh   # only the files (and "ddp")
+#                                          # whose names contain one of these words
 #
 # The library: $CUDAPOOL_LIBRARY, the installed package's copy, or the
 # checkout's lib/libcudapool.so (build it with `make` where Go is).
@@ -14,6 +16,10 @@ PYDIR=$(dirname "$HERE")
 cd "$PYDIR"
 PY=${PYTHON:-python3}
 PER_FILE_TIMEOUT=${PER_FILE_TIMEOUT:-300}
+# test_gpu_parity runs each scenario in two fresh processes (torch.compile
+# among them); test_gpu_multi_gpu runs FSDP2 under torchrun twice.
+PARITY_TIMEOUT=${PARITY_TIMEOUT:-1200}
+MULTI_GPU_TIMEOUT=${MULTI_GPU_TIMEOUT:-1200}
 export PYTHONPATH="$PYDIR${PYTHONPATH:+:$PYTHONPATH}"
 export CUBLAS_WORKSPACE_CONFIG=${CUBLAS_WORKSPACE_CONFIG:-:4096:8}
 unset CUDAPOOL_BACKEND CUDAPOOL_CONF
@@ -41,15 +47,27 @@ fi
 
 rows=()
 failed=0
+selected() {  # $1: a name; true when GPU_TESTS is empty or names it
+    [ -z "${GPU_TESTS:-}" ] && return 0
+    local w
+    for w in $GPU_TESTS; do case "$1" in *"$w"*) return 0 ;; esac; done
+    return 1
+}
+
 for f in tests/gpu/test_*.py; do
     name=$(basename "$f" .py)
+    selected "$name" || continue
     envs=()
+    limit=$PER_FILE_TIMEOUT
     case "$name" in
         test_gpu_mempool) envs=(CUDAPOOL_GPU_NO_INSTALL=1) ;;  # per-pool mode: no install()
+        # the pytest process only starts subprocesses (native and cudapool)
+        test_gpu_parity) envs=(CUDAPOOL_GPU_NO_INSTALL=1); limit=$PARITY_TIMEOUT ;;
+        test_gpu_multi_gpu) limit=$MULTI_GPU_TIMEOUT ;;
     esac
     echo "=== $f ${envs[*]+${envs[*]}}"
     t0=$(date +%s)
-    timeout "$PER_FILE_TIMEOUT" env ${envs[@]+"${envs[@]}"} "$PY" -m pytest -p no:cacheprovider \
+    timeout "$limit" env ${envs[@]+"${envs[@]}"} "$PY" -m pytest -p no:cacheprovider \
         --confcutdir=tests/gpu -q -rsxX "$f" --junitxml="$OUT/$name.xml" 2>&1 | tee "$OUT/$name.log"
     rc=${PIPESTATUS[0]}
     secs=$(( $(date +%s) - t0 ))
@@ -74,7 +92,9 @@ PYEOF
 done
 
 ngpu=$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
-if [ "${ngpu:-0}" -ge 2 ]; then
+if ! selected ddp_train; then
+    :
+elif [ "${ngpu:-0}" -ge 2 ]; then
     echo "=== gpu/ddp_train.py (2 processes)"
     t0=$(date +%s)
     timeout "$PER_FILE_TIMEOUT" "$PY" -m torch.distributed.run --standalone --nproc_per_node=2 gpu/ddp_train.py 2>&1 \
