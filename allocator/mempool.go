@@ -221,10 +221,14 @@ func (a *Allocator) MemoryFraction(dev int) (float64, error) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	if d.fractionPending {
-		return d.fraction, nil
+		if err := d.applyFraction(); err != nil {
+			return 0, err
+		}
 	}
-	if f, ok := d.cache.Fraction(); ok {
-		return f, nil
+	// As PyTorch: the limit in bytes (truncated) over the device's memory,
+	// a hair under the fraction that was set.
+	if allowed, ok := d.cache.Allowed(); ok && d.total > 0 {
+		return float64(allowed) / float64(d.total), nil
 	}
 	return 1, nil
 }

@@ -76,8 +76,10 @@ if __name__ == "__main__":
     torch.cuda.synchronize()
     result["_mode"] = allocator_mode()
     if MODE == "cudapool":
-        # cudapool's own counters: the memory really went through it
-        result["_cudapool_allocations"] = cudapool.memory_stats(0)["allocation.all.allocated"]
+        # cudapool's own counters: the memory really went through it (a
+        # scenario may have reset the accumulated ones; cached segments stay)
+        st = cudapool.memory_stats(0)
+        result["_cudapool_allocations"] = max(st["allocation.all.allocated"], st["reserved_bytes.all.current"])
     print("PARITY-RESULT " + json.dumps(result, sort_keys=True), flush=True)
 '''
 
