@@ -413,6 +413,18 @@ func (a *Allocator) find(p cuda.Ptr) (*device, *pools.Block) {
 	return nil, nil
 }
 
+// AllocationInfo returns the device and requested size of the allocation
+// at p (for profilers that report frees with their size).
+func (a *Allocator) AllocationInfo(p cuda.Ptr) (dev int, size uint64, err error) {
+	d, b := a.find(p)
+	if d == nil {
+		return -1, 0, a.explainUnknown("allocation_info", -1, p)
+	}
+	dev, size = d.id, b.Requested
+	d.mu.Unlock()
+	return dev, size, nil
+}
+
 // RecordStream notes that stream s uses the allocation at p, so that its
 // memory is not reused until the work s has queued by the time of the free
 // completes.

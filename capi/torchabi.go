@@ -735,3 +735,24 @@ func cpgo_ipc_close(p C.uintptr_t) (rc C.int) {
 	}
 	return result(a.IpcClose(cuda.Ptr(p)))
 }
+
+//export cpgo_allocation_info
+func cpgo_allocation_info(p C.uintptr_t, size *C.size_t, dev *C.int) (rc C.int) {
+	rc = -1
+	defer guard("allocation_info")
+	if size == nil || dev == nil {
+		failf("cudapool: allocation_info: an output pointer is NULL")
+		return -1
+	}
+	a := ready()
+	if a == nil {
+		return -1
+	}
+	d, n, err := a.AllocationInfo(cuda.Ptr(p))
+	if err != nil {
+		fail(err)
+		return -1
+	}
+	*size, *dev = C.size_t(n), C.int(d)
+	return 0
+}

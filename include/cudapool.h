@@ -322,6 +322,9 @@ typedef struct {
 cudapool_snapshot *cudapool_snapshot_take(int by_pool, unsigned long long a, unsigned long long b, int include_traces);
 void cudapool_snapshot_free(cudapool_snapshot *s);
 
+/* The requested size and device of the allocation ptr; 0 or -1. */
+int cudapool_allocation_info(void *ptr, size_t *size, int *device);
+
 /* ---- Out of memory and CUDA IPC ---- */
 
 typedef struct {

@@ -296,7 +296,8 @@ func (c *Cache) Return(b *Block) {
 		splitBlocks++
 		splitBytes += int64(b.Size)
 	}
-	b.Requested = 0
+	// b.Requested stays: as in PyTorch, a free block shows the requested
+	// size of its last allocation in snapshots (memory tools read it).
 	c.insertFree(b)
 	small := b.Pool.Small
 	if !b.Seg.Expandable {

@@ -193,7 +193,7 @@ std::vector<CCA::OutOfMemoryObserver> observers; // guarded by observers_mu
 // raise_malloc_error turns a failed cudapool malloc into PyTorch's errors:
 // c10::OutOfMemoryError (torch.OutOfMemoryError) for out of memory, after the
 // OOM observers have been told, as native does; c10::Error otherwise.
-[[noreturn]] void raise_malloc_error() {
+[[noreturn]] void raise_malloc_error(DeviceIndex device) {
 	std::string msg = last_error("cudapool: malloc failed");
 	cudapool_clear_error();
 	const std::string prefix = "cudapool: malloc: ";
@@ -210,12 +210,35 @@ std::vector<CCA::OutOfMemoryObserver> observers; // guarded by observers_mu
 			for (auto &o : obs)
 				o(info.device, info.size, info.device_total, info.device_free);
 		}
+		if (c10::memoryProfilingEnabled()) {
+			cudapool_device_stats s{};
+			if (cudapool_get_device_stats(device, &s) == 0)
+				c10::reportOutOfMemoryToProfiler(static_cast<int64_t>(info.size),
+				                                 static_cast<size_t>(s.allocated_bytes[0].current),
+				                                 static_cast<size_t>(s.reserved_bytes[0].current),
+				                                 c10::Device(c10::DeviceType::CUDA, device));
+			cudapool_clear_error();
+		}
 		TORCH_CHECK_WITH(OutOfMemoryError, false, msg);
 	}
 	TORCH_CHECK(false, msg);
 }
 
 // ---- memory ---------------------------------------------------------------
+
+// report tells PyTorch's profiler (torch.profiler with profile_memory=True)
+// about an allocation (size > 0) or a free (size < 0), with the device's
+// totals after it, as native does.
+void report(void *p, int64_t size, int device) {
+	cudapool_device_stats s{};
+	if (cudapool_get_device_stats(device, &s) != 0) {
+		cudapool_clear_error();
+		return;
+	}
+	c10::reportMemoryUsageToProfiler(p, size, static_cast<size_t>(s.allocated_bytes[0].current),
+	                                 static_cast<size_t>(s.reserved_bytes[0].current),
+	                                 c10::Device(c10::DeviceType::CUDA, static_cast<DeviceIndex>(device)));
+}
 
 void *malloc_on(size_t size, DeviceIndex device, cudaStream_t stream) {
 	void *p;
@@ -229,7 +252,9 @@ void *malloc_on(size_t size, DeviceIndex device, cudaStream_t stream) {
 		p = cudapool_malloc_ctx(size, device, reinterpret_cast<cudapool_stream>(stream), 0);
 	}
 	if (C10_UNLIKELY(p == nullptr) && size != 0)
-		raise_malloc_error();
+		raise_malloc_error(device);
+	if (C10_UNLIKELY(c10::memoryProfilingEnabled()) && p != nullptr)
+		report(p, static_cast<int64_t>(size), device);
 	return p;
 }
 
@@ -237,6 +262,14 @@ void *malloc_on(size_t size, DeviceIndex device, cudaStream_t stream) {
 void free_ptr(void *p) {
 	if (p == nullptr)
 		return;
+	if (C10_UNLIKELY(c10::memoryProfilingEnabled())) {
+		size_t size = 0;
+		int device = -1;
+		if (cudapool_allocation_info(p, &size, &device) == 0)
+			report(p, -static_cast<int64_t>(size), device);
+		else
+			cudapool_clear_error(); // the free itself reports the bad pointer
+	}
 	if (C10_UNLIKELY(cudapool_gather_mask() & CUDAPOOL_GATHER_FREE)) {
 		{
 			std::shared_lock<std::shared_mutex> r(contexts.inflight);
