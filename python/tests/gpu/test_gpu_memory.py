@@ -50,8 +50,14 @@ def test_memory_summary_is_torchs_table():
     torch.empty(5 * MiB, dtype=torch.uint8, device="cuda")
     ours = cudapool.memory_summary()
     assert torch.cuda.memory_summary() == ours
-    # PyTorch's own formatter, fed cudapool's stats, prints the same table
-    theirs = _torch.original("torch.cuda.memory", "memory_summary")
+    # PyTorch's own formatter, fed cudapool's stats, prints the same table:
+    # with the C++ class torch.cuda's functions are PyTorch's own (nothing is
+    # patched); on the pluggable path the patched-over original.
+    if cudapool.mode() == "class":
+        assert _torch.original("torch.cuda.memory", "memory_summary") is None, "nothing patched"
+        theirs = torch.cuda.memory.memory_summary
+    else:
+        theirs = _torch.original("torch.cuda.memory", "memory_summary")
     assert theirs is not None
     assert theirs() == ours
     assert theirs(abbreviated=True) == cudapool.memory_summary(abbreviated=True)
