@@ -77,6 +77,11 @@ type Allocator struct {
 	// message once); nil: stderr.
 	onWarning atomic.Pointer[func(string)]
 	warned    sync.Map
+	// cachingOff: every malloc goes to the driver (uncached.go); unc holds
+	// those allocations, uncN their number.
+	cachingOff atomic.Bool
+	unc        uncached
+	uncN       atomic.Int64
 	hist      history // memory history (history.go)
 }
 
@@ -244,6 +249,9 @@ func (a *Allocator) MallocCtx(dev int, size uint64, s cuda.Stream, ctx uint64) (
 	if size >= pools.MaxRequest {
 		return 0, tooLarge()
 	}
+	if a.cachingOff.Load() {
+		return a.mallocUncached(d, size)
+	}
 	capture, err := a.unannouncedCapture(dev, s)
 	if err != nil {
 		return 0, err
@@ -304,6 +312,9 @@ func (a *Allocator) FreeCtx(dev int, p cuda.Ptr, size uint64, ctx uint64) error 
 	}
 	d.mu.Unlock()
 	if err != nil {
+		if found, ferr := a.freeUncached(p); found {
+			return ferr
+		}
 		return a.explainFree(err)
 	}
 	return nil
@@ -318,6 +329,9 @@ func (a *Allocator) FreeAny(p cuda.Ptr, size uint64) error { return a.FreeAnyCtx
 func (a *Allocator) FreeAnyCtx(p cuda.Ptr, size uint64, ctx uint64) error {
 	d, b := a.find(p)
 	if d == nil {
+		if found, err := a.freeUncached(p); found {
+			return err
+		}
 		return a.explainUnknown("free", -1, p)
 	}
 	d.hist.begin(ctx, HistoryAll)
@@ -431,6 +445,9 @@ func (a *Allocator) AllocationInfo(p cuda.Ptr) (dev int, size uint64, err error)
 func (a *Allocator) RecordStream(p cuda.Ptr, s cuda.Stream) error {
 	d, b := a.find(p)
 	if d == nil {
+		if a.isUncached(p) {
+			return nil // freed straight to the driver: nothing to delay
+		}
 		return a.explainUnknown("record_stream", -1, p)
 	}
 	events.RecordUse(b, s)
@@ -674,7 +691,7 @@ type PendingFree struct {
 // malloc's error and, separately, the first failed free's.
 func (a *Allocator) MallocAfterFrees(dev int, size uint64, s cuda.Stream, ctx uint64, frees []PendingFree) (p cuda.Ptr, err, freeErr error) {
 	d, err := a.device("malloc", dev)
-	if err != nil || size == 0 || size >= pools.MaxRequest {
+	if err != nil || size == 0 || size >= pools.MaxRequest || a.cachingOff.Load() || a.uncN.Load() != 0 {
 		freeErr = a.FreeMany(frees)
 		p, err = a.MallocCtx(dev, size, s, ctx)
 		return p, err, freeErr

@@ -106,6 +106,8 @@ extern int cpgo_ipc_handle(uintptr_t ptr, unsigned char *handle, size_t *offset,
 extern uintptr_t cpgo_ipc_open(int device, unsigned char *handle);
 extern int cpgo_ipc_close(uintptr_t ptr);
 extern int cpgo_allocation_info(uintptr_t ptr, size_t *size, int *device);
+extern int cpgo_set_caching(int on);
+extern int cpgo_caching(void);
 
 /* Segment sources of MemPools (cudapool.c): call the C function pointers. */
 uintptr_t cp_call_segment_alloc(uintptr_t fn, uintptr_t ctx, size_t size, int device, uintptr_t stream);

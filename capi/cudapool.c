@@ -384,6 +384,8 @@ void *cudapool_ipc_open(int device, const unsigned char handle[64]) {
 	return (void *)cpgo_ipc_open(device, (unsigned char *)handle);
 }
 CP_FORWARD(int, -1, cudapool_ipc_close, (void *ptr), ipc_close((uintptr_t)ptr))
+CP_FORWARD(int, -1, cudapool_set_caching, (int on), set_caching(on))
+CP_FORWARD(int, 1, cudapool_caching, (void), caching())
 CP_FORWARD(int, -1, cudapool_allocation_info, (void *ptr, size_t *size, int *device),
            allocation_info((uintptr_t)ptr, size, device))
 

@@ -756,3 +756,24 @@ func cpgo_allocation_info(p C.uintptr_t, size *C.size_t, dev *C.int) (rc C.int) 
 	*size, *dev = C.size_t(n), C.int(d)
 	return 0
 }
+
+//export cpgo_set_caching
+func cpgo_set_caching(on C.int) (rc C.int) {
+	rc = -1
+	defer guard("set_caching")
+	a := ready()
+	if a == nil {
+		return -1
+	}
+	a.SetCaching(on != 0)
+	return 0
+}
+
+//export cpgo_caching
+func cpgo_caching() C.int {
+	defer guard("caching")
+	if a := ready(); a != nil && !a.Caching() {
+		return 0
+	}
+	return 1
+}

@@ -322,6 +322,12 @@ typedef struct {
 cudapool_snapshot *cudapool_snapshot_take(int by_pool, unsigned long long a, unsigned long long b, int include_traces);
 void cudapool_snapshot_free(cudapool_snapshot *s);
 
+/* Caching on (1, the default) or off (0: every malloc is a driver
+ * allocation of its own, freed at once; PyTorch's caching_allocator_enable). */
+int cudapool_set_caching(int on);
+/* 1 when caching is on, 0 when off. */
+int cudapool_caching(void);
+
 /* The requested size and device of the allocation ptr; 0 or -1. */
 int cudapool_allocation_info(void *ptr, size_t *size, int *device);
 

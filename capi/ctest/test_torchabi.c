@@ -224,6 +224,20 @@ static void test_history(void) {
 	CHECK(cudapool_live_contexts(ids, 16) == 0, "no context is live once the trace is gone");
 }
 
+static void test_caching_off(void) {
+	printf("-- caching off\n");
+	CHECK(cudapool_caching() == 1, "caching is on by default");
+	cudapool_device_stats s0 = stats(0);
+	CHECK(cudapool_set_caching(0) == 0 && cudapool_caching() == 0, "off");
+	void *p = cudapool_malloc_ctx(1 * MiB, 0, NULL, 0);
+	cudapool_device_stats s1 = stats(0);
+	CHECK(p != NULL && s1.allocation[0].allocated == s0.allocation[0].allocated, "allocations are not counted");
+	CHECK(s1.num_device_alloc == s0.num_device_alloc, "nor are they the cache's segments");
+	cudapool_set_caching(1);
+	CHECK(cudapool_free_ctx(p, 0, -1, 0) == 0, "freed straight to the driver, after caching is back on");
+	CHECK(cudapool_free_ctx(p, 0, -1, 0) == -1, "once");
+}
+
 static void test_ipc(void) {
 	printf("-- CUDA IPC\n");
 	void *a = cudapool_malloc_ctx(4096, 0, NULL, 0);
@@ -247,6 +261,7 @@ int main(void) {
 	test_pools_and_checkpoints();
 	test_history();
 	test_ipc();
+	test_caching_off();
 	CHECK(cudapool_sim_violations() == 0, "no call broke the capture rules");
 	printf("torch ABI: %d passed, %d failed\n", passed, failed);
 	return failed != 0;

@@ -409,6 +409,16 @@ class Allocator final : public Base {
 		initialized_ = true;
 	}
 
+	// torch.cuda.caching_allocator_enable: off, every allocation is the
+	// driver's own, freed at once (a debugging switch).
+	void enable(bool on) override {
+		cudapool_clear_error();
+		cudapool_set_caching(on ? 1 : 0);
+		check("enable");
+	}
+
+	bool isEnabled() const override { return cudapool_caching() != 0; }
+
 	double getMemoryFraction(DeviceIndex device) override {
 		cudapool_clear_error();
 		double f = cudapool_get_memory_fraction(device);

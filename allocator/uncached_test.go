@@ -1,0 +1,38 @@
+package allocator_test
+
+import (
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/cudapool/cudapool/allocator"
+	"github.com/cudapool/cudapool/pools"
+)
+
+// Caching off (torch.cuda.caching_allocator_enable(False)): each malloc is a
+// driver allocation, each free gives it back at once, nothing is counted;
+// frees of such memory work after caching is back on, and cached memory
+// allocated before is freed as usual.
+func TestCachingOff(t *testing.T) {
+	a, drv := newAlloc(t, 2, GiB, "")
+	cached := mustMalloc(t, a, 0, 4096, 0)
+	allocs := drv.Allocs(0)
+	a.SetCaching(false)
+	require.False(t, a.Caching())
+	p := mustMalloc(t, a, 0, 1<<20, 0)
+	q := mustMalloc(t, a, 1, 4096, 0)
+	require.Equal(t, allocs+1, drv.Allocs(0), "one driver allocation for p")
+	st := stats(t, a, 0)
+	require.Equal(t, int64(1), st.Allocation[pools.StatAll].Current, "only the cached block is counted")
+	require.NoError(t, a.RecordStream(p, 5), "record_stream on uncached memory is ignored")
+	frees := drv.Frees(0)
+	require.NoError(t, a.Free(0, p, 0))
+	require.Equal(t, frees+1, drv.Frees(0), "given back at once")
+	require.ErrorIs(t, a.Free(0, p, 0), allocator.ErrUnknownPointer, "freed once only")
+	a.SetCaching(true)
+	require.NoError(t, a.FreeAny(q, 0), "found on its device after caching is back on")
+	_, _, ferr := a.MallocAfterFrees(0, 4096, 0, 0, []allocator.PendingFree{{Dev: -1, Ptr: cached}})
+	require.NoError(t, ferr)
+	require.NoError(t, a.CheckInvariants())
+	require.Zero(t, drv.Violations())
+}
