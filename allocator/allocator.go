@@ -82,7 +82,7 @@ type Allocator struct {
 	cachingOff atomic.Bool
 	unc        uncached
 	uncN       atomic.Int64
-	hist      history // memory history (history.go)
+	hist       history // memory history (history.go)
 }
 
 // device is one GPU's allocator state.
