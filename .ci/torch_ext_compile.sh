@@ -42,7 +42,7 @@ PYEOF
     rm -f "$whl"
     got=$(sed -n "s/^__version__ = '\(.*\)'/\1/p" "$d/x/torch/version.py")
     echo "== torch $got ($spec)"
-    if (cd python && python3 -m cudapool._ext --torch-dir "$d/x/torch" --cuda-include "$CUDA_INC" \
+    if (cd python && python3 -c "import sys; from cudapool._ext import main; sys.exit(main(sys.argv[1:]))" --torch-dir "$d/x/torch" --cuda-include "$CUDA_INC" \
             --library "$ROOT/lib/libcudapool.so" --out "$d/cudapool_torch.so"); then
         # Every cudapool_* the class calls must exist in libcudapool.so.
         missing=$(comm -23 <(nm -D --undefined-only "$d/cudapool_torch.so" | awk '{print $2}' | grep '^cudapool_' | sort) \
