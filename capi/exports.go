@@ -331,6 +331,14 @@ func cpgo_reset_accumulated_stats(dev C.int) {
 func cpgo_configure(conf *C.char) (rc C.int) {
 	rc = -1 // also the result after a recovered panic
 	defer guard("configure")
+	return configure(conf, func(_ allocator.Config, s string) (allocator.Config, []string, error) {
+		return allocator.ParseConfig(s)
+	})
+}
+
+// configure parses conf with parse (given the configuration in force) and
+// applies it; 0 or -1.
+func configure(conf *C.char, parse func(allocator.Config, string) (allocator.Config, []string, error)) C.int {
 	if conf == nil {
 		failf("cudapool: configure: the configuration string is NULL")
 		return -1
@@ -339,7 +347,7 @@ func cpgo_configure(conf *C.char) (rc C.int) {
 	if a == nil {
 		return -1
 	}
-	cfg, warnings, err := allocator.ParseConfig(C.GoString(conf))
+	cfg, warnings, err := parse(a.Config(), C.GoString(conf))
 	reportWarnings(warnings)
 	if err != nil {
 		fail(err)

@@ -16,6 +16,12 @@
 // dynamic symbol table, so the cpgo_* functions cannot be called around the
 // check.
 //
+// torchabi.go holds the exports behind the C ABI that cudapool's C++
+// allocator class for PyTorch uses (python/cudapool/csrc): statistics as a
+// struct, pools, checkpoints, memory history with caller-kept contexts,
+// snapshots as C structs, CUDA IPC. The class is built against the user's
+// torch, outside this library, and calls only cudapool_* functions.
+//
 // torch.cpp holds the entry points PyTorch calls with C++ types
 // (std::pair pool ids, std::function stream filters) and the throwing
 // malloc; C++ exceptions are thrown there, after the Go call has returned,

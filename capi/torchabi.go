@@ -84,22 +84,7 @@ func cpgo_configure_update(conf *C.char) (rc C.int) {
 	// cudapool_configure racing with one may lose one of the two.)
 	rc = -1
 	defer guard("configure")
-	if conf == nil {
-		failf("cudapool: configure: the configuration string is NULL")
-		return -1
-	}
-	a := ready()
-	if a == nil {
-		return -1
-	}
-	cfg, warnings, err := allocator.ParseConfigUpdate(a.Config(), C.GoString(conf))
-	reportWarnings(warnings)
-	if err != nil {
-		fail(err)
-		return -1
-	}
-	a.Configure(cfg)
-	return 0
+	return configure(conf, allocator.ParseConfigUpdate)
 }
 
 func statC(s pools.Stat) C.cudapool_stat {
