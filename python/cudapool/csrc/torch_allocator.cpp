@@ -99,10 +99,16 @@ bool is_oom(const std::string &m) { return m.find("CUDA out of memory") != std::
 
 // ---- contexts -------------------------------------------------------------
 
+// depth counts the InFlight guards this thread holds: gathering a context
+// runs Python, whose garbage collector may free tensors on this thread, so
+// guards nest, and a sweep (which needs the lock exclusively) must not start
+// inside one.
+thread_local int depth = 0;
+
 class ContextTable {
   public:
 	// inflight is held shared from a context's gathering until Go has
-	// recorded its id, and exclusively by sweep().
+	// recorded its id (InFlight), and exclusively by sweep().
 	std::shared_mutex inflight;
 
 	uint64_t add(Context c) {
@@ -123,8 +129,10 @@ class ContextTable {
 	}
 
 	// maybe_sweep drops the contexts Go no longer refers to, once the table
-	// has doubled since the last sweep.
+	// has doubled since the last sweep (not inside an InFlight guard).
 	void maybe_sweep() {
+		if (depth > 0)
+			return;
 		{
 			std::lock_guard<std::mutex> l(mu_);
 			if (map_.size() < sweep_at_)
@@ -133,8 +141,13 @@ class ContextTable {
 		sweep();
 	}
 
+	// sweep never waits for the lock: a thread in a guard may be waiting for
+	// the GIL (gathering a stack) while this one holds it; a sweep that
+	// cannot start now happens at a later call.
 	void sweep() {
-		std::unique_lock<std::shared_mutex> w(inflight);
+		std::unique_lock<std::shared_mutex> w(inflight, std::try_to_lock);
+		if (!w.owns_lock())
+			return;
 		std::vector<unsigned long long> live(1024);
 		size_t n = cudapool_live_contexts(live.data(), live.size());
 		if (n > live.size()) {
@@ -158,13 +171,6 @@ class ContextTable {
 		}
 	}
 
-	void clear() {
-		std::unique_lock<std::shared_mutex> w(inflight);
-		std::unordered_map<uint64_t, Context> old;
-		std::lock_guard<std::mutex> l(mu_);
-		old.swap(map_);
-	}
-
   private:
 	std::mutex mu_;
 	std::unordered_map<uint64_t, Context> map_; // guarded by mu_
@@ -174,6 +180,13 @@ class ContextTable {
 
 ContextTable contexts;
 std::atomic<CCA::CreateContextFn> recorder{nullptr};
+
+// InFlight holds contexts.inflight shared, counting the nesting.
+struct InFlight {
+	std::shared_lock<std::shared_mutex> lock;
+	InFlight() : lock(contexts.inflight) { depth++; }
+	~InFlight() { depth--; }
+};
 
 // gather returns the id of a new context when Go asks for one for op
 // (CUDAPOOL_GATHER_*), else 0. The caller holds contexts.inflight shared
@@ -244,7 +257,7 @@ void *malloc_on(size_t size, DeviceIndex device, cudaStream_t stream) {
 	void *p;
 	if (C10_UNLIKELY(cudapool_gather_mask() & CUDAPOOL_GATHER_ALLOC)) {
 		{
-			std::shared_lock<std::shared_mutex> r(contexts.inflight);
+			InFlight r;
 			p = cudapool_malloc_ctx(size, device, reinterpret_cast<cudapool_stream>(stream), gather(CUDAPOOL_GATHER_ALLOC));
 		}
 		contexts.maybe_sweep();
@@ -272,7 +285,7 @@ void free_ptr(void *p) {
 	}
 	if (C10_UNLIKELY(cudapool_gather_mask() & CUDAPOOL_GATHER_FREE)) {
 		{
-			std::shared_lock<std::shared_mutex> r(contexts.inflight);
+			InFlight r;
 			cudapool_free_deferred(p, 0, -1, gather(CUDAPOOL_GATHER_FREE));
 		}
 		contexts.maybe_sweep();
@@ -391,7 +404,7 @@ class Allocator final : public Base {
 			return;
 		int rc;
 		{
-			std::shared_lock<std::shared_mutex> r(contexts.inflight);
+			InFlight r;
 			rc = cudapool_free_ctx(p, 0, -1, gather(CUDAPOOL_GATHER_FREE));
 		}
 		contexts.maybe_sweep();
@@ -447,7 +460,7 @@ class Allocator final : public Base {
 	void emptyCache(MempoolId_t id) override {
 		cudapool_clear_error();
 		if (id.first == 0 && id.second == 0) {
-			std::shared_lock<std::shared_mutex> r(contexts.inflight);
+			InFlight r;
 			cudapool_empty_cache_ctx(gather(CUDAPOOL_GATHER_RELEASE));
 		} else {
 			cudapool_empty_pool(-1, id.first, id.second);
