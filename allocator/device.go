@@ -235,10 +235,9 @@ func (d *device) recordSegmentFree(base cuda.Ptr, size uint64) {
 // and of the released private pools to the driver (PyTorch's
 // release_cached_blocks). Never during capture.
 func (d *device) releaseCached() error {
-	if err := d.ev.Synchronize(d.ret); err != nil {
-		return driverError("empty_cache", err, "synchronizing the events of pending frees on device %d", d.id)
+	if err := d.syncAll(); err != nil {
+		return err
 	}
-	d.cache.Stats.NumSyncAllStreams++
 	if err := d.releaseOrphans(); err != nil {
 		return err
 	}
@@ -256,6 +255,17 @@ func (d *device) releaseCached() error {
 			return err
 		}
 	}
+	return nil
+}
+
+// syncAll waits for the events of every pending free and returns those
+// blocks to their pools (PyTorch's synchronize_and_free_events). Never
+// during a capture.
+func (d *device) syncAll() error {
+	if err := d.ev.Synchronize(d.ret); err != nil {
+		return driverError("empty_cache", err, "synchronizing the events of pending frees on device %d", d.id)
+	}
+	d.cache.Stats.NumSyncAllStreams++
 	return nil
 }
 

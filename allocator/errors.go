@@ -9,7 +9,6 @@ import (
 // of these, so callers test with errors.Is; the message says what and why.
 var (
 	ErrInvalidDevice    = errors.New("invalid device")
-	ErrInvalidSize      = errors.New("invalid size")
 	ErrInvalidArgument  = errors.New("invalid argument")
 	ErrUnknownPointer   = errors.New("unknown pointer")
 	ErrAlreadyFreed     = errors.New("pointer already freed")

@@ -171,10 +171,9 @@ func (a *Allocator) EmptyPool(dev int, id PoolID) error {
 	// Blocks of the pool may wait for other streams: wait for them (PyTorch
 	// waits for the pool's events only; cudapool for all the device's,
 	// which returns other finished blocks early and changes nothing else).
-	if err := d.ev.Synchronize(d.ret); err != nil {
-		return driverError(op, err, "synchronizing the events of pending frees on device %d", dev)
+	if err := d.syncAll(); err != nil {
+		return err
 	}
-	d.cache.Stats.NumSyncAllStreams++
 	err = d.releasePrivate(pp)
 	if d.debug {
 		d.mustCheck()
@@ -208,8 +207,6 @@ func (a *Allocator) CacheInfo(dev int, largest uint64) (uint64, error) {
 	return largest, nil
 }
 
-// LargestCachedBlock is CacheInfo(dev, 0).
-func (a *Allocator) LargestCachedBlock(dev int) (uint64, error) { return a.CacheInfo(dev, 0) }
 
 // MemoryFraction returns dev's memory fraction (native getMemoryFraction):
 // 1 when none is set, as in PyTorch.

@@ -135,7 +135,7 @@ func TestMemPoolErrors(t *testing.T) {
 		{"source: unknown pool", a.SetPoolSource(0, unknown, src), allocator.ErrUnknownPool, "{0,99}"},
 		{"source: pool with segments", a.SetPoolSource(0, held, src), allocator.ErrInvalidArgument, "already holds 1 segments"},
 		{"empty pool: bad device", a.EmptyPool(2, held), allocator.ErrInvalidDevice, "device 2"},
-		{"cache info: bad device", errOfU64(a.LargestCachedBlock(1)), allocator.ErrInvalidDevice, "device 1"},
+		{"cache info: bad device", errOfU64(a.CacheInfo(1, 0)), allocator.ErrInvalidDevice, "device 1"},
 		{"memory fraction: bad device", errOfF(a.MemoryFraction(1)), allocator.ErrInvalidDevice, "device 1"},
 	} {
 		require.ErrorIs(t, tc.err, tc.kind, tc.name)
@@ -464,10 +464,10 @@ func testMemPoolSegmentSource(t *testing.T, conf string) {
 	require.NoError(t, a.CheckInvariants())
 }
 
-func TestLargestCachedBlock(t *testing.T) {
+func TestCacheInfo(t *testing.T) {
 	lockThread(t)
 	a, drv := newAlloc(t, 1, 2*GiB, "")
-	n, err := a.LargestCachedBlock(0)
+	n, err := a.CacheInfo(0, 0)
 	require.NoError(t, err)
 	require.Equal(t, uint64(2*GiB), n, "nothing cached: the device's free memory, PyTorch's first guess")
 
@@ -479,21 +479,27 @@ func TestLargestCachedBlock(t *testing.T) {
 	require.NoError(t, a.Free(0, p, 0))
 	require.NoError(t, a.Free(0, q, 0))
 	drv.SetExternalUse(0, 1200*MiB) // 48 MiB free on the device
-	n, err = a.LargestCachedBlock(0)
+	n, err = a.CacheInfo(0, 0)
 	require.NoError(t, err)
 	require.Equal(t, uint64(500*MiB), n, "a graph pool's cached block counts too")
 
 	require.NoError(t, a.ReleasePool(0, pool))
 	require.NoError(t, a.EmptyCache())
-	n, err = a.LargestCachedBlock(0)
+	n, err = a.CacheInfo(0, 0)
 	require.NoError(t, err)
 	require.Equal(t, uint64(2*GiB-1200*MiB), n, "empty_cache gave everything back")
 	drv.SetExternalUse(0, 1700*MiB)
 	p = mustMalloc(t, a, 0, 300*MiB, 0) // 48 MiB left free
 	require.NoError(t, a.Free(0, p, 0))
-	n, err = a.LargestCachedBlock(0)
+	n, err = a.CacheInfo(0, 0)
 	require.NoError(t, err)
 	require.Equal(t, uint64(300*MiB), n)
+	n, err = a.CacheInfo(0, 1)
+	require.NoError(t, err)
+	require.Equal(t, uint64(300*MiB), n, "a caller's lower bound is raised to the largest cached block")
+	n, err = a.CacheInfo(0, GiB)
+	require.NoError(t, err)
+	require.Equal(t, uint64(GiB), n, "and kept when larger (no free-memory guess then)")
 }
 
 func TestMemoryFractionQueries(t *testing.T) {

@@ -247,6 +247,14 @@ func (c *Cache) Allocate(r *Request, b *Block) *Block {
 	}
 	b.Allocated = true
 	b.Requested = r.Requested
+	c.countAllocated(b)
+	return b
+}
+
+// countAllocated indexes the newly allocated block b and counts it in the
+// statistics.
+func (c *Cache) countAllocated(b *Block) {
+	small := b.Pool.Small
 	c.active.put(b.Ptr, b)
 	c.Stats.Allocation.Increase(small, 1)
 	c.Stats.AllocatedBytes.Increase(small, int64(b.Size))
@@ -256,7 +264,6 @@ func (c *Cache) Allocate(r *Request, b *Block) *Block {
 	if b.Size >= c.cfg.MaxSplitSize {
 		c.Stats.OversizeAllocations.Increase(1)
 	}
-	return b
 }
 
 // Lookup returns the allocated block at p, or nil.

@@ -284,15 +284,7 @@ func (c *Cache) carve(f *Block, allocs []BlockState, out []*Block) []*Block {
 			}
 			continue
 		}
-		c.active.put(b.Ptr, b)
-		c.Stats.Allocation.Increase(small, 1)
-		c.Stats.AllocatedBytes.Increase(small, int64(b.Size))
-		c.Stats.Active.Increase(small, 1)
-		c.Stats.ActiveBytes.Increase(small, int64(b.Size))
-		c.Stats.RequestedBytes.Increase(small, int64(b.Requested))
-		if b.Size >= c.cfg.MaxSplitSize {
-			c.Stats.OversizeAllocations.Increase(1)
-		}
+		c.countAllocated(b)
 		out = append(out, b)
 	}
 	return out
