@@ -52,7 +52,7 @@ test-race:
 	$(call section,go test -race)
 	$(GO) test -race $(RACE_PKGS)
 
-$(BUILD)/test_cudapool: capi/ctest/test_cudapool.c include/cudapool.h lib
+$(BUILD)/test_cudapool: capi/ctest/test_cudapool.c capi/ctest/check.h include/cudapool.h lib
 	@mkdir -p $(BUILD)
 	$(CC) -std=c11 $(TEST_CFLAGS) -o $@ $< $(TEST_LDFLAGS)
 
@@ -60,7 +60,7 @@ $(BUILD)/test_cudapool_cpp: capi/ctest/test_cudapool.cpp include/cudapool.h lib
 	@mkdir -p $(BUILD)
 	$(CXX) -std=c++17 $(TEST_CFLAGS) -o $@ $< $(TEST_LDFLAGS)
 
-$(BUILD)/test_torchabi: capi/ctest/test_torchabi.c include/cudapool.h lib
+$(BUILD)/test_torchabi: capi/ctest/test_torchabi.c capi/ctest/check.h include/cudapool.h lib
 	@mkdir -p $(BUILD)
 	$(CC) -std=c11 $(TEST_CFLAGS) -o $@ $< $(TEST_LDFLAGS)
 

@@ -36,15 +36,16 @@ func cpgo_malloc(size C.size_t, dev C.int, stream C.uintptr_t) C.uintptr_t {
 	if C.cp_freeq_n != 0 {
 		frees = takeFrees(&buf)
 	}
-	return mallocAfter(st.a, size, dev, stream, frees)
+	return mallocAfter(st.a, size, dev, stream, 0, frees)
 }
 
-// mallocAfter performs the queued frees and the malloc in one lock hold.
-func mallocAfter(a *allocator.Allocator, size C.size_t, dev C.int, stream C.uintptr_t, frees []allocator.PendingFree) C.uintptr_t {
-	p, err, ferr := a.MallocAfterFrees(int(dev), uint64(size), cuda.Stream(stream), 0, frees)
+// mallocAfter performs the queued frees and the malloc (whose context id is
+// ctx) in one lock hold.
+func mallocAfter(a *allocator.Allocator, size C.size_t, dev C.int, stream C.uintptr_t, ctx C.ulonglong, frees []allocator.PendingFree) C.uintptr_t {
+	p, err, ferr := a.MallocAfterFrees(int(dev), uint64(size), cuda.Stream(stream), uint64(ctx), frees)
 	reportFreeError(ferr)
 	if err != nil {
-		fail(err)
+		failMalloc(err)
 		return 0
 	}
 	return C.uintptr_t(p)
@@ -79,7 +80,7 @@ func cpgo_torch_malloc(size C.size_t, dev C.int, stream C.uintptr_t, frees *C.cp
 		torchAnnounced.Store(true)
 	}
 	var buf [C.CP_FREEQ_CAP]allocator.PendingFree
-	return mallocAfter(a, size, dev, stream, convertFrees(buf[:0], unsafe.Slice(frees, int(nfrees))))
+	return mallocAfter(a, size, dev, stream, 0, convertFrees(buf[:0], unsafe.Slice(frees, int(nfrees))))
 }
 
 //export cpgo_free

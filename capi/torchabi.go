@@ -34,14 +34,7 @@ func cpgo_malloc_ctx(size C.size_t, dev C.int, stream C.uintptr_t, ctx C.ulonglo
 		return 0
 	}
 	var buf [C.CP_FREEQ_CAP]allocator.PendingFree
-	p, err, ferr := st.a.MallocAfterFrees(int(dev), uint64(size), cuda.Stream(stream), uint64(ctx),
-		convertFrees(buf[:0], unsafe.Slice(frees, int(nfrees))))
-	reportFreeError(ferr)
-	if err != nil {
-		failMalloc(err)
-		return 0
-	}
-	return C.uintptr_t(p)
+	return mallocAfter(st.a, size, dev, stream, ctx, convertFrees(buf[:0], unsafe.Slice(frees, int(nfrees))))
 }
 
 // failMalloc records a failed malloc, and for out of memory the numbers

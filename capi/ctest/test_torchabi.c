@@ -13,35 +13,7 @@
 
 #include "cudapool.h"
 
-#define KiB (1024ULL)
-#define MiB (1024ULL * KiB)
-#define GiB (1024ULL * MiB)
-#define STREAM(n) ((cudapool_stream)(uintptr_t)(n))
-
-static int passed, failed;
-
-static void check_at(int ok, int line, const char *what, const char *fmt, ...) {
-	char name[512];
-	va_list ap;
-	va_start(ap, fmt);
-	vsnprintf(name, sizeof name, fmt, ap);
-	va_end(ap);
-	if (ok) {
-		passed++;
-		printf("ok    %s\n", name);
-	} else {
-		const char *e = cudapool_last_error();
-		failed++;
-		printf("FAIL  %s\n      line %d: %s\n      last error: %s\n", name, line, what, e ? e : "(none)");
-	}
-	fflush(stdout);
-}
-#define CHECK(cond, ...) check_at(!!(cond), __LINE__, #cond, __VA_ARGS__)
-
-static int err_has(const char *sub) {
-	const char *e = cudapool_last_error();
-	return e != NULL && strstr(e, sub) != NULL;
-}
+#include "check.h"
 
 static cudapool_device_stats stats(int dev) {
 	cudapool_device_stats s;

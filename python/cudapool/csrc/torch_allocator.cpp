@@ -84,15 +84,14 @@ std::string last_error(const char *fallback) {
 }
 
 // check raises the message of a failed C ABI call made after
-// cudapool_clear_error().
-void check(const char *what) {
+// cudapool_clear_error() (the message names the operation).
+void check() {
 	const char *e = cudapool_last_error();
 	if (e != nullptr && e[0] != 0) {
 		std::string msg(e);
 		cudapool_clear_error();
 		TORCH_CHECK(false, msg);
 	}
-	(void)what;
 }
 
 bool is_oom(const std::string &m) { return m.find("CUDA out of memory") != std::string::npos; }
@@ -418,7 +417,7 @@ class Allocator final : public Base {
 	void init(int device_count) override {
 		cudapool_clear_error();
 		cudapool_init(device_count);
-		check("init");
+		check();
 		initialized_ = true;
 	}
 
@@ -427,7 +426,7 @@ class Allocator final : public Base {
 	void enable(bool on) override {
 		cudapool_clear_error();
 		cudapool_set_caching(on ? 1 : 0);
-		check("enable");
+		check();
 	}
 
 	bool isEnabled() const override { return cudapool_caching() != 0; }
@@ -435,14 +434,14 @@ class Allocator final : public Base {
 	double getMemoryFraction(DeviceIndex device) override {
 		cudapool_clear_error();
 		double f = cudapool_get_memory_fraction(device);
-		check("get_memory_fraction");
+		check();
 		return f;
 	}
 
 	void setMemoryFraction(double fraction, DeviceIndex device) override {
 		cudapool_clear_error();
 		cudapool_set_memory_fraction(fraction, device);
-		check("set_memory_fraction");
+		check();
 	}
 
 	std::vector<CCA::StreamSegmentSize> getExpandableSegmentSizes(DeviceIndex device) override {
@@ -465,19 +464,19 @@ class Allocator final : public Base {
 		} else {
 			cudapool_empty_pool(-1, id.first, id.second);
 		}
-		check("empty_cache");
+		check();
 	}
 
 	void cacheInfo(DeviceIndex device, size_t *largest) override {
 		cudapool_clear_error();
 		cudapool_cache_info(device, largest);
-		check("cache_info");
+		check();
 	}
 
 	void *getBaseAllocation(void *p, size_t *size) override {
 		cudapool_clear_error();
 		void *base = cudapool_base_allocation(p, size);
-		check("base_allocation");
+		check();
 		return base;
 	}
 
@@ -487,14 +486,14 @@ class Allocator final : public Base {
 			return;
 		cudapool_clear_error();
 		cudapool_record_stream(p.get(), reinterpret_cast<cudapool_stream>(stream.stream()));
-		check("record_stream");
+		check();
 	}
 
 	c10::CachingDeviceAllocator::DeviceStats getDeviceStats(DeviceIndex device) override {
 		cudapool_device_stats s{};
 		cudapool_clear_error();
 		cudapool_get_device_stats(device, &s);
-		check("memory_stats");
+		check();
 		c10::CachingDeviceAllocator::DeviceStats d;
 		auto conv = [](c10::CachingAllocator::Stat &to, const cudapool_stat &from) {
 			to.current = from.current;
@@ -529,13 +528,13 @@ class Allocator final : public Base {
 	void resetAccumulatedStats(DeviceIndex device) override {
 		cudapool_clear_error();
 		cudapool_reset_accumulated_stats(device);
-		check("reset_accumulated_stats");
+		check();
 	}
 
 	void resetPeakStats(DeviceIndex device) override {
 		cudapool_clear_error();
 		cudapool_reset_peak_stats(device);
-		check("reset_peak_stats");
+		check();
 	}
 
 	CCA::SnapshotInfo snapshot(MempoolId_t pool, bool include_traces) override {
@@ -608,38 +607,38 @@ class Allocator final : public Base {
 	void beginAllocateToPool(DeviceIndex device, MempoolId_t id, std::function<bool(cudaStream_t)> filter) override {
 		cudapool_clear_error();
 		cudapool_torch_begin_allocate_to_pool(device, id, std::move(filter));
-		check("begin_allocate_to_pool");
+		check();
 	}
 
 	void endAllocateToPool(DeviceIndex device, MempoolId_t id) override {
 		cudapool_clear_error();
 		cudapool_torch_end_allocate_to_pool(device, id);
-		check("end_allocate_to_pool");
+		check();
 	}
 
 	void releasePool(DeviceIndex device, MempoolId_t id) override {
 		cudapool_clear_error();
 		cudapool_torch_release_pool(device, id);
-		check("release_pool");
+		check();
 	}
 
 	int getPoolUseCount(DeviceIndex device, MempoolId_t id) override {
 		cudapool_clear_error();
 		int n = cudapool_pool_use_count(device, id.first, id.second);
-		check("get_pool_use_count");
+		check();
 		return n;
 	}
 
 	void createOrIncrefPool(DeviceIndex device, MempoolId_t id, std::shared_ptr<CCA::CUDAAllocator> alloc) override {
 		cudapool_clear_error();
 		cudapool_pool_create_or_incref(device, id.first, id.second);
-		check("create_or_incref_pool");
+		check();
 		if (alloc && !is_cudapool(alloc)) {
 			// Owned by Go from here: kept as long as the pool's segments.
 			auto *src = new Source{std::move(alloc)};
 			if (cudapool_pool_set_source(device, id.first, id.second, &source_alloc, &source_free, src) != 0) {
 				delete src;
-				check("create_or_incref_pool");
+				check();
 			}
 		}
 	}
@@ -647,13 +646,13 @@ class Allocator final : public Base {
 	void setUseOnOOM(DeviceIndex device, MempoolId_t id, bool use) override {
 		cudapool_clear_error();
 		cudapool_pool_set_use_on_oom(device, id.first, id.second, use ? 1 : 0);
-		check("set_use_on_oom");
+		check();
 	}
 
 	void setNoSplit(DeviceIndex device, MempoolId_t id) override {
 		cudapool_clear_error();
 		cudapool_pool_set_no_split(device, id.first, id.second);
-		check("set_no_split");
+		check();
 	}
 
 	bool checkPoolLiveAllocations(DeviceIndex device, MempoolId_t id,
@@ -661,7 +660,7 @@ class Allocator final : public Base {
 		std::vector<void *> v(expected.begin(), expected.end());
 		cudapool_clear_error();
 		int r = cudapool_pool_check_live(device, id.first, id.second, v.data(), v.size());
-		check("check_pool_live_allocations");
+		check();
 		return r == 1;
 	}
 
@@ -671,7 +670,7 @@ class Allocator final : public Base {
 		int device = -1;
 		cudapool_clear_error();
 		cudapool_ipc_handle(p, h, &offset, &device);
-		check("share_ipc_handle");
+		check();
 		std::string s;
 		s.reserve(2 + kIpcHandleSize);
 		s.push_back(kIpcVersion);
@@ -694,7 +693,7 @@ class Allocator final : public Base {
 		}
 		cudapool_clear_error();
 		void *p = cudapool_ipc_open(current_device(), h);
-		check("get_ipc_dev_ptr");
+		check();
 		return std::shared_ptr<void>(p, [](void *q) {
 			if (cudapool_ipc_close(q) != 0)
 				fprintf(stderr, "cudapool: closing a CUDA IPC mapping: %s\n", last_error("failed").c_str());
@@ -714,7 +713,7 @@ class Allocator final : public Base {
 		recorder.store(enabled ? recorder_fn : nullptr, std::memory_order_release);
 		cudapool_clear_error();
 		cudapool_record_history(enabled ? 1 : 0, max_entries, static_cast<int>(when), clear ? 1 : 0, skip.c_str());
-		check("record_history");
+		check();
 		contexts.sweep();
 	}
 
@@ -729,7 +728,7 @@ class Allocator final : public Base {
 			device = 0;
 		cudapool_clear_error();
 		cudapool_record_annotation(device, keys.data(), values.data(), keys.size());
-		check("record_annotation");
+		check();
 	}
 
 	void pushCompileContext(std::string &md) override { cudapool_push_compile_context(md.c_str()); }
@@ -759,7 +758,7 @@ class Allocator final : public Base {
 	std::shared_ptr<CCA::AllocatorState> getCheckpointState(DeviceIndex device, MempoolId_t id) override {
 		cudapool_clear_error();
 		unsigned long long cp = cudapool_checkpoint_pool(device, id.first, id.second);
-		check("get_checkpoint_state");
+		check();
 		TORCH_CHECK(cp != 0, "cudapool: get_checkpoint_state failed");
 		return std::make_shared<PoolState>(cp);
 	}
@@ -771,7 +770,7 @@ class Allocator final : public Base {
 		cudapool_restore_result r{};
 		cudapool_clear_error();
 		cudapool_checkpoint_restore(device, st->id, &r);
-		check("set_checkpoint_pool_state");
+		check();
 		CCA::CheckpointDelta d;
 		d.ptrs_freed.assign(r.freed, r.freed + r.nfreed);
 		d.dataptrs_allocd.reserve(r.nallocated);
@@ -791,7 +790,7 @@ class Allocator final : public Base {
 		cudapool_clear_error();
 		cudapool_snapshot *s = pool ? cudapool_snapshot_take(1, pool->first, pool->second, traces ? 1 : 0)
 		                            : cudapool_snapshot_take(0, 0, 0, traces ? 1 : 0);
-		check("snapshot");
+		check();
 		TORCH_CHECK(s != nullptr, "cudapool: snapshot failed");
 		return s;
 	}
