@@ -207,7 +207,6 @@ func (a *Allocator) CacheInfo(dev int, largest uint64) (uint64, error) {
 	return largest, nil
 }
 
-
 // MemoryFraction returns dev's memory fraction (native getMemoryFraction):
 // 1 when none is set, as in PyTorch.
 func (a *Allocator) MemoryFraction(dev int) (float64, error) {
