@@ -278,36 +278,27 @@ def render(files, runs, reasons, env, sources):
         npass = len(g["pass_both"]) + len(g["regressions"])
         w(f"{npass} tests pass natively; {len(g['pass_both'])} of them pass with cudapool.")
         w("")
-        w(f"### Pass natively, not with cudapool ({len(g['regressions'])})")
-        w("")
-        if g["regressions"]:
-            w("| test | with cudapool | first line of the message | reason |")
-            w("|---|---|---|---|")
-            for tid, n, c in g["regressions"]:
-                w(f"| `{md(short(tid))}` | {c.status} | {md(c.message)} | {md(reason_for(tid, reasons))} |")
-        else:
-            w("None.")
-        w("")
-        w(f"### Skipped or expected to fail natively ({len(g['skipped_native'])})")
-        w("")
-        if g["skipped_native"]:
-            w("| test | natively | why | with cudapool | reason |")
-            w("|---|---|---|---|---|")
-            for tid, n, c in g["skipped_native"]:
-                w(f"| `{md(short(tid))}` | {n.status} | {md(n.message)} | {c.status} | {md(reason_for(tid, reasons))} |")
-        else:
-            w("None.")
-        w("")
-        w(f"### Fail natively ({len(g['failed_native'])})")
-        w("")
-        if g["failed_native"]:
-            w("| test | natively | first line of the message | with cudapool | reason |")
-            w("|---|---|---|---|---|")
-            for tid, n, c in g["failed_native"]:
-                w(f"| `{md(short(tid))}` | {n.status} | {md(n.message)} | {c.status} | {md(reason_for(tid, reasons))} |")
-        else:
-            w("None.")
-        w("")
+        def section(title, rows, header, cells):
+            w(f"### {title} ({len(rows)})")
+            w("")
+            if rows:
+                w("| " + " | ".join(header) + " |")
+                w("|" + "---|" * len(header))
+                for tid, n, c in rows:
+                    w(f"| `{md(short(tid))}` | " + " | ".join(cells(n, c)) + f" | {md(reason_for(tid, reasons))} |")
+            else:
+                w("None.")
+            w("")
+
+        section("Pass natively, not with cudapool", g["regressions"],
+                ["test", "with cudapool", "first line of the message", "reason"],
+                lambda n, c: [c.status, md(c.message)])
+        section("Skipped or expected to fail natively", g["skipped_native"],
+                ["test", "natively", "why", "with cudapool", "reason"],
+                lambda n, c: [n.status, md(n.message), c.status])
+        section("Fail natively", g["failed_native"],
+                ["test", "natively", "first line of the message", "with cudapool", "reason"],
+                lambda n, c: [n.status, md(n.message), c.status])
         if g["only_cp"]:
             w(f"### Run with cudapool only ({len(g['only_cp'])})")
             w("")
