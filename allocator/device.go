@@ -36,7 +36,15 @@ func (d *device) countCaptures() {
 func (d *device) malloc(size uint64, s cuda.Stream, capture uint64) (cuda.Ptr, error) {
 	// capture != 0: the stream captures, though Route has not yet counted it.
 	capturing := capture != 0 || d.capturing()
-	if !capturing && !d.ev.Idle() {
+	switch {
+	case capturing:
+		if d.reuse.on {
+			d.reclaimInCapture(s)
+		}
+	case !d.ev.Idle():
+		if len(d.reuse.markers)+len(d.reuse.seen) > 0 {
+			d.dropCaptureReuse()
+		}
 		if err := d.ev.Process(d.ret); err != nil {
 			// Not the malloc's failure: the blocks concerned stay queued.
 			d.warn(driverError("malloc", err, "querying the events of pending frees on device %d (the blocks concerned wait for new events)", d.id).Error())
@@ -299,6 +307,7 @@ func (d *device) free(b *pools.Block) error {
 	if d.capturing() || d.useCapturing(b) {
 		// No event may be recorded for later query during a capture.
 		d.ev.Defer(b)
+		d.noteFreeMarkers(b)
 		return nil
 	}
 	if err := d.ev.Insert(b); err != nil {
