@@ -71,6 +71,9 @@ func (d *device) noteFreeMarkers(b *pools.Block) {
 		}
 		st, id, terms, err := drv.StreamCaptureGraph(d.id, s, r.buf[:0])
 		r.buf = terms
+		if err != nil {
+			d.warnCaptureGraph(err, s)
+		}
 		if err != nil || st != cuda.CaptureActive || (m.capture != 0 && id != m.capture) {
 			ok = false // a stream outside the capture: wait for its end
 			return
@@ -105,7 +108,11 @@ func (d *device) reclaimInCapture(s cuda.Stream) {
 	}
 	st, id, terms, err := drv.StreamCaptureGraph(d.id, s, r.buf[:0])
 	r.buf = terms
-	if err != nil || st != cuda.CaptureActive || len(terms) == 0 {
+	if err != nil {
+		d.warnCaptureGraph(err, s)
+		return
+	}
+	if st != cuda.CaptureActive || len(terms) == 0 {
 		return
 	}
 	if r.seen == nil {
@@ -128,7 +135,7 @@ func (d *device) reclaimInCapture(s cuda.Stream) {
 		r.buf = deps
 		if err != nil {
 			// Unknown ancestry: n stays unseen and is asked again next time.
-			d.warn(driverError("malloc", err, "reading the capture graph of stream %#x (record_stream'd blocks wait for the capture's end)", uintptr(s)).Error())
+			d.warnCaptureGraph(err, s)
 			return
 		}
 		seen[n] = struct{}{}
@@ -150,6 +157,16 @@ func (d *device) reclaimInCapture(s cuda.Stream) {
 	if len(r.markers) == 0 {
 		clear(r.seen) // nothing left to prove; a later free walks afresh
 	}
+}
+
+// warnCaptureGraph reports a failed capture-graph query: the blocks
+// concerned wait for the capture's end, as without the option.
+func (d *device) warnCaptureGraph(err error, s cuda.Stream) {
+	if errorsIs(err, cuda.ErrNotSupported) {
+		d.warn("graph_capture_record_stream_reuse:True has no effect: the CUDA driver lacks cuGraphNodeGetDependencies or cuStreamGetCaptureInfo_v2")
+		return
+	}
+	d.warn(driverError("capture reuse", err, "reading the capture graph of stream %#x (record_stream'd blocks wait for the capture's end)", uintptr(s)).Error())
 }
 
 // dropCaptureReuse forgets the markers and walks once no capture is under
