@@ -175,7 +175,9 @@ def install(mode=None, capture=True, free_cupy_pool=True):
     (slower; for comparison).
     capture: route the allocations of CuPy's graph captures to a private
     pool per capture (Stream.begin_capture/end_capture are wrapped), freed
-    when the graph is destroyed.
+    when the graph is destroyed; cudapool then relies on captures being
+    announced (as PyTorch's are): one begun with
+    cupy.cuda.runtime.streamBeginCapture directly is not seen.
     free_cupy_pool: return what CuPy's default memory pool caches to the
     driver, so that cudapool can use it.
     """
@@ -206,6 +208,9 @@ def install(mode=None, capture=True, free_cupy_pool=True):
         state = _Installed(cupy, chosen, allocator, previous, owner)
         if capture:
             _patch_capture(state)
+            # Every CuPy capture is now announced (as PyTorch's are), so
+            # malloc need not ask the driver whether its stream captures.
+            _lib.load().cudapool_expect_announced_captures()
         cupy.cuda.set_allocator(allocator)
         _state = state
         if free_cupy_pool:
