@@ -291,8 +291,14 @@ def _keep_graph_pool(noop, holder):
     keeps alive (Graph.host_funcargs); never called."""
 
 
-# Graphs whose pool could not be tied to their lifetime: id -> _GraphPool
-# (release_graph() releases them).
+def _holder_of(item):
+    if isinstance(item, tuple) and len(item) == 2 and item[0] is _keep_graph_pool:
+        return item[1]
+    return None
+
+
+# Graphs whose pool could not be tied to their lifetime: id -> (graph,
+# _GraphPool); release_graph() releases them.
 _unbound = {}
 _warned_unbound = False
 
@@ -305,13 +311,18 @@ def _bind_pool(graph, holder):
     funcargs = getattr(graph, "host_funcargs", None)
     if isinstance(funcargs, list):
         funcargs.append((_keep_graph_pool, holder))
-        return
-    _unbound[id(graph)] = holder
+        # Only if the graph hands out its own list (not a copy) does the
+        # holder live as long as the graph; releasing the pool earlier would
+        # let replays write into memory given to others.
+        if any(_holder_of(item) is holder for item in getattr(graph, "host_funcargs", None) or ()):
+            return
+    # Kept with the graph, so that its id cannot be reused while here.
+    _unbound[id(graph)] = (graph, holder)
     if not _warned_unbound:
         _warned_unbound = True
         print(
-            "cudapool.cupy: this CuPy's Graph does not expose host_funcargs; each captured graph's "
-            "private pool stays reserved until cudapool.cupy.release_graph(graph)",
+            "cudapool.cupy: this CuPy's Graph does not keep a host_funcargs list cudapool can use; each "
+            "captured graph (and its private pool) is kept until cudapool.cupy.release_graph(graph)",
             file=sys.stderr,
         )
 
@@ -320,12 +331,13 @@ def release_graph(graph):
     """Release the private pool of a graph captured under install() now
     (it is otherwise released when the graph is destroyed). The graph must
     not be launched afterwards. Returns True if a pool was released."""
-    holder = _unbound.pop(id(graph), None)
-    if holder is None:
+    entry = _unbound.get(id(graph))
+    holder = None
+    if entry is not None and entry[0] is graph:
+        holder = _unbound.pop(id(graph))[1]
+    else:
         for item in getattr(graph, "host_funcargs", None) or ():
-            if isinstance(item, tuple) and len(item) == 2 and item[0] is _keep_graph_pool:
-                holder = item[1]
-                break
+            holder = _holder_of(item) or holder
     if holder is None or not holder.finalizer.alive:
         return False
     holder.release()

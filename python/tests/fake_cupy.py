@@ -100,6 +100,20 @@ class GraphWithoutFuncargs:
         self.launched = 0
 
 
+class GraphCopyingFuncargs:
+    """A graph whose host_funcargs hands out a copy: appending to it would
+    not tie anything to the graph."""
+
+    __slots__ = ("_funcargs", "launched")
+
+    def __init__(self, host_funcargs):
+        self._funcargs, self.launched = host_funcargs, 0
+
+    @property
+    def host_funcargs(self):
+        return list(self._funcargs)
+
+
 class _BaseStream:
     graph_class = Graph
 

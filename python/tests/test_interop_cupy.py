@@ -232,8 +232,10 @@ def test_failed_captures_release_their_pool(cupy):
     assert pool_reserved(pool) == 0, "no graph: the pool is released"
 
 
-def test_graph_without_funcargs(monkeypatch, capsys):
-    cp = fake_cupy.installed_into(monkeypatch, graph_class=fake_cupy.GraphWithoutFuncargs)
+@pytest.mark.parametrize("graph_class", [fake_cupy.GraphWithoutFuncargs, fake_cupy.GraphCopyingFuncargs])
+def test_graph_without_funcargs(monkeypatch, capsys, graph_class):
+    monkeypatch.setattr(cpc, "_warned_unbound", False)
+    cp = fake_cupy.installed_into(monkeypatch, graph_class=graph_class)
     cpc.install()
     try:
         s = cp.cuda.Stream(0x7800)
@@ -245,7 +247,8 @@ def test_graph_without_funcargs(monkeypatch, capsys):
         assert "release_graph" in capsys.readouterr().err, "says once how to release such pools"
         del x
         cudapool.empty_cache()
-        assert pool_reserved(pool) > 0
+        gc.collect()
+        assert pool_reserved(pool) > 0, "the pool is not released before release_graph"
         assert cpc.release_graph(g) is True
         cudapool.empty_cache()
         assert pool_reserved(pool) == 0
