@@ -279,3 +279,27 @@ def test_threads(cupy):
     assert errors == []
     assert allocated() == 0
     assert cudapool.memory_stats(0)["allocation.all.allocated"] == 6 * 300
+
+
+def test_install_with_cupy_true():
+    """cudapool.install(cupy=True): PyTorch (the stand-in torch) and CuPy
+    (the stand-in CuPy) on cudapool in one call."""
+    from helpers import TESTS, run_code
+
+    out = run_code(
+        """
+        import sys
+        sys.path.insert(0, %r)
+        import fake_cupy
+        sys.modules.update(fake_cupy.build())
+        import cupy, cudapool, cudapool.cupy
+        alloc = cudapool.install(cupy=True)
+        assert cudapool.installed() and alloc is not None
+        assert cudapool.cupy.mode() == "c", cudapool.cupy.mode()
+        m = cupy.alloc(4096)
+        assert cudapool.memory_allocated(0) == 4096
+        print("OK")
+        """ % TESTS,
+        torch="fake",
+    )
+    assert out.returncode == 0 and out.stdout.strip().endswith("OK"), out.stderr
