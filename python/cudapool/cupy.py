@@ -210,7 +210,7 @@ def install(mode=None, capture=True, free_cupy_pool=True):
             _patch_capture(state)
             # Every CuPy capture is now announced (as PyTorch's are), so
             # malloc need not ask the driver whether its stream captures.
-            _lib.load().cudapool_expect_announced_captures()
+            _own_function("cudapool_expect_announced_captures", None, [])()
         cupy.cuda.set_allocator(allocator)
         _state = state
         if free_cupy_pool:

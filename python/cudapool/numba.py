@@ -39,13 +39,16 @@ __all__ = ["CudapoolNumbaManager", "install", "_numba_memory_manager"]
 _PER_THREAD_STREAM = 2
 
 
+try:
+    from numba.cuda.core import config as _config
+except ImportError:  # pragma: no cover - older numba-cuda layouts
+    from numba.core import config as _config
+
+
 def _default_stream():
-    """The stream Numba's default-stream work runs on."""
-    try:
-        from numba.cuda.core import config
-    except ImportError:  # older layouts
-        from numba.core import config
-    return _PER_THREAD_STREAM if getattr(config, "CUDA_PER_THREAD_DEFAULT_STREAM", 0) else 0
+    """The stream Numba's default-stream work runs on (read each time: the
+    setting may change after import, as Numba's own reads do)."""
+    return _PER_THREAD_STREAM if getattr(_config, "CUDA_PER_THREAD_DEFAULT_STREAM", 0) else 0
 
 
 def _own_function(name, restype, argtypes):
