@@ -327,3 +327,65 @@ def test_threads_mix_the_libraries(cupy, numba):
     for t in threads:
         t.join()
     assert errors == []
+
+
+# ---------------------------------------------------------------------------
+# The documented one-liners, each in a fresh process without PyTorch on
+# cudapool
+
+
+def _fresh(code, env=None):
+    import textwrap
+
+    out = gpu_common.python(["-c", textwrap.dedent(code)], env=env, timeout=240)
+    assert out.returncode == 0 and out.stdout.strip().endswith("OK"), f"stdout:\n{out.stdout}\nstderr:\n{out.stderr}"
+
+
+def test_cupy_one_line_in_a_cupy_only_process(cupy):
+    _fresh("""
+        import numpy as np, cupy, cudapool, cudapool.cupy
+        assert cudapool.cupy.install() == "c"
+        x = cupy.ones(1 << 20, dtype=cupy.float64)
+        assert cudapool.memory_allocated(0) == 8 << 20, cudapool.memory_allocated(0)
+        s = cupy.cuda.Stream(non_blocking=True)
+        with s:
+            (x + 1).sum()
+            s.synchronize()
+            s.begin_capture()
+            y = x + 1
+            g = s.end_capture()
+            g.launch(stream=s)
+            s.synchronize()
+        assert float(y.sum()) == 2 * (1 << 20)
+        pools = {tuple(seg["segment_pool_id"]) for seg in cudapool.snapshot()["segments"]}
+        assert any(p[0] >= 1 << 62 for p in pools), pools
+        del x, y, g
+        import gc; gc.collect()
+        cudapool.empty_cache()
+        assert cudapool.memory_allocated(0) == 0 and cudapool.memory_reserved(0) == 0, cudapool.memory_stats(0)
+        print("OK")
+    """)
+
+
+def test_numba_environment_variable(numba):
+    _fresh("""
+        import numpy as np, cudapool
+        from numba import cuda
+        import cudapool.numba
+        d = cuda.to_device(np.ones(1 << 20, dtype=np.float32))
+        assert isinstance(cuda.current_context().memory_manager, cudapool.numba.CudapoolNumbaManager)
+        assert cudapool.memory_allocated(0) == 4 << 20, cudapool.memory_allocated(0)
+        assert d.copy_to_host().sum() == 1 << 20
+        del d
+        import gc; gc.collect()
+        assert cudapool.memory_allocated(0) == 0
+        print("OK")
+    """, env={"NUMBA_CUDA_MEMORY_MANAGER": "cudapool.numba"})
+
+
+def test_zz_no_private_pool_left():
+    """Last: every CuPy graph pool of this module was released."""
+    settle()
+    cudapool.empty_cache()
+    left = [s for s in cudapool.snapshot()["segments"] if s["segment_pool_id"][0] >= 1 << 62]
+    assert left == [], f"CuPy graph pools still reserved: {[(s['segment_pool_id'], s['total_size']) for s in left]}"
