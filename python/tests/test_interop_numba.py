@@ -190,3 +190,13 @@ def test_threads(mgr):
     assert errors == []
     assert cudapool.memory_allocated(0) == 0
     assert cudapool.memory_stats(0)["allocation.all.allocated"] == 6 * 200
+
+
+def test_ipc_refused_in_expandable_segments(mgr):
+    _lib.configure("expandable_segments:True")
+    mp = mgr.memalloc(4096)
+    try:
+        with pytest.raises(cudapool.CudapoolError, match="expandable"):
+            mgr.get_ipc_handle(mp)
+    finally:
+        mp.free()

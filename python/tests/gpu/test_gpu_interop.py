@@ -141,6 +141,13 @@ def test_numba_memory_info_and_ipc(numba):
     driver_free, driver_total = torch.cuda.mem_get_info(0)
     assert total == driver_total and free >= driver_free * 0.9
     d = numba.device_array(1 << 20, dtype=np.uint8)
+    ptr = d.device_ctypes_pointer.value
+    seg = next(g for g in cudapool.snapshot()["segments"] if g["address"] <= ptr < g["address"] + g["total_size"])
+    if seg["is_expandable"]:  # expandable_segments:True: such memory cannot be shared
+        with pytest.raises(cudapool.CudapoolError, match="expandable"):
+            ctx.memory_manager.get_ipc_handle(d.gpu_data)
+        del d
+        return
     ours = ctx.memory_manager.get_ipc_handle(d.gpu_data)
     from numba.cuda.cudadrv import driver as ndriver
 
