@@ -135,6 +135,23 @@ def test_numba_kernels(numba):
     del dx, dy, out
 
 
+def test_numba_kernel_on_a_cupy_array(cupy, numba):
+    @numba.jit
+    def double(a):
+        i = ncuda.grid(1)  # a global: Numba resolves it at compile time
+        if i < a.size:
+            a[i] *= 2
+
+    n = 1 << 16
+    x = cupy.arange(n, dtype=cupy.float32)
+    d = numba.as_cuda_array(x)  # no copy: the same cudapool block
+    assert d.device_ctypes_pointer.value == x.data.ptr
+    double[(n + 255) // 256, 256](d)
+    numba.synchronize()
+    np.testing.assert_array_equal(cupy.asnumpy(x), 2 * np.arange(n, dtype=np.float32))
+    del d, x
+
+
 def test_numba_memory_info_and_ipc(numba):
     ctx = numba.current_context()
     free, total = ctx.get_memory_info()
