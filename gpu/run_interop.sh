@@ -22,7 +22,7 @@ grep -E "^(FAILED|ERROR|SKIPPED)|Error|assert" "$OUT/tests.log" | head -40
 
 echo "=== benchmark (bench/interop_bench.py ${BENCH_ARGS:-})"
 # shellcheck disable=SC2086
-timeout 900 "$PY" bench/interop_bench.py ${BENCH_ARGS:-} >"$OUT/bench.log" 2>&1
+timeout ${BENCH_TIMEOUT:-480} "$PY" bench/interop_bench.py ${BENCH_ARGS:-} >"$OUT/bench.log" 2>&1
 brc=$?
 grep -vE '^\| |^peak checksums|^One device|^CuPy allocation|^\|---' "$OUT/bench.log" | tail -20
 
