@@ -24,9 +24,22 @@ package allocator
 // get events the usual way.
 
 import (
+	"fmt"
+	"os"
+
 	"github.com/cudapool/cudapool/cuda"
 	"github.com/cudapool/cudapool/pools"
 )
+
+// traceReuse (CUDAPOOL_TRACE_CAPTURE_REUSE=1) prints each decision to
+// stderr, for diagnosing the option on a real driver.
+var traceReuse = os.Getenv("CUDAPOOL_TRACE_CAPTURE_REUSE") == "1"
+
+func tracef(format string, args ...any) {
+	if traceReuse {
+		fmt.Fprintf(os.Stderr, "cudapool capture reuse: "+format+"\n", args...)
+	}
+}
 
 // captureReuse is a device's state for the option; the device's mu guards
 // all of it.
@@ -61,6 +74,7 @@ func (d *device) noteFreeMarkers(b *pools.Block) {
 	}
 	drv, ok := d.drv.(captureGraphDriver)
 	if !ok {
+		tracef("the driver has no capture-graph queries")
 		return
 	}
 	var m freeMarkers
@@ -71,6 +85,7 @@ func (d *device) noteFreeMarkers(b *pools.Block) {
 		}
 		st, id, terms, err := drv.StreamCaptureGraph(d.id, s, r.buf[:0])
 		r.buf = terms
+		tracef("  stream %#x: status %d capture %d terminals %v err %v", uintptr(s), st, id, terms, err)
 		if err != nil {
 			d.warnCaptureGraph(err, s)
 		}
@@ -87,6 +102,7 @@ func (d *device) noteFreeMarkers(b *pools.Block) {
 	}
 	mark(b.Stream)
 	b.Uses.Each(mark)
+	tracef("free %#x (stream %#x): capture %d, markers %v, usable %v", uintptr(b.Ptr), uintptr(b.Stream), m.capture, m.nodes, ok)
 	if !ok || len(m.nodes) == 0 {
 		delete(r.markers, b)
 		return
@@ -112,6 +128,7 @@ func (d *device) reclaimInCapture(s cuda.Stream) {
 		d.warnCaptureGraph(err, s)
 		return
 	}
+	tracef("malloc on stream %#x: status %d capture %d terminals %v, %d marked blocks", uintptr(s), st, id, terms, len(r.markers))
 	if st != cuda.CaptureActive || len(terms) == 0 {
 		return
 	}
@@ -142,6 +159,7 @@ func (d *device) reclaimInCapture(s cuda.Stream) {
 		r.stack = append(r.stack, deps...)
 	}
 	for b, m := range r.markers {
+		tracef("  block %#x stream %#x capture %d markers %v all seen %v (%d nodes seen)", uintptr(b.Ptr), uintptr(b.Stream), m.capture, m.nodes, allSeen(m.nodes, seen), len(seen))
 		if b.Stream != s || m.capture != id || !allSeen(m.nodes, seen) {
 			continue
 		}

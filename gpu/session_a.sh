@@ -6,7 +6,7 @@ set -u
 export PYTHONUNBUFFERED=1 CUDAPOOL_LIBRARY=$PWD/lib/libcudapool.so CUDAPOOL_CACHE=/tmp/cpcache
 O=${OUT:-/tmp/session-a}; mkdir -p $O
 echo "=== diag_capture_reuse"
-timeout 120 env PYTHONPATH=$PWD/python python3 gpu/diag_capture_reuse.py 2>&1 | tail -25
+timeout 120 env CUDAPOOL_TRACE_CAPTURE_REUSE=1 PYTHONPATH=$PWD/python python3 gpu/diag_capture_reuse.py 2>&1 | tail -40
 echo "=== reclaim tests"
 pip install -q --target /tmp/site .whl/*.whl >/dev/null 2>&1
 printf 'TestMemPool::test_graph_capture_reclaim_2_streams\nTestMemPool::test_graph_capture_reclaim_4_streams\n' > /tmp/reclaim.txt

@@ -987,7 +987,10 @@ func (d *Driver) StreamCaptureGraph(dev int, s cuda.Stream, buf []cuda.GraphNode
 		}
 		n := int(ret.b)
 		if n <= room {
-			return cuda.CaptureStatus(ret.a), uint64(spare[0]), append(buf, spare[1:1+n]...), nil
+			// Read the id before the append overwrites slot 0 with the
+			// terminals (the order of operands in a return is unspecified).
+			id := uint64(spare[0])
+			return cuda.CaptureStatus(ret.a), id, append(buf, spare[1:1+n]...), nil
 		}
 		room = n
 	}

@@ -108,6 +108,8 @@ type fake struct {
 	captureMode    func() int32
 	lastProcVer    func() int32
 	setCapture     func(uintptr, uint64)
+	setTerminals   func(*uintptr, uint64)
+	graphQueries   func() int64
 	ctxGetCurrent  func(*uintptr) int32
 	ctxPushCurrent func(uintptr) int32
 	ctxPopCurrent  func(*uintptr) int32
@@ -143,6 +145,8 @@ func openFake(t testing.TB) *fake {
 		"fake_capture_mode":      &f.captureMode,
 		"fake_last_proc_version": &f.lastProcVer,
 		"fake_set_capture":       &f.setCapture,
+		"fake_set_terminals":     &f.setTerminals,
+		"fake_graph_queries":     &f.graphQueries,
 		"cuCtxGetCurrent":        &f.ctxGetCurrent,
 		"cuCtxPushCurrent_v2":    &f.ctxPushCurrent,
 		"cuCtxPopCurrent_v2":     &f.ctxPopCurrent,
@@ -379,6 +383,10 @@ func TestFakeCapture(t *testing.T) {
 	}
 	if st, id, err := f.StreamCaptureInfo(0, 0); st != cuda.CaptureNone || id != 0 || err != nil {
 		t.Fatalf("other stream: %v, %d, %v", st, id, err)
+	}
+
+	if n := f.graphQueries(); n != 0 {
+		t.Errorf("StreamCaptureInfo asked for the capture graph (%d queries)", n)
 	}
 
 	if _, err := f.MemAlloc(0, 4096); !errors.Is(err, cuda.ErrCaptureUnsupported) {
@@ -833,5 +841,46 @@ func TestFakeAllocatorIPC(t *testing.T) {
 	}
 	if err := a.EmptyCache(); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// StreamCaptureGraph and GraphNodeDependencies copy what the driver returns,
+// growing the caller's buffer past their first guesses (8 terminals, 4
+// dependencies), and keep the capture id apart from the terminals.
+func TestFakeCaptureGraph(t *testing.T) {
+	f := openFake(t)
+	const s = cuda.Stream(0xcafe)
+	f.setCapture(uintptr(s), 42)
+	defer f.setCapture(0, 0)
+	for _, n := range []int{0, 1, 8, 9, 20} {
+		terms := make([]uintptr, n)
+		for i := range terms {
+			terms[i] = uintptr(0x1000 + 8*i + 7)
+		}
+		if n > 0 {
+			f.setTerminals(&terms[0], uint64(n))
+		} else {
+			f.setTerminals(nil, 0)
+		}
+		buf := []cuda.GraphNode{99} // what the caller already had stays
+		st, id, got, err := f.StreamCaptureGraph(0, s, buf)
+		if err != nil || st != cuda.CaptureActive || id != 42 {
+			t.Fatalf("%d terminals: status %v id %d err %v", n, st, id, err)
+		}
+		if len(got) != n+1 || got[0] != 99 {
+			t.Fatalf("%d terminals: got %v", n, got)
+		}
+		for i, v := range terms {
+			if got[1+i] != cuda.GraphNode(v) {
+				t.Fatalf("%d terminals: terminal %d is %#x, want %#x", n, i, got[1+i], v)
+			}
+		}
+		deps, err := f.GraphNodeDependencies(0, cuda.GraphNode(0x1007), nil)
+		if err != nil || len(deps) != 7 || deps[0] != 0x10071 || deps[6] != 0x10077 {
+			t.Fatalf("dependencies of 0x1007: %v %v", deps, err)
+		}
+	}
+	if st, id, got, err := f.StreamCaptureGraph(0, 1, nil); st != cuda.CaptureNone || id != 0 || len(got) != 0 || err != nil {
+		t.Fatalf("stream not capturing: %v %d %v %v", st, id, got, err)
 	}
 }

@@ -217,12 +217,44 @@ static CUresult capture_info(void *stream, int *status, unsigned long long *id) 
 		*id = capture_id;
 	return 0;
 }
-// v2 ABI (CUDA 11.3+): the optional outputs must be NULL, as cuda/driver passes them.
+// The capturing stream's terminal nodes (fake_set_terminals) and how many
+// queries asked for them: StreamCaptureInfo must not (it passes NULL, which
+// keeps a real v2 from failing with CUDA_ERROR_LOSSY_QUERY).
+static uintptr_t terminals[64];
+static size_t nterminals;
+static long graph_queries;
+
+// v2 ABI (CUDA 11.3+).
 CUresult cuStreamGetCaptureInfo_v2(void *stream, int *status, unsigned long long *id, void **graph,
-				   const void ***deps, size_t *ndeps) {
-	if (graph || deps || ndeps)
+				   const uintptr_t **deps, size_t *ndeps) {
+	CUresult r = capture_info(stream, status, id);
+	if (r != 0 || !(graph || deps || ndeps))
+		return r;
+	graph_queries++;
+	if (!graph || !deps || !ndeps)
 		return 1;
-	return capture_info(stream, status, id);
+	*graph = *status ? (void *)0x6a : NULL;
+	*deps = *status ? terminals : NULL;
+	*ndeps = *status ? nterminals : 0;
+	return 0;
+}
+
+// cuGraphNodeGetDependencies, v1 ABI. Node v depends on v%8 nodes,
+// v*16+1 ... v*16+v%8.
+CUresult cuGraphNodeGetDependencies(uintptr_t node, uintptr_t *deps, size_t *n) {
+	size_t k = node % 8;
+	if (node == 0 || n == NULL)
+		return 1;
+	if (deps == NULL) {
+		*n = k;
+		return 0;
+	}
+	if (*n < k)
+		return 1;
+	for (size_t i = 0; i < k; i++)
+		deps[i] = node * 16 + 1 + i;
+	*n = k;
+	return 0;
 }
 // v1 ABI (CUDA 10.1).
 CUresult cuStreamGetCaptureInfo(void *stream, int *status, unsigned long long *id) {
@@ -238,6 +270,12 @@ CUresult cuGetProcAddress_v2(const char *sym, void **pfn, int version, unsigned 
 	}
 	if (strcmp(sym, "cuStreamGetCaptureInfo") == 0 && version >= 11030) {
 		*pfn = (void *)cuStreamGetCaptureInfo_v2;
+		if (status)
+			*status = 0;
+		return 0;
+	}
+	if (strcmp(sym, "cuGraphNodeGetDependencies") == 0) {
+		*pfn = (void *)cuGraphNodeGetDependencies;
 		if (status)
 			*status = 0;
 		return 0;
@@ -520,3 +558,8 @@ int fake_depth(void) { return depth; }
 int fake_capture_mode(void) { return capture_mode; }
 int fake_last_proc_version(void) { return last_proc_version; }
 void fake_set_capture(uintptr_t stream, unsigned long long id) { capturing_stream = stream; capture_id = id; }
+void fake_set_terminals(const uintptr_t *t, size_t n) {
+	nterminals = n < 64 ? n : 64;
+	memcpy(terminals, t, nterminals * sizeof *t);
+}
+long fake_graph_queries(void) { return graph_queries; }
