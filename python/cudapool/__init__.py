@@ -23,6 +23,7 @@ from . import _lib
 from ._lib import CudapoolError, OutOfMemoryError
 from ._summary import format_summary
 from ._torch import allocator, install, installed, mode
+from ._version import ABI_VERSION, __version__
 
 __all__ = [
     "CudapoolError",
@@ -49,7 +50,6 @@ __all__ = [
     "set_per_process_memory_fraction",
 ]
 
-__version__ = "0.1.0"
 
 
 def library_path():
