@@ -36,7 +36,7 @@ lib:
 	@rm -f $(LIBDIR)/libcudapool.h  # cgo's header names the internal functions
 	cp include/cudapool.h $(LIBDIR)/cudapool.h
 
-test: check-go test-go test-race test-c test-cxx check-lib test-python test-install
+test: check-go test-go test-race test-c test-cxx check-lib test-python test-install test-charts
 	@printf '\n==== make test: all passed ====\n'
 
 check-go:
@@ -141,7 +141,7 @@ PYTHON         ?= python3
 # Extra flags for `pip wheel` (e.g. --no-build-isolation where there is no index).
 PIP_WHEEL_FLAGS ?=
 
-.PHONY: install-lib install uninstall wheel test-install
+.PHONY: install-lib install uninstall wheel test-install test-charts
 
 install-lib:
 	@mkdir -p $(INSTALL_BUILD)
@@ -183,3 +183,9 @@ wheel: lib
 	CUDAPOOL_LIBRARY=$(CURDIR)/$(LIB) CUDAPOOL_PREBUILD_CLASS=0 \
 		$(PYTHON) -m pip wheel --no-deps $(PIP_WHEEL_FLAGS) -w dist ./python
 	@ls dist/cudapool-$(VERSION)-py3-none-*.whl
+
+# The charts' data handling, and the trace series recording on the simulator;
+# the drawing tests skip without matplotlib (saying so).
+test-charts: lib
+	$(call section,benchmark charts tests)
+	python3 -m pytest -q -p no:cacheprovider bench/test_charts.py
