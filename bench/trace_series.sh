@@ -6,8 +6,9 @@
 #
 #   bash bench/run_bench.sh && bash bench/trace_series.sh
 #
-# Apart from run_bench.sh because sampling the statistics costs time inside
-# the timed passes. Uses the programs run_bench.sh built (build/bench/c_bench,
+# A run apart from the timed one (run_bench.sh with BENCH_C_ARGS="--trace-series
+# 2000" records the series in the timed run instead, leaving the sampling
+# time out of the replay's times). Uses the programs run_bench.sh built (build/bench/c_bench,
 # build/bench/native_bench) and its results ($OUT/results). Writes
 # $OUT/series/*.json and $OUT/charts/*.svg (when matplotlib is importable;
 # otherwise, where it is: python3 bench/charts.py --results OUT/results

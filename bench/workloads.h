@@ -29,9 +29,10 @@
  *           It runs first, on a fresh allocator, so the peaks are its own.
  *           --trace-series N also samples current allocated and reserved
  *           bytes about N times over all passes (one more JSON line,
- *           section "trace_series"; bench/charts.py draws it). Sampling
- *           costs time inside the timed passes: bench/trace_series.sh runs
- *           it apart from the timed benchmark.
+ *           section "trace_series"; bench/charts.py draws it). The time
+ *           spent sampling is left out of the pass times; for replay times
+ *           untouched by it, bench/trace_series.sh records the series in a
+ *           run of its own.
  *
  * Output: one JSON object per line on stdout, one per section, each with
  * "kind":"c", "config" and "section"; bench/report.py merges them. A section
@@ -593,7 +594,7 @@ static void wl_section_trace(const struct wl_opts *o) {
 	size_t nallocs = 0;
 	char failmsg[600] = "";
 	for (int r = 0; r < repeats && failed == 0; r++) {
-		double t0 = wl_now_ns();
+		double t0 = wl_now_ns(), sample_ns = 0;
 		for (size_t i = 0; i < nops; i++) {
 			const struct wl_op *op = &ops[i];
 			if (op->alloc) {
@@ -615,11 +616,14 @@ static void wl_section_trace(const struct wl_opts *o) {
 				unknown_frees++;
 			}
 			size_t done = (size_t)r * nops + i + 1;
-			if (every && (done % every == 0 || done == total) && ns < scap &&
-			    bk_current(&s_alloc[ns], &s_res[ns]) == 0)
-				s_op[ns++] = (long long)done;
+			if (every && (done % every == 0 || done == total) && ns < scap) {
+				double ts = wl_now_ns();
+				if (bk_current(&s_alloc[ns], &s_res[ns]) == 0)
+					s_op[ns++] = (long long)done;
+				sample_ns += wl_now_ns() - ts; /* not the allocator's time */
+			}
 		}
-		double dt = wl_now_ns() - t0;
+		double dt = wl_now_ns() - t0 - sample_ns;
 		if (r == 0)
 			first_ns = dt;
 		else
