@@ -54,6 +54,8 @@ TRACE_CONFIGS = ["native", "expandable", "cudapool"]
 COLORS = {"native": "#4c72b0", "expandable": "#55a868", "async": "#8172b2", "cudapool": "#dd8452",
           "cudapool_exp": "#c44e52"}
 SERIES_KEYS = ("trace_series_op", "trace_series_allocated", "trace_series_reserved")
+SHORT = {"native": "native", "expandable": "native\nexpandable", "async": "native\nasync",
+         "cudapool": "cudapool", "cudapool_exp": "cudapool\nexpandable"}
 GiB = float(1 << 30)
 
 
@@ -218,14 +220,17 @@ def draw_memory(table, path):
         for x, c, a, r in zip(xs, cfgs, alloc, res):
             q = table.value(qlabel, c) or r / a
             ax.text(x + 0.2, r, f"{q:.3f}x", ha="center", va="bottom", fontsize=7)
-        ax.set_xticks(list(xs), [report.LABELS[c].replace("native ", "native\n").replace("cudapool ", "cudapool\n")
-                                 for c in cfgs], fontsize=7)
+        ax.set_xticks(list(xs), [SHORT[c] for c in cfgs], fontsize=7)
         ax.set_ylabel("GiB")
         ax.set_title(title)
-        ax.set_ylim(0, max(res + [1]) * 1.15)
+        ax.set_ylim(0, max(res + [1]) * 1.35)
         if not cfgs:
             ax.text(0.5, 0.5, "not measured", ha="center", transform=ax.transAxes)
-    axes[0].legend(fontsize=7, loc="lower left")
+    from matplotlib.patches import Patch
+
+    axes[0].legend(ncol=2, handles=[Patch(color="#b0b0b0", label="peak allocated"),
+                            Patch(color="#505050", label="peak reserved (allocator's colour)")], fontsize=7,
+                   loc="upper left")
     fig.suptitle(f"Peak reserved vs peak allocated; labels: reserved / allocated ({table.source})", fontsize=9)
     _save(fig, path)
     plt.close(fig)
