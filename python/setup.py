@@ -10,6 +10,10 @@ Where the library comes from, first that works:
 Otherwise the build fails and says what it tried; CUDAPOOL_ALLOW_NO_LIBRARY=1
 installs the Python code alone (the library is then found at run time
 through $CUDAPOOL_LIBRARY).
+
+The wheel is tagged py3-none-manylinux_2_N_<arch>, N from the newest glibc
+symbol version the bundled library needs (`make wheel` builds it, without a
+C++ class prebuilt for the build machine's torch: CUDAPOOL_PREBUILD_CLASS=0).
 """
 
 import os
