@@ -141,7 +141,7 @@ PYTHON         ?= python3
 # Extra flags for `pip wheel` (e.g. --no-build-isolation where there is no index).
 PIP_WHEEL_FLAGS ?=
 
-.PHONY: install-lib install uninstall wheel test-install test-charts
+.PHONY: install-lib install uninstall wheel test-install test-charts set-version
 
 install-lib:
 	@mkdir -p $(INSTALL_BUILD)
@@ -189,3 +189,15 @@ wheel: lib
 test-charts: lib
 	$(call section,benchmark charts tests)
 	python3 -m pytest -q -p no:cacheprovider bench/test_charts.py
+
+# make set-version V=MAJOR.MINOR.PATCH: writes V into VERSION and its copies
+# (capi/version.go, include/cudapool.h, python/cudapool/_version.py), then
+# checks that they agree. The ABI numbers are changed by hand, on purpose.
+set-version:
+	@echo '$(V)' | grep -Eqx '[0-9]+\.[0-9]+\.[0-9]+' || { echo "usage: make set-version V=MAJOR.MINOR.PATCH"; exit 1; }
+	@set -e; v='$(V)'; ma=$${v%%.*}; rest=$${v#*.}; mi=$${rest%%.*}; pa=$${rest#*.}; \
+	echo "$$v" >VERSION; \
+	sed -i -E "s/^(\tversionMajor = )[0-9]+/\1$$ma/; s/^(\tversionMinor = )[0-9]+/\1$$mi/; s/^(\tversionPatch = )[0-9]+/\1$$pa/" capi/version.go; \
+	sed -i -E "s/^(#define CUDAPOOL_VERSION_MAJOR )[0-9]+/\1$$ma/; s/^(#define CUDAPOOL_VERSION_MINOR )[0-9]+/\1$$mi/; s/^(#define CUDAPOOL_VERSION_PATCH )[0-9]+/\1$$pa/; s/^(#define CUDAPOOL_VERSION_STRING )\"[^\"]*\"/\1\"$$v\"/" include/cudapool.h; \
+	sed -i -E "s/^__version__ = \"[^\"]*\"/__version__ = \"$$v\"/" python/cudapool/_version.py
+	$(GO) test -run TestVersionsAgree ./capi
