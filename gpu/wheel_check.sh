@@ -66,6 +66,16 @@ else
 fi
 VPY=$VENV/bin/python
 cd "$WORK" || exit 1
+# --system-site-packages exposes the base interpreter's packages only: when
+# $PY is itself a venv (or conda env) holding torch, a .pth file appends its
+# site-packages after the new venv's own, so the wheel's cudapool still wins.
+if ! "$VPY" -c 'import torch' 2>/dev/null && "$PY" -c 'import torch' 2>/dev/null; then
+    sp=$("$VPY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    "$PY" -c 'import site; print("\n".join(site.getsitepackages()))' >"$sp/zz_parent_site_packages.pth"
+    echo "note: torch is in $PY's own site-packages; made visible through $sp/zz_parent_site_packages.pth"
+fi
+tv=$("$VPY" -c 'import torch; print(torch.__version__, "CUDA", torch.version.cuda, "GPUs", torch.cuda.device_count())' 2>&1 | tail -n 1)
+echo "torch in the venv: $tv"
 
 t0=$(date +%s)
 "$VPY" "$REPO/python/smoke_installed.py" --version "$VERSION" --not-under "$REPO" | tee smoke.log
@@ -118,5 +128,6 @@ for r in "${rows[@]}"; do
     printf '%-42s %-5s %s\n' "$n" "$s" "$d"
 done
 echo "library used by the GPU tests: ${lib:-?}"
+echo "torch in the venv: $tv"
 [ "$failed" -eq 0 ] && echo "RESULT: OK" || echo "RESULT: FAILED"
 exit "$failed"
