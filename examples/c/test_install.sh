@@ -6,7 +6,7 @@
 # Prints one line per check and "install: N passed, M failed" last.
 set -u
 MAKE=${MAKE:-make}
-CC=${CC:-cc}
+CC=${CC:-$(command -v cc || echo gcc)}
 PREFIX=/usr/local
 VERSION=$(cat VERSION)
 MAJOR=${VERSION%%.*}
