@@ -188,7 +188,7 @@ wheel: lib
 # the drawing tests skip without matplotlib (saying so).
 test-charts: lib
 	$(call section,benchmark charts tests)
-	python3 -m pytest -q -p no:cacheprovider bench/test_charts.py
+	python3 -m pytest -q -rs -p no:cacheprovider bench/test_charts.py
 
 # make set-version V=MAJOR.MINOR.PATCH: writes V into VERSION and its copies
 # (capi/version.go, include/cudapool.h, python/cudapool/_version.py), then
