@@ -13,7 +13,8 @@
 #   5. the GPU tests (python/tests/gpu, python/gpu) copied to a directory
 #      outside the checkout and run there by python/gpu/run_gpu_tests.sh
 #      with the venv's python, so they import the installed package.
-# Everything runs from $WORK (outside the checkout); a table ends it.
+# Everything runs from $WORK (outside the checkout); a table ends it; with
+# $OUT set (the device tool's), the three logs are copied there.
 #
 # Environment: PYTHON (python3, the interpreter with torch), WORK (default
 # a new /tmp/cudapool-wheel.XXXXXX), GPU_TESTS (the run_gpu_tests.sh filter;
@@ -129,5 +130,9 @@ for r in "${rows[@]}"; do
 done
 echo "library used by the GPU tests: ${lib:-?}"
 echo "torch in the venv: $tv"
+# The device tool's $OUT comes back to the caller: the logs, not the venv.
+if [ -n "${OUT:-}" ] && [ -d "$OUT" ] && [ "$OUT" != "$WORK" ]; then
+    cp "$WORK"/smoke.log "$WORK"/mcp.log "$WORK"/gpu_tests.log "$OUT"/ 2>/dev/null
+fi
 [ "$failed" -eq 0 ] && echo "RESULT: OK" || echo "RESULT: FAILED"
 exit "$failed"
