@@ -222,3 +222,10 @@ def test_trace_series_recording_on_the_simulator(tmp_path):
     assert all(r >= a >= 0 for a, r in zip(alloc, res))
     assert max(res) == tr["trace_peak_reserved"]
     assert 0 < max(alloc) <= tr["trace_peak_allocated"]
+
+
+@pytest.mark.parametrize("script", ["bench/trace_series.sh", "gpu/wheel_check.sh", "examples/c/test_install.sh"])
+def test_packaging_scripts_parse(script):
+    shell = "sh" if script.startswith("examples/") else "bash"
+    out = subprocess.run([shell, "-n", os.path.join(REPO, script)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
