@@ -36,7 +36,7 @@ lib:
 	@rm -f $(LIBDIR)/libcudapool.h  # cgo's header names the internal functions
 	cp include/cudapool.h $(LIBDIR)/cudapool.h
 
-test: check-go test-go test-race test-c test-cxx check-lib test-python
+test: check-go test-go test-race test-c test-cxx check-lib test-python test-install test-charts
 	@printf '\n==== make test: all passed ====\n'
 
 check-go:
@@ -119,3 +119,91 @@ $(BUILD)/replay: capi/ctest/replay.c include/cudapool.h lib
 
 clean:
 	rm -rf $(LIBDIR) $(BUILD)
+
+# ---- packaging: install, uninstall, wheel ----------------------------------
+#
+#   make install [PREFIX=/usr/local] [DESTDIR=...]   the library with its
+#        SONAME and symlinks, include/cudapool.h, lib/pkgconfig/cudapool.pc
+#   make uninstall [PREFIX=...] [DESTDIR=...]
+#   make wheel     dist/cudapool-VERSION-py3-none-manylinux_X_Y_<arch>.whl
+#   make test-install   install into a temporary DESTDIR, build and run
+#        examples/c/example.c with pkg-config, uninstall (part of make test)
+#
+# VERSION holds the one version string (capi/version_test.go checks its
+# copies). The installed library is built apart from lib/libcudapool.so,
+# which keeps no SONAME: what links against lib/ (tests, benchmarks, the
+# PyTorch class) then needs no libcudapool.so.MAJOR link beside it.
+
+VERSION        := $(shell cat VERSION)
+VERSION_MAJOR  := $(firstword $(subst ., ,$(VERSION)))
+SONAME         := libcudapool.so.$(VERSION_MAJOR)
+REALNAME       := libcudapool.so.$(VERSION)
+PREFIX         ?= /usr/local
+INSTALL_LIBDIR ?= $(PREFIX)/lib
+INSTALL_INCDIR ?= $(PREFIX)/include
+INSTALL_PCDIR  ?= $(INSTALL_LIBDIR)/pkgconfig
+INSTALL_BUILD  := $(BUILD)/install
+PYTHON         ?= python3
+# Extra flags for `pip wheel` (e.g. --no-build-isolation where there is no index).
+PIP_WHEEL_FLAGS ?=
+
+.PHONY: install-lib install uninstall wheel test-install test-charts set-version
+
+install-lib:
+	@mkdir -p $(INSTALL_BUILD)
+	$(GO) build -buildmode=c-shared \
+		-ldflags='-extldflags=-Wl,--version-script=$(CURDIR)/capi/exports.map,-soname,$(SONAME)' \
+		-o $(INSTALL_BUILD)/$(REALNAME) ./capi
+	@rm -f $(INSTALL_BUILD)/libcudapool.h
+
+install: install-lib
+	install -d $(DESTDIR)$(INSTALL_LIBDIR) $(DESTDIR)$(INSTALL_INCDIR) $(DESTDIR)$(INSTALL_PCDIR)
+	install -m 0755 $(INSTALL_BUILD)/$(REALNAME) $(DESTDIR)$(INSTALL_LIBDIR)/$(REALNAME)
+	ln -sf $(REALNAME) $(DESTDIR)$(INSTALL_LIBDIR)/$(SONAME)
+	ln -sf $(SONAME) $(DESTDIR)$(INSTALL_LIBDIR)/libcudapool.so
+	install -m 0644 include/cudapool.h $(DESTDIR)$(INSTALL_INCDIR)/cudapool.h
+	printf '%s\n' 'prefix=$(PREFIX)' 'libdir=$(INSTALL_LIBDIR)' 'includedir=$(INSTALL_INCDIR)' '' \
+		'Name: cudapool' 'Description: CUDA caching memory allocator (C ABI; the driver is loaded at run time)' \
+		'Version: $(VERSION)' 'Libs: -L$${libdir} -lcudapool' 'Cflags: -I$${includedir}' \
+		>$(DESTDIR)$(INSTALL_PCDIR)/cudapool.pc
+	@# The loader cache knows the new library only after ldconfig (root, real install only).
+	@if [ -z "$(DESTDIR)" ] && [ "$$(id -u)" = 0 ] && command -v ldconfig >/dev/null; then ldconfig; fi
+
+uninstall:
+	rm -f $(DESTDIR)$(INSTALL_LIBDIR)/libcudapool.so $(DESTDIR)$(INSTALL_LIBDIR)/$(SONAME) \
+		$(DESTDIR)$(INSTALL_LIBDIR)/$(REALNAME) $(DESTDIR)$(INSTALL_INCDIR)/cudapool.h \
+		$(DESTDIR)$(INSTALL_PCDIR)/cudapool.pc
+
+test-install:
+	$(call section,make install into a temporary DESTDIR; pkg-config example)
+	MAKE="$(MAKE)" sh examples/c/test_install.sh
+
+# The wheel carries lib/libcudapool.so and the C++ class's sources; the class
+# itself is compiled against the user's torch on the first install(), so
+# torch is no build dependency (CUDAPOOL_PREBUILD_CLASS=0). python/setup.py
+# tags it manylinux_2_N for the newest glibc symbol version the library needs.
+wheel: lib
+	rm -rf python/build
+	@mkdir -p dist
+	rm -f dist/cudapool-$(VERSION)-*.whl
+	CUDAPOOL_LIBRARY=$(CURDIR)/$(LIB) CUDAPOOL_PREBUILD_CLASS=0 \
+		$(PYTHON) -m pip wheel --no-deps $(PIP_WHEEL_FLAGS) -w dist ./python
+	@ls dist/cudapool-$(VERSION)-py3-none-*.whl
+
+# The charts' data handling, and the trace series recording on the simulator;
+# the drawing tests skip without matplotlib (saying so).
+test-charts: lib
+	$(call section,benchmark charts tests)
+	python3 -m pytest -q -rs -p no:cacheprovider bench/test_charts.py
+
+# make set-version V=MAJOR.MINOR.PATCH: writes V into VERSION and its copies
+# (capi/version.go, include/cudapool.h, python/cudapool/_version.py), then
+# checks that they agree. The ABI numbers are changed by hand, on purpose.
+set-version:
+	@echo '$(V)' | grep -Eqx '[0-9]+\.[0-9]+\.[0-9]+' || { echo "usage: make set-version V=MAJOR.MINOR.PATCH"; exit 1; }
+	@set -e; v='$(V)'; ma=$${v%%.*}; rest=$${v#*.}; mi=$${rest%%.*}; pa=$${rest#*.}; \
+	echo "$$v" >VERSION; \
+	sed -i -E "s/^(\tversionMajor = )[0-9]+/\1$$ma/; s/^(\tversionMinor = )[0-9]+/\1$$mi/; s/^(\tversionPatch = )[0-9]+/\1$$pa/" capi/version.go; \
+	sed -i -E "s/^(#define CUDAPOOL_VERSION_MAJOR )[0-9]+/\1$$ma/; s/^(#define CUDAPOOL_VERSION_MINOR )[0-9]+/\1$$mi/; s/^(#define CUDAPOOL_VERSION_PATCH )[0-9]+/\1$$pa/; s/^(#define CUDAPOOL_VERSION_STRING )\"[^\"]*\"/\1\"$$v\"/" include/cudapool.h; \
+	sed -i -E "s/^__version__ = \"[^\"]*\"/__version__ = \"$$v\"/" python/cudapool/_version.py
+	$(GO) test -run TestVersionsAgree ./capi

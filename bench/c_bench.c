@@ -155,6 +155,15 @@ static int bk_stats(long long *cur_res, long long *peak_alloc, long long *peak_r
 	return 0;
 }
 
+static int bk_current(long long *alloc, long long *res) {
+	cudapool_device_stats st;
+	if (cudapool_get_device_stats(0, &st) != 0)
+		return -1;
+	*alloc = st.allocated_bytes[0].current;
+	*res = st.reserved_bytes[0].current;
+	return 0;
+}
+
 static void bk_trace_extras(char *buf, size_t len) {
 	char *js = cudapool_memory_stats_json(0);
 	snprintf(buf, len, "\"trace_device_allocs\":%lld,\"trace_alloc_retries\":%lld", stat_of(js, "num_device_alloc"),

@@ -125,6 +125,18 @@ static int bk_stats(long long *cur_res, long long *peak_alloc, long long *peak_r
 	}
 }
 
+static int bk_current(long long *alloc, long long *res) {
+	try {
+		auto st = cca::getDeviceStats(0);
+		*alloc = static_cast<long long>(st.allocated_bytes[0].current);
+		*res = static_cast<long long>(st.reserved_bytes[0].current);
+		return 0;
+	} catch (const std::exception &e) {
+		set_err("getDeviceStats", e);
+		return -1;
+	}
+}
+
 static void bk_trace_extras(char *buf, size_t len) {
 	buf[0] = 0;
 	try {

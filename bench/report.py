@@ -450,6 +450,8 @@ def main(argv=None):
     p.add_argument("--results", required=True, help="directory with the JSON result files")
     p.add_argument("--md", default=None, help="write the markdown results here (e.g. bench/RESULTS.md)")
     p.add_argument("--readme", default=None, help="README whose perf section to replace")
+    p.add_argument("--charts", default=None, help="draw bench/charts.py's SVG charts here (default: docs/charts "
+                   "beside --readme; needs matplotlib)")
     args = p.parse_args(argv)
 
     res = load(args.results)
@@ -474,6 +476,12 @@ def main(argv=None):
             msgs.append(update_readme(args.readme, render_markdown(res, rows, notes, title=False)))
         except OSError as e:
             msgs.append(f"README: {e}")
+    charts_dir = args.charts or (args.readme and os.path.join(os.path.dirname(os.path.abspath(args.readme)), "docs",
+                                                              "charts"))
+    if charts_dir:
+        import charts  # bench/charts.py; draws nothing, and says why, without matplotlib
+
+        msgs.append(charts.draw_results(res, charts_dir))
     for m in msgs:
         print(m)
     print()

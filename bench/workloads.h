@@ -27,6 +27,12 @@
  *           "f ID") replayed TRACE_REPEATS times; peak allocated and peak
  *           reserved bytes (fragmentation) and ns per operation once cached.
  *           It runs first, on a fresh allocator, so the peaks are its own.
+ *           --trace-series N also samples current allocated and reserved
+ *           bytes about N times over all passes (one more JSON line,
+ *           section "trace_series"; bench/charts.py draws it). The time
+ *           spent sampling is left out of the pass times; for replay times
+ *           untouched by it, bench/trace_series.sh records the series in a
+ *           run of its own.
  *
  * Output: one JSON object per line on stdout, one per section, each with
  * "kind":"c", "config" and "section"; bench/report.py merges them. A section
@@ -65,6 +71,9 @@ static int bk_stats(long long *cur_res, long long *peak_alloc, long long *peak_r
 static void bk_sync(void);
 /* This thread's last error message ("" if none). */
 static const char *bk_last_error(void);
+/* Current allocated and reserved bytes of device 0 (for --trace-series).
+ * 0 on success. */
+static int bk_current(long long *alloc, long long *res);
 /* Extra "key":value members for the trace section's JSON (may be ""),
  * e.g. how many segments are expandable. */
 static void bk_trace_extras(char *buf, size_t len);
@@ -165,6 +174,7 @@ struct wl_opts {
 	int threads[8];
 	int nthreads;
 	int trace_repeats;
+	int trace_series; /* samples over the first pass; 0: none */
 	int do_hot, do_mixed, do_threads, do_trace;
 };
 
@@ -464,6 +474,25 @@ struct wl_op {
 	unsigned long id;  /* the trace's id */
 };
 
+/* The trace_series line: op counts and the bytes after them. */
+static void wl_emit_series(size_t n, size_t every, const long long *op, const long long *alloc, const long long *res) {
+	const long long *cols[3] = {op, alloc, res};
+	const char *names[3] = {"trace_series_op", "trace_series_allocated", "trace_series_reserved"};
+	size_t len = 200 + n * 3 * 22;
+	char *body = (char *)malloc(len);
+	if (body == NULL)
+		return;
+	size_t o = (size_t)snprintf(body, len, "\"trace_series_every\":%zu", every);
+	for (int c = 0; c < 3; c++) {
+		o += (size_t)snprintf(body + o, len - o, ",\"%s\":[", names[c]);
+		for (size_t i = 0; i < n; i++)
+			o += (size_t)snprintf(body + o, len - o, "%s%lld", i ? "," : "", cols[c][i]);
+		o += (size_t)snprintf(body + o, len - o, "]");
+	}
+	wl_emit("trace_series", body);
+	free(body);
+}
+
 static void wl_section_trace(const struct wl_opts *o) {
 	FILE *f = fopen(o->trace, "r");
 	if (f == NULL) {
@@ -546,12 +575,26 @@ static void wl_section_trace(const struct wl_opts *o) {
 		return;
 	}
 	int repeats = o->trace_repeats < 1 ? 1 : o->trace_repeats;
+	/* --trace-series: a sample after every `every`-th op, over all passes. */
+	size_t total = nops * (size_t)repeats;
+	size_t every = o->trace_series > 0 ? total / (size_t)o->trace_series : 0, ns = 0;
+	if (o->trace_series > 0 && every == 0)
+		every = 1;
+	size_t scap = every ? total / every + 2 : 0;
+	long long *s_op = NULL, *s_alloc = NULL, *s_res = NULL;
+	if (scap) {
+		s_op = (long long *)malloc(sizeof(long long) * scap);
+		s_alloc = (long long *)malloc(sizeof(long long) * scap);
+		s_res = (long long *)malloc(sizeof(long long) * scap);
+		if (s_op == NULL || s_alloc == NULL || s_res == NULL)
+			scap = every = 0; /* host out of memory: no series */
+	}
 	long long failed = 0, unknown_frees = 0;
 	double first_ns = 0, later_ns = 0;
 	size_t nallocs = 0;
 	char failmsg[600] = "";
 	for (int r = 0; r < repeats && failed == 0; r++) {
-		double t0 = wl_now_ns();
+		double t0 = wl_now_ns(), sample_ns = 0;
 		for (size_t i = 0; i < nops; i++) {
 			const struct wl_op *op = &ops[i];
 			if (op->alloc) {
@@ -572,8 +615,15 @@ static void wl_section_trace(const struct wl_opts *o) {
 			} else if (r == 0) {
 				unknown_frees++;
 			}
+			size_t done = (size_t)r * nops + i + 1;
+			if (every && (done % every == 0 || done == total) && ns < scap) {
+				double ts = wl_now_ns();
+				if (bk_current(&s_alloc[ns], &s_res[ns]) == 0)
+					s_op[ns++] = (long long)done;
+				sample_ns += wl_now_ns() - ts; /* not the allocator's time */
+			}
 		}
-		double dt = wl_now_ns() - t0;
+		double dt = wl_now_ns() - t0 - sample_ns;
 		if (r == 0)
 			first_ns = dt;
 		else
@@ -602,7 +652,12 @@ static void wl_section_trace(const struct wl_opts *o) {
 		wl_emit("trace", body);
 		fprintf(stderr, "[trace] %zu ops, peak allocated %lld, peak reserved %lld (%.3f)\n", nops, pa, pr,
 		        pa > 0 ? (double)pr / (double)pa : 0.0);
+		if (ns > 0)
+			wl_emit_series(ns, every, s_op, s_alloc, s_res);
 	}
+	free(s_op);
+	free(s_alloc);
+	free(s_res);
 	free(ops);
 	free(ptr);
 	free(psize);
@@ -614,7 +669,7 @@ static void wl_section_trace(const struct wl_opts *o) {
 static void wl_usage(const char *argv0) {
 	fprintf(stderr,
 	        "usage: %s --config NAME [--trace FILE] [--hot-pairs N] [--mixed-pairs N] [--reps N]\n"
-	        "          [--thread-secs S] [--thread-reps N] [--threads 4,8] [--trace-repeats N] [--sections hot,mixed,threads,trace]\n"
+	        "          [--thread-secs S] [--thread-reps N] [--threads 4,8] [--trace-repeats N] [--trace-series N] [--sections hot,mixed,threads,trace]\n"
 	        "          [--print-mixed N]\n",
 	        argv0);
 }
@@ -680,6 +735,8 @@ static int wl_main(int argc, char **argv) {
 			ok = wl_parse_threads(&o, v);
 		else if (strcmp(a, "--trace-repeats") == 0 && ok)
 			ok = (o.trace_repeats = atoi(v)) > 0;
+		else if (strcmp(a, "--trace-series") == 0 && ok)
+			ok = (o.trace_series = atoi(v)) > 0 && o.trace_series <= 100000;
 		else if (strcmp(a, "--sections") == 0 && ok)
 			ok = wl_parse_sections(&o, v);
 		else if (strcmp(a, "--print-mixed") == 0 && ok)

@@ -51,6 +51,8 @@ extern uintptr_t cpgo_torch_malloc(size_t size, int device, uintptr_t stream, cp
 extern void cpgo_free_batch(cp_pending_free *frees, size_t nfrees);
 extern void cpgo_free(uintptr_t ptr, size_t size, int device, uintptr_t stream);
 extern void cpgo_init(int device_count);
+/* Writes the version numbers and returns the ABI version (version.go). */
+extern int cpgo_version(int *major, int *minor, int *patch);
 extern void cpgo_empty_cache(void);
 extern void cpgo_set_memory_fraction(double fraction, int device);
 extern uintptr_t cpgo_base_allocation(uintptr_t ptr, size_t *size);

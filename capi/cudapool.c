@@ -15,6 +15,7 @@
 #include <signal.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -161,6 +162,33 @@ void cudapool_torch_free(void *ptr, size_t size, int device, cudapool_stream str
 int cp_call_c_filter(uintptr_t filter, uintptr_t ctx, uintptr_t stream) {
 	return ((cudapool_stream_filter)filter)((void *)ctx, (cudapool_stream)stream) != 0;
 }
+
+/* ---- version ----
+ *
+ * Asked of Go once, then kept here, so that a forked child can still read
+ * it if the parent asked first. */
+static char cp_version[32];
+static int cp_abi = -1;
+static atomic_int cp_version_ready;
+static pthread_once_t cp_version_once = PTHREAD_ONCE_INIT;
+
+static void cp_version_init(void) {
+	int major = 0, minor = 0, patch = 0;
+	cp_abi = cpgo_version(&major, &minor, &patch);
+	snprintf(cp_version, sizeof cp_version, "%d.%d.%d", major, minor, patch);
+	atomic_store(&cp_version_ready, 1);
+}
+
+const char *cudapool_version(void) {
+	if (!atomic_load(&cp_version_ready)) {
+		if (cp_forked_child())
+			return NULL;
+		pthread_once(&cp_version_once, cp_version_init);
+	}
+	return cp_version;
+}
+
+int cudapool_abi_version(void) { return cudapool_version() != NULL ? cp_abi : -1; }
 
 /* ---- the API ---- */
 

@@ -41,6 +41,26 @@
 extern "C" {
 #endif
 
+/* The version of this header; VERSION at the repository root holds it. A
+ * program can compare it with cudapool_version() of the library it runs
+ * with. CUDAPOOL_ABI_VERSION changes when programs built against an earlier
+ * header can no longer use the library (a function removed or changed);
+ * adding functions leaves it alone. */
+#define CUDAPOOL_VERSION_MAJOR 0
+#define CUDAPOOL_VERSION_MINOR 1
+#define CUDAPOOL_VERSION_PATCH 0
+#define CUDAPOOL_VERSION_STRING "0.1.0"
+#define CUDAPOOL_ABI_VERSION 1
+
+/* The library's version, "MAJOR.MINOR.PATCH" (static storage: do not free).
+ * Works without a device and before any other call; NULL only in a forked
+ * child that never asked before the fork. */
+const char *cudapool_version(void);
+
+/* The library's ABI version (CUDAPOOL_ABI_VERSION of the header it was built
+ * with); -1 only where cudapool_version() returns NULL. */
+int cudapool_abi_version(void);
+
 /* A CUDA stream (cudaStream_t / CUstream). */
 typedef struct CUstream_st *cudapool_stream;
 

@@ -10,6 +10,10 @@ Where the library comes from, first that works:
 Otherwise the build fails and says what it tried; CUDAPOOL_ALLOW_NO_LIBRARY=1
 installs the Python code alone (the library is then found at run time
 through $CUDAPOOL_LIBRARY).
+
+The wheel is tagged py3-none-manylinux_2_N_<arch>, N from the newest glibc
+symbol version the bundled library needs (`make wheel` builds it, without a
+C++ class prebuilt for the build machine's torch: CUDAPOOL_PREBUILD_CLASS=0).
 """
 
 import os
@@ -86,7 +90,11 @@ def provide_library(dest):
 def provide_torch_class(pkg_dir, lib_path):
     """Build the C++ allocator class against the torch importable here, if
     any (pip's build isolation usually hides it: then install() builds it on
-    first use). Returns a line saying what happened."""
+    first use). CUDAPOOL_PREBUILD_CLASS=0 skips it (`make wheel`: a wheel
+    for other machines must not carry a class built for this torch).
+    Returns a line saying what happened."""
+    if os.environ.get("CUDAPOOL_PREBUILD_CLASS") == "0":
+        return "C++ allocator class not prebuilt (CUDAPOOL_PREBUILD_CLASS=0); built on first install()"
     try:
         import torch  # noqa: F401
     except Exception as e:
@@ -108,6 +116,70 @@ def provide_torch_class(pkg_dir, lib_path):
         sys.path.pop(0)
         for m in [m for m in sys.modules if m == "cudapool" or m.startswith("cudapool.")]:
             del sys.modules[m]
+
+
+# ---------------------------------------------------------------------------
+# The wheel's platform tag. A wheel is tagged manylinux_X_Y when the library
+# in it needs nothing newer than glibc X.Y: read from the symbol versions it
+# needs (ELF .gnu.version_r), the way auditwheel judges it.
+
+_ELF_ARCH = {62: "x86_64", 183: "aarch64"}
+SHT_GNU_VERNEED = 0x6FFFFFFE
+
+
+def elf_version_needs(path):
+    """(architecture, {library: [version names]}) of a 64-bit little-endian
+    ELF file: the symbol versions it needs from each shared library."""
+    import struct
+
+    with open(path, "rb") as f:
+        data = f.read()
+    if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
+        raise ValueError(f"{path}: not a 64-bit little-endian ELF file")
+    machine = struct.unpack_from("<H", data, 18)[0]
+    shoff = struct.unpack_from("<Q", data, 40)[0]
+    shentsize, shnum = struct.unpack_from("<HH", data, 58)
+
+    def section(i):  # (type, offset, size, link)
+        base = shoff + i * shentsize
+        _, typ, _, _, off, size, link = struct.unpack_from("<IIQQQQI", data, base)
+        return typ, off, size, link
+
+    def cstr(off):
+        return data[off:data.index(b"\0", off)].decode("ascii", "replace")
+
+    needs = {}
+    for i in range(shnum):
+        typ, off, _, link = section(i)
+        if typ != SHT_GNU_VERNEED:
+            continue
+        strtab = section(link)[1]
+        entry = off
+        while True:
+            _, cnt, file_, aux, nxt = struct.unpack_from("<HHIII", data, entry)
+            names = needs.setdefault(cstr(strtab + file_), [])
+            a = entry + aux
+            for _ in range(cnt):
+                _, _, _, name, anext = struct.unpack_from("<IHHII", data, a)
+                names.append(cstr(strtab + name))
+                a += anext
+            if nxt == 0:
+                break
+            entry += nxt
+    return _ELF_ARCH.get(machine, f"machine{machine}"), needs
+
+
+def manylinux_tag(path):
+    """manylinux_2_N_<arch>: N is the newest GLIBC_2.N symbol version the
+    library needs (from libc, libm, libpthread, ld-linux...)."""
+    arch, needs = elf_version_needs(path)
+    newest = (2, 5)  # manylinux's oldest glibc
+    for names in needs.values():
+        for v in names:
+            if v.startswith("GLIBC_") and v[6:].replace(".", "").isdigit():
+                parts = tuple(int(x) for x in v[6:].split("."))[:2]
+                newest = max(newest, parts + (0,) * (2 - len(parts)))
+    return f"manylinux_{newest[0]}_{newest[1]}_{arch}"
 
 
 class BuildPyWithLibrary(build_py):
@@ -151,12 +223,21 @@ except ImportError:
 if bdist_wheel is not None:
 
     class BdistWheelAnyPython(bdist_wheel):
-        """The library does not use Python's C API: py3-none-<platform>."""
+        """The library does not use Python's C API: py3-none-<platform>,
+        where the platform is manylinux_2_N_<arch> for the glibc the bundled
+        library needs (plain linux_<arch> when there is none to read)."""
 
         def get_tag(self):
             _, _, plat = super().get_tag()
+            lib = os.path.join(self.bdist_dir or "", "cudapool", "_lib", LIB)
+            build_lib = getattr(self.get_finalized_command("build_py"), "build_lib", "")
+            for cand in (lib, os.path.join(build_lib, "cudapool", "_lib", LIB)):
+                if plat.startswith("linux_") and os.path.isfile(cand):
+                    plat = manylinux_tag(cand)
+                    break
             return "py3", "none", plat
 
     cmdclass["bdist_wheel"] = BdistWheelAnyPython
 
-setup(cmdclass=cmdclass, distclass=BinaryDistribution)
+if __name__ == "__main__":  # importable by the tests without building anything
+    setup(cmdclass=cmdclass, distclass=BinaryDistribution)

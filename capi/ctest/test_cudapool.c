@@ -92,6 +92,21 @@ static int json_balanced(const char *s) {
 
 /* ------------------------------------------------------------------ */
 
+/* First of all: the version needs no device and no earlier call. */
+static void test_version(void) {
+	printf("-- version\n");
+	char hdr[32];
+	snprintf(hdr, sizeof hdr, "%d.%d.%d", CUDAPOOL_VERSION_MAJOR, CUDAPOOL_VERSION_MINOR, CUDAPOOL_VERSION_PATCH);
+	CHECK(strcmp(hdr, CUDAPOOL_VERSION_STRING) == 0, "the header's version macros agree (%s)", hdr);
+	const char *v = cudapool_version();
+	CHECK(v != NULL && strcmp(v, CUDAPOOL_VERSION_STRING) == 0, "cudapool_version() is the header's: %s",
+	      v ? v : "(NULL)");
+	CHECK(cudapool_version() == v, "... the same static string every time");
+	CHECK(cudapool_abi_version() == CUDAPOOL_ABI_VERSION, "cudapool_abi_version() is the header's (%d)",
+	      cudapool_abi_version());
+	CHECK(cudapool_last_error() == NULL, "... and asking records no error");
+}
+
 static void test_basics(void) {
 	printf("-- basics\n");
 	cudapool_init(2);
@@ -580,6 +595,10 @@ static void test_fork(void) {
 			bad |= 16;
 		if (cudapool_sim_begin_capture(STREAM(1), 0) != -1 || cudapool_sim_end_capture(STREAM(1)) != -1)
 			bad |= 32;
+		/* asked before the fork (test_version): still answered, without Go */
+		const char *v = cudapool_version();
+		if (v == NULL || strcmp(v, CUDAPOOL_VERSION_STRING) != 0 || cudapool_abi_version() != CUDAPOOL_ABI_VERSION)
+			bad |= 64;
 		_exit(bad);
 	}
 	int status = 0;
@@ -683,6 +702,8 @@ static int child_main(const char *mode) {
 	} else if (strcmp(mode, "bad-backend") == 0) {
 		EXPECT(cudapool_malloc(16, 0, NULL) == NULL);
 		EXPECT(err_has("CUDAPOOL_BACKEND=\"bogus\": expected cuda"));
+		/* the version does not depend on a working backend */
+		EXPECT(cudapool_version() != NULL && strcmp(cudapool_version(), CUDAPOOL_VERSION_STRING) == 0);
 	} else if (strcmp(mode, "bad-sim-memory") == 0) {
 		EXPECT(cudapool_malloc(16, 0, NULL) == NULL);
 		EXPECT(err_has("CUDAPOOL_SIM_MEMORY=\"lots\""));
@@ -728,7 +749,7 @@ static void test_environment(const char *self) {
 		printf("skip  no-driver check: an NVIDIA device is present\n");
 	}
 	const char *bogus[] = {"CUDAPOOL_BACKEND=bogus", NULL};
-	CHECK(run_child(self, "bad-backend", bogus, err, sizeof err) == 0, "an unknown CUDAPOOL_BACKEND fails clearly");
+	CHECK(run_child(self, "bad-backend", bogus, err, sizeof err) == 0, "an unknown CUDAPOOL_BACKEND fails clearly (the version is still answered)");
 	const char *badmem[] = {"CUDAPOOL_SIM_MEMORY=lots", NULL};
 	CHECK(run_child(self, "bad-sim-memory", badmem, err, sizeof err) == 0, "an invalid CUDAPOOL_SIM_MEMORY fails clearly");
 	const char *mem[] = {"CUDAPOOL_SIM_MEMORY=1G", "CUDAPOOL_SIM_DEVICES=4", NULL};
@@ -740,6 +761,7 @@ int main(int argc, char **argv) {
 		return child_main(argv[2]);
 	setvbuf(stdout, NULL, _IOLBF, 0);
 
+	test_version();
 	test_basics();
 	test_bad_input();
 	test_fraction_and_cache();

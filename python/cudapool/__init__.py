@@ -24,6 +24,7 @@ from ._lib import CudapoolError, OutOfMemoryError
 from ._summary import format_summary
 from ._torch import allocator, installed, mode
 from ._torch import install as _torch_install
+from ._version import ABI_VERSION, __version__
 
 __all__ = [
     "CudapoolError",
@@ -50,7 +51,6 @@ __all__ = [
     "set_per_process_memory_fraction",
 ]
 
-__version__ = "0.1.0"
 
 
 def install(*args, cupy=False, numba=False, **kwargs):

@@ -16,6 +16,8 @@ __all__ = [
     "LIBRARY_NAME",
     "find_library",
     "library_path",
+    "library_version",
+    "check_version",
     "load",
     "address",
 ]
@@ -111,6 +113,8 @@ _SIGNATURES = {
     "cudapool_reset_accumulated_stats": (None, [ctypes.c_int]),
     "cudapool_configure": (ctypes.c_int, [ctypes.c_char_p]),
     "cudapool_last_error": (ctypes.c_char_p, []),
+    "cudapool_version": (ctypes.c_char_p, []),
+    "cudapool_abi_version": (ctypes.c_int, []),
     # Simulator controls (meaningful with CUDAPOOL_BACKEND=sim).
     "cudapool_sim_begin_capture": (ctypes.c_int, [stream_t, ctypes.c_int]),
     "cudapool_sim_end_capture": (ctypes.c_int, [stream_t]),
@@ -151,9 +155,38 @@ def load():
                 fn = getattr(lib, name, None)
                 if fn is not None:
                     fn.restype, fn.argtypes = restype, argtypes
+            check_version(path, *library_version(lib))
             _path = path
             _lib = lib
     return _lib
+
+
+def library_version(lib):
+    """(version string, ABI number) of a loaded library; (None, None) for a
+    library older than cudapool_version()."""
+    if getattr(lib, "cudapool_version", None) is None or getattr(lib, "cudapool_abi_version", None) is None:
+        return None, None
+    v = lib.cudapool_version()
+    return (v.decode("ascii", "replace") if v is not None else None), lib.cudapool_abi_version()
+
+
+def check_version(path, version, abi):
+    """Raise CudapoolError unless the library at path is this package's
+    version with its ABI: the bindings here and the C++ class's sources are
+    written for exactly that library, and a mismatch (a stale lib/ in a
+    checkout, $CUDAPOOL_LIBRARY naming another build) would otherwise show
+    up as wrong results or crashes far from the cause."""
+    from .._version import ABI_VERSION, __version__
+
+    if version == __version__ and abi == ABI_VERSION:
+        return
+    have = "has no cudapool_version() (built before versions were recorded)" if version is None else \
+        f"is version {version} (ABI {abi})"
+    raise CudapoolError(
+        f"cudapool: {path} {have}, but this cudapool Python package is version {__version__} and needs "
+        f"that version of the library (ABI {ABI_VERSION}). Rebuild the library (`make` in the repository), "
+        "reinstall the package (`pip install ./python`, or the wheel of the same version), or point "
+        "CUDAPOOL_LIBRARY at a matching libcudapool.so.")
 
 
 def library_path():
