@@ -514,10 +514,12 @@ func (a *Allocator) EmptyCacheCtx(ctx uint64) error {
 			err = newError("empty_cache", ErrCaptureUnderway, "device %d: a CUDA graph capture is under way; its cache is kept", d.id)
 		} else {
 			d.hist.begin(ctx, HistoryAll)
-			err = d.releaseCached()
+			err = d.releaseCached("empty_cache")
 			d.hist.end()
 			if err == nil {
-				err = d.ev.DestroySpare()
+				if derr := d.ev.DestroySpare(); derr != nil {
+					err = driverError("empty_cache", derr, "destroying cached events on device %d", d.id)
+				}
 			}
 		}
 		if d.debug {
@@ -660,7 +662,9 @@ func (a *Allocator) CheckInvariants() error {
 }
 
 // withThreadRelaxed runs fn with the calling OS thread in relaxed capture
-// mode, the goroutine held on that thread throughout.
+// mode, the goroutine held on that thread throughout. A failure to switch
+// back does not undo fn's work (memory fn allocated would otherwise be
+// lost): it is reported as a warning, since the thread may stay relaxed.
 func (d *device) withThreadRelaxed(fn func() error) error {
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
@@ -669,8 +673,8 @@ func (d *device) withThreadRelaxed(fn func() error) error {
 		return err
 	}
 	err = fn()
-	if _, rerr := d.drv.ExchangeCaptureMode(prev); err == nil {
-		err = rerr
+	if _, rerr := d.drv.ExchangeCaptureMode(prev); rerr != nil {
+		d.warn(fmt.Sprintf("restoring the calling thread's capture mode (%v) after a driver allocation on device %d failed (%v); the thread may stay in relaxed capture mode", prev, d.id, rerr))
 	}
 	return err
 }

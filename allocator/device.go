@@ -91,7 +91,7 @@ func (d *device) grow(r *pools.Request, capturing bool) (*pools.Block, error) {
 				return b, err
 			}
 		}
-		if err := d.releaseCached(); err != nil {
+		if err := d.releaseCached("malloc"); err != nil {
 			return nil, err
 		}
 		if b, err := d.newSegment(r, true); b != nil || err != nil {
@@ -233,25 +233,26 @@ func (d *device) recordSegmentFree(base cuda.Ptr, size uint64) {
 // releaseCached waits for all pending frees, then returns every cached whole
 // segment, and every free page of expandable segments, of the default pools
 // and of the released private pools to the driver (PyTorch's
-// release_cached_blocks). Never during capture.
-func (d *device) releaseCached() error {
-	if err := d.syncAll(); err != nil {
+// release_cached_blocks). Never during capture. op names the caller's
+// operation in errors (empty_cache, or malloc for the OOM retry).
+func (d *device) releaseCached(op string) error {
+	if err := d.syncAll(op); err != nil {
 		return err
 	}
-	if err := d.releaseOrphans(); err != nil {
+	if err := d.releaseOrphans(op); err != nil {
 		return err
 	}
 	free := d.freeSeg
 	for _, p := range []*pools.BlockPool{d.cache.Large, d.cache.Small} {
 		if err := d.cache.ReleasePool(p, free); err != nil {
-			return driverError("empty_cache", err, "freeing cached segments on device %d", d.id)
+			return driverError(op, err, "freeing cached segments on device %d", d.id)
 		}
 		if err := d.cache.UnmapFree(p, d.mapper); err != nil {
-			return driverError("empty_cache", err, "unmapping the free pages of expandable segments on device %d", d.id)
+			return driverError(op, err, "unmapping the free pages of expandable segments on device %d", d.id)
 		}
 	}
 	for _, pp := range d.graphs.Pools.Freeable() {
-		if err := d.releasePrivate(pp); err != nil {
+		if err := d.releasePrivate(op, pp); err != nil {
 			return err
 		}
 	}
@@ -261,9 +262,9 @@ func (d *device) releaseCached() error {
 // syncAll waits for the events of every pending free and returns those
 // blocks to their pools (PyTorch's synchronize_and_free_events). Never
 // during a capture.
-func (d *device) syncAll() error {
+func (d *device) syncAll(op string) error {
 	if err := d.ev.Synchronize(d.ret); err != nil {
-		return driverError("empty_cache", err, "synchronizing the events of pending frees on device %d", d.id)
+		return driverError(op, err, "synchronizing the events of pending frees on device %d", d.id)
 	}
 	d.cache.Stats.NumSyncAllStreams++
 	return nil
@@ -272,13 +273,13 @@ func (d *device) syncAll() error {
 // releasePrivate gives back the cached segments and free pages of the
 // released private pool pp, and forgets the pool once it holds nothing.
 // Never during a capture.
-func (d *device) releasePrivate(pp *privatepool.Pool) error {
+func (d *device) releasePrivate(op string, pp *privatepool.Pool) error {
 	for _, p := range []*pools.BlockPool{pp.Small, pp.Large} {
 		if err := d.cache.ReleasePool(p, d.freeFor(p)); err != nil {
-			return driverError("empty_cache", err, "freeing the segments of released pool {%d,%d} on device %d", pp.ID.A, pp.ID.B, d.id)
+			return driverError(op, err, "freeing the segments of released pool {%d,%d} on device %d", pp.ID.A, pp.ID.B, d.id)
 		}
 		if err := d.cache.UnmapFree(p, d.mapper); err != nil {
-			return driverError("empty_cache", err, "unmapping the pages of released pool {%d,%d} on device %d", pp.ID.A, pp.ID.B, d.id)
+			return driverError(op, err, "unmapping the pages of released pool {%d,%d} on device %d", pp.ID.A, pp.ID.B, d.id)
 		}
 	}
 	if pp.Segments() == 0 {
