@@ -24,6 +24,39 @@ func (d *device) capturing() bool {
 	return local || d.underway.Load() > 0
 }
 
+// The capture gate.
+//
+// CUDA's capture rules are process-wide but each device has its own lock:
+// a device could see no capture under way, then free memory or query
+// events while a thread begins a capture on another device (device 0 runs
+// its OOM retry while a graph is captured on device 1), and the driver would
+// invalidate that capture. So each such unsafe section holds the
+// allocator's gate shared, from its check that no capture is under way to
+// its last driver call (enterUnsafe, leaveUnsafe), and BeginAllocateToPool,
+// once its capture is counted, takes the gate exclusively once: the
+// sections under way end before it returns (PyTorch begins capturing after
+// the hook returns) and later ones see the capture. The gate is taken
+// after d.mu and never the other way round; the cache-hit paths do not take
+// it. Unannounced captures cannot be waited for: nobody says when they
+// begin.
+
+// enterUnsafe reports whether no capture is under way and, if so, holds
+// the gate shared until leaveUnsafe. d.mu is held.
+func (d *device) enterUnsafe() bool {
+	d.gate.RLock()
+	if d.capturing() {
+		d.gate.RUnlock()
+		return false
+	}
+	d.inUnsafe = true
+	return true
+}
+
+func (d *device) leaveUnsafe() {
+	d.inUnsafe = false
+	d.gate.RUnlock()
+}
+
 // countCaptures publishes the device's number of captures under way.
 func (d *device) countCaptures() {
 	if n := int64(d.graphs.Count()); n != d.counted {
@@ -36,11 +69,12 @@ func (d *device) countCaptures() {
 func (d *device) malloc(size uint64, s cuda.Stream, capture uint64) (cuda.Ptr, error) {
 	// capture != 0: the stream captures, though Route has not yet counted it.
 	capturing := capture != 0 || d.capturing()
-	if !capturing && !d.ev.Idle() {
+	if !capturing && !d.ev.Idle() && d.enterUnsafe() {
 		if err := d.ev.Process(d.ret); err != nil {
 			// Not the malloc's failure: the blocks concerned stay queued.
 			d.warn(driverError("malloc", err, "querying the events of pending frees on device %d (the blocks concerned wait for new events)", d.id).Error())
 		}
+		d.leaveUnsafe()
 	}
 	small, large := d.cache.Small, d.cache.Large
 	if p := d.graphs.Route(s, capture, d.newPools); p != nil {
@@ -70,7 +104,11 @@ func (d *device) grow(r *pools.Request, capturing bool) (*pools.Block, error) {
 			return nil, err
 		}
 	}
-	if !capturing {
+	// Growth is slow anyway (driver calls): it holds the gate throughout,
+	// so that a failed map can give back what it made at once.
+	unsafe := !capturing && d.enterUnsafe()
+	if unsafe {
+		defer d.leaveUnsafe()
 		if err := d.cache.GarbageCollect(d.freeSeg); err != nil {
 			return nil, driverError("malloc", err, "freeing cached segments (garbage collection) on device %d", d.id)
 		}
@@ -81,24 +119,30 @@ func (d *device) grow(r *pools.Request, capturing bool) (*pools.Block, error) {
 	if b := d.borrow(r); b != nil {
 		return b, nil
 	}
-	if !capturing {
-		ok, err := d.cache.ReleaseAvailable(r, d.freeFor(r.Pool))
-		if err != nil {
-			return nil, driverError("malloc", err, "freeing cached oversize segments on device %d", d.id)
-		}
-		if ok {
-			if b, err := d.newSegment(r, false); b != nil || err != nil {
-				return b, err
-			}
-		}
-		if err := d.releaseCached("malloc"); err != nil {
-			return nil, err
-		}
-		if b, err := d.newSegment(r, true); b != nil || err != nil {
+	if unsafe {
+		if b, err := d.releaseAndRetry(r); b != nil || err != nil {
 			return b, err
 		}
 	}
 	return nil, d.outOfMemory(r)
+}
+
+// releaseAndRetry frees cached oversize segments, then all cached memory,
+// retrying r after each. d.mu is held, and the gate (enterUnsafe).
+func (d *device) releaseAndRetry(r *pools.Request) (*pools.Block, error) {
+	ok, err := d.cache.ReleaseAvailable(r, d.freeFor(r.Pool))
+	if err != nil {
+		return nil, driverError("malloc", err, "freeing cached oversize segments on device %d", d.id)
+	}
+	if ok {
+		if b, err := d.newSegment(r, false); b != nil || err != nil {
+			return b, err
+		}
+	}
+	if err := d.releaseCached("malloc"); err != nil {
+		return nil, err
+	}
+	return d.newSegment(r, true)
 }
 
 // applyFraction applies the configuration's memory fraction, now that the
@@ -144,7 +188,9 @@ func (d *device) newSegment(r *pools.Request, retry bool) (*pools.Block, error) 
 	}
 	src := d.sourceOf(r.Pool)
 	if src == nil && d.expandable() {
-		return d.growExpandable(r, d.capturing())
+		// Outside the gate a capture may begin at any time: what a
+		// failed map would release waits for the next release instead.
+		return d.growExpandable(r, !d.inUnsafe || d.capturing())
 	}
 	if !d.cache.CanGrow(r.SegSize) {
 		return nil, nil
@@ -297,8 +343,13 @@ func (d *device) free(b *pools.Block) error {
 		d.returnBlock(b)
 		return nil
 	}
-	if d.capturing() || d.useCapturing(b) {
+	if !d.enterUnsafe() {
 		// No event may be recorded for later query during a capture.
+		d.ev.Defer(b)
+		return nil
+	}
+	defer d.leaveUnsafe()
+	if d.useCapturing(b) {
 		d.ev.Defer(b)
 		return nil
 	}

@@ -38,7 +38,11 @@ type Rule struct {
 	Skip   int    // matching calls to let through first
 	Times  int    // matching calls to fail after those (then the rule is spent)
 	Err    error  // what the failed calls return
-	hits   int
+	// Hook, if set, runs instead of failing (outside any lock of the
+	// Driver), before the call is forwarded: a test's way to act while
+	// the allocator is inside a given driver call.
+	Hook func()
+	hits int
 }
 
 // Driver is the simulator with injectable failures.
@@ -70,7 +74,17 @@ func (d *Driver) Fail(method, site string, skip int, err error) *Rule {
 	return r
 }
 
-// Hits returns how many calls r failed.
+// Before adds a rule that runs fn before the next call of method from
+// site, which then proceeds.
+func (d *Driver) Before(method, site string, fn func()) *Rule {
+	r := &Rule{Method: method, Site: site, Times: 1, Hook: fn}
+	d.mu.Lock()
+	d.rules = append(d.rules, r)
+	d.mu.Unlock()
+	return r
+}
+
+// Hits returns how many calls r failed (or ran its hook before).
 func (d *Driver) Hits(r *Rule) int {
 	d.mu.Lock()
 	defer d.mu.Unlock()
@@ -92,8 +106,16 @@ func (d *Driver) Calls(method string) int {
 }
 
 // inject counts a call of method and returns the error it must fail with,
-// or nil.
+// or nil, after running the hook of a rule that has one.
 func (d *Driver) inject(method string) error {
+	hook, err := d.match(method)
+	if hook != nil {
+		hook()
+	}
+	return err
+}
+
+func (d *Driver) match(method string) (func(), error) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	d.calls[method]++
@@ -115,15 +137,18 @@ func (d *Driver) inject(method string) error {
 			continue
 		}
 		r.hits++
-		return r.Err
+		if r.Hook != nil {
+			return r.Hook, nil
+		}
+		return nil, r.Err
 	}
-	return nil
+	return nil, nil
 }
 
 // callers returns the function names on the caller's stack, one a line.
 func callers() string {
 	pcs := make([]uintptr, 64)
-	n := runtime.Callers(3, pcs)
+	n := runtime.Callers(4, pcs)
 	frames := runtime.CallersFrames(pcs[:n])
 	var b strings.Builder
 	for {
