@@ -62,6 +62,7 @@ const (
 	// soakMaxAutoPools bounds each worker's unannounced captures: their
 	// pools are never released (nobody says when such a graph dies).
 	soakMaxAutoPools = 16
+	soakMaxGraphs    = 4 // graphs a worker keeps alive
 )
 
 // soakOps is SOAK_OPS, else 10^5 (2*10^4 with -short).
@@ -402,6 +403,10 @@ func (w *soakWorker) beginCapture() {
 		}
 		return
 	}
+	// A program keeps a few graphs alive, not all it ever captured.
+	for len(w.graphs) >= soakMaxGraphs {
+		w.releaseGraph()
+	}
 	// A new graph, or one sharing the pool of a graph still alive.
 	var pool allocator.PoolID
 	if len(w.graphs) > 0 && w.rng.Intn(3) == 0 {
@@ -512,6 +517,25 @@ func (s *soak) relaxedQuery(dev int, ev cuda.Event) (bool, error) {
 	return done, err
 }
 
+// pruneGuards forgets the guards whose events have completed, so that the
+// list stays short. Between batches only.
+func (s *soak) pruneGuards() {
+	for dev := range s.guard {
+		g := &s.guard[dev]
+		keep := g.list[:0]
+		for _, gd := range g.list {
+			done, err := s.drv.EventQuery(dev, gd.ev)
+			require.NoError(s.t, err)
+			if done {
+				require.NoError(s.t, s.drv.EventDestroy(dev, gd.ev))
+			} else {
+				keep = append(keep, gd)
+			}
+		}
+		g.list = keep
+	}
+}
+
 // check runs between batches, with nothing running and no capture open.
 func (s *soak) check(ws []*soakWorker) {
 	t := s.t
@@ -519,6 +543,7 @@ func (s *soak) check(ws []*soakWorker) {
 	require.NoError(t, s.a.CheckInvariants())
 	require.Zero(t, s.drv.Violations(), "capture rules broken: %v", s.drv.ViolationLog())
 	require.Zero(t, s.drv.ActiveCaptures())
+	s.pruneGuards()
 	type iv struct{ lo, hi cuda.Ptr }
 	var per [soakDevices][]iv
 	var live [soakDevices]int64
