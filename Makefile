@@ -67,11 +67,17 @@ $(BUILD)/test_torchabi: capi/ctest/test_torchabi.c capi/ctest/check.h include/cu
 	@mkdir -p $(BUILD)
 	$(CC) -std=c11 $(TEST_CFLAGS) -o $@ $< $(TEST_LDFLAGS)
 
-test-c: $(BUILD)/test_cudapool $(BUILD)/test_torchabi
+$(BUILD)/test_interop: capi/ctest/test_interop.c capi/ctest/check.h include/cudapool.h lib
+	@mkdir -p $(BUILD)
+	$(CC) -std=c11 $(TEST_CFLAGS) -o $@ $< $(TEST_LDFLAGS)
+
+test-c: $(BUILD)/test_cudapool $(BUILD)/test_torchabi $(BUILD)/test_interop
 	$(call section,C ABI test (simulator))
 	$(SIM_ENV) ./$(BUILD)/test_cudapool
 	$(call section,C ABI for the PyTorch allocator class (simulator))
 	$(SIM_ENV) CUDAPOOL_SIM_MEMORY=8G ./$(BUILD)/test_torchabi
+	$(call section,C ABI for CuPy and other libraries (simulator))
+	$(SIM_ENV) ./$(BUILD)/test_interop
 
 test-cxx: $(BUILD)/test_cudapool_cpp
 	$(call section,C++ ABI test (simulator))

@@ -132,6 +132,10 @@ type device struct {
 	fraction        float64
 	fractionPending bool
 
+	// reuse is graph_capture_record_stream_reuse's state; guarded by mu
+	// (capturereuse.go).
+	reuse captureReuse
+
 	// Built once so that passing them costs no allocation.
 	freeSeg  pools.FreeFunc
 	newPools privatepool.NewPools
@@ -162,6 +166,7 @@ func New(drv Driver, cfg Config) (*Allocator, error) {
 		d.ret = d.returnBlock
 		d.vmm, _ = drv.(vmmDriver)
 		d.wantExpandable = cfg.ExpandableSegments
+		d.reuse.on = cfg.GraphCaptureRecordStreamReuse
 		d.fraction, d.fractionPending = cfg.MemoryFraction, cfg.MemoryFractionSet
 		d.mapper = vmmMapper{d}
 		d.warn = a.warn
@@ -200,6 +205,7 @@ func (a *Allocator) Configure(cfg Config) {
 		d.cache.SetConfig(cfg.Pools)
 		d.debug = cfg.DebugChecks
 		d.wantExpandable = cfg.ExpandableSegments
+		d.reuse.on = cfg.GraphCaptureRecordStreamReuse
 		if cfg.MemoryFractionSet {
 			d.fraction, d.fractionPending = cfg.MemoryFraction, true
 		}

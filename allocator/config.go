@@ -35,6 +35,11 @@ type Config struct {
 	// it per device. In [0, 1]; 1 is no limit.
 	MemoryFraction    float64
 	MemoryFractionSet bool
+	// GraphCaptureRecordStreamReuse lets a block freed during a capture
+	// while other streams use it be reused in the same capture once the
+	// capture graph orders all its uses before the allocating stream's new
+	// work (PyTorch's graph_capture_record_stream_reuse; capturereuse.go).
+	GraphCaptureRecordStreamReuse bool
 }
 
 // DefaultConfig is PyTorch's default configuration.
@@ -163,6 +168,12 @@ func (c *Config) set(key, val string) (warning string, err error) {
 			return "", configError("per_process_memory_fraction is invalid, set it in [0.0, 1.0] (got %s)", val)
 		}
 		c.MemoryFraction, c.MemoryFractionSet = f, true
+	case "graph_capture_record_stream_reuse":
+		b, err := parseBool(key, val)
+		if err != nil {
+			return "", err
+		}
+		c.GraphCaptureRecordStreamReuse = b
 	case "record_history":
 		n, err := parseUint(key, val)
 		if err != nil {
@@ -311,6 +322,9 @@ func (c Config) String() string {
 	}
 	if p.FreeSet != pools.FreeSetTreap {
 		parts = append(parts, "free_set:"+p.FreeSet.String())
+	}
+	if c.GraphCaptureRecordStreamReuse {
+		parts = append(parts, "graph_capture_record_stream_reuse:True")
 	}
 	if c.DebugChecks {
 		parts = append(parts, "debug_checks:True")

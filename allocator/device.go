@@ -69,7 +69,15 @@ func (d *device) countCaptures() {
 func (d *device) malloc(size uint64, s cuda.Stream, capture uint64) (cuda.Ptr, error) {
 	// capture != 0: the stream captures, though Route has not yet counted it.
 	capturing := capture != 0 || d.capturing()
-	if !capturing && !d.ev.Idle() && d.enterUnsafe() {
+	switch {
+	case capturing:
+		if d.reuse.on {
+			d.reclaimInCapture(s)
+		}
+	case !d.ev.Idle() && d.enterUnsafe():
+		if len(d.reuse.markers)+len(d.reuse.seen) > 0 {
+			d.dropCaptureReuse()
+		}
 		if err := d.ev.Process(d.ret); err != nil {
 			// Not the malloc's failure: the blocks concerned stay queued.
 			d.warn(driverError("malloc", err, "querying the events of pending frees on device %d (the blocks concerned wait for new events)", d.id).Error())
@@ -346,11 +354,13 @@ func (d *device) free(b *pools.Block) error {
 	if !d.enterUnsafe() {
 		// No event may be recorded for later query during a capture.
 		d.ev.Defer(b)
+		d.noteFreeMarkers(b)
 		return nil
 	}
 	defer d.leaveUnsafe()
 	if d.useCapturing(b) {
 		d.ev.Defer(b)
+		d.noteFreeMarkers(b)
 		return nil
 	}
 	if err := d.ev.Insert(b); err != nil {

@@ -578,6 +578,52 @@ var faultCases = map[string]faultCase{
 		require.Zero(t, e.sim().Live(0))
 		e.nothingLostUncached()
 	}},
+	// graph_capture_record_stream_reuse: a failed topology query warns and
+	// the block waits, as without the option; nothing is reused early.
+	"capturereuse.go:(*device).noteFreeMarkers.StreamCaptureGraph": {run: func(t *testing.T) {
+		e, data1 := reuseScene(t)
+		r := e.fail("StreamCaptureGraph", "noteFreeMarkers", 0)
+		require.NoError(t, e.usedOnSide(data1, 2))
+		e.fired(r)
+		require.Len(t, e.warnings, 1)
+		require.Contains(t, e.warnings[0], "cudapool: capture reuse: reading the capture graph of stream 0x1")
+		fork(t, e.sim(), 2, 1) // the join that would let it be reused
+		p := e.malloc(32, 1)
+		require.NotEqual(t, data1, p, "no markers: the block waits for the capture's end")
+		e.endReuseScene()
+		e.nothingLost()
+	}},
+	"capturereuse.go:(*device).reclaimInCapture.StreamCaptureGraph": {run: func(t *testing.T) {
+		e, data1 := reuseScene(t)
+		require.NoError(t, e.usedOnSide(data1, 2))
+		fork(t, e.sim(), 2, 1)
+		r := e.fail("StreamCaptureGraph", "reclaimInCapture", 0)
+		p := e.malloc(32, 1)
+		e.fired(r)
+		require.NotEqual(t, data1, p)
+		require.Len(t, e.warnings, 1)
+		require.Contains(t, e.warnings[0], "reading the capture graph of stream 0x1")
+		q := e.malloc(32, 1) // the next malloc walks the graph
+		require.Equal(t, data1, q, "reused once the graph could be read")
+		delete(e.pending, data1)
+		e.endReuseScene()
+		e.nothingLost()
+	}},
+	"capturereuse.go:(*device).reclaimInCapture.GraphNodeDependencies": {run: func(t *testing.T) {
+		e, data1 := reuseScene(t)
+		require.NoError(t, e.usedOnSide(data1, 2))
+		fork(t, e.sim(), 2, 1)
+		r := e.fail("GraphNodeDependencies", "", 0)
+		p := e.malloc(32, 1)
+		e.fired(r)
+		require.NotEqual(t, data1, p)
+		require.Len(t, e.warnings, 1)
+		q := e.malloc(32, 1)
+		require.Equal(t, data1, q, "reused once the graph could be read")
+		delete(e.pending, data1)
+		e.endReuseScene()
+		e.nothingLost()
+	}},
 	"ipc.go:(*Allocator).IpcHandle.IpcGetMemHandle": {run: func(t *testing.T) {
 		e := newFault(t, confOrdinary, false)
 		p := e.malloc(4096, 1)
@@ -730,6 +776,28 @@ var faultCases = map[string]faultCase{
 		require.Equal(t, 1, e.sim().LiveEvents())
 		e.nothingLost()
 	}},
+}
+
+// reuseScene begins a thread-local capture on stream 1 into pool {1,0}
+// with graph_capture_record_stream_reuse on, forks stream 2 from it, and
+// returns a block allocated on stream 1 for stream 2 to read.
+func reuseScene(t *testing.T) (*fenv, cuda.Ptr) {
+	e := newFault(t, "graph_capture_record_stream_reuse:True", false)
+	beginCapture(t, e.a, e.sim(), allocator.PoolID{A: 1}, 1, cuda.CaptureModeThreadLocal)
+	data1 := e.malloc(32, 1)
+	fork(t, e.sim(), 1, 2)
+	return e, data1
+}
+
+// endReuseScene ends reuseScene's capture and releases its pool.
+func (e *fenv) endReuseScene() {
+	e.t.Helper()
+	for p := range e.live { // the capture's blocks go back to its pool
+		e.free(p)
+	}
+	require.NoError(e.t, e.sim().EndCapture(1))
+	require.NoError(e.t, e.a.EndAllocateToPool(0, allocator.PoolID{A: 1}))
+	require.NoError(e.t, e.a.ReleasePool(0, allocator.PoolID{A: 1}))
 }
 
 // nothingLostUncached frees what is left with caching off, then checks

@@ -431,3 +431,32 @@ uintptr_t cp_call_segment_alloc(uintptr_t fn, uintptr_t ctx, size_t size, int de
 int cp_call_segment_free(uintptr_t fn, uintptr_t ctx, uintptr_t ptr, size_t size, int device) {
 	return ((cudapool_segment_free_fn)fn)((void *)ctx, (void *)ptr, size, device);
 }
+
+/* ---- Other libraries' allocator interfaces ----
+ *
+ * Plain C, forwarding to the entry points above: CuPy's CFunctionAllocator
+ * calls these directly, so a CuPy malloc+free pair costs one call into Go and
+ * no Python beyond CuPy's own. */
+
+void *cudapool_cupy_malloc(void *param, size_t size, int device) {
+	if (cp_forked_child())
+		return NULL;
+	uintptr_t stream = 0; /* NULL param: the legacy default stream */
+	if (param != NULL) {
+		intptr_t s = ((cudapool_current_stream_fn)param)();
+		if (s == -1) {
+			static const char msg[] = "cudapool_cupy_malloc: the current-stream function failed (returned -1)";
+			cp_set_error(msg, sizeof msg - 1);
+			return NULL;
+		}
+		stream = (uintptr_t)s;
+	}
+	return cudapool_malloc_ctx(size, device, (cudapool_stream)stream, 0);
+}
+
+void cudapool_cupy_free(void *param, void *ptr, int device) {
+	(void)param;
+	cudapool_free_deferred(ptr, 0, device, 0);
+}
+
+int cudapool_filter_stream_is(void *ctx, cudapool_stream stream) { return stream == (cudapool_stream)ctx; }

@@ -22,6 +22,11 @@ type Ptr uintptr
 // (CUmemGenericAllocationHandle). Zero is never a valid handle.
 type MemHandle uint64
 
+// GraphNode is a node of a CUDA graph (CUgraphNode). During a capture the
+// driver names the capture's current terminal nodes of a stream with these,
+// and a node's dependencies are nodes too.
+type GraphNode uintptr
+
 // IpcHandle is a CUDA IPC memory handle (CUipcMemHandle, the same 64 bytes
 // as a cudaIpcMemHandle_t): it names an allocation made with cuMemAlloc so
 // that another process can map it (cuIpcOpenMemHandle). Its bytes are opaque

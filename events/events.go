@@ -71,6 +71,20 @@ func (t *Tracker) EventsCreated() int { return t.created }
 // Defer parks a freed block with uses until no capture is under way.
 func (t *Tracker) Defer(b *pools.Block) { t.deferred = append(t.deferred, b) }
 
+// Reclaim takes b back out of the deferred frees, for a caller that has
+// proved its uses over by other means (the capture graph's topology, see
+// allocator/capturereuse.go). It reports whether b was deferred; b keeps
+// its uses for the caller to clear.
+func (t *Tracker) Reclaim(b *pools.Block) bool {
+	for i, d := range t.deferred {
+		if d == b {
+			t.deferred = append(t.deferred[:i], t.deferred[i+1:]...)
+			return true
+		}
+	}
+	return false
+}
+
 // Insert records an event on each of b's use streams and queues b behind
 // them. b must have uses and no events yet. If recording fails, the streams
 // not yet covered stay in b.Uses and b is deferred to be tried again, so the

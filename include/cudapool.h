@@ -377,6 +377,36 @@ void cudapool_sim_complete_all(void);
  * backend is not the simulator. */
 long long cudapool_sim_violations(void);
 
+/* ---- Other libraries' allocator interfaces (CuPy, any caller that cannot
+ * pass a C callback cheaply) ---- */
+
+/* Returns the calling thread's current stream, or -1 on failure (with the
+ * caller's own error state set). CuPy's C API function
+ * cupy.cuda.stream.get_current_stream_ptr (in cupy.cuda.stream.__pyx_capi__,
+ * signature "intptr_t (void)") has this type. */
+typedef intptr_t (*cudapool_current_stream_fn)(void);
+
+/* CuPy's cupy.cuda.memory.CFunctionAllocator malloc, void *(void *param,
+ * size_t size, int device_id). param is NULL (allocate on the legacy default
+ * stream) or a cudapool_current_stream_fn, called to find the stream to
+ * allocate on (CuPy calls malloc with the GIL held, as that function needs).
+ * As cudapool_malloc_ctx: the queued frees are performed first, in the same
+ * call. NULL on failure (CuPy does not check it: the caller must). */
+void *cudapool_cupy_malloc(void *param, size_t size, int device);
+
+/* CuPy's CFunctionAllocator free, void (void *param, void *ptr, int
+ * device_id): queues the free (size unknown) like cudapool_free_deferred, so
+ * that a malloc+free pair costs one call into the allocator; the block goes
+ * back on the stream it was allocated on. param is ignored. */
+void cudapool_cupy_free(void *param, void *ptr, int device);
+
+/* A cudapool_stream_filter that accepts exactly the stream ctx: announce a
+ * capture of one stream with cudapool_begin_allocate_to_pool(dev, a, b,
+ * cudapool_filter_stream_is, stream). The filter runs under the allocator's
+ * lock, so a filter written in Python (which needs the GIL) could deadlock;
+ * this one never blocks. */
+int cudapool_filter_stream_is(void *ctx, cudapool_stream stream);
+
 #ifdef __cplusplus
 } /* extern "C" */
 

@@ -88,6 +88,9 @@ typedef struct {
 	uintptr_t ipcGetMemHandle;
 	uintptr_t ipcOpenMemHandle; // cuIpcOpenMemHandle_v2, else cuIpcOpenMemHandle
 	uintptr_t ipcCloseMemHandle;
+	// Capture graph topology (graph_capture_record_stream_reuse); 0 when
+	// the driver lacks it.
+	uintptr_t graphNodeGetDependencies; // the v1 ABI
 } cp_api;
 
 // A result and up to two values, returned by value (no Go allocation).
@@ -288,6 +291,49 @@ static cp_ret cp_stream_capture_info(const cp_api *a, uintptr_t ctx, uintptr_t s
 	ret.r = cp_leave(a, pushed, ret.r);
 	ret.a = (unsigned long long)status;
 	ret.b = status != 0 ? id : 0; // id_out is only meaningful while capturing
+	return ret;
+}
+
+// The capture's terminal nodes of s, through cuStreamGetCaptureInfo's v2 ABI
+// (stream, status*, id*, graph*, dependencies**, numDependencies*); only
+// called when that ABI was resolved. out[0] receives the capture id and
+// out[1..cap] the first cap terminals; ret.a is the status, ret.b the number
+// of terminals (more than cap: call again with more room). The driver's
+// array is only valid until the next call on s, hence the copy.
+static cp_ret cp_stream_capture_graph(const cp_api *a, uintptr_t ctx, uintptr_t s, uintptr_t *out, size_t cap) {
+	int status = 0;
+	cuuint64_t id = 0;
+	void *graph = NULL;
+	const uintptr_t *deps = NULL;
+	size_t n = 0;
+	int pushed;
+	cp_ret ret = {cp_enter(a, ctx, &pushed), 0, 0};
+	if (ret.r == 0)
+		ret.r = ((CUresult (*)(CUstream, int *, cuuint64_t *, void **, const uintptr_t **, size_t *, void *))a->streamGetCaptureInfo)(
+			(CUstream)s, &status, &id, &graph, &deps, &n, NULL);
+	ret.r = cp_leave(a, pushed, ret.r);
+	if (ret.r != 0 || status == 0) {
+		n = 0;
+		id = 0;
+	}
+	out[0] = (uintptr_t)id;
+	for (size_t i = 0; i < n && i < cap; i++)
+		out[1 + i] = deps[i];
+	ret.a = (unsigned long long)status;
+	ret.b = n;
+	return ret;
+}
+
+// A graph node's dependencies (cuGraphNodeGetDependencies, v1 ABI: node,
+// dependencies*, numDependencies*): the count first, then up to cap of them
+// into out; ret.a is the count (more than cap: call again with more room).
+static cp_ret cp_graph_node_deps(const cp_api *a, uintptr_t node, uintptr_t *out, size_t cap) {
+	typedef CUresult (*fn_t)(uintptr_t, uintptr_t *, size_t *);
+	size_t n = 0;
+	cp_ret ret = {((fn_t)a->graphNodeGetDependencies)(node, NULL, &n), 0, 0};
+	if (ret.r == 0 && n > 0 && n <= cap)
+		ret.r = ((fn_t)a->graphNodeGetDependencies)(node, out, &n);
+	ret.a = n;
 	return ret;
 }
 
@@ -517,6 +563,7 @@ import (
 	"errors"
 	"fmt"
 	"runtime"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"unsafe"
@@ -651,6 +698,7 @@ func openLibrary(path string) (*Driver, error) {
 		api.deviceCanAccessPeer = C.uintptr_t(p)
 	}
 	d.resolveIPC()
+	d.resolveGraphNodeDeps()
 	d.vmm = true
 	for _, s := range vmmSymbols {
 		p, err := purego.Dlsym(lib, s.name)
@@ -720,6 +768,32 @@ func dlopen(path string) (uintptr, error) {
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
 	return purego.Dlopen(path, purego.RTLD_NOW|purego.RTLD_LOCAL)
+}
+
+// resolveGraphNodeDeps finds cuGraphNodeGetDependencies with its original
+// ABI (node, dependencies*, numDependencies*): cuGetProcAddress_v2 at API
+// version 12000, else the exported name. Without it, or without the v2
+// cuStreamGetCaptureInfo, the capture-graph methods return ErrNotSupported.
+func (d *Driver) resolveGraphNodeDeps() {
+	if d.api.getProcAddress != 0 {
+		name := C.CString("cuGraphNodeGetDependencies")
+		ret := C.cp_get_proc_address(d.api, name, C.int(captureInfoAPIVersion), 0)
+		C.free(unsafe.Pointer(name))
+		if ret.r == 0 && ret.a != 0 && ret.b == 0 {
+			d.api.graphNodeGetDependencies = C.uintptr_t(ret.a)
+			return
+		}
+	}
+	if p, err := purego.Dlsym(d.lib, "cuGraphNodeGetDependencies"); err == nil && p != 0 {
+		d.api.graphNodeGetDependencies = C.uintptr_t(p)
+	}
+}
+
+// captureGraph reports whether the capture-graph queries are available:
+// cuGraphNodeGetDependencies and a cuStreamGetCaptureInfo with the v2 ABI
+// (resolved at API version 12000, or exported as _v2).
+func (d *Driver) captureGraph() bool {
+	return d.api.graphNodeGetDependencies != 0 && d.captureInfo != "cuStreamGetCaptureInfo"
 }
 
 // resolveCaptureInfo picks the cuStreamGetCaptureInfo entry point. Preferred:
@@ -890,6 +964,55 @@ func (d *Driver) StreamCaptureInfo(dev int, s cuda.Stream) (cuda.CaptureStatus, 
 		return cuda.CaptureNone, 0, err
 	}
 	return cuda.CaptureStatus(ret.a), uint64(ret.b), nil
+}
+
+// StreamCaptureGraph reports s's capture status and id, and appends the
+// capture's current terminal nodes of s to buf. Legal during capture.
+func (d *Driver) StreamCaptureGraph(dev int, s cuda.Stream, buf []cuda.GraphNode) (cuda.CaptureStatus, uint64, []cuda.GraphNode, error) {
+	if !d.captureGraph() {
+		return cuda.CaptureNone, 0, buf, cuda.ErrNotSupported
+	}
+	c, err := d.ctx(dev)
+	if err != nil {
+		return cuda.CaptureNone, 0, buf, err
+	}
+	room := 8
+	for {
+		// Slot 0 of the spare capacity takes the id, the rest terminals.
+		buf = slices.Grow(buf, room+1)
+		spare := buf[len(buf) : len(buf)+room+1]
+		ret := C.cp_stream_capture_graph(d.api, c, C.uintptr_t(s), (*C.uintptr_t)(unsafe.Pointer(&spare[0])), C.size_t(room))
+		if err := check(ret.r); err != nil {
+			return cuda.CaptureNone, 0, buf, err
+		}
+		n := int(ret.b)
+		if n <= room {
+			return cuda.CaptureStatus(ret.a), uint64(spare[0]), append(buf, spare[1:1+n]...), nil
+		}
+		room = n
+	}
+}
+
+// GraphNodeDependencies appends n's dependencies to buf. Legal during
+// capture.
+func (d *Driver) GraphNodeDependencies(dev int, n cuda.GraphNode, buf []cuda.GraphNode) ([]cuda.GraphNode, error) {
+	if !d.captureGraph() {
+		return buf, cuda.ErrNotSupported
+	}
+	room := 4
+	for {
+		buf = slices.Grow(buf, room)
+		spare := buf[len(buf) : len(buf)+room]
+		ret := C.cp_graph_node_deps(d.api, C.uintptr_t(n), (*C.uintptr_t)(unsafe.Pointer(&spare[0])), C.size_t(room))
+		if err := check(ret.r); err != nil {
+			return buf, err
+		}
+		k := int(ret.a)
+		if k <= room {
+			return append(buf, spare[:k]...), nil
+		}
+		room = k
+	}
 }
 
 // ExchangeCaptureMode sets the calling OS thread's stream capture mode and

@@ -38,11 +38,15 @@
 // the mode it set and the captures it began may belong to another thread by the
 // time it makes its next call. The package is Linux-only for that reason.
 //
-// What it does not model: memory contents, kernels, graphs (work submitted
-// during capture is dropped, not recorded, and graphs are never replayed),
-// cross-stream dependencies (cudaStreamWaitEvent) and the capture of joined
-// streams, the legacy stream's implicit synchronisation (ErrCaptureImplicit),
-// contexts and the current device, streams belonging to devices, and timing.
+// Captured work is recorded as graph nodes, and streams fork into and join a
+// capture through events (StreamWaitEvent), in graph.go; graphs are never
+// replayed.
+//
+// What it does not model: memory contents, kernels, replay, cross-stream
+// dependencies outside capture (StreamWaitEvent between streams that do not
+// capture has no effect), the legacy stream's implicit synchronisation
+// (ErrCaptureImplicit), contexts and the current device, streams belonging
+// to devices, and timing.
 //
 // The virtual memory management API (cuMemAddressReserve, cuMemCreate,
 // cuMemMap, cuMemSetAccess, cuMemUnmap, cuMemRelease, cuMemAddressFree) is
@@ -113,6 +117,10 @@ type Driver struct {
 	// invalidated, by stream.
 	captures    map[cuda.Stream]*capture // guarded by mu
 	lastCapture uint64                   // guarded by mu; ids start at 1
+	// joined holds the streams that joined a capture begun on another
+	// stream (graph.go), by stream; they are not in captures.
+	joined   map[cuda.Stream]*capture // guarded by mu
+	lastNode cuda.GraphNode           // guarded by mu; graph node handles
 
 	// modes is each OS thread's capture mode; a thread with no entry is in
 	// Global mode, CUDA's default.
@@ -159,6 +167,8 @@ type event struct {
 	// captureID is the capture the event was last recorded in; zero if it was
 	// last recorded outside capture (or never).
 	captureID uint64
+	// nodes are the recording stream's terminals when recorded in capture.
+	nodes []cuda.GraphNode
 }
 
 type capture struct {
@@ -167,6 +177,7 @@ type capture struct {
 	mode        cuda.CaptureMode
 	tid         int // the OS thread that began it
 	invalidated bool
+	g           *graph // the work captured so far (graph.go)
 }
 
 func (c *capture) String() string {
@@ -188,6 +199,7 @@ func New(opts Options) *Driver {
 		streams:  make(map[cuda.Stream]*stream),
 		events:   make(map[cuda.Event]*event),
 		captures: make(map[cuda.Stream]*capture),
+		joined:   make(map[cuda.Stream]*capture),
 		modes:    make(map[int]cuda.CaptureMode),
 		instance: instances.Add(1),
 	}
@@ -448,7 +460,7 @@ func (d *Driver) StreamCaptureInfo(dev int, s cuda.Stream) (cuda.CaptureStatus, 
 	if _, err := d.device(dev); err != nil {
 		return cuda.CaptureNone, 0, err
 	}
-	c := d.captures[s]
+	c := d.captureOf(s)
 	switch {
 	case c == nil:
 		return cuda.CaptureNone, 0, nil
@@ -514,11 +526,11 @@ func (d *Driver) EventRecord(dev int, e cuda.Event, s cuda.Stream) error {
 	if err != nil {
 		return err
 	}
-	if c := d.captures[s]; c != nil {
+	if c := d.captureOf(s); c != nil {
 		if c.invalidated {
 			return cuda.ErrCaptureInvalidated
 		}
-		*ev = event{dev: dev, s: s, captureID: c.id}
+		*ev = event{dev: dev, s: s, captureID: c.id, nodes: append([]cuda.GraphNode(nil), c.g.terminals[s]...)}
 		return nil
 	}
 	*ev = event{dev: dev, s: s, target: d.stream(s).submitted}
@@ -609,11 +621,11 @@ func (d *Driver) BeginCapture(s cuda.Stream, mode cuda.CaptureMode) error {
 		return cuda.ErrInvalidValue
 	case s == 0:
 		return cuda.ErrCaptureUnsupported
-	case d.captures[s] != nil:
+	case d.captureOf(s) != nil:
 		return cuda.ErrInvalidValue
 	}
 	d.lastCapture++
-	d.captures[s] = &capture{id: d.lastCapture, s: s, mode: mode, tid: tid}
+	d.captures[s] = &capture{id: d.lastCapture, s: s, mode: mode, tid: tid, g: newGraph()}
 	return nil
 }
 
@@ -621,21 +633,32 @@ func (d *Driver) BeginCapture(s cuda.Stream, mode cuda.CaptureMode) error {
 // was invalidated (ending it all the same), ErrInvalidValue if s is not
 // capturing, and, as CUDA does, ErrCaptureWrongThread when a non-relaxed
 // capture is ended by a thread other than the one that began it; that capture
-// stays in progress.
+// stays in progress. Ending on a stream that joined the capture fails with
+// ErrCaptureUnmatched (it stays in progress); ending with a joined stream's
+// work not joined back into s ends the capture and fails with
+// ErrCaptureUnjoined.
 func (d *Driver) EndCapture(s cuda.Stream) error {
 	tid := syscall.Gettid()
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	c := d.captures[s]
 	if c == nil {
+		if d.joined[s] != nil {
+			return cuda.ErrCaptureUnmatched
+		}
 		return cuda.ErrInvalidValue
 	}
 	if c.mode != cuda.CaptureModeRelaxed && c.tid != tid {
 		return cuda.ErrCaptureWrongThread
 	}
+	unjoined := d.unjoined(c)
 	delete(d.captures, s)
-	if c.invalidated {
+	d.endJoined(c)
+	switch {
+	case c.invalidated:
 		return cuda.ErrCaptureInvalidated
+	case unjoined:
+		return cuda.ErrCaptureUnjoined
 	}
 	return nil
 }
@@ -648,12 +671,15 @@ func (d *Driver) ActiveCaptures() int {
 	return len(d.captures)
 }
 
-// Submit enqueues one unit of work on s. On a capturing stream the work would
-// go into the graph, so nothing is enqueued.
+// Submit enqueues one unit of work on s. On a capturing stream the work goes
+// into the capture's graph as a node instead (graph.go).
 func (d *Driver) Submit(s cuda.Stream) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	if d.captures[s] != nil {
+	if c := d.captureOf(s); c != nil {
+		if !c.invalidated {
+			d.addNode(c.g, s)
+		}
 		return
 	}
 	d.stream(s).submitted++

@@ -22,7 +22,8 @@ import sys
 from . import _lib
 from ._lib import CudapoolError, OutOfMemoryError
 from ._summary import format_summary
-from ._torch import allocator, install, installed, mode
+from ._torch import allocator, installed, mode
+from ._torch import install as _torch_install
 
 __all__ = [
     "CudapoolError",
@@ -50,6 +51,23 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+
+def install(*args, cupy=False, numba=False, **kwargs):
+    """Make cudapool PyTorch's CUDA allocator (see cudapool._torch.install
+    for the arguments); with cupy=True also CuPy's (cudapool.cupy.install()),
+    with numba=True also Numba's memory manager (cudapool.numba.install()),
+    so that the libraries share one pool. Returns PyTorch's allocator."""
+    alloc = _torch_install(*args, **kwargs)
+    if cupy:
+        from . import cupy as _cupy
+
+        _cupy.install()
+    if numba:
+        from . import numba as _numba
+
+        _numba.install()
+    return alloc
 
 
 def library_path():

@@ -4,8 +4,8 @@
 // # Design
 //
 // Driver implements every driver interface the allocator consumes
-// (allocator.Driver with events.Driver, and the optional VMM, IPC and
-// process-listing interfaces) by forwarding to a *sim.Driver; it does not
+// (allocator.Driver with events.Driver, and the optional VMM, IPC,
+// capture-graph and process-listing interfaces) by forwarding to a *sim.Driver; it does not
 // embed it, so a driver method added to the simulator is not silently
 // promoted without an injection point (the allocator's fault tests check
 // that this type declares every method of those interfaces). Relaxed adds
@@ -314,6 +314,22 @@ func (d *Driver) MemUnmap(dev int, p cuda.Ptr, size uint64) error {
 		return err
 	}
 	return d.Sim.MemUnmap(dev, p, size)
+}
+
+// Capture graph topology (graph_capture_record_stream_reuse)
+
+func (d *Driver) StreamCaptureGraph(dev int, s cuda.Stream, buf []cuda.GraphNode) (cuda.CaptureStatus, uint64, []cuda.GraphNode, error) {
+	if err := d.inject("StreamCaptureGraph"); err != nil {
+		return cuda.CaptureNone, 0, buf, err
+	}
+	return d.Sim.StreamCaptureGraph(dev, s, buf)
+}
+
+func (d *Driver) GraphNodeDependencies(dev int, n cuda.GraphNode, buf []cuda.GraphNode) ([]cuda.GraphNode, error) {
+	if err := d.inject("GraphNodeDependencies"); err != nil {
+		return buf, err
+	}
+	return d.Sim.GraphNodeDependencies(dev, n, buf)
 }
 
 // CUDA IPC

@@ -1,0 +1,151 @@
+/*
+ * test_interop.c - the entry points for other libraries' allocator
+ * interfaces (CuPy's CFunctionAllocator, a stream-equality capture filter),
+ * on the simulated device: run with CUDAPOOL_BACKEND=sim and no
+ * CUDAPOOL_CONF / PYTORCH_CUDA_ALLOC_CONF (make test does). CuPy calls these
+ * functions exactly as done here: malloc(param, size, device) and
+ * free(param, ptr, device).
+ */
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cudapool.h"
+
+#include "check.h"
+
+static long long stat_of(int dev, const char *key) {
+	char *js = cudapool_memory_stats_json(dev);
+	char pat[256];
+	snprintf(pat, sizeof pat, "\"%s\":", key);
+	const char *p = js ? strstr(js, pat) : NULL;
+	long long v = p ? strtoll(p + strlen(pat), NULL, 10) : -1;
+	cudapool_string_free(js);
+	return v;
+}
+
+static int snapshot_count(const char *sub) {
+	char *js = cudapool_snapshot_json();
+	int n = 0;
+	for (const char *p = js; p && (p = strstr(p, sub)) != NULL; p += strlen(sub))
+		n++;
+	cudapool_string_free(js);
+	return n;
+}
+
+/* The "current stream" CuPy would report: what cudapool_cupy_malloc asks. */
+static intptr_t current_stream;
+static int stream_calls;
+static intptr_t get_current_stream(void) {
+	stream_calls++;
+	return current_stream;
+}
+
+/* The CuPy signatures, called through pointers of exactly CuPy's types. */
+typedef void *(*cupy_malloc_fn)(void *, size_t, int);
+typedef void (*cupy_free_fn)(void *, void *, int);
+static cupy_malloc_fn cmalloc = cudapool_cupy_malloc;
+static cupy_free_fn cfree = cudapool_cupy_free;
+
+static void test_cupy_default_stream(void) {
+	printf("-- CuPy malloc/free with no stream function (legacy default stream)\n");
+	long long allocs = stat_of(0, "allocation.all.current");
+	void *p = cmalloc(NULL, 4000, 0);
+	CHECK(p != NULL, "cupy_malloc(NULL param, 4000, device 0)");
+	CHECK(stat_of(0, "allocation.all.current") == allocs + 1, "counted in cudapool's statistics");
+	cfree(NULL, p, 0);
+	/* The free is queued; the statistics call performs it first. */
+	CHECK(stat_of(0, "allocation.all.current") == allocs, "the queued free is performed by the next call");
+	void *q = cmalloc(NULL, 4000, 0);
+	CHECK(q == p, "the freed block is reused by the next malloc on the same stream");
+	cfree(NULL, q, 0);
+	cudapool_clear_error();
+	CHECK(cmalloc(NULL, 0, 0) == NULL && cudapool_last_error() == NULL, "size 0: NULL without an error");
+	CHECK(cmalloc(NULL, 4000, 7) == NULL && err_has("device"), "a bad device fails with a message");
+}
+
+static void test_cupy_current_stream(void) {
+	printf("-- CuPy malloc on the current stream\n");
+	cudapool_stream a = STREAM(0x6100), b = STREAM(0x6200);
+	current_stream = (intptr_t)a;
+	stream_calls = 0;
+	void *p = cmalloc((void *)get_current_stream, 4000, 0);
+	CHECK(p != NULL && stream_calls == 1, "malloc asks the stream function once");
+	cfree((void *)get_current_stream, p, 0);
+	CHECK(stream_calls == 1, "free does not ask for the stream (the block knows it)");
+	current_stream = (intptr_t)b;
+	void *q = cmalloc((void *)get_current_stream, 4000, 0);
+	CHECK(q != NULL && q != p, "a block freed on stream a is not reused on stream b");
+	current_stream = (intptr_t)a;
+	void *r = cmalloc((void *)get_current_stream, 4000, 0);
+	CHECK(r == p, "it is reused on stream a");
+	CHECK(snapshot_count("\"stream\":24832") >= 1, "the snapshot shows a segment of stream a (0x6100)");
+	cfree(NULL, q, 0);
+	cfree(NULL, r, 0);
+
+	current_stream = -1;
+	CHECK(cmalloc((void *)get_current_stream, 4000, 0) == NULL && err_has("current-stream function failed"),
+	      "a failing stream function (-1) fails the malloc with a message");
+	current_stream = 0;
+	CHECK(stat_of(0, "allocation.all.current") == 0, "nothing left allocated");
+}
+
+static void test_cupy_bad_free(void) {
+	printf("-- CuPy free of a pointer cudapool does not know\n");
+	long long before = stat_of(0, "allocation.all.current");
+	cfree(NULL, (void *)(uintptr_t)0x1234, 0); /* reported on stderr when performed */
+	cfree(NULL, NULL, 0);                       /* nothing */
+	void *p = cmalloc(NULL, 4000, 0);
+	CHECK(p != NULL, "the next malloc works after a bad free was queued");
+	cfree(NULL, p, 0);
+	CHECK(stat_of(0, "allocation.all.current") == before, "statistics are unaffected");
+}
+
+static void test_capture_filter(void) {
+	printf("-- a CuPy capture announced with cudapool_filter_stream_is\n");
+	cudapool_stream cs = STREAM(0x6300), other = STREAM(0x6400);
+	CHECK(cudapool_filter_stream_is((void *)cs, cs) == 1, "the filter accepts its stream");
+	CHECK(cudapool_filter_stream_is((void *)cs, other) == 0, "and no other");
+
+	cudapool_empty_cache();
+	long long reserved = stat_of(0, "reserved_bytes.all.current");
+	cudapool_clear_error();
+	cudapool_begin_allocate_to_pool(0, 1ULL << 62, 0, cudapool_filter_stream_is, (void *)cs);
+	CHECK(cudapool_last_error() == NULL, "begin_allocate_to_pool with the stream filter");
+	CHECK(cudapool_sim_begin_capture(cs, 2) == 0, "sim_begin_capture (relaxed, as CuPy's default)");
+	current_stream = (intptr_t)cs;
+	void *x = cmalloc((void *)get_current_stream, 4000, 0);
+	void *y = cmalloc((void *)get_current_stream, 24 * MiB, 0);
+	current_stream = (intptr_t)other;
+	void *z = cmalloc((void *)get_current_stream, 4000, 0);
+	CHECK(x && y && z, "mallocs during the capture");
+	CHECK(snapshot_count("\"segment_pool_id\":[4611686018427387904,0]") == 2,
+	      "the capture stream's two segments are in the private pool, the other stream's not");
+	cfree(NULL, x, 0);
+	cfree(NULL, z, 0);
+	cudapool_empty_cache(); /* performs the queued frees inside the capture, refuses to free segments */
+	CHECK(err_has("capture is under way"), "empty_cache during the capture is refused");
+	CHECK(cudapool_sim_end_capture(cs) == 0, "the capture was not invalidated");
+	cudapool_end_allocate_to_pool(0, 1ULL << 62, 0);
+	CHECK(cudapool_sim_violations() == 0, "no capture violations");
+	cfree(NULL, y, 0);
+	cudapool_empty_cache();
+	CHECK(snapshot_count("[4611686018427387904,0]") == 2, "the graph's pool keeps its memory until released");
+	cudapool_release_pool(0, 1ULL << 62, 0);
+	cudapool_empty_cache();
+	CHECK(snapshot_count("[4611686018427387904,0]") == 0, "released, empty_cache returns it");
+	CHECK(stat_of(0, "reserved_bytes.all.current") == reserved, "all the capture's memory is returned");
+	current_stream = 0;
+}
+
+int main(void) {
+	setvbuf(stdout, NULL, _IOLBF, 0);
+	test_cupy_default_stream();
+	test_cupy_current_stream();
+	test_cupy_bad_free();
+	test_capture_filter();
+	CHECK(cudapool_sim_violations() == 0, "no capture violations in the whole run");
+	printf("C interop ABI: %d passed, %d failed\n", passed, failed);
+	return failed == 0 ? 0 : 1;
+}

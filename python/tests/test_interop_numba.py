@@ -1,0 +1,202 @@
+"""cudapool.numba (Numba's External Memory Management plugin) on the
+simulator, with the real numba-cuda but no GPU: the manager is given a
+stand-in for Numba's context (it reads only context.device.id and
+device.get_device_identity()). Skipped where numba-cuda cannot be imported.
+Real kernels on a GPU: tests/gpu/test_gpu_interop.py."""
+
+import ctypes
+import gc
+import threading
+import types
+
+import pytest
+
+import cudapool
+from cudapool import _lib
+
+try:
+    import cudapool.numba as cn
+    from numba.cuda.cudadrv import driver as ndriver
+except Exception as e:  # ImportError, or numba-cuda failing to find the CUDA runtime
+    pytest.skip(f"numba-cuda is not usable here: {type(e).__name__}: {e}", allow_module_level=True)
+
+MiB = 1 << 20
+GiB = 1 << 30
+IDENTITY = {"pci_domain_id": 0, "pci_bus_id": 7, "pci_device_id": 0}
+
+
+def context(dev=0):
+    device = types.SimpleNamespace(id=dev, get_device_identity=lambda: dict(IDENTITY))
+    return types.SimpleNamespace(device=device)
+
+
+@pytest.fixture
+def mgr():
+    m = cn.CudapoolNumbaManager(context=context())
+    yield m
+    gc.collect()
+
+
+def segment_of(ptr):
+    for seg in cudapool.snapshot()["segments"]:
+        if seg["address"] <= ptr < seg["address"] + seg["total_size"]:
+            return seg
+    raise AssertionError(f"{ptr:#x} is in no segment")
+
+
+def test_memalloc_and_free(mgr):
+    assert mgr.interface_version == 1
+    mgr.initialize()
+    mp = mgr.memalloc(5000)
+    assert isinstance(mp, ndriver.MemoryPointer) and mp.size == 5000
+    ptr = mp.device_pointer_value
+    assert cudapool.memory_allocated(0) == 5120 and segment_of(ptr)["stream"] == 0
+    del mp
+    gc.collect()
+    assert cudapool.memory_allocated(0) == 0, "the finalizer frees through cudapool"
+    again = mgr.memalloc(5000)
+    assert again.device_pointer_value == ptr, "and the block is reused"
+    again.free()
+    assert cudapool.memory_allocated(0) == 0
+
+
+def test_second_device(monkeypatch):
+    m = cn.CudapoolNumbaManager(context=context(1))
+    mp = m.memalloc(4096)
+    assert cudapool.memory_allocated(1) == 4096 and cudapool.memory_allocated(0) == 0
+    mp.free()
+
+
+def test_empty_allocation(mgr):
+    mp = mgr.memalloc(0)
+    assert mp.device_pointer_value is None and mp.size == 0
+    assert cudapool.memory_stats(0)["allocation.all.allocated"] == 0
+
+
+def test_out_of_memory(mgr):
+    with pytest.raises(cn.OutOfMemoryError) as info:
+        mgr.memalloc(20 * GiB)  # the simulated devices have 8 GiB
+    err = info.value
+    assert isinstance(err, ndriver.CudaAPIError) and isinstance(err, cudapool.OutOfMemoryError)
+    assert "out of memory" in str(err).lower()
+    assert int(err.code) == 2, "CUDA_ERROR_OUT_OF_MEMORY"
+    ok = mgr.memalloc(MiB)
+    assert ok.device_pointer_value
+    ok.free()
+
+
+def test_bad_device_is_a_cudapool_error():
+    m = cn.CudapoolNumbaManager(context=context(9))
+    with pytest.raises(cudapool.CudapoolError, match="device") as info:
+        m.memalloc(4096)
+    assert not isinstance(info.value, cudapool.OutOfMemoryError)
+
+
+def test_defer_cleanup(mgr):
+    a, b = mgr.memalloc(4096), mgr.memalloc(4096)
+    with mgr.defer_cleanup():
+        with mgr.defer_cleanup():
+            a.free()
+        b.free()
+        assert cudapool.memory_allocated(0) == 8192, "frees are held back while deferred"
+    assert cudapool.memory_allocated(0) == 0, "and performed when the outermost context exits"
+
+
+def test_reset(mgr):
+    cudapool.empty_cache()
+    a = mgr.memalloc(30 * MiB)
+    with mgr.defer_cleanup():
+        a.free()
+        mgr.reset()
+        assert cudapool.memory_allocated(0) == 0, "reset performs the held-back frees"
+    assert cudapool.memory_reserved(0) == 0, "and returns cudapool's cache to the driver"
+
+
+def test_get_memory_info(mgr, monkeypatch):
+    monkeypatch.setattr(ndriver, "driver", types.SimpleNamespace(cuMemGetInfo=lambda: (1000, 8 * GiB)))
+    cudapool.empty_cache()
+    mp = mgr.memalloc(MiB)
+    info = mgr.get_memory_info()
+    cached = cudapool.memory_reserved(0) - cudapool.memory_allocated(0)
+    assert cached > 0 and info == (1000 + cached, 8 * GiB)
+    mp.free()
+
+
+def test_ipc_handle(mgr):
+    first, second = mgr.memalloc(4096), mgr.memalloc(4096)
+    h = mgr.get_ipc_handle(second)
+    assert isinstance(h, ndriver.IpcHandle) and h.base is second and h.size == 4096
+    raw = (ctypes.c_ubyte * 64)()
+    off, dev = ctypes.c_size_t(), ctypes.c_int()
+    lib = _lib.load()
+    assert lib.cudapool_ipc_handle(ctypes.c_void_p(second.device_pointer_value), raw, ctypes.byref(off), ctypes.byref(dev)) == 0
+    assert ctypes.string_at(h.handle.getPtr(), 64) == bytes(raw), "the handle is cudapool's"
+    base, _ = _lib.base_allocation(second.device_pointer_value)
+    assert h.offset == second.device_pointer_value - base and h.offset > 0
+    assert h.source_info == IDENTITY
+    del h
+    first.free()
+    second.free()
+
+
+def test_ipc_of_an_unknown_pointer(mgr):
+    fake = ndriver.MemoryPointer(context(), ctypes.c_void_p(0x1234), 16)
+    with pytest.raises(cudapool.CudapoolError):
+        mgr.get_ipc_handle(fake)
+
+
+def test_per_thread_default_stream(mgr, monkeypatch):
+    from numba.cuda.core import config
+
+    monkeypatch.setattr(config, "CUDA_PER_THREAD_DEFAULT_STREAM", 1, raising=False)
+    mp = mgr.memalloc(4096)
+    assert segment_of(mp.device_pointer_value)["stream"] == 2, "CU_STREAM_PER_THREAD"
+    mp.free()
+
+
+def test_numba_accepts_the_plugin(monkeypatch):
+    from numba.cuda.core import config
+
+    monkeypatch.setattr(ndriver, "_memory_manager", None)
+    monkeypatch.setattr(config, "CUDA_MEMORY_MANAGER", "cudapool.numba")
+    ndriver._ensure_memory_manager()
+    assert ndriver._memory_manager is cn.CudapoolNumbaManager, "NUMBA_CUDA_MEMORY_MANAGER=cudapool.numba"
+    monkeypatch.setattr(ndriver, "_memory_manager", None)
+    cn.install()
+    assert ndriver._memory_manager is cn.CudapoolNumbaManager, "cudapool.numba.install()"
+
+
+def test_threads(mgr):
+    errors = []
+
+    def work(i):
+        try:
+            keep = []
+            for k in range(200):
+                keep.append(mgr.memalloc(512 * (1 + (k * 5 + i) % 40)))
+                if len(keep) > 6:
+                    keep.pop(0).free()
+            with mgr.defer_cleanup():
+                for mp in keep:
+                    mp.free()
+        except Exception as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert cudapool.memory_allocated(0) == 0
+    assert cudapool.memory_stats(0)["allocation.all.allocated"] == 6 * 200
+
+
+def test_ipc_refused_in_expandable_segments(mgr):
+    _lib.configure("expandable_segments:True")
+    mp = mgr.memalloc(4096)
+    try:
+        with pytest.raises(cudapool.CudapoolError, match="expandable"):
+            mgr.get_ipc_handle(mp)
+    finally:
+        mp.free()
