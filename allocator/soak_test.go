@@ -91,6 +91,7 @@ var soakPhases = []soakPhase{
 	{"unannounced", "max_split_size_mb:40", false},
 	{"gc+rounding", "garbage_collection_threshold:0.7,roundup_power2_divisions:4", true},
 	{"expandable+gc+unannounced", "expandable_segments:True,garbage_collection_threshold:0.8", false},
+	{"capture reuse", "graph_capture_record_stream_reuse:True,expandable_segments:True", true},
 }
 
 func TestSoak(t *testing.T) {
@@ -113,14 +114,15 @@ func TestSoak(t *testing.T) {
 // soakCounts are a phase's tallies.
 type soakCounts struct {
 	ops, mallocs, frees, ooms, raceReuse, captures, captureMallocs, releases, emptyCaches, fractions, hugeOOMs int64
-	guardsChecked, badReuse, checks                                                                            int64
+	guardsChecked, badReuse, checks, captureForks, reusedInCapture                                             int64
 }
 
 func (c *soakCounts) add(o *soakCounts) {
 	for _, p := range [][2]*int64{{&c.ops, &o.ops}, {&c.mallocs, &o.mallocs}, {&c.frees, &o.frees}, {&c.ooms, &o.ooms},
 		{&c.raceReuse, &o.raceReuse}, {&c.captures, &o.captures}, {&c.captureMallocs, &o.captureMallocs},
 		{&c.releases, &o.releases}, {&c.emptyCaches, &o.emptyCaches}, {&c.fractions, &o.fractions},
-		{&c.hugeOOMs, &o.hugeOOMs}, {&c.guardsChecked, &o.guardsChecked}, {&c.badReuse, &o.badReuse}, {&c.checks, &o.checks}} {
+		{&c.hugeOOMs, &o.hugeOOMs}, {&c.guardsChecked, &o.guardsChecked}, {&c.badReuse, &o.badReuse}, {&c.checks, &o.checks},
+		{&c.captureForks, &o.captureForks}, {&c.reusedInCapture, &o.reusedInCapture}} {
 		atomic.AddInt64(p[0], atomic.LoadInt64(p[1]))
 	}
 }
@@ -128,9 +130,10 @@ func (c *soakCounts) add(o *soakCounts) {
 func (c *soakCounts) String() string {
 	return fmt.Sprintf("mallocs %d (OOM %d), frees %d, record_stream frees with immediate reallocation %d, "+
 		"captures %d (mallocs inside %d), graph releases %d, empty_cache %d, memory fractions %d, "+
-		"forced OOMs %d, reuses of guarded memory checked %d, bad reuses %d",
+		"forced OOMs %d, reuses of guarded memory checked %d, bad reuses %d, "+
+		"record_stream frees in captures with a forked stream %d (reused in the capture %d)",
 		c.mallocs, c.ooms, c.frees, c.raceReuse, c.captures, c.captureMallocs, c.releases, c.emptyCaches,
-		c.fractions, c.hugeOOMs, c.guardsChecked, c.badReuse)
+		c.fractions, c.hugeOOMs, c.guardsChecked, c.badReuse, c.captureForks, c.reusedInCapture)
 }
 
 // soak is one phase's shared state.
@@ -165,6 +168,8 @@ type soakWorker struct {
 	id, dev          int
 	rng              *rand.Rand
 	main, side, capS cuda.Stream
+	capSide          cuda.Stream // forked into the worker's captures
+	forked           bool        // capSide is in the open capture
 	live             []soakAlloc
 	graphs           []allocator.PoolID // pools of captured graphs still alive
 	capturing        bool
@@ -190,7 +195,7 @@ func runSoak(t *testing.T, ph soakPhase, ops int, into *soakCounts) {
 	for i := range ws {
 		base := cuda.Stream(100 + 10*i)
 		ws[i] = &soakWorker{s: s, id: i, dev: i % soakDevices, rng: rand.New(rand.NewSource(int64(i) + int64(len(ph.name))*1000)),
-			main: base, side: base + 1, capS: base + 2}
+			main: base, side: base + 1, capS: base + 2, capSide: base + 3}
 	}
 	for done := 0; done < ops; done += soakWorkers * soakBatch {
 		var wg sync.WaitGroup
@@ -269,8 +274,12 @@ func (w *soakWorker) step() {
 		}
 	case r < 74:
 		w.raceReuse()
-	case r < 80:
+	case r < 78:
 		w.s.drv.Complete(w.side)
+	case r < 80:
+		if w.capturing && w.s.ph.announced {
+			w.captureFork()
+		}
 	case r < 88:
 		switch {
 		case w.capturing:
@@ -428,7 +437,66 @@ func (w *soakWorker) beginCapture() {
 	atomic.AddInt64(&w.s.counts.captures, 1)
 }
 
+// captureFork forks a second stream into the open capture, frees a block
+// of the capture stream that the forked stream reads (record_stream), and
+// allocates again on the capture stream, sometimes after joining the forked
+// stream back (then graph_capture_record_stream_reuse may reuse the block
+// within the capture).
+func (w *soakWorker) captureFork() {
+	if !w.forked {
+		w.wait(w.capS, w.capSide)
+		w.forked = true
+	}
+	p, ok := w.malloc(w.smallSize(), w.capS)
+	if !ok {
+		return
+	}
+	al := w.live[len(w.live)-1]
+	if err := w.s.a.RecordStream(p, w.capSide); err != nil {
+		w.failf("record_stream in a capture: %v", err)
+		return
+	}
+	w.s.drv.Submit(w.capSide)
+	w.free(len(w.live) - 1)
+	joined := w.rng.Intn(2) == 0
+	if joined {
+		w.wait(w.capSide, w.capS)
+	}
+	atomic.AddInt64(&w.s.counts.captureForks, 1)
+	if q, ok := w.malloc(al.size, w.capS); ok && q == p {
+		atomic.AddInt64(&w.s.counts.reusedInCapture, 1)
+		if !joined {
+			// The forked stream's read is not ordered before the capture
+			// stream's next work: reusing the block now corrupts it.
+			atomic.AddInt64(&w.s.counts.badReuse, 1)
+			w.failf("a block read by a forked stream was reused in the capture before the join")
+		}
+	}
+}
+
+// wait makes to wait for from's captured work (an event recorded on from,
+// waited for on to), as torch's wait_stream does.
+func (w *soakWorker) wait(from, to cuda.Stream) {
+	ev, err := w.s.drv.EventCreate(w.dev)
+	if err == nil {
+		err = w.s.drv.EventRecord(w.dev, ev, from)
+	}
+	if err == nil {
+		err = w.s.drv.StreamWaitEvent(w.dev, to, ev)
+	}
+	if err == nil {
+		err = w.s.drv.EventDestroy(w.dev, ev)
+	}
+	if err != nil {
+		w.failf("fork or join in a capture: %v", err)
+	}
+}
+
 func (w *soakWorker) endCapture() {
+	if w.forked {
+		w.wait(w.capSide, w.capS) // a capture ends with its forks joined
+		w.forked = false
+	}
 	w.capturing = false
 	if err := w.s.drv.EndCapture(w.capS); err != nil {
 		w.failf("end capture: %v (a driver call of the allocator invalidated it)", err)
