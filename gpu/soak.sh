@@ -8,11 +8,13 @@
 # table.
 #
 #   SOAK_S=60 gpu/soak.sh                     # short mode: both segment kinds, about 4 minutes
-#   SOAK_S=480 SEGMENTS=off gpu/soak.sh       # the 8-minute soak, ordinary segments (about 9 minutes)
-#   SOAK_S=480 SEGMENTS=on RACE=0 gpu/soak.sh # the same with expandable_segments:True
+#   SOAK_S=480 SEGMENTS=off RACE=0 gpu/soak.sh # the 8-minute soak, ordinary segments (under 9 minutes)
+#   SOAK_S=480 SEGMENTS=on RACE=0 gpu/soak.sh  # the same with expandable_segments:True
 #
 # SEGMENTS: off, on or both (default both); RACE=0 skips the race test;
-# WATCHDOG_S: a thread without progress for this long is a hang (default 90).
+# WATCHDOG_S: a thread without progress for this long is a hang (default 60).
+# A run takes SOAK_S + about 40 s; a hung one is killed by SOAK_S +
+# WATCHDOG_S + 40 s (its own watchdog normally reports it before).
 # Needs lib/libcudapool.so (carried from where Go is), torch for the Python
 # soak (skipped with its reason otherwise), nvcc and gcc for the C twin.
 # Logs go to $OUT (default /tmp/cudapool-soak). Exit status 0 only if every
@@ -25,7 +27,7 @@ mkdir -p "$OUT" build/gpu
 rm -f "$OUT"/soak_*.log "$OUT"/race.log "$OUT"/rc.txt
 SOAK_S=${SOAK_S:-60}
 SEGMENTS=${SEGMENTS:-both}
-WATCHDOG_S=${WATCHDOG_S:-90}
+WATCHDOG_S=${WATCHDOG_S:-60}
 RACE=${RACE:-1}
 RACE_REPEATS=${RACE_REPEATS:-100}
 PY=${PYTHON:-python3}
@@ -37,7 +39,7 @@ export PYTHONPATH=$PWD/python${PYTHONPATH:+:$PYTHONPATH}
 unset CUDAPOOL_BACKEND CUDAPOOL_CONF
 # Each process gets this much past SOAK_S for its setup, OOM phases and
 # checks before it is killed (its own watchdog normally ends it first).
-LIMIT=$((${SOAK_S%.*} + WATCHDOG_S + 150))
+LIMIT=$((${SOAK_S%.*} + ${WATCHDOG_S%.*} + 40))
 failed=0
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
