@@ -215,6 +215,8 @@ func runSoak(t *testing.T, ph soakPhase, ops int, into *soakCounts) {
 		s.check(ws)
 	}
 	s.drain(ws)
+	t.Logf("%s: %d operations, %d mallocs of which %d out of memory (%d deliberate), %d captures",
+		ph.name, s.counts.ops, s.counts.mallocs, s.counts.ooms, s.counts.hugeOOMs, s.counts.captures)
 }
 
 func (w *soakWorker) failf(format string, args ...any) {

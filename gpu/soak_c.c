@@ -442,6 +442,7 @@ static int oom_phase(double frac) {
   free(held);
   cudapool_empty_cache();
   void *p = cudapool_malloc(64 * MiB, 0, NULL);
+  if (!p) printf("OOM phase: the allocation after freeing failed: %.400s\n", lasterr());
   int ok = got_oom && p != NULL;
   if (p) cudapool_free(p, 64 * MiB, 0, NULL);
   cudapool_set_memory_fraction(1.0, 0);
