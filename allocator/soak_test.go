@@ -163,6 +163,8 @@ type soakAlloc struct {
 	s    cuda.Stream
 }
 
+// soakWorker is one goroutine's state, touched only by that goroutine (and
+// by the test goroutine between batches).
 type soakWorker struct {
 	s                *soak
 	id, dev          int
