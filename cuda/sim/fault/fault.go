@@ -22,6 +22,7 @@
 package fault
 
 import (
+	"math/rand"
 	"runtime"
 	"strings"
 	"sync"
@@ -52,6 +53,12 @@ type Driver struct {
 	mu    sync.Mutex
 	rules []*Rule        // guarded by mu
 	calls map[string]int // calls per method, failed ones included; guarded by mu
+	// Random failures (FailRandomly), all guarded by mu.
+	randP       float64
+	randErr     error
+	randMethods map[string]bool
+	rnd         *rand.Rand
+	randHits    int
 }
 
 // New wraps s.
@@ -91,10 +98,30 @@ func (d *Driver) Hits(r *Rule) int {
 	return r.hits
 }
 
-// Clear removes every rule.
+// FailRandomly makes every call of the given methods fail with err with
+// probability p (a seeded sequence), until Clear.
+func (d *Driver) FailRandomly(p float64, seed int64, err error, methods ...string) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.randP, d.randErr, d.rnd = p, err, rand.New(rand.NewSource(seed))
+	d.randMethods = map[string]bool{}
+	for _, m := range methods {
+		d.randMethods[m] = true
+	}
+}
+
+// RandomHits returns the number of calls FailRandomly failed.
+func (d *Driver) RandomHits() int {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.randHits
+}
+
+// Clear removes every rule and stops random failures.
 func (d *Driver) Clear() {
 	d.mu.Lock()
 	d.rules = nil
+	d.randMethods = nil
 	d.mu.Unlock()
 }
 
@@ -141,6 +168,10 @@ func (d *Driver) match(method string) (func(), error) {
 			return r.Hook, nil
 		}
 		return nil, r.Err
+	}
+	if d.randMethods[method] && d.rnd.Float64() < d.randP {
+		d.randHits++
+		return nil, d.randErr
 	}
 	return nil, nil
 }
