@@ -417,13 +417,14 @@ def main():
     ipc = not args.no_ipc and not expandable
     oom_phases = []
     res_box = {}
+    gpu = torch.cuda.get_device_name(0)  # read once: the watchdog must not call CUDA
 
     def summary():
         c = dict(s.c)
         ok = (not s.errors and c["corrupted_elems"] == 0 and c["bad_delayed_reads"] == 0 and c["bad_replays"] == 0
               and c["ipc_bad"] == 0 and res_box.get("leak_bytes") == 0
               and len(oom_phases) == 2 and all(p["oom_raised"] and p["recovered"] for p in oom_phases))
-        return dict(allocator=args.allocator, conf=conf, torch=torch.__version__, gpu=torch.cuda.get_device_name(0),
+        return dict(allocator=args.allocator, conf=conf, torch=torch.__version__, gpu=gpu,
                     seconds=round(time.monotonic() - t_start, 1), **c,
                     ipc=f"{c['ipc_sent']} ({c['ipc_bad']})" if ipc else "skipped (expandable segments)"
                     if not args.no_ipc else "skipped",
