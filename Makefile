@@ -3,6 +3,9 @@
 #   make          lib/libcudapool.so and lib/cudapool.h
 #   make test     Go checks and tests, the C and C++ ABI tests (simulator),
 #                 the library's symbol and loading checks, Python unit tests
+#   make soak     10^7 randomized operations from many goroutines on the
+#                 simulator, invariants checked after every batch
+#                 (SOAK_OPS=N sets the count; make test runs 10^5)
 #   make demo     replay demo/trace.txt through the library
 #   make clean
 
@@ -27,7 +30,7 @@ RACE_PKGS := ./allocator/... ./cuda/sim/... ./events/... ./graphs/... ./pools/..
 
 section = @printf '\n==== %s ====\n' '$(1)'
 
-.PHONY: all lib test check-go test-go test-race test-c test-cxx check-lib test-python demo clean
+.PHONY: all lib test check-go test-go test-race test-c test-cxx check-lib test-python demo soak clean
 
 all: lib
 
@@ -102,6 +105,12 @@ test-python: lib
 	python3 -m pytest -q bench/test_report.py
 	$(call section,PyTorch test report generator tests)
 	python3 -m pytest -q -p no:cacheprovider gpu/pytorch_tests/test_report.py
+
+# soak: allocator/soak_test.go with SOAK_OPS operations (10^7 by default).
+SOAK_OPS ?= 1e7
+soak:
+	$(call section,soak: $(SOAK_OPS) operations on the simulator)
+	SOAK_OPS=$(SOAK_OPS) $(GO) test -count=1 -timeout 0 -run '^TestSoak$$' -v ./allocator/
 
 # demo: replay a recorded allocation trace through the library, on the GPU
 # if there is one, else on the simulator. make demo TRACE=... REPEATS=...

@@ -73,6 +73,10 @@ type Allocator struct {
 	// capture rules are process-wide (a free or synchronize on one device
 	// can invalidate a capture on another), so every device consults it.
 	underway atomic.Int64
+	// gate orders the devices' unsafe sections (freeing memory, querying
+	// and recording events outside captures) with announced capture
+	// begins; see device.go.
+	gate sync.RWMutex
 	// onWarning reports conditions worth a message but not an error (each
 	// message once); nil: stderr.
 	onWarning atomic.Pointer[func(string)]
@@ -91,6 +95,7 @@ type device struct {
 	drv       Driver
 	underway  *atomic.Int64 // the allocator's count of captures under way
 	announced *atomic.Bool  // the allocator's: captures are announced
+	gate      *sync.RWMutex // the allocator's gate (device.go)
 
 	mu     sync.Mutex
 	cache  *pools.Cache    // guarded by mu
@@ -99,8 +104,11 @@ type device struct {
 	hist   deviceHistory   // guarded by mu (history.go)
 	// counted is this device's contribution to underway; guarded by mu.
 	counted int64
-	debug   bool   // guarded by mu
-	total   uint64 // device capacity; guarded by mu (0: not yet read)
+	// inUnsafe: this device holds the gate shared (enterUnsafe); guarded
+	// by mu.
+	inUnsafe bool
+	debug    bool   // guarded by mu
+	total    uint64 // device capacity; guarded by mu (0: not yet read)
 
 	// Expandable segments (expandable.go), all guarded by mu.
 	wantExpandable bool             // the configuration asks for them
@@ -145,7 +153,7 @@ func New(drv Driver, cfg Config) (*Allocator, error) {
 	a.cfg.Store(&cfg)
 	a.hist.publish()
 	for i := 0; i < n; i++ {
-		d := &device{id: i, drv: drv, underway: &a.underway, announced: &a.announced, cache: pools.NewCache(cfg.Pools), ev: events.New(drv, i)}
+		d := &device{id: i, drv: drv, underway: &a.underway, announced: &a.announced, gate: &a.gate, cache: pools.NewCache(cfg.Pools), ev: events.New(drv, i)}
 		d.hist.labels = &a.hist.labels
 		d.debug = cfg.DebugChecks
 		d.freeSeg = d.freeSegment
@@ -516,15 +524,18 @@ func (a *Allocator) EmptyCacheCtx(ctx uint64) error {
 	for _, d := range a.devs {
 		d.mu.Lock()
 		var err error
-		if d.capturing() {
+		if !d.enterUnsafe() {
 			err = newError("empty_cache", ErrCaptureUnderway, "device %d: a CUDA graph capture is under way; its cache is kept", d.id)
 		} else {
 			d.hist.begin(ctx, HistoryAll)
-			err = d.releaseCached()
+			err = d.releaseCached("empty_cache")
 			d.hist.end()
 			if err == nil {
-				err = d.ev.DestroySpare()
+				if derr := d.ev.DestroySpare(); derr != nil {
+					err = driverError("empty_cache", derr, "destroying cached events on device %d", d.id)
+				}
 			}
+			d.leaveUnsafe()
 		}
 		if d.debug {
 			d.mustCheck()
@@ -573,6 +584,11 @@ func (a *Allocator) BeginAllocateToPool(dev int, id PoolID, filter func(cuda.Str
 	}
 	a.announced.Store(true)
 	d.countCaptures()
+	// The capture is counted: wait for the unsafe sections of the other
+	// devices that began before it was, so that none is still freeing
+	// memory or querying events when the caller begins capturing.
+	a.gate.Lock()
+	a.gate.Unlock() // an empty critical section: a barrier
 	return nil
 }
 
@@ -666,7 +682,9 @@ func (a *Allocator) CheckInvariants() error {
 }
 
 // withThreadRelaxed runs fn with the calling OS thread in relaxed capture
-// mode, the goroutine held on that thread throughout.
+// mode, the goroutine held on that thread throughout. A failure to switch
+// back does not undo fn's work (memory fn allocated would otherwise be
+// lost): it is reported as a warning, since the thread may stay relaxed.
 func (d *device) withThreadRelaxed(fn func() error) error {
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
@@ -675,8 +693,8 @@ func (d *device) withThreadRelaxed(fn func() error) error {
 		return err
 	}
 	err = fn()
-	if _, rerr := d.drv.ExchangeCaptureMode(prev); err == nil {
-		err = rerr
+	if _, rerr := d.drv.ExchangeCaptureMode(prev); rerr != nil {
+		d.warn(fmt.Sprintf("restoring the calling thread's capture mode (%v) after a driver allocation on device %d failed (%v); the thread may stay in relaxed capture mode", prev, d.id, rerr))
 	}
 	return err
 }

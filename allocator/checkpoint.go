@@ -210,9 +210,10 @@ func (d *device) livePool(op string, id PoolID) (*privatepool.Pool, error) {
 // does first, unless a capture may be under way: no event may be queried
 // then. d.mu is held.
 func (d *device) settle() {
-	if d.ev.Idle() || d.capturing() {
+	if d.ev.Idle() || !d.enterUnsafe() {
 		return
 	}
+	defer d.leaveUnsafe()
 	if err := d.ev.Process(d.ret); err != nil {
 		// The blocks concerned stay queued; the layout check reports them.
 		d.warn(driverError("checkpoint", err, "querying the events of pending frees on device %d", d.id).Error())

@@ -24,6 +24,39 @@ func (d *device) capturing() bool {
 	return local || d.underway.Load() > 0
 }
 
+// The capture gate.
+//
+// CUDA's capture rules are process-wide but each device has its own lock:
+// a device could see no capture under way, then free memory or query
+// events while a thread begins a capture on another device (device 0 runs
+// its OOM retry while a graph is captured on device 1), and the driver would
+// invalidate that capture. So each such unsafe section holds the
+// allocator's gate shared, from its check that no capture is under way to
+// its last driver call (enterUnsafe, leaveUnsafe), and BeginAllocateToPool,
+// once its capture is counted, takes the gate exclusively once: the
+// sections under way end before it returns (PyTorch begins capturing after
+// the hook returns) and later ones see the capture. The gate is taken
+// after d.mu and never the other way round; the cache-hit paths do not take
+// it. Unannounced captures cannot be waited for: nobody says when they
+// begin.
+
+// enterUnsafe reports whether no capture is under way and, if so, holds
+// the gate shared until leaveUnsafe. d.mu is held.
+func (d *device) enterUnsafe() bool {
+	d.gate.RLock()
+	if d.capturing() {
+		d.gate.RUnlock()
+		return false
+	}
+	d.inUnsafe = true
+	return true
+}
+
+func (d *device) leaveUnsafe() {
+	d.inUnsafe = false
+	d.gate.RUnlock()
+}
+
 // countCaptures publishes the device's number of captures under way.
 func (d *device) countCaptures() {
 	if n := int64(d.graphs.Count()); n != d.counted {
@@ -41,7 +74,7 @@ func (d *device) malloc(size uint64, s cuda.Stream, capture uint64) (cuda.Ptr, e
 		if d.reuse.on {
 			d.reclaimInCapture(s)
 		}
-	case !d.ev.Idle():
+	case !d.ev.Idle() && d.enterUnsafe():
 		if len(d.reuse.markers)+len(d.reuse.seen) > 0 {
 			d.dropCaptureReuse()
 		}
@@ -49,6 +82,7 @@ func (d *device) malloc(size uint64, s cuda.Stream, capture uint64) (cuda.Ptr, e
 			// Not the malloc's failure: the blocks concerned stay queued.
 			d.warn(driverError("malloc", err, "querying the events of pending frees on device %d (the blocks concerned wait for new events)", d.id).Error())
 		}
+		d.leaveUnsafe()
 	}
 	small, large := d.cache.Small, d.cache.Large
 	if p := d.graphs.Route(s, capture, d.newPools); p != nil {
@@ -78,7 +112,11 @@ func (d *device) grow(r *pools.Request, capturing bool) (*pools.Block, error) {
 			return nil, err
 		}
 	}
-	if !capturing {
+	// Growth is slow anyway (driver calls): it holds the gate throughout,
+	// so that a failed map can give back what it made at once.
+	unsafe := !capturing && d.enterUnsafe()
+	if unsafe {
+		defer d.leaveUnsafe()
 		if err := d.cache.GarbageCollect(d.freeSeg); err != nil {
 			return nil, driverError("malloc", err, "freeing cached segments (garbage collection) on device %d", d.id)
 		}
@@ -89,24 +127,30 @@ func (d *device) grow(r *pools.Request, capturing bool) (*pools.Block, error) {
 	if b := d.borrow(r); b != nil {
 		return b, nil
 	}
-	if !capturing {
-		ok, err := d.cache.ReleaseAvailable(r, d.freeFor(r.Pool))
-		if err != nil {
-			return nil, driverError("malloc", err, "freeing cached oversize segments on device %d", d.id)
-		}
-		if ok {
-			if b, err := d.newSegment(r, false); b != nil || err != nil {
-				return b, err
-			}
-		}
-		if err := d.releaseCached(); err != nil {
-			return nil, err
-		}
-		if b, err := d.newSegment(r, true); b != nil || err != nil {
+	if unsafe {
+		if b, err := d.releaseAndRetry(r); b != nil || err != nil {
 			return b, err
 		}
 	}
 	return nil, d.outOfMemory(r)
+}
+
+// releaseAndRetry frees cached oversize segments, then all cached memory,
+// retrying r after each. d.mu is held, and the gate (enterUnsafe).
+func (d *device) releaseAndRetry(r *pools.Request) (*pools.Block, error) {
+	ok, err := d.cache.ReleaseAvailable(r, d.freeFor(r.Pool))
+	if err != nil {
+		return nil, driverError("malloc", err, "freeing cached oversize segments on device %d", d.id)
+	}
+	if ok {
+		if b, err := d.newSegment(r, false); b != nil || err != nil {
+			return b, err
+		}
+	}
+	if err := d.releaseCached("malloc"); err != nil {
+		return nil, err
+	}
+	return d.newSegment(r, true)
 }
 
 // applyFraction applies the configuration's memory fraction, now that the
@@ -152,7 +196,9 @@ func (d *device) newSegment(r *pools.Request, retry bool) (*pools.Block, error) 
 	}
 	src := d.sourceOf(r.Pool)
 	if src == nil && d.expandable() {
-		return d.growExpandable(r, d.capturing())
+		// Outside the gate a capture may begin at any time: what a
+		// failed map would release waits for the next release instead.
+		return d.growExpandable(r, !d.inUnsafe || d.capturing())
 	}
 	if !d.cache.CanGrow(r.SegSize) {
 		return nil, nil
@@ -241,25 +287,26 @@ func (d *device) recordSegmentFree(base cuda.Ptr, size uint64) {
 // releaseCached waits for all pending frees, then returns every cached whole
 // segment, and every free page of expandable segments, of the default pools
 // and of the released private pools to the driver (PyTorch's
-// release_cached_blocks). Never during capture.
-func (d *device) releaseCached() error {
-	if err := d.syncAll(); err != nil {
+// release_cached_blocks). Never during capture. op names the caller's
+// operation in errors (empty_cache, or malloc for the OOM retry).
+func (d *device) releaseCached(op string) error {
+	if err := d.syncAll(op); err != nil {
 		return err
 	}
-	if err := d.releaseOrphans(); err != nil {
+	if err := d.releaseOrphans(op); err != nil {
 		return err
 	}
 	free := d.freeSeg
 	for _, p := range []*pools.BlockPool{d.cache.Large, d.cache.Small} {
 		if err := d.cache.ReleasePool(p, free); err != nil {
-			return driverError("empty_cache", err, "freeing cached segments on device %d", d.id)
+			return driverError(op, err, "freeing cached segments on device %d", d.id)
 		}
 		if err := d.cache.UnmapFree(p, d.mapper); err != nil {
-			return driverError("empty_cache", err, "unmapping the free pages of expandable segments on device %d", d.id)
+			return driverError(op, err, "unmapping the free pages of expandable segments on device %d", d.id)
 		}
 	}
 	for _, pp := range d.graphs.Pools.Freeable() {
-		if err := d.releasePrivate(pp); err != nil {
+		if err := d.releasePrivate(op, pp); err != nil {
 			return err
 		}
 	}
@@ -269,9 +316,9 @@ func (d *device) releaseCached() error {
 // syncAll waits for the events of every pending free and returns those
 // blocks to their pools (PyTorch's synchronize_and_free_events). Never
 // during a capture.
-func (d *device) syncAll() error {
+func (d *device) syncAll(op string) error {
 	if err := d.ev.Synchronize(d.ret); err != nil {
-		return driverError("empty_cache", err, "synchronizing the events of pending frees on device %d", d.id)
+		return driverError(op, err, "synchronizing the events of pending frees on device %d", d.id)
 	}
 	d.cache.Stats.NumSyncAllStreams++
 	return nil
@@ -280,13 +327,13 @@ func (d *device) syncAll() error {
 // releasePrivate gives back the cached segments and free pages of the
 // released private pool pp, and forgets the pool once it holds nothing.
 // Never during a capture.
-func (d *device) releasePrivate(pp *privatepool.Pool) error {
+func (d *device) releasePrivate(op string, pp *privatepool.Pool) error {
 	for _, p := range []*pools.BlockPool{pp.Small, pp.Large} {
 		if err := d.cache.ReleasePool(p, d.freeFor(p)); err != nil {
-			return driverError("empty_cache", err, "freeing the segments of released pool {%d,%d} on device %d", pp.ID.A, pp.ID.B, d.id)
+			return driverError(op, err, "freeing the segments of released pool {%d,%d} on device %d", pp.ID.A, pp.ID.B, d.id)
 		}
 		if err := d.cache.UnmapFree(p, d.mapper); err != nil {
-			return driverError("empty_cache", err, "unmapping the pages of released pool {%d,%d} on device %d", pp.ID.A, pp.ID.B, d.id)
+			return driverError(op, err, "unmapping the pages of released pool {%d,%d} on device %d", pp.ID.A, pp.ID.B, d.id)
 		}
 	}
 	if pp.Segments() == 0 {
@@ -307,8 +354,14 @@ func (d *device) free(b *pools.Block) error {
 		d.returnBlock(b)
 		return nil
 	}
-	if d.capturing() || d.useCapturing(b) {
+	if !d.enterUnsafe() {
 		// No event may be recorded for later query during a capture.
+		d.ev.Defer(b)
+		d.noteFreeMarkers(b)
+		return nil
+	}
+	defer d.leaveUnsafe()
+	if d.useCapturing(b) {
 		d.ev.Defer(b)
 		d.noteFreeMarkers(b)
 		return nil

@@ -212,7 +212,7 @@ func (m vmmMapper) Unmap(seg *pools.Segment, off, size uint64) (uint64, error) {
 		i := o / page
 		p := seg.Base + cuda.Ptr(o)
 		if err = d.vmm.MemUnmap(d.id, p, page); err != nil {
-			err = driverError("empty_cache", err, "unmapping %#x on device %d", uintptr(p), d.id)
+			err = fmt.Errorf("unmapping %#x: %w", uintptr(p), err)
 			break
 		}
 		h := seg.Pages[i]
@@ -238,7 +238,7 @@ func (m vmmMapper) Unmap(seg *pools.Segment, off, size uint64) (uint64, error) {
 func (m vmmMapper) Free(seg *pools.Segment) error {
 	d := m.d
 	if err := d.vmm.MemAddressFree(d.id, seg.Base, seg.Size); err != nil {
-		return driverError("empty_cache", err, "freeing the address range %#x on device %d", uintptr(seg.Base), d.id)
+		return fmt.Errorf("freeing the address range %#x: %w", uintptr(seg.Base), err)
 	}
 	return nil
 }
@@ -250,31 +250,35 @@ func (d *device) dropPhysical(o orphan) {
 		d.orphans = append(d.orphans, o)
 		return
 	}
-	d.releaseOrphan(o)
+	if d.releaseOrphan(&o) != nil {
+		d.orphans = append(d.orphans, o) // tried again at the next release
+	}
 }
 
-func (d *device) releaseOrphan(o orphan) error {
+// releaseOrphan unmaps and releases o. Once the unmap succeeded, o records
+// it (size 0), so that a retry after a failed release does not unmap twice.
+func (d *device) releaseOrphan(o *orphan) error {
 	if o.size > 0 {
 		if err := d.vmm.MemUnmap(d.id, o.p, o.size); err != nil {
 			return err
 		}
+		o.size = 0
 	}
 	return d.vmm.MemRelease(d.id, o.h)
 }
 
 // releaseOrphans gives back the parked physical memory and the spare
 // handles. Never during a capture.
-func (d *device) releaseOrphans() error {
+func (d *device) releaseOrphans(op string) error {
 	for len(d.spare) > 0 {
 		if err := d.vmm.MemRelease(d.id, d.spare[len(d.spare)-1]); err != nil {
-			return driverError("empty_cache", err, "releasing spare physical memory on device %d", d.id)
+			return driverError(op, err, "releasing spare physical memory on device %d", d.id)
 		}
 		d.spare = d.spare[:len(d.spare)-1]
 	}
 	for len(d.orphans) > 0 {
-		o := d.orphans[len(d.orphans)-1]
-		if err := d.releaseOrphan(o); err != nil {
-			return driverError("empty_cache", err, "releasing memory whose mapping failed on device %d", d.id)
+		if err := d.releaseOrphan(&d.orphans[len(d.orphans)-1]); err != nil {
+			return driverError(op, err, "releasing memory whose mapping failed on device %d", d.id)
 		}
 		d.orphans = d.orphans[:len(d.orphans)-1]
 	}

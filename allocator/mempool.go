@@ -165,16 +165,17 @@ func (a *Allocator) EmptyPool(dev int, id PoolID) error {
 	if pp == nil || !pp.Freeable() {
 		return nil
 	}
-	if d.capturing() {
+	if !d.enterUnsafe() {
 		return newError(op, ErrCaptureUnderway, "device %d: a CUDA graph capture is under way; pool {%d,%d} keeps its memory", dev, id.A, id.B)
 	}
+	defer d.leaveUnsafe()
 	// Blocks of the pool may wait for other streams: wait for them (PyTorch
 	// waits for the pool's events only; cudapool for all the device's,
 	// which returns other finished blocks early and changes nothing else).
-	if err := d.syncAll(); err != nil {
+	if err := d.syncAll(op); err != nil {
 		return err
 	}
-	err = d.releasePrivate(pp)
+	err = d.releasePrivate(op, pp)
 	if d.debug {
 		d.mustCheck()
 	}

@@ -70,6 +70,8 @@ func (a *Allocator) freeUncached(p cuda.Ptr) (found bool, err error) {
 	if !ok {
 		return false, nil
 	}
+	a.gate.RLock() // see device.go: no capture may begin during the free
+	defer a.gate.RUnlock()
 	if a.underway.Load() > 0 {
 		return true, newError("free", ErrCaptureUnderway, "pointer %#x was allocated while caching was off; it cannot be freed while a CUDA graph capture is under way", uintptr(p))
 	}

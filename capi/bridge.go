@@ -10,6 +10,7 @@ package main
 #include <stdlib.h>
 #include "capi.h"
 
+const char *cudapool_last_error(void);
 static inline void cp_set_error_go(_GoString_ s) { cp_set_error(_GoStringPtr(s), _GoStringLen(s)); }
 */
 import "C"
@@ -59,4 +60,13 @@ func deleteStdFilter(handle C.uintptr_t) {
 	if handle != 0 {
 		C.cp_delete_std_filter(handle)
 	}
+}
+
+// lastError returns the calling thread's last error ("" if none), for this
+// package's tests, which cannot use cgo themselves.
+func lastError() string {
+	if e := C.cudapool_last_error(); e != nil {
+		return C.GoString(e)
+	}
+	return ""
 }

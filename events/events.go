@@ -41,9 +41,12 @@ type queue struct {
 
 // Tracker holds a device's pending frees. The owner's lock guards it.
 type Tracker struct {
-	drv      Driver
-	dev      int
-	spare    []cuda.Event // event pool: created events ready for reuse
+	drv   Driver
+	dev   int
+	spare []cuda.Event // event pool: created events ready for reuse
+	// broken holds events that failed a query and then failed to be
+	// destroyed: never reused, destroyed again by DestroySpare.
+	broken   []cuda.Event
 	queues   map[cuda.Stream]*queue
 	deferred []*pools.Block // frees waiting for the end of all captures
 	pending  int            // events in all queues
@@ -199,6 +202,8 @@ func (t *Tracker) drain(complete func(cuda.Event) (bool, error), done func(*pool
 				}
 				if t.drv.EventDestroy(t.dev, p.ev) == nil {
 					t.created--
+				} else {
+					t.broken = append(t.broken, p.ev)
 				}
 				p.b.Uses.Add(s)
 			} else {
@@ -248,8 +253,16 @@ func (t *Tracker) Each(fn func(*pools.Block)) {
 	}
 }
 
-// DestroySpare destroys the pooled events that no block waits on.
+// DestroySpare destroys the pooled events that no block waits on, and the
+// broken ones.
 func (t *Tracker) DestroySpare() error {
+	for len(t.broken) > 0 {
+		if err := t.drv.EventDestroy(t.dev, t.broken[len(t.broken)-1]); err != nil {
+			return err
+		}
+		t.broken = t.broken[:len(t.broken)-1]
+		t.created--
+	}
 	for len(t.spare) > 0 {
 		ev := t.spare[len(t.spare)-1]
 		if err := t.drv.EventDestroy(t.dev, ev); err != nil {

@@ -3,7 +3,8 @@
 #   1. the C ABI test program (gpu/test_gpu.c, built here with gcc; kernels
 #      compiled to PTX by nvcc),
 #   2. the PyTorch tests (python/gpu/run_gpu_tests.sh),
-#   3. optionally (RECORD_TRACE=1) a fresh allocation trace for the demo.
+#   3. optionally (SOAK_S=seconds) the soak, gpu/soak.sh,
+#   4. optionally (RECORD_TRACE=1) a fresh allocation trace for the demo.
 # Needs lib/libcudapool.so built on the development machine (`make`), carried
 # along. Logs go to $OUT (default /tmp/cudapool-gpu-out); a table ends it.
 set -u
@@ -25,7 +26,7 @@ step() { # step NAME CMD...: run, log to $OUT/NAME.log, remember the outcome
     rc=$?
     tail -n 40 "$OUT/$name.log"
     [ "$rc" -ne 0 ] && failed=1
-    rows+=("$name|$([ "$rc" -eq 0 ] && echo PASS || echo "FAIL rc=$rc")|$(( $(date +%s) - t0 ))s|$(grep -E 'passed|RESULT' "$OUT/$name.log" | tail -n 1)")
+    rows+=("$name|$([ "$rc" -eq 0 ] && echo PASS || echo "FAIL rc=$rc")|$(( $(date +%s) - t0 ))s|$(grep -E 'passed|RESULT|^SOAK:' "$OUT/$name.log" | tail -n 1)")
 }
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -43,6 +44,11 @@ step torch bash python/gpu/run_gpu_tests.sh
 # PYTORCH_CUDA_ALLOC_CONF when CUDAPOOL_CONF is unset).
 if [ "${EXPANDABLE:-1}" = 1 ]; then
     step torch_exp env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True bash python/gpu/run_gpu_tests.sh
+fi
+# The soak of issue 16 (native beside cudapool, the C twin, the record_stream
+# race) when SOAK_S is set; SEGMENTS picks the segment kinds (gpu/soak.sh).
+if [ -n "${SOAK_S:-}" ]; then
+    step soak env OUT="$OUT/soak" bash gpu/soak.sh
 fi
 if [ "${RECORD_TRACE:-0}" = 1 ]; then
     step trace python3 bench/record_trace.py "$OUT/trace.txt" 3

@@ -1,0 +1,1028 @@
+package allocator_test
+
+// Driver fault injection: every place where the allocator calls the driver
+// is made to fail once (cuda/sim/fault wraps the simulator), and each test
+// checks that the failure gives a clear error (or the documented fallback),
+// loses no block, counts nothing twice, and that the next call works.
+//
+// TestFaultCallSitesCovered finds the call sites by reading the allocator's
+// and the events package's source: a new driver call without an entry in
+// faultCases fails the suite.
+
+import (
+	"fmt"
+	"go/ast"
+	"go/parser"
+	"go/token"
+	"os"
+	"path/filepath"
+	"reflect"
+	"sort"
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/cudapool/cudapool/allocator"
+	"github.com/cudapool/cudapool/cuda"
+	"github.com/cudapool/cudapool/cuda/sim"
+	"github.com/cudapool/cudapool/cuda/sim/fault"
+	"github.com/cudapool/cudapool/pools"
+)
+
+// errInjected is what failed calls return: an error no code path treats
+// specially (unlike out of memory or an invalid handle).
+var errInjected = cuda.ErrUnknown
+
+// fenv is one fault test's allocator over a fault-injecting simulator.
+type fenv struct {
+	t        *testing.T
+	f        *fault.Driver
+	a        *allocator.Allocator
+	warnings []string
+	live     map[cuda.Ptr]uint64 // our allocations and their sizes
+	// pending: blocks freed while another stream used them, which stay
+	// allocated in the statistics until the allocator sees that use end.
+	pending map[cuda.Ptr]uint64
+}
+
+// newFault builds a 1 GiB, two-device allocator with configuration conf;
+// relaxed adds MemAllocRelaxed to the driver.
+func newFault(t *testing.T, conf string, relaxed bool) *fenv {
+	t.Helper()
+	lockThread(t)
+	cfg, _, err := allocator.ParseConfig(conf)
+	require.NoError(t, err)
+	s := sim.New(sim.Options{Devices: 2, Memory: GiB})
+	e := &fenv{t: t, live: map[cuda.Ptr]uint64{}, pending: map[cuda.Ptr]uint64{}}
+	var drv allocator.Driver
+	if relaxed {
+		r := fault.NewRelaxed(s)
+		e.f, drv = r.Driver, r
+	} else {
+		e.f = fault.New(s)
+		drv = e.f
+	}
+	e.a, err = allocator.New(drv, cfg)
+	require.NoError(t, err)
+	e.a.SetWarningHandler(func(m string) { e.warnings = append(e.warnings, m) })
+	return e
+}
+
+func (e *fenv) sim() *sim.Driver { return e.f.Sim }
+
+// fail makes the next call of method from site fail (after skip matching
+// calls).
+func (e *fenv) fail(method, site string, skip int) *fault.Rule {
+	return e.f.Fail(method, site, skip, errInjected)
+}
+
+// fired requires that r failed exactly one call.
+func (e *fenv) fired(r *fault.Rule) {
+	e.t.Helper()
+	require.Equal(e.t, 1, e.f.Hits(r), "the fault %s at %q was not reached", r.Method, r.Site)
+}
+
+func (e *fenv) malloc(size uint64, s cuda.Stream) cuda.Ptr {
+	e.t.Helper()
+	p, err := e.a.Malloc(0, size, s)
+	require.NoError(e.t, err)
+	require.NotZero(e.t, p)
+	_, dup := e.live[p]
+	require.False(e.t, dup, "pointer %#x handed out twice", p)
+	e.live[p] = size
+	return p
+}
+
+func (e *fenv) free(p cuda.Ptr) {
+	e.t.Helper()
+	require.NoError(e.t, e.a.Free(0, p, e.live[p]))
+	delete(e.live, p)
+}
+
+// driverErr requires err to be a driver error of op that names the
+// injected CUDA error and says what was being done (want).
+func (e *fenv) driverErr(err error, op, want string) {
+	e.t.Helper()
+	require.Error(e.t, err)
+	require.ErrorIs(e.t, err, allocator.ErrDriver)
+	require.ErrorIs(e.t, err, errInjected)
+	msg := err.Error()
+	require.True(e.t, strings.HasPrefix(msg, "cudapool: "+op+": "), "error %q does not name the operation %s", msg, op)
+	require.Contains(e.t, msg, want)
+	require.Contains(e.t, msg, "CUDA_ERROR_UNKNOWN")
+}
+
+// consistent checks the invariants, the statistics against our live
+// allocations, and the memory the driver handed out against what the
+// allocator counts as reserved (extra is physical memory the allocator
+// holds outside any segment: spare pages after a failed release).
+func (e *fenv) consistent(extra uint64) {
+	e.t.Helper()
+	require.NoError(e.t, e.a.CheckInvariants())
+	st := stats(e.t, e.a, 0)
+	var req, pend int64
+	for _, n := range e.live {
+		req += int64(n)
+	}
+	for _, n := range e.pending {
+		pend += int64(n)
+	}
+	n := int64(len(e.live))
+	require.True(e.t, st.Allocation[pools.StatAll].Current >= n && st.Allocation[pools.StatAll].Current <= n+int64(len(e.pending)),
+		"allocations counted: %d, %d live, %d pending", st.Allocation[pools.StatAll].Current, n, len(e.pending))
+	rb := st.RequestedBytes[pools.StatAll].Current
+	require.True(e.t, rb >= req && rb <= req+pend, "requested bytes counted: %d, %d live, %d pending", rb, req, pend)
+	require.Equal(e.t, e.sim().Used(0), uint64(st.ReservedBytes[pools.StatAll].Current)+extra, "driver memory vs reserved bytes")
+	require.Equal(e.t, int64(e.sim().Live(0)), st.Segment[pools.StatAll].Current, "segments counted")
+	require.Zero(e.t, e.sim().Violations(), "%v", e.sim().ViolationLog())
+}
+
+// nothingLost frees everything, lets all work complete, empties the cache
+// and requires that the driver holds nothing of ours any more: no memory,
+// no physical pages, no address range, no event.
+func (e *fenv) nothingLost() {
+	e.t.Helper()
+	e.f.Clear()
+	for p := range e.live {
+		e.free(p)
+	}
+	e.sim().CompleteAll()
+	require.NoError(e.t, e.a.EmptyCache())
+	clear(e.pending)
+	e.consistent(0)
+	for dev := 0; dev < 2; dev++ {
+		require.Zero(e.t, e.sim().Live(dev), "device %d: segments left", dev)
+		require.Zero(e.t, e.sim().Handles(dev), "device %d: physical allocations left", dev)
+		n, _ := e.sim().Reservations(dev)
+		require.Zero(e.t, n, "device %d: address ranges left", dev)
+	}
+	require.Zero(e.t, e.sim().LiveEvents(), "events left")
+	st := stats(e.t, e.a, 0)
+	require.Zero(e.t, st.ReservedBytes[pools.StatAll].Current)
+	require.Zero(e.t, st.Active[pools.StatAll].Current)
+}
+
+// usedOnSide frees p after recording a use of it on side, whose work (a
+// delayed reader) is still running.
+func (e *fenv) usedOnSide(p cuda.Ptr, side cuda.Stream) error {
+	require.NoError(e.t, e.a.RecordStream(p, side))
+	e.sim().Submit(side)
+	err := e.a.Free(0, p, e.live[p])
+	e.pending[p] = e.live[p]
+	delete(e.live, p)
+	return err
+}
+
+// notReusedUntil requires that a request like p's on stream s does not
+// get p while side's work runs, and gets it back once it completed.
+func (e *fenv) notReusedUntil(p cuda.Ptr, size uint64, s, side cuda.Stream) {
+	e.t.Helper()
+	q := e.malloc(size, s)
+	require.NotEqual(e.t, p, q, "a block still read by another stream was reused")
+	e.free(q)
+	e.sim().Complete(side)
+	r := e.malloc(size, s)
+	require.Contains(e.t, []cuda.Ptr{p, q}, r)
+	e.free(r)
+}
+
+// faultCase tests the call site named by its key in faultCases
+// ("file:function.Method", "#n" for the nth call of a method in one
+// function).
+type faultCase struct {
+	run func(t *testing.T)
+	// unreachable says why the simulator cannot reach the site (no run).
+	unreachable string
+}
+
+const (
+	confOrdinary   = ""
+	confExpandable = "expandable_segments:True"
+)
+
+var faultCases = map[string]faultCase{
+	"allocator.go:New.DeviceCount": {run: func(t *testing.T) {
+		f := fault.New(sim.New(sim.Options{}))
+		r := f.Fail("DeviceCount", "", 0, errInjected)
+		_, err := allocator.New(f, allocator.Config{})
+		require.Equal(t, 1, f.Hits(r))
+		require.ErrorIs(t, err, allocator.ErrDriver)
+		require.Contains(t, err.Error(), "cudapool: init: counting devices")
+		a, err := allocator.New(f, allocator.Config{})
+		require.NoError(t, err)
+		require.Equal(t, 1, a.DeviceCount())
+	}},
+	// The query of unannounced captures' streams (graphs.Router.Underway):
+	// an error counts as a capture still running, so nothing is freed.
+	"allocator.go:New.StreamCaptureInfo": {run: func(t *testing.T) {
+		e := newFault(t, confOrdinary, false)
+		cs := cuda.Stream(9)
+		require.NoError(t, e.sim().BeginCapture(cs, cuda.CaptureModeThreadLocal))
+		e.malloc(4096, cs) // met by the allocator: an automatic private pool
+		require.NoError(t, e.sim().EndCapture(cs))
+		// The capture ended, but the allocator cannot tell: it keeps
+		// behaving as during a capture (the malloc works).
+		r := e.fail("StreamCaptureInfo", "allocator.New.func", 0)
+		p := e.malloc(4096, 1)
+		e.fired(r)
+		e.free(p)
+		e.consistent(0)
+		require.NoError(t, e.a.EmptyCache())
+		require.Equal(t, 1, e.sim().Live(0), "only the automatic pool's segment is left")
+		e.consistent(0)
+	}},
+	"allocator.go:(*Allocator).unannouncedCapture.StreamCaptureInfo": {run: func(t *testing.T) {
+		e := newFault(t, confOrdinary, false)
+		r := e.fail("StreamCaptureInfo", "unannouncedCapture", 0)
+		_, err := e.a.Malloc(0, 4096, 1)
+		e.fired(r)
+		e.driverErr(err, "malloc", "querying the capture status of stream 0x1")
+		e.consistent(0)
+		e.malloc(4096, 1)
+		e.nothingLost()
+	}},
+	"allocator.go:(*device).withThreadRelaxed.ExchangeCaptureMode": {run: func(t *testing.T) {
+		e := newFault(t, confOrdinary, false)
+		r := e.fail("ExchangeCaptureMode", "withThreadRelaxed", 0)
+		_, err := e.a.Malloc(0, 4096, 1)
+		e.fired(r)
+		e.driverErr(err, "malloc", "allocating a 2097152-byte segment")
+		require.Zero(t, e.sim().Live(0))
+		e.consistent(0)
+		e.malloc(4096, 1)
+		e.nothingLost()
+	}},
+	// Switching the thread back failed after the allocation succeeded: the
+	// allocation stands (the memory is the caller's) and a warning says
+	// the thread may be left in relaxed mode.
+	"allocator.go:(*device).withThreadRelaxed.ExchangeCaptureMode#2": {run: func(t *testing.T) {
+		e := newFault(t, confOrdinary, false)
+		r := e.fail("ExchangeCaptureMode", "withThreadRelaxed", 1)
+		e.malloc(4096, 1)
+		e.fired(r)
+		require.Len(t, e.warnings, 1)
+		require.Contains(t, e.warnings[0], "restoring the calling thread's capture mode")
+		e.consistent(0)
+		e.nothingLost()
+	}},
+	"device.go:(*device).newSegment.MemAlloc": {run: func(t *testing.T) {
+		e := newFault(t, confOrdinary, false)
+		r := e.fail("MemAlloc", "newSegment", 0)
+		_, err := e.a.Malloc(0, 30*MiB, 1)
+		e.fired(r)
+		e.driverErr(err, "malloc", "allocating a 31457280-byte segment on device 0")
+		e.consistent(0)
+		// Out of memory from the driver instead: the retry sequence runs
+		// (a cached segment is freed) and the malloc succeeds.
+		p := e.malloc(2*MiB, 1)
+		e.free(p)
+		e.f.Fail("MemAlloc", "newSegment", 0, cuda.ErrOutOfMemory)
+		e.malloc(30*MiB, 1)
+		require.Equal(t, int64(1), stats(t, e.a, 0).NumAllocRetries)
+		e.consistent(0)
+		e.nothingLost()
+	}},
+	"device.go:(*device).newSegment.MemAllocRelaxed": {run: func(t *testing.T) {
+		e := newFault(t, confOrdinary, true)
+		r := e.fail("MemAllocRelaxed", "newSegment", 0)
+		_, err := e.a.Malloc(0, 4096, 1)
+		e.fired(r)
+		e.driverErr(err, "malloc", "allocating a 2097152-byte segment on device 0")
+		e.consistent(0)
+		e.malloc(4096, 1)
+		require.Zero(t, e.f.Calls("MemAlloc"), "the relaxed path is the only one taken")
+		e.nothingLost()
+	}},
+	// Freeing a cached segment fails: at empty_cache and at the OOM retry.
+	// The segment stays cached and counted, and goes at the next try.
+	"device.go:(*device).freeSegment.MemFree": {run: func(t *testing.T) {
+		e := newFault(t, confOrdinary, false)
+		p := e.malloc(4096, 1)
+		e.free(p)
+		r := e.fail("MemFree", "freeSegment", 0)
+		err := e.a.EmptyCache()
+		e.fired(r)
+		e.driverErr(err, "empty_cache", "freeing cached segments on device 0")
+		require.Equal(t, 1, e.sim().Live(0))
+		e.consistent(0)
+		require.NoError(t, e.a.EmptyCache())
+		require.Zero(t, e.sim().Live(0))
+		// The OOM retry: 600 MiB cached on stream 1, 600 MiB wanted on 2.
+		p = e.malloc(600*MiB, 1)
+		e.free(p)
+		r = e.fail("MemFree", "freeSegment", 0)
+		_, err = e.a.Malloc(0, 600*MiB, 2)
+		e.fired(r)
+		e.driverErr(err, "malloc", "freeing cached")
+		e.consistent(0)
+		e.malloc(600*MiB, 2)
+		e.consistent(0)
+		e.nothingLost()
+	}},
+	// Without announcements, a free asks whether the use streams capture;
+	// an error there counts as not capturing (the event is recorded as
+	// usual), and the block still waits for the use.
+	"device.go:(*device).useCapturing.StreamCaptureInfo": {run: func(t *testing.T) {
+		e := newFault(t, confOrdinary, false)
+		p := e.malloc(4096, 1)
+		r := e.fail("StreamCaptureInfo", "useCapturing", 0)
+		require.NoError(t, e.usedOnSide(p, 5))
+		e.fired(r)
+		e.consistent(0)
+		e.notReusedUntil(p, 4096, 1, 5)
+		e.nothingLost()
+	}},
+	"device.go:(*device).capacity.MemGetInfo": {run: func(t *testing.T) {
+		e := newFault(t, confOrdinary, false)
+		r := e.fail("MemGetInfo", "capacity", 0)
+		err := e.a.SetMemoryFraction(0, 0.5)
+		e.fired(r)
+		e.driverErr(err, "set_memory_fraction", "reading device 0's memory size")
+		require.NoError(t, e.a.SetMemoryFraction(0, 0.5))
+		_, err = e.a.Malloc(0, 600*MiB, 1)
+		require.ErrorIs(t, err, allocator.ErrOutOfMemory, "the fraction is in force")
+		e.consistent(0)
+		e.nothingLost()
+	}},
+	"device.go:(*device).outOfMemory.MemGetInfo": {run: func(t *testing.T) {
+		e := newFault(t, confOrdinary, false)
+		r := e.fail("MemGetInfo", "outOfMemory", 0)
+		_, err := e.a.Malloc(0, 2*GiB, 1)
+		e.fired(r)
+		require.ErrorIs(t, err, allocator.ErrOutOfMemory)
+		require.Contains(t, err.Error(), "memory info unavailable: CUDA_ERROR_UNKNOWN")
+		require.Equal(t, int64(1), stats(t, e.a, 0).NumOOMs)
+		e.consistent(0)
+		e.malloc(4096, 1)
+		e.nothingLost()
+	}},
+	"device.go:(*device).outOfMemory.DeviceProcesses": {run: func(t *testing.T) {
+		e := newFault(t, confOrdinary, false)
+		r := e.fail("DeviceProcesses", "outOfMemory", 0)
+		_, err := e.a.Malloc(0, 2*GiB, 1)
+		e.fired(r)
+		require.ErrorIs(t, err, allocator.ErrOutOfMemory)
+		require.Contains(t, err.Error(), "has a total capacity of 1024.00 MiB", "the message without the process list")
+		require.NotContains(t, err.Error(), "this process has")
+		e.consistent(0)
+		e.malloc(4096, 1)
+		e.nothingLost()
+	}},
+	"mempool.go:(*Allocator).CacheInfo.MemGetInfo": {run: func(t *testing.T) {
+		e := newFault(t, confOrdinary, false)
+		r := e.fail("MemGetInfo", "CacheInfo", 0)
+		_, err := e.a.CacheInfo(0, 0)
+		e.fired(r)
+		e.driverErr(err, "cache_info", "reading device 0's free memory")
+		n, err := e.a.CacheInfo(0, 0)
+		require.NoError(t, err)
+		require.Equal(t, uint64(GiB), n)
+		e.nothingLost()
+	}},
+	// The probe of VMM support fails: confOrdinary segments, with a warning.
+	"expandable.go:(*device).expandable.MemGranularity": {run: func(t *testing.T) {
+		e := newFault(t, confExpandable, false)
+		r := e.fail("MemGranularity", "", 0)
+		e.malloc(4096, 1)
+		e.fired(r)
+		require.Len(t, e.warnings, 1)
+		require.Contains(t, e.warnings[0], "does not support virtual memory management")
+		require.Equal(t, 1, e.sim().Live(0), "an confOrdinary segment")
+		e.consistent(0)
+		e.nothingLost()
+	}},
+	"expandable.go:(*device).growExpandable.MemAddressReserve": {run: func(t *testing.T) {
+		e := newFault(t, confExpandable, false)
+		r := e.fail("MemAddressReserve", "", 0)
+		_, err := e.a.Malloc(0, 4096, 1)
+		e.fired(r)
+		e.driverErr(err, "malloc", "reserving")
+		n, _ := e.sim().Reservations(0)
+		require.Zero(t, n)
+		e.consistent(0)
+		e.malloc(4096, 1)
+		e.nothingLost()
+	}},
+	// The free-memory check before mapping is advice: without it, mapping
+	// goes ahead.
+	"expandable.go:vmmMapper.Map.MemGetInfo": {run: func(t *testing.T) {
+		e := newFault(t, confExpandable, false)
+		r := e.fail("MemGetInfo", "vmmMapper.Map", 0)
+		e.malloc(3*MiB, 1)
+		e.fired(r)
+		e.consistent(0)
+		e.nothingLost()
+	}},
+	// The second of three pages cannot be created: the first is released,
+	// nothing is mapped.
+	"expandable.go:vmmMapper.Map.MemCreate": {run: func(t *testing.T) {
+		e := newFault(t, confExpandable, false)
+		r := e.fail("MemCreate", "", 1)
+		_, err := e.a.Malloc(0, 5*MiB, 1)
+		e.fired(r)
+		e.driverErr(err, "malloc", "mapping memory for a 5242880-byte block")
+		require.Zero(t, e.sim().Handles(0))
+		e.consistent(0)
+		e.malloc(5*MiB, 1)
+		e.nothingLost()
+	}},
+	// The second of three pages cannot be mapped: the first stays mapped
+	// (free, counted as reserved), the others are released.
+	"expandable.go:vmmMapper.Map.MemMap": {run: func(t *testing.T) {
+		e := newFault(t, confExpandable, false)
+		r := e.fail("MemMap", "", 1)
+		_, err := e.a.Malloc(0, 5*MiB, 1)
+		e.fired(r)
+		e.driverErr(err, "malloc", "mapping memory for a 5242880-byte block")
+		require.Equal(t, 1, e.sim().Handles(0))
+		e.consistent(0)
+		e.malloc(5*MiB, 1)
+		e.consistent(0)
+		e.nothingLost()
+	}},
+	// Access cannot be set: the pages are unmapped and released at once
+	// (no capture under way).
+	"expandable.go:vmmMapper.Map.MemSetAccess": {run: func(t *testing.T) {
+		e := newFault(t, confExpandable, false)
+		r := e.fail("MemSetAccess", "", 0)
+		_, err := e.a.Malloc(0, 5*MiB, 1)
+		e.fired(r)
+		e.driverErr(err, "malloc", "mapping memory")
+		require.Zero(t, e.sim().Handles(0))
+		require.Zero(t, e.sim().Mapped(0))
+		e.consistent(0)
+		p := e.malloc(5*MiB, 1)
+		require.True(t, e.sim().Accessible(0, p, 5*MiB))
+		e.nothingLost()
+	}},
+	// A page that could not be released after a failed creation waits in
+	// the spares, and goes at the next release of cached memory.
+	"expandable.go:(*device).dropHandles.MemRelease": {run: func(t *testing.T) {
+		e := newFault(t, confExpandable, false)
+		e.fail("MemCreate", "", 1)
+		r := e.fail("MemRelease", "dropHandles", 0)
+		_, err := e.a.Malloc(0, 5*MiB, 1)
+		e.fired(r)
+		e.driverErr(err, "malloc", "mapping memory")
+		require.Equal(t, 1, e.sim().Handles(0), "the spare page")
+		e.consistent(2 * MiB)
+		require.NoError(t, e.a.EmptyCache())
+		require.Zero(t, e.sim().Handles(0))
+		e.consistent(0)
+		e.nothingLost()
+	}},
+	"expandable.go:vmmMapper.Unmap.MemUnmap": {run: func(t *testing.T) {
+		e := newFault(t, confExpandable, false)
+		e.free(e.malloc(5*MiB, 1))
+		r := e.fail("MemUnmap", "vmmMapper.Unmap", 0)
+		err := e.a.EmptyCache()
+		e.fired(r)
+		e.driverErr(err, "empty_cache", "unmapping")
+		require.Equal(t, uint64(6*MiB), e.sim().Mapped(0))
+		e.consistent(0)
+		require.NoError(t, e.a.EmptyCache())
+		require.Zero(t, e.sim().Mapped(0))
+		e.nothingLost()
+	}},
+	// Unmapped but not released: the page counts as unmapped, its handle
+	// waits in the spares.
+	"expandable.go:vmmMapper.Unmap.MemRelease": {run: func(t *testing.T) {
+		e := newFault(t, confExpandable, false)
+		e.free(e.malloc(5*MiB, 1))
+		r := e.fail("MemRelease", "vmmMapper.Unmap", 0)
+		require.NoError(t, e.a.EmptyCache())
+		e.fired(r)
+		require.Equal(t, 1, e.sim().Handles(0))
+		e.consistent(2 * MiB)
+		require.NoError(t, e.a.EmptyCache())
+		e.nothingLost()
+	}},
+	"expandable.go:vmmMapper.Free.MemAddressFree": {run: func(t *testing.T) {
+		e := newFault(t, confExpandable, false)
+		e.free(e.malloc(5*MiB, 1))
+		r := e.fail("MemAddressFree", "", 0)
+		err := e.a.EmptyCache()
+		e.fired(r)
+		e.driverErr(err, "empty_cache", "freeing the address range")
+		n, _ := e.sim().Reservations(0)
+		require.Equal(t, 1, n)
+		e.consistent(0)
+		e.malloc(5*MiB, 1) // the range is still usable
+		e.nothingLost()
+	}},
+	"expandable.go:(*device).releaseOrphan.MemUnmap": {run: func(t *testing.T) {
+		e := orphaned(t)
+		r := e.fail("MemUnmap", "releaseOrphan", 0)
+		err := e.a.EmptyCache()
+		e.fired(r)
+		e.driverErr(err, "empty_cache", "releasing memory whose mapping failed")
+		require.NotZero(t, e.sim().Mapped(0))
+		require.NoError(t, e.a.EmptyCache())
+		e.nothingLost()
+	}},
+	"expandable.go:(*device).releaseOrphan.MemRelease": {run: func(t *testing.T) {
+		e := orphaned(t)
+		r := e.fail("MemRelease", "releaseOrphan", 0)
+		err := e.a.EmptyCache()
+		e.fired(r)
+		e.driverErr(err, "empty_cache", "releasing memory whose mapping failed")
+		require.NoError(t, e.a.EmptyCache())
+		e.nothingLost()
+	}},
+	"expandable.go:(*device).releaseOrphans.MemRelease": {run: func(t *testing.T) {
+		e := newFault(t, confExpandable, false)
+		e.fail("MemCreate", "", 1)
+		e.fail("MemRelease", "dropHandles", 0) // one spare page
+		_, err := e.a.Malloc(0, 5*MiB, 1)
+		require.Error(t, err)
+		r := e.fail("MemRelease", "releaseOrphans", 0)
+		err = e.a.EmptyCache()
+		e.fired(r)
+		e.driverErr(err, "empty_cache", "releasing spare physical memory")
+		require.Equal(t, 1, e.sim().Handles(0))
+		e.consistent(2 * MiB)
+		e.nothingLost()
+	}},
+	"uncached.go:(*Allocator).mallocUncached.MemAlloc": {run: func(t *testing.T) {
+		e := newFault(t, confOrdinary, false)
+		e.a.SetCaching(false)
+		r := e.fail("MemAlloc", "mallocUncached", 0)
+		_, err := e.a.Malloc(0, 4096, 1)
+		e.fired(r)
+		e.driverErr(err, "malloc", "(caching is off)")
+		e.malloc(4096, 1)
+		require.Equal(t, 1, e.sim().Live(0))
+		e.nothingLostUncached()
+	}},
+	"uncached.go:(*Allocator).mallocUncached.MemAllocRelaxed": {run: func(t *testing.T) {
+		e := newFault(t, confOrdinary, true)
+		e.a.SetCaching(false)
+		r := e.fail("MemAllocRelaxed", "mallocUncached", 0)
+		_, err := e.a.Malloc(0, 4096, 1)
+		e.fired(r)
+		e.driverErr(err, "malloc", "(caching is off)")
+		e.malloc(4096, 1)
+		e.nothingLostUncached()
+	}},
+	"uncached.go:(*Allocator).freeUncached.MemFree": {run: func(t *testing.T) {
+		e := newFault(t, confOrdinary, false)
+		e.a.SetCaching(false)
+		p := e.malloc(4096, 1)
+		r := e.fail("MemFree", "freeUncached", 0)
+		err := e.a.Free(0, p, 4096)
+		e.fired(r)
+		e.driverErr(err, "free", "allocated while caching was off")
+		require.Equal(t, 1, e.sim().Live(0), "still allocated, still known")
+		e.free(p)
+		require.Zero(t, e.sim().Live(0))
+		e.nothingLostUncached()
+	}},
+	// graph_capture_record_stream_reuse: a failed topology query warns and
+	// the block waits, as without the option; nothing is reused early.
+	"capturereuse.go:(*device).noteFreeMarkers.StreamCaptureGraph": {run: func(t *testing.T) {
+		e, data1 := reuseScene(t)
+		r := e.fail("StreamCaptureGraph", "noteFreeMarkers", 0)
+		require.NoError(t, e.usedOnSide(data1, 2))
+		e.fired(r)
+		require.Len(t, e.warnings, 1)
+		require.Contains(t, e.warnings[0], "cudapool: capture reuse: reading the capture graph of stream 0x1")
+		fork(t, e.sim(), 2, 1) // the join that would let it be reused
+		p := e.malloc(32, 1)
+		require.NotEqual(t, data1, p, "no markers: the block waits for the capture's end")
+		e.endReuseScene()
+		e.nothingLost()
+	}},
+	"capturereuse.go:(*device).reclaimInCapture.StreamCaptureGraph": {run: func(t *testing.T) {
+		e, data1 := reuseScene(t)
+		require.NoError(t, e.usedOnSide(data1, 2))
+		fork(t, e.sim(), 2, 1)
+		r := e.fail("StreamCaptureGraph", "reclaimInCapture", 0)
+		p := e.malloc(32, 1)
+		e.fired(r)
+		require.NotEqual(t, data1, p)
+		require.Len(t, e.warnings, 1)
+		require.Contains(t, e.warnings[0], "reading the capture graph of stream 0x1")
+		q := e.malloc(32, 1) // the next malloc walks the graph
+		require.Equal(t, data1, q, "reused once the graph could be read")
+		delete(e.pending, data1)
+		e.endReuseScene()
+		e.nothingLost()
+	}},
+	"capturereuse.go:(*device).reclaimInCapture.GraphNodeDependencies": {run: func(t *testing.T) {
+		e, data1 := reuseScene(t)
+		require.NoError(t, e.usedOnSide(data1, 2))
+		fork(t, e.sim(), 2, 1)
+		r := e.fail("GraphNodeDependencies", "", 0)
+		p := e.malloc(32, 1)
+		e.fired(r)
+		require.NotEqual(t, data1, p)
+		require.Len(t, e.warnings, 1)
+		q := e.malloc(32, 1)
+		require.Equal(t, data1, q, "reused once the graph could be read")
+		delete(e.pending, data1)
+		e.endReuseScene()
+		e.nothingLost()
+	}},
+	"ipc.go:(*Allocator).IpcHandle.IpcGetMemHandle": {run: func(t *testing.T) {
+		e := newFault(t, confOrdinary, false)
+		p := e.malloc(4096, 1)
+		r := e.fail("IpcGetMemHandle", "", 0)
+		_, _, _, err := e.a.IpcHandle(p)
+		e.fired(r)
+		e.driverErr(err, "ipc_handle", "cuIpcGetMemHandle of the segment")
+		_, _, _, err = e.a.IpcHandle(p)
+		require.NoError(t, err)
+		e.nothingLost()
+	}},
+	"ipc.go:(*Allocator).IpcOpen.IpcOpenMemHandle": {run: func(t *testing.T) {
+		e := newFault(t, confOrdinary, false)
+		p := e.malloc(4096, 1)
+		h, _, _, err := e.a.IpcHandle(p)
+		require.NoError(t, err)
+		r := e.fail("IpcOpenMemHandle", "", 0)
+		_, err = e.a.IpcOpen(1, h)
+		e.fired(r)
+		e.driverErr(err, "ipc_open", "cuIpcOpenMemHandle on device 1")
+		q, err := e.a.IpcOpen(1, h)
+		require.NoError(t, err)
+		require.NoError(t, e.a.IpcClose(q))
+		m, refs := e.sim().IpcMappings(1)
+		require.Zero(t, m+refs, "no mapping left open")
+		e.nothingLost()
+	}},
+	"ipc.go:(*Allocator).IpcOpen.IpcCloseMemHandle": {unreachable: "it drops the driver's second reference when two different handles of one allocation are opened; the simulator, like the driver, gives one allocation a single handle"},
+	// Closing the last reference fails: the mapping is forgotten (the
+	// caller asked to close it; its address is unusable either way) and the
+	// error says so.
+	"ipc.go:(*Allocator).ipcClose.IpcCloseMemHandle": {run: func(t *testing.T) {
+		e := newFault(t, confOrdinary, false)
+		p := e.malloc(4096, 1)
+		h, _, _, err := e.a.IpcHandle(p)
+		require.NoError(t, err)
+		q, err := e.a.IpcOpen(1, h)
+		require.NoError(t, err)
+		r := e.fail("IpcCloseMemHandle", "", 0)
+		err = e.a.IpcClose(q)
+		e.fired(r)
+		e.driverErr(err, "ipc_close", "cuIpcCloseMemHandle of the mapping")
+		require.ErrorIs(t, e.a.IpcClose(q), allocator.ErrUnknownPointer, "closed once only")
+		// The driver's mapping is still open: close it as a retry would.
+		require.NoError(t, e.sim().IpcCloseMemHandle(1, q))
+		e.nothingLost()
+	}},
+	// Recording the event of a freed block with uses fails: the free says
+	// so, the block is deferred, and the next malloc records it again.
+	"events/events.go:(*Tracker).Insert.EventRecord": {run: func(t *testing.T) {
+		e := newFault(t, confOrdinary, false)
+		e.a.ExpectAnnouncements()
+		p := e.malloc(4096, 1)
+		r := e.fail("EventRecord", "", 0)
+		err := e.usedOnSide(p, 5)
+		e.fired(r)
+		e.driverErr(err, "free", "recording events for the streams that use")
+		e.consistent(0)
+		e.notReusedUntil(p, 4096, 1, 5)
+		e.nothingLost()
+	}},
+	"events/events.go:(*Tracker).event.EventCreate": {run: func(t *testing.T) {
+		e := newFault(t, confOrdinary, false)
+		e.a.ExpectAnnouncements()
+		p := e.malloc(4096, 1)
+		r := e.fail("EventCreate", "", 0)
+		err := e.usedOnSide(p, 5)
+		e.fired(r)
+		e.driverErr(err, "free", "recording events for the streams that use")
+		e.consistent(0)
+		e.notReusedUntil(p, 4096, 1, 5)
+		e.nothingLost()
+	}},
+	// A query fails: malloc warns and succeeds; the block's event is
+	// dropped and recorded anew, and the block still waits for its use.
+	"events/events.go:(*Tracker).Process.EventQuery": {run: func(t *testing.T) {
+		e := newFault(t, confOrdinary, false)
+		e.a.ExpectAnnouncements()
+		p := e.malloc(4096, 1)
+		require.NoError(t, e.usedOnSide(p, 5))
+		r := e.fail("EventQuery", "", 0)
+		q := e.malloc(4096, 1)
+		e.fired(r)
+		require.NotEqual(t, p, q)
+		require.Len(t, e.warnings, 1)
+		require.Contains(t, e.warnings[0], "querying the events of pending frees on device 0")
+		e.consistent(0)
+		e.free(q)
+		e.notReusedUntil(p, 4096, 1, 5)
+		e.nothingLost()
+	}},
+	"events/events.go:(*Tracker).Synchronize.EventSynchronize": {run: func(t *testing.T) {
+		e := newFault(t, confOrdinary, false)
+		e.a.ExpectAnnouncements()
+		p := e.malloc(4096, 1)
+		require.NoError(t, e.usedOnSide(p, 5))
+		r := e.fail("EventSynchronize", "", 0)
+		err := e.a.EmptyCache()
+		e.fired(r)
+		e.driverErr(err, "empty_cache", "synchronizing the events of pending frees")
+		e.consistent(0)
+		e.notReusedUntil(p, 4096, 1, 5)
+		e.nothingLost()
+	}},
+	// After a failed query the event is destroyed; if that fails too, the
+	// event is kept and destroyed with the spare events (empty_cache).
+	"events/events.go:(*Tracker).drain.EventDestroy": {run: func(t *testing.T) {
+		e := newFault(t, confOrdinary, false)
+		e.a.ExpectAnnouncements()
+		p := e.malloc(4096, 1)
+		require.NoError(t, e.usedOnSide(p, 5))
+		e.fail("EventQuery", "", 0)
+		r := e.fail("EventDestroy", "drain", 0)
+		q := e.malloc(4096, 1)
+		e.fired(r)
+		e.free(q)
+		e.consistent(0)
+		e.notReusedUntil(p, 4096, 1, 5)
+		e.nothingLost()
+	}},
+	// Destroying an event kept after a failed destroy fails again: the
+	// error says so, the event is kept for the next empty_cache.
+	"events/events.go:(*Tracker).DestroySpare.EventDestroy": {run: func(t *testing.T) {
+		e := newFault(t, confOrdinary, false)
+		e.a.ExpectAnnouncements()
+		p := e.malloc(4096, 1)
+		require.NoError(t, e.usedOnSide(p, 5))
+		e.fail("EventQuery", "", 0)
+		e.fail("EventDestroy", "drain", 0)
+		e.free(e.malloc(4096, 1))
+		r := e.fail("EventDestroy", "DestroySpare", 0)
+		e.sim().Complete(5)
+		err := e.a.EmptyCache()
+		e.fired(r)
+		e.driverErr(err, "empty_cache", "destroying cached events on device 0")
+		require.Equal(t, 2, e.sim().LiveEvents(), "the broken event and the block's new one")
+		e.nothingLost()
+	}},
+	"events/events.go:(*Tracker).DestroySpare.EventDestroy#2": {run: func(t *testing.T) {
+		e := newFault(t, confOrdinary, false)
+		e.a.ExpectAnnouncements()
+		p := e.malloc(4096, 1)
+		require.NoError(t, e.usedOnSide(p, 5))
+		e.sim().Complete(5)
+		e.free(e.malloc(4096, 1)) // the event completes and goes to the spares
+		r := e.fail("EventDestroy", "DestroySpare", 0)
+		err := e.a.EmptyCache()
+		e.fired(r)
+		e.driverErr(err, "empty_cache", "destroying cached events on device 0")
+		require.Equal(t, 1, e.sim().LiveEvents())
+		e.nothingLost()
+	}},
+}
+
+// reuseScene begins a thread-local capture on stream 1 into pool {1,0}
+// with graph_capture_record_stream_reuse on, forks stream 2 from it, and
+// returns a block allocated on stream 1 for stream 2 to read.
+func reuseScene(t *testing.T) (*fenv, cuda.Ptr) {
+	e := newFault(t, "graph_capture_record_stream_reuse:True", false)
+	beginCapture(t, e.a, e.sim(), allocator.PoolID{A: 1}, 1, cuda.CaptureModeThreadLocal)
+	data1 := e.malloc(32, 1)
+	fork(t, e.sim(), 1, 2)
+	return e, data1
+}
+
+// endReuseScene ends reuseScene's capture and releases its pool.
+func (e *fenv) endReuseScene() {
+	e.t.Helper()
+	for p := range e.live { // the capture's blocks go back to its pool
+		e.free(p)
+	}
+	require.NoError(e.t, e.sim().EndCapture(1))
+	require.NoError(e.t, e.a.EndAllocateToPool(0, allocator.PoolID{A: 1}))
+	require.NoError(e.t, e.a.ReleasePool(0, allocator.PoolID{A: 1}))
+}
+
+// nothingLostUncached frees what is left with caching off, then checks
+// that the driver holds nothing.
+func (e *fenv) nothingLostUncached() {
+	e.t.Helper()
+	for p := range e.live {
+		e.free(p)
+	}
+	require.Zero(e.t, e.sim().Live(0))
+	e.a.SetCaching(true)
+	e.nothingLost()
+}
+
+// orphaned returns an allocator holding physical memory whose access could
+// not be set during a capture (parked until the capture ends).
+func orphaned(t *testing.T) *fenv {
+	e := newFault(t, confExpandable, false)
+	cs := cuda.Stream(9)
+	pool := allocator.PoolID{A: 1}
+	require.NoError(t, e.a.BeginAllocateToPool(0, pool, func(s cuda.Stream) bool { return s == cs }))
+	require.NoError(t, e.sim().BeginCapture(cs, cuda.CaptureModeGlobal))
+	r := e.fail("MemSetAccess", "", 0)
+	_, err := e.a.Malloc(0, 5*MiB, cs)
+	e.fired(r)
+	e.driverErr(err, "malloc", "mapping memory")
+	require.NoError(t, e.sim().EndCapture(cs))
+	require.NoError(t, e.a.EndAllocateToPool(0, pool))
+	require.NoError(t, e.a.ReleasePool(0, pool))
+	require.Equal(t, 3, e.sim().Handles(0), "the pages wait for the end of the capture")
+	e.consistent(6 * MiB)
+	return e
+}
+
+func TestFaultInjection(t *testing.T) {
+	keys := make([]string, 0, len(faultCases))
+	for k := range faultCases {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	for _, k := range keys {
+		c := faultCases[k]
+		t.Run(k, func(t *testing.T) {
+			if c.run == nil {
+				t.Skip("unreachable on the simulator: " + c.unreachable)
+			}
+			c.run(t)
+		})
+	}
+}
+
+// TestFaultCallSitesCovered reads the allocator's and the events package's
+// source, finds every call of a driver method, and requires a fault case
+// for each; it also requires the fault driver to implement every method of
+// every driver interface (so that it cannot miss one silently).
+func TestFaultCallSitesCovered(t *testing.T) {
+	sites, methods := driverCallSites(t)
+	require.NotEmpty(t, sites)
+	var missing, stale []string
+	for _, s := range sites {
+		if _, ok := faultCases[s]; !ok {
+			missing = append(missing, s)
+		}
+	}
+	have := map[string]bool{}
+	for _, s := range sites {
+		have[s] = true
+	}
+	for k := range faultCases {
+		if !have[k] {
+			stale = append(stale, k)
+		}
+	}
+	sort.Strings(missing)
+	sort.Strings(stale)
+	require.Empty(t, missing, "driver call sites without a fault test (add them to faultCases)")
+	require.Empty(t, stale, "fault tests of call sites that no longer exist")
+	ft := reflect.TypeOf(&fault.Relaxed{})
+	for m := range methods {
+		_, ok := ft.MethodByName(m)
+		require.True(t, ok, "cuda/sim/fault does not implement driver method %s", m)
+	}
+}
+
+// TestFaultDriverIsTransparent: with no rule, the fault driver changes
+// nothing (the randomized machine's checks pass through it).
+func TestFaultDriverIsTransparent(t *testing.T) {
+	e := newFault(t, confExpandable, true)
+	p := e.malloc(5*MiB, 1)
+	require.NoError(t, e.usedOnSide(p, 5))
+	e.notReusedUntil(p, 5*MiB, 1, 5)
+	e.nothingLost()
+	require.Positive(t, e.f.Calls("MemCreate"))
+	require.Empty(t, e.warnings)
+}
+
+// driverCallSites parses the non-test Go files of allocator/ and events/
+// and returns the call sites of driver methods ("file:function.Method",
+// "#n" for repeats) and the set of driver methods. Driver interfaces are
+// the types named Driver and those the code asserts a driver to
+// (d.drv.(vmmDriver)); calls count when made on a driver: an expression
+// ending in drv or vmm, or a variable assigned from such an assertion.
+func driverCallSites(t *testing.T) ([]string, map[string]bool) {
+	type file struct {
+		name, pkg string
+		f         *ast.File
+	}
+	fset := token.NewFileSet()
+	var files []file
+	for _, dir := range []string{".", "../events"} {
+		names, err := filepath.Glob(filepath.Join(dir, "*.go"))
+		require.NoError(t, err)
+		for _, n := range names {
+			if strings.HasSuffix(n, "_test.go") {
+				continue
+			}
+			src, err := os.ReadFile(n)
+			require.NoError(t, err)
+			f, err := parser.ParseFile(fset, n, src, 0)
+			require.NoError(t, err)
+			name := filepath.Base(n)
+			if dir != "." {
+				name = "events/" + name
+			}
+			files = append(files, file{name, f.Name.Name, f})
+		}
+	}
+	// Interfaces by name, and which are driver interfaces.
+	ifaces := map[string]*ast.InterfaceType{}
+	driverIfaces := map[string]bool{"allocator.Driver": true}
+	driverVars := map[string]bool{}
+	isDriverExpr := func(x ast.Expr) bool {
+		s := exprString(x)
+		return strings.HasSuffix(s, "drv") || strings.HasSuffix(s, "vmm") || driverVars[s]
+	}
+	for _, fl := range files {
+		ast.Inspect(fl.f, func(n ast.Node) bool {
+			switch n := n.(type) {
+			case *ast.TypeSpec:
+				if it, ok := n.Type.(*ast.InterfaceType); ok {
+					ifaces[fl.pkg+"."+n.Name.Name] = it
+				}
+			case *ast.TypeAssertExpr:
+				if n.Type != nil && strings.HasSuffix(exprString(n.X), "drv") {
+					driverIfaces[fl.pkg+"."+exprString(n.Type)] = true
+				}
+			case *ast.AssignStmt:
+				if len(n.Rhs) == 1 {
+					if ta, ok := n.Rhs[0].(*ast.TypeAssertExpr); ok && strings.HasSuffix(exprString(ta.X), "drv") {
+						driverVars[exprString(n.Lhs[0])] = true
+					}
+				}
+			}
+			return true
+		})
+	}
+	methods := map[string]bool{}
+	var addMethods func(name string)
+	addMethods = func(name string) {
+		it := ifaces[name]
+		require.NotNil(t, it, "interface %s not found", name)
+		for _, m := range it.Methods.List {
+			if len(m.Names) == 0 { // embedded: events.Driver, or one of the same package
+				emb := exprString(m.Type)
+				if !strings.Contains(emb, ".") {
+					emb = strings.Split(name, ".")[0] + "." + emb
+				}
+				addMethods(emb)
+				continue
+			}
+			for _, n := range m.Names {
+				methods[n.Name] = true
+			}
+		}
+	}
+	for name := range driverIfaces {
+		addMethods(name)
+	}
+	var sites []string
+	for _, fl := range files {
+		for _, decl := range fl.f.Decls {
+			fd, ok := decl.(*ast.FuncDecl)
+			if !ok || fd.Body == nil {
+				continue
+			}
+			fn := fd.Name.Name
+			if fd.Recv != nil {
+				fn = exprString(fd.Recv.List[0].Type) + "." + fn
+				if strings.HasPrefix(fn, "*") {
+					fn = "(" + strings.Replace(fn, ".", ").", 1)
+				}
+			}
+			seen := map[string]int{}
+			ast.Inspect(fd.Body, func(n ast.Node) bool {
+				call, ok := n.(*ast.CallExpr)
+				if !ok {
+					return true
+				}
+				sel, ok := call.Fun.(*ast.SelectorExpr)
+				if !ok || !methods[sel.Sel.Name] || !isDriverExpr(sel.X) {
+					return true
+				}
+				key := fl.name + ":" + fn + "." + sel.Sel.Name
+				seen[key]++
+				if seen[key] > 1 {
+					key += fmt.Sprintf("#%d", seen[key])
+				}
+				sites = append(sites, key)
+				return true
+			})
+		}
+	}
+	return sites, methods
+}
+
+func exprString(x ast.Expr) string {
+	switch x := x.(type) {
+	case *ast.Ident:
+		return x.Name
+	case *ast.SelectorExpr:
+		return exprString(x.X) + "." + x.Sel.Name
+	case *ast.StarExpr:
+		return "*" + exprString(x.X)
+	case *ast.ParenExpr:
+		return exprString(x.X)
+	}
+	return fmt.Sprintf("%T", x)
+}
