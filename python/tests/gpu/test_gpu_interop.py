@@ -32,6 +32,12 @@ try:
 except Exception as e:  # reported by the tests that need it
     cp, CUPY_MODE, CUPY_ERROR = None, None, f"{type(e).__name__}: {e}"
 
+# numba-cuda 0.x still registers an overload for np.row_stack, which NumPy
+# 2.4 removed: every kernel compile then fails with an AttributeError (seen
+# on the GPU machine, with or without cudapool). Alias it for this test.
+if not hasattr(np, "row_stack"):
+    np.row_stack = np.vstack
+
 try:
     from numba import cuda as ncuda
     import cudapool.numba
@@ -233,7 +239,7 @@ def test_cupy_then_torch_peak(cupy):
     for v in xs:
         v *= 2  # compute, in place
     assert [float(v[-1]) for v in xs] == [2.0 * i for i in range(8)]
-    del xs
+    del xs, v  # the loop variable would keep the last array alive
     ts = [torch.full((16 * MiB,), float(i), device="cuda") for i in range(8)]
     assert [float(t[-1]) for t in ts] == [float(i) for i in range(8)]
     peak = cudapool.max_memory_reserved(0) - r0
