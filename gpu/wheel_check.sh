@@ -108,6 +108,10 @@ if [ "$rc" -eq 0 ] && grep -q "from $VENV" mcp.log; then row "python -m cudapool
 mkdir -p "$WORK/t/tests" "$WORK/t/gpu"
 cp -r "$REPO/python/tests/gpu" "$WORK/t/tests/"
 cp "$REPO"/python/gpu/*.py "$REPO"/python/gpu/run_gpu_tests.sh "$WORK/t/gpu/"
+# test_gpu_soak_race.py runs the repository's gpu/race_record_stream.py,
+# which it looks for in gpu/ beside the directory that holds tests/.
+mkdir -p "$WORK/gpu"
+cp "$REPO"/gpu/race_record_stream.py "$WORK/gpu/"
 t0=$(date +%s)
 PYTHON=$VPY bash "$WORK/t/gpu/run_gpu_tests.sh" 2>&1 | tee gpu_tests.log
 rc=${PIPESTATUS[0]}

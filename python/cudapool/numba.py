@@ -194,7 +194,15 @@ class CudapoolNumbaManager(_cuda.HostOnlyCUDAMemoryManager):
     def get_memory_info(self):
         """(free, total): the driver's free memory plus what cudapool caches
         on this device, which Numba's allocations can use."""
-        free, total = _driver.driver.cuMemGetInfo()
+        try:
+            free, total = _driver.driver.cuMemGetInfo()  # numba-cuda's binding
+        except TypeError:
+            # The numba.cuda inside numba itself binds the driver with ctypes
+            # and out-arguments (seen on the GPU machine when numba-cuda's
+            # redirect is not active).
+            f, t = ctypes.c_size_t(), ctypes.c_size_t()
+            _driver.driver.cuMemGetInfo(ctypes.byref(f), ctypes.byref(t))
+            free, total = f.value, t.value
         stats = _lib.memory_stats(self._device())
         cached = stats.get("reserved_bytes.all.current", 0) - stats.get("allocated_bytes.all.current", 0)
         return _driver.MemoryInfo(free=int(free) + max(cached, 0), total=int(total))
