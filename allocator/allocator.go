@@ -112,6 +112,8 @@ type device struct {
 	spare          []cuda.MemHandle // created, unmapped, for the next Map
 	handles        []cuda.MemHandle // Map's scratch space
 	mapper         vmmMapper
+	mapUnitCfg     uint64      // expandable_map_unit_mb, in bytes
+	stitch         stitchState // stitch:True (stitch.go)
 	warn           func(string)
 
 	// sources supply the segments of private pools that have their own
@@ -153,7 +155,8 @@ func New(drv Driver, cfg Config) (*Allocator, error) {
 		}
 		d.ret = d.returnBlock
 		d.vmm, _ = drv.(vmmDriver)
-		d.wantExpandable = cfg.ExpandableSegments
+		d.wantExpandable = cfg.ExpandableSegments || cfg.Stitch
+		d.mapUnitCfg, d.stitch.on = cfg.ExpandableMapUnit, cfg.Stitch
 		d.fraction, d.fractionPending = cfg.MemoryFraction, cfg.MemoryFractionSet
 		d.mapper = vmmMapper{d}
 		d.warn = a.warn
@@ -191,7 +194,8 @@ func (a *Allocator) Configure(cfg Config) {
 		d.mu.Lock()
 		d.cache.SetConfig(cfg.Pools)
 		d.debug = cfg.DebugChecks
-		d.wantExpandable = cfg.ExpandableSegments
+		d.wantExpandable = cfg.ExpandableSegments || cfg.Stitch
+		d.mapUnitCfg, d.stitch.on = cfg.ExpandableMapUnit, cfg.Stitch
 		if cfg.MemoryFractionSet {
 			d.fraction, d.fractionPending = cfg.MemoryFraction, true
 		}

@@ -241,12 +241,13 @@ func (d *device) releaseCached() error {
 	if err := d.releaseOrphans(); err != nil {
 		return err
 	}
+	d.releaseMarkers()
 	free := d.freeSeg
 	for _, p := range []*pools.BlockPool{d.cache.Large, d.cache.Small} {
 		if err := d.cache.ReleasePool(p, free); err != nil {
 			return driverError("empty_cache", err, "freeing cached segments on device %d", d.id)
 		}
-		if err := d.cache.UnmapFree(p, d.mapper); err != nil {
+		if err := d.unmapFree(p); err != nil {
 			return driverError("empty_cache", err, "unmapping the free pages of expandable segments on device %d", d.id)
 		}
 	}
@@ -277,7 +278,7 @@ func (d *device) releasePrivate(pp *privatepool.Pool) error {
 		if err := d.cache.ReleasePool(p, d.freeFor(p)); err != nil {
 			return driverError("empty_cache", err, "freeing the segments of released pool {%d,%d} on device %d", pp.ID.A, pp.ID.B, d.id)
 		}
-		if err := d.cache.UnmapFree(p, d.mapper); err != nil {
+		if err := d.unmapFree(p); err != nil {
 			return driverError("empty_cache", err, "unmapping the pages of released pool {%d,%d} on device %d", pp.ID.A, pp.ID.B, d.id)
 		}
 	}

@@ -92,12 +92,26 @@ func (d *device) growExpandable(r *pools.Request, capturing bool) (*pools.Block,
 		}
 		start = d.cache.AddExpandable(r, p, size, d.page)
 	}
+	unit := d.mapUnit(r)
+	var donated uint64
+	if d.stitch.on && !capturing {
+		if r.Pool == d.cache.Large || r.Pool == d.cache.Small {
+			d.watch(r.Stream)
+		}
+		if donated = d.stitchFor(r, start, unit); donated > 0 {
+			start = d.cache.FindExpandable(r) // the blocks around start may have merged
+		}
+	}
 	var b *pools.Block
 	d.mapCapturing = capturing
+	spares := len(d.spare)
 	err := d.withThreadRelaxed(func() (err error) {
-		b, err = d.cache.MapExpandable(r, start, d.mapper)
+		b, err = d.cache.MapExpandable(r, start, d.mapper, unit)
 		return err
 	})
+	if donated > 0 {
+		d.countRemaps(donated, uint64(max(spares-len(d.spare), 0)), d.page)
+	}
 	switch {
 	case errors.Is(err, cuda.ErrOutOfMemory), errors.Is(err, pools.ErrFraction):
 		return nil, nil
@@ -105,6 +119,36 @@ func (d *device) growExpandable(r *pools.Request, capturing bool) (*pools.Block,
 		return nil, driverError("malloc", err, "mapping memory for a %d-byte block on device %d", r.Size, d.id)
 	}
 	return b, nil
+}
+
+// mapUnit is the least that growth maps at once in r's pool: the
+// configured unit (expandable_map_unit_mb, 20 MiB by default, as PyTorch's
+// large-pool pages) in large pools, one page in small ones, whose requests
+// need less than a page. One Map call costs a cuMemSetAccess (about 26 us)
+// whatever its size, so a capture that grows a pool by many small steps
+// pays for every step; mapping ahead trades up to one unit of free mapped
+// memory per range for fewer calls. d.mu is held.
+func (d *device) mapUnit(r *pools.Request) uint64 {
+	if r.Pool.Small {
+		return d.page
+	}
+	return (max(d.mapUnitCfg, d.page) + d.page - 1) / d.page * d.page
+}
+
+// unmapFree unmaps the free pages of p's expandable segments (UnmapFree),
+// after synchronizing the device if there is anything to unmap: unlike
+// cuMemFree, cuMemUnmap does not wait for work still using the memory
+// (PyTorch synchronizes too). Never during a capture. d.mu is held.
+func (d *device) unmapFree(p *pools.BlockPool) error {
+	if d.vmmState != 1 {
+		return nil
+	}
+	if d.cache.HasUnmappable(p) {
+		if err := d.drv.DeviceSynchronize(d.id); err != nil {
+			return err
+		}
+	}
+	return d.cache.UnmapFree(p, d.mapper)
 }
 
 // reserveSize is the address range reserved for a new expandable segment
@@ -217,7 +261,9 @@ func (m vmmMapper) Unmap(seg *pools.Segment, off, size uint64) (uint64, error) {
 		}
 		h := seg.Pages[i]
 		seg.Pages[i] = 0
-		if rerr := d.vmm.MemRelease(d.id, h); rerr != nil {
+		if d.stitch.keep {
+			d.spare = append(d.spare, h) // to be mapped again (stitch.go)
+		} else if rerr := d.vmm.MemRelease(d.id, h); rerr != nil {
 			d.spare = append(d.spare, h)
 		}
 	}

@@ -98,6 +98,11 @@ type Block struct {
 	Uses StreamSet
 
 	gcBase uint64 // Pool.freeCalls when the block became free
+	// FreedAt is the Cache's Clock when the block last became free (a free
+	// block's every byte has been free since then): stitching (stitch.go)
+	// compares it with the clock at which a stream's marker event was
+	// recorded.
+	FreedAt uint64
 }
 
 // IsSplit reports whether the block shares its segment with other blocks.

@@ -56,6 +56,9 @@ type Cache struct {
 	fraction    float64
 	fractionSet bool
 
+	// clock orders frees and stitching's marker events (Tick, FreedAt).
+	clock uint64
+
 	active   ptrMap                // allocated blocks by address
 	segments map[cuda.Ptr]*Segment // live segments by base address
 	spare    []*Block              // recycled Block structs
@@ -349,6 +352,7 @@ func (c *Cache) tryMerge(b, n *Block) uint64 {
 
 func (c *Cache) insertFree(b *Block) {
 	b.gcBase = b.Pool.freeCalls
+	b.FreedAt = c.clock
 	b.Pool.Blocks.Insert(b)
 }
 

@@ -1,0 +1,226 @@
+package allocator
+
+import (
+	"github.com/cudapool/cudapool/cuda"
+	"github.com/cudapool/cudapool/pools"
+)
+
+// Stitching (stitch:True): free physical pages move to where a miss needs
+// them instead of new memory being mapped. The idea is GMLake's (ASPLOS
+// 2024); pools/stitch.go has the block side.
+//
+// # Design
+//
+// On a miss in an expandable segment (no capture under way), before Map
+// creates physical memory, stitch takes whole pages inside free blocks of
+// the default pools' expandable segments (any stream, either size class,
+// holes of the request's own range outside the run it grows into), unmaps
+// them keeping their handles (in d.spare) and lets Map map those handles
+// first. Reserved memory stays the same; only the pages still missing are
+// new. Each moved page costs a cuMemUnmap, a cuMemMap and its share of a
+// cuMemSetAccess (tens of microseconds), paid only on misses.
+//
+// The rules:
+//   - Private pools (graphs, MemPools) neither give pages nor are searched:
+//     a graph's replays use memory its pool counts as free.
+//   - No stitching while any capture may be under way: unmapping is
+//     illegal then (and Map's relaxed-mode rules stay as they are).
+//   - A page moves only once no work queued on its stream can still touch
+//     it. cuMemUnmap does not wait for such work (PyTorch synchronizes
+//     before it unmaps), and a free block may have kernels that used it
+//     still queued on its own stream (other streams' uses were waited for
+//     before the block became free: events.go). Each stream that owns
+//     donor candidates has one marker event: recorded right after the
+//     cache's clock ticks, and once it has completed, every block of the
+//     stream freed before the tick (Block.FreedAt) is idle. A marker still
+//     pending is left alone (a newer one would only certify later), so on
+//     a busy stream the pages certified are those freed before the previous
+//     miss; an idle stream's marker completes at once. Nothing waits.
+//   - Remaps are counted (StitchStats, the snapshot's "stitch").
+//
+// Before any other unmapping (empty_cache, the OOM retry) the device is
+// synchronized, for the same reason (unmapFree).
+
+// marker is one stream's marker event (see the file comment). Guarded by
+// the device's mu.
+type marker struct {
+	ev      cuda.Event
+	at      uint64 // the clock tick it was last recorded after
+	pending bool   // recorded and not yet seen complete
+	safe    uint64 // blocks of the stream with FreedAt < safe are idle
+}
+
+// stitchState is a device's stitching state, guarded by its mu.
+type stitchState struct {
+	on      bool // the configuration asks for stitching
+	markers map[cuda.Stream]*marker
+	donors  []pools.Donor // scratch
+	// keep makes the mapper's Unmap keep the handles it unmaps (in
+	// d.spare) instead of releasing them.
+	keep  bool
+	stats StitchStats
+}
+
+// StitchStats counts a device's stitching.
+type StitchStats struct {
+	// Remaps is the number of pages unmapped from a free hole and mapped
+	// again where a miss needed them; RemappedBytes their bytes.
+	Remaps        int64 `json:"remaps"`
+	RemappedBytes int64 `json:"remapped_bytes"`
+	// Stitches is the number of misses that moved at least one page.
+	Stitches int64 `json:"stitches"`
+	// Skipped counts candidate blocks passed over because work queued on
+	// their stream might still use them.
+	Skipped int64 `json:"skipped_busy"`
+}
+
+// StitchStats returns device dev's stitching counters.
+func (a *Allocator) StitchStats(dev int) (StitchStats, error) {
+	d, err := a.device("stitch_stats", dev)
+	if err != nil {
+		return StitchStats{}, err
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.stitch.stats, nil
+}
+
+// watch gives stream s a marker, so that its free pages can be certified
+// idle for stitching. d.mu is held.
+func (d *device) watch(s cuda.Stream) {
+	if d.stitch.markers == nil {
+		d.stitch.markers = make(map[cuda.Stream]*marker)
+	}
+	if d.stitch.markers[s] == nil {
+		d.stitch.markers[s] = &marker{}
+	}
+}
+
+// refreshMarkers advances every stream's marker: a pending one that has
+// completed certifies its tick; one not pending is recorded anew (and, on
+// an idle stream, completes at once). Errors only leave a stream
+// uncertified. Never during a capture. d.mu is held.
+func (d *device) refreshMarkers() {
+	for s, m := range d.stitch.markers {
+		if m.pending {
+			done, err := d.drv.EventQuery(d.id, m.ev)
+			if err != nil || !done {
+				continue
+			}
+			m.safe, m.pending = m.at, false
+		}
+		if !d.announced.Load() {
+			// An event recorded on a stream in an unannounced capture
+			// would be captured, not recorded.
+			if st, _, err := d.drv.StreamCaptureInfo(d.id, s); err != nil || st != cuda.CaptureNone {
+				continue
+			}
+		}
+		if m.ev == 0 {
+			ev, err := d.drv.EventCreate(d.id)
+			if err != nil {
+				continue
+			}
+			m.ev = ev
+		}
+		at := d.cache.Tick()
+		if d.drv.EventRecord(d.id, m.ev, s) != nil {
+			continue
+		}
+		m.at, m.pending = at, true
+		if done, err := d.drv.EventQuery(d.id, m.ev); err == nil && done {
+			m.safe, m.pending = at, false
+		}
+	}
+}
+
+// idle reports whether no queued work can touch the free block b: its
+// stream's marker certifies a tick after b became free. d.mu is held.
+func (d *device) idle(b *pools.Block) bool {
+	m := d.stitch.markers[b.Stream]
+	if m != nil && b.FreedAt < m.safe {
+		return true
+	}
+	d.stitch.stats.Skipped++
+	return false
+}
+
+// stitchFor unmaps, keeping their physical memory in d.spare, up to the
+// pages that growing r from start would map, taken from idle free holes of
+// the default pools; it returns the bytes it unmapped. start's run is left
+// alone, but the blocks around it may have changed: the caller looks for
+// its run again. Never during a capture. d.mu is held.
+func (d *device) stitchFor(r *pools.Request, start *pools.Block, unit uint64) uint64 {
+	want := d.cache.GrowthNeed(r, start, unit)
+	if want == 0 || len(d.stitch.markers) == 0 {
+		return 0
+	}
+	d.refreshMarkers()
+	// The run start's growth covers: from start to what GrowthNeed counts,
+	// bounded generously by want past the request.
+	seg := start.Seg
+	lo := uint64(start.Ptr - seg.Base)
+	hi := lo + r.Size + want + seg.PageSize
+	donors := d.stitch.donors[:0]
+	var got uint64
+	for _, p := range [2]*pools.BlockPool{d.cache.Large, d.cache.Small} {
+		var n uint64
+		donors, n = d.cache.Donors(p, want-got, d.idle, seg, lo, hi, donors)
+		if got += n; got >= want {
+			break
+		}
+	}
+	var unmapped uint64
+	d.stitch.keep = true
+	for _, dn := range donors {
+		n, err := d.cache.UnmapDonor(dn, d.mapper)
+		unmapped += n
+		if err != nil {
+			// What was unmapped is recorded; the rest stays mapped.
+			d.warn(err.Error())
+			break
+		}
+	}
+	d.stitch.keep = false
+	clear(donors) // no dangling block pointers in the scratch space
+	d.stitch.donors = donors[:0]
+	return unmapped
+}
+
+// countRemaps records that Map used moved handles: used of the donated
+// ones (in pages of page bytes). Leftover handles are released at once.
+// d.mu is held; never during a capture.
+func (d *device) countRemaps(donated, used, page uint64) {
+	n := min(donated/page, used)
+	if n > 0 {
+		d.stitch.stats.Remaps += int64(n)
+		d.stitch.stats.RemappedBytes += int64(n * page)
+		d.stitch.stats.Stitches++
+	}
+	d.releaseSpares()
+}
+
+// releaseSpares releases the unmapped handles kept in d.spare (a release
+// that fails leaves its handle there for releaseOrphans). Never during a
+// capture. d.mu is held.
+func (d *device) releaseSpares() {
+	kept := d.spare[:0]
+	for _, h := range d.spare {
+		if d.vmm.MemRelease(d.id, h) != nil {
+			kept = append(kept, h)
+		}
+	}
+	d.spare = kept
+}
+
+// releaseMarkers destroys the marker events (empty_cache gives back what
+// it can); the next miss records new ones. Never during a capture. d.mu is
+// held.
+func (d *device) releaseMarkers() {
+	for _, m := range d.stitch.markers {
+		if m.ev == 0 || d.drv.EventDestroy(d.id, m.ev) != nil {
+			continue // none, or keep it to try again next time
+		}
+		*m = marker{}
+	}
+}
