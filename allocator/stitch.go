@@ -71,7 +71,7 @@ type StitchStats struct {
 	Stitches int64 `json:"stitches"`
 	// Skipped counts candidate blocks passed over because work queued on
 	// their stream might still use them.
-	Skipped int64 `json:"skipped_busy"`
+	SkippedBusy int64 `json:"skipped_busy"`
 }
 
 // StitchStats returns device dev's stitching counters.
@@ -141,7 +141,7 @@ func (d *device) idle(b *pools.Block) bool {
 	if m != nil && b.FreedAt < m.safe {
 		return true
 	}
-	d.stitch.stats.Skipped++
+	d.stitch.stats.SkippedBusy++
 	return false
 }
 
