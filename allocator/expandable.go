@@ -112,6 +112,7 @@ func (d *device) growExpandable(r *pools.Request, capturing bool) (*pools.Block,
 	if donated > 0 {
 		d.countRemaps(donated, uint64(max(spares-len(d.spare), 0)), d.page)
 	}
+	d.stitch.limit = max(d.stitch.limit, d.cache.Reserved)
 	switch {
 	case errors.Is(err, cuda.ErrOutOfMemory), errors.Is(err, pools.ErrFraction):
 		return nil, nil

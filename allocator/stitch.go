@@ -30,34 +30,44 @@ import (
 //     before it unmaps), and a free block may have kernels that used it
 //     still queued on its own stream (other streams' uses were waited for
 //     before the block became free: events.go). Each stream that owns
-//     donor candidates has one marker event: recorded right after the
-//     cache's clock ticks, and once it has completed, every block of the
-//     stream freed before the tick (Block.FreedAt) is idle. A marker still
-//     pending is left alone (a newer one would only certify later), so on
-//     a busy stream the pages certified are those freed before the previous
-//     miss; an idle stream's marker completes at once. Nothing waits.
+//     donor candidates has a few marker events, recorded at successive
+//     misses, each right after the cache's clock ticks; once one has
+//     completed, every block of the stream freed before its tick
+//     (Block.FreedAt) is idle. Markers complete in stream order, so the
+//     oldest pending ones are queried; a new one is recorded at each miss
+//     while fewer than markerDepth are pending. On an idle stream the new
+//     marker completes at once; on a busy one (a GPU running behind the
+//     host) the pages certified are those freed before a marker the GPU
+//     has passed. Nothing waits.
 //   - Remaps are counted (StitchStats, the snapshot's "stitch").
 //
 // Before any other unmapping (empty_cache, the OOM retry) the device is
 // synchronized, for the same reason (unmapFree).
 
-// marker is one stream's marker event (see the file comment). Guarded by
-// the device's mu.
-type marker struct {
-	ev      cuda.Event
-	at      uint64 // the clock tick it was last recorded after
-	pending bool   // recorded and not yet seen complete
-	safe    uint64 // blocks of the stream with FreedAt < safe are idle
+// markerDepth bounds the marker events pending per stream.
+const markerDepth = 8
+
+// markers are one stream's marker events (see the file comment), a FIFO of
+// pending ones in record order. Guarded by the device's mu.
+type markers struct {
+	ev      [markerDepth]cuda.Event // created on first use, reused
+	at      [markerDepth]uint64     // the clock tick each was recorded after
+	head, n int                     // the pending ones: ev[head], ... (n of them)
+	safe    uint64                  // blocks of the stream with FreedAt < safe are idle
 }
 
 // stitchState is a device's stitching state, guarded by its mu.
 type stitchState struct {
 	on      bool // the configuration asks for stitching
-	markers map[cuda.Stream]*marker
+	markers map[cuda.Stream]*markers
 	donors  []pools.Donor // scratch
 	// keep makes the mapper's Unmap keep the handles it unmaps (in
 	// d.spare) instead of releasing them.
-	keep  bool
+	keep bool
+	// limit is the most memory the device has had reserved after a
+	// growth: stitching keeps growth from going above it, and growth that
+	// goes above it all the same (too few idle pages) raises it.
+	limit uint64
 	stats StitchStats
 }
 
@@ -89,25 +99,29 @@ func (a *Allocator) StitchStats(dev int) (StitchStats, error) {
 // idle for stitching. d.mu is held.
 func (d *device) watch(s cuda.Stream) {
 	if d.stitch.markers == nil {
-		d.stitch.markers = make(map[cuda.Stream]*marker)
+		d.stitch.markers = make(map[cuda.Stream]*markers)
 	}
 	if d.stitch.markers[s] == nil {
-		d.stitch.markers[s] = &marker{}
+		d.stitch.markers[s] = &markers{}
 	}
 }
 
-// refreshMarkers advances every stream's marker: a pending one that has
-// completed certifies its tick; one not pending is recorded anew (and, on
-// an idle stream, completes at once). Errors only leave a stream
-// uncertified. Never during a capture. d.mu is held.
+// refreshMarkers advances every stream's markers: the pending ones that
+// have completed certify their ticks, and a new one is recorded (on an idle
+// stream it completes at once). Errors only leave a stream uncertified.
+// Never during a capture. d.mu is held.
 func (d *device) refreshMarkers() {
 	for s, m := range d.stitch.markers {
-		if m.pending {
-			done, err := d.drv.EventQuery(d.id, m.ev)
+		for m.n > 0 {
+			done, err := d.drv.EventQuery(d.id, m.ev[m.head])
 			if err != nil || !done {
-				continue
+				break
 			}
-			m.safe, m.pending = m.at, false
+			m.safe = m.at[m.head]
+			m.head, m.n = (m.head+1)%markerDepth, m.n-1
+		}
+		if m.n == markerDepth {
+			continue
 		}
 		if !d.announced.Load() {
 			// An event recorded on a stream in an unannounced capture
@@ -116,20 +130,25 @@ func (d *device) refreshMarkers() {
 				continue
 			}
 		}
-		if m.ev == 0 {
+		i := (m.head + m.n) % markerDepth
+		if m.ev[i] == 0 {
 			ev, err := d.drv.EventCreate(d.id)
 			if err != nil {
 				continue
 			}
-			m.ev = ev
+			m.ev[i] = ev
 		}
 		at := d.cache.Tick()
-		if d.drv.EventRecord(d.id, m.ev, s) != nil {
+		if d.drv.EventRecord(d.id, m.ev[i], s) != nil {
 			continue
 		}
-		m.at, m.pending = at, true
-		if done, err := d.drv.EventQuery(d.id, m.ev); err == nil && done {
-			m.safe, m.pending = at, false
+		m.at[i] = at
+		m.n++
+		if m.n == 1 {
+			if done, err := d.drv.EventQuery(d.id, m.ev[i]); err == nil && done {
+				m.safe = at
+				m.head, m.n = (m.head+1)%markerDepth, 0
+			}
 		}
 	}
 }
@@ -152,6 +171,14 @@ func (d *device) idle(b *pools.Block) bool {
 // its run again. Never during a capture. d.mu is held.
 func (d *device) stitchFor(r *pools.Request, start *pools.Block, unit uint64) uint64 {
 	want := d.cache.GrowthNeed(r, start, unit)
+	// Only what would raise reserved memory above the limit moves: below
+	// it, new pages cost no more than moved ones and leave the holes to
+	// the requests that fit them (fewer misses, fewer remaps).
+	if high := d.stitch.limit; d.cache.Reserved+want <= high {
+		want = 0
+	} else if d.cache.Reserved < high {
+		want -= high - d.cache.Reserved
+	}
 	if want == 0 || len(d.stitch.markers) == 0 {
 		return 0
 	}
@@ -218,9 +245,11 @@ func (d *device) releaseSpares() {
 // held.
 func (d *device) releaseMarkers() {
 	for _, m := range d.stitch.markers {
-		if m.ev == 0 || d.drv.EventDestroy(d.id, m.ev) != nil {
-			continue // none, or keep it to try again next time
+		for i, ev := range m.ev {
+			if ev != 0 && d.drv.EventDestroy(d.id, ev) == nil {
+				m.ev[i] = 0 // (one that failed is kept, to be reused)
+			}
 		}
-		*m = marker{}
+		m.head, m.n, m.safe = 0, 0, 0
 	}
 }

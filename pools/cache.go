@@ -232,7 +232,9 @@ func (c *Cache) Allocate(r *Request, b *Block) *Block {
 		rest.Prev = b
 		rest.Ptr += cuda.Ptr(r.Size)
 		rest.Size -= r.Size
+		freedAt := rest.FreedAt
 		c.insertFree(rest)
+		rest.FreedAt = freedAt // free all along
 		if b.Seg.Expandable {
 			// inactive_split leaves expandable segments out, as PyTorch
 			// does: their free pages can always be given back.
