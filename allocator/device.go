@@ -241,7 +241,9 @@ func (d *device) releaseCached() error {
 	if err := d.releaseOrphans(); err != nil {
 		return err
 	}
-	d.releaseMarkers()
+	if err := d.releaseStitch(); err != nil {
+		return err
+	}
 	free := d.freeSeg
 	for _, p := range []*pools.BlockPool{d.cache.Large, d.cache.Small} {
 		if err := d.cache.ReleasePool(p, free); err != nil {

@@ -73,6 +73,9 @@ func (d *device) expandable() bool {
 // Running out of memory (or of the memory fraction) is (nil, nil), as in
 // newSegment. d.mu is held.
 func (d *device) growExpandable(r *pools.Request, capturing bool) (*pools.Block, error) {
+	if d.stitch.on && !capturing {
+		d.stitchPrepare()
+	}
 	start := d.cache.FindExpandable(r)
 	if start == nil {
 		size, err := d.reserveSize(r)
@@ -279,6 +282,19 @@ func (m vmmMapper) Unmap(seg *pools.Segment, off, size uint64) (uint64, error) {
 		d.record(actionSegmentUnmap, seg.Base+cuda.Ptr(off), o-off, seg.Stream, seg.Pool.ID, d.hist.ctxOr(own))
 	}
 	return o - off, err
+}
+
+// Lend moves the handles of the pages of the range to d.spare, for the
+// Map that follows; the old mapping stays until the stream's work allows
+// unmapping it (stitch.go: lent).
+func (m vmmMapper) Lend(seg *pools.Segment, off, size uint64) {
+	d, page := m.d, seg.PageSize
+	for o := off; o < off+size; o += page {
+		i := o / page
+		d.spare = append(d.spare, seg.Pages[i])
+		seg.Pages[i] = 0
+	}
+	d.record(actionSegmentUnmap, seg.Base+cuda.Ptr(off), size, seg.Stream, seg.Pool.ID, d.hist.op)
 }
 
 // Free gives back a range with nothing mapped.

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"math/rand"
 	"sort"
+	"strings"
 	"testing"
 
 	"github.com/cudapool/cudapool/allocator"
@@ -291,14 +292,27 @@ func TestRandomizedInvariants(t *testing.T) {
 		seeds = 3
 	}
 	for _, conf := range confs {
+		var moved, lent int64 // stitching's remaps, over the seeds
 		for seed := 0; seed < seeds; seed++ {
 			rng := rand.New(rand.NewSource(int64(seed)))
 			data := make([]byte, 6000)
 			rng.Read(data)
 			t.Run(conf+"/"+string(rune('a'+seed)), func(t *testing.T) {
 				lockThread(t)
-				newMachine(t, conf, data).run()
+				m := newMachine(t, conf, data)
+				m.run()
+				for dev := 0; dev < devices; dev++ {
+					st, err := m.a.StitchStats(dev)
+					require.NoError(t, err)
+					moved += st.Remaps - st.Lent
+					lent += st.Lent
+				}
 			})
+		}
+		if strings.Contains(conf, "stitch:True") {
+			// The runs did exercise both ways of moving pages.
+			require.Positive(t, moved, "%s: pages unmapped and moved", conf)
+			require.Positive(t, lent, "%s: pages lent", conf)
 		}
 	}
 }

@@ -1,6 +1,8 @@
 package allocator
 
 import (
+	"cmp"
+
 	"github.com/cudapool/cudapool/cuda"
 	"github.com/cudapool/cudapool/pools"
 )
@@ -60,7 +62,11 @@ type markers struct {
 type stitchState struct {
 	on      bool // the configuration asks for stitching
 	markers map[cuda.Stream]*markers
+	lent    []lent        // blocks whose old mapping waits to be unmapped
 	donors  []pools.Donor // scratch
+	// kind is donorKind for a request on stream (stitchFor's).
+	kind   func(*pools.Block) pools.DonorKind
+	stream cuda.Stream
 	// keep makes the mapper's Unmap keep the handles it unmaps (in
 	// d.spare) instead of releasing them.
 	keep bool
@@ -77,6 +83,9 @@ type StitchStats struct {
 	// again where a miss needed them; RemappedBytes their bytes.
 	Remaps        int64 `json:"remaps"`
 	RemappedBytes int64 `json:"remapped_bytes"`
+	// Lent is the number of those pages that were lent: mapped at their
+	// new place before their old mapping could be unmapped (see above).
+	Lent int64 `json:"lent"`
 	// Stitches is the number of misses that moved at least one page.
 	Stitches int64 `json:"stitches"`
 	// Skipped counts candidate blocks passed over because work queued on
@@ -153,15 +162,78 @@ func (d *device) refreshMarkers() {
 	}
 }
 
-// idle reports whether no queued work can touch the free block b: its
-// stream's marker certifies a tick after b became free. d.mu is held.
-func (d *device) idle(b *pools.Block) bool {
-	m := d.stitch.markers[b.Stream]
-	if m != nil && b.FreedAt < m.safe {
-		return true
+// donorKind is the verdict on the free block b as a donor for a request
+// on stream s: unmapped now if no queued work can touch it (its stream's
+// marker certifies a tick after b became free), else lent if it is s's
+// (work on the new block is queued behind the old), else left alone.
+// d.mu is held.
+func (d *device) donorKind(b *pools.Block, s cuda.Stream) pools.DonorKind {
+	if m := d.stitch.markers[b.Stream]; m != nil && b.FreedAt < m.safe {
+		return pools.DonorUnmap
+	}
+	if b.Stream == s {
+		return pools.DonorLend
 	}
 	d.stitch.stats.SkippedBusy++
-	return false
+	return pools.NoDonor
+}
+
+// lent is a block whose pages were lent (see the file comment): its old
+// mapping is unmapped once a marker of its stream recorded after clock
+// has completed.
+type lent struct {
+	b     *pools.Block
+	clock uint64
+}
+
+// unlend unmaps the old mappings of the lent blocks whose streams'
+// markers allow it, or, with all set (after a device synchronize), of all
+// of them. A block whose unmap fails stays lent for good (its address
+// space unused; reported). Never during a capture. d.mu is held.
+func (d *device) unlend(all bool) error {
+	kept := d.stitch.lent[:0]
+	var first error
+	for _, l := range d.stitch.lent {
+		m := d.stitch.markers[l.b.Stream]
+		if !all && (m == nil || l.clock >= m.safe) {
+			kept = append(kept, l)
+			continue
+		}
+		if err := d.unmapLent(l.b); err != nil {
+			first = cmp.Or(first, err)
+			continue
+		}
+		d.cache.Unlend(l.b)
+	}
+	clear(d.stitch.lent[len(kept):])
+	d.stitch.lent = kept
+	return first
+}
+
+// unmapLent unmaps the old mapping of the lent block b, page by page as it
+// was mapped. d.mu is held.
+func (d *device) unmapLent(b *pools.Block) error {
+	page := b.Seg.PageSize
+	for o := uint64(0); o < b.Size; o += page {
+		p := b.Ptr + cuda.Ptr(o)
+		if err := d.vmm.MemUnmap(d.id, p, page); err != nil {
+			return driverError("malloc", err, "unmapping the old mapping of stitched page %#x on device %d (its address space stays unused)", uintptr(p), d.id)
+		}
+	}
+	return nil
+}
+
+// stitchPrepare advances the markers and unmaps the old mappings of the
+// lent blocks they allow; it runs before a growth looks for its run, since
+// unlent blocks merge. Never during a capture. d.mu is held.
+func (d *device) stitchPrepare() {
+	if len(d.stitch.markers) == 0 {
+		return
+	}
+	d.refreshMarkers()
+	if err := d.unlend(false); err != nil {
+		d.warn(err.Error())
+	}
 }
 
 // stitchFor unmaps, keeping their physical memory in d.spare, up to the
@@ -182,7 +254,6 @@ func (d *device) stitchFor(r *pools.Request, start *pools.Block, unit uint64) ui
 	if want == 0 || len(d.stitch.markers) == 0 {
 		return 0
 	}
-	d.refreshMarkers()
 	// The run start's growth covers: from start to what GrowthNeed counts,
 	// bounded generously by want past the request.
 	seg := start.Seg
@@ -190,9 +261,16 @@ func (d *device) stitchFor(r *pools.Request, start *pools.Block, unit uint64) ui
 	hi := lo + r.Size + want + seg.PageSize
 	donors := d.stitch.donors[:0]
 	var got uint64
+	if d.stitch.kind == nil {
+		// Built once: a closure over r would move every malloc's
+		// request to the heap.
+		d.stitch.kind = func(b *pools.Block) pools.DonorKind { return d.donorKind(b, d.stitch.stream) }
+	}
+	d.stitch.stream = r.Stream
+	kind := d.stitch.kind
 	for _, p := range [2]*pools.BlockPool{d.cache.Large, d.cache.Small} {
 		var n uint64
-		donors, n = d.cache.Donors(p, want-got, d.idle, seg, lo, hi, donors)
+		donors, n = d.cache.Donors(p, want-got, kind, seg, lo, hi, donors)
 		if got += n; got >= want {
 			break
 		}
@@ -202,6 +280,10 @@ func (d *device) stitchFor(r *pools.Request, start *pools.Block, unit uint64) ui
 	for _, dn := range donors {
 		n, err := d.cache.UnmapDonor(dn, d.mapper)
 		unmapped += n
+		if dn.Lend {
+			d.stitch.lent = append(d.stitch.lent, lent{dn.B, d.cache.Clock()})
+			d.stitch.stats.Lent += int64(n / dn.B.Seg.PageSize)
+		}
 		if err != nil {
 			// What was unmapped is recorded; the rest stays mapped.
 			d.warn(err.Error())
@@ -240,9 +322,24 @@ func (d *device) releaseSpares() {
 	d.spare = kept
 }
 
-// releaseMarkers destroys the marker events (empty_cache gives back what
-// it can); the next miss records new ones. Never during a capture. d.mu is
-// held.
+// releaseStitch unmaps the old mappings of every lent block, after
+// synchronizing the device, and destroys the marker events (empty_cache
+// and the OOM retry give back what they can); the next miss records new
+// ones. Never during a capture. d.mu is held.
+func (d *device) releaseStitch() error {
+	if len(d.stitch.lent) > 0 {
+		if err := d.drv.DeviceSynchronize(d.id); err != nil {
+			return driverError("empty_cache", err, "synchronizing device %d", d.id)
+		}
+		if err := d.unlend(true); err != nil {
+			return err
+		}
+	}
+	d.releaseMarkers()
+	return nil
+}
+
+// releaseMarkers destroys the marker events. d.mu is held.
 func (d *device) releaseMarkers() {
 	for _, m := range d.stitch.markers {
 		for i, ev := range m.ev {

@@ -78,38 +78,87 @@ func TestStitchMovesIdlePages(t *testing.T) {
 	require.Zero(t, drv.Violations(), "%v", drv.ViolationLog())
 }
 
-// A page that work queued before its free may still touch stays where it
-// is until a marker event recorded after the free has completed.
+// A page of another stream that work queued before its free may still
+// touch stays where it is until a marker event recorded after the free has
+// completed.
 func TestStitchWaitsForQueuedWork(t *testing.T) {
 	lockThread(t)
 	a, drv := newAlloc(t, 1, GiB, stitch)
-	h1 := mustMalloc(t, a, 0, 10*MiB, 0)
-	k1 := mustMalloc(t, a, 0, 2*MiB, 0)
-	h2 := mustMalloc(t, a, 0, 10*MiB, 0)
-	k2 := mustMalloc(t, a, 0, 2*MiB, 0)
-	drv.Use(0, 0, h1, 10*MiB) // a kernel on h1, still running when h1 is freed
+	h1 := mustMalloc(t, a, 0, 10*MiB, 1)
+	k1 := mustMalloc(t, a, 0, 2*MiB, 1)
+	drv.Use(0, 1, h1, 10*MiB) // a kernel on h1, still running when h1 is freed
 	require.NoError(t, a.Free(0, h1, 0))
-	drv.Complete(0)
-	drv.Use(0, 0, h2, 10*MiB) // and one on h2
-	require.NoError(t, a.Free(0, h2, 0))
 
 	p := mustMalloc(t, a, 0, 16*MiB, 0)
-	require.Zero(t, stitchStats(t, a).Remaps, "the stream is busy: no marker has completed")
-	require.Equal(t, uint64(40*MiB), drv.Used(0), "new memory instead")
+	st := stitchStats(t, a)
+	require.Zero(t, st.Remaps, "stream 1 is busy")
+	require.Greater(t, st.SkippedBusy, int64(0))
+	require.Equal(t, uint64(12*MiB+16*MiB), drv.Used(0), "new memory instead")
+	require.True(t, drv.Accessible(0, h1, 10*MiB), "the busy hole is still mapped")
 	require.Zero(t, drv.Violations(), "%v", drv.ViolationLog())
 	require.NoError(t, a.Free(0, p, 0))
 
-	// The marker recorded at that miss completes with the stream's work:
-	// the holes' pages may move now.
-	drv.Complete(0)
+	// The marker recorded at that miss completes with stream 1's work:
+	// the hole's pages may move now.
+	drv.Complete(1)
 	q := mustMalloc(t, a, 0, 40*MiB, 0)
-	st := stitchStats(t, a)
-	require.Greater(t, st.Remaps, int64(0))
-	require.Greater(t, st.SkippedBusy, int64(0))
+	require.Equal(t, int64(5), stitchStats(t, a).Remaps, "the hole's five whole pages")
+	require.False(t, drv.Accessible(0, h1, 2*MiB), "the hole's pages moved")
 	require.True(t, drv.Accessible(0, q, 40*MiB))
-	for _, x := range []cuda.Ptr{k1, k2, q} {
+	for _, x := range []cuda.Ptr{k1, q} {
 		require.NoError(t, a.Free(0, x, 0))
 	}
+	require.NoError(t, a.CheckInvariants())
+	require.Zero(t, drv.Violations(), "%v", drv.ViolationLog())
+}
+
+// A busy page of the request's own stream is lent: its memory is mapped at
+// the new place at once (work on the new block is queued behind the old
+// work), and its old mapping stays until the stream has finished that work.
+func TestStitchLendsOnItsOwnStream(t *testing.T) {
+	lockThread(t)
+	a, drv := newAlloc(t, 1, GiB, stitch)
+	h1, h2, keep := holes(t, a, 0)
+	drv.Use(0, 0, h1, 24*MiB) // kernels on all of it, queued
+	used := drv.Used(0)
+
+	p := mustMalloc(t, a, 0, 16*MiB, 0)
+	st := stitchStats(t, a)
+	require.Equal(t, int64(8), st.Remaps)
+	require.Equal(t, int64(8), st.Lent)
+	require.Equal(t, used, drv.Used(0), "no new physical memory")
+	require.Equal(t, int64(used), stats(t, a, 0).ReservedBytes[pools.StatAll].Current)
+	require.True(t, drv.Accessible(0, p, 16*MiB))
+	require.Equal(t, used+16*MiB, drv.Mapped(0), "the old mappings are still there")
+	require.True(t, drv.Accessible(0, h1, 10*MiB), "(so pending kernels do not fault)")
+	require.NoError(t, a.CheckInvariants())
+
+	// Nothing is mapped over a lent range: a request that would fit the
+	// first hole's address space goes elsewhere.
+	q := mustMalloc(t, a, 0, 10*MiB, 0)
+	require.NotEqual(t, h1, q)
+	require.NoError(t, a.Free(0, q, 0))
+
+	// Once the stream's work is done, the next miss unmaps the old
+	// mappings.
+	drv.Complete(0)
+	x := mustMalloc(t, a, 0, 1*MiB, 1) // a miss: the markers advance
+	y := mustMalloc(t, a, 0, 30*MiB, 0)
+	require.False(t, drv.Accessible(0, h1, 2*MiB), "the old mapping is gone")
+	require.False(t, drv.Accessible(0, h2+4*MiB, 2*MiB))
+	require.NoError(t, a.CheckInvariants())
+
+	// empty_cache synchronizes and unmaps every old mapping left.
+	drv.Use(0, 0, y, 30*MiB)
+	require.NoError(t, a.Free(0, y, 0))
+	z := mustMalloc(t, a, 0, 30*MiB, 0) // reuses y's block: no miss
+	require.NoError(t, a.Free(0, z, 0))
+	for _, v := range append(keep, p, x) {
+		require.NoError(t, a.Free(0, v, 0))
+	}
+	require.NoError(t, a.EmptyCache())
+	require.Zero(t, drv.Used(0))
+	require.Zero(t, drv.Mapped(0))
 	require.NoError(t, a.CheckInvariants())
 	require.Zero(t, drv.Violations(), "%v", drv.ViolationLog())
 }

@@ -83,7 +83,12 @@ type Block struct {
 	Allocated bool
 	// Unmapped marks a block of an expandable segment with no memory
 	// behind it: it is in its pool's Unmapped set, not in Blocks.
-	Unmapped  bool
+	Unmapped bool
+	// Lent marks an unmapped block whose pages' physical memory was lent
+	// to another range by stitching while their old mapping waits to be
+	// unmapped (pools/stitch.go): in no set, neither free nor mappable
+	// until Unlend.
+	Lent      bool
 	Requested uint64 // the size the user asked for (allocated blocks)
 	Context   uint64 // opaque id of the caller's context (stack) when allocated; 0: none
 	Pool      *BlockPool

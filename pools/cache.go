@@ -586,12 +586,14 @@ func (c *Cache) Check() error {
 					return fmt.Errorf("block %#x: unmapped in an ordinary segment", b.Ptr)
 				case uint64(b.Ptr-s.Base)%s.PageSize != 0 || b.Size%s.PageSize != 0:
 					return fmt.Errorf("unmapped block %#x+%d: not whole pages", b.Ptr, b.Size)
-				case b.Active() || !b.inSet:
-					return fmt.Errorf("unmapped block %#x: active=%v, in its set=%v", b.Ptr, b.Active(), b.inSet)
-				case b.Next != nil && b.Next.Unmapped:
+				case b.Active() || b.inSet == b.Lent:
+					return fmt.Errorf("unmapped block %#x: active=%v, in its set=%v, lent=%v", b.Ptr, b.Active(), b.inSet, b.Lent)
+				case b.Next != nil && b.Next.Unmapped && !b.Lent && !b.Next.Lent:
 					return fmt.Errorf("unmapped blocks %#x and %#x not merged", b.Ptr, b.Next.Ptr)
 				}
-				unmapped[b.Pool]++
+				if !b.Lent {
+					unmapped[b.Pool]++
+				}
 				continue
 			}
 			mapped += b.Size

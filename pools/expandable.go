@@ -64,6 +64,10 @@ type Mapper interface {
 	Unmap(seg *Segment, off, size uint64) (uint64, error)
 	// Free gives back the address range of seg, which has nothing mapped.
 	Free(seg *Segment) error
+	// Lend takes the physical memory of the pages of [seg.Base+off, +size)
+	// for a mapping elsewhere (stitching); their old mapping stays until
+	// the owner unmaps it (Unlend).
+	Lend(seg *Segment, off, size uint64)
 }
 
 // ErrFraction is MapExpandable's answer when mapping would exceed the
@@ -85,8 +89,9 @@ func (c *Cache) AddExpandable(r *Request, base cuda.Ptr, size, page uint64) *Blo
 	return b
 }
 
-// allocatable reports whether b is free, mapped or not.
-func allocatable(b *Block) bool { return b != nil && !b.Active() }
+// allocatable reports whether b is free, mapped or not (a lent block is
+// neither).
+func allocatable(b *Block) bool { return b != nil && !b.Active() && !b.Lent }
 
 // FindExpandable returns the start of the lowest-addressed run of free and
 // unmapped blocks on r's stream, in r's pool, that contains an unmapped
@@ -310,7 +315,7 @@ func (c *Cache) unmapBlock(b *Block, m Mapper) error {
 	if hi <= lo {
 		return nil
 	}
-	return c.unmapRange(b, lo, hi, m)
+	return c.unmapRange(b, lo, hi, m, false)
 }
 
 // wholePages returns the offsets in b's segment of the whole pages inside
@@ -323,12 +328,17 @@ func wholePages(b *Block) (lo, hi uint64) {
 }
 
 // unmapRange unmaps the pages [lo, hi) (offsets in its segment, whole
-// pages inside it) of the free mapped block b; what lies before and after
-// stays mapped as free blocks.
-func (c *Cache) unmapRange(b *Block, lo, hi uint64, m Mapper) error {
+// pages inside it) of the free mapped block b, or lends them (Mapper.Lend),
+// which leaves b as the lent block; what lies before and after stays
+// mapped as free blocks.
+func (c *Cache) unmapRange(b *Block, lo, hi uint64, m Mapper, lend bool) error {
 	seg := b.Seg
-	done, err := m.Unmap(seg, lo, hi-lo)
-	if done == 0 {
+	var done uint64
+	var err error
+	if lend {
+		m.Lend(seg, lo, hi-lo)
+		done = hi - lo
+	} else if done, err = m.Unmap(seg, lo, hi-lo); done == 0 {
 		return err
 	}
 	hi = lo + done
@@ -361,13 +371,17 @@ func (c *Cache) unmapRange(b *Block, lo, hi uint64, m Mapper) error {
 		after.FreedAt = b.FreedAt
 	}
 	b.Unmapped = true
-	c.tryMerge(b, b.Prev)
-	c.tryMerge(b, b.Next)
-	p.Unmapped.Insert(b)
 	n := hi - lo
 	seg.Mapped -= n
 	c.Reserved -= n
 	c.Stats.ReservedBytes.Decrease(p.Small, int64(n))
+	if lend {
+		b.Lent = true
+		return nil
+	}
+	c.tryMerge(b, b.Prev)
+	c.tryMerge(b, b.Next)
+	p.Unmapped.Insert(b)
 	c.Stats.NumDeviceFree++
 	return err
 }

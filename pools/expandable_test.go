@@ -17,6 +17,7 @@ type fakeMapper struct {
 	failAfter uint64 // bytes mapped (or unmapped) before failing
 	unmapFail error
 	freed     int
+	lent      int
 }
 
 func newFakeMapper() *fakeMapper { return &fakeMapper{mapped: map[cuda.Ptr]bool{}} }
@@ -52,6 +53,15 @@ func (m *fakeMapper) Unmap(seg *Segment, off, size uint64) (uint64, error) {
 }
 
 func (m *fakeMapper) Free(seg *Segment) error { m.freed++; return nil }
+
+// Lend forgets the pages' handles; the test unmaps the old mapping
+// (unlendFake) before Unlend.
+func (m *fakeMapper) Lend(seg *Segment, off, size uint64) {
+	for o := off; o < off+size; o += seg.PageSize {
+		seg.Pages[o/seg.PageSize] = 0
+		m.lent++
+	}
+}
 
 // expAlloc is the allocator's growth path in miniature.
 func expAlloc(t *testing.T, c *Cache, m Mapper, size uint64, s cuda.Stream) *Block {

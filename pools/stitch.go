@@ -14,23 +14,41 @@ package pools
 // handles where the request needs them before creating any new memory. The
 // bytes reserved do not change; the hole becomes unmapped address space.
 //
-// Which pages may move is the owner's decision, through the ok predicate:
-// a page may still be read or written by work queued on its stream before
-// its block was freed. Blocks carry FreedAt, the Cache's Clock when they
-// last became free; the owner records a marker event on a stream right
-// after Tick and, once it has completed, knows that every block of that
-// stream with FreedAt below the tick is idle.
+// Which pages may move is the owner's decision (the kind function): a page
+// may still be read or written by work queued on its stream before its
+// block was freed. Blocks carry FreedAt, the Cache's Clock when they last
+// became free; the owner records a marker event on a stream right after
+// Tick and, once it has completed, knows that every block of that stream
+// with FreedAt below the tick is idle: its pages can be unmapped now. A
+// page of the request's own stream need not be idle, since work on the new
+// block is queued after the old work: it is lent instead (the physical
+// memory is mapped at the new place while the old mapping stays, the block
+// Lent, neither free nor mappable) until the owner can unmap the old
+// mapping (Unlend).
 //
 // Donors are taken smallest block first (the holes least likely to be
 // reused whole), from the end of each block (so a free tail before unmapped
 // space extends that space instead of opening a hole).
 
 // Donor is whole pages [Lo, Hi) (offsets in its segment) of a free mapped
-// block to unmap for stitching.
+// block to unmap for stitching, or, if Lend, to lend: their memory is mapped
+// elsewhere at once, and their old mapping stays (the block Lent) until the
+// owner unmaps it and calls Unlend.
 type Donor struct {
 	B      *Block
 	Lo, Hi uint64
+	Lend   bool
 }
+
+// DonorKind is the owner's verdict on a free block: not a donor, a donor
+// whose pages can be unmapped now, or one whose pages may be lent.
+type DonorKind int8
+
+const (
+	NoDonor DonorKind = iota
+	DonorUnmap
+	DonorLend
+)
 
 // Tick advances the clock that FreedAt stamps and returns its new value:
 // every block free now has FreedAt below it.
@@ -42,26 +60,27 @@ func (c *Cache) Tick() uint64 {
 // Donors appends to out whole pages of p's free expandable blocks for
 // which ok is true, up to want bytes in all, and returns out. skip excludes
 // [skipLo, skipHi) of segment skip (the run the request will grow into).
-func (c *Cache) Donors(p *BlockPool, want uint64, ok func(*Block) bool, skip *Segment, skipLo, skipHi uint64, out []Donor) ([]Donor, uint64) {
+func (c *Cache) Donors(p *BlockPool, want uint64, kind func(*Block) DonorKind, skip *Segment, skipLo, skipHi uint64, out []Donor) ([]Donor, uint64) {
 	var got uint64
 	p.Blocks.Ascend(func(b *Block) bool {
 		if got >= want {
 			return false
 		}
-		if !b.Seg.Expandable || !ok(b) {
+		if !b.Seg.Expandable {
 			return true
 		}
 		lo, hi := wholePages(b)
-		if hi <= lo {
+		if hi <= lo || b.Seg == skip && lo < skipHi && hi > skipLo {
 			return true
 		}
-		if b.Seg == skip && lo < skipHi && hi > skipLo {
+		k := kind(b)
+		if k == NoDonor {
 			return true
 		}
 		if n := hi - lo; n > want-got {
 			lo = hi - roundUp(want-got, b.Seg.PageSize)
 		}
-		out = append(out, Donor{b, lo, hi})
+		out = append(out, Donor{b, lo, hi, k == DonorLend})
 		got += hi - lo
 		return true
 	})
@@ -75,6 +94,22 @@ func (c *Cache) Donors(p *BlockPool, want uint64, ok func(*Block) bool, skip *Se
 // or unmapped, so unmapping merges only unmapped blocks.
 func (c *Cache) UnmapDonor(d Donor, m Mapper) (uint64, error) {
 	mapped := d.B.Seg.Mapped
-	err := c.unmapRange(d.B, d.Lo, d.Hi, m)
+	err := c.unmapRange(d.B, d.Lo, d.Hi, m, d.Lend)
 	return mapped - d.B.Seg.Mapped, err
+}
+
+// Clock is the clock's value now (see Tick).
+func (c *Cache) Clock() uint64 { return c.clock }
+
+// Unlend makes the lent block b, whose old mapping the owner has unmapped,
+// an ordinary unmapped block again, merged with its unmapped neighbours.
+func (c *Cache) Unlend(b *Block) {
+	if !b.Lent {
+		panic("pools: Unlend of a block that is not lent")
+	}
+	b.Lent = false
+	c.tryMerge(b, b.Prev)
+	c.tryMerge(b, b.Next)
+	b.Pool.Unmapped.Insert(b)
+	c.Stats.NumDeviceFree++
 }
