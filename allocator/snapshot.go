@@ -147,10 +147,10 @@ func (a *Allocator) SnapshotOf(pool *PoolID, includeTraces bool) Snapshot {
 			snap.DeviceTraces[d.id] = traceEntries(d.id, tr)
 		}
 	}
-	remaps := make([]int64, len(a.devs))
+	remaps, lent := make([]int64, len(a.devs)), make([]int64, len(a.devs))
 	for i, d := range a.devs {
 		d.mu.Lock()
-		remaps[i] = d.stitch.stats.Remaps
+		remaps[i], lent[i] = d.stitch.stats.Remaps, d.stitch.stats.Lent
 		d.mu.Unlock()
 	}
 	cfg := a.Config()
@@ -167,10 +167,11 @@ func (a *Allocator) SnapshotOf(pool *PoolID, includeTraces bool) Snapshot {
 		"roundup_power2_divisions":     p.RoundupDivisions,
 		"record_history":               cfg.HistoryEntries,
 		// cudapool's own: stitching and each device's count of pages
-		// moved (stitch.go).
+		// moved, and of those lent (stitch.go).
 		"stitch":                 cfg.Stitch,
 		"expandable_map_unit_mb": cfg.ExpandableMapUnit >> 20,
 		"stitch_remaps":          remaps,
+		"stitch_lent":            lent,
 	}
 	return snap
 }
