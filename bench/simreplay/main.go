@@ -23,6 +23,7 @@ import (
 	"flag"
 	"fmt"
 	"os"
+	"runtime"
 	"strconv"
 	"strings"
 	"time"
@@ -160,6 +161,58 @@ func replay(ops []op, slots int, conf string, repeats, lag int) (result, error) 
 	return res, a.EmptyCache()
 }
 
+// capture replays n operations of ops from the from-th inside a CUDA graph
+// capture (every allocation routed to the graph's private pool, as
+// torch.cuda.graph does), and returns the pool's mapped or allocated
+// memory and the driver mapping calls made (one cuMemSetAccess each).
+func capture(ops []op, slots int, conf string, from, n int) (poolBytes uint64, mapCalls int64, err error) {
+	cfg, _, err := allocator.ParseConfig(conf)
+	if err != nil {
+		return 0, 0, err
+	}
+	drv := sim.New(sim.Options{Memory: 80 << 30})
+	a, err := allocator.New(drv, cfg)
+	if err != nil {
+		return 0, 0, err
+	}
+	a.SetWarningHandler(func(string) {})
+	a.ExpectAnnouncements()
+	runtime.LockOSThread() // the simulator's capture modes are per OS thread
+	defer runtime.UnlockOSThread()
+	pool := allocator.PoolID{A: 1}
+	const cs = cuda.Stream(0x7000)
+	if err := a.BeginAllocateToPool(0, pool, func(cuda.Stream) bool { return true }); err != nil {
+		return 0, 0, err
+	}
+	if err := drv.BeginCapture(cs, cuda.CaptureModeGlobal); err != nil {
+		return 0, 0, err
+	}
+	st0, _ := a.Stats(0)
+	ptrs := make([]cuda.Ptr, slots)
+	for _, o := range ops[min(from, len(ops)):min(from+n, len(ops))] {
+		if o.alloc {
+			if ptrs[o.slot], err = a.Malloc(0, o.size, cs); err != nil {
+				return 0, 0, err
+			}
+		} else if p := ptrs[o.slot]; p != 0 {
+			if err := a.Free(0, p, 0); err != nil {
+				return 0, 0, err
+			}
+		}
+	}
+	if err := drv.EndCapture(cs); err != nil {
+		return 0, 0, fmt.Errorf("the capture was invalidated: %v (%v)", err, drv.ViolationLog())
+	}
+	if err := a.EndAllocateToPool(0, pool); err != nil {
+		return 0, 0, err
+	}
+	st, _ := a.Stats(0)
+	for _, sg := range a.SnapshotOf(&pool, false).Segments {
+		poolBytes += sg.TotalSize
+	}
+	return poolBytes, st.NumDeviceAlloc - st0.NumDeviceAlloc, nil
+}
+
 type confs []string
 
 func (c *confs) String() string     { return strings.Join(*c, " ") }
@@ -167,6 +220,8 @@ func (c *confs) Set(s string) error { *c = append(*c, s); return nil }
 
 func main() {
 	repeats := flag.Int("repeats", 3, "passes over each trace")
+	graph := flag.Int("graph", 0, "also replay N operations of each trace inside a graph capture")
+	graphFrom := flag.Int("graph-from", 0, "the first operation -graph replays (frees of earlier blocks are skipped)")
 	lag := flag.Int("lag", 0, "the device completes work only every N operations (0: always idle)")
 	var cs confs
 	flag.Var(&cs, "conf", "a cudapool configuration (repeatable; default: the four of the table)")
@@ -201,6 +256,25 @@ func main() {
 			fmt.Printf("| %s | %s | %.2f | %.2f | %.3f | %d | %d | %d | %.1f | %.0f |\n", path, name,
 				float64(r.peakAlloc)/(1<<30), float64(r.peakRes)/(1<<30), float64(r.peakRes)/float64(max(r.peakAlloc, 1)),
 				r.maps, r.unmaps, r.remaps, r.firstNs/1e6, r.laterNsPerOp)
+		}
+	}
+	if *graph > 0 {
+		fmt.Printf("\nOperations %d to %d of each trace captured into a CUDA graph's private pool\n\n", *graphFrom, *graphFrom+*graph)
+		fmt.Printf("| trace | configuration | private pool MiB | map calls |\n|---|---|---:|---:|\n")
+		for _, path := range flag.Args() {
+			ops, slots, _ := load(path)
+			for _, c := range cs {
+				pb, calls, err := capture(ops, slots, c, *graphFrom, *graph)
+				if err != nil {
+					fmt.Fprintf(os.Stderr, "simreplay: %s with %q, captured: %v\n", path, c, err)
+					status = 1
+				}
+				name := c
+				if name == "" {
+					name = "(default)"
+				}
+				fmt.Printf("| %s | %s | %.0f | %d |\n", path, name, float64(pb)/(1<<20), calls)
+			}
 		}
 	}
 	os.Exit(status)
