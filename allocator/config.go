@@ -168,6 +168,11 @@ func (c *Config) set(key, val string) (warning string, err error) {
 			return "", err
 		}
 		c.Stitch = b
+		if b {
+			// Stitching moves pages of expandable segments: what the
+			// settings report (snapshot, PyTorch's class) says so.
+			c.ExpandableSegments = true
+		}
 	case "release_lock_on_cudamalloc":
 		b, err := parseBool(key, val)
 		if err != nil {

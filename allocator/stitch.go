@@ -13,35 +13,40 @@ import (
 //
 // # Design
 //
-// On a miss in an expandable segment (no capture under way), before Map
-// creates physical memory, stitch takes whole pages inside free blocks of
+// On a miss that grows an expandable segment (no capture under way), for
+// the part of the growth that would raise reserved memory above its
+// high-water mark (limit), stitchFor takes whole pages inside free blocks of
 // the default pools' expandable segments (any stream, either size class,
-// holes of the request's own range outside the run it grows into), unmaps
-// them keeping their handles (in d.spare) and lets Map map those handles
-// first. Reserved memory stays the same; only the pages still missing are
-// new. Each moved page costs a cuMemUnmap, a cuMemMap and its share of a
-// cuMemSetAccess (tens of microseconds), paid only on misses.
+// holes of the request's own range outside the run it grows into) and puts
+// their physical handles in d.spare, which Map uses before creating any.
+// Reserved memory stays the same. Below the limit new pages cost no more
+// than moved ones and the holes stay for the requests that fit them.
 //
-// The rules:
-//   - Private pools (graphs, MemPools) neither give pages nor are searched:
-//     a graph's replays use memory its pool counts as free.
-//   - No stitching while any capture may be under way: unmapping is
-//     illegal then (and Map's relaxed-mode rules stay as they are).
-//   - A page moves only once no work queued on its stream can still touch
-//     it. cuMemUnmap does not wait for such work (PyTorch synchronizes
-//     before it unmaps), and a free block may have kernels that used it
-//     still queued on its own stream (other streams' uses were waited for
-//     before the block became free: events.go). Each stream that owns
-//     donor candidates has a few marker events, recorded at successive
-//     misses, each right after the cache's clock ticks; once one has
-//     completed, every block of the stream freed before its tick
-//     (Block.FreedAt) is idle. Markers complete in stream order, so the
-//     oldest pending ones are queried; a new one is recorded at each miss
-//     while fewer than markerDepth are pending. On an idle stream the new
-//     marker completes at once; on a busy one (a GPU running behind the
-//     host) the pages certified are those freed before a marker the GPU
-//     has passed. Nothing waits.
-//   - Remaps are counted (StitchStats, the snapshot's "stitch").
+// A page is taken in one of two ways:
+//   - Unmapped at once, when no queued work can touch it. cuMemUnmap does
+//     not wait for such work (PyTorch synchronizes before it unmaps), and a
+//     free block may have kernels that used it still queued on its own
+//     stream (other streams' uses were waited for before the block became
+//     free: events.go). Each stream that owns donor candidates keeps up to
+//     markerDepth marker events, recorded at successive misses, each right
+//     after the cache's clock ticks; once one has completed, every block of
+//     the stream freed before its tick (Block.FreedAt) is idle. Markers
+//     complete in stream order, so only the oldest pending are queried. On
+//     an idle stream a new marker completes at once. Nothing waits.
+//   - Lent, when it is not certified idle but belongs to the requesting
+//     stream: its handle is mapped at the new place at once (work on the new
+//     block is queued behind the old work, as for any reuse of a cached
+//     block on its stream), and its old mapping stays, the block Lent,
+//     neither free nor mappable, until a marker recorded after the lend
+//     has completed (stitchPrepare, at a later miss) or empty_cache and the
+//     OOM retry synchronize the device (releaseStitch). Without lending a
+//     GPU running behind the host would leave almost nothing to move.
+//
+// Private pools (graphs, MemPools) neither give pages nor are searched: a
+// graph's replays use memory its pool counts as free. Nothing is stitched
+// or unlent while any capture may be under way: unmapping is illegal then.
+// Pages moved are counted (StitchStats; the snapshot's stitch_remaps and
+// stitch_lent).
 //
 // Before any other unmapping (empty_cache, the OOM retry) the device is
 // synchronized, for the same reason (unmapFree).
@@ -88,8 +93,8 @@ type StitchStats struct {
 	Lent int64 `json:"lent"`
 	// Stitches is the number of misses that moved at least one page.
 	Stitches int64 `json:"stitches"`
-	// Skipped counts candidate blocks passed over because work queued on
-	// their stream might still use them.
+	// SkippedBusy counts candidate blocks passed over because work queued
+	// on their stream (not the requesting one) might still use them.
 	SkippedBusy int64 `json:"skipped_busy"`
 }
 
@@ -168,7 +173,10 @@ func (d *device) refreshMarkers() {
 // (work on the new block is queued behind the old), else left alone.
 // d.mu is held.
 func (d *device) donorKind(b *pools.Block, s cuda.Stream) pools.DonorKind {
-	if m := d.stitch.markers[b.Stream]; m != nil && b.FreedAt < m.safe {
+	m := d.stitch.markers[b.Stream]
+	if m == nil {
+		d.watch(b.Stream) // (stitching turned on after the stream grew)
+	} else if b.FreedAt < m.safe {
 		return pools.DonorUnmap
 	}
 	if b.Stream == s {
@@ -236,9 +244,9 @@ func (d *device) stitchPrepare() {
 	}
 }
 
-// stitchFor unmaps, keeping their physical memory in d.spare, up to the
-// pages that growing r from start would map, taken from idle free holes of
-// the default pools; it returns the bytes it unmapped. start's run is left
+// stitchFor unmaps or lends, keeping their physical memory in d.spare, up
+// to the pages that growing r from start would map above the limit, taken
+// from free holes of the default pools; it returns the bytes it took. start's run is left
 // alone, but the blocks around it may have changed: the caller looks for
 // its run again. Never during a capture. d.mu is held.
 func (d *device) stitchFor(r *pools.Request, start *pools.Block, unit uint64) uint64 {

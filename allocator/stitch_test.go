@@ -314,6 +314,18 @@ func TestExpandableMapUnit(t *testing.T) {
 	require.NoError(t, a.Free(0, y, 0))
 	require.NoError(t, a.CheckInvariants())
 	require.Zero(t, drv.Violations(), "%v", drv.ViolationLog())
+
+	// On a 24 MiB device: the first step maps 20 MiB; the second needs
+	// one more page, and the device has no room for a whole unit.
+	a, drv = newAlloc(t, 1, 24*MiB, "expandable_segments:True")
+	x = mustMalloc(t, a, 0, 3*MiB, 0)
+	require.Equal(t, uint64(20*MiB), drv.Mapped(0))
+	y = mustMalloc(t, a, 0, 18*MiB, 0)
+	require.Equal(t, uint64(22*MiB), drv.Mapped(0))
+	require.NoError(t, a.Free(0, x, 0))
+	require.NoError(t, a.Free(0, y, 0))
+	require.NoError(t, a.CheckInvariants())
+	require.Zero(t, drv.Violations(), "%v", drv.ViolationLog())
 }
 
 func TestStitchConfig(t *testing.T) {
@@ -321,7 +333,8 @@ func TestStitchConfig(t *testing.T) {
 	require.NoError(t, err)
 	require.True(t, cfg.Stitch)
 	require.Equal(t, uint64(4*MiB), cfg.ExpandableMapUnit)
-	require.Equal(t, "expandable_map_unit_mb:4,stitch:True", cfg.String())
+	require.True(t, cfg.ExpandableSegments, "stitching implies expandable segments")
+	require.Equal(t, "expandable_segments:True,expandable_map_unit_mb:4,stitch:True", cfg.String())
 	again, _, err := allocator.ParseConfig(cfg.String())
 	require.NoError(t, err)
 	require.Equal(t, cfg, again)
