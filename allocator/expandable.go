@@ -1,6 +1,7 @@
 package allocator
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
 
@@ -180,22 +181,32 @@ type vmmMapper struct{ d *device }
 // made are released at once, or, during a capture (when nothing may be
 // released), kept as spares for the next Map. It does not start when the
 // driver reports too little free memory, so that a request that cannot fit
-// does not take the device's last pages with it.
+// does not take the device's last pages with it. Spare handles (moved by
+// stitching, or left by a capture) are used first and mapped even when the
+// rest cannot be had (the error is then returned after): they take no new
+// memory, and a handle lent by stitching must not be released while its
+// old mapping lives (stitch.go).
 func (m vmmMapper) Map(seg *pools.Segment, off, size uint64) (uint64, error) {
 	d, page := m.d, seg.PageSize
 	base := seg.Base + cuda.Ptr(off)
 	n := int(size / page)
+	var short error // set: map only the spares, then fail with it
 	if fresh := uint64(max(n-len(d.spare), 0)) * page; fresh > 0 {
 		if free, _, err := d.drv.MemGetInfo(d.id); err == nil && free < fresh {
-			return 0, cuda.ErrOutOfMemory
+			if len(d.spare) == 0 {
+				return 0, cuda.ErrOutOfMemory
+			}
+			n, short = len(d.spare), cuda.ErrOutOfMemory
 		}
 	}
 	hs := d.handles[:0]
+	spares := 0
 	var err error
 	for len(hs) < n {
 		if k := len(d.spare); k > 0 {
 			hs = append(hs, d.spare[k-1])
 			d.spare = d.spare[:k-1]
+			spares++
 			continue
 		}
 		var h cuda.MemHandle
@@ -206,8 +217,11 @@ func (m vmmMapper) Map(seg *pools.Segment, off, size uint64) (uint64, error) {
 	}
 	d.handles = hs[:0]
 	if err != nil {
-		d.dropHandles(hs)
-		return 0, err
+		if spares == 0 {
+			d.dropHandles(hs)
+			return 0, err
+		}
+		short = err // map what there is
 	}
 	var done uint64
 	for i, h := range hs {
@@ -235,7 +249,7 @@ func (m vmmMapper) Map(seg *pools.Segment, off, size uint64) (uint64, error) {
 		// The segment's context is the one that mapped its start.
 		seg.Context = d.hist.op
 	}
-	return done, err
+	return done, cmp.Or(err, short)
 }
 
 // dropHandles gives back handles that were not mapped: at once, or, while a

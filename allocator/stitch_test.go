@@ -352,3 +352,26 @@ func TestStitchConfig(t *testing.T) {
 	require.Zero(t, drv.Allocs(0), "no cuMemAlloc: pages are mapped")
 	require.NoError(t, a.Free(0, p, 0))
 }
+
+// On a full device, the moved pages are mapped even though the whole
+// mapping unit cannot be: the request is served from them, with no retry.
+func TestStitchFullDeviceUsesMovedPages(t *testing.T) {
+	lockThread(t)
+	a, drv := newAlloc(t, 1, 21*MiB, "stitch:True")
+	x := mustMalloc(t, a, 0, 10*MiB, 1) // stream 1 maps a 20 MiB unit
+	g := mustMalloc(t, a, 0, 2*MiB, 1)
+	require.NoError(t, a.Free(0, x, 0)) // nine whole free pages around g
+	require.Equal(t, uint64(20*MiB), drv.Used(0))
+
+	y := mustMalloc(t, a, 0, 3*MiB, 0) // wants a 20 MiB unit; 1 MiB is free
+	require.True(t, drv.Accessible(0, y, 3*MiB))
+	require.Equal(t, uint64(20*MiB), drv.Used(0))
+	require.Equal(t, int64(9), stitchStats(t, a).Remaps)
+	st := stats(t, a, 0)
+	require.Zero(t, st.NumAllocRetries)
+	require.Zero(t, st.NumOOMs)
+	require.NoError(t, a.Free(0, y, 0))
+	require.NoError(t, a.Free(0, g, 0))
+	require.NoError(t, a.CheckInvariants())
+	require.Zero(t, drv.Violations(), "%v", drv.ViolationLog())
+}

@@ -154,8 +154,15 @@ func (c *Cache) mapAhead(u *Block, need, unit uint64, m Mapper) (*Block, error) 
 	page := u.Seg.PageSize
 	if ahead := roundUp(mapSize(u, need, unit), page); ahead > roundUp(need, page) && c.CanGrow(ahead) {
 		b, done, err := c.mapBlock(u, ahead, m)
-		if done > 0 || !errors.Is(err, cuda.ErrOutOfMemory) {
-			return b, err
+		switch {
+		case err == nil:
+			return b, nil
+		case done > 0 && errors.Is(err, cuda.ErrOutOfMemory):
+			// Part mapped (the Mapper's spare pages): u is now the free
+			// block holding them; the caller maps what is still missing.
+			return u, nil
+		case done > 0 || !errors.Is(err, cuda.ErrOutOfMemory):
+			return nil, err
 		}
 		// Nothing mapped for lack of memory: map only what is needed.
 	}
