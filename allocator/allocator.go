@@ -586,6 +586,7 @@ func (a *Allocator) EndAllocateToPool(dev int, id PoolID) error {
 		return poolError("end_allocate_to_pool", err)
 	}
 	d.countCaptures()
+	d.trimUnused(id)
 	return nil
 }
 

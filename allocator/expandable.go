@@ -140,6 +140,24 @@ func (d *device) mapUnit(r *pools.Request) uint64 {
 	return (max(d.mapUnitCfg, d.page) + d.page - 1) / d.page * d.page
 }
 
+// trimUnused gives back, when routing to pool id ends and no capture is
+// under way, the pages its large pool mapped ahead and never handed out
+// (pools.TrimUnused): a graph's pool then holds what its allocations
+// needed, in whole pages, whatever the mapping unit. No work has touched
+// those pages, so no synchronize is needed. d.mu is held.
+func (d *device) trimUnused(id PoolID) {
+	if d.vmmState != 1 || d.mapUnitCfg <= d.page || d.capturing() {
+		return
+	}
+	pp := d.graphs.Pools.Get(id)
+	if pp == nil {
+		return
+	}
+	if err := d.cache.TrimUnused(pp.Large, d.mapper); err != nil {
+		d.warn(driverError("end_allocate_to_pool", err, "unmapping pages mapped ahead in pool {%d,%d} on device %d", id.A, id.B, d.id).Error())
+	}
+}
+
 // unmapFree unmaps the free pages of p's expandable segments (UnmapFree),
 // after synchronizing the device if there is anything to unmap: unlike
 // cuMemFree, cuMemUnmap does not wait for work still using the memory

@@ -375,3 +375,44 @@ func TestStitchFullDeviceUsesMovedPages(t *testing.T) {
 	require.NoError(t, a.CheckInvariants())
 	require.Zero(t, drv.Violations(), "%v", drv.ViolationLog())
 }
+
+// A capture maps its private pool 20 MiB at a time (fewer mapping calls
+// while capturing); when the capture ends, the pages mapped ahead and never
+// handed out go back, so the graph's pool holds what its allocations
+// needed, in whole pages. Pages a captured kernel may use stay.
+func TestCaptureTrimsPagesMappedAhead(t *testing.T) {
+	lockThread(t)
+	a, drv := newAlloc(t, 1, GiB, "expandable_segments:True")
+	g := allocator.PoolID{A: 1}
+	const cs = cuda.Stream(7)
+	beginCapture(t, a, drv, g, cs, cuda.CaptureModeGlobal)
+	x := mustMalloc(t, a, 0, 3*MiB, cs)
+	y := mustMalloc(t, a, 0, 4*MiB, cs)
+	tmp := mustMalloc(t, a, 0, 5*MiB, cs)
+	require.NoError(t, a.Free(0, tmp, 0)) // used by the graph: stays
+	maps, _ := drv.MapCalls(0)
+	require.Equal(t, int64(10), maps, "one 20 MiB step")
+	require.Equal(t, uint64(20*MiB), drv.Mapped(0))
+	require.NoError(t, drv.EndCapture(cs), "the capture stayed valid")
+	require.NoError(t, a.EndAllocateToPool(0, g))
+	require.Equal(t, uint64(12*MiB), drv.Mapped(0), "x, y and the freed temporary: six pages")
+	require.Equal(t, uint64(12*MiB), mappedIn(t, a, g))
+	require.True(t, drv.Accessible(0, x, 12*MiB))
+	require.NoError(t, a.CheckInvariants())
+
+	// The pool grows again in a later capture.
+	beginCapture(t, a, drv, g, cs, cuda.CaptureModeGlobal)
+	z := mustMalloc(t, a, 0, 6*MiB, cs)
+	require.True(t, drv.Accessible(0, z, 6*MiB))
+	require.NoError(t, drv.EndCapture(cs))
+	require.NoError(t, a.EndAllocateToPool(0, g))
+	for _, p := range []cuda.Ptr{x, y, z} {
+		require.NoError(t, a.Free(0, p, 0))
+	}
+	require.NoError(t, a.ReleasePool(0, g)) // both graphs
+	require.NoError(t, a.ReleasePool(0, g))
+	require.NoError(t, a.EmptyCache())
+	require.Zero(t, drv.Mapped(0))
+	require.NoError(t, a.CheckInvariants())
+	require.Zero(t, drv.Violations(), "%v", drv.ViolationLog())
+}

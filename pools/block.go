@@ -61,6 +61,10 @@ type Segment struct {
 	PageSize   uint64
 	Mapped     uint64
 	Pages      []cuda.MemHandle
+	// UsedEnd is the end of the highest block ever handed out in an
+	// expandable segment: memory above it was mapped but never used
+	// (TrimUnused).
+	UsedEnd cuda.Ptr
 
 	// Context is the owner's opaque id of the caller's context (stack)
 	// when the segment was allocated, or its first page mapped; 0: none.

@@ -252,6 +252,9 @@ func (c *Cache) Allocate(r *Request, b *Block) *Block {
 	}
 	b.Allocated = true
 	b.Requested = r.Requested
+	if s := b.Seg; s.Expandable && b.End() > s.UsedEnd {
+		s.UsedEnd = b.End()
+	}
 	c.countAllocated(b)
 	return b
 }

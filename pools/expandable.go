@@ -301,6 +301,31 @@ func (c *Cache) UnmapFree(p *BlockPool, m Mapper) error {
 	return nil
 }
 
+// TrimUnused unmaps the whole pages of p's free expandable blocks that lie
+// above their segment's UsedEnd: mapped ahead (the mapping unit) and never
+// handed out, so no work, captured or not, has touched them. The owner
+// calls it when a capture into p ends, so that mapping ahead costs the
+// graph's pool no memory; never while a capture is under way.
+func (c *Cache) TrimUnused(p *BlockPool, m Mapper) error {
+	var ds []Donor
+	p.Blocks.Ascend(func(b *Block) bool {
+		if s := b.Seg; s.Expandable && b.End() > s.UsedEnd {
+			lo, hi := wholePages(b)
+			lo = max(lo, roundUp(uint64(max(s.UsedEnd, s.Base)-s.Base), s.PageSize))
+			if hi > lo {
+				ds = append(ds, Donor{B: b, Lo: lo, Hi: hi})
+			}
+		}
+		return true
+	})
+	for _, d := range ds {
+		if err := c.unmapRange(d.B, d.Lo, d.Hi, m, false); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
 // HasUnmappable reports whether UnmapFree(p) would unmap anything: a free
 // block of an expandable segment with a whole page inside.
 func (c *Cache) HasUnmappable(p *BlockPool) bool {
