@@ -85,7 +85,7 @@ func load(path string) ([]op, int, error) {
 type result struct {
 	peakAlloc, peakRes    int64
 	maps, unmaps          int64
-	remaps                int64
+	remaps, stitches      int64
 	firstNs, laterNsPerOp float64
 	failed                int
 }
@@ -153,7 +153,7 @@ func replay(ops []op, slots int, conf string, repeats, lag int) (result, error) 
 	if err != nil {
 		return res, err
 	}
-	res.remaps = ss.Remaps
+	res.remaps, res.stitches = ss.Remaps, ss.Stitches
 	res.maps, res.unmaps = st.NumDeviceAlloc, st.NumDeviceFree
 	if repeats > 1 {
 		res.laterNsPerOp = float64(later.Nanoseconds()) / float64(len(ops)*(repeats-1))
@@ -234,8 +234,8 @@ func main() {
 		cs = confs{"", "expandable_segments:True,expandable_map_unit_mb:2", "expandable_segments:True", "stitch:True"}
 	}
 	fmt.Printf("cudapool on the simulator (80 GiB device, host time of this machine), %d passes per trace, GPU lag %d operations\n\n", *repeats, *lag)
-	fmt.Printf("| trace | configuration | peak allocated GiB | peak reserved GiB | reserved/allocated | map calls | unmap calls | remaps | first pass ms | later ns/op |\n")
-	fmt.Printf("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+	fmt.Printf("| trace | configuration | peak allocated GiB | peak reserved GiB | reserved/allocated | map calls | unmap calls | remaps | stitching misses | first pass ms | later ns/op |\n")
+	fmt.Printf("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
 	status := 0
 	for _, path := range flag.Args() {
 		ops, slots, err := load(path)
@@ -253,9 +253,9 @@ func main() {
 			if name == "" {
 				name = "(default)"
 			}
-			fmt.Printf("| %s | %s | %.2f | %.2f | %.3f | %d | %d | %d | %.1f | %.0f |\n", path, name,
+			fmt.Printf("| %s | %s | %.2f | %.2f | %.3f | %d | %d | %d | %d | %.1f | %.0f |\n", path, name,
 				float64(r.peakAlloc)/(1<<30), float64(r.peakRes)/(1<<30), float64(r.peakRes)/float64(max(r.peakAlloc, 1)),
-				r.maps, r.unmaps, r.remaps, r.firstNs/1e6, r.laterNsPerOp)
+				r.maps, r.unmaps, r.remaps, r.stitches, r.firstNs/1e6, r.laterNsPerOp)
 		}
 	}
 	if *graph > 0 {
