@@ -305,8 +305,10 @@ func (d *device) stitchFor(r *pools.Request, start *pools.Block, unit uint64) ui
 }
 
 // countRemaps records that Map used moved handles: used of the donated
-// ones (in pages of page bytes). Leftover handles are released at once.
-// d.mu is held; never during a capture.
+// ones (in pages of page bytes). Leftover handles are released at once
+// (Map uses every spare unless the driver failed; a lent handle released
+// then keeps its memory until its old mapping goes at unlend, and the
+// driver counts it meanwhile). d.mu is held; never during a capture.
 func (d *device) countRemaps(donated, used, page uint64) {
 	n := min(donated/page, used)
 	if n > 0 {

@@ -16,7 +16,9 @@
 //	free           in its BlockPool's free set, ordered by (stream, size,
 //	               address), so best fit on a stream is a lower-bound search
 //	unmapped       (expandable segments only) address space with no memory
-//	               behind it, in its BlockPool's Unmapped set
+//	               behind it, in its BlockPool's Unmapped set; or lent
+//	               (Lent): its memory was moved by stitching while its old
+//	               mapping waits to be unmapped, in no set
 //
 // Adjacent free blocks of one segment are merged at once, so two neighbours
 // are never both free. A block is reused only by the stream it was allocated

@@ -30,12 +30,23 @@ import (
 // Growth (no mapped free block fits): FindExpandable picks, on the request's
 // stream, the lowest-addressed unmapped block that, with the free mapped
 // block just before it and the free and unmapped blocks after it, spans the
-// request; MapExpandable maps just enough pages at its start, merging each
-// newly mapped piece with the free mapped neighbours, until one free block
-// covers the request. With no such room the owner reserves a new segment
-// (AddExpandable). Best fit prefers, among blocks that fit, one that is not
-// the growing end of a segment (preferInterior), so that the end stays free
-// to grow.
+// request; MapExpandable maps pages at its start, merging each newly mapped
+// piece with the free mapped neighbours, until one free block covers the
+// request: at least the owner's mapping unit per Mapper call where there
+// is room (one call per unmapped block, fewer calls for many small
+// growths), or just the pages needed when the memory fraction or the
+// device has no room for more. With no such room the owner reserves a new
+// segment (AddExpandable). Best fit prefers, among blocks that fit, one
+// that is not the growing end of a segment (preferInterior), so that the
+// end stays free to grow. Segment.UsedEnd remembers the highest byte ever
+// handed out; TrimUnused unmaps the pages mapped ahead above it, which no
+// work has touched, when a capture into the pool ends.
+//
+// Stitching (stitch.go) may take whole pages out of free mapped blocks,
+// unmapping them, or lending them: a lent block (Block.Lent) is unmapped
+// for the pools' purposes but its old mapping still exists, so it is in no
+// set, is never merged, mapped or counted as free, until the owner has
+// unmapped the old mapping and calls Unlend.
 //
 // Release (empty_cache, the OOM retry; never during a capture): UnmapFree
 // unmaps the whole pages inside each free mapped block; the partial pages at
