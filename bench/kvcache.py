@@ -150,7 +150,7 @@ def generate(args, out):
     return t, steps
 
 
-def main(argv=None):
+def parser():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", help="trace file to write ('-' for stdout)")
     ap.add_argument("--seed", type=int, default=1)
@@ -166,6 +166,11 @@ def main(argv=None):
     ap.add_argument("--output-max", type=int, default=768)
     ap.add_argument("--prefill-stream", type=int, default=0,
                     help="trace stream of the prefills (0: the decode stream)")
+    return ap
+
+
+def main(argv=None):
+    ap = parser()
     args = ap.parse_args(argv)
     if min(args.requests, args.layers, args.hidden, args.vocab, args.max_batch, args.grow,
            args.prompt_min, args.output_min) < 1 or args.prompt_max < args.prompt_min \
