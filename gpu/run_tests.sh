@@ -44,6 +44,10 @@ step torch bash python/gpu/run_gpu_tests.sh
 if [ "${EXPANDABLE:-1}" = 1 ]; then
     step torch_exp env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True bash python/gpu/run_gpu_tests.sh
 fi
+# STITCH=1: once more with stitch:True (docs/fragmentation.md).
+if [ "${STITCH:-0}" = 1 ]; then
+    step torch_stitch env CUDAPOOL_CONF=stitch:True bash python/gpu/run_gpu_tests.sh
+fi
 if [ "${RECORD_TRACE:-0}" = 1 ]; then
     step trace python3 bench/record_trace.py "$OUT/trace.txt" 3
 fi
