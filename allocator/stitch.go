@@ -246,9 +246,9 @@ func (d *device) stitchPrepare() {
 
 // stitchFor unmaps or lends, keeping their physical memory in d.spare, up
 // to the pages that growing r from start would map above the limit, taken
-// from free holes of the default pools; it returns the bytes it took. start's run is left
-// alone, but the blocks around it may have changed: the caller looks for
-// its run again. Never during a capture. d.mu is held.
+// from free holes of the default pools; it returns the bytes it took.
+// start's run is left alone, but the blocks around it may have changed:
+// the caller looks for its run again. Never during a capture. d.mu is held.
 func (d *device) stitchFor(r *pools.Request, start *pools.Block, unit uint64) uint64 {
 	want := d.cache.GrowthNeed(r, start, unit)
 	// Only what would raise reserved memory above the limit moves: below
