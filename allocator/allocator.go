@@ -120,6 +120,8 @@ type device struct {
 	spare          []cuda.MemHandle // created, unmapped, for the next Map
 	handles        []cuda.MemHandle // Map's scratch space
 	mapper         vmmMapper
+	mapUnitCfg     uint64      // expandable_map_unit_mb, in bytes
+	stitch         stitchState // stitch:True (stitch.go)
 	warn           func(string)
 
 	// sources supply the segments of private pools that have their own
@@ -165,7 +167,8 @@ func New(drv Driver, cfg Config) (*Allocator, error) {
 		}
 		d.ret = d.returnBlock
 		d.vmm, _ = drv.(vmmDriver)
-		d.wantExpandable = cfg.ExpandableSegments
+		d.wantExpandable = cfg.ExpandableSegments || cfg.Stitch
+		d.mapUnitCfg, d.stitch.on = cfg.ExpandableMapUnit, cfg.Stitch
 		d.reuse.on = cfg.GraphCaptureRecordStreamReuse
 		d.fraction, d.fractionPending = cfg.MemoryFraction, cfg.MemoryFractionSet
 		d.mapper = vmmMapper{d}
@@ -204,7 +207,8 @@ func (a *Allocator) Configure(cfg Config) {
 		d.mu.Lock()
 		d.cache.SetConfig(cfg.Pools)
 		d.debug = cfg.DebugChecks
-		d.wantExpandable = cfg.ExpandableSegments
+		d.wantExpandable = cfg.ExpandableSegments || cfg.Stitch
+		d.mapUnitCfg, d.stitch.on = cfg.ExpandableMapUnit, cfg.Stitch
 		d.reuse.on = cfg.GraphCaptureRecordStreamReuse
 		if cfg.MemoryFractionSet {
 			d.fraction, d.fractionPending = cfg.MemoryFraction, true
@@ -604,6 +608,7 @@ func (a *Allocator) EndAllocateToPool(dev int, id PoolID) error {
 		return poolError("end_allocate_to_pool", err)
 	}
 	d.countCaptures()
+	d.trimUnused(id)
 	return nil
 }
 

@@ -18,6 +18,15 @@ type Config struct {
 	// (see expandable.go). Without the driver's virtual memory management
 	// API it falls back to ordinary segments with a warning.
 	ExpandableSegments bool
+	// ExpandableMapUnit is the least that growth maps at once in the large
+	// pools of expandable segments, in bytes (a multiple of 2 MiB).
+	// cudapool's own key: expandable_map_unit_mb (default 20, PyTorch's
+	// large-pool page; 2 maps page by page). See allocator/expandable.go.
+	ExpandableMapUnit uint64
+	// Stitch moves free physical pages of expandable segments to where a
+	// miss needs them before mapping new memory (stitch.go). It implies
+	// expandable segments. cudapool's own key: stitch.
+	Stitch bool
 	// ReleaseLockOnMalloc is accepted for compatibility; cudapool keeps the
 	// device lock across the driver allocation.
 	ReleaseLockOnMalloc bool
@@ -43,7 +52,12 @@ type Config struct {
 }
 
 // DefaultConfig is PyTorch's default configuration.
-func DefaultConfig() Config { return Config{Pools: pools.DefaultConfig()} }
+func DefaultConfig() Config {
+	return Config{Pools: pools.DefaultConfig(), ExpandableMapUnit: DefaultMapUnit}
+}
+
+// DefaultMapUnit is expandable_map_unit_mb's default, in bytes.
+const DefaultMapUnit = 20 << 20
 
 // ParseConfig parses a PYTORCH_CUDA_ALLOC_CONF string on top of the
 // defaults. Unknown keys are not an error; they come back in warnings, with
@@ -144,6 +158,26 @@ func (c *Config) set(key, val string) (warning string, err error) {
 			return "", err
 		}
 		c.ExpandableSegments = b
+	case "expandable_map_unit_mb":
+		n, err := parseUint(key, val)
+		if err != nil {
+			return "", err
+		}
+		if n == 0 || n%2 != 0 || n > 1<<20 {
+			return "", configError("expandable_map_unit_mb=%d: it must be a positive multiple of 2 (MiB), at most %d", n, 1<<20)
+		}
+		c.ExpandableMapUnit = n * mb
+	case "stitch":
+		b, err := parseBool(key, val)
+		if err != nil {
+			return "", err
+		}
+		c.Stitch = b
+		if b {
+			// Stitching moves pages of expandable segments: what the
+			// settings report (snapshot, PyTorch's class) says so.
+			c.ExpandableSegments = true
+		}
 	case "release_lock_on_cudamalloc":
 		b, err := parseBool(key, val)
 		if err != nil {
@@ -313,6 +347,12 @@ func (c Config) String() string {
 	}
 	if c.ExpandableSegments {
 		parts = append(parts, "expandable_segments:True")
+	}
+	if c.ExpandableMapUnit != DefaultMapUnit {
+		parts = append(parts, fmt.Sprintf("expandable_map_unit_mb:%d", c.ExpandableMapUnit>>20))
+	}
+	if c.Stitch {
+		parts = append(parts, "stitch:True")
 	}
 	if c.MemoryFractionSet {
 		parts = append(parts, fmt.Sprintf("per_process_memory_fraction:%g", c.MemoryFraction))

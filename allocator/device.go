@@ -296,12 +296,15 @@ func (d *device) releaseCached(op string) error {
 	if err := d.releaseOrphans(op); err != nil {
 		return err
 	}
+	if err := d.releaseStitch(); err != nil {
+		return err
+	}
 	free := d.freeSeg
 	for _, p := range []*pools.BlockPool{d.cache.Large, d.cache.Small} {
 		if err := d.cache.ReleasePool(p, free); err != nil {
 			return driverError(op, err, "freeing cached segments on device %d", d.id)
 		}
-		if err := d.cache.UnmapFree(p, d.mapper); err != nil {
+		if err := d.unmapFree(p); err != nil {
 			return driverError(op, err, "unmapping the free pages of expandable segments on device %d", d.id)
 		}
 	}
@@ -332,7 +335,7 @@ func (d *device) releasePrivate(op string, pp *privatepool.Pool) error {
 		if err := d.cache.ReleasePool(p, d.freeFor(p)); err != nil {
 			return driverError(op, err, "freeing the segments of released pool {%d,%d} on device %d", pp.ID.A, pp.ID.B, d.id)
 		}
-		if err := d.cache.UnmapFree(p, d.mapper); err != nil {
+		if err := d.unmapFree(p); err != nil {
 			return driverError(op, err, "unmapping the pages of released pool {%d,%d} on device %d", pp.ID.A, pp.ID.B, d.id)
 		}
 	}

@@ -1,6 +1,7 @@
 package allocator
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
 
@@ -73,6 +74,9 @@ func (d *device) expandable() bool {
 // Running out of memory (or of the memory fraction) is (nil, nil), as in
 // newSegment. d.mu is held.
 func (d *device) growExpandable(r *pools.Request, capturing bool) (*pools.Block, error) {
+	if d.stitch.on && !capturing {
+		d.stitchPrepare()
+	}
 	start := d.cache.FindExpandable(r)
 	if start == nil {
 		size, err := d.reserveSize(r)
@@ -92,12 +96,27 @@ func (d *device) growExpandable(r *pools.Request, capturing bool) (*pools.Block,
 		}
 		start = d.cache.AddExpandable(r, p, size, d.page)
 	}
+	unit := d.mapUnit(r)
+	var donated uint64
+	if d.stitch.on && !capturing {
+		if r.Pool == d.cache.Large || r.Pool == d.cache.Small {
+			d.watch(r.Stream)
+		}
+		if donated = d.stitchFor(r, start, unit); donated > 0 {
+			start = d.cache.FindExpandable(r) // the blocks around start may have merged
+		}
+	}
 	var b *pools.Block
 	d.mapCapturing = capturing
+	spares := len(d.spare)
 	err := d.withThreadRelaxed(func() (err error) {
-		b, err = d.cache.MapExpandable(r, start, d.mapper)
+		b, err = d.cache.MapExpandable(r, start, d.mapper, unit)
 		return err
 	})
+	if donated > 0 {
+		d.countRemaps(donated, uint64(max(spares-len(d.spare), 0)), d.page)
+	}
+	d.stitch.limit = max(d.stitch.limit, d.cache.Reserved)
 	switch {
 	case errors.Is(err, cuda.ErrOutOfMemory), errors.Is(err, pools.ErrFraction):
 		return nil, nil
@@ -105,6 +124,54 @@ func (d *device) growExpandable(r *pools.Request, capturing bool) (*pools.Block,
 		return nil, driverError("malloc", err, "mapping memory for a %d-byte block on device %d", r.Size, d.id)
 	}
 	return b, nil
+}
+
+// mapUnit is the least that growth maps at once in r's pool: the
+// configured unit (expandable_map_unit_mb, 20 MiB by default, as PyTorch's
+// large-pool pages) in large pools, one page in small ones, whose requests
+// need less than a page. One Map call costs a cuMemSetAccess (about 26 us)
+// whatever its size, so a capture that grows a pool by many small steps
+// pays for every step; mapping ahead trades up to one unit of free mapped
+// memory per range for fewer calls. d.mu is held.
+func (d *device) mapUnit(r *pools.Request) uint64 {
+	if r.Pool.Small {
+		return d.page
+	}
+	return (max(d.mapUnitCfg, d.page) + d.page - 1) / d.page * d.page
+}
+
+// trimUnused gives back, when routing to pool id ends and no capture is
+// under way, the pages its large pool mapped ahead and never handed out
+// (pools.TrimUnused): a graph's pool then holds what its allocations
+// needed, in whole pages, whatever the mapping unit. No work has touched
+// those pages, so no synchronize is needed. d.mu is held.
+func (d *device) trimUnused(id PoolID) {
+	if d.vmmState != 1 || d.mapUnitCfg <= d.page || d.capturing() {
+		return
+	}
+	pp := d.graphs.Pools.Get(id)
+	if pp == nil {
+		return
+	}
+	if err := d.cache.TrimUnused(pp.Large, d.mapper); err != nil {
+		d.warn(driverError("end_allocate_to_pool", err, "unmapping pages mapped ahead in pool {%d,%d} on device %d", id.A, id.B, d.id).Error())
+	}
+}
+
+// unmapFree unmaps the free pages of p's expandable segments (UnmapFree),
+// after synchronizing the device if there is anything to unmap: unlike
+// cuMemFree, cuMemUnmap does not wait for work still using the memory
+// (PyTorch synchronizes too). Never during a capture. d.mu is held.
+func (d *device) unmapFree(p *pools.BlockPool) error {
+	if d.vmmState != 1 {
+		return nil
+	}
+	if d.cache.HasUnmappable(p) {
+		if err := d.drv.DeviceSynchronize(d.id); err != nil {
+			return err
+		}
+	}
+	return d.cache.UnmapFree(p, d.mapper)
 }
 
 // reserveSize is the address range reserved for a new expandable segment
@@ -132,22 +199,32 @@ type vmmMapper struct{ d *device }
 // made are released at once, or, during a capture (when nothing may be
 // released), kept as spares for the next Map. It does not start when the
 // driver reports too little free memory, so that a request that cannot fit
-// does not take the device's last pages with it.
+// does not take the device's last pages with it. Spare handles (moved by
+// stitching, or left by a capture) are used first and mapped even when the
+// rest cannot be had (the error is then returned after): they take no new
+// memory, and a handle lent by stitching must not be released while its
+// old mapping lives (stitch.go).
 func (m vmmMapper) Map(seg *pools.Segment, off, size uint64) (uint64, error) {
 	d, page := m.d, seg.PageSize
 	base := seg.Base + cuda.Ptr(off)
 	n := int(size / page)
+	var short error // set: map only the spares, then fail with it
 	if fresh := uint64(max(n-len(d.spare), 0)) * page; fresh > 0 {
 		if free, _, err := d.drv.MemGetInfo(d.id); err == nil && free < fresh {
-			return 0, cuda.ErrOutOfMemory
+			if len(d.spare) == 0 {
+				return 0, cuda.ErrOutOfMemory
+			}
+			n, short = len(d.spare), cuda.ErrOutOfMemory
 		}
 	}
 	hs := d.handles[:0]
+	spares := 0
 	var err error
 	for len(hs) < n {
 		if k := len(d.spare); k > 0 {
 			hs = append(hs, d.spare[k-1])
 			d.spare = d.spare[:k-1]
+			spares++
 			continue
 		}
 		var h cuda.MemHandle
@@ -158,8 +235,11 @@ func (m vmmMapper) Map(seg *pools.Segment, off, size uint64) (uint64, error) {
 	}
 	d.handles = hs[:0]
 	if err != nil {
-		d.dropHandles(hs)
-		return 0, err
+		if spares == 0 {
+			d.dropHandles(hs)
+			return 0, err
+		}
+		short = err // map what there is
 	}
 	var done uint64
 	for i, h := range hs {
@@ -187,7 +267,7 @@ func (m vmmMapper) Map(seg *pools.Segment, off, size uint64) (uint64, error) {
 		// The segment's context is the one that mapped its start.
 		seg.Context = d.hist.op
 	}
-	return done, err
+	return done, cmp.Or(err, short)
 }
 
 // dropHandles gives back handles that were not mapped: at once, or, while a
@@ -217,7 +297,9 @@ func (m vmmMapper) Unmap(seg *pools.Segment, off, size uint64) (uint64, error) {
 		}
 		h := seg.Pages[i]
 		seg.Pages[i] = 0
-		if rerr := d.vmm.MemRelease(d.id, h); rerr != nil {
+		if d.stitch.keep {
+			d.spare = append(d.spare, h) // to be mapped again (stitch.go)
+		} else if rerr := d.vmm.MemRelease(d.id, h); rerr != nil {
 			d.spare = append(d.spare, h)
 		}
 	}
@@ -232,6 +314,19 @@ func (m vmmMapper) Unmap(seg *pools.Segment, off, size uint64) (uint64, error) {
 		d.record(actionSegmentUnmap, seg.Base+cuda.Ptr(off), o-off, seg.Stream, seg.Pool.ID, d.hist.ctxOr(own))
 	}
 	return o - off, err
+}
+
+// Lend moves the handles of the pages of the range to d.spare, for the
+// Map that follows; the old mapping stays until the stream's work allows
+// unmapping it (stitch.go: lent).
+func (m vmmMapper) Lend(seg *pools.Segment, off, size uint64) {
+	d, page := m.d, seg.PageSize
+	for o := off; o < off+size; o += page {
+		i := o / page
+		d.spare = append(d.spare, seg.Pages[i])
+		seg.Pages[i] = 0
+	}
+	d.record(actionSegmentUnmap, seg.Base+cuda.Ptr(off), size, seg.Stream, seg.Pool.ID, d.hist.op)
 }
 
 // Free gives back a range with nothing mapped.

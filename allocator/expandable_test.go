@@ -11,7 +11,7 @@ import (
 	"github.com/stretchr/testify/require"
 )
 
-const expandable = "expandable_segments:True"
+const expandable = "expandable_segments:True,expandable_map_unit_mb:2" // page by page
 
 // Blocks grow across page boundaries inside one mapped range; nothing is
 // allocated with cuMemAlloc, and reserved memory is mapped memory.

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"math/rand"
 	"sort"
+	"strings"
 	"testing"
 
 	"github.com/cudapool/cudapool/allocator"
@@ -123,6 +124,9 @@ func (m *machine) malloc(dev int, s cuda.Stream) {
 	require.False(m.t, dup, "pointer %#x handed out twice", p)
 	m.live[p] = liveAlloc{dev, size, s}
 	m.ptrs = append(m.ptrs, p)
+	// A kernel writes the block on its stream: the simulator refuses to
+	// unmap the memory until that work completes.
+	m.drv.Use(dev, s, p, size)
 }
 
 func (m *machine) pick() (cuda.Ptr, liveAlloc, int) {
@@ -280,20 +284,35 @@ func TestRandomizedInvariants(t *testing.T) {
 	confs := []string{"", "max_split_size_mb:32", "roundup_power2_divisions:4,free_set:sorted",
 		"garbage_collection_threshold:0.7", "max_split_size_mb:20,max_non_split_rounding_mb:4",
 		"expandable_segments:True", "expandable_segments:True,max_split_size_mb:32,free_set:sorted",
-		"expandable_segments:True,garbage_collection_threshold:0.7,roundup_power2_divisions:4"}
+		"expandable_segments:True,garbage_collection_threshold:0.7,roundup_power2_divisions:4",
+		"stitch:True", "stitch:True,expandable_map_unit_mb:2,max_split_size_mb:32",
+		"stitch:True,garbage_collection_threshold:0.7,free_set:sorted"}
 	seeds := 12
 	if testing.Short() {
 		seeds = 3
 	}
 	for _, conf := range confs {
+		var moved, lent int64 // stitching's remaps, over the seeds
 		for seed := 0; seed < seeds; seed++ {
 			rng := rand.New(rand.NewSource(int64(seed)))
 			data := make([]byte, 6000)
 			rng.Read(data)
 			t.Run(conf+"/"+string(rune('a'+seed)), func(t *testing.T) {
 				lockThread(t)
-				newMachine(t, conf, data).run()
+				m := newMachine(t, conf, data)
+				m.run()
+				for dev := 0; dev < devices; dev++ {
+					st, err := m.a.StitchStats(dev)
+					require.NoError(t, err)
+					moved += st.Remaps - st.Lent
+					lent += st.Lent
+				}
 			})
+		}
+		if strings.Contains(conf, "stitch:True") {
+			// The runs did exercise both ways of moving pages.
+			require.Positive(t, moved, "%s: pages unmapped and moved", conf)
+			require.Positive(t, lent, "%s: pages lent", conf)
 		}
 	}
 }
@@ -307,10 +326,11 @@ func FuzzAllocator(f *testing.F) {
 	f.Add(seed)
 	f.Fuzz(func(t *testing.T, data []byte) {
 		lockThread(t)
-		// The first byte picks ordinary or expandable segments.
+		// The first byte picks ordinary or expandable segments, or
+		// stitching.
 		conf := ""
-		if len(data) > 0 && data[0]%2 == 1 {
-			conf = "expandable_segments:True"
+		if len(data) > 0 {
+			conf = [...]string{"", "expandable_segments:True", "stitch:True", "stitch:True,expandable_map_unit_mb:2"}[data[0]%4]
 		}
 		newMachine(t, conf, data).run()
 	})

@@ -147,6 +147,12 @@ func (a *Allocator) SnapshotOf(pool *PoolID, includeTraces bool) Snapshot {
 			snap.DeviceTraces[d.id] = traceEntries(d.id, tr)
 		}
 	}
+	remaps, lent := make([]int64, len(a.devs)), make([]int64, len(a.devs))
+	for i, d := range a.devs {
+		d.mu.Lock()
+		remaps[i], lent[i] = d.stitch.stats.Remaps, d.stitch.stats.Lent
+		d.mu.Unlock()
+	}
 	cfg := a.Config()
 	p := cfg.Pools
 	maxSplit := int64(-1)
@@ -160,6 +166,12 @@ func (a *Allocator) SnapshotOf(pool *PoolID, includeTraces bool) Snapshot {
 		"expandable_segments":          cfg.ExpandableSegments,
 		"roundup_power2_divisions":     p.RoundupDivisions,
 		"record_history":               cfg.HistoryEntries,
+		// cudapool's own: stitching and each device's count of pages
+		// moved, and of those lent (stitch.go).
+		"stitch":                 cfg.Stitch,
+		"expandable_map_unit_mb": cfg.ExpandableMapUnit >> 20,
+		"stitch_remaps":          remaps,
+		"stitch_lent":            lent,
 	}
 	return snap
 }

@@ -166,8 +166,14 @@ static int bk_current(long long *alloc, long long *res) {
 
 static void bk_trace_extras(char *buf, size_t len) {
 	char *js = cudapool_memory_stats_json(0);
-	snprintf(buf, len, "\"trace_device_allocs\":%lld,\"trace_alloc_retries\":%lld", stat_of(js, "num_device_alloc"),
-	         stat_of(js, "num_alloc_retries"));
+	/* Stitching's page moves on device 0: the snapshot's
+	 * allocator_settings.stitch_remaps, a list per device. */
+	char *snap = cudapool_snapshot_json();
+	const char *r = snap ? strstr(snap, "\"stitch_remaps\":[") : NULL;
+	long long remaps = r ? strtoll(r + strlen("\"stitch_remaps\":["), NULL, 10) : -1;
+	snprintf(buf, len, "\"trace_device_allocs\":%lld,\"trace_alloc_retries\":%lld,\"trace_stitch_remaps\":%lld",
+	         stat_of(js, "num_device_alloc"), stat_of(js, "num_alloc_retries"), remaps);
+	cudapool_string_free(snap);
 	cudapool_string_free(js);
 }
 

@@ -57,9 +57,20 @@ CONFIGS = {
     "cudapool": None,
     # cudapool with expandable_segments:True (set through cudapool.configure).
     "cudapool_exp": None,
+    # The same mapping page by page (the mapping unit before issue 12), and
+    # with stitching (docs/fragmentation.md): gpu/bench_stitch_train.sh.
+    "cudapool_exp2": None,
+    "cudapool_stitch": None,
     # A trivial C pluggable allocator (bench/floor_alloc.c): what PyTorch's
     # CUDAPluggableAllocator path costs by itself. Only the 4 KiB loop.
     "floor": None,
+}
+# cudapool's configurations and their settings (through cudapool.configure).
+CUDAPOOL_CONFS = {
+    "cudapool": "",
+    "cudapool_exp": "expandable_segments:True",
+    "cudapool_exp2": "expandable_segments:True,expandable_map_unit_mb:2",
+    "cudapool_stitch": "stitch:True",
 }
 SECTIONS = ("train", "graph", "empty")
 VOCAB = 16384
@@ -273,14 +284,14 @@ def main(argv=None):
     t_start = time.perf_counter()
     meta = {"alloc_conf": CONFIGS[cfg] if CONFIGS[cfg] is not None else "cudapool"}
     try:
-        if cfg in ("cudapool", "cudapool_exp"):
+        if cfg in CUDAPOOL_CONFS:
             sys.path.insert(0, os.path.join(REPO, "python"))
             import cudapool
 
             cudapool.install()
-            if cfg == "cudapool_exp":
-                cudapool.configure("expandable_segments:True")
-                meta["alloc_conf"] = "cudapool expandable_segments:True"
+            if CUDAPOOL_CONFS[cfg]:
+                cudapool.configure(CUDAPOOL_CONFS[cfg])
+                meta["alloc_conf"] = "cudapool " + CUDAPOOL_CONFS[cfg]
             meta["cudapool_library"] = cudapool.library_path()
         import torch
 

@@ -45,6 +45,10 @@ step torch bash python/gpu/run_gpu_tests.sh
 if [ "${EXPANDABLE:-1}" = 1 ]; then
     step torch_exp env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True bash python/gpu/run_gpu_tests.sh
 fi
+# STITCH=1: once more with stitch:True (docs/fragmentation.md).
+if [ "${STITCH:-0}" = 1 ]; then
+    step torch_stitch env CUDAPOOL_CONF=stitch:True bash python/gpu/run_gpu_tests.sh
+fi
 # The soak of issue 16 (native beside cudapool, the C twin, the record_stream
 # race) when SOAK_S is set; SEGMENTS picks the segment kinds (gpu/soak.sh).
 if [ -n "${SOAK_S:-}" ]; then

@@ -230,7 +230,7 @@ static void test_oom(void) {
  * unannounced capture detection stops at the first announcement). */
 static void test_expandable(CUstream s1, CUstream cs) {
   cudapool_empty_cache();
-  CHECK(cudapool_configure("expandable_segments:True") == 0, "configure expandable_segments:True (%s)", lasterr());
+  CHECK(cudapool_configure("expandable_segments:True,expandable_map_unit_mb:2") == 0, "configure expandable_segments:True, page by page (%s)", lasterr());
   const unsigned n = (3u << 20) / 4;
   void *a = cudapool_malloc(3u << 20, 0, (cudapool_stream)s1);
   void *b = cudapool_malloc(3u << 20, 0, (cudapool_stream)s1);

@@ -16,7 +16,9 @@
 //	free           in its BlockPool's free set, ordered by (stream, size,
 //	               address), so best fit on a stream is a lower-bound search
 //	unmapped       (expandable segments only) address space with no memory
-//	               behind it, in its BlockPool's Unmapped set
+//	               behind it, in its BlockPool's Unmapped set; or lent
+//	               (Lent): its memory was moved by stitching while its old
+//	               mapping waits to be unmapped, in no set
 //
 // Adjacent free blocks of one segment are merged at once, so two neighbours
 // are never both free. A block is reused only by the stream it was allocated
@@ -61,6 +63,10 @@ type Segment struct {
 	PageSize   uint64
 	Mapped     uint64
 	Pages      []cuda.MemHandle
+	// UsedEnd is the end of the highest block ever handed out in an
+	// expandable segment: memory above it was mapped but never used
+	// (TrimUnused).
+	UsedEnd cuda.Ptr
 
 	// Context is the owner's opaque id of the caller's context (stack)
 	// when the segment was allocated, or its first page mapped; 0: none.
@@ -83,7 +89,12 @@ type Block struct {
 	Allocated bool
 	// Unmapped marks a block of an expandable segment with no memory
 	// behind it: it is in its pool's Unmapped set, not in Blocks.
-	Unmapped  bool
+	Unmapped bool
+	// Lent marks an unmapped block whose pages' physical memory was lent
+	// to another range by stitching while their old mapping waits to be
+	// unmapped (pools/stitch.go): in no set, neither free nor mappable
+	// until Unlend.
+	Lent      bool
 	Requested uint64 // the size the user asked for (allocated blocks)
 	Context   uint64 // opaque id of the caller's context (stack) when allocated; 0: none
 	Pool      *BlockPool
@@ -98,6 +109,11 @@ type Block struct {
 	Uses StreamSet
 
 	gcBase uint64 // Pool.freeCalls when the block became free
+	// FreedAt is the Cache's Clock when the block last became free (a free
+	// block's every byte has been free since then): stitching (stitch.go)
+	// compares it with the clock at which a stream's marker event was
+	// recorded.
+	FreedAt uint64
 }
 
 // IsSplit reports whether the block shares its segment with other blocks.

@@ -56,6 +56,9 @@ type Cache struct {
 	fraction    float64
 	fractionSet bool
 
+	// clock orders frees and stitching's marker events (Tick, FreedAt).
+	clock uint64
+
 	active   ptrMap                // allocated blocks by address
 	segments map[cuda.Ptr]*Segment // live segments by base address
 	spare    []*Block              // recycled Block structs
@@ -229,7 +232,9 @@ func (c *Cache) Allocate(r *Request, b *Block) *Block {
 		rest.Prev = b
 		rest.Ptr += cuda.Ptr(r.Size)
 		rest.Size -= r.Size
+		freedAt := rest.FreedAt
 		c.insertFree(rest)
+		rest.FreedAt = freedAt // free all along
 		if b.Seg.Expandable {
 			// inactive_split leaves expandable segments out, as PyTorch
 			// does: their free pages can always be given back.
@@ -247,6 +252,9 @@ func (c *Cache) Allocate(r *Request, b *Block) *Block {
 	}
 	b.Allocated = true
 	b.Requested = r.Requested
+	if s := b.Seg; s.Expandable && b.End() > s.UsedEnd {
+		s.UsedEnd = b.End()
+	}
 	c.countAllocated(b)
 	return b
 }
@@ -349,6 +357,7 @@ func (c *Cache) tryMerge(b, n *Block) uint64 {
 
 func (c *Cache) insertFree(b *Block) {
 	b.gcBase = b.Pool.freeCalls
+	b.FreedAt = c.clock
 	b.Pool.Blocks.Insert(b)
 }
 
@@ -580,12 +589,14 @@ func (c *Cache) Check() error {
 					return fmt.Errorf("block %#x: unmapped in an ordinary segment", b.Ptr)
 				case uint64(b.Ptr-s.Base)%s.PageSize != 0 || b.Size%s.PageSize != 0:
 					return fmt.Errorf("unmapped block %#x+%d: not whole pages", b.Ptr, b.Size)
-				case b.Active() || !b.inSet:
-					return fmt.Errorf("unmapped block %#x: active=%v, in its set=%v", b.Ptr, b.Active(), b.inSet)
-				case b.Next != nil && b.Next.Unmapped:
+				case b.Active() || b.inSet == b.Lent:
+					return fmt.Errorf("unmapped block %#x: active=%v, in its set=%v, lent=%v", b.Ptr, b.Active(), b.inSet, b.Lent)
+				case b.Next != nil && b.Next.Unmapped && !b.Lent && !b.Next.Lent:
 					return fmt.Errorf("unmapped blocks %#x and %#x not merged", b.Ptr, b.Next.Ptr)
 				}
-				unmapped[b.Pool]++
+				if !b.Lent {
+					unmapped[b.Pool]++
+				}
 				continue
 			}
 			mapped += b.Size

@@ -30,12 +30,23 @@ import (
 // Growth (no mapped free block fits): FindExpandable picks, on the request's
 // stream, the lowest-addressed unmapped block that, with the free mapped
 // block just before it and the free and unmapped blocks after it, spans the
-// request; MapExpandable maps just enough pages at its start, merging each
-// newly mapped piece with the free mapped neighbours, until one free block
-// covers the request. With no such room the owner reserves a new segment
-// (AddExpandable). Best fit prefers, among blocks that fit, one that is not
-// the growing end of a segment (preferInterior), so that the end stays free
-// to grow.
+// request; MapExpandable maps pages at its start, merging each newly mapped
+// piece with the free mapped neighbours, until one free block covers the
+// request: at least the owner's mapping unit per Mapper call where there
+// is room (one call per unmapped block, fewer calls for many small
+// growths), or just the pages needed when the memory fraction or the
+// device has no room for more. With no such room the owner reserves a new
+// segment (AddExpandable). Best fit prefers, among blocks that fit, one
+// that is not the growing end of a segment (preferInterior), so that the
+// end stays free to grow. Segment.UsedEnd remembers the highest byte ever
+// handed out; TrimUnused unmaps the pages mapped ahead above it, which no
+// work has touched, when a capture into the pool ends.
+//
+// Stitching (stitch.go) may take whole pages out of free mapped blocks,
+// unmapping them, or lending them: a lent block (Block.Lent) is unmapped
+// for the pools' purposes but its old mapping still exists, so it is in no
+// set, is never merged, mapped or counted as free, until the owner has
+// unmapped the old mapping and calls Unlend.
 //
 // Release (empty_cache, the OOM retry; never during a capture): UnmapFree
 // unmaps the whole pages inside each free mapped block; the partial pages at
@@ -64,6 +75,10 @@ type Mapper interface {
 	Unmap(seg *Segment, off, size uint64) (uint64, error)
 	// Free gives back the address range of seg, which has nothing mapped.
 	Free(seg *Segment) error
+	// Lend takes the physical memory of the pages of [seg.Base+off, +size)
+	// for a mapping elsewhere (stitching); their old mapping stays until
+	// the owner unmaps it (Unlend).
+	Lend(seg *Segment, off, size uint64)
 }
 
 // ErrFraction is MapExpandable's answer when mapping would exceed the
@@ -85,8 +100,9 @@ func (c *Cache) AddExpandable(r *Request, base cuda.Ptr, size, page uint64) *Blo
 	return b
 }
 
-// allocatable reports whether b is free, mapped or not.
-func allocatable(b *Block) bool { return b != nil && !b.Active() }
+// allocatable reports whether b is free, mapped or not (a lent block is
+// neither).
+func allocatable(b *Block) bool { return b != nil && !b.Active() && !b.Lent }
 
 // FindExpandable returns the start of the lowest-addressed run of free and
 // unmapped blocks on r's stream, in r's pool, that contains an unmapped
@@ -115,14 +131,17 @@ func (c *Cache) FindExpandable(r *Request) *Block {
 
 // MapExpandable maps pages at the start of the run that FindExpandable (or
 // AddExpandable) returned until one free block covers r, and returns that
-// block, out of the free set and ready for Allocate. On an error (the
-// Mapper's, or ErrFraction) the pages mapped so far stay mapped as free
-// blocks.
-func (c *Cache) MapExpandable(r *Request, start *Block, m Mapper) (*Block, error) {
+// block, out of the free set and ready for Allocate. Each unmapped block is
+// mapped in one Mapper call of at least unit bytes where it has room (the
+// mapping unit: fewer, larger calls; see allocator/expandable.go), so up
+// to unit bytes beyond the request may end up mapped and free. On an
+// error (the Mapper's, or ErrFraction) the pages mapped so far stay mapped
+// as free blocks.
+func (c *Cache) MapExpandable(r *Request, start *Block, m Mapper, unit uint64) (*Block, error) {
 	b := start
 	if b.Unmapped {
 		var err error
-		if b, err = c.mapBlock(b, min(b.Size, r.Size), m); err != nil {
+		if b, err = c.mapAhead(b, r.Size, unit, m); err != nil {
 			return nil, err
 		}
 	}
@@ -131,7 +150,7 @@ func (c *Cache) MapExpandable(r *Request, start *Block, m Mapper) (*Block, error
 		// block, which mapBlock maps and merges into b.
 		next := b.Next
 		var err error
-		if b, err = c.mapBlock(next, min(next.Size, r.Size-b.Size), m); err != nil {
+		if b, err = c.mapAhead(next, r.Size-b.Size, unit, m); err != nil {
 			return nil, err
 		}
 	}
@@ -139,24 +158,67 @@ func (c *Cache) MapExpandable(r *Request, start *Block, m Mapper) (*Block, error
 	return b, nil
 }
 
+// mapAhead maps the first need bytes of the unmapped block u, and more up
+// to the mapping unit where the memory fraction and the driver allow it.
+func (c *Cache) mapAhead(u *Block, need, unit uint64, m Mapper) (*Block, error) {
+	need = min(u.Size, need)
+	page := u.Seg.PageSize
+	if ahead := roundUp(mapSize(u, need, unit), page); ahead > roundUp(need, page) && c.CanGrow(ahead) {
+		b, done, err := c.mapBlock(u, ahead, m)
+		switch {
+		case err == nil:
+			return b, nil
+		case done > 0 && errors.Is(err, cuda.ErrOutOfMemory):
+			// Part mapped (the Mapper's spare pages): u is now the free
+			// block holding them; the caller maps what is still missing.
+			return u, nil
+		case done > 0 || !errors.Is(err, cuda.ErrOutOfMemory):
+			return nil, err
+		}
+		// Nothing mapped for lack of memory: map only what is needed.
+	}
+	b, _, err := c.mapBlock(u, need, m)
+	return b, err
+}
+
+// mapSize is how much of the unmapped block u to map when need bytes are
+// missing: need, or the mapping unit if larger, within u.
+func mapSize(u *Block, need, unit uint64) uint64 { return min(u.Size, max(need, unit)) }
+
+// GrowthNeed is the bytes MapExpandable(r, start, _, unit) would map: what
+// stitching tries to find in free pages elsewhere first.
+func (c *Cache) GrowthNeed(r *Request, start *Block, unit uint64) uint64 {
+	var n, covered uint64
+	for b := start; b != nil && covered < r.Size; b = b.Next {
+		if !b.Unmapped {
+			covered += b.Size
+			continue
+		}
+		k := roundUp(mapSize(b, r.Size-covered, unit), b.Seg.PageSize)
+		n += k
+		covered += k
+	}
+	return n
+}
+
 // mapBlock maps the first size bytes (rounded up to pages) of the unmapped
 // block u and returns the free mapped block that contains them after merging
-// with its free mapped neighbours. What the Mapper mapped before failing is
-// recorded all the same.
-func (c *Cache) mapBlock(u *Block, size uint64, m Mapper) (*Block, error) {
+// with its free mapped neighbours, and the bytes mapped. What the Mapper
+// mapped before failing is recorded all the same.
+func (c *Cache) mapBlock(u *Block, size uint64, m Mapper) (*Block, uint64, error) {
 	seg := u.Seg
 	size = roundUp(size, seg.PageSize)
 	if !c.CanGrow(size) {
-		return nil, ErrFraction
+		return nil, 0, ErrFraction
 	}
 	done, err := m.Map(seg, uint64(u.Ptr-seg.Base), size)
 	if done > 0 {
 		u = c.recordMapped(u, done)
 	}
 	if err != nil {
-		return nil, err
+		return nil, done, err
 	}
-	return u, nil
+	return u, done, nil
 }
 
 // recordMapped turns the first size bytes of the unmapped block u into a
@@ -177,9 +239,18 @@ func (c *Cache) recordMapped(u *Block, size uint64) *Block {
 		p.Unmapped.Insert(rest)
 	}
 	u.Unmapped = false
+	// Fresh pages carry no work: the merged block has been free since its
+	// mapped neighbours were.
+	var freedAt uint64
+	for _, n := range [2]*Block{u.Prev, u.Next} {
+		if n != nil && !n.Unmapped && !n.Active() {
+			freedAt = max(freedAt, n.FreedAt)
+		}
+	}
 	c.tryMerge(u, u.Prev)
 	c.tryMerge(u, u.Next)
 	c.insertFree(u)
+	u.FreedAt = freedAt
 	seg.Mapped += size
 	c.Reserved += size
 	c.Stats.ReservedBytes.Increase(p.Small, int64(size))
@@ -241,17 +312,76 @@ func (c *Cache) UnmapFree(p *BlockPool, m Mapper) error {
 	return nil
 }
 
+// TrimUnused unmaps the whole pages of p's free expandable blocks that lie
+// above their segment's UsedEnd: mapped ahead (the mapping unit) and never
+// handed out, so no work, captured or not, has touched them. The owner
+// calls it when a capture into p ends, so that mapping ahead costs the
+// graph's pool no memory; never while a capture is under way.
+func (c *Cache) TrimUnused(p *BlockPool, m Mapper) error {
+	var ds []Donor
+	p.Blocks.Ascend(func(b *Block) bool {
+		if s := b.Seg; s.Expandable && b.End() > s.UsedEnd {
+			lo, hi := wholePages(b)
+			lo = max(lo, roundUp(uint64(max(s.UsedEnd, s.Base)-s.Base), s.PageSize))
+			if hi > lo {
+				ds = append(ds, Donor{B: b, Lo: lo, Hi: hi})
+			}
+		}
+		return true
+	})
+	for _, d := range ds {
+		if err := c.unmapRange(d.B, d.Lo, d.Hi, m, false); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// HasUnmappable reports whether UnmapFree(p) would unmap anything: a free
+// block of an expandable segment with a whole page inside.
+func (c *Cache) HasUnmappable(p *BlockPool) bool {
+	found := false
+	p.Blocks.Ascend(func(b *Block) bool {
+		if b.Seg.Expandable {
+			lo, hi := wholePages(b)
+			found = hi > lo
+		}
+		return !found
+	})
+	return found
+}
+
 // unmapBlock unmaps the whole pages inside the free mapped block b, leaving
 // the partial pages at its ends as free mapped blocks.
 func (c *Cache) unmapBlock(b *Block, m Mapper) error {
-	seg := b.Seg
-	lo := roundUp(uint64(b.Ptr-seg.Base), seg.PageSize)
-	hi := uint64(b.End()-seg.Base) / seg.PageSize * seg.PageSize
+	lo, hi := wholePages(b)
 	if hi <= lo {
 		return nil
 	}
-	done, err := m.Unmap(seg, lo, hi-lo)
-	if done == 0 {
+	return c.unmapRange(b, lo, hi, m, false)
+}
+
+// wholePages returns the offsets in b's segment of the whole pages inside
+// b: [lo, hi), empty when hi <= lo.
+func wholePages(b *Block) (lo, hi uint64) {
+	seg := b.Seg
+	lo = roundUp(uint64(b.Ptr-seg.Base), seg.PageSize)
+	hi = uint64(b.End()-seg.Base) / seg.PageSize * seg.PageSize
+	return lo, hi
+}
+
+// unmapRange unmaps the pages [lo, hi) (offsets in its segment, whole
+// pages inside it) of the free mapped block b, or lends them (Mapper.Lend),
+// which leaves b as the lent block; what lies before and after stays
+// mapped as free blocks.
+func (c *Cache) unmapRange(b *Block, lo, hi uint64, m Mapper, lend bool) error {
+	seg := b.Seg
+	var done uint64
+	var err error
+	if lend {
+		m.Lend(seg, lo, hi-lo)
+		done = hi - lo
+	} else if done, err = m.Unmap(seg, lo, hi-lo); done == 0 {
 		return err
 	}
 	hi = lo + done
@@ -269,6 +399,7 @@ func (c *Cache) unmapBlock(b *Block, m Mapper) error {
 		b.Prev = before
 		b.Ptr, b.Size = start, b.Size-before.Size
 		c.insertFree(before)
+		before.FreedAt = b.FreedAt // free all along
 	}
 	if end := seg.Base + cuda.Ptr(hi); end < b.End() {
 		after := c.newBlock()
@@ -280,15 +411,20 @@ func (c *Cache) unmapBlock(b *Block, m Mapper) error {
 		b.Next = after
 		b.Size -= after.Size
 		c.insertFree(after)
+		after.FreedAt = b.FreedAt
 	}
 	b.Unmapped = true
-	c.tryMerge(b, b.Prev)
-	c.tryMerge(b, b.Next)
-	p.Unmapped.Insert(b)
 	n := hi - lo
 	seg.Mapped -= n
 	c.Reserved -= n
 	c.Stats.ReservedBytes.Decrease(p.Small, int64(n))
+	if lend {
+		b.Lent = true
+		return nil
+	}
+	c.tryMerge(b, b.Prev)
+	c.tryMerge(b, b.Next)
+	p.Unmapped.Insert(b)
 	c.Stats.NumDeviceFree++
 	return err
 }

@@ -17,6 +17,7 @@ type fakeMapper struct {
 	failAfter uint64 // bytes mapped (or unmapped) before failing
 	unmapFail error
 	freed     int
+	lent      int
 }
 
 func newFakeMapper() *fakeMapper { return &fakeMapper{mapped: map[cuda.Ptr]bool{}} }
@@ -53,6 +54,15 @@ func (m *fakeMapper) Unmap(seg *Segment, off, size uint64) (uint64, error) {
 
 func (m *fakeMapper) Free(seg *Segment) error { m.freed++; return nil }
 
+// Lend forgets the pages' handles; the test unmaps the old mapping
+// (unlendFake) before Unlend.
+func (m *fakeMapper) Lend(seg *Segment, off, size uint64) {
+	for o := off; o < off+size; o += seg.PageSize {
+		seg.Pages[o/seg.PageSize] = 0
+		m.lent++
+	}
+}
+
 // expAlloc is the allocator's growth path in miniature.
 func expAlloc(t *testing.T, c *Cache, m Mapper, size uint64, s cuda.Stream) *Block {
 	t.Helper()
@@ -64,7 +74,7 @@ func expAlloc(t *testing.T, c *Cache, m Mapper, size uint64, s cuda.Stream) *Blo
 			start = c.AddExpandable(&r, cuda.Ptr(0x10000000000)*cuda.Ptr(len(c.segments)+1), 64*page, page)
 		}
 		var err error
-		b, err = c.MapExpandable(&r, start, m)
+		b, err = c.MapExpandable(&r, start, m, page)
 		require.NoError(t, err)
 	}
 	b = c.Allocate(&r, b)
@@ -147,13 +157,13 @@ func TestExpandablePreferInteriorAndFailures(t *testing.T) {
 	r := c.NewRequest(40*MiB, 0, c.Small, c.Large)
 	start := c.FindExpandable(&r)
 	require.NotNil(t, start)
-	_, err := c.MapExpandable(&r, start, m)
+	_, err := c.MapExpandable(&r, start, m, page)
 	require.ErrorIs(t, err, cuda.ErrOutOfMemory)
 	require.NoError(t, c.Check())
 	// A failure part way: what was mapped is recorded, nothing is lost.
 	m.failAfter = 2 * page
 	before := c.Reserved
-	_, err = c.MapExpandable(&r, start, m)
+	_, err = c.MapExpandable(&r, start, m, page)
 	require.ErrorIs(t, err, cuda.ErrOutOfMemory)
 	require.NoError(t, c.Check())
 	require.Equal(t, before+2*page, c.Reserved)
@@ -171,7 +181,7 @@ func TestExpandablePreferInteriorAndFailures(t *testing.T) {
 	require.NoError(t, c.Check())
 	require.Len(t, m.mapped, int(c.Reserved/page))
 	mapped := c.Reserved
-	big, err := c.MapExpandable(&r, c.FindExpandable(&r), m) // the unmapped pages are mapped again
+	big, err := c.MapExpandable(&r, c.FindExpandable(&r), m, page) // the unmapped pages are mapped again
 	require.NoError(t, err)
 	require.Greater(t, c.Reserved, mapped)
 	expFree(t, c, c.Allocate(&r, big))
@@ -180,7 +190,7 @@ func TestExpandablePreferInteriorAndFailures(t *testing.T) {
 
 	c.SetFraction(0.5, 40*MiB) // 20 MiB allowed
 	start = c.FindExpandable(&r)
-	_, err = c.MapExpandable(&r, start, m)
+	_, err = c.MapExpandable(&r, start, m, page)
 	require.ErrorIs(t, err, ErrFraction)
 	require.NoError(t, c.Check())
 }

@@ -41,7 +41,7 @@ func (h *poolHarness) malloc(size uint64, s cuda.Stream) *Block {
 			h.next += 66 * page
 		}
 		var err error
-		b, err = h.c.MapExpandable(&r, start, h.m)
+		b, err = h.c.MapExpandable(&r, start, h.m, page)
 		require.NoError(h.t, err)
 	}
 	b = h.c.Allocate(&r, b)

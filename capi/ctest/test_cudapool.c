@@ -504,7 +504,7 @@ static void test_expandable(void) {
 	cudapool_empty_cache();
 	/* Earlier tests may keep memory (live graph pools): compare with it. */
 	long long r0 = stat_of(0, "reserved_bytes.all.current"), s0 = stat_of(0, "segment.all.current");
-	CHECK(cudapool_configure("expandable_segments:True") == 0, "configure expandable_segments:True");
+	CHECK(cudapool_configure("expandable_segments:True,expandable_map_unit_mb:2") == 0, "configure expandable_segments:True, mapping page by page");
 	void *a = cudapool_malloc(3 * MiB, 0, 0);
 	void *b = cudapool_malloc(3 * MiB, 0, 0);
 	CHECK(a && b && (char *)b == (char *)a + 3 * MiB, "the second block continues the first across a page boundary");

@@ -567,7 +567,7 @@ func TestFakeAllocatorExpandable(t *testing.T) {
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
 	f := openFake(t)
-	cfg, _, err := allocator.ParseConfig("expandable_segments:True")
+	cfg, _, err := allocator.ParseConfig("expandable_segments:True,expandable_map_unit_mb:2") // page by page
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -29,6 +29,12 @@ import (
 // and setting access are potentially unsafe calls (like MemAlloc: legal in
 // relaxed mode); unmapping, releasing and freeing an address range are
 // refused during any capture (like MemFree).
+//
+// Work that touches memory (Use) is remembered until its stream completes
+// it: unmapping a range that such work may still read or write is refused
+// and logged as a violation, since cuMemUnmap, unlike cuMemFree, does not
+// wait for it (the kernel would fault, or write into memory that another
+// mapping now shows).
 
 // Granularity is the simulated allocation granularity
 // (cuMemGetAllocationGranularity), 2 MiB as on current NVIDIA GPUs.
@@ -43,6 +49,16 @@ type vmmState struct {
 	pages        map[cuda.Ptr]cuda.Ptr          // each mapped granule -> its mapping's address
 	maps         int64                          // successful MemMap calls
 	unmaps       int64                          // successful MemUnmap calls
+	uses         []use                          // work touching memory, maybe pending
+}
+
+// use is work submitted on a stream (its seq-th unit) that touches
+// [p, p+size).
+type use struct {
+	s    cuda.Stream
+	seq  uint64
+	p    cuda.Ptr
+	size uint64
 }
 
 type physical struct {
@@ -282,9 +298,47 @@ func (d *Driver) MemSetAccess(dev int, p cuda.Ptr, size uint64) error {
 	return nil
 }
 
+// Use submits one unit of work on s that reads and writes [p, p+size) of
+// dev (a kernel on a block). On a capturing stream the work would go into
+// the graph, so nothing is submitted.
+func (d *Driver) Use(dev int, s cuda.Stream, p cuda.Ptr, size uint64) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	dv := d.mustDevice(dev)
+	if d.captures[s] != nil {
+		return
+	}
+	st := d.stream(s)
+	st.submitted++
+	// Forget completed work now and then, so the list stays short.
+	if len(dv.vmm.uses) >= 64 {
+		kept := dv.vmm.uses[:0]
+		for _, u := range dv.vmm.uses {
+			if d.stream(u.s).completed < u.seq {
+				kept = append(kept, u)
+			}
+		}
+		dv.vmm.uses = kept
+	}
+	dv.vmm.uses = append(dv.vmm.uses, use{s, st.submitted, p, size})
+}
+
+// pendingUse returns a use of [p, p+size) on dv that its stream has not
+// completed, or nil; mu must be held.
+func (d *Driver) pendingUse(dv *device, p cuda.Ptr, size uint64) *use {
+	for i := range dv.vmm.uses {
+		u := &dv.vmm.uses[i]
+		if u.p < p+cuda.Ptr(size) && p < u.p+cuda.Ptr(u.size) && d.stream(u.s).completed < u.seq {
+			return u
+		}
+	}
+	return nil
+}
+
 // MemUnmap unmaps [p, p+size) on dev, which must be exactly covered by
 // mappings. A released handle's memory is freed with its last mapping. It is
-// refused during any capture.
+// refused during any capture, and while work submitted with Use may still
+// touch the range.
 func (d *Driver) MemUnmap(dev int, p cuda.Ptr, size uint64) error {
 	tid := syscall.Gettid()
 	d.mu.Lock()
@@ -295,6 +349,11 @@ func (d *Driver) MemUnmap(dev int, p cuda.Ptr, size uint64) error {
 	}
 	if err := d.checkNoCapture(fmt.Sprintf("MemUnmap(dev=%d, ptr=%#x, size=%d) on thread %d", dev, uintptr(p), size, tid)); err != nil {
 		return err
+	}
+	if u := d.pendingUse(dv, p, size); u != nil {
+		d.violate(fmt.Sprintf("MemUnmap(dev=%d, ptr=%#x, size=%d) on thread %d: pending work on stream %#x uses %#x+%d",
+			dev, uintptr(p), size, tid, uintptr(u.s), uintptr(u.p), u.size), nil)
+		return cuda.ErrInvalidValue
 	}
 	if run := dv.mappedRun(p, size); run != nil {
 		for _, q := range run {

@@ -172,3 +172,56 @@ func TestVMMCaptureRules(t *testing.T) {
 	require.NoError(t, d.MemRelease(0, h2))
 	assert.Zero(t, d.Used(0))
 }
+
+// Unmapping memory that work still queued on a stream uses is refused and
+// logged; once the stream has completed that work (or an event recorded
+// after it says so), the unmap goes through. Work on a capturing stream goes
+// into the graph and holds nothing.
+func TestVMMUnmapPendingWork(t *testing.T) {
+	d := sim.New(sim.Options{Memory: 64 * mib})
+	base, err := d.MemAddressReserve(0, 8*gran)
+	require.NoError(t, err)
+	for i := uint64(0); i < 3; i++ {
+		h, err := d.MemCreate(0, gran)
+		require.NoError(t, err)
+		require.NoError(t, d.MemMap(0, base+cuda.Ptr(i*gran), gran, h))
+		require.NoError(t, d.MemRelease(0, h))
+	}
+	require.NoError(t, d.MemSetAccess(0, base, 3*gran))
+
+	// A kernel on stream 7 touches the end of page 0 and the start of page 1.
+	d.Use(0, 7, base+cuda.Ptr(gran)-100, 200)
+	ev, err := d.EventCreate(0)
+	require.NoError(t, err)
+	require.NoError(t, d.EventRecord(0, ev, 7))
+
+	require.NoError(t, d.MemUnmap(0, base+cuda.Ptr(2*gran), gran), "page 2 is not used")
+	require.Zero(t, d.Violations())
+	require.ErrorIs(t, d.MemUnmap(0, base+cuda.Ptr(gran), gran), cuda.ErrInvalidValue)
+	require.Equal(t, int64(1), d.Violations())
+	require.Contains(t, d.ViolationLog()[0], "pending work on stream 0x7")
+	assert.Equal(t, 2*gran, d.Mapped(0), "the refused unmap changed nothing")
+	d.ResetViolations()
+
+	done, err := d.EventQuery(0, ev)
+	require.NoError(t, err)
+	require.False(t, done)
+	d.Complete(7)
+	done, err = d.EventQuery(0, ev)
+	require.NoError(t, err)
+	require.True(t, done, "the event covers the use")
+	require.NoError(t, d.MemUnmap(0, base, 2*gran))
+	require.Zero(t, d.Violations())
+
+	// Work submitted during a capture is the graph's: nothing pending.
+	h, err := d.MemCreate(0, gran)
+	require.NoError(t, err)
+	require.NoError(t, d.MemMap(0, base, gran, h))
+	require.NoError(t, d.MemRelease(0, h))
+	require.NoError(t, d.BeginCapture(9, cuda.CaptureModeRelaxed))
+	d.Use(0, 9, base, 10)
+	require.NoError(t, d.EndCapture(9))
+	require.NoError(t, d.MemUnmap(0, base, gran))
+	require.Zero(t, d.Violations(), "%v", d.ViolationLog())
+	require.NoError(t, d.EventDestroy(0, ev))
+}

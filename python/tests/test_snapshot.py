@@ -96,7 +96,7 @@ def test_memory_snapshot_filters_by_pool(allocs):
 def test_expandable_segments(allocs):
     """With expandable_segments:True the snapshot shows each mapped run of a
     reserved range as one expandable segment, as PyTorch does."""
-    cudapool.configure("expandable_segments:True")
+    cudapool.configure("expandable_segments:True,expandable_map_unit_mb:2")  # page by page
     p = allocs.malloc(3 * MiB)
     q = allocs.malloc(3 * MiB)
     assert q == p + 3 * MiB  # one block continues the other across a 2 MiB page

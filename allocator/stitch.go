@@ -1,0 +1,362 @@
+package allocator
+
+import (
+	"cmp"
+
+	"github.com/cudapool/cudapool/cuda"
+	"github.com/cudapool/cudapool/pools"
+)
+
+// Stitching (stitch:True): free physical pages move to where a miss needs
+// them instead of new memory being mapped. The idea is GMLake's (ASPLOS
+// 2024); pools/stitch.go has the block side.
+//
+// # Design
+//
+// On a miss that grows an expandable segment (no capture under way), for
+// the part of the growth that would raise reserved memory above its
+// high-water mark (limit), stitchFor takes whole pages inside free blocks of
+// the default pools' expandable segments (any stream, either size class,
+// holes of the request's own range outside the run it grows into) and puts
+// their physical handles in d.spare, which Map uses before creating any.
+// Reserved memory stays the same. Below the limit new pages cost no more
+// than moved ones and the holes stay for the requests that fit them.
+//
+// A page is taken in one of two ways:
+//   - Unmapped at once, when no queued work can touch it. cuMemUnmap does
+//     not wait for such work (PyTorch synchronizes before it unmaps), and a
+//     free block may have kernels that used it still queued on its own
+//     stream (other streams' uses were waited for before the block became
+//     free: events.go). Each stream that owns donor candidates keeps up to
+//     markerDepth marker events, recorded at successive misses, each right
+//     after the cache's clock ticks; once one has completed, every block of
+//     the stream freed before its tick (Block.FreedAt) is idle. Markers
+//     complete in stream order, so only the oldest pending are queried. On
+//     an idle stream a new marker completes at once. Nothing waits.
+//   - Lent, when it is not certified idle but belongs to the requesting
+//     stream: its handle is mapped at the new place at once (work on the new
+//     block is queued behind the old work, as for any reuse of a cached
+//     block on its stream), and its old mapping stays, the block Lent,
+//     neither free nor mappable, until a marker recorded after the lend
+//     has completed (stitchPrepare, at a later miss) or empty_cache and the
+//     OOM retry synchronize the device (releaseStitch). Without lending a
+//     GPU running behind the host would leave almost nothing to move.
+//
+// Private pools (graphs, MemPools) neither give pages nor are searched: a
+// graph's replays use memory its pool counts as free. Nothing is stitched
+// or unlent while any capture may be under way: unmapping is illegal then.
+// Pages moved are counted (StitchStats; the snapshot's stitch_remaps and
+// stitch_lent).
+//
+// Before any other unmapping (empty_cache, the OOM retry) the device is
+// synchronized, for the same reason (unmapFree).
+
+// markerDepth bounds the marker events pending per stream.
+const markerDepth = 8
+
+// markers are one stream's marker events (see the file comment), a FIFO of
+// pending ones in record order. Guarded by the device's mu.
+type markers struct {
+	ev      [markerDepth]cuda.Event // created on first use, reused
+	at      [markerDepth]uint64     // the clock tick each was recorded after
+	head, n int                     // the pending ones: ev[head], ... (n of them)
+	safe    uint64                  // blocks of the stream with FreedAt < safe are idle
+}
+
+// stitchState is a device's stitching state, guarded by its mu.
+type stitchState struct {
+	on      bool // the configuration asks for stitching
+	markers map[cuda.Stream]*markers
+	lent    []lent        // blocks whose old mapping waits to be unmapped
+	donors  []pools.Donor // scratch
+	// kind is donorKind for a request on stream (stitchFor's).
+	kind   func(*pools.Block) pools.DonorKind
+	stream cuda.Stream
+	// keep makes the mapper's Unmap keep the handles it unmaps (in
+	// d.spare) instead of releasing them.
+	keep bool
+	// limit is the most memory the device has had reserved after a
+	// growth: stitching keeps growth from going above it, and growth that
+	// goes above it all the same (too few idle pages) raises it.
+	limit uint64
+	stats StitchStats
+}
+
+// StitchStats counts a device's stitching.
+type StitchStats struct {
+	// Remaps is the number of pages unmapped from a free hole and mapped
+	// again where a miss needed them; RemappedBytes their bytes.
+	Remaps        int64 `json:"remaps"`
+	RemappedBytes int64 `json:"remapped_bytes"`
+	// Lent is the number of those pages that were lent: mapped at their
+	// new place before their old mapping could be unmapped (see above).
+	Lent int64 `json:"lent"`
+	// Stitches is the number of misses that moved at least one page.
+	Stitches int64 `json:"stitches"`
+	// SkippedBusy counts candidate blocks passed over because work queued
+	// on their stream (not the requesting one) might still use them.
+	SkippedBusy int64 `json:"skipped_busy"`
+}
+
+// StitchStats returns device dev's stitching counters.
+func (a *Allocator) StitchStats(dev int) (StitchStats, error) {
+	d, err := a.device("stitch_stats", dev)
+	if err != nil {
+		return StitchStats{}, err
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.stitch.stats, nil
+}
+
+// watch gives stream s a marker, so that its free pages can be certified
+// idle for stitching. d.mu is held.
+func (d *device) watch(s cuda.Stream) {
+	if d.stitch.markers == nil {
+		d.stitch.markers = make(map[cuda.Stream]*markers)
+	}
+	if d.stitch.markers[s] == nil {
+		d.stitch.markers[s] = &markers{}
+	}
+}
+
+// refreshMarkers advances every stream's markers: the pending ones that
+// have completed certify their ticks, and a new one is recorded (on an idle
+// stream it completes at once). Errors only leave a stream uncertified.
+// Never during a capture. d.mu is held.
+func (d *device) refreshMarkers() {
+	for s, m := range d.stitch.markers {
+		for m.n > 0 {
+			done, err := d.drv.EventQuery(d.id, m.ev[m.head])
+			if err != nil || !done {
+				break
+			}
+			m.safe = m.at[m.head]
+			m.head, m.n = (m.head+1)%markerDepth, m.n-1
+		}
+		if m.n == markerDepth {
+			continue
+		}
+		if !d.announced.Load() {
+			// An event recorded on a stream in an unannounced capture
+			// would be captured, not recorded.
+			if st, _, err := d.drv.StreamCaptureInfo(d.id, s); err != nil || st != cuda.CaptureNone {
+				continue
+			}
+		}
+		i := (m.head + m.n) % markerDepth
+		if m.ev[i] == 0 {
+			ev, err := d.drv.EventCreate(d.id)
+			if err != nil {
+				continue
+			}
+			m.ev[i] = ev
+		}
+		at := d.cache.Tick()
+		if d.drv.EventRecord(d.id, m.ev[i], s) != nil {
+			continue
+		}
+		m.at[i] = at
+		m.n++
+		if m.n == 1 {
+			if done, err := d.drv.EventQuery(d.id, m.ev[i]); err == nil && done {
+				m.safe = at
+				m.head, m.n = (m.head+1)%markerDepth, 0
+			}
+		}
+	}
+}
+
+// donorKind is the verdict on the free block b as a donor for a request
+// on stream s: unmapped now if no queued work can touch it (its stream's
+// marker certifies a tick after b became free), else lent if it is s's
+// (work on the new block is queued behind the old), else left alone.
+// d.mu is held.
+func (d *device) donorKind(b *pools.Block, s cuda.Stream) pools.DonorKind {
+	m := d.stitch.markers[b.Stream]
+	if m == nil {
+		d.watch(b.Stream) // (stitching turned on after the stream grew)
+	} else if b.FreedAt < m.safe {
+		return pools.DonorUnmap
+	}
+	if b.Stream == s {
+		return pools.DonorLend
+	}
+	d.stitch.stats.SkippedBusy++
+	return pools.NoDonor
+}
+
+// lent is a block whose pages were lent (see the file comment): its old
+// mapping is unmapped once a marker of its stream recorded after clock
+// has completed.
+type lent struct {
+	b     *pools.Block
+	clock uint64
+}
+
+// unlend unmaps the old mappings of the lent blocks whose streams'
+// markers allow it, or, with all set (after a device synchronize), of all
+// of them. A block whose unmap fails stays lent for good (its address
+// space unused; reported). Never during a capture. d.mu is held.
+func (d *device) unlend(all bool) error {
+	kept := d.stitch.lent[:0]
+	var first error
+	for _, l := range d.stitch.lent {
+		m := d.stitch.markers[l.b.Stream]
+		if !all && (m == nil || l.clock >= m.safe) {
+			kept = append(kept, l)
+			continue
+		}
+		if err := d.unmapLent(l.b); err != nil {
+			first = cmp.Or(first, err)
+			continue
+		}
+		d.cache.Unlend(l.b)
+	}
+	clear(d.stitch.lent[len(kept):])
+	d.stitch.lent = kept
+	return first
+}
+
+// unmapLent unmaps the old mapping of the lent block b, page by page as it
+// was mapped. d.mu is held.
+func (d *device) unmapLent(b *pools.Block) error {
+	page := b.Seg.PageSize
+	for o := uint64(0); o < b.Size; o += page {
+		p := b.Ptr + cuda.Ptr(o)
+		if err := d.vmm.MemUnmap(d.id, p, page); err != nil {
+			return driverError("malloc", err, "unmapping the old mapping of stitched page %#x on device %d (its address space stays unused)", uintptr(p), d.id)
+		}
+	}
+	return nil
+}
+
+// stitchPrepare advances the markers and unmaps the old mappings of the
+// lent blocks they allow; it runs before a growth looks for its run, since
+// unlent blocks merge. Never during a capture. d.mu is held.
+func (d *device) stitchPrepare() {
+	if len(d.stitch.markers) == 0 {
+		return
+	}
+	d.refreshMarkers()
+	if err := d.unlend(false); err != nil {
+		d.warn(err.Error())
+	}
+}
+
+// stitchFor unmaps or lends, keeping their physical memory in d.spare, up
+// to the pages that growing r from start would map above the limit, taken
+// from free holes of the default pools; it returns the bytes it took.
+// start's run is left alone, but the blocks around it may have changed:
+// the caller looks for its run again. Never during a capture. d.mu is held.
+func (d *device) stitchFor(r *pools.Request, start *pools.Block, unit uint64) uint64 {
+	want := d.cache.GrowthNeed(r, start, unit)
+	// Only what would raise reserved memory above the limit moves: below
+	// it, new pages cost no more than moved ones and leave the holes to
+	// the requests that fit them (fewer misses, fewer remaps).
+	if high := d.stitch.limit; d.cache.Reserved+want <= high {
+		want = 0
+	} else if d.cache.Reserved < high {
+		want -= high - d.cache.Reserved
+	}
+	if want == 0 || len(d.stitch.markers) == 0 {
+		return 0
+	}
+	// The run start's growth covers: from start to what GrowthNeed counts,
+	// bounded generously by want past the request.
+	seg := start.Seg
+	lo := uint64(start.Ptr - seg.Base)
+	hi := lo + r.Size + want + seg.PageSize
+	donors := d.stitch.donors[:0]
+	var got uint64
+	if d.stitch.kind == nil {
+		// Built once: a closure over r would move every malloc's
+		// request to the heap.
+		d.stitch.kind = func(b *pools.Block) pools.DonorKind { return d.donorKind(b, d.stitch.stream) }
+	}
+	d.stitch.stream = r.Stream
+	kind := d.stitch.kind
+	for _, p := range [2]*pools.BlockPool{d.cache.Large, d.cache.Small} {
+		var n uint64
+		donors, n = d.cache.Donors(p, want-got, kind, seg, lo, hi, donors)
+		if got += n; got >= want {
+			break
+		}
+	}
+	var unmapped uint64
+	d.stitch.keep = true
+	for _, dn := range donors {
+		n, err := d.cache.UnmapDonor(dn, d.mapper)
+		unmapped += n
+		if dn.Lend {
+			d.stitch.lent = append(d.stitch.lent, lent{dn.B, d.cache.Clock()})
+			d.stitch.stats.Lent += int64(n / dn.B.Seg.PageSize)
+		}
+		if err != nil {
+			// What was unmapped is recorded; the rest stays mapped.
+			d.warn(err.Error())
+			break
+		}
+	}
+	d.stitch.keep = false
+	clear(donors) // no dangling block pointers in the scratch space
+	d.stitch.donors = donors[:0]
+	return unmapped
+}
+
+// countRemaps records that Map used moved handles: used of the donated
+// ones (in pages of page bytes). Leftover handles are released at once
+// (Map uses every spare unless the driver failed; a lent handle released
+// then keeps its memory until its old mapping goes at unlend, and the
+// driver counts it meanwhile). d.mu is held; never during a capture.
+func (d *device) countRemaps(donated, used, page uint64) {
+	n := min(donated/page, used)
+	if n > 0 {
+		d.stitch.stats.Remaps += int64(n)
+		d.stitch.stats.RemappedBytes += int64(n * page)
+		d.stitch.stats.Stitches++
+	}
+	d.releaseSpares()
+}
+
+// releaseSpares releases the unmapped handles kept in d.spare (a release
+// that fails leaves its handle there for releaseOrphans). Never during a
+// capture. d.mu is held.
+func (d *device) releaseSpares() {
+	kept := d.spare[:0]
+	for _, h := range d.spare {
+		if d.vmm.MemRelease(d.id, h) != nil {
+			kept = append(kept, h)
+		}
+	}
+	d.spare = kept
+}
+
+// releaseStitch unmaps the old mappings of every lent block, after
+// synchronizing the device, and destroys the marker events (empty_cache
+// and the OOM retry give back what they can); the next miss records new
+// ones. Never during a capture. d.mu is held.
+func (d *device) releaseStitch() error {
+	if len(d.stitch.lent) > 0 {
+		if err := d.drv.DeviceSynchronize(d.id); err != nil {
+			return driverError("empty_cache", err, "synchronizing device %d", d.id)
+		}
+		if err := d.unlend(true); err != nil {
+			return err
+		}
+	}
+	d.releaseMarkers()
+	return nil
+}
+
+// releaseMarkers destroys the marker events. d.mu is held.
+func (d *device) releaseMarkers() {
+	for _, m := range d.stitch.markers {
+		for i, ev := range m.ev {
+			if ev != 0 && d.drv.EventDestroy(d.id, ev) == nil {
+				m.ev[i] = 0 // (one that failed is kept, to be reused)
+			}
+		}
+		m.head, m.n, m.safe = 0, 0, 0
+	}
+}

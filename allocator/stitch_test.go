@@ -1,0 +1,418 @@
+package allocator_test
+
+import (
+	"encoding/json"
+	"testing"
+
+	"github.com/cudapool/cudapool/allocator"
+	"github.com/cudapool/cudapool/cuda"
+	"github.com/cudapool/cudapool/pools"
+	"github.com/stretchr/testify/require"
+)
+
+// Page by page, so that the tests can count pages.
+const stitch = "stitch:True,expandable_map_unit_mb:2"
+
+func stitchStats(t *testing.T, a *allocator.Allocator) allocator.StitchStats {
+	t.Helper()
+	st, err := a.StitchStats(0)
+	require.NoError(t, err)
+	return st
+}
+
+// holes allocates 10, 2, 10 and 2 MiB on s and frees the two 10 MiB
+// blocks: two holes of five whole pages that a 16 MiB request cannot use.
+func holes(t *testing.T, a *allocator.Allocator, s cuda.Stream) (h1, h2 cuda.Ptr, keep []cuda.Ptr) {
+	h1 = mustMalloc(t, a, 0, 10*MiB, s)
+	keep = append(keep, mustMalloc(t, a, 0, 2*MiB, s))
+	h2 = mustMalloc(t, a, 0, 10*MiB, s)
+	keep = append(keep, mustMalloc(t, a, 0, 2*MiB, s))
+	require.NoError(t, a.Free(0, h1, 0))
+	require.NoError(t, a.Free(0, h2, 0))
+	return h1, h2, keep
+}
+
+// A miss takes the idle free pages of holes instead of mapping new memory:
+// reserved memory does not grow, the moved pages are unmapped where they
+// were and mapped where the request is, and the remaps are counted.
+func TestStitchMovesIdlePages(t *testing.T) {
+	lockThread(t)
+	a, drv := newAlloc(t, 1, GiB, stitch)
+	h1, h2, keep := holes(t, a, 0)
+	used := drv.Used(0)
+	require.Equal(t, uint64(24*MiB), used)
+
+	p := mustMalloc(t, a, 0, 16*MiB, 0)
+	require.Equal(t, used, drv.Used(0), "no new physical memory")
+	require.Equal(t, int64(used), stats(t, a, 0).ReservedBytes[pools.StatAll].Current)
+	require.True(t, drv.Accessible(0, p, 16*MiB))
+	require.False(t, drv.Accessible(0, h1, 2*MiB), "the first hole's pages moved")
+	require.True(t, drv.Accessible(0, h2, 4*MiB), "only three of the second hole's five pages were needed (from its end)")
+	require.False(t, drv.Accessible(0, h2+4*MiB, 2*MiB))
+	st := stitchStats(t, a)
+	require.Equal(t, int64(8), st.Remaps)
+	require.Equal(t, int64(16*MiB), st.RemappedBytes)
+	require.Equal(t, int64(1), st.Stitches)
+
+	// The snapshot shows the count, and the moved pages are no memory.
+	var snap struct {
+		Settings map[string]any `json:"allocator_settings"`
+	}
+	raw, err := json.Marshal(a.Snapshot())
+	require.NoError(t, err)
+	require.NoError(t, json.Unmarshal(raw, &snap))
+	require.Equal(t, []any{float64(8)}, snap.Settings["stitch_remaps"])
+	require.Equal(t, true, snap.Settings["stitch"])
+
+	// The hole's address space is mapped again (with stitched pages or
+	// new ones) when a request needs it.
+	q := mustMalloc(t, a, 0, 10*MiB, 0)
+	require.True(t, drv.Accessible(0, q, 10*MiB))
+	for _, x := range append(keep, p, q) {
+		require.NoError(t, a.Free(0, x, 0))
+	}
+	require.NoError(t, a.EmptyCache())
+	require.Zero(t, drv.Used(0))
+	require.Zero(t, drv.LiveEvents(), "the marker events went with empty_cache")
+	require.NoError(t, a.CheckInvariants())
+	require.Zero(t, drv.Violations(), "%v", drv.ViolationLog())
+}
+
+// A page of another stream that work queued before its free may still
+// touch stays where it is until a marker event recorded after the free has
+// completed.
+func TestStitchWaitsForQueuedWork(t *testing.T) {
+	lockThread(t)
+	a, drv := newAlloc(t, 1, GiB, stitch)
+	h1 := mustMalloc(t, a, 0, 10*MiB, 1)
+	k1 := mustMalloc(t, a, 0, 2*MiB, 1)
+	drv.Use(0, 1, h1, 10*MiB) // a kernel on h1, still running when h1 is freed
+	require.NoError(t, a.Free(0, h1, 0))
+
+	p := mustMalloc(t, a, 0, 16*MiB, 0)
+	st := stitchStats(t, a)
+	require.Zero(t, st.Remaps, "stream 1 is busy")
+	require.Greater(t, st.SkippedBusy, int64(0))
+	require.Equal(t, uint64(12*MiB+16*MiB), drv.Used(0), "new memory instead")
+	require.True(t, drv.Accessible(0, h1, 10*MiB), "the busy hole is still mapped")
+	require.Zero(t, drv.Violations(), "%v", drv.ViolationLog())
+	require.NoError(t, a.Free(0, p, 0))
+
+	// The marker recorded at that miss completes with stream 1's work:
+	// the hole's pages may move now.
+	drv.Complete(1)
+	q := mustMalloc(t, a, 0, 40*MiB, 0)
+	require.Equal(t, int64(5), stitchStats(t, a).Remaps, "the hole's five whole pages")
+	require.False(t, drv.Accessible(0, h1, 2*MiB), "the hole's pages moved")
+	require.True(t, drv.Accessible(0, q, 40*MiB))
+	for _, x := range []cuda.Ptr{k1, q} {
+		require.NoError(t, a.Free(0, x, 0))
+	}
+	require.NoError(t, a.CheckInvariants())
+	require.Zero(t, drv.Violations(), "%v", drv.ViolationLog())
+}
+
+// A busy page of the request's own stream is lent: its memory is mapped at
+// the new place at once (work on the new block is queued behind the old
+// work), and its old mapping stays until the stream has finished that work.
+func TestStitchLendsOnItsOwnStream(t *testing.T) {
+	lockThread(t)
+	a, drv := newAlloc(t, 1, GiB, stitch)
+	h1, h2, keep := holes(t, a, 0)
+	drv.Use(0, 0, h1, 24*MiB) // kernels on all of it, queued
+	used := drv.Used(0)
+
+	p := mustMalloc(t, a, 0, 16*MiB, 0)
+	st := stitchStats(t, a)
+	require.Equal(t, int64(8), st.Remaps)
+	require.Equal(t, int64(8), st.Lent)
+	require.Equal(t, used, drv.Used(0), "no new physical memory")
+	require.Equal(t, int64(used), stats(t, a, 0).ReservedBytes[pools.StatAll].Current)
+	require.True(t, drv.Accessible(0, p, 16*MiB))
+	require.Equal(t, used+16*MiB, drv.Mapped(0), "the old mappings are still there")
+	require.True(t, drv.Accessible(0, h1, 10*MiB), "(so pending kernels do not fault)")
+	require.NoError(t, a.CheckInvariants())
+
+	// Nothing is mapped over a lent range: a request that would fit the
+	// first hole's address space goes elsewhere.
+	q := mustMalloc(t, a, 0, 10*MiB, 0)
+	require.NotEqual(t, h1, q)
+	require.NoError(t, a.Free(0, q, 0))
+
+	// Once the stream's work is done, the next miss unmaps the old
+	// mappings.
+	drv.Complete(0)
+	x := mustMalloc(t, a, 0, 1*MiB, 1) // a miss: the markers advance
+	y := mustMalloc(t, a, 0, 30*MiB, 0)
+	require.False(t, drv.Accessible(0, h1, 2*MiB), "the old mapping is gone")
+	require.False(t, drv.Accessible(0, h2+4*MiB, 2*MiB))
+	require.NoError(t, a.CheckInvariants())
+
+	// empty_cache synchronizes and unmaps every old mapping left.
+	drv.Use(0, 0, y, 30*MiB)
+	require.NoError(t, a.Free(0, y, 0))
+	z := mustMalloc(t, a, 0, 30*MiB, 0) // reuses y's block: no miss
+	require.NoError(t, a.Free(0, z, 0))
+	for _, v := range append(keep, p, x) {
+		require.NoError(t, a.Free(0, v, 0))
+	}
+	require.NoError(t, a.EmptyCache())
+	require.Zero(t, drv.Used(0))
+	require.Zero(t, drv.Mapped(0))
+	require.NoError(t, a.CheckInvariants())
+	require.Zero(t, drv.Violations(), "%v", drv.ViolationLog())
+}
+
+// Pages come from other streams' ranges and from the small pool's empty
+// pages; a private pool's free pages never move, and nothing moves during a
+// capture.
+func TestStitchSourcesAndRules(t *testing.T) {
+	lockThread(t)
+	a, drv := newAlloc(t, 1, GiB, stitch)
+	// Stream 1's range: a 6 MiB hole.
+	o := mustMalloc(t, a, 0, 6*MiB, 1)
+	ok := mustMalloc(t, a, 0, 2*MiB, 1)
+	require.NoError(t, a.Free(0, o, 0))
+	// The small pool: two pages of small blocks, then all freed.
+	var small []cuda.Ptr
+	for i := 0; i < 6; i++ {
+		small = append(small, mustMalloc(t, a, 0, 700*KiB, 0))
+	}
+	for _, x := range small {
+		require.NoError(t, a.Free(0, x, 0))
+	}
+	// A graph's pool with a free 8 MiB block, its graph alive.
+	g := allocator.PoolID{A: 1}
+	const cs = cuda.Stream(9)
+	beginCapture(t, a, drv, g, cs, cuda.CaptureModeGlobal)
+	gx := mustMalloc(t, a, 0, 8*MiB, cs)
+	gk := mustMalloc(t, a, 0, 2*MiB, cs)
+	require.NoError(t, a.Free(0, gx, 0))
+	before := stitchStats(t, a).Remaps
+	side := mustMalloc(t, a, 0, 12*MiB, 0) // a miss during the capture
+	require.Equal(t, before, stitchStats(t, a).Remaps, "no stitching during a capture")
+	require.NoError(t, drv.EndCapture(cs))
+	require.NoError(t, a.EndAllocateToPool(0, g))
+	require.NoError(t, a.Free(0, side, 0))
+	require.NoError(t, a.EmptyCache()) // side's pages go: a clean start
+	require.Equal(t, int64(3), before, "the small pool's pages came from stream 1's hole")
+
+	before = stitchStats(t, a).Remaps
+	p := mustMalloc(t, a, 0, 20*MiB, 2) // stream 2: a range of its own
+	require.Equal(t, before, stitchStats(t, a).Remaps, "empty_cache unmapped the holes before")
+
+	require.NoError(t, a.Free(0, p, 0))
+	o = mustMalloc(t, a, 0, 6*MiB, 1)
+	require.NoError(t, a.Free(0, o, 0))
+	for i := range small {
+		small[i] = mustMalloc(t, a, 0, 700*KiB, 0)
+	}
+	for _, x := range small {
+		require.NoError(t, a.Free(0, x, 0))
+	}
+	used := drv.Used(0)
+	graphMapped := mappedIn(t, a, g)
+	before = stitchStats(t, a).Remaps
+	idle := freePages(a)
+	require.GreaterOrEqual(t, idle, int64(8), "stream 1's hole, the small pool's pages, what is left of stream 2's")
+	require.Less(t, idle, int64(20))
+	q := mustMalloc(t, a, 0, 40*MiB, 3)
+	require.Equal(t, before+idle, stitchStats(t, a).Remaps, "every idle free page moved")
+	require.Zero(t, freePages(a))
+	require.Equal(t, used+uint64(20-idle)*2*MiB, drv.Used(0), "the rest is new memory")
+	require.Equal(t, graphMapped, mappedIn(t, a, g), "the live graph's pool kept its pages")
+	require.True(t, drv.Accessible(0, q, 40*MiB))
+
+	for _, x := range []cuda.Ptr{ok, gk, q} {
+		require.NoError(t, a.Free(0, x, 0))
+	}
+	require.NoError(t, a.ReleasePool(0, g))
+	require.NoError(t, a.EmptyCache())
+	require.Zero(t, drv.Used(0))
+	require.NoError(t, a.CheckInvariants())
+	require.Zero(t, drv.Violations(), "%v", drv.ViolationLog())
+}
+
+// freePages counts the whole pages inside free blocks of the default
+// pools' expandable segments, from the snapshot.
+func freePages(a *allocator.Allocator) int64 {
+	var n int64
+	for _, s := range a.Snapshot().Segments {
+		if !s.IsExpandable || s.SegmentPoolID != [2]uint64{} {
+			continue
+		}
+		for _, b := range s.Blocks {
+			if b.State == "inactive" {
+				lo := (b.Address + 2*MiB - 1) / (2 * MiB)
+				hi := (b.Address + b.Size) / (2 * MiB)
+				if hi > lo {
+					n += int64(hi - lo)
+				}
+			}
+		}
+	}
+	return n
+}
+
+// mappedIn is the memory pool g's snapshot segments show.
+func mappedIn(t *testing.T, a *allocator.Allocator, g allocator.PoolID) uint64 {
+	t.Helper()
+	var n uint64
+	for _, s := range a.SnapshotOf(&g, false).Segments {
+		n += s.TotalSize
+	}
+	require.NotZero(t, n)
+	return n
+}
+
+// empty_cache synchronizes before it unmaps: cuMemUnmap does not wait for
+// work still using the pages (the simulator refuses such an unmap).
+func TestExpandableUnmapWaitsForWork(t *testing.T) {
+	lockThread(t)
+	for _, conf := range []string{expandable, stitch} {
+		a, drv := newAlloc(t, 1, GiB, conf)
+		p := mustMalloc(t, a, 0, 10*MiB, 1)
+		drv.Use(0, 1, p, 10*MiB)
+		require.NoError(t, a.Free(0, p, 0))
+		require.NoError(t, a.EmptyCache())
+		require.Zero(t, drv.Used(0))
+		require.Zero(t, drv.Violations(), "%s: %v", conf, drv.ViolationLog())
+	}
+}
+
+// Growth maps at least the mapping unit at once in large pools (one
+// cuMemSetAccess for several small steps), falls back to what is needed
+// when the memory fraction does not allow more, and small pools map page
+// by page.
+func TestExpandableMapUnit(t *testing.T) {
+	lockThread(t)
+	a, drv := newAlloc(t, 1, GiB, "expandable_segments:True")
+	require.Equal(t, uint64(allocator.DefaultMapUnit), a.Config().ExpandableMapUnit)
+	var ps []cuda.Ptr
+	for i := 0; i < 6; i++ {
+		ps = append(ps, mustMalloc(t, a, 0, 3*MiB, 0))
+	}
+	maps, _ := drv.MapCalls(0)
+	require.Equal(t, uint64(20*MiB), drv.Mapped(0), "18 MiB in one 20 MiB step")
+	require.Equal(t, int64(10), maps, "ten pages, mapped by one call")
+	ps = append(ps, mustMalloc(t, a, 0, 3*MiB, 0))
+	require.Equal(t, uint64(40*MiB), drv.Mapped(0))
+	ps = append(ps, mustMalloc(t, a, 0, 100*KiB, 0))
+	require.Equal(t, uint64(42*MiB), drv.Mapped(0), "the small pool maps one page")
+	for _, p := range ps {
+		require.NoError(t, a.Free(0, p, 0))
+	}
+	require.NoError(t, a.EmptyCache())
+
+	// Under a memory fraction of 30 MiB: 24 MiB of blocks fit only if
+	// the last step maps just what it needs.
+	require.NoError(t, a.SetMemoryFraction(0, 30.0/1024))
+	x := mustMalloc(t, a, 0, 20*MiB, 0)
+	y := mustMalloc(t, a, 0, 4*MiB, 0)
+	require.Equal(t, uint64(24*MiB), drv.Mapped(0))
+	require.NoError(t, a.Free(0, x, 0))
+	require.NoError(t, a.Free(0, y, 0))
+	require.NoError(t, a.CheckInvariants())
+	require.Zero(t, drv.Violations(), "%v", drv.ViolationLog())
+
+	// On a 24 MiB device: the first step maps 20 MiB; the second needs
+	// one more page, and the device has no room for a whole unit.
+	a, drv = newAlloc(t, 1, 24*MiB, "expandable_segments:True")
+	x = mustMalloc(t, a, 0, 3*MiB, 0)
+	require.Equal(t, uint64(20*MiB), drv.Mapped(0))
+	y = mustMalloc(t, a, 0, 18*MiB, 0)
+	require.Equal(t, uint64(22*MiB), drv.Mapped(0))
+	require.NoError(t, a.Free(0, x, 0))
+	require.NoError(t, a.Free(0, y, 0))
+	require.NoError(t, a.CheckInvariants())
+	require.Zero(t, drv.Violations(), "%v", drv.ViolationLog())
+}
+
+func TestStitchConfig(t *testing.T) {
+	cfg, _, err := allocator.ParseConfig("stitch:True,expandable_map_unit_mb:4")
+	require.NoError(t, err)
+	require.True(t, cfg.Stitch)
+	require.Equal(t, uint64(4*MiB), cfg.ExpandableMapUnit)
+	require.True(t, cfg.ExpandableSegments, "stitching implies expandable segments")
+	require.Equal(t, "expandable_segments:True,expandable_map_unit_mb:4,stitch:True", cfg.String())
+	again, _, err := allocator.ParseConfig(cfg.String())
+	require.NoError(t, err)
+	require.Equal(t, cfg, again)
+	def, _, err := allocator.ParseConfig("")
+	require.NoError(t, err)
+	require.False(t, def.Stitch, "off by default")
+	for _, bad := range []string{"stitch:yes", "expandable_map_unit_mb:3", "expandable_map_unit_mb:0", "expandable_map_unit_mb:-2", "expandable_map_unit_mb:x"} {
+		_, _, err := allocator.ParseConfig(bad)
+		require.ErrorIs(t, err, allocator.ErrInvalidConfig, bad)
+	}
+	// stitch:True implies expandable segments.
+	lockThread(t)
+	a, drv := newAlloc(t, 1, GiB, "stitch:True")
+	p := mustMalloc(t, a, 0, 3*MiB, 0)
+	require.Zero(t, drv.Allocs(0), "no cuMemAlloc: pages are mapped")
+	require.NoError(t, a.Free(0, p, 0))
+}
+
+// On a full device, the moved pages are mapped even though the whole
+// mapping unit cannot be: the request is served from them, with no retry.
+func TestStitchFullDeviceUsesMovedPages(t *testing.T) {
+	lockThread(t)
+	a, drv := newAlloc(t, 1, 21*MiB, "stitch:True")
+	x := mustMalloc(t, a, 0, 10*MiB, 1) // stream 1 maps a 20 MiB unit
+	g := mustMalloc(t, a, 0, 2*MiB, 1)
+	require.NoError(t, a.Free(0, x, 0)) // nine whole free pages around g
+	require.Equal(t, uint64(20*MiB), drv.Used(0))
+
+	y := mustMalloc(t, a, 0, 3*MiB, 0) // wants a 20 MiB unit; 1 MiB is free
+	require.True(t, drv.Accessible(0, y, 3*MiB))
+	require.Equal(t, uint64(20*MiB), drv.Used(0))
+	require.Equal(t, int64(9), stitchStats(t, a).Remaps)
+	st := stats(t, a, 0)
+	require.Zero(t, st.NumAllocRetries)
+	require.Zero(t, st.NumOOMs)
+	require.NoError(t, a.Free(0, y, 0))
+	require.NoError(t, a.Free(0, g, 0))
+	require.NoError(t, a.CheckInvariants())
+	require.Zero(t, drv.Violations(), "%v", drv.ViolationLog())
+}
+
+// A capture maps its private pool 20 MiB at a time (fewer mapping calls
+// while capturing); when the capture ends, the pages mapped ahead and never
+// handed out go back, so the graph's pool holds what its allocations
+// needed, in whole pages. Pages a captured kernel may use stay.
+func TestCaptureTrimsPagesMappedAhead(t *testing.T) {
+	lockThread(t)
+	a, drv := newAlloc(t, 1, GiB, "expandable_segments:True")
+	g := allocator.PoolID{A: 1}
+	const cs = cuda.Stream(7)
+	beginCapture(t, a, drv, g, cs, cuda.CaptureModeGlobal)
+	x := mustMalloc(t, a, 0, 3*MiB, cs)
+	y := mustMalloc(t, a, 0, 4*MiB, cs)
+	tmp := mustMalloc(t, a, 0, 5*MiB, cs)
+	require.NoError(t, a.Free(0, tmp, 0)) // used by the graph: stays
+	maps, _ := drv.MapCalls(0)
+	require.Equal(t, int64(10), maps, "one 20 MiB step")
+	require.Equal(t, uint64(20*MiB), drv.Mapped(0))
+	require.NoError(t, drv.EndCapture(cs), "the capture stayed valid")
+	require.NoError(t, a.EndAllocateToPool(0, g))
+	require.Equal(t, uint64(12*MiB), drv.Mapped(0), "x, y and the freed temporary: six pages")
+	require.Equal(t, uint64(12*MiB), mappedIn(t, a, g))
+	require.True(t, drv.Accessible(0, x, 12*MiB))
+	require.NoError(t, a.CheckInvariants())
+
+	// The pool grows again in a later capture.
+	beginCapture(t, a, drv, g, cs, cuda.CaptureModeGlobal)
+	z := mustMalloc(t, a, 0, 6*MiB, cs)
+	require.True(t, drv.Accessible(0, z, 6*MiB))
+	require.NoError(t, drv.EndCapture(cs))
+	require.NoError(t, a.EndAllocateToPool(0, g))
+	for _, p := range []cuda.Ptr{x, y, z} {
+		require.NoError(t, a.Free(0, p, 0))
+	}
+	require.NoError(t, a.ReleasePool(0, g)) // both graphs
+	require.NoError(t, a.ReleasePool(0, g))
+	require.NoError(t, a.EmptyCache())
+	require.Zero(t, drv.Mapped(0))
+	require.NoError(t, a.CheckInvariants())
+	require.Zero(t, drv.Violations(), "%v", drv.ViolationLog())
+}

@@ -1,0 +1,115 @@
+package pools
+
+// Stitching (stitch:True): the pool side of allocator/stitch.go.
+//
+// # Design
+//
+// With expandable segments, a miss maps fresh physical pages at the end of
+// the request's range while whole free pages may sit idle in holes of other
+// ranges (other streams, the small pool, interior holes of the same range)
+// that no request of the right stream and size can use. Stitching moves
+// such pages: Donors picks whole pages inside free mapped blocks, the owner
+// unmaps them keeping their physical handles (UnmapDonor: the blocks'
+// bookkeeping is that of UnmapFree), and the growth that follows maps those
+// handles where the request needs them before creating any new memory. The
+// bytes reserved do not change; the hole becomes unmapped address space.
+//
+// Which pages may move is the owner's decision (the kind function): a page
+// may still be read or written by work queued on its stream before its
+// block was freed. Blocks carry FreedAt, the Cache's Clock when they last
+// became free; the owner records a marker event on a stream right after
+// Tick and, once it has completed, knows that every block of that stream
+// with FreedAt below the tick is idle: its pages can be unmapped now. A
+// page of the request's own stream need not be idle, since work on the new
+// block is queued after the old work: it is lent instead (the physical
+// memory is mapped at the new place while the old mapping stays, the block
+// Lent, neither free nor mappable) until the owner can unmap the old
+// mapping (Unlend).
+//
+// Donors are taken smallest block first (the holes least likely to be
+// reused whole), from the end of each block (so a free tail before unmapped
+// space extends that space instead of opening a hole).
+
+// Donor is whole pages [Lo, Hi) (offsets in its segment) of a free mapped
+// block to unmap for stitching, or, if Lend, to lend: their memory is mapped
+// elsewhere at once, and their old mapping stays (the block Lent) until the
+// owner unmaps it and calls Unlend.
+type Donor struct {
+	B      *Block
+	Lo, Hi uint64
+	Lend   bool
+}
+
+// DonorKind is the owner's verdict on a free block: not a donor, a donor
+// whose pages can be unmapped now, or one whose pages may be lent.
+type DonorKind int8
+
+const (
+	NoDonor DonorKind = iota
+	DonorUnmap
+	DonorLend
+)
+
+// Tick advances the clock that FreedAt stamps and returns its new value:
+// every block free now has FreedAt below it.
+func (c *Cache) Tick() uint64 {
+	c.clock++
+	return c.clock
+}
+
+// Donors appends to out whole pages of p's free expandable blocks for
+// which ok is true, up to want bytes in all, and returns out. skip excludes
+// [skipLo, skipHi) of segment skip (the run the request will grow into).
+func (c *Cache) Donors(p *BlockPool, want uint64, kind func(*Block) DonorKind, skip *Segment, skipLo, skipHi uint64, out []Donor) ([]Donor, uint64) {
+	var got uint64
+	p.Blocks.Ascend(func(b *Block) bool {
+		if got >= want {
+			return false
+		}
+		if !b.Seg.Expandable {
+			return true
+		}
+		lo, hi := wholePages(b)
+		if hi <= lo || b.Seg == skip && lo < skipHi && hi > skipLo {
+			return true
+		}
+		k := kind(b)
+		if k == NoDonor {
+			return true
+		}
+		if n := hi - lo; n > want-got {
+			lo = hi - roundUp(want-got, b.Seg.PageSize)
+		}
+		out = append(out, Donor{b, lo, hi, k == DonorLend})
+		got += hi - lo
+		return true
+	})
+	return out, got
+}
+
+// UnmapDonor unmaps d's pages through m (which keeps their physical
+// memory for the growth that follows) and records them as unmapped. It
+// returns the bytes unmapped. The donors of one Donors call stay valid
+// across UnmapDonor calls: a free mapped block's neighbours are allocated
+// or unmapped, so unmapping merges only unmapped blocks.
+func (c *Cache) UnmapDonor(d Donor, m Mapper) (uint64, error) {
+	mapped := d.B.Seg.Mapped
+	err := c.unmapRange(d.B, d.Lo, d.Hi, m, d.Lend)
+	return mapped - d.B.Seg.Mapped, err
+}
+
+// Clock is the clock's value now (see Tick).
+func (c *Cache) Clock() uint64 { return c.clock }
+
+// Unlend makes the lent block b, whose old mapping the owner has unmapped,
+// an ordinary unmapped block again, merged with its unmapped neighbours.
+func (c *Cache) Unlend(b *Block) {
+	if !b.Lent {
+		panic("pools: Unlend of a block that is not lent")
+	}
+	b.Lent = false
+	c.tryMerge(b, b.Prev)
+	c.tryMerge(b, b.Next)
+	b.Pool.Unmapped.Insert(b)
+	c.Stats.NumDeviceFree++
+}

@@ -1,0 +1,54 @@
+"""stitch:True through the library (on the simulator): free pages of holes
+move to a request that no hole fits, reserved memory stays, the snapshot
+counts the moves; bad values of the keys are refused with a clear error."""
+
+import pytest
+
+import cudapool
+from cudapool import _lib
+
+MiB = 1 << 20
+
+
+def remaps():
+    s = cudapool.snapshot()["allocator_settings"]
+    return s["stitch_remaps"][0], s["stitch_lent"][0]
+
+
+def test_holes_feed_a_larger_request(allocs):
+    cudapool.configure("stitch:True,expandable_map_unit_mb:2")
+    settings = cudapool.snapshot()["allocator_settings"]
+    assert settings["stitch"] is True and settings["expandable_segments"] is True
+    h1 = allocs.malloc(10 * MiB)
+    allocs.malloc(2 * MiB)
+    h2 = allocs.malloc(10 * MiB)
+    allocs.malloc(2 * MiB)
+    allocs.free(h1)
+    allocs.free(h2)
+    reserved = cudapool.memory_reserved(0)
+    assert reserved == 24 * MiB
+    before = remaps()
+    big = allocs.malloc(16 * MiB)
+    assert cudapool.memory_reserved(0) == reserved, "no new memory: the holes' pages moved"
+    after = remaps()
+    assert after[0] - before[0] == 8
+    assert _lib.base_allocation(big)[1] >= 16 * MiB
+
+
+def test_without_stitching_the_request_maps_new_memory(allocs):
+    cudapool.configure("expandable_segments:True,expandable_map_unit_mb:2")
+    before = remaps()  # (the counts are the library's, since it started)
+    h1 = allocs.malloc(10 * MiB)
+    allocs.malloc(2 * MiB)
+    allocs.free(h1)
+    allocs.malloc(16 * MiB)
+    assert cudapool.memory_reserved(0) == 12 * MiB + 16 * MiB
+    assert remaps() == before
+
+
+@pytest.mark.parametrize("conf,msg", [("stitch:maybe", "expected True or False"),
+                                      ("expandable_map_unit_mb:3", "positive multiple of 2"),
+                                      ("expandable_map_unit_mb:abc", "non-negative integer")])
+def test_bad_values_are_refused(conf, msg):
+    with pytest.raises(cudapool.CudapoolError, match=msg):
+        cudapool.configure(conf)
