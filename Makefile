@@ -64,11 +64,17 @@ $(BUILD)/test_torchabi: capi/ctest/test_torchabi.c capi/ctest/check.h include/cu
 	@mkdir -p $(BUILD)
 	$(CC) -std=c11 $(TEST_CFLAGS) -o $@ $< $(TEST_LDFLAGS)
 
-test-c: $(BUILD)/test_cudapool $(BUILD)/test_torchabi
+test-c: $(BUILD)/test_cudapool $(BUILD)/test_torchabi $(BUILD)/hot_path
 	$(call section,C ABI test (simulator))
 	$(SIM_ENV) ./$(BUILD)/test_cudapool
 	$(call section,C ABI for the PyTorch allocator class (simulator))
 	$(SIM_ENV) CUDAPOOL_SIM_MEMORY=8G ./$(BUILD)/test_torchabi
+	$(call section,hot-path breakdown runs (simulator; one round))
+	$(SIM_ENV) ./$(BUILD)/hot_path 1
+
+$(BUILD)/hot_path: bench/hot_path.c include/cudapool.h lib
+	@mkdir -p $(BUILD)
+	$(CC) -std=c11 -O2 -Wall -Wextra -Werror -I include -o $@ $< $(TEST_LDFLAGS) -ldl
 
 test-cxx: $(BUILD)/test_cudapool_cpp
 	$(call section,C++ ABI test (simulator))

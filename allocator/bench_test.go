@@ -221,3 +221,18 @@ func benchmarkMixedWorkloadsH(b *testing.B, conf string) {
 		step()
 	}
 }
+
+// BenchmarkTorchPair is the C++ class's cache-hit pair: the previous
+// tensor's free queued, performed with the next malloc under one lock.
+func BenchmarkTorchPair(b *testing.B) {
+	a, _ := newAlloc(b, 1, 8*GiB, "")
+	a.ExpectAnnouncements()
+	var pend [1]allocator.PendingFree
+	var frees []allocator.PendingFree
+	b.ReportAllocs()
+	for b.Loop() {
+		p, _, _ := a.MallocAfterFrees(0, 4096, 0, 0, frees)
+		pend[0] = allocator.PendingFree{Dev: -1, Ptr: p}
+		frees = pend[:]
+	}
+}

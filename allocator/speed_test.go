@@ -97,12 +97,13 @@ func TestSpeed(t *testing.T) {
 	}
 	kinds := []pools.FreeSetKind{pools.FreeSetTreap, pools.FreeSetSegFit}
 	rows := []string{"hot 4 KiB pair (CPU ns)", "mixed 512 B-144 MiB, 256 live (CPU ns)",
-		"mixedPairs, 256 live (CPU ns)", "hot pair after 2 MiB touched (wall ns)", "hot pair after 32 MiB touched (wall ns)"}
+		"mixedPairs, 256 live (CPU ns)", "hot pair after 2 MiB touched (wall ns)", "hot pair after 8 MiB touched (wall ns)",
+		"hot pair, one lock (MallocAfterFrees) (CPU ns)"}
 	res := map[string]map[pools.FreeSetKind][]float64{}
 	for _, r := range rows {
 		res[r] = map[pools.FreeSetKind][]float64{}
 	}
-	evictS, evictL := make([]byte, 2<<20), make([]byte, 32<<20)
+	evictS, evictL := make([]byte, 2<<20), make([]byte, 8<<20)
 	for round := 0; round < rounds; round++ {
 		for i := range kinds {
 			k := kinds[(i+round)%len(kinds)] // alternate which goes first
@@ -116,7 +117,17 @@ func TestSpeed(t *testing.T) {
 				_ = a.Free(0, p, 0)
 			}))
 			res[rows[3]][k] = append(res[rows[3]][k], coldPair(a, 4096, evictS, 4000))
-			res[rows[4]][k] = append(res[rows[4]][k], coldPair(a, 4096, evictL, 400))
+			res[rows[4]][k] = append(res[rows[4]][k], coldPair(a, 4096, evictL, 1000))
+			// The C++ class's path: the previous pair's free rides with the
+			// next malloc, one lock hold for both.
+			var pend [1]allocator.PendingFree
+			var frees []allocator.PendingFree
+			res[rows[5]][k] = append(res[rows[5]][k], cpuPerOp(300000, func() {
+				p, _, _ := a.MallocAfterFrees(0, 4096, 0, 0, frees)
+				pend[0] = allocator.PendingFree{Dev: -1, Ptr: p}
+				frees = pend[:]
+			}))
+			require.NoError(t, a.FreeMany(frees))
 
 			a, _ = newAlloc(t, 1, 140*GiB, conf)
 			a.ExpectAnnouncements()
