@@ -98,7 +98,7 @@ func TestSpeed(t *testing.T) {
 	kinds := []pools.FreeSetKind{pools.FreeSetTreap, pools.FreeSetSegFit}
 	rows := []string{"hot 4 KiB pair (CPU ns)", "mixed 512 B-144 MiB, 256 live (CPU ns)",
 		"mixedPairs, 256 live (CPU ns)", "hot pair after 2 MiB touched (wall ns)", "hot pair after 8 MiB touched (wall ns)",
-		"hot pair, one lock (MallocAfterFrees) (CPU ns)"}
+		"hot pair, one lock (MallocAfterFrees) (CPU ns)", "mixedPairs, expandable segments (CPU ns)"}
 	res := map[string]map[pools.FreeSetKind][]float64{}
 	for _, r := range rows {
 		res[r] = map[pools.FreeSetKind][]float64{}
@@ -150,15 +150,21 @@ func TestSpeed(t *testing.T) {
 			m := newMixed(a, 256)
 			m.run(20000)
 			res[rows[2]][k] = append(res[rows[2]][k], cpuPerOp(200000, func() { m.run(1) }))
+
+			a, _ = newAlloc(t, 1, 80*GiB, conf+",expandable_segments:True")
+			a.ExpectAnnouncements()
+			m = newMixed(a, 256)
+			m.run(20000)
+			res[rows[6]][k] = append(res[rows[6]][k], cpuPerOp(200000, func() { m.run(1) }))
 		}
 	}
-	out := fmt.Sprintf("allocator package, one thread, %d interleaved rounds: median (min-max)\n%-42s", rounds, "")
+	out := fmt.Sprintf("allocator package, one thread, %d interleaved rounds: median (min-max)\n%-48s", rounds, "")
 	for _, k := range kinds {
 		out += fmt.Sprintf(" %24s", "free_set:"+k.String())
 	}
 	out += "\n"
 	for _, r := range rows {
-		out += fmt.Sprintf("%-42s", r)
+		out += fmt.Sprintf("%-48s", r)
 		for _, k := range kinds {
 			v := res[r][k]
 			sort.Float64s(v)
