@@ -68,6 +68,24 @@ class Metric:
     def fmt(self, v):
         return f"{v:,.{self.digits}f}" if v is not None else "n/a"
 
+    def spread(self, rec):
+        """(min, max) over the runs that reported this metric, or None for
+        one run or a derived metric."""
+        if rec is None or callable(self.key):
+            return None
+        v = [x for x in rec.get("_samples", {}).get(self.key, []) if x == x and x >= 0]
+        if len(v) < 2:
+            return None
+        return min(v) / self.scale, max(v) / self.scale
+
+    def cell(self, rec):
+        """The median, with the min-max of the runs when there are several."""
+        v = self.value(rec)
+        sp = self.spread(rec) if v is not None else None
+        if sp is None:
+            return self.fmt(v)
+        return f"{self.fmt(v)} ({self.fmt(sp[0])}-{self.fmt(sp[1])})"
+
     def target_text(self):
         if self.target is None:
             return "-"
@@ -164,11 +182,16 @@ class Results:
                 continue
             if k.endswith("_error"):
                 errs[k[: -len("_error")]] = str(v)
-            elif k == "train_ms_per_step" and isinstance(v, (int, float)):
-                # Several interleaved training runs per config: the median.
-                samples = rec.setdefault("_train_samples", [])
-                samples.append(float(v))
-                rec[k] = statistics.median(samples)
+            elif isinstance(v, (int, float)) and not isinstance(v, bool):
+                # Several interleaved runs per config (each a fresh
+                # process): the value is the median, the runs' samples
+                # are kept for the min-max.
+                samples = rec.setdefault("_samples", {}).setdefault(k, [])
+                samples.append(float(v) if isinstance(v, float) else v)
+                valid = [x for x in samples if x == x and x >= 0]
+                rec[k] = statistics.median(valid) if valid else v
+                if k == "train_ms_per_step":
+                    rec["_train_samples"] = samples
             else:
                 rec[k] = v
         rec.setdefault("_sections", [])
@@ -185,7 +208,9 @@ class Results:
         for sec in (metric.errkey, metric.section, "init", "meta"):
             if sec and sec in errs:
                 return f"{sec}: {errs[sec]}"
-        names = [f"{kind}_{config}"]
+        # A repeated step is named NAME_rN (run_bench.sh's REPEATS).
+        names = [f"{kind}_{config}"] + sorted(n for n in self.steps if n.startswith(f"{kind}_{config}_r")
+                                              and n[len(kind) + len(config) + 3:].isdigit())
         if kind == "c":
             names.append("build_c" if config.startswith("cudapool") else "build_native")
         for name in names:
@@ -242,12 +267,13 @@ def build_rows(res):
     for m in METRICS:
         cells, vals = {}, {}
         for cfg in CONFIGS:
-            v = m.value(res.record(m.kind, cfg))
+            rec = res.record(m.kind, cfg)
+            v = m.value(rec)
             vals[cfg] = v
             if v is None:
                 cells[cfg] = f"n/a [{note(res.reason(m, cfg))}]"
             else:
-                cells[cfg] = m.fmt(v)
+                cells[cfg] = m.cell(rec)
         if m.key == "graph_pool_bytes" and vals["async"] is not None:
             src = (res.record("torch", "async") or {}).get("graph_pool_source")
             if src == "mem_get_info":
@@ -263,6 +289,17 @@ def build_rows(res):
             ok = ratio <= m.target + 1e-12 if m.better == "lower" else ratio >= m.target - 1e-12
             met = "yes" if ok else "NO"
         rows.append((m, cells, ratio_text, m.target_text() if m.better else "-", met))
+    runs = {}
+    for kind in ("c", "torch"):
+        counts = sorted({len(v) for c in CONFIGS for k, v in ((res.record(kind, c) or {}).get("_samples") or {}).items()
+                         if k != "train_ms_per_step"})
+        if counts and counts[-1] > 1:
+            runs[kind] = "-".join(str(n) for n in (counts[0], counts[-1]) if n) if counts[0] != counts[-1] else str(counts[0])
+    if runs:
+        note("a value with a range is the median (min-max) of the runs of its configuration, each in a fresh "
+             "process, the configurations interleaved (" + ", ".join(
+                 f"{'C' if k == 'c' else 'torch'} level: {n} runs" for k, n in runs.items()) +
+             "); ratios are of the medians, and a target is met only when the medians meet it")
     train = {c: (res.record("torch", c) or {}).get("_train_samples") for c in CONFIGS}
     if any(train.values()):
         note("training ms/step: median of " + ", ".join(
