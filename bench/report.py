@@ -71,18 +71,21 @@ class Metric:
     def spread(self, rec):
         """(min, max) over the runs that reported this metric, or None for
         one run or a derived metric."""
-        if rec is None or callable(self.key):
+        key, scale = self.key, self.scale
+        if callable(key):  # derived: only a rescaled key has runs (_mpairs)
+            key, scale = getattr(key, "sample_key", None), scale * getattr(key, "sample_scale", 1.0)
+        if rec is None or key is None:
             return None
-        v = [x for x in rec.get("_samples", {}).get(self.key, []) if x == x and x >= 0]
+        v = [x for x in rec.get("_samples", {}).get(key, []) if x == x and x >= 0]
         if len(v) < 2:
             return None
-        return min(v) / self.scale, max(v) / self.scale
+        return min(v) / scale, max(v) / scale
 
     def cell(self, rec):
         """The median, with the min-max of the runs when there are several."""
         v = self.value(rec)
         sp = self.spread(rec) if v is not None else None
-        if sp is None:
+        if sp is None or self.fmt(sp[0]) == self.fmt(sp[1]):
             return self.fmt(v)
         return f"{self.fmt(v)} ({self.fmt(sp[0])}-{self.fmt(sp[1])})"
 
@@ -106,6 +109,7 @@ def _mpairs(key):
     def f(rec):
         v = rec.get(key)
         return v / 1e6 if isinstance(v, (int, float)) and v >= 0 else None
+    f.sample_key, f.sample_scale = key, 1e6
     return f
 
 
@@ -122,6 +126,8 @@ METRICS = [
     Metric("torch.empty + free, mixed sizes", "torch", "empty_mixed_us", "us/pair", target=1.05, section="empty"),
     Metric("GPT-2 training step, variable seq len", "torch", "train_ms_per_step", "ms/step", target=1.02,
            section="train"),
+    Metric("FSDP2, 2 GPUs, GPT-2 training step", "torch", "fsdp_ms_per_step", "ms/step", target=1.0,
+           section="fsdp"),
     Metric("training peak allocated", "torch", "train_peak_allocated", "GiB", scale=GiB, better=None,
            section="train"),
     Metric("training peak reserved", "torch", "train_peak_reserved", "GiB", scale=GiB, target=1.0,

@@ -134,7 +134,7 @@ class TestReport(unittest.TestCase):
         self.full_run()
         # Two more runs of the C level for native and cudapool (run_bench.sh's REPEATS), in other files.
         write_lines(os.path.join(self.dir, "c_native_r2.json"), c_rec("native", 500.0, 800.0))
-        write_lines(os.path.join(self.dir, "c_native_r3.json"), c_rec("native", 470.0, 810.0))
+        write_lines(os.path.join(self.dir, "c_native_r3.json"), c_rec("native", 470.0, 810.0, t4=3e6))
         write_lines(os.path.join(self.dir, "c_cudapool_r2.json"), c_rec("cudapool", 440.0, 700.0, t4=8e6))
         write_lines(os.path.join(self.dir, "c_cudapool_r3.json"), [
             {"kind": "c", "config": "cudapool", "section": "hot", "hot_ns_per_pair": -1}])  # unknown: ignored
@@ -149,8 +149,25 @@ class TestReport(unittest.TestCase):
         self.assertEqual(mixed[2], "0.802x")  # 650 / 810
         self.assertEqual(mixed[4], "NO")  # the median misses 0.8 though one run met it
         self.assertEqual(hot[1]["expandable"], "500")  # one run: no range
+        self.assertEqual(row(rows, "C: 4 threads")[1]["cudapool"], "8.00")  # equal runs: no range
+        self.assertEqual(row(rows, "trace replay: peak reserved")[1]["native"], "6.00")
         self.assertEqual(row(rows, "training reserved / allocated")[1]["native"], "1.200")  # derived: no range
+        self.assertEqual(row(rows, "C: 4 threads")[1]["native"], "4.00 (3.00-4.00)")  # a derived row with runs
         self.assertTrue(any("median (min-max) of the runs" in n and "C level: 1-3 runs" in n for n in notes), notes)
+
+    def test_fsdp_runs(self):
+        for i, (n, c) in enumerate([(34.8, 33.0), (36.0, 34.1), (35.1, 33.5), (35.5, 33.9), (34.9, 33.2)]):
+            suffix = "" if i == 0 else f"_r{i + 1}"
+            write_lines(os.path.join(self.dir, f"fsdp_native{suffix}.json"), [
+                {"kind": "torch", "config": "native", "section": "fsdp", "fsdp_ms_per_step": n, "fsdp_step_ms": [n]}])
+            write_lines(os.path.join(self.dir, f"fsdp_cudapool{suffix}.json"), [
+                {"kind": "torch", "config": "cudapool", "section": "fsdp", "fsdp_ms_per_step": c}])
+        rows, _ = report.build_rows(report.load(self.dir))
+        r = row(rows, "FSDP2, 2 GPUs")
+        self.assertEqual(r[1]["native"], "35.10 (34.80-36.00)")
+        self.assertEqual(r[1]["cudapool"], "33.50 (33.00-34.10)")
+        self.assertEqual(r[2], "0.954x")
+        self.assertEqual(r[4], "yes")
 
     def test_failed_repeat_is_explained(self):
         write_lines(os.path.join(self.dir, "c_native.json"), c_rec("native", 480.0, 830.0))
