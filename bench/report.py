@@ -248,6 +248,8 @@ def load(results_dir):
             continue
         for line in text.splitlines():
             line = line.strip()
+            if line.startswith("[rank") and "]:" in line[:12]:
+                line = line[line.index("]:") + 2:].strip()  # torchrun's rank prefix, when it adds one
             if not line.startswith("{"):
                 continue
             try:

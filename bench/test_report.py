@@ -161,7 +161,8 @@ class TestReport(unittest.TestCase):
             write_lines(os.path.join(self.dir, f"fsdp_native{suffix}.json"), [
                 {"kind": "torch", "config": "native", "section": "fsdp", "fsdp_ms_per_step": n, "fsdp_step_ms": [n]}])
             write_lines(os.path.join(self.dir, f"fsdp_cudapool{suffix}.json"), [
-                {"kind": "torch", "config": "cudapool", "section": "fsdp", "fsdp_ms_per_step": c}])
+                "[rank0]:" + json.dumps({"kind": "torch", "config": "cudapool", "section": "fsdp",
+                                         "fsdp_ms_per_step": c})])
         rows, _ = report.build_rows(report.load(self.dir))
         r = row(rows, "FSDP2, 2 GPUs")
         self.assertEqual(r[1]["native"], "35.10 (34.80-36.00)")
