@@ -30,7 +30,9 @@
 #   OUT=build/bench-out BENCH_PARTS=c bash bench/run_bench.sh
 #   OUT=build/bench-out BENCH_PARTS=torch BENCH_KEEP=1 bash bench/run_bench.sh
 #   OUT=build/bench-out BENCH_PARTS="train floor fsdp" BENCH_KEEP=1 bash bench/run_bench.sh
-# Each call reports on everything under OUT so far.
+# and BENCH_REPEAT_FROM=N makes a call start at run N (BENCH_REPEATS=2, then
+# BENCH_REPEAT_FROM=3 BENCH_REPEATS=3, splits the 3 runs of a part over two
+# calls). Each call reports on everything under OUT so far.
 #
 # Needs: lib/libcudapool.so built beforehand (`make`, where Go is) and carried
 # along; python3 with CUDA PyTorch; gcc, g++. No network.
@@ -47,7 +49,8 @@
 # results file and an updated copy of the README to $OUT only),
 # BENCH_REPEATS (3), BENCH_TRAIN_RUNS (5), BENCH_FSDP_RUNS (5),
 # BENCH_PARTS (the parts to run, default "c torch train floor fsdp"),
-# BENCH_KEEP=1 (keep the results already under $OUT: add to them).
+# BENCH_KEEP=1 (keep the results already under $OUT: add to them),
+# BENCH_REPEAT_FROM (1: the first run number of this call).
 # shellcheck disable=SC2317  # the step functions are called through run_step
 set -u
 cd "$(dirname "$0")/.." || exit 1
@@ -63,13 +66,14 @@ HARD=${BENCH_HARD_S:-560}
 QUICK=${QUICK:-0}
 CONFIGS=(native expandable async cudapool cudapool_exp)
 REPEATS=${BENCH_REPEATS:-3}
+FROM=${BENCH_REPEAT_FROM:-1} # first run number of this call (to split the runs over calls)
 TRAIN_RUNS=${BENCH_TRAIN_RUNS:-5}
 FSDP_RUNS=${BENCH_FSDP_RUNS:-5}
 PARTS=" ${BENCH_PARTS:-c torch train floor fsdp} "
 part() { [[ $PARTS == *" $1 "* ]]; }
 
 mkdir -p "$RES" "$LOGS" "$BUILD"
-if [ "${BENCH_KEEP:-0}" != 1 ]; then
+if [ "${BENCH_KEEP:-0}" != 1 ] && [ "$FROM" -le 1 ]; then # a later run number adds to the results
     rm -f "$RES"/*.json "$RES"/*.jsonl "$LOGS"/*.log "$OUT/report.txt"
 fi
 STEPS=$RES/steps.jsonl
@@ -276,7 +280,7 @@ c_run() { # CFG REP
     run_step "$name" 120 "$RES/$name.json" "${envs[@]}" "$prog" --config "$cfg" "${C_ARGS[@]}"
 }
 if part c; then
-    for rep in $(seq 1 "$REPEATS"); do
+    for rep in $(seq "$FROM" "$REPEATS"); do
         for cfg in "${CONFIGS[@]}"; do c_run "$cfg" "$rep"; done
     done
 fi
@@ -288,7 +292,7 @@ fi
 build_floor() { gcc -O2 -Wall -shared -fPIC bench/floor_alloc.c -o "$BUILD/libfloor.so" -ldl -pthread; }
 part floor && run_step build_floor 0 "" build_floor
 if part torch || part floor; then
-    for rep in $(seq 1 "$REPEATS"); do
+    for rep in $(seq "$FROM" "$REPEATS"); do
         if part torch; then
             for cfg in "${CONFIGS[@]}"; do
                 name=$(run_name "torch_$cfg" "$rep")
@@ -310,6 +314,7 @@ fi
 if part train; then
     first=1
     [ -f "$RES/torch_native.json" ] && first=$((REPEATS + 1))  # the torch part's runs train too
+    [ "$first" -lt "$FROM" ] && first=$FROM
     for rep in $(seq "$first" "$TRAIN_RUNS"); do
         for cfg in "${CONFIGS[@]}"; do
             run_step "train_${cfg}_$rep" 90 "$RES/torch_${cfg}_train$rep.json" \
@@ -330,7 +335,7 @@ if part fsdp; then
         [ "$QUICK" = 1 ] && F_ARGS+=(--warmup 2 --steps 8)
         # shellcheck disable=SC2206
         F_ARGS+=(${BENCH_FSDP_ARGS:-})
-        for rep in $(seq 1 "$FSDP_RUNS"); do
+        for rep in $(seq "$FROM" "$FSDP_RUNS"); do
             for cfg in native cudapool; do
                 name=$(run_name "fsdp_$cfg" "$rep")
                 run_step "$name" 150 "$RES/$name.json" env CUDA_VISIBLE_DEVICES=0,1 \
