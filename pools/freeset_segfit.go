@@ -122,6 +122,8 @@ func (x *segfit) setFor(s cuda.Stream) *sfStream {
 	return t
 }
 
+func (t *sfStream) has(c int) bool { return t.words[c>>6]&(1<<(c&63)) != 0 }
+
 func (t *sfStream) mark(c int) {
 	t.words[c>>6] |= 1 << (c & 63)
 	t.summary |= 1 << (c >> 6)
@@ -232,8 +234,11 @@ func (x *segfit) Remove(b *Block) {
 func (x *segfit) LowerBound(s cuda.Stream, size uint64) *Block {
 	if t := x.setOf(s); t != nil {
 		c := sizeClass(size)
-		if r := t.bins[c]; r != nil {
-			if b := treeLowerBound(r, key{s, size, 0}); b != nil {
+		// The occupancy bit first: it shares a cache line with the
+		// stream's header, the bin slot does not, and the request's own
+		// class is often empty.
+		if t.has(c) {
+			if b := treeLowerBound(t.bins[c], key{s, size, 0}); b != nil {
 				return b
 			}
 		}
@@ -268,8 +273,10 @@ func (x *segfit) Before(s cuda.Stream, size uint64, ptr cuda.Ptr) *Block {
 	if i < len(x.sets) && x.sets[i].s == s {
 		t := x.sets[i]
 		c := sizeClass(size)
-		if b := treeBefore(t.bins[c], key{s, size, ptr}); b != nil {
-			return b
+		if t.has(c) {
+			if b := treeBefore(t.bins[c], key{s, size, ptr}); b != nil {
+				return b
+			}
 		}
 		if c = t.prevClass(c); c >= 0 {
 			return rightmost(t.bins[c])
