@@ -31,6 +31,8 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | h
 
 echo "==== C level (bench/hot_path.c, real driver)"
 ./build/bench/hot_path 7 | tee "$OUT/hot_path.txt" || exit 1
+echo "==== the pair with the treap free set instead of segfit (CUDAPOOL_CONF=free_set:treap)"
+CUDAPOOL_CONF=free_set:treap ./build/bench/hot_path 3 | grep -E "pair" | tee "$OUT/hot_path_treap.txt"
 echo "==== the same with GODEBUG=schedtrace (keeps Go's sysmon out of its deep sleep; docs/hot-path.md)"
 GODEBUG=schedtrace=1000000000 ./build/bench/hot_path 3 2>/dev/null | grep -E "asleep|class path" | tee "$OUT/hot_path_schedtrace.txt"
 echo "==== torch level (gpu/bench_class_paths.py, $REPS fresh processes per path)"
