@@ -459,7 +459,9 @@ def params_line(res):
 
 
 METHOD = """\
-How: `bench/run_bench.sh` runs every configuration in a fresh process, with the same inputs, in one run.
+How: `bench/run_bench.sh` runs every configuration several times (3 by default; training 5, FSDP2 5), each
+in a fresh process, the configurations interleaved, with the same inputs; a cell with a range is the median
+(min-max) of those runs, and ratios and targets use the medians.
 C level: `bench/workloads.h` holds the workloads, compiled into `bench/c_bench.c` (cudapool's C ABI) and
 `bench/native_bench.cpp` (PyTorch's `c10::cuda::CUDACachingAllocator::raw_alloc_with_stream`/`raw_delete`,
 allocator chosen by `PYTORCH_CUDA_ALLOC_CONF`). torch level: `bench/torch_bench.py` (GPT-2 small from
