@@ -83,7 +83,15 @@ test-cxx: $(BUILD)/test_cudapool_cpp
 	$(call section,C++ ABI test (simulator))
 	$(SIM_ENV) ./$(BUILD)/test_cudapool_cpp
 
-check-lib: lib
+# bench/hot_path.c (docs/hot-path.md), built and run once by check-lib: the
+# library's hot path works from a C program (it exits non-zero on an error).
+$(BUILD)/hot_path: bench/hot_path.c include/cudapool.h lib
+	@mkdir -p $(BUILD)
+	$(CC) -std=c11 -O2 -Wall -Wextra -Werror -I include -o $@ $< $(TEST_LDFLAGS) -ldl
+
+check-lib: lib $(BUILD)/hot_path
+	$(call section,hot-path breakdown runs (simulator; one round))
+	$(SIM_ENV) ./$(BUILD)/hot_path 1
 	$(call section,library symbols and loading)
 	@if nm -D --undefined-only $(LIB) | grep -Ei ' (cu|nvml)[A-Za-z_]' ; then \
 		echo "FAIL: $(LIB) leaves CUDA/NVML symbols undefined"; exit 1; fi

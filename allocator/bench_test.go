@@ -6,6 +6,7 @@ import (
 
 	"github.com/cudapool/cudapool/allocator"
 	"github.com/cudapool/cudapool/cuda"
+	"github.com/cudapool/cudapool/pools"
 	"github.com/stretchr/testify/require"
 )
 
@@ -13,8 +14,35 @@ import (
 // one size and on a mix, once the cache is warm.
 func TestHotPathAllocatesNothing(t *testing.T) {
 	for _, conf := range []string{"", "expandable_segments:True"} {
-		t.Run(conf, func(t *testing.T) { testHotPathAllocatesNothing(t, conf) })
+		for _, k := range pools.FreeSetKinds {
+			c := join(conf, "free_set:"+k.String())
+			t.Run(c, func(t *testing.T) { testHotPathAllocatesNothing(t, c) })
+		}
 	}
+}
+
+// join joins configuration strings with commas, skipping empty ones.
+func join(confs ...string) string {
+	out := ""
+	for _, c := range confs {
+		if c != "" && out != "" {
+			out += ","
+		}
+		out += c
+	}
+	return out
+}
+
+// freeSetConfs are the free-set settings the benchmarks compare; the
+// default first.
+func freeSetConfs() []string {
+	out := []string{"free_set:" + pools.DefaultFreeSet.String()}
+	for _, k := range pools.FreeSetKinds {
+		if k != pools.DefaultFreeSet && k != pools.FreeSetSorted {
+			out = append(out, "free_set:"+k.String())
+		}
+	}
+	return out
 }
 
 func testHotPathAllocatesNothing(t *testing.T, conf string) {
@@ -81,7 +109,13 @@ func (m *mixed) run(n int) {
 }
 
 func BenchmarkHotPair(b *testing.B) {
-	a, _ := newAlloc(b, 1, 8*GiB, "")
+	for _, fs := range freeSetConfs() {
+		b.Run(fs, func(b *testing.B) { benchmarkHotPair(b, fs) })
+	}
+}
+
+func benchmarkHotPair(b *testing.B, conf string) {
+	a, _ := newAlloc(b, 1, 8*GiB, conf)
 	a.ExpectAnnouncements()
 	p, _ := a.Malloc(0, 4096, 0)
 	_ = a.Free(0, p, 0)
@@ -94,7 +128,10 @@ func BenchmarkHotPair(b *testing.B) {
 
 func BenchmarkMixedPairs(b *testing.B) {
 	for _, conf := range []string{"", "expandable_segments:True"} {
-		b.Run(conf, func(b *testing.B) { benchmarkMixedPairs(b, conf) })
+		for _, fs := range freeSetConfs() {
+			c := join(conf, fs)
+			b.Run(c, func(b *testing.B) { benchmarkMixedPairs(b, c) })
+		}
 	}
 }
 
@@ -157,7 +194,13 @@ func benchSequence() (sizes []uint64, slots []int) {
 }
 
 func BenchmarkMixedWorkloadsH(b *testing.B) {
-	a, _ := newAlloc(b, 1, 140*GiB, "")
+	for _, fs := range freeSetConfs() {
+		b.Run(fs, func(b *testing.B) { benchmarkMixedWorkloadsH(b, fs) })
+	}
+}
+
+func benchmarkMixedWorkloadsH(b *testing.B, conf string) {
+	a, _ := newAlloc(b, 1, 140*GiB, conf)
 	a.ExpectAnnouncements()
 	sizes, slots := benchSequence()
 	live := make([]cuda.Ptr, 256)
@@ -176,5 +219,20 @@ func BenchmarkMixedWorkloadsH(b *testing.B) {
 	b.ReportAllocs()
 	for b.Loop() {
 		step()
+	}
+}
+
+// BenchmarkTorchPair is the C++ class's cache-hit pair: the previous
+// tensor's free queued, performed with the next malloc under one lock.
+func BenchmarkTorchPair(b *testing.B) {
+	a, _ := newAlloc(b, 1, 8*GiB, "")
+	a.ExpectAnnouncements()
+	var pend [1]allocator.PendingFree
+	var frees []allocator.PendingFree
+	b.ReportAllocs()
+	for b.Loop() {
+		p, _, _ := a.MallocAfterFrees(0, 4096, 0, 0, frees)
+		pend[0] = allocator.PendingFree{Dev: -1, Ptr: p}
+		frees = pend[:]
 	}
 }

@@ -229,8 +229,10 @@ func (c *Config) set(key, val string) (warning string, err error) {
 			c.Pools.FreeSet = pools.FreeSetTreap
 		case "sorted":
 			c.Pools.FreeSet = pools.FreeSetSorted
+		case "segfit":
+			c.Pools.FreeSet = pools.FreeSetSegFit
 		default:
-			return "", configError("free_set=%s: expected treap or sorted", val)
+			return "", configError("free_set=%s: expected segfit, treap or sorted", val)
 		}
 	default:
 		return fmt.Sprintf("unknown option %q ignored", key), nil
@@ -360,7 +362,7 @@ func (c Config) String() string {
 	if c.HistoryEntries > 0 {
 		parts = append(parts, fmt.Sprintf("record_history:%d", c.HistoryEntries))
 	}
-	if p.FreeSet != pools.FreeSetTreap {
+	if p.FreeSet != pools.DefaultFreeSet {
 		parts = append(parts, "free_set:"+p.FreeSet.String())
 	}
 	if c.GraphCaptureRecordStreamReuse {

@@ -30,6 +30,9 @@ type machine struct {
 	capture *runningCapture
 	nextID  uint64
 	data    []byte
+	// placed is every malloc's result in order (0: out of memory), so that
+	// runs of one input through different free sets can be compared.
+	placed []cuda.Ptr
 }
 
 type liveAlloc struct {
@@ -115,6 +118,7 @@ func (m *machine) checkMemory() {
 func (m *machine) malloc(dev int, s cuda.Stream) {
 	size := m.size()
 	p, err := m.a.Malloc(dev, size, s)
+	m.placed = append(m.placed, p)
 	if err != nil {
 		require.ErrorIs(m.t, err, allocator.ErrOutOfMemory)
 		return
@@ -280,15 +284,41 @@ func (m *machine) drain() {
 	require.Zero(m.t, m.drv.Violations(), "%v", m.drv.ViolationLog())
 }
 
+// runEveryFreeSet runs the machine on data once per free-set implementation
+// and requires the same placements from each: they must be the same best
+// fit, decision for decision, not merely keep the invariants.
+func runEveryFreeSet(t *testing.T, conf string, data []byte) {
+	runFreeSets(t, conf, data, pools.FreeSetKinds)
+}
+
+func runFreeSets(t *testing.T, conf string, data []byte, kinds []pools.FreeSetKind) *machine {
+	var first []cuda.Ptr
+	var m0 *machine
+	for i, k := range kinds {
+		c := "free_set:" + k.String()
+		if conf != "" {
+			c = conf + "," + c
+		}
+		m := newMachine(t, c, append([]byte(nil), data...))
+		m.run()
+		if i == 0 {
+			first, m0 = m.placed, m
+		} else {
+			require.Equal(t, first, m.placed, "free_set:%s placed blocks differently from free_set:%s", k, kinds[0])
+		}
+	}
+	return m0
+}
+
 func TestRandomizedInvariants(t *testing.T) {
-	confs := []string{"", "max_split_size_mb:32", "roundup_power2_divisions:4,free_set:sorted",
+	confs := []string{"", "max_split_size_mb:32", "roundup_power2_divisions:4",
 		"garbage_collection_threshold:0.7", "max_split_size_mb:20,max_non_split_rounding_mb:4",
-		"expandable_segments:True", "expandable_segments:True,max_split_size_mb:32,free_set:sorted",
+		"expandable_segments:True", "expandable_segments:True,max_split_size_mb:32",
 		"expandable_segments:True,garbage_collection_threshold:0.7,roundup_power2_divisions:4",
 		"stitch:True", "stitch:True,expandable_map_unit_mb:2,max_split_size_mb:32",
-		"stitch:True,garbage_collection_threshold:0.7,free_set:sorted"}
+		"stitch:True,garbage_collection_threshold:0.7"}
 	seeds := 12
-	if testing.Short() {
+	if testing.Short() || raceOn {
 		seeds = 3
 	}
 	for _, conf := range confs {
@@ -297,10 +327,15 @@ func TestRandomizedInvariants(t *testing.T) {
 			rng := rand.New(rand.NewSource(int64(seed)))
 			data := make([]byte, 6000)
 			rng.Read(data)
+			// Every seed compares the two fast sets; the first three also
+			// the sorted slice, the slow reference.
+			kinds := []pools.FreeSetKind{pools.FreeSetSegFit, pools.FreeSetTreap}
+			if seed < 3 {
+				kinds = pools.FreeSetKinds
+			}
 			t.Run(conf+"/"+string(rune('a'+seed)), func(t *testing.T) {
 				lockThread(t)
-				m := newMachine(t, conf, data)
-				m.run()
+				m := runFreeSets(t, conf, data, kinds)
 				for dev := 0; dev < devices; dev++ {
 					st, err := m.a.StitchStats(dev)
 					require.NoError(t, err)
@@ -327,12 +362,12 @@ func FuzzAllocator(f *testing.F) {
 	f.Fuzz(func(t *testing.T, data []byte) {
 		lockThread(t)
 		// The first byte picks ordinary or expandable segments, or
-		// stitching.
+		// stitching; every free set runs the input.
 		conf := ""
 		if len(data) > 0 {
 			conf = [...]string{"", "expandable_segments:True", "stitch:True", "stitch:True,expandable_map_unit_mb:2"}[data[0]%4]
 		}
-		newMachine(t, conf, data).run()
+		runEveryFreeSet(t, conf, data)
 	})
 }
 

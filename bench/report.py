@@ -68,6 +68,27 @@ class Metric:
     def fmt(self, v):
         return f"{v:,.{self.digits}f}" if v is not None else "n/a"
 
+    def spread(self, rec):
+        """(min, max) over the runs that reported this metric, or None for
+        one run or a derived metric."""
+        key, scale = self.key, self.scale
+        if callable(key):  # derived: only a rescaled key has runs (_mpairs)
+            key, scale = getattr(key, "sample_key", None), scale * getattr(key, "sample_scale", 1.0)
+        if rec is None or key is None:
+            return None
+        v = [x for x in rec.get("_samples", {}).get(key, []) if x == x and x >= 0]
+        if len(v) < 2:
+            return None
+        return min(v) / scale, max(v) / scale
+
+    def cell(self, rec):
+        """The median, with the min-max of the runs when there are several."""
+        v = self.value(rec)
+        sp = self.spread(rec) if v is not None else None
+        if sp is None or self.fmt(sp[0]) == self.fmt(sp[1]):
+            return self.fmt(v)
+        return f"{self.fmt(v)} ({self.fmt(sp[0])}-{self.fmt(sp[1])})"
+
     def target_text(self):
         if self.target is None:
             return "-"
@@ -88,6 +109,7 @@ def _mpairs(key):
     def f(rec):
         v = rec.get(key)
         return v / 1e6 if isinstance(v, (int, float)) and v >= 0 else None
+    f.sample_key, f.sample_scale = key, 1e6
     return f
 
 
@@ -124,6 +146,11 @@ METRICS = [
            digits=3, section="trace"),
     Metric("trace replay: time per op (cached)", "c", "trace_ns_per_op", "ns/op", digits=0, section="trace"),
 ]
+
+
+# FSDP2 on 2 GPUs: reported in a note (build_rows).
+FSDP = Metric("FSDP2, 2 GPUs, GPT-2 training step", "torch", "fsdp_ms_per_step", "ms/step", target=1.0,
+              section="fsdp")
 
 
 # ---------------------------------------------------------------------------
@@ -164,11 +191,16 @@ class Results:
                 continue
             if k.endswith("_error"):
                 errs[k[: -len("_error")]] = str(v)
-            elif k == "train_ms_per_step" and isinstance(v, (int, float)):
-                # Several interleaved training runs per config: the median.
-                samples = rec.setdefault("_train_samples", [])
-                samples.append(float(v))
-                rec[k] = statistics.median(samples)
+            elif isinstance(v, (int, float)) and not isinstance(v, bool):
+                # Several interleaved runs per config (each a fresh
+                # process): the value is the median, the runs' samples
+                # are kept for the min-max.
+                samples = rec.setdefault("_samples", {}).setdefault(k, [])
+                samples.append(float(v) if isinstance(v, float) else v)
+                valid = [x for x in samples if x == x and x >= 0]
+                rec[k] = statistics.median(valid) if valid else v
+                if k == "train_ms_per_step":
+                    rec["_train_samples"] = samples
             else:
                 rec[k] = v
         rec.setdefault("_sections", [])
@@ -185,7 +217,9 @@ class Results:
         for sec in (metric.errkey, metric.section, "init", "meta"):
             if sec and sec in errs:
                 return f"{sec}: {errs[sec]}"
-        names = [f"{kind}_{config}"]
+        # A repeated step is named NAME_rN (run_bench.sh's REPEATS).
+        names = [f"{kind}_{config}"] + sorted(n for n in self.steps if n.startswith(f"{kind}_{config}_r")
+                                              and n[len(kind) + len(config) + 3:].isdigit())
         if kind == "c":
             names.append("build_c" if config.startswith("cudapool") else "build_native")
         for name in names:
@@ -217,6 +251,8 @@ def load(results_dir):
             continue
         for line in text.splitlines():
             line = line.strip()
+            if line.startswith("[rank") and "]:" in line[:12]:
+                line = line[line.index("]:") + 2:].strip()  # torchrun's rank prefix, when it adds one
             if not line.startswith("{"):
                 continue
             try:
@@ -242,12 +278,13 @@ def build_rows(res):
     for m in METRICS:
         cells, vals = {}, {}
         for cfg in CONFIGS:
-            v = m.value(res.record(m.kind, cfg))
+            rec = res.record(m.kind, cfg)
+            v = m.value(rec)
             vals[cfg] = v
             if v is None:
                 cells[cfg] = f"n/a [{note(res.reason(m, cfg))}]"
             else:
-                cells[cfg] = m.fmt(v)
+                cells[cfg] = m.cell(rec)
         if m.key == "graph_pool_bytes" and vals["async"] is not None:
             src = (res.record("torch", "async") or {}).get("graph_pool_source")
             if src == "mem_get_info":
@@ -263,10 +300,33 @@ def build_rows(res):
             ok = ratio <= m.target + 1e-12 if m.better == "lower" else ratio >= m.target - 1e-12
             met = "yes" if ok else "NO"
         rows.append((m, cells, ratio_text, m.target_text() if m.better else "-", met))
+    runs = {}
+    for kind in ("c", "torch"):
+        counts = sorted({len(v) for c in CONFIGS for k, v in ((res.record(kind, c) or {}).get("_samples") or {}).items()
+                         if k != "train_ms_per_step"})
+        if counts and counts[-1] > 1:
+            runs[kind] = "-".join(str(n) for n in (counts[0], counts[-1]) if n) if counts[0] != counts[-1] else str(counts[0])
+    if runs:
+        note("a value with a range is the median (min-max) of the runs of its configuration, each in a fresh "
+             "process, the configurations interleaved (" + ", ".join(
+                 f"{'C' if k == 'c' else 'torch'} level: {n} runs" for k, n in runs.items()) +
+             "); ratios are of the medians, and a target is met only when the medians meet it")
     train = {c: (res.record("torch", c) or {}).get("_train_samples") for c in CONFIGS}
     if any(train.values()):
         note("training ms/step: median of " + ", ".join(
             f"{LABELS[c]} {len(v)}" for c, v in train.items() if v) + " runs, each in a fresh process, interleaved")
+    # FSDP2 on 2 GPUs (bench/fsdp2_bench.py): a note rather than a row, so
+    # that a results table without it (one GPU) keeps its rows.
+    fsdp = {c: FSDP.cell(res.record("torch", c)) for c in ("native", "cudapool")
+            if FSDP.value(res.record("torch", c)) is not None}
+    if fsdp:
+        text = "FSDP2, 2 GPUs, GPT-2 training step (CUDA-event timed, ranks pinned), ms/step: " + ", ".join(
+            f"{LABELS[c]} {v}" for c, v in fsdp.items())
+        nat, cp = (FSDP.value(res.record("torch", c)) for c in ("native", "cudapool"))
+        if nat and cp:
+            r = cp / nat
+            text += f"; cudapool/native {r:.3f}x (target <= 1x: {'met' if r <= 1 + 1e-12 else 'NOT met'})"
+        note(text)
     floor = (res.record("torch", "floor") or {}).get("empty_small_us")
     if floor is not None:
         nat = (res.record("torch", "native") or {}).get("empty_small_us")
@@ -399,7 +459,9 @@ def params_line(res):
 
 
 METHOD = """\
-How: `bench/run_bench.sh` runs every configuration in a fresh process, with the same inputs, in one run.
+How: `bench/run_bench.sh` runs every configuration several times (3 by default; training 5, FSDP2 5), each
+in a fresh process, the configurations interleaved, with the same inputs; a cell with a range is the median
+(min-max) of those runs, and ratios and targets use the medians.
 C level: `bench/workloads.h` holds the workloads, compiled into `bench/c_bench.c` (cudapool's C ABI) and
 `bench/native_bench.cpp` (PyTorch's `c10::cuda::CUDACachingAllocator::raw_alloc_with_stream`/`raw_delete`,
 allocator chosen by `PYTORCH_CUDA_ALLOC_CONF`). torch level: `bench/torch_bench.py` (GPT-2 small from

@@ -13,9 +13,26 @@
 #      bench/native_bench.cpp + libc10_cuda.
 #   2. torch level (bench/torch_bench.py): GPT-2 training with variable
 #      sequence lengths, CUDA graph capture/replay, torch.empty + free.
+#   3. FSDP2 training of a small GPT-2 on 2 GPUs under torchrun
+#      (bench/fsdp2_bench.py: CPU pinning per rank, CUDA-event step timing),
+#      native and cudapool, where the machine has 2 GPUs or more.
+# Every configuration runs REPEATS times (default 3), each in a fresh
+# process, the configurations interleaved (run 1 of each, then run 2 of
+# each, ...); training TRAIN_RUNS times (default 5) and FSDP2 FSDP_RUNS
+# times (default 5). The report shows the median and min-max of the runs.
 # then prints the comparison table (bench/report.py), writes
 # bench/RESULTS.md and the README's performance section (between
 # <!-- perf:start --> and <!-- perf:end -->).
+#
+# A full run takes longer than one 10-minute device command: run it in
+# parts that add to the same results, e.g. (OUT must then survive between
+# the calls: a path in the checkout such as build/bench-out)
+#   OUT=build/bench-out BENCH_PARTS=c bash bench/run_bench.sh
+#   OUT=build/bench-out BENCH_PARTS=torch BENCH_KEEP=1 bash bench/run_bench.sh
+#   OUT=build/bench-out BENCH_PARTS="train floor fsdp" BENCH_KEEP=1 bash bench/run_bench.sh
+# and BENCH_REPEAT_FROM=N makes a call start at run N (BENCH_REPEATS=2, then
+# BENCH_REPEAT_FROM=3 BENCH_REPEATS=3, splits the 3 runs of a part over two
+# calls). Each call reports on everything under OUT so far.
 #
 # Needs: lib/libcudapool.so built beforehand (`make`, where Go is) and carried
 # along; python3 with CUDA PyTorch; gcc, g++. No network.
@@ -29,7 +46,11 @@
 # BENCH_C_ARGS / BENCH_TORCH_ARGS (extra arguments for the programs),
 # BENCH_SIM=1 (c_bench on cudapool's simulator: for testing without a GPU),
 # BENCH_UPDATE_REPO=0 (leave bench/RESULTS.md and README.md alone: write the
-# results file and an updated copy of the README to $OUT only).
+# results file and an updated copy of the README to $OUT only),
+# BENCH_REPEATS (3), BENCH_TRAIN_RUNS (5), BENCH_FSDP_RUNS (5),
+# BENCH_PARTS (the parts to run, default "c torch train floor fsdp"),
+# BENCH_KEEP=1 (keep the results already under $OUT: add to them),
+# BENCH_REPEAT_FROM (1: the first run number of this call).
 # shellcheck disable=SC2317  # the step functions are called through run_step
 set -u
 cd "$(dirname "$0")/.." || exit 1
@@ -44,11 +65,23 @@ BUDGET=${BENCH_BUDGET_S:-480}
 HARD=${BENCH_HARD_S:-560}
 QUICK=${QUICK:-0}
 CONFIGS=(native expandable async cudapool cudapool_exp)
+REPEATS=${BENCH_REPEATS:-3}
+FROM=${BENCH_REPEAT_FROM:-1} # first run number of this call (to split the runs over calls)
+TRAIN_RUNS=${BENCH_TRAIN_RUNS:-5}
+FSDP_RUNS=${BENCH_FSDP_RUNS:-5}
+PARTS=" ${BENCH_PARTS:-c torch train floor fsdp} "
+part() { [[ $PARTS == *" $1 "* ]]; }
 
 mkdir -p "$RES" "$LOGS" "$BUILD"
-rm -f "$RES"/*.json "$RES"/*.jsonl "$LOGS"/*.log "$OUT/report.txt"
+if [ "${BENCH_KEEP:-0}" != 1 ] && [ "$FROM" -le 1 ]; then # a later run number adds to the results
+    rm -f "$RES"/*.json "$RES"/*.jsonl "$LOGS"/*.log "$OUT/report.txt"
+fi
 STEPS=$RES/steps.jsonl
-: >"$STEPS"
+touch "$STEPS"
+
+# run_name BASE REP: the step (and result file) name of run REP of BASE:
+# the first run keeps BASE, the others are BASE_rREP.
+run_name() { if [ "$2" -eq 1 ]; then echo "$1"; else echo "$1_r$2"; fi; }
 T0=$(date +%s)
 SUMMARY=()
 
@@ -206,9 +239,11 @@ build_native() {
     return 1
 }
 
-rm -f "$BUILD/c_bench" "$BUILD/native_bench"
-run_step build_c 0 "" build_c
-run_step build_native 0 "" build_native
+if part c; then
+    rm -f "$BUILD/c_bench" "$BUILD/native_bench"
+    run_step build_c 0 "" build_c
+    run_step build_native 0 "" build_native
+fi
 
 # ---- 3. C level -----------------------------------------------------------
 
@@ -223,7 +258,9 @@ C_ARGS+=(${BENCH_C_ARGS:-})
 # shellcheck disable=SC2206
 T_ARGS+=(${BENCH_TORCH_ARGS:-})
 
-for cfg in "${CONFIGS[@]}"; do
+c_run() { # CFG REP
+    local cfg=$1 rep=$2 prog envs conf name
+    name=$(run_name "c_$cfg" "$rep")
     if [ "$cfg" = cudapool ] || [ "$cfg" = cudapool_exp ]; then
         prog=$BUILD/c_bench
         envs=(env -u PYTORCH_CUDA_ALLOC_CONF)
@@ -236,37 +273,79 @@ for cfg in "${CONFIGS[@]}"; do
         if [ -n "$conf" ]; then envs=(env "PYTORCH_CUDA_ALLOC_CONF=$conf"); else envs=(env -u PYTORCH_CUDA_ALLOC_CONF); fi
     fi
     if [ ! -x "$prog" ]; then
-        record_step "c_$cfg" skipped 0 "$(basename "$prog") was not built (logs/build_*.log)"
-        echo "=== c_$cfg: skipped, $(basename "$prog") was not built"
-        continue
+        record_step "$name" skipped 0 "$(basename "$prog") was not built (logs/build_*.log)"
+        echo "=== $name: skipped, $(basename "$prog") was not built"
+        return
     fi
-    run_step "c_$cfg" 120 "$RES/c_$cfg.json" "${envs[@]}" "$prog" --config "$cfg" "${C_ARGS[@]}"
-done
+    run_step "$name" 120 "$RES/$name.json" "${envs[@]}" "$prog" --config "$cfg" "${C_ARGS[@]}"
+}
+if part c; then
+    for rep in $(seq "$FROM" "$REPEATS"); do
+        for cfg in "${CONFIGS[@]}"; do c_run "$cfg" "$rep"; done
+    done
+fi
 
 # ---- 4. torch level -------------------------------------------------------
 
-for cfg in "${CONFIGS[@]}"; do
-    run_step "torch_$cfg" 180 "$RES/torch_$cfg.json" "$PY" bench/torch_bench.py "$cfg" "${T_ARGS[@]}"
-done
-
-# Training time varies from process to process by more than the 2% target:
-# two more training-only runs of every config, interleaved, and the report
-# takes the median of the three.
-for rep in 2 3; do
-    for cfg in "${CONFIGS[@]}"; do
-        run_step "train_${cfg}_$rep" 90 "$RES/torch_${cfg}_train$rep.json" \
-            "$PY" bench/torch_bench.py "$cfg" --sections train "${T_ARGS[@]}"
-    done
-done
-
 # The floor: torch.empty(4 KiB) through CUDAPluggableAllocator with a trivial
-# C allocator behind it (bench/floor_alloc.c).
+# C allocator behind it (bench/floor_alloc.c), run with each round.
 build_floor() { gcc -O2 -Wall -shared -fPIC bench/floor_alloc.c -o "$BUILD/libfloor.so" -ldl -pthread; }
-run_step build_floor 0 "" build_floor
-run_step torch_floor 60 "$RES/torch_floor.json" env FLOOR_LIB="$BUILD/libfloor.so" \
-    "$PY" bench/torch_bench.py floor --sections empty "${T_ARGS[@]}"
+part floor && run_step build_floor 0 "" build_floor
+if part torch || part floor; then
+    for rep in $(seq "$FROM" "$REPEATS"); do
+        if part torch; then
+            for cfg in "${CONFIGS[@]}"; do
+                name=$(run_name "torch_$cfg" "$rep")
+                run_step "$name" 180 "$RES/$name.json" "$PY" bench/torch_bench.py "$cfg" "${T_ARGS[@]}"
+            done
+        fi
+        if part floor; then
+            name=$(run_name torch_floor "$rep")
+            run_step "$name" 60 "$RES/$name.json" env FLOOR_LIB="$BUILD/libfloor.so" \
+                "$PY" bench/torch_bench.py floor --sections empty "${T_ARGS[@]}"
+        fi
+    done
+fi
 
-# ---- 5. report ------------------------------------------------------------
+# Training time varies from process to process by more than the targets
+# (and per-process samples are bimodal): training-only runs of every
+# config, interleaved, until each has TRAIN_RUNS (the torch part's runs
+# count when it ran here).
+if part train; then
+    first=1
+    [ -f "$RES/torch_native.json" ] && first=$((REPEATS + 1))  # the torch part's runs train too
+    [ "$first" -lt "$FROM" ] && first=$FROM
+    for rep in $(seq "$first" "$TRAIN_RUNS"); do
+        for cfg in "${CONFIGS[@]}"; do
+            run_step "train_${cfg}_$rep" 90 "$RES/torch_${cfg}_train$rep.json" \
+                "$PY" bench/torch_bench.py "$cfg" --sections train "${T_ARGS[@]}"
+        done
+    done
+fi
+
+# ---- 5. FSDP2 on 2 GPUs ---------------------------------------------------
+
+if part fsdp; then
+    ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+    if [ "${ngpu:-0}" -lt 2 ]; then
+        record_step fsdp skipped 0 "needs 2 GPUs (found ${ngpu:-0})"
+        echo "=== fsdp: skipped, needs 2 GPUs (found ${ngpu:-0})"
+    else
+        F_ARGS=()
+        [ "$QUICK" = 1 ] && F_ARGS+=(--warmup 2 --steps 8)
+        # shellcheck disable=SC2206
+        F_ARGS+=(${BENCH_FSDP_ARGS:-})
+        for rep in $(seq "$FROM" "$FSDP_RUNS"); do
+            for cfg in native cudapool; do
+                name=$(run_name "fsdp_$cfg" "$rep")
+                run_step "$name" 150 "$RES/$name.json" env CUDA_VISIBLE_DEVICES=0,1 \
+                    "$PY" -m torch.distributed.run --standalone --nproc_per_node=2 bench/fsdp2_bench.py "$cfg" "${F_ARGS[@]}"
+            done
+        done
+    fi
+fi
+
+# ---- 6. report ------------------------------------------------------------
 
 rm -f "$OUT/RESULTS.md" "$OUT/README.md"
 if [ "${BENCH_UPDATE_REPO:-1}" = 0 ]; then

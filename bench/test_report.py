@@ -130,6 +130,54 @@ class TestReport(unittest.TestCase):
         self.assertTrue(any(n.startswith("cudapool expandable: training reserved/allocated 1.050 vs native "
                                          "expandable 1.100 (met); step time 1.011x native") for n in notes), notes)
 
+    def test_repeated_runs_median_and_range(self):
+        self.full_run()
+        # Two more runs of the C level for native and cudapool (run_bench.sh's REPEATS), in other files.
+        write_lines(os.path.join(self.dir, "c_native_r2.json"), c_rec("native", 500.0, 800.0))
+        write_lines(os.path.join(self.dir, "c_native_r3.json"), c_rec("native", 470.0, 810.0, t4=3e6))
+        write_lines(os.path.join(self.dir, "c_cudapool_r2.json"), c_rec("cudapool", 440.0, 700.0, t4=8e6))
+        write_lines(os.path.join(self.dir, "c_cudapool_r3.json"), [
+            {"kind": "c", "config": "cudapool", "section": "hot", "hot_ns_per_pair": -1}])  # unknown: ignored
+        res = report.load(self.dir)
+        rows, notes = report.build_rows(res)
+        hot = row(rows, "C: malloc+free, 4 KiB")
+        self.assertEqual(hot[1]["native"], "480 (470-500)")
+        self.assertEqual(hot[1]["cudapool"], "420 (400-440)")  # the -1 run does not count
+        self.assertEqual(hot[2], "0.875x")  # 420 / 480: ratio of the medians
+        mixed = row(rows, "C: malloc+free, mixed")
+        self.assertEqual(mixed[1]["native"], "810 (800-830)")
+        self.assertEqual(mixed[2], "0.802x")  # 650 / 810
+        self.assertEqual(mixed[4], "NO")  # the median misses 0.8 though one run met it
+        self.assertEqual(hot[1]["expandable"], "500")  # one run: no range
+        self.assertEqual(row(rows, "C: 4 threads")[1]["cudapool"], "8.00")  # equal runs: no range
+        self.assertEqual(row(rows, "trace replay: peak reserved")[1]["native"], "6.00")
+        self.assertEqual(row(rows, "training reserved / allocated")[1]["native"], "1.200")  # derived: no range
+        self.assertEqual(row(rows, "C: 4 threads")[1]["native"], "4.00 (3.00-4.00)")  # a derived row with runs
+        self.assertTrue(any("median (min-max) of the runs" in n and "C level: 1-3 runs" in n for n in notes), notes)
+
+    def test_fsdp_runs(self):
+        for i, (n, c) in enumerate([(34.8, 33.0), (36.0, 34.1), (35.1, 33.5), (35.5, 33.9), (34.9, 33.2)]):
+            suffix = "" if i == 0 else f"_r{i + 1}"
+            write_lines(os.path.join(self.dir, f"fsdp_native{suffix}.json"), [
+                {"kind": "torch", "config": "native", "section": "fsdp", "fsdp_ms_per_step": n, "fsdp_step_ms": [n]}])
+            write_lines(os.path.join(self.dir, f"fsdp_cudapool{suffix}.json"), [
+                "[rank0]:" + json.dumps({"kind": "torch", "config": "cudapool", "section": "fsdp",
+                                         "fsdp_ms_per_step": c})])
+        rows, notes = report.build_rows(report.load(self.dir))
+        self.assertIn("FSDP2, 2 GPUs, GPT-2 training step (CUDA-event timed, ranks pinned), ms/step: "
+                      "native 35.10 (34.80-36.00), cudapool 33.50 (33.00-34.10); cudapool/native 0.954x "
+                      "(target <= 1x: met)", notes)
+
+    def test_failed_repeat_is_explained(self):
+        write_lines(os.path.join(self.dir, "c_native.json"), c_rec("native", 480.0, 830.0))
+        write_lines(os.path.join(self.dir, "steps.jsonl"), [
+            {"kind": "step", "name": "c_cudapool", "status": "ok", "reason": ""},
+            {"kind": "step", "name": "c_cudapool_r2", "status": "timeout", "reason": "timed out after 120s"},
+        ])
+        res = report.load(self.dir)
+        rows, notes = report.build_rows(res)
+        self.assertIn("c_cudapool_r2: timed out after 120s", report.text_table(rows, notes))
+
     def test_missing_and_broken_results_do_not_crash(self):
         write_lines(os.path.join(self.dir, "c_native.json"), c_rec("native", 480.0, 830.0))
         write_lines(os.path.join(self.dir, "c_cudapool.json"), [

@@ -31,12 +31,32 @@ func cpgo_malloc(size C.size_t, dev C.int, stream C.uintptr_t) C.uintptr_t {
 		setError(st.err.Error())
 		return 0
 	}
-	var buf [C.CP_FREEQ_CAP]allocator.PendingFree
-	var frees []allocator.PendingFree
 	if C.cp_freeq_n != 0 {
-		frees = takeFrees(&buf)
+		var buf [C.CP_FREEQ_CAP]allocator.PendingFree
+		return mallocAfter(st.a, size, dev, stream, 0, takeFrees(&buf))
 	}
-	return mallocAfter(st.a, size, dev, stream, 0, frees)
+	return mallocAfter(st.a, size, dev, stream, 0, nil)
+}
+
+// smallBatch is the most queued frees converted in a small stack buffer: a
+// malloc of the C++ class usually brings one (the previous tensor's), and
+// zeroing a buffer for the whole queue (2 KiB) cost more than the rest of
+// the conversion.
+const smallBatch = 4
+
+// mallocAfterQueued converts the frees queued in C, then is mallocAfter.
+func mallocAfterQueued(a *allocator.Allocator, size C.size_t, dev C.int, stream C.uintptr_t, ctx C.ulonglong, src []C.cp_pending_free) C.uintptr_t {
+	if len(src) <= smallBatch {
+		var buf [smallBatch]allocator.PendingFree
+		return mallocAfter(a, size, dev, stream, ctx, convertFrees(buf[:0], src))
+	}
+	return mallocAfterMany(a, size, dev, stream, ctx, src)
+}
+
+//go:noinline
+func mallocAfterMany(a *allocator.Allocator, size C.size_t, dev C.int, stream C.uintptr_t, ctx C.ulonglong, src []C.cp_pending_free) C.uintptr_t {
+	var buf [C.CP_FREEQ_CAP]allocator.PendingFree
+	return mallocAfter(a, size, dev, stream, ctx, convertFrees(buf[:0], src))
 }
 
 // mallocAfter performs the queued frees and the malloc (whose context id is
@@ -79,8 +99,7 @@ func cpgo_torch_malloc(size C.size_t, dev C.int, stream C.uintptr_t, frees *C.cp
 		a.ExpectAnnouncements()
 		torchAnnounced.Store(true)
 	}
-	var buf [C.CP_FREEQ_CAP]allocator.PendingFree
-	return mallocAfter(a, size, dev, stream, 0, convertFrees(buf[:0], unsafe.Slice(frees, int(nfrees))))
+	return mallocAfterQueued(a, size, dev, stream, 0, unsafe.Slice(frees, int(nfrees)))
 }
 
 //export cpgo_free

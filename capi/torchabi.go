@@ -33,8 +33,7 @@ func cpgo_malloc_ctx(size C.size_t, dev C.int, stream C.uintptr_t, ctx C.ulonglo
 		setError(st.err.Error())
 		return 0
 	}
-	var buf [C.CP_FREEQ_CAP]allocator.PendingFree
-	return mallocAfter(st.a, size, dev, stream, ctx, convertFrees(buf[:0], unsafe.Slice(frees, int(nfrees))))
+	return mallocAfterQueued(st.a, size, dev, stream, ctx, unsafe.Slice(frees, int(nfrees)))
 }
 
 // failMalloc records a failed malloc, and for out of memory the numbers

@@ -1,10 +1,19 @@
-"""torch.empty + free of 4 KiB and of mixed sizes, per allocator path, each
-in a fresh process, interleaved, repeated: the C++ class's direct path, the
-same class on the pluggable base's malloc/free path, the CUDAPluggableAllocator
-fallback (no class), and PyTorch's native allocator. Prints medians and the
-spread (min-max) of the repeats, in us per pair.
+"""torch.empty + free per allocator path, each in a fresh process, interleaved,
+repeated: the C++ class's direct path, the same class on the pluggable base's
+malloc/free path, the CUDAPluggableAllocator fallback (no class), the floor
+(a trivial C allocator behind CUDAPluggableAllocator: PyTorch's own cost of
+the pluggable path, bench/floor_alloc.c), and PyTorch's native allocator.
+Prints medians and the spread (min-max) of the repeats, in us per pair.
 
-    PYTHONPATH=python CUDAPOOL_LIBRARY=lib/libcudapool.so python3 gpu/bench_class_paths.py [REPEATS]
+Columns: 4 KiB pairs in a tight loop; mixed sizes 512 B-16 MiB; a 4 KiB pair
+after the loop touched 2 MiB of other memory (as a Python program does
+between allocations: the allocator's working set is evicted from L1/L2);
+and one 4 KiB torch.empty after 10 ms of sleep (the thread spent that long
+outside the allocator; docs/hot-path.md). The last two are medians of
+single timed calls.
+
+    PYTHONPATH=python CUDAPOOL_LIBRARY=lib/libcudapool.so FLOOR_LIB=build/bench/libfloor.so \
+        python3 gpu/bench_class_paths.py [REPEATS] [--json FILE]
 """
 import json
 import os
@@ -13,15 +22,18 @@ import subprocess
 import sys
 
 CHILD = r'''
-import os, sys, time, json
+import os, sys, time, json, statistics, random
 mode = sys.argv[1]
-if mode != "native":
+import torch
+if mode == "floor":
+    a = torch.cuda.memory.CUDAPluggableAllocator(os.environ["FLOOR_LIB"], "floor_malloc", "floor_free")
+    torch.cuda.memory.change_current_allocator(a)
+elif mode != "native":
     import cudapool
     cudapool.install(cpp_class=(mode != "pluggable"))
-import torch
 torch.cuda.init()
+dev = torch.device("cuda")
 def run(sizes, n):
-    dev = torch.device("cuda")
     for s in sizes[:256]:
         torch.empty(s, dtype=torch.uint8, device=dev)
     torch.cuda.synchronize()
@@ -30,24 +42,55 @@ def run(sizes, n):
     for i in range(n):
         torch.empty(sizes[i % k], dtype=torch.uint8, device=dev)
     return (time.perf_counter() - t0) / n * 1e6
-import random
+def single(prepare, n):
+    # Median of single timed pairs, the clock's own cost subtracted.
+    clock, pair = [], []
+    pc = time.perf_counter_ns
+    for _ in range(n):
+        prepare()
+        t0 = pc(); t1 = pc()
+        torch.empty(4096, dtype=torch.uint8, device=dev)
+        t2 = pc()
+        clock.append(t1 - t0); pair.append(t2 - t1)
+    return (statistics.median(pair) - statistics.median(clock)) / 1e3
+evict = bytearray(2 << 20)
+view = memoryview(evict)
+ones = b"\x01" * (len(evict) // 64)
+def touch():
+    # Writes one byte per cache line: evict[::64] = ... touches every line.
+    view[::64] = ones
 rng = random.Random(1)
 mixed = [int(512 * 2 ** rng.uniform(0, 15)) for _ in range(4096)]
-import statistics
-out = {"hot": statistics.median(run([4096], 200000) for _ in range(3)), "mixed": statistics.median(run(mixed, 100000) for _ in range(3))}
+out = {"hot": statistics.median(run([4096], 200000) for _ in range(3))}
+if mode != "floor":  # the floor caches by exact size and never frees: no mixed loop
+    out["mixed"] = statistics.median(run(mixed, 100000) for _ in range(3))
+out["touched"] = single(touch, 3000)
+out["asleep"] = single(lambda: time.sleep(0.01), 100)
 print("RESULT " + json.dumps(out))
 '''
 
 MODES = [("class", {}), ("class, pluggable base path", {"CUDAPOOL_TORCH_EXT_FAST": "0"}),
-         ("pluggable (no class)", {}), ("native", {})]
-ARG = {"class": "class", "class, pluggable base path": "class", "pluggable (no class)": "pluggable", "native": "native"}
+         ("pluggable (no class)", {}), ("floor (trivial C allocator)", {}), ("native", {})]
+ARG = {"class": "class", "class, pluggable base path": "class", "pluggable (no class)": "pluggable",
+       "floor (trivial C allocator)": "floor", "native": "native"}
+COLS = [("hot", "4 KiB loop"), ("mixed", "mixed 512 B-16 MiB"), ("touched", "4 KiB, 2 MiB touched"),
+        ("asleep", "4 KiB after 10 ms")]
+
+
+def cell(v):
+    if not v:
+        return "-"
+    return f"{statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f})"
 
 
 def main():
-    reps = int(sys.argv[1]) if len(sys.argv) > 1 else 5
-    res = {m: {"hot": [], "mixed": []} for m, _ in MODES}
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    reps = int(args[0]) if args else 5
+    json_out = sys.argv[sys.argv.index("--json") + 1] if "--json" in sys.argv else None
+    modes = [(m, env) for m, env in MODES if ARG[m] != "floor" or os.environ.get("FLOOR_LIB")]
+    res = {m: {k: [] for k, _ in COLS} for m, _ in modes}
     for r in range(reps):
-        for m, env in MODES:
+        for m, env in modes:
             e = dict(os.environ, **env)
             out = subprocess.run([sys.executable, "-c", CHILD, ARG[m]], env=e, capture_output=True, text=True, timeout=300)
             line = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
@@ -57,14 +100,13 @@ def main():
             d = json.loads(line[0][7:])
             for k in d:
                 res[m][k].append(d[k])
+    if json_out:
+        with open(json_out, "w") as f:
+            json.dump(res, f)
     print(f"torch.empty + free, us per pair: median of {reps} fresh processes (min-max)")
-    print(f"{'path':32} {'4 KiB':>20} {'mixed 512 B-16 MiB':>22}")
-    for m, _ in MODES:
-        cells = []
-        for k in ("hot", "mixed"):
-            v = res[m][k]
-            cells.append(f"{statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f})")
-        print(f"{m:32} {cells[0]:>20} {cells[1]:>22}")
+    print(f"{'path':30}" + "".join(f" {name:>22}" for _, name in COLS))
+    for m, _ in modes:
+        print(f"{m:30}" + "".join(f" {cell(res[m][k]):>22}" for k, _ in COLS))
     return 0
 
 

@@ -7,11 +7,11 @@ type cudaPtr = cuda.Ptr
 // Internals exposed to this package's tests only.
 
 func (b *Block) InSet() bool              { return b.inSet }
-func (c *Cache) SpareBlocks() int         { return len(c.spare) }
+func (c *Cache) SpareBlocks() int         { return c.nSpare }
 func (p *BlockPool) FreeCalls() uint64    { return p.freeCalls }
 func NewPtrMapForTest(n int) *ptrMap      { m := newPtrMap(n); return &m }
 func (m *ptrMap) Get(p uintptr) *Block    { return m.get(cudaPtr(p)) }
 func (m *ptrMap) Put(p uintptr, b *Block) { m.put(cudaPtr(p), b) }
 func (m *ptrMap) Del(p uintptr) bool      { return m.del(cudaPtr(p)) }
 func (m *ptrMap) Len() int                { return m.n }
-func (m *ptrMap) Cap() int                { return len(m.keys) }
+func (m *ptrMap) Cap() int                { return len(m.slots) }

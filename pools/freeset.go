@@ -6,9 +6,12 @@ import "github.com/cudapool/cudapool/cuda"
 // Best fit on a stream is LowerBound(stream, size): the smallest block of
 // that stream that is large enough, lowest address first among equals.
 //
-// There are two implementations behind one test suite, after bbolt's
-// freelists: a treap (the default: O(log n), intrusive, allocation free) and
-// a sorted slice (simple enough to trust; the reference for tests).
+// There are three implementations behind one test suite, after bbolt's
+// freelists: segregated fit (size-class bins with occupancy bitmaps, each
+// bin a small treap; freeset_segfit.go), a treap of the whole pool (O(log
+// n), intrusive, allocation free), and a sorted slice (simple enough to
+// trust; the reference for tests). DefaultFreeSet is the one the allocator
+// uses unless configured otherwise (free_set:...).
 type FreeSet interface {
 	Insert(b *Block)
 	Remove(b *Block)
@@ -30,19 +33,32 @@ type FreeSetKind int
 const (
 	FreeSetTreap FreeSetKind = iota
 	FreeSetSorted
+	FreeSetSegFit
 )
 
+// DefaultFreeSet is the implementation of DefaultConfig.
+const DefaultFreeSet = FreeSetSegFit
+
+// FreeSetKinds are all the implementations, for tests and benchmarks.
+var FreeSetKinds = []FreeSetKind{FreeSetTreap, FreeSetSorted, FreeSetSegFit}
+
 func (k FreeSetKind) String() string {
-	if k == FreeSetSorted {
+	switch k {
+	case FreeSetSorted:
 		return "sorted"
+	case FreeSetSegFit:
+		return "segfit"
 	}
 	return "treap"
 }
 
 // NewFreeSet returns an empty set of the given kind.
 func NewFreeSet(k FreeSetKind) FreeSet {
-	if k == FreeSetSorted {
+	switch k {
+	case FreeSetSorted:
 		return &sortedSet{}
+	case FreeSetSegFit:
+		return &segfit{}
 	}
 	return &treap{}
 }
@@ -164,9 +180,19 @@ func (t *treap) Remove(b *Block) {
 }
 
 func (t *treap) LowerBound(s cuda.Stream, size uint64) *Block {
+	return treeLowerBound(t.root, key{s, size, 0})
+}
+
+func (t *treap) Before(s cuda.Stream, size uint64, ptr cuda.Ptr) *Block {
+	return treeBefore(t.root, key{s, size, ptr})
+}
+
+func (t *treap) After(b *Block) *Block { return treeAfter(t.root, keyOf(b)) }
+
+// treeLowerBound returns the first block of the tree at or after k.
+func treeLowerBound(n *Block, k key) *Block {
 	var best *Block
-	k := key{s, size, 0}
-	for n := t.root; n != nil; {
+	for n != nil {
 		if keyOf(n).less(k) {
 			n = n.right
 		} else {
@@ -176,10 +202,10 @@ func (t *treap) LowerBound(s cuda.Stream, size uint64) *Block {
 	return best
 }
 
-func (t *treap) Before(s cuda.Stream, size uint64, ptr cuda.Ptr) *Block {
+// treeBefore returns the last block of the tree strictly before k.
+func treeBefore(n *Block, k key) *Block {
 	var best *Block
-	k := key{s, size, ptr}
-	for n := t.root; n != nil; {
+	for n != nil {
 		if keyOf(n).less(k) {
 			best, n = n, n.right
 		} else {
@@ -189,10 +215,10 @@ func (t *treap) Before(s cuda.Stream, size uint64, ptr cuda.Ptr) *Block {
 	return best
 }
 
-func (t *treap) After(b *Block) *Block {
+// treeAfter returns the first block of the tree strictly after k.
+func treeAfter(n *Block, k key) *Block {
 	var best *Block
-	k := keyOf(b)
-	for n := t.root; n != nil; {
+	for n != nil {
 		if k.less(keyOf(n)) {
 			best, n = n, n.left
 		} else {
@@ -200,6 +226,20 @@ func (t *treap) After(b *Block) *Block {
 		}
 	}
 	return best
+}
+
+func leftmost(n *Block) *Block {
+	for n != nil && n.left != nil {
+		n = n.left
+	}
+	return n
+}
+
+func rightmost(n *Block) *Block {
+	for n != nil && n.right != nil {
+		n = n.right
+	}
+	return n
 }
 
 func (t *treap) Len() int { return t.n }

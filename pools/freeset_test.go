@@ -12,7 +12,7 @@ import (
 // One suite, run against both FreeSet implementations (as bbolt does for its
 // freelists), each checked against a brute-force model.
 func forEachFreeSet(t *testing.T, fn func(t *testing.T, k FreeSetKind)) {
-	for _, k := range []FreeSetKind{FreeSetTreap, FreeSetSorted} {
+	for _, k := range FreeSetKinds {
 		t.Run(k.String(), func(t *testing.T) { fn(t, k) })
 	}
 }
@@ -165,4 +165,127 @@ func TestPtrMapSteadyStateDoesNotGrow(t *testing.T) {
 		m.Put(p, &Block{})
 	}
 	require.Equal(t, c, m.Cap(), "no tombstones, no rehash")
+}
+
+// Sizes over the whole range (every size class, the edges of the classes,
+// 2^64-1) and streams that come and go, against the brute-force model: the
+// bins of the segregated fit must partition the order exactly.
+func TestFreeSetWideSizesAgainstModel(t *testing.T) {
+	forEachFreeSet(t, func(t *testing.T, k FreeSetKind) {
+		rng := rand.New(rand.NewSource(11))
+		size := func() uint64 {
+			switch rng.Intn(4) {
+			case 0: // around a class edge
+				e := uint(rng.Intn(60) + 4)
+				return uint64(1)<<e + uint64(rng.Intn(3)) - 1
+			case 1:
+				return ^uint64(0) - uint64(rng.Intn(2))
+			default:
+				return uint64(rng.Int63n(1<<uint(rng.Intn(40)+1))) + 1
+			}
+		}
+		s := NewFreeSet(k)
+		model := map[*Block]bool{}
+		var next cuda.Ptr = 0x100000
+		peak := 0 // the most streams holding blocks at once
+		for step := 0; step < 4000; step++ {
+			// Streams drift from 0-3 to 6-9 so that sets empty and are reused.
+			st := cuda.Stream(rng.Intn(4) + step*6/4000)
+			if rng.Intn(5) < 3 || len(model) == 0 {
+				b := &Block{Stream: st, Size: size(), Ptr: next}
+				next += 0x200
+				s.Insert(b)
+				model[b] = true
+				streams := map[cuda.Stream]bool{}
+				for b := range model {
+					streams[b.Stream] = true
+				}
+				peak = max(peak, len(streams))
+			} else {
+				for b := range model {
+					s.Remove(b)
+					delete(model, b)
+					break
+				}
+			}
+			want := sortedModel(model)
+			qs, qsize, qptr := cuda.Stream(rng.Intn(12)), size(), cuda.Ptr(rng.Int63n(int64(next)))
+			var lb, before *Block
+			for _, b := range want {
+				if lb == nil && !keyOf(b).less(key{qs, qsize, 0}) {
+					lb = b
+				}
+				if keyOf(b).less(key{qs, qsize, qptr}) {
+					before = b
+				}
+			}
+			require.Same(t, lb, s.LowerBound(qs, qsize), "step %d", step)
+			require.Same(t, before, s.Before(qs, qsize, qptr), "step %d", step)
+			if len(want) > 0 {
+				i := rng.Intn(len(want))
+				var after *Block
+				if i+1 < len(want) {
+					after = want[i+1]
+				}
+				require.Same(t, after, s.After(want[i]), "step %d", step)
+			}
+			if step%200 == 0 {
+				var got []*Block
+				s.Ascend(func(b *Block) bool { got = append(got, b); return true })
+				require.Equal(t, want, got, "step %d", step)
+			}
+		}
+		if sf, ok := s.(*segfit); ok {
+			// Emptied streams' bins were reused, not piled up: no more
+			// sets than streams ever held blocks at once (10 were used).
+			require.LessOrEqual(t, len(sf.sets), peak)
+			require.Less(t, peak, 10)
+		}
+	})
+}
+
+func TestSizeClassMonotone(t *testing.T) {
+	prev := -1
+	check := func(size uint64) {
+		c := sizeClass(size)
+		require.GreaterOrEqual(t, c, prev, "size %d", size)
+		require.Less(t, c, sfClasses, "size %d", size)
+		prev = c
+	}
+	for s := uint64(0); s < 1<<16; s++ {
+		check(s)
+	}
+	for e := uint(16); e < 64; e++ {
+		for _, d := range []uint64{0, 1, 1 << (e - 5), 1<<(e-4) - 1, 1 << (e - 4), 1<<e - 1} {
+			check(uint64(1)<<e + d)
+		}
+	}
+	check(^uint64(0))
+	require.Equal(t, sfClasses-1, sizeClass(^uint64(0)), "the last class is used")
+	// The small pool's sizes below 16 KiB (512-byte multiples) have a class
+	// each: a bin there holds one size, ordered by address.
+	seen := map[int]bool{}
+	for s := uint64(512); s < 16<<10; s += 512 {
+		require.False(t, seen[sizeClass(s)], "size %d shares a class", s)
+		seen[sizeClass(s)] = true
+	}
+}
+
+// The segregated fit allocates nothing once a stream's bins exist, even when
+// the set empties and refills (every cache-hit pair on a lone segment).
+func TestSegFitSteadyStateAllocatesNothing(t *testing.T) {
+	s := NewFreeSet(FreeSetSegFit)
+	a, b := &Block{Stream: 3, Size: 4096, Ptr: 0x1000}, &Block{Stream: 3, Size: 2 << 20, Ptr: 0x2000}
+	s.Insert(a)
+	s.Remove(a)
+	n := testing.AllocsPerRun(1000, func() {
+		s.Insert(a)
+		s.Insert(b)
+		if s.LowerBound(3, 8192) != b || s.After(a) != b {
+			panic("wrong block")
+		}
+		s.Remove(a)
+		s.Remove(b)
+	})
+	require.Zero(t, n)
 }

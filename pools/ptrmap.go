@@ -5,12 +5,18 @@ import "github.com/cudapool/cudapool/cuda"
 // ptrMap indexes allocated blocks by address. It is an open-addressing table
 // with linear probing and backward-shift deletion: no tombstones, so a steady
 // mix of inserts and deletes never rehashes or allocates. It grows (doubling)
-// only when the number of live entries reaches a new high.
+// only when the number of live entries reaches a new high. A key and its
+// value share a slot, so a lookup that hits its home slot reads one cache
+// line (separate key and value arrays read two).
 type ptrMap struct {
-	keys []cuda.Ptr // 0 marks an empty slot; 0 is never a device address
-	vals []*Block
-	n    int
-	mask uint64
+	slots []ptrSlot
+	n     int
+	mask  uint64
+}
+
+type ptrSlot struct {
+	key cuda.Ptr // 0 marks an empty slot; 0 is never a device address
+	val *Block
 }
 
 func newPtrMap(capacity int) ptrMap {
@@ -18,7 +24,7 @@ func newPtrMap(capacity int) ptrMap {
 	for c < capacity*2 {
 		c <<= 1
 	}
-	return ptrMap{keys: make([]cuda.Ptr, c), vals: make([]*Block, c), mask: uint64(c - 1)}
+	return ptrMap{slots: make([]ptrSlot, c), mask: uint64(c - 1)}
 }
 
 func (m *ptrMap) slot(p cuda.Ptr) uint64 {
@@ -29,9 +35,9 @@ func (m *ptrMap) slot(p cuda.Ptr) uint64 {
 
 func (m *ptrMap) get(p cuda.Ptr) *Block {
 	for i := m.slot(p); ; i = (i + 1) & m.mask {
-		switch m.keys[i] {
+		switch s := &m.slots[i]; s.key {
 		case p:
-			return m.vals[i]
+			return s.val
 		case 0:
 			return nil
 		}
@@ -39,16 +45,16 @@ func (m *ptrMap) get(p cuda.Ptr) *Block {
 }
 
 func (m *ptrMap) put(p cuda.Ptr, b *Block) {
-	if (m.n+1)*2 > len(m.keys) {
+	if (m.n+1)*2 > len(m.slots) {
 		m.grow()
 	}
 	for i := m.slot(p); ; i = (i + 1) & m.mask {
-		switch m.keys[i] {
+		switch s := &m.slots[i]; s.key {
 		case p:
-			m.vals[i] = b
+			s.val = b
 			return
 		case 0:
-			m.keys[i], m.vals[i] = p, b
+			s.key, s.val = p, b
 			m.n++
 			return
 		}
@@ -57,40 +63,40 @@ func (m *ptrMap) put(p cuda.Ptr, b *Block) {
 
 func (m *ptrMap) del(p cuda.Ptr) bool {
 	i := m.slot(p)
-	for ; m.keys[i] != p; i = (i + 1) & m.mask {
-		if m.keys[i] == 0 {
+	for ; m.slots[i].key != p; i = (i + 1) & m.mask {
+		if m.slots[i].key == 0 {
 			return false
 		}
 	}
 	// Shift later entries of the probe run back so that lookups never meet a
 	// hole before their key.
-	for j := (i + 1) & m.mask; m.keys[j] != 0; j = (j + 1) & m.mask {
-		home := m.slot(m.keys[j])
+	for j := (i + 1) & m.mask; m.slots[j].key != 0; j = (j + 1) & m.mask {
+		home := m.slot(m.slots[j].key)
 		// Move j into the hole at i unless its home lies cyclically in (i, j].
 		if (j > i && (home <= i || home > j)) || (j < i && home <= i && home > j) {
-			m.keys[i], m.vals[i] = m.keys[j], m.vals[j]
+			m.slots[i] = m.slots[j]
 			i = j
 		}
 	}
-	m.keys[i], m.vals[i] = 0, nil
+	m.slots[i] = ptrSlot{}
 	m.n--
 	return true
 }
 
 func (m *ptrMap) grow() {
-	old := *m
-	*m = newPtrMap(len(old.keys))
-	for i, k := range old.keys {
-		if k != 0 {
-			m.put(k, old.vals[i])
+	old := m.slots
+	*m = newPtrMap(len(old))
+	for _, s := range old {
+		if s.key != 0 {
+			m.put(s.key, s.val)
 		}
 	}
 }
 
 func (m *ptrMap) each(fn func(*Block)) {
-	for i, k := range m.keys {
-		if k != 0 {
-			fn(m.vals[i])
+	for _, s := range m.slots {
+		if s.key != 0 {
+			fn(s.val)
 		}
 	}
 }

@@ -49,6 +49,7 @@ func DefaultConfig() Config {
 		MaxSplitSize:        Unlimited,
 		MaxNonSplitRounding: LargeBuffer,
 		LargeSegmentSize:    LargeBuffer,
+		FreeSet:             DefaultFreeSet,
 	}
 }
 

@@ -1,0 +1,127 @@
+"""FSDP2 training step of a small GPT-2 on 2 GPUs, timed for the benchmark:
+
+    python3 -m torch.distributed.run --standalone --nproc_per_node=2 bench/fsdp2_bench.py CONFIG [--steps N]
+
+CONFIG: native, expandable, cudapool or cudapool_exp (as bench/torch_bench.py).
+Rank 0 prints one result line {"kind": "torch", "config": CONFIG, "section":
+"fsdp", "fsdp_ms_per_step": ..., ...} (bench/report.py reads it).
+
+How it keeps the noise down (a first try, 3 runs with wall-clock timing,
+spread 31.7-56.4 ms per step, hid anything under ~30%):
+- each rank pins itself to its own half of the CPUs it may use (before
+  torch starts its threads), so the two ranks' Python threads and the NCCL
+  proxies do not compete for the same cores;
+- a step is timed with CUDA events on the compute stream (start event
+  recorded before the forward, end after the optimizer step), read after
+  the last step, so a timing never synchronizes inside the loop;
+- a step's time is the slower rank's, the result the median over the timed
+  steps (after warm-up steps that also compile nothing: no torch.compile);
+- run_bench.sh runs each configuration in several fresh launches,
+  interleaved, and the report gives the median and min-max of the launches.
+Sequence lengths vary per step as in the training benchmark (same list for
+every configuration), so the allocator sees varied sizes.
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+CONFIGS = ("native", "expandable", "cudapool", "cudapool_exp")
+VOCAB = 16384  # the model's default vocabulary
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("config", choices=CONFIGS)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--batch", type=int, default=8, help="per rank")
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--no-pin", action="store_true", help="do not pin each rank to its own CPUs")
+    return p.parse_args(argv)
+
+
+def rank_cpus(rank, world, cpus):
+    """Rank's share of cpus: world equal, disjoint, contiguous slices."""
+    cpus = sorted(cpus)
+    n = len(cpus) // world
+    if n == 0:
+        return cpus
+    return cpus[rank * n:(rank + 1) * n]
+
+
+def main():
+    args = parse_args()
+    rank, world = int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    pinned = "no"
+    if not args.no_pin and hasattr(os, "sched_setaffinity"):
+        mine = rank_cpus(rank, world, os.sched_getaffinity(0))
+        os.sched_setaffinity(0, mine)
+        pinned = f"{mine[0]}-{mine[-1]}" if mine else "no"
+    for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "CUDAPOOL_CONF"):
+        os.environ.pop(k, None)
+    if args.config == "expandable":
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    if args.config.startswith("cudapool"):
+        sys.path.insert(0, os.path.join(REPO, "python"))
+        import cudapool
+
+        cudapool.install()
+        if args.config == "cudapool_exp":
+            cudapool.configure("expandable_segments:True")
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    sys.path.insert(0, HERE)
+    import model as gpt
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
+    torch.manual_seed(0)
+    net = gpt.GPT(layers=args.layers).cuda()
+    for blk in net.blocks:
+        fully_shard(blk)
+    fully_shard(net)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-4)
+    total = args.warmup + args.steps
+    lens = gpt.seq_lens(total, seed=1, lo=128, hi=1024)
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(total)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(total)]
+    t0 = time.perf_counter()
+    for i in range(total):
+        x, y = gpt.batch(lens[i], args.batch, VOCAB, "cuda", 1000 * i + rank)
+        starts[i].record()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = net(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        ends[i].record()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) / total * 1e3
+    mine = torch.tensor([starts[i].elapsed_time(ends[i]) for i in range(args.warmup, total)], device="cuda")
+    slowest = mine.clone()
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    steps = [float(v) for v in slowest.cpu()]
+    if rank == 0:
+        rec = {"kind": "torch", "config": args.config, "section": "fsdp",
+               "fsdp_ms_per_step": statistics.median(steps), "fsdp_world": world,
+               "fsdp_steps": args.steps, "fsdp_batch": args.batch, "fsdp_layers": args.layers,
+               "fsdp_wall_ms_per_step": wall, "fsdp_pinned_rank0": pinned,
+               "fsdp_peak_allocated": torch.cuda.max_memory_allocated(),
+               "fsdp_step_ms": [round(v, 3) for v in steps]}
+        print(json.dumps(rec), flush=True)
+        print(f"[{args.config}] FSDP2 x{world}: median step {rec['fsdp_ms_per_step']:.2f} ms "
+              f"(steps {min(steps):.2f}-{max(steps):.2f}), pinned rank 0 to CPUs {pinned}", file=sys.stderr)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

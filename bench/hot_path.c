@@ -1,0 +1,250 @@
+/*
+ * hot_path.c - where one cache-hit malloc+free pair spends its time, seen
+ * from C (docs/hot-path.md): the cost of a call, of a call into Go (on a
+ * thread whose Go M is warm, and the first call of a new thread), the pair
+ * as PyTorch's C++ class makes it (one call into Go: cudapool_malloc_ctx
+ * with the previous free queued in C by cudapool_free_deferred), the pair as
+ * a C program makes it (two calls), and the PyTorch-class pair after other
+ * memory was touched (as the Python interpreter does between allocations),
+ * and a call into Go after the thread slept in C for 1 and 10 ms (a Python
+ * step that allocates nothing for that long).
+ *
+ *   hot_path [ROUNDS]      (CUDAPOOL_BACKEND=sim: the simulator, no GPU)
+ *
+ * Loop rows are thread CPU time per operation; the rounds are interleaved
+ * and the table shows the median and min-max over rounds. Rows of single
+ * operations ("first call", "after touching") time each one with
+ * CLOCK_MONOTONIC, less the clock's own cost, and show the median.
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "cudapool.h"
+
+typedef int CUresult;
+typedef struct CUctx_st *CUcontext;
+static CUcontext g_ctx;
+static CUresult (*p_ctxSetCurrent)(CUcontext);
+
+static int setup_cuda(void) {
+	const char *backend = getenv("CUDAPOOL_BACKEND");
+	if (backend != NULL && strcmp(backend, "sim") == 0)
+		return 0;
+	void *h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
+	if (h == NULL) {
+		fprintf(stderr, "hot_path: no libcuda.so.1 (%s); set CUDAPOOL_BACKEND=sim to use the simulator\n", dlerror());
+		return -1;
+	}
+	CUresult (*init)(unsigned) = (CUresult(*)(unsigned))dlsym(h, "cuInit");
+	CUresult (*deviceGet)(int *, int) = (CUresult(*)(int *, int))dlsym(h, "cuDeviceGet");
+	CUresult (*retain)(CUcontext *, int) = (CUresult(*)(CUcontext *, int))dlsym(h, "cuDevicePrimaryCtxRetain");
+	p_ctxSetCurrent = (CUresult(*)(CUcontext))dlsym(h, "cuCtxSetCurrent");
+	int dev;
+	if (!init || !deviceGet || !retain || !p_ctxSetCurrent || init(0) || deviceGet(&dev, 0) || retain(&g_ctx, dev) ||
+	    p_ctxSetCurrent(g_ctx)) {
+		fprintf(stderr, "hot_path: CUDA driver setup failed\n");
+		return -1;
+	}
+	return 0;
+}
+
+static int64_t now_ns(clockid_t c) {
+	struct timespec ts;
+	clock_gettime(c, &ts);
+	return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+static int cmp_d(const void *a, const void *b) {
+	double x = *(const double *)a, y = *(const double *)b;
+	return x < y ? -1 : x > y;
+}
+
+static double median(double *v, int n) {
+	qsort(v, (size_t)n, sizeof *v, cmp_d);
+	return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}
+
+/* ---- the operations ---- */
+
+__attribute__((noinline)) static void c_nop(void) { __asm__ volatile(""); }
+static void (*volatile c_nop_ptr)(void) = c_nop;
+static volatile unsigned sink;
+
+static void op_c_call(void) { c_nop_ptr(); }
+static void op_lib_c(void) { sink += cudapool_gather_mask(); }
+static void op_go_nop(void) { sink += (unsigned)cudapool_caching(); }
+
+static void op_pair_torch(void) {
+	void *p = cudapool_malloc_ctx(4096, 0, NULL, 0);
+	cudapool_free_deferred(p, 0, -1, 0); /* performed by the next malloc */
+}
+
+static void op_pair_c(void) {
+	void *p = cudapool_malloc(4096, 0, NULL);
+	cudapool_free(p, 4096, 0, NULL);
+}
+
+static double cpu_per_op(void (*fn)(void), int n) {
+	int64_t t0 = now_ns(CLOCK_THREAD_CPUTIME_ID);
+	for (int i = 0; i < n; i++)
+		fn();
+	return (double)(now_ns(CLOCK_THREAD_CPUTIME_ID) - t0) / n;
+}
+
+/* Median wall time of fn after touching evict bytes, less the clock's. */
+static double after_touch(void (*fn)(void), char *evict, size_t evict_len, int n) {
+	double *op = malloc(sizeof(double) * (size_t)n), *clk = malloc(sizeof(double) * (size_t)n);
+	for (int i = 0; i < n; i++) {
+		for (size_t j = 0; j < evict_len; j += 64)
+			evict[j]++;
+		int64_t t0 = now_ns(CLOCK_MONOTONIC);
+		int64_t t1 = now_ns(CLOCK_MONOTONIC);
+		fn();
+		int64_t t2 = now_ns(CLOCK_MONOTONIC);
+		clk[i] = (double)(t1 - t0);
+		op[i] = (double)(t2 - t1);
+	}
+	double r = median(op, n) - median(clk, n);
+	free(op);
+	free(clk);
+	return r;
+}
+
+/* Median wall time of a call into Go after sleeping gap_ns in C. */
+static double after_gap(int64_t gap_ns, int n) {
+	double *op = malloc(sizeof(double) * (size_t)n), *clk = malloc(sizeof(double) * (size_t)n);
+	for (int i = 0; i < n; i++) {
+		struct timespec ts = {gap_ns / 1000000000, gap_ns % 1000000000};
+		nanosleep(&ts, NULL);
+		int64_t t0 = now_ns(CLOCK_MONOTONIC);
+		int64_t t1 = now_ns(CLOCK_MONOTONIC);
+		op_go_nop();
+		int64_t t2 = now_ns(CLOCK_MONOTONIC);
+		clk[i] = (double)(t1 - t0);
+		op[i] = (double)(t2 - t1);
+	}
+	double r = median(op, n) - median(clk, n);
+	free(op);
+	free(clk);
+	return r;
+}
+
+/* First and second call into Go on a new thread. */
+struct first_call {
+	double first, second;
+};
+
+static void *first_call_thread(void *arg) {
+	struct first_call *fc = arg;
+	if (p_ctxSetCurrent)
+		p_ctxSetCurrent(g_ctx);
+	int64_t t0 = now_ns(CLOCK_MONOTONIC);
+	int64_t t1 = now_ns(CLOCK_MONOTONIC);
+	op_go_nop();
+	int64_t t2 = now_ns(CLOCK_MONOTONIC);
+	op_go_nop();
+	int64_t t3 = now_ns(CLOCK_MONOTONIC);
+	fc->first = (double)(t2 - t1) - (double)(t1 - t0);
+	fc->second = (double)(t3 - t2) - (double)(t1 - t0);
+	return NULL;
+}
+
+enum {
+	R_C_CALL,
+	R_LIB_C,
+	R_GO_NOP,
+	R_GO_FIRST,
+	R_GO_SECOND,
+	R_GO_GAP1,
+	R_GO_GAP10,
+	R_PAIR_TORCH,
+	R_PAIR_C,
+	R_TOUCH_S,
+	R_TOUCH_L,
+	NROWS
+};
+static const char *row_names[NROWS] = {
+    "C call through a pointer (loop floor)",
+    "C function in libcudapool (PLT call)",
+    "call into Go, warm thread (near no-op)",
+    "call into Go, first on a new thread",
+    "call into Go, second on that thread",
+    "call into Go after 1 ms asleep in C",
+    "call into Go after 10 ms asleep in C",
+    "pair, PyTorch class path (1 Go call)",
+    "pair, C API (2 Go calls)",
+    "class-path pair after 2 MiB touched",
+    "class-path pair after 8 MiB touched",
+};
+static const char *row_units[NROWS] = {"cpu", "cpu", "cpu", "wall", "wall", "wall", "wall", "cpu", "cpu", "wall", "wall"};
+
+int main(int argc, char **argv) {
+	int rounds = argc > 1 ? atoi(argv[1]) : 7;
+	if (rounds < 1)
+		rounds = 1;
+	if (setup_cuda() != 0)
+		return 2;
+	cudapool_init(-1);
+	if (cudapool_last_error() != NULL) {
+		fprintf(stderr, "hot_path: %s\n", cudapool_last_error());
+		return 2;
+	}
+	cudapool_expect_announced_captures(); /* as under PyTorch: no capture query per malloc */
+	op_pair_torch();
+	op_pair_c();
+	if (cudapool_last_error() != NULL) {
+		fprintf(stderr, "hot_path: %s\n", cudapool_last_error());
+		return 2;
+	}
+	size_t small = 2u << 20, large = 8u << 20; /* more takes milliseconds: the 'asleep' rows' effect */
+	char *evict = calloc(1, large);
+	double *res[NROWS];
+	for (int r = 0; r < NROWS; r++)
+		res[r] = calloc((size_t)rounds, sizeof(double));
+	enum { THREADS = 50 };
+	for (int k = 0; k < rounds; k++) {
+		res[R_C_CALL][k] = cpu_per_op(op_c_call, 2000000);
+		res[R_LIB_C][k] = cpu_per_op(op_lib_c, 2000000);
+		res[R_GO_NOP][k] = cpu_per_op(op_go_nop, 500000);
+		res[R_PAIR_TORCH][k] = cpu_per_op(op_pair_torch, 300000);
+		res[R_PAIR_C][k] = cpu_per_op(op_pair_c, 300000);
+		res[R_TOUCH_S][k] = after_touch(op_pair_torch, evict, small, 3000);
+		res[R_TOUCH_L][k] = after_touch(op_pair_torch, evict, large, 1000);
+		res[R_GO_GAP1][k] = after_gap(1000000, 50);
+		res[R_GO_GAP10][k] = after_gap(10000000, 15);
+		double first[THREADS], second[THREADS];
+		for (int i = 0; i < THREADS; i++) {
+			struct first_call fc;
+			pthread_t th;
+			pthread_create(&th, NULL, first_call_thread, &fc);
+			pthread_join(th, NULL);
+			first[i] = fc.first;
+			second[i] = fc.second;
+		}
+		res[R_GO_FIRST][k] = median(first, THREADS);
+		res[R_GO_SECOND][k] = median(second, THREADS);
+	}
+	if (cudapool_last_error() != NULL) {
+		fprintf(stderr, "hot_path: %s\n", cudapool_last_error());
+		return 2;
+	}
+	printf("libcudapool hot path, ns per operation: median of %d interleaved rounds (min-max)\n", rounds);
+	printf("%-40s %5s %22s\n", "operation", "clock", "ns");
+	for (int r = 0; r < NROWS; r++) {
+		double mn = res[r][0], mx = res[r][0];
+		for (int k = 1; k < rounds; k++) {
+			mn = res[r][k] < mn ? res[r][k] : mn;
+			mx = res[r][k] > mx ? res[r][k] : mx;
+		}
+		char cell[64];
+		snprintf(cell, sizeof cell, "%.1f (%.1f-%.1f)", median(res[r], rounds), mn, mx);
+		printf("%-40s %5s %22s\n", row_names[r], row_units[r], cell);
+	}
+	return 0;
+}
