@@ -4,7 +4,7 @@
 # interop tests). Carry lib and dist. Tables last.
 set -u
 O=${OUT:-/tmp/session-b}; mkdir -p $O
-SOAK_S=${SOAK_S:-30} RACE_REPEATS=${RACE_REPEATS:-30} OUT=/tmp/soak bash gpu/soak.sh > /tmp/soak.out 2>&1
+SOAK_S=${SOAK_S:-30} SEGMENTS=${SEGMENTS:-both} RACE=${RACE:-1} RACE_REPEATS=${RACE_REPEATS:-30} OUT=/tmp/soak bash gpu/soak.sh > /tmp/soak.out 2>&1
 echo "soak rc=$?"
 OUT=/tmp/wheel bash gpu/wheel_check.sh > /tmp/wheel.out 2>&1
 echo "wheel rc=$?"
