@@ -166,7 +166,12 @@ func (a *Allocator) EmptyPool(dev int, id PoolID) error {
 		return nil
 	}
 	if !d.enterUnsafe() {
-		return newError(op, ErrCaptureUnderway, "device %d: a CUDA graph capture is under way; pool {%d,%d} keeps its memory", dev, id.A, id.B)
+		// A capture, or another thread's use_mem_pool (cudapool cannot tell
+		// them apart), is under way: nothing may be freed now. PyTorch calls
+		// this from MemPool's destructor, where an error would end the
+		// process; the released pool's memory goes back at the next
+		// empty_cache or OOM retry made with no capture under way.
+		return nil
 	}
 	defer d.leaveUnsafe()
 	// Blocks of the pool may wait for other streams: wait for them (PyTorch

@@ -587,3 +587,29 @@ func TestPerProcessMemoryFraction(t *testing.T) {
 	require.Equal(t, 0.75, f)
 	require.NoError(t, a.CheckInvariants())
 }
+
+// ~MemPool on one thread while another thread allocates inside use_mem_pool
+// (PyTorch's MemPool tests do this from a thread pool): the pool cannot give
+// its memory back while a routing is active, but the destructor must not
+// fail (an error there ends the process); the memory comes back later.
+func TestEmptyPoolWhileAnotherPoolIsInUse(t *testing.T) {
+	a, drv := newAlloc(t, 1, GiB, "debug_checks:True")
+	mine, theirs := allocator.PoolID{B: 1}, allocator.PoolID{B: 2}
+	require.NoError(t, a.CreateOrIncrefPool(0, mine))
+	require.NoError(t, a.CreateOrIncrefPool(0, theirs))
+	done := useMemPool(t, a, mine)
+	x := mustMalloc(t, a, 0, 4096, 3)
+	done()
+	require.NoError(t, a.Free(0, x, 0))
+
+	other := useMemPool(t, a, theirs) // another thread's use_mem_pool
+	require.NoError(t, a.ReleasePool(0, mine))
+	live := drv.Live(0)
+	require.NoError(t, a.EmptyPool(0, mine), "no error from the destructor")
+	require.Equal(t, live, drv.Live(0), "nothing freed while a routing is active")
+	other()
+
+	require.NoError(t, a.EmptyCache())
+	require.Zero(t, drv.Live(0), "the released pool's memory came back at the next empty_cache")
+	require.NoError(t, a.CheckInvariants())
+}

@@ -215,8 +215,15 @@ class CudapoolNumbaManager(_cuda.HostOnlyCUDAMemoryManager):
         offset, dev = ctypes.c_size_t(0), ctypes.c_int(-1)
         if _lib_c().ipc_handle(ptr, ctypes.byref(raw), ctypes.byref(offset), ctypes.byref(dev)) != 0:
             raise _lib._error(f"cudapool_ipc_handle({ptr:#x}) failed")
-        handle = _driver.binding.CUipcMemHandle()
-        ctypes.memmove(handle.getPtr(), raw, 64)
+        binding = getattr(_driver, "binding", None)
+        if binding is not None:  # numba-cuda's driver binding
+            handle = binding.CUipcMemHandle()
+            ctypes.memmove(handle.getPtr(), raw, 64)
+        else:  # the numba.cuda inside numba itself: a ctypes array
+            from numba.cuda.cudadrv import drvapi
+
+            handle = drvapi.cu_ipc_mem_handle()
+            ctypes.memmove(handle, raw, 64)
         source = self.context.device.get_device_identity()
         return _driver.IpcHandle(memory, handle, memory.size, source, offset=offset.value)
 
