@@ -199,6 +199,10 @@ type faultCase struct {
 const (
 	confOrdinary   = ""
 	confExpandable = "expandable_segments:True"
+	// Page by page (the default maps 20 MiB at a time in large pools), for
+	// the tests that count pages.
+	confPages  = "expandable_segments:True,expandable_map_unit_mb:2"
+	confStitch = "stitch:True,expandable_map_unit_mb:2"
 )
 
 var faultCases = map[string]faultCase{
@@ -417,7 +421,7 @@ var faultCases = map[string]faultCase{
 	// The second of three pages cannot be created: the first is released,
 	// nothing is mapped.
 	"expandable.go:vmmMapper.Map.MemCreate": {run: func(t *testing.T) {
-		e := newFault(t, confExpandable, false)
+		e := newFault(t, confPages, false)
 		r := e.fail("MemCreate", "", 1)
 		_, err := e.a.Malloc(0, 5*MiB, 1)
 		e.fired(r)
@@ -430,7 +434,7 @@ var faultCases = map[string]faultCase{
 	// The second of three pages cannot be mapped: the first stays mapped
 	// (free, counted as reserved), the others are released.
 	"expandable.go:vmmMapper.Map.MemMap": {run: func(t *testing.T) {
-		e := newFault(t, confExpandable, false)
+		e := newFault(t, confPages, false)
 		r := e.fail("MemMap", "", 1)
 		_, err := e.a.Malloc(0, 5*MiB, 1)
 		e.fired(r)
@@ -459,7 +463,7 @@ var faultCases = map[string]faultCase{
 	// A page that could not be released after a failed creation waits in
 	// the spares, and goes at the next release of cached memory.
 	"expandable.go:(*device).dropHandles.MemRelease": {run: func(t *testing.T) {
-		e := newFault(t, confExpandable, false)
+		e := newFault(t, confPages, false)
 		e.fail("MemCreate", "", 1)
 		r := e.fail("MemRelease", "dropHandles", 0)
 		_, err := e.a.Malloc(0, 5*MiB, 1)
@@ -473,7 +477,7 @@ var faultCases = map[string]faultCase{
 		e.nothingLost()
 	}},
 	"expandable.go:vmmMapper.Unmap.MemUnmap": {run: func(t *testing.T) {
-		e := newFault(t, confExpandable, false)
+		e := newFault(t, confPages, false)
 		e.free(e.malloc(5*MiB, 1))
 		r := e.fail("MemUnmap", "vmmMapper.Unmap", 0)
 		err := e.a.EmptyCache()
@@ -488,7 +492,7 @@ var faultCases = map[string]faultCase{
 	// Unmapped but not released: the page counts as unmapped, its handle
 	// waits in the spares.
 	"expandable.go:vmmMapper.Unmap.MemRelease": {run: func(t *testing.T) {
-		e := newFault(t, confExpandable, false)
+		e := newFault(t, confPages, false)
 		e.free(e.malloc(5*MiB, 1))
 		r := e.fail("MemRelease", "vmmMapper.Unmap", 0)
 		require.NoError(t, e.a.EmptyCache())
@@ -531,7 +535,7 @@ var faultCases = map[string]faultCase{
 		e.nothingLost()
 	}},
 	"expandable.go:(*device).releaseOrphans.MemRelease": {run: func(t *testing.T) {
-		e := newFault(t, confExpandable, false)
+		e := newFault(t, confPages, false)
 		e.fail("MemCreate", "", 1)
 		e.fail("MemRelease", "dropHandles", 0) // one spare page
 		_, err := e.a.Malloc(0, 5*MiB, 1)
@@ -815,7 +819,7 @@ func (e *fenv) nothingLostUncached() {
 // orphaned returns an allocator holding physical memory whose access could
 // not be set during a capture (parked until the capture ends).
 func orphaned(t *testing.T) *fenv {
-	e := newFault(t, confExpandable, false)
+	e := newFault(t, confPages, false)
 	cs := cuda.Stream(9)
 	pool := allocator.PoolID{A: 1}
 	require.NoError(t, e.a.BeginAllocateToPool(0, pool, func(s cuda.Stream) bool { return s == cs }))
