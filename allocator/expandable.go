@@ -168,7 +168,7 @@ func (d *device) unmapFree(p *pools.BlockPool) error {
 	}
 	if d.cache.HasUnmappable(p) {
 		if err := d.drv.DeviceSynchronize(d.id); err != nil {
-			return err
+			return fmt.Errorf("synchronizing the device first: %w", err)
 		}
 	}
 	return d.cache.UnmapFree(p, d.mapper)

@@ -548,6 +548,90 @@ var faultCases = map[string]faultCase{
 		e.consistent(2 * MiB)
 		e.nothingLost()
 	}},
+	// empty_cache and the OOM retry synchronize before unmapping free
+	// pages: if that fails, nothing is unmapped, the error says so, and
+	// the next try works.
+	"expandable.go:(*device).unmapFree.DeviceSynchronize": {run: func(t *testing.T) {
+		e := newFault(t, confPages, false)
+		e.free(e.malloc(5*MiB, 1))
+		r := e.fail("DeviceSynchronize", "unmapFree", 0)
+		err := e.a.EmptyCache()
+		e.fired(r)
+		e.driverErr(err, "empty_cache", "unmapping the free pages of expandable segments on device 0: synchronizing the device first")
+		require.Equal(t, uint64(6*MiB), e.sim().Mapped(0), "nothing unmapped")
+		e.consistent(0)
+		require.NoError(t, e.a.EmptyCache())
+		require.Zero(t, e.sim().Mapped(0))
+		// The OOM retry: 600 MiB cached on stream 1, 600 MiB wanted on 2.
+		e.free(e.malloc(600*MiB, 1))
+		r = e.fail("DeviceSynchronize", "unmapFree", 0)
+		_, err = e.a.Malloc(0, 600*MiB, 2)
+		e.fired(r)
+		e.driverErr(err, "malloc", "synchronizing the device first")
+		e.consistent(0)
+		e.malloc(600*MiB, 2)
+		e.nothingLost()
+	}},
+	// Synchronizing before unmapping the old mappings of lent pages fails:
+	// they stay (a kernel may still use them), the error says so, at the
+	// OOM retry and at empty_cache, and the next empty_cache unmaps them.
+	"stitch.go:(*device).releaseStitch.DeviceSynchronize": {run: func(t *testing.T) {
+		e, h := stitchScene(t, true)
+		e.malloc(40*MiB, 1) // the busy hole's pages are lent
+		st, err := e.a.StitchStats(0)
+		require.NoError(t, err)
+		require.Equal(t, int64(5), st.Lent)
+		require.True(t, e.sim().Accessible(0, h, 10*MiB), "the old mapping stays")
+		e.consistent(0)
+		r := e.fail("DeviceSynchronize", "releaseStitch", 0)
+		_, err = e.a.Malloc(0, 2*GiB, 2)
+		e.fired(r)
+		e.driverErr(err, "malloc", "synchronizing device 0 before unmapping the old mappings of stitched pages")
+		r = e.fail("DeviceSynchronize", "releaseStitch", 0)
+		err = e.a.EmptyCache()
+		e.fired(r)
+		e.driverErr(err, "empty_cache", "synchronizing device 0 before unmapping the old mappings of stitched pages")
+		require.True(t, e.sim().Accessible(0, h, 10*MiB), "the old mapping stays")
+		e.consistent(0)
+		require.NoError(t, e.a.EmptyCache())
+		require.False(t, e.sim().Accessible(0, h, 2*MiB))
+		e.consistent(0)
+		e.nothingLost()
+	}},
+	// Unmapping the old mapping of a lent page fails (the third of five)
+	// at the miss that unlends it: a warning; the block stays lent and the
+	// next miss unmaps the rest. At empty_cache: an error, and the next
+	// empty_cache unmaps the rest.
+	"stitch.go:(*device).unmapLent.MemUnmap": {run: func(t *testing.T) {
+		e, h := stitchScene(t, true)
+		e.malloc(40*MiB, 1) // the busy hole's pages are lent
+		e.sim().Complete(1)
+		r := e.fail("MemUnmap", "unmapLent", 2)
+		e.malloc(20*MiB, 2) // a miss: the markers allow unlending
+		e.fired(r)
+		require.Len(t, e.warnings, 1)
+		require.Contains(t, e.warnings[0], "unmapping the old mapping of stitched page")
+		require.False(t, e.sim().Accessible(0, h, 2*MiB))
+		require.True(t, e.sim().Accessible(0, h+4*MiB, 6*MiB), "the last three pages are still mapped")
+		e.consistent(0)
+		e.malloc(20*MiB, 3)
+		require.False(t, e.sim().Accessible(0, h+8*MiB, 2*MiB), "unmapped at the next miss")
+		e.consistent(0)
+
+		e.nothingLost()
+
+		e, h = stitchScene(t, true)
+		e.malloc(40*MiB, 1)
+		r = e.fail("MemUnmap", "unmapLent", 0)
+		err := e.a.EmptyCache()
+		e.fired(r)
+		e.driverErr(err, "empty_cache", "unmapping the old mapping of stitched page")
+		require.True(t, e.sim().Accessible(0, h, 10*MiB))
+		e.consistent(0)
+		require.NoError(t, e.a.EmptyCache())
+		require.False(t, e.sim().Accessible(0, h, 2*MiB))
+		e.nothingLost()
+	}},
 	"uncached.go:(*Allocator).mallocUncached.MemAlloc": {run: func(t *testing.T) {
 		e := newFault(t, confOrdinary, false)
 		e.a.SetCaching(false)
@@ -802,6 +886,24 @@ func (e *fenv) endReuseScene() {
 	require.NoError(e.t, e.sim().EndCapture(1))
 	require.NoError(e.t, e.a.EndAllocateToPool(0, allocator.PoolID{A: 1}))
 	require.NoError(e.t, e.a.ReleasePool(0, allocator.PoolID{A: 1}))
+}
+
+// stitchScene returns a stitching allocator whose limit is 40 MiB (a
+// 40 MiB block was mapped and emptied) holding 12 MiB on stream 1: a free
+// 10 MiB hole of five pages h before a live 2 MiB block; with busy, a
+// kernel queued on stream 1 still uses the hole.
+func stitchScene(t *testing.T, busy bool) (*fenv, cuda.Ptr) {
+	e := newFault(t, confStitch, false)
+	e.free(e.malloc(40*MiB, 1))
+	require.NoError(t, e.a.EmptyCache())
+	h := e.malloc(10*MiB, 1)
+	e.malloc(2*MiB, 1)
+	if busy {
+		e.sim().Use(0, 1, h, 10*MiB)
+	}
+	e.free(h)
+	e.consistent(0)
+	return e, h
 }
 
 // nothingLostUncached frees what is left with caching off, then checks
