@@ -572,6 +572,79 @@ var faultCases = map[string]faultCase{
 		e.malloc(600*MiB, 2)
 		e.nothingLost()
 	}},
+	// Stitching is an optimization: a marker event that cannot be
+	// created, recorded or queried (or a capture status that cannot be
+	// read) leaves its stream uncertified for this miss, which maps new
+	// memory instead of moving the stream's idle pages; the next miss
+	// moves them.
+	"stitch.go:(*device).refreshMarkers.EventCreate": {run: func(t *testing.T) {
+		e, h := stitchScene(t, false)
+		r := e.fail("EventCreate", "refreshMarkers", 0)
+		e.stitchMiss(r, h)
+	}},
+	"stitch.go:(*device).refreshMarkers.EventRecord": {run: func(t *testing.T) {
+		e, h := stitchScene(t, false)
+		r := e.fail("EventRecord", "refreshMarkers", 0)
+		e.stitchMiss(r, h)
+	}},
+	"stitch.go:(*device).refreshMarkers.StreamCaptureInfo": {run: func(t *testing.T) {
+		e, h := stitchScene(t, false)
+		r := e.fail("StreamCaptureInfo", "refreshMarkers", 0)
+		e.stitchMiss(r, h)
+	}},
+	// The query of the marker just recorded (stream 1 has none pending,
+	// so it is the first): the marker stays pending, queried next time.
+	"stitch.go:(*device).refreshMarkers.EventQuery#2": {run: func(t *testing.T) {
+		e, h := stitchScene(t, false)
+		r := e.fail("EventQuery", "refreshMarkers", 0)
+		e.stitchMiss(r, h)
+	}},
+	// The query of a pending marker: a miss under the limit records one
+	// behind the kernel; the kernel completes; the query fails.
+	"stitch.go:(*device).refreshMarkers.EventQuery": {run: func(t *testing.T) {
+		e, h := stitchScene(t, true)
+		e.malloc(12*MiB, 1) // 24 MiB reserved: no stitching
+		e.sim().Complete(1)
+		r := e.fail("EventQuery", "refreshMarkers", 0)
+		e.stitchMiss(r, h)
+	}},
+	// A marker that cannot be destroyed at empty_cache is kept (no error:
+	// nothing else is held) and reused by the next miss.
+	"stitch.go:(*device).releaseMarkers.EventDestroy": {run: func(t *testing.T) {
+		e, _ := stitchScene(t, false)
+		require.Equal(t, 2, e.sim().LiveEvents(), "two misses, two markers")
+		r := e.fail("EventDestroy", "releaseMarkers", 0)
+		require.NoError(t, e.a.EmptyCache())
+		e.fired(r)
+		require.Equal(t, 1, e.sim().LiveEvents())
+		e.consistent(0)
+		e.malloc(4*MiB, 1) // a miss: the kept marker is recorded again
+		require.Equal(t, 1, e.sim().LiveEvents(), "reused, not created")
+		e.consistent(0)
+		e.nothingLost()
+	}},
+	// Under a memory fraction the growth maps less than the unit that
+	// stitching moved pages for: the moved pages left over are released;
+	// one whose release fails waits in the spares for the next release of
+	// cached memory.
+	"stitch.go:(*device).releaseSpares.MemRelease": {run: func(t *testing.T) {
+		e := newFault(t, "stitch:True", false) // the 20 MiB unit
+		x := e.malloc(10*MiB, 1)                // stream 1 maps 20 MiB
+		e.malloc(2*MiB, 1)
+		e.free(x) // nine whole free pages around the 2 MiB block
+		require.NoError(t, e.a.SetMemoryFraction(0, 21.0/1024))
+		r := e.fail("MemRelease", "releaseSpares", 0)
+		p := e.malloc(3*MiB, 0) // nine pages moved, two mapped
+		e.fired(r)
+		require.True(t, e.sim().Accessible(0, p, 3*MiB))
+		st, err := e.a.StitchStats(0)
+		require.NoError(t, err)
+		require.Equal(t, int64(2), st.Remaps)
+		e.consistent(2 * MiB)
+		require.NoError(t, e.a.EmptyCache())
+		e.consistent(0)
+		e.nothingLost()
+	}},
 	// Synchronizing before unmapping the old mappings of lent pages fails:
 	// they stay (a kernel may still use them), the error says so, at the
 	// OOM retry and at empty_cache, and the next empty_cache unmaps them.
@@ -904,6 +977,32 @@ func stitchScene(t *testing.T, busy bool) (*fenv, cuda.Ptr) {
 	e.free(h)
 	e.consistent(0)
 	return e, h
+}
+
+// stitchMiss: the fault r, met by a miss on stream 0 that would move the
+// pages of stitchScene's hole h, leaves them where they are (new memory is
+// mapped instead); the next miss moves them.
+func (e *fenv) stitchMiss(r *fault.Rule, h cuda.Ptr) {
+	e.t.Helper()
+	used := e.sim().Used(0)
+	e.malloc(40*MiB, 0)
+	e.fired(r)
+	st, err := e.a.StitchStats(0)
+	require.NoError(e.t, err)
+	require.Zero(e.t, st.Remaps)
+	require.Positive(e.t, st.SkippedBusy)
+	require.Equal(e.t, used+40*MiB, e.sim().Used(0), "new memory instead")
+	require.True(e.t, e.sim().Accessible(0, h, 10*MiB), "the hole's pages stay")
+	e.consistent(0)
+	used = e.sim().Used(0)
+	e.malloc(20*MiB, 2)
+	st, err = e.a.StitchStats(0)
+	require.NoError(e.t, err)
+	require.Equal(e.t, int64(5), st.Remaps, "the hole's pages moved at the next miss")
+	require.False(e.t, e.sim().Accessible(0, h, 2*MiB))
+	require.Equal(e.t, used+10*MiB, e.sim().Used(0))
+	e.consistent(0)
+	e.nothingLost()
 }
 
 // nothingLostUncached frees what is left with caching off, then checks
