@@ -20,6 +20,7 @@ import (
 	"sort"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 
@@ -629,7 +630,7 @@ var faultCases = map[string]faultCase{
 	// cached memory.
 	"stitch.go:(*device).releaseSpares.MemRelease": {run: func(t *testing.T) {
 		e := newFault(t, "stitch:True", false) // the 20 MiB unit
-		x := e.malloc(10*MiB, 1)                // stream 1 maps 20 MiB
+		x := e.malloc(10*MiB, 1)               // stream 1 maps 20 MiB
 		e.malloc(2*MiB, 1)
 		e.free(x) // nine whole free pages around the 2 MiB block
 		require.NoError(t, e.a.SetMemoryFraction(0, 21.0/1024))
@@ -1052,6 +1053,39 @@ func TestFaultInjection(t *testing.T) {
 			c.run(t)
 		})
 	}
+}
+
+// The pages a capture mapped ahead are unmapped when it ends, holding the
+// capture gate: a capture beginning on another device meanwhile waits
+// (else the unmap would invalidate it; the soak found it).
+func TestTrimUnusedHoldsTheGate(t *testing.T) {
+	e := newFault(t, confExpandable, false) // the 20 MiB unit
+	g := allocator.PoolID{A: 1}
+	const cs = cuda.Stream(7)
+	beginCapture(t, e.a, e.sim(), g, cs, cuda.CaptureModeGlobal)
+	p := e.malloc(3*MiB, cs)
+	require.NoError(t, e.sim().EndCapture(cs))
+	began := make(chan error, 1)
+	r := e.f.Before("MemUnmap", "trimUnused", func() {
+		go func() {
+			began <- e.a.BeginAllocateToPool(1, allocator.PoolID{A: 2}, func(cuda.Stream) bool { return false })
+		}()
+		select {
+		case err := <-began:
+			t.Error("a capture began on device 1 while device 0 unmapped")
+			began <- err
+		case <-time.After(50 * time.Millisecond):
+		}
+	})
+	require.NoError(t, e.a.EndAllocateToPool(0, g))
+	e.fired(r)
+	require.NoError(t, <-began, "it began once the unmapping was done")
+	require.Equal(t, uint64(4*MiB), e.sim().Mapped(0), "two pages left")
+	require.NoError(t, e.a.EndAllocateToPool(1, allocator.PoolID{A: 2}))
+	require.NoError(t, e.a.ReleasePool(1, allocator.PoolID{A: 2}))
+	e.free(p)
+	require.NoError(t, e.a.ReleasePool(0, g))
+	e.nothingLost()
 }
 
 // TestFaultCallSitesCovered reads the allocator's and the events package's
