@@ -296,7 +296,7 @@ func (d *device) releaseCached(op string) error {
 	if err := d.releaseOrphans(op); err != nil {
 		return err
 	}
-	if err := d.releaseStitch(); err != nil {
+	if err := d.releaseStitch(op); err != nil {
 		return err
 	}
 	free := d.freeSeg

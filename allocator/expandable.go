@@ -144,15 +144,18 @@ func (d *device) mapUnit(r *pools.Request) uint64 {
 // under way, the pages its large pool mapped ahead and never handed out
 // (pools.TrimUnused): a graph's pool then holds what its allocations
 // needed, in whole pages, whatever the mapping unit. No work has touched
-// those pages, so no synchronize is needed. d.mu is held.
+// those pages, so no synchronize is needed. It holds the capture gate
+// (enterUnsafe) while it unmaps: a capture beginning on another device
+// meanwhile would be invalidated. d.mu is held.
 func (d *device) trimUnused(id PoolID) {
-	if d.vmmState != 1 || d.mapUnitCfg <= d.page || d.capturing() {
+	if d.vmmState != 1 || d.mapUnitCfg <= d.page {
 		return
 	}
 	pp := d.graphs.Pools.Get(id)
-	if pp == nil {
+	if pp == nil || !d.enterUnsafe() {
 		return
 	}
+	defer d.leaveUnsafe()
 	if err := d.cache.TrimUnused(pp.Large, d.mapper); err != nil {
 		d.warn(driverError("end_allocate_to_pool", err, "unmapping pages mapped ahead in pool {%d,%d} on device %d", id.A, id.B, d.id).Error())
 	}
@@ -168,7 +171,7 @@ func (d *device) unmapFree(p *pools.BlockPool) error {
 	}
 	if d.cache.HasUnmappable(p) {
 		if err := d.drv.DeviceSynchronize(d.id); err != nil {
-			return err
+			return fmt.Errorf("synchronizing the device first: %w", err)
 		}
 	}
 	return d.cache.UnmapFree(p, d.mapper)

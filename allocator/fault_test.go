@@ -20,6 +20,7 @@ import (
 	"sort"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 
@@ -199,6 +200,10 @@ type faultCase struct {
 const (
 	confOrdinary   = ""
 	confExpandable = "expandable_segments:True"
+	// Page by page (the default maps 20 MiB at a time in large pools), for
+	// the tests that count pages.
+	confPages  = "expandable_segments:True,expandable_map_unit_mb:2"
+	confStitch = "stitch:True,expandable_map_unit_mb:2"
 )
 
 var faultCases = map[string]faultCase{
@@ -417,7 +422,7 @@ var faultCases = map[string]faultCase{
 	// The second of three pages cannot be created: the first is released,
 	// nothing is mapped.
 	"expandable.go:vmmMapper.Map.MemCreate": {run: func(t *testing.T) {
-		e := newFault(t, confExpandable, false)
+		e := newFault(t, confPages, false)
 		r := e.fail("MemCreate", "", 1)
 		_, err := e.a.Malloc(0, 5*MiB, 1)
 		e.fired(r)
@@ -430,7 +435,7 @@ var faultCases = map[string]faultCase{
 	// The second of three pages cannot be mapped: the first stays mapped
 	// (free, counted as reserved), the others are released.
 	"expandable.go:vmmMapper.Map.MemMap": {run: func(t *testing.T) {
-		e := newFault(t, confExpandable, false)
+		e := newFault(t, confPages, false)
 		r := e.fail("MemMap", "", 1)
 		_, err := e.a.Malloc(0, 5*MiB, 1)
 		e.fired(r)
@@ -459,7 +464,7 @@ var faultCases = map[string]faultCase{
 	// A page that could not be released after a failed creation waits in
 	// the spares, and goes at the next release of cached memory.
 	"expandable.go:(*device).dropHandles.MemRelease": {run: func(t *testing.T) {
-		e := newFault(t, confExpandable, false)
+		e := newFault(t, confPages, false)
 		e.fail("MemCreate", "", 1)
 		r := e.fail("MemRelease", "dropHandles", 0)
 		_, err := e.a.Malloc(0, 5*MiB, 1)
@@ -473,7 +478,7 @@ var faultCases = map[string]faultCase{
 		e.nothingLost()
 	}},
 	"expandable.go:vmmMapper.Unmap.MemUnmap": {run: func(t *testing.T) {
-		e := newFault(t, confExpandable, false)
+		e := newFault(t, confPages, false)
 		e.free(e.malloc(5*MiB, 1))
 		r := e.fail("MemUnmap", "vmmMapper.Unmap", 0)
 		err := e.a.EmptyCache()
@@ -488,7 +493,7 @@ var faultCases = map[string]faultCase{
 	// Unmapped but not released: the page counts as unmapped, its handle
 	// waits in the spares.
 	"expandable.go:vmmMapper.Unmap.MemRelease": {run: func(t *testing.T) {
-		e := newFault(t, confExpandable, false)
+		e := newFault(t, confPages, false)
 		e.free(e.malloc(5*MiB, 1))
 		r := e.fail("MemRelease", "vmmMapper.Unmap", 0)
 		require.NoError(t, e.a.EmptyCache())
@@ -531,7 +536,7 @@ var faultCases = map[string]faultCase{
 		e.nothingLost()
 	}},
 	"expandable.go:(*device).releaseOrphans.MemRelease": {run: func(t *testing.T) {
-		e := newFault(t, confExpandable, false)
+		e := newFault(t, confPages, false)
 		e.fail("MemCreate", "", 1)
 		e.fail("MemRelease", "dropHandles", 0) // one spare page
 		_, err := e.a.Malloc(0, 5*MiB, 1)
@@ -542,6 +547,163 @@ var faultCases = map[string]faultCase{
 		e.driverErr(err, "empty_cache", "releasing spare physical memory")
 		require.Equal(t, 1, e.sim().Handles(0))
 		e.consistent(2 * MiB)
+		e.nothingLost()
+	}},
+	// empty_cache and the OOM retry synchronize before unmapping free
+	// pages: if that fails, nothing is unmapped, the error says so, and
+	// the next try works.
+	"expandable.go:(*device).unmapFree.DeviceSynchronize": {run: func(t *testing.T) {
+		e := newFault(t, confPages, false)
+		e.free(e.malloc(5*MiB, 1))
+		r := e.fail("DeviceSynchronize", "unmapFree", 0)
+		err := e.a.EmptyCache()
+		e.fired(r)
+		e.driverErr(err, "empty_cache", "unmapping the free pages of expandable segments on device 0: synchronizing the device first")
+		require.Equal(t, uint64(6*MiB), e.sim().Mapped(0), "nothing unmapped")
+		e.consistent(0)
+		require.NoError(t, e.a.EmptyCache())
+		require.Zero(t, e.sim().Mapped(0))
+		// The OOM retry: 600 MiB cached on stream 1, 600 MiB wanted on 2.
+		e.free(e.malloc(600*MiB, 1))
+		r = e.fail("DeviceSynchronize", "unmapFree", 0)
+		_, err = e.a.Malloc(0, 600*MiB, 2)
+		e.fired(r)
+		e.driverErr(err, "malloc", "synchronizing the device first")
+		e.consistent(0)
+		e.malloc(600*MiB, 2)
+		e.nothingLost()
+	}},
+	// Stitching is an optimization: a marker event that cannot be
+	// created, recorded or queried (or a capture status that cannot be
+	// read) leaves its stream uncertified for this miss, which maps new
+	// memory instead of moving the stream's idle pages; the next miss
+	// moves them.
+	"stitch.go:(*device).refreshMarkers.EventCreate": {run: func(t *testing.T) {
+		e, h := stitchScene(t, false)
+		r := e.fail("EventCreate", "refreshMarkers", 0)
+		e.stitchMiss(r, h)
+	}},
+	"stitch.go:(*device).refreshMarkers.EventRecord": {run: func(t *testing.T) {
+		e, h := stitchScene(t, false)
+		r := e.fail("EventRecord", "refreshMarkers", 0)
+		e.stitchMiss(r, h)
+	}},
+	"stitch.go:(*device).refreshMarkers.StreamCaptureInfo": {run: func(t *testing.T) {
+		e, h := stitchScene(t, false)
+		r := e.fail("StreamCaptureInfo", "refreshMarkers", 0)
+		e.stitchMiss(r, h)
+	}},
+	// The query of the marker just recorded (stream 1 has none pending,
+	// so it is the first): the marker stays pending, queried next time.
+	"stitch.go:(*device).refreshMarkers.EventQuery#2": {run: func(t *testing.T) {
+		e, h := stitchScene(t, false)
+		r := e.fail("EventQuery", "refreshMarkers", 0)
+		e.stitchMiss(r, h)
+	}},
+	// The query of a pending marker: a miss under the limit records one
+	// behind the kernel; the kernel completes; the query fails.
+	"stitch.go:(*device).refreshMarkers.EventQuery": {run: func(t *testing.T) {
+		e, h := stitchScene(t, true)
+		e.malloc(12*MiB, 1) // 24 MiB reserved: no stitching
+		e.sim().Complete(1)
+		r := e.fail("EventQuery", "refreshMarkers", 0)
+		e.stitchMiss(r, h)
+	}},
+	// A marker that cannot be destroyed at empty_cache is kept (no error:
+	// nothing else is held) and reused by the next miss.
+	"stitch.go:(*device).releaseMarkers.EventDestroy": {run: func(t *testing.T) {
+		e, _ := stitchScene(t, false)
+		require.Equal(t, 2, e.sim().LiveEvents(), "two misses, two markers")
+		r := e.fail("EventDestroy", "releaseMarkers", 0)
+		require.NoError(t, e.a.EmptyCache())
+		e.fired(r)
+		require.Equal(t, 1, e.sim().LiveEvents())
+		e.consistent(0)
+		e.malloc(4*MiB, 1) // a miss: the kept marker is recorded again
+		require.Equal(t, 1, e.sim().LiveEvents(), "reused, not created")
+		e.consistent(0)
+		e.nothingLost()
+	}},
+	// Under a memory fraction the growth maps less than the unit that
+	// stitching moved pages for: the moved pages left over are released;
+	// one whose release fails waits in the spares for the next release of
+	// cached memory.
+	"stitch.go:(*device).releaseSpares.MemRelease": {run: func(t *testing.T) {
+		e := newFault(t, "stitch:True", false) // the 20 MiB unit
+		x := e.malloc(10*MiB, 1)               // stream 1 maps 20 MiB
+		e.malloc(2*MiB, 1)
+		e.free(x) // nine whole free pages around the 2 MiB block
+		require.NoError(t, e.a.SetMemoryFraction(0, 21.0/1024))
+		r := e.fail("MemRelease", "releaseSpares", 0)
+		p := e.malloc(3*MiB, 0) // nine pages moved, two mapped
+		e.fired(r)
+		require.True(t, e.sim().Accessible(0, p, 3*MiB))
+		st, err := e.a.StitchStats(0)
+		require.NoError(t, err)
+		require.Equal(t, int64(2), st.Remaps)
+		e.consistent(2 * MiB)
+		require.NoError(t, e.a.EmptyCache())
+		e.consistent(0)
+		e.nothingLost()
+	}},
+	// Synchronizing before unmapping the old mappings of lent pages fails:
+	// they stay (a kernel may still use them), the error says so, at the
+	// OOM retry and at empty_cache, and the next empty_cache unmaps them.
+	"stitch.go:(*device).releaseStitch.DeviceSynchronize": {run: func(t *testing.T) {
+		e, h := stitchScene(t, true)
+		e.malloc(40*MiB, 1) // the busy hole's pages are lent
+		st, err := e.a.StitchStats(0)
+		require.NoError(t, err)
+		require.Equal(t, int64(5), st.Lent)
+		require.True(t, e.sim().Accessible(0, h, 10*MiB), "the old mapping stays")
+		e.consistent(0)
+		r := e.fail("DeviceSynchronize", "releaseStitch", 0)
+		_, err = e.a.Malloc(0, 2*GiB, 2)
+		e.fired(r)
+		e.driverErr(err, "malloc", "synchronizing device 0 before unmapping the old mappings of stitched pages")
+		r = e.fail("DeviceSynchronize", "releaseStitch", 0)
+		err = e.a.EmptyCache()
+		e.fired(r)
+		e.driverErr(err, "empty_cache", "synchronizing device 0 before unmapping the old mappings of stitched pages")
+		require.True(t, e.sim().Accessible(0, h, 10*MiB), "the old mapping stays")
+		e.consistent(0)
+		require.NoError(t, e.a.EmptyCache())
+		require.False(t, e.sim().Accessible(0, h, 2*MiB))
+		e.consistent(0)
+		e.nothingLost()
+	}},
+	// Unmapping the old mapping of a lent page fails (the third of five)
+	// at the miss that unlends it: a warning; the block stays lent and the
+	// next miss unmaps the rest. At empty_cache: an error, and the next
+	// empty_cache unmaps the rest.
+	"stitch.go:(*device).unmapLent.MemUnmap": {run: func(t *testing.T) {
+		e, h := stitchScene(t, true)
+		e.malloc(40*MiB, 1) // the busy hole's pages are lent
+		e.sim().Complete(1)
+		r := e.fail("MemUnmap", "unmapLent", 2)
+		e.malloc(20*MiB, 2) // a miss: the markers allow unlending
+		e.fired(r)
+		require.Len(t, e.warnings, 1)
+		require.Contains(t, e.warnings[0], "unmapping the old mapping of stitched page")
+		require.False(t, e.sim().Accessible(0, h, 2*MiB))
+		require.True(t, e.sim().Accessible(0, h+4*MiB, 6*MiB), "the last three pages are still mapped")
+		e.consistent(0)
+		e.malloc(20*MiB, 3)
+		require.False(t, e.sim().Accessible(0, h+8*MiB, 2*MiB), "unmapped at the next miss")
+		e.consistent(0)
+
+		e.nothingLost()
+
+		e, h = stitchScene(t, true)
+		e.malloc(40*MiB, 1)
+		r = e.fail("MemUnmap", "unmapLent", 0)
+		err := e.a.EmptyCache()
+		e.fired(r)
+		e.driverErr(err, "empty_cache", "unmapping the old mapping of stitched page")
+		require.True(t, e.sim().Accessible(0, h, 10*MiB))
+		e.consistent(0)
+		require.NoError(t, e.a.EmptyCache())
+		require.False(t, e.sim().Accessible(0, h, 2*MiB))
 		e.nothingLost()
 	}},
 	"uncached.go:(*Allocator).mallocUncached.MemAlloc": {run: func(t *testing.T) {
@@ -800,6 +962,50 @@ func (e *fenv) endReuseScene() {
 	require.NoError(e.t, e.a.ReleasePool(0, allocator.PoolID{A: 1}))
 }
 
+// stitchScene returns a stitching allocator whose limit is 40 MiB (a
+// 40 MiB block was mapped and emptied) holding 12 MiB on stream 1: a free
+// 10 MiB hole of five pages h before a live 2 MiB block; with busy, a
+// kernel queued on stream 1 still uses the hole.
+func stitchScene(t *testing.T, busy bool) (*fenv, cuda.Ptr) {
+	e := newFault(t, confStitch, false)
+	e.free(e.malloc(40*MiB, 1))
+	require.NoError(t, e.a.EmptyCache())
+	h := e.malloc(10*MiB, 1)
+	e.malloc(2*MiB, 1)
+	if busy {
+		e.sim().Use(0, 1, h, 10*MiB)
+	}
+	e.free(h)
+	e.consistent(0)
+	return e, h
+}
+
+// stitchMiss: the fault r, met by a miss on stream 0 that would move the
+// pages of stitchScene's hole h, leaves them where they are (new memory is
+// mapped instead); the next miss moves them.
+func (e *fenv) stitchMiss(r *fault.Rule, h cuda.Ptr) {
+	e.t.Helper()
+	used := e.sim().Used(0)
+	e.malloc(40*MiB, 0)
+	e.fired(r)
+	st, err := e.a.StitchStats(0)
+	require.NoError(e.t, err)
+	require.Zero(e.t, st.Remaps)
+	require.Positive(e.t, st.SkippedBusy)
+	require.Equal(e.t, used+40*MiB, e.sim().Used(0), "new memory instead")
+	require.True(e.t, e.sim().Accessible(0, h, 10*MiB), "the hole's pages stay")
+	e.consistent(0)
+	used = e.sim().Used(0)
+	e.malloc(20*MiB, 2)
+	st, err = e.a.StitchStats(0)
+	require.NoError(e.t, err)
+	require.Equal(e.t, int64(5), st.Remaps, "the hole's pages moved at the next miss")
+	require.False(e.t, e.sim().Accessible(0, h, 2*MiB))
+	require.Equal(e.t, used+10*MiB, e.sim().Used(0))
+	e.consistent(0)
+	e.nothingLost()
+}
+
 // nothingLostUncached frees what is left with caching off, then checks
 // that the driver holds nothing.
 func (e *fenv) nothingLostUncached() {
@@ -815,7 +1021,7 @@ func (e *fenv) nothingLostUncached() {
 // orphaned returns an allocator holding physical memory whose access could
 // not be set during a capture (parked until the capture ends).
 func orphaned(t *testing.T) *fenv {
-	e := newFault(t, confExpandable, false)
+	e := newFault(t, confPages, false)
 	cs := cuda.Stream(9)
 	pool := allocator.PoolID{A: 1}
 	require.NoError(t, e.a.BeginAllocateToPool(0, pool, func(s cuda.Stream) bool { return s == cs }))
@@ -847,6 +1053,39 @@ func TestFaultInjection(t *testing.T) {
 			c.run(t)
 		})
 	}
+}
+
+// The pages a capture mapped ahead are unmapped when it ends, holding the
+// capture gate: a capture beginning on another device meanwhile waits
+// (else the unmap would invalidate it; the soak found it).
+func TestTrimUnusedHoldsTheGate(t *testing.T) {
+	e := newFault(t, confExpandable, false) // the 20 MiB unit
+	g := allocator.PoolID{A: 1}
+	const cs = cuda.Stream(7)
+	beginCapture(t, e.a, e.sim(), g, cs, cuda.CaptureModeGlobal)
+	p := e.malloc(3*MiB, cs)
+	require.NoError(t, e.sim().EndCapture(cs))
+	began := make(chan error, 1)
+	r := e.f.Before("MemUnmap", "trimUnused", func() {
+		go func() {
+			began <- e.a.BeginAllocateToPool(1, allocator.PoolID{A: 2}, func(cuda.Stream) bool { return false })
+		}()
+		select {
+		case err := <-began:
+			t.Error("a capture began on device 1 while device 0 unmapped")
+			began <- err
+		case <-time.After(50 * time.Millisecond):
+		}
+	})
+	require.NoError(t, e.a.EndAllocateToPool(0, g))
+	e.fired(r)
+	require.NoError(t, <-began, "it began once the unmapping was done")
+	require.Equal(t, uint64(4*MiB), e.sim().Mapped(0), "two pages left")
+	require.NoError(t, e.a.EndAllocateToPool(1, allocator.PoolID{A: 2}))
+	require.NoError(t, e.a.ReleasePool(1, allocator.PoolID{A: 2}))
+	e.free(p)
+	require.NoError(t, e.a.ReleasePool(0, g))
+	e.nothingLost()
 }
 
 // TestFaultCallSitesCovered reads the allocator's and the events package's

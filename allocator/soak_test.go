@@ -7,8 +7,8 @@ package allocator_test
 // # Design
 //
 // Each phase is one allocator over a two-device simulator with a
-// configuration of its own (ordinary or expandable segments, garbage
-// collection, rounding) and either announced captures (as PyTorch makes
+// configuration of its own (ordinary or expandable segments, stitching,
+// garbage collection, rounding) and either announced captures (as PyTorch makes
 // them) or unannounced ones (a C program calling cuStreamBeginCapture). A
 // phase runs in batches: every worker goroutine (locked to its OS thread,
 // since capture modes are per thread) performs its share of the batch's
@@ -97,8 +97,11 @@ var soakPhases = []soakPhase{
 	{"gc+rounding", "garbage_collection_threshold:0.7,roundup_power2_divisions:4", true, false},
 	{"expandable+gc+unannounced", "expandable_segments:True,garbage_collection_threshold:0.8", false, false},
 	{"capture reuse", "graph_capture_record_stream_reuse:True,expandable_segments:True", true, false},
+	{"stitch", "stitch:True", true, false},
+	{"stitch+unannounced, page by page", "stitch:True,expandable_map_unit_mb:2", false, false},
 	{"driver faults", "expandable_segments:True", true, true},
 	{"driver faults, ordinary segments", "", true, true},
+	{"driver faults, stitch", "stitch:True", true, true},
 }
 
 // soakFaultMethods fail at random in the fault phases: every driver call
@@ -107,7 +110,7 @@ var soakPhases = []soakPhase{
 // simulator would then let make calls a capture forbids: left out.)
 var soakFaultMethods = []string{"MemAlloc", "MemFree", "MemGetInfo", "EventCreate", "EventRecord",
 	"EventQuery", "EventSynchronize", "EventDestroy", "MemAddressReserve", "MemAddressFree", "MemCreate",
-	"MemRelease", "MemMap", "MemSetAccess", "MemUnmap", "DeviceProcesses"}
+	"MemRelease", "MemMap", "MemSetAccess", "MemUnmap", "DeviceProcesses", "DeviceSynchronize"}
 
 func TestSoak(t *testing.T) {
 	total := soakOps(t)
@@ -256,6 +259,16 @@ func runSoak(t *testing.T, ph soakPhase, ops int, into *soakCounts) {
 		require.Positive(t, s.counts.injected, "no fault was injected")
 	}
 	s.drain(ws)
+	if cfg.Stitch {
+		var st allocator.StitchStats
+		for dev := 0; dev < soakDevices; dev++ {
+			d, err := a.StitchStats(dev)
+			require.NoError(t, err)
+			st.Remaps, st.Lent, st.Stitches = st.Remaps+d.Remaps, st.Lent+d.Lent, st.Stitches+d.Stitches
+		}
+		t.Logf("%s: %d pages moved (%d lent) at %d misses", ph.name, st.Remaps, st.Lent, st.Stitches)
+		require.Positive(t, st.Remaps, "nothing was stitched")
+	}
 	t.Logf("%s: %d operations, %d mallocs of which %d out of memory (%d deliberate), %d captures; "+
 		"%d driver calls failed on purpose, %d driver errors reported, %d warnings",
 		ph.name, s.counts.ops, s.counts.mallocs, s.counts.ooms, s.counts.hugeOOMs, s.counts.captures,
@@ -554,7 +567,7 @@ func (w *soakWorker) wait(from, to cuda.Stream) {
 		err = w.s.drv.EventDestroy(w.dev, ev)
 	}
 	if err != nil {
-		w.failf("fork or join in a capture: %v", err)
+		w.failf("fork or join in a capture: %v %v", err, w.s.drv.ViolationLog())
 	}
 }
 
@@ -565,7 +578,7 @@ func (w *soakWorker) endCapture() {
 	}
 	w.capturing = false
 	if err := w.s.drv.EndCapture(w.capS); err != nil {
-		w.failf("end capture: %v (a driver call of the allocator invalidated it)", err)
+		w.failf("end capture: %v (a driver call of the allocator invalidated it) %v", err, w.s.drv.ViolationLog())
 		return
 	}
 	if w.s.ph.announced {

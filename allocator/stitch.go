@@ -192,13 +192,15 @@ func (d *device) donorKind(b *pools.Block, s cuda.Stream) pools.DonorKind {
 type lent struct {
 	b     *pools.Block
 	clock uint64
+	done  uint64 // bytes of the old mapping already unmapped (a failed unlend)
 }
 
 // unlend unmaps the old mappings of the lent blocks whose streams'
 // markers allow it, or, with all set (after a device synchronize), of all
-// of them. A block whose unmap fails stays lent for good (its address
-// space unused; reported). Never during a capture. d.mu is held.
-func (d *device) unlend(all bool) error {
+// of them. A block whose unmap fails stays lent, its old mapping (and the
+// physical memory it holds) tried again at the next unlend (reported; op
+// names the operation). Never during a capture. d.mu is held.
+func (d *device) unlend(all bool, op string) error {
 	kept := d.stitch.lent[:0]
 	var first error
 	for _, l := range d.stitch.lent {
@@ -207,8 +209,9 @@ func (d *device) unlend(all bool) error {
 			kept = append(kept, l)
 			continue
 		}
-		if err := d.unmapLent(l.b); err != nil {
+		if err := d.unmapLent(&l, op); err != nil {
 			first = cmp.Or(first, err)
+			kept = append(kept, l)
 			continue
 		}
 		d.cache.Unlend(l.b)
@@ -218,14 +221,15 @@ func (d *device) unlend(all bool) error {
 	return first
 }
 
-// unmapLent unmaps the old mapping of the lent block b, page by page as it
-// was mapped. d.mu is held.
-func (d *device) unmapLent(b *pools.Block) error {
+// unmapLent unmaps the old mapping of the lent block l.b, page by page as
+// it was mapped, from l.done on (what a failed try left). d.mu is held.
+func (d *device) unmapLent(l *lent, op string) error {
+	b := l.b
 	page := b.Seg.PageSize
-	for o := uint64(0); o < b.Size; o += page {
-		p := b.Ptr + cuda.Ptr(o)
+	for ; l.done < b.Size; l.done += page {
+		p := b.Ptr + cuda.Ptr(l.done)
 		if err := d.vmm.MemUnmap(d.id, p, page); err != nil {
-			return driverError("malloc", err, "unmapping the old mapping of stitched page %#x on device %d (its address space stays unused)", uintptr(p), d.id)
+			return driverError(op, err, "unmapping the old mapping of stitched page %#x on device %d (tried again later)", uintptr(p), d.id)
 		}
 	}
 	return nil
@@ -239,7 +243,7 @@ func (d *device) stitchPrepare() {
 		return
 	}
 	d.refreshMarkers()
-	if err := d.unlend(false); err != nil {
+	if err := d.unlend(false, "malloc"); err != nil {
 		d.warn(err.Error())
 	}
 }
@@ -289,7 +293,7 @@ func (d *device) stitchFor(r *pools.Request, start *pools.Block, unit uint64) ui
 		n, err := d.cache.UnmapDonor(dn, d.mapper)
 		unmapped += n
 		if dn.Lend {
-			d.stitch.lent = append(d.stitch.lent, lent{dn.B, d.cache.Clock()})
+			d.stitch.lent = append(d.stitch.lent, lent{b: dn.B, clock: d.cache.Clock()})
 			d.stitch.stats.Lent += int64(n / dn.B.Seg.PageSize)
 		}
 		if err != nil {
@@ -335,13 +339,14 @@ func (d *device) releaseSpares() {
 // releaseStitch unmaps the old mappings of every lent block, after
 // synchronizing the device, and destroys the marker events (empty_cache
 // and the OOM retry give back what they can); the next miss records new
-// ones. Never during a capture. d.mu is held.
-func (d *device) releaseStitch() error {
+// ones. op names the operation in errors. Never during a capture. d.mu is
+// held.
+func (d *device) releaseStitch(op string) error {
 	if len(d.stitch.lent) > 0 {
 		if err := d.drv.DeviceSynchronize(d.id); err != nil {
-			return driverError("empty_cache", err, "synchronizing device %d", d.id)
+			return driverError(op, err, "synchronizing device %d before unmapping the old mappings of stitched pages", d.id)
 		}
-		if err := d.unlend(true); err != nil {
+		if err := d.unlend(true, op); err != nil {
 			return err
 		}
 	}
