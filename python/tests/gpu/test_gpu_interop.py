@@ -172,20 +172,28 @@ def test_numba_memory_info_and_ipc(numba):
         del d
         return
     ours = ctx.memory_manager.get_ipc_handle(d.gpu_data)
-    from numba.cuda.cudadrv import driver as ndriver
-
     import ctypes
 
-    def raw(h):
-        return ctypes.string_at(h.handle.getPtr(), 64)
+    # The driver's own answer, asked directly (numba's GetIpcHandleMixin is
+    # itself broken with the numba.cuda inside numba on the GPU machine).
+    cu = ctypes.CDLL("libcuda.so.1")
+    base, extent = ctypes.c_uint64(), ctypes.c_size_t()
+    assert cu.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(extent), ctypes.c_uint64(ptr)) == 0
 
-    native = ndriver.GetIpcHandleMixin.get_ipc_handle(ctx.memory_manager, d.gpu_data)
-    again = ndriver.GetIpcHandleMixin.get_ipc_handle(ctx.memory_manager, d.gpu_data)
-    assert ours.offset == native.offset, "the offset in the segment is the driver's"
-    assert ours.size == d.nbytes and ours.source_info == native.source_info
-    if raw(native) == raw(again):  # the driver gives one handle per allocation
-        assert raw(ours) == raw(native), "cudapool's IPC handle is the driver's for the segment"
-    del ours, native, again, d
+    def driver_handle():
+        h = (ctypes.c_ubyte * 64)()
+        assert cu.cuIpcGetMemHandle(h, ctypes.c_uint64(base.value)) == 0
+        return bytes(h)
+
+    def raw(h):  # numba-cuda's binding object, or numba's ctypes array
+        return ctypes.string_at(h.getPtr(), 64) if hasattr(h, "getPtr") else bytes(h)
+
+    assert ours.offset == ptr - base.value, "the offset in the segment is the driver's"
+    assert ours.size == d.nbytes and ours.source_info == ctx.device.get_device_identity()
+    native, again = driver_handle(), driver_handle()
+    if native == again:  # the driver gives one handle per allocation
+        assert raw(ours.handle) == native, "cudapool's IPC handle is the driver's for the segment"
+    del ours, d
 
 
 # ---------------------------------------------------------------------------
