@@ -188,10 +188,16 @@ func (d *device) warnCaptureGraph(err error, s cuda.Stream) {
 }
 
 // dropCaptureReuse forgets the markers and walks once no capture is under
-// way; blocks still deferred get events the usual way. d.mu is held.
+// way; blocks still deferred get events the usual way. Every path that
+// hands the deferred blocks to the event tracker (malloc, syncAll, settle)
+// calls it first: a marker left behind would name a block that may since
+// have been merged and recycled, and would keep seen from ever being
+// cleared. d.mu is held.
 func (d *device) dropCaptureReuse() {
-	clear(d.reuse.markers)
-	clear(d.reuse.seen)
+	if len(d.reuse.markers)+len(d.reuse.seen) > 0 {
+		clear(d.reuse.markers)
+		clear(d.reuse.seen)
+	}
 }
 
 func containsNode(ns []cuda.GraphNode, n cuda.GraphNode) bool {

@@ -147,3 +147,38 @@ func TestCaptureReuseOffOrOutsideStream(t *testing.T) {
 		})
 	}
 }
+
+// A block still deferred when its capture ends and then returned by
+// empty_cache (or a checkpoint's settle) takes its free markers with it:
+// left behind, they pointed at a block that could be recycled, and kept
+// every later capture's walked nodes alive (seen is only cleared once no
+// markers are left).
+func TestCaptureReuseMarkersDroppedWithDeferred(t *testing.T) {
+	lockThread(t)
+	a, drv := newAlloc(t, 1, GiB, reuseConf)
+	const s1, s2 = cuda.Stream(1), cuda.Stream(2)
+	g := allocator.PoolID{A: 1}
+	beginCapture(t, a, drv, g, s1, cuda.CaptureModeThreadLocal)
+	data1 := mustMalloc(t, a, 0, 32, s1)
+	fork(t, drv, s1, s2)
+	drv.Submit(s2)
+	require.NoError(t, a.RecordStream(data1, s2))
+	require.NoError(t, a.Free(0, data1, 0)) // s2 not joined yet: deferred
+	drv.Submit(s1)
+	p := mustMalloc(t, a, 0, 32, s1) // walks s1's graph
+	markers, walks := allocator.CaptureReuseState(a, 0)
+	require.Equal(t, 1, markers)
+	require.Equal(t, 1, walks)
+	fork(t, drv, s2, s1)
+	require.NoError(t, a.Free(0, p, 0))
+	require.NoError(t, drv.EndCapture(s1))
+	require.NoError(t, a.EndAllocateToPool(0, g))
+
+	drv.CompleteAll()
+	require.NoError(t, a.EmptyCache()) // returns the deferred block
+	markers, walks = allocator.CaptureReuseState(a, 0)
+	require.Zero(t, markers, "markers of a block no longer deferred")
+	require.Zero(t, walks)
+	require.Zero(t, drv.Violations(), "%v", drv.ViolationLog())
+	require.NoError(t, a.CheckInvariants())
+}

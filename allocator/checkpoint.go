@@ -214,6 +214,7 @@ func (d *device) settle() {
 		return
 	}
 	defer d.leaveUnsafe()
+	d.dropCaptureReuse()
 	if err := d.ev.Process(d.ret); err != nil {
 		// The blocks concerned stay queued; the layout check reports them.
 		d.warn(driverError("checkpoint", err, "querying the events of pending frees on device %d", d.id).Error())

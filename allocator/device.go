@@ -75,9 +75,7 @@ func (d *device) malloc(size uint64, s cuda.Stream, capture uint64) (cuda.Ptr, e
 			d.reclaimInCapture(s)
 		}
 	case !d.ev.Idle() && d.enterUnsafe():
-		if len(d.reuse.markers)+len(d.reuse.seen) > 0 {
-			d.dropCaptureReuse()
-		}
+		d.dropCaptureReuse()
 		if err := d.ev.Process(d.ret); err != nil {
 			// Not the malloc's failure: the blocks concerned stay queued.
 			d.warn(driverError("malloc", err, "querying the events of pending frees on device %d (the blocks concerned wait for new events)", d.id).Error())
@@ -320,6 +318,7 @@ func (d *device) releaseCached(op string) error {
 // blocks to their pools (PyTorch's synchronize_and_free_events). Never
 // during a capture.
 func (d *device) syncAll(op string) error {
+	d.dropCaptureReuse()
 	if err := d.ev.Synchronize(d.ret); err != nil {
 		return driverError(op, err, "synchronizing the events of pending frees on device %d", d.id)
 	}

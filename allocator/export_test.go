@@ -43,3 +43,13 @@ func ContextOf(a *Allocator, p cuda.Ptr) uint64 {
 	defer d.mu.Unlock()
 	return b.Context
 }
+
+// CaptureReuseState returns the number of blocks with free markers and of
+// walked (capture, stream) pairs that graph_capture_record_stream_reuse
+// holds on dev.
+func CaptureReuseState(a *Allocator, dev int) (markers, walks int) {
+	d := a.devs[dev]
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return len(d.reuse.markers), len(d.reuse.seen)
+}
