@@ -15,13 +15,18 @@ import (
 // (pool, stream) pair, private pools included, has one reserved address range
 // (or more, should one fill up) whose pages are mapped on demand. The page
 // size is the driver's allocation granularity (2 MiB on current GPUs), the
-// finest unit that can be mapped and unmapped alone, so reserved memory
-// exceeds what the blocks need by less than one page per range. Reserving
-// and mapping follow the rule of new segments: the thread is switched to
-// relaxed capture mode, so both are legal during a capture, whose graph then
-// owns the pages through its private pool. Unmapping happens only where
-// ordinary segments are freed (empty_cache, the OOM retry, released private
-// pools), which is never while a capture may be under way.
+// finest unit that can be mapped and unmapped alone. Growth of a large pool
+// maps at least the mapping unit (expandable_map_unit_mb, 20 MiB by
+// default; see mapUnit), so reserved memory may exceed what the blocks need
+// by up to one unit per range; a private pool gives back what it mapped
+// ahead when its capture ends (trimUnused). Reserving and mapping follow the
+// rule of new segments: the thread is switched to relaxed capture mode, so
+// both are legal during a capture, whose graph then owns the pages through
+// its private pool. Unmapping happens only where ordinary segments are
+// freed (empty_cache, the OOM retry, released private pools), at the end of
+// routing to a pool (trimUnused) and on a stitching miss (stitch.go), each
+// holding the capture gate (device.go): never while a capture may be under
+// way.
 //
 // Each page is its own physical allocation (cuMemCreate), so that any page
 // can be unmapped and released alone; access is set once per mapped run.
