@@ -104,3 +104,34 @@ func TestCaptureGraphUnjoinedAndIsolation(t *testing.T) {
 	th.do(func() { assert.ErrorIs(t, d.EndCapture(s1), cuda.ErrCaptureInvalidated) })
 	assert.NoError(t, d.StreamWaitEvent(0, s2, outside), "waits outside capture are accepted")
 }
+
+// Use on a capturing stream, its origin or one that joined it by a fork,
+// is captured work like Submit: a node after the stream's terminals, and
+// nothing enqueued (a Use on a joined stream was enqueued as eager work,
+// and left the graph without the kernel).
+func TestCaptureGraphUseIsANode(t *testing.T) {
+	d := sim.New(sim.Options{})
+	th := newThread(t)
+	const s1, s2 = cuda.Stream(1), cuda.Stream(2)
+	ev, err := d.EventCreate(0)
+	require.NoError(t, err)
+	th.do(func() { require.NoError(t, d.BeginCapture(s1, cuda.CaptureModeThreadLocal)) })
+	d.Submit(s1)
+	require.NoError(t, d.EventRecord(0, ev, s1))
+	require.NoError(t, d.StreamWaitEvent(0, s2, ev)) // fork
+	for _, s := range []cuda.Stream{s1, s2} {
+		before := terminals(t, d, s)
+		d.Use(0, s, 1<<44, 4096)
+		after := terminals(t, d, s)
+		require.Len(t, after, 1)
+		assert.NotContains(t, before, after[0], "stream %d: the Use is a new node", s)
+		assert.True(t, ancestors(t, d, after)[before[0]], "stream %d: after the stream's earlier work", s)
+	}
+	require.NoError(t, d.EventRecord(0, ev, s2))
+	require.NoError(t, d.StreamWaitEvent(0, s1, ev)) // join
+	th.do(func() { require.NoError(t, d.EndCapture(s1)) })
+	require.NoError(t, d.EventRecord(0, ev, s2))
+	done, err := d.EventQuery(0, ev)
+	require.NoError(t, err)
+	assert.True(t, done, "nothing was enqueued on s2 during the capture")
+}

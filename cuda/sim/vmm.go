@@ -299,13 +299,17 @@ func (d *Driver) MemSetAccess(dev int, p cuda.Ptr, size uint64) error {
 }
 
 // Use submits one unit of work on s that reads and writes [p, p+size) of
-// dev (a kernel on a block). On a capturing stream the work would go into
-// the graph, so nothing is submitted.
+// dev (a kernel on a block). On a stream taking part in a capture (its
+// origin, or one that joined it) the work goes into the graph as a node, as
+// with Submit, and nothing is enqueued.
 func (d *Driver) Use(dev int, s cuda.Stream, p cuda.Ptr, size uint64) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	dv := d.mustDevice(dev)
-	if d.captures[s] != nil {
+	if c := d.captureOf(s); c != nil {
+		if !c.invalidated {
+			d.addNode(c.g, s)
+		}
 		return
 	}
 	st := d.stream(s)
