@@ -135,8 +135,10 @@ void cudapool_reset_accumulated_stats(int device);
 /* Replaces the configuration, in PYTORCH_CUDA_ALLOC_CONF syntax: comma
  * separated key:value pairs (max_split_size_mb, roundup_power2_divisions,
  * garbage_collection_threshold, max_non_split_rounding_mb,
- * large_segment_size_mb, expandable_segments, release_lock_on_cudamalloc;
- * cudapool's own record_history:N, debug_checks:True, free_set:treap|sorted).
+ * large_segment_size_mb, expandable_segments, release_lock_on_cudamalloc,
+ * per_process_memory_fraction, graph_capture_record_stream_reuse; cudapool's
+ * own record_history:N, debug_checks:True, free_set:segfit|treap|sorted,
+ * expandable_map_unit_mb:N, stitch:True).
  * Unknown keys are reported once on stderr and ignored. Returns 0 on success,
  * -1 on an invalid value (the configuration is then unchanged) or when
  * cudapool could not initialize (the last error says why). */

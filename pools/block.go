@@ -77,8 +77,8 @@ type Segment struct {
 // Cache that owns the block.
 type Block struct {
 	// The free-set key and links come first so that a tree search touches
-	// one cache line per node. The treap uses left/right/prio; the sorted
-	// slice none of them.
+	// one cache line per node. The treaps (the whole-pool treap and each
+	// segfit bin) use left/right/prio; the sorted slice none of them.
 	Ptr         cuda.Ptr
 	Size        uint64
 	Stream      cuda.Stream
