@@ -32,7 +32,9 @@ import (
 )
 
 // traceReuse (CUDAPOOL_TRACE_CAPTURE_REUSE=1) prints each decision to
-// stderr, for diagnosing the option on a real driver.
+// stderr, for diagnosing the option on a real driver. Callers test it
+// before calling tracef: the arguments, boxed into ...any, would otherwise
+// cost allocations on every malloc of a capture.
 var traceReuse = os.Getenv("CUDAPOOL_TRACE_CAPTURE_REUSE") == "1"
 
 func tracef(format string, args ...any) {
@@ -85,7 +87,9 @@ func (d *device) noteFreeMarkers(b *pools.Block) {
 		}
 		st, id, terms, err := drv.StreamCaptureGraph(d.id, s, r.buf[:0])
 		r.buf = terms
-		tracef("  stream %#x: status %d capture %d terminals %v err %v", uintptr(s), st, id, terms, err)
+		if traceReuse {
+			tracef("  stream %#x: status %d capture %d terminals %v err %v", uintptr(s), st, id, terms, err)
+		}
 		if err != nil {
 			d.warnCaptureGraph(err, s)
 		}
@@ -102,7 +106,9 @@ func (d *device) noteFreeMarkers(b *pools.Block) {
 	}
 	mark(b.Stream)
 	b.Uses.Each(mark)
-	tracef("free %#x (stream %#x): capture %d, markers %v, usable %v", uintptr(b.Ptr), uintptr(b.Stream), m.capture, m.nodes, ok)
+	if traceReuse {
+		tracef("free %#x (stream %#x): capture %d, markers %v, usable %v", uintptr(b.Ptr), uintptr(b.Stream), m.capture, m.nodes, ok)
+	}
 	if !ok || len(m.nodes) == 0 {
 		delete(r.markers, b)
 		return
@@ -128,7 +134,9 @@ func (d *device) reclaimInCapture(s cuda.Stream) {
 		d.warnCaptureGraph(err, s)
 		return
 	}
-	tracef("malloc on stream %#x: status %d capture %d terminals %v, %d marked blocks", uintptr(s), st, id, terms, len(r.markers))
+	if traceReuse {
+		tracef("malloc on stream %#x: status %d capture %d terminals %v, %d marked blocks", uintptr(s), st, id, terms, len(r.markers))
+	}
 	if st != cuda.CaptureActive || len(terms) == 0 {
 		return
 	}
@@ -159,7 +167,9 @@ func (d *device) reclaimInCapture(s cuda.Stream) {
 		r.stack = append(r.stack, deps...)
 	}
 	for b, m := range r.markers {
-		tracef("  block %#x stream %#x capture %d markers %v all seen %v (%d nodes seen)", uintptr(b.Ptr), uintptr(b.Stream), m.capture, m.nodes, allSeen(m.nodes, seen), len(seen))
+		if traceReuse {
+			tracef("  block %#x stream %#x capture %d markers %v all seen %v (%d nodes seen)", uintptr(b.Ptr), uintptr(b.Stream), m.capture, m.nodes, allSeen(m.nodes, seen), len(seen))
+		}
 		if b.Stream != s || m.capture != id || !allSeen(m.nodes, seen) {
 			continue
 		}

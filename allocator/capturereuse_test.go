@@ -182,3 +182,46 @@ func TestCaptureReuseMarkersDroppedWithDeferred(t *testing.T) {
 	require.Zero(t, drv.Violations(), "%v", drv.ViolationLog())
 	require.NoError(t, a.CheckInvariants())
 }
+
+// While blocks wait for their markers, a cache-hit malloc and free in the
+// capture allocate no Go memory: the option's trace arguments (boxed into
+// ...any, and a second walk of each block's markers) were built on every
+// malloc even with tracing off.
+func TestCaptureReuseMallocAllocatesNothing(t *testing.T) {
+	lockThread(t)
+	a, drv := newAlloc(t, 1, GiB, "graph_capture_record_stream_reuse:True")
+	const s1, s2 = cuda.Stream(1), cuda.Stream(2)
+	g := allocator.PoolID{A: 1}
+	beginCapture(t, a, drv, g, s1, cuda.CaptureModeThreadLocal)
+	drv.Submit(s1)
+	var held []cuda.Ptr
+	for i := 0; i < 4; i++ {
+		data := mustMalloc(t, a, 0, 4096, s1)
+		fork(t, drv, s1, s2)
+		drv.Submit(s2)
+		require.NoError(t, a.RecordStream(data, s2))
+		require.NoError(t, a.Free(0, data, 0)) // waits: s2 is not joined
+		held = append(held, data)
+	}
+	markers, _ := allocator.CaptureReuseState(a, 0)
+	require.Equal(t, 4, markers)
+	warm := mustMalloc(t, a, 0, 4096, s1)
+	require.NoError(t, a.Free(0, warm, 0))
+	allocs := testing.AllocsPerRun(200, func() {
+		p, _ := a.Malloc(0, 4096, s1)
+		_ = a.Free(0, p, 0)
+	})
+	require.Zero(t, allocs)
+	markers, _ = allocator.CaptureReuseState(a, 0)
+	require.Equal(t, 4, markers, "still waiting")
+
+	fork(t, drv, s2, s1) // join
+	drv.Submit(s1)
+	p := mustMalloc(t, a, 0, 4096, s1)
+	require.Contains(t, held, p, "reused after the join")
+	require.NoError(t, a.Free(0, p, 0))
+	require.NoError(t, drv.EndCapture(s1))
+	require.NoError(t, a.EndAllocateToPool(0, g))
+	require.Zero(t, drv.Violations(), "%v", drv.ViolationLog())
+	require.NoError(t, a.CheckInvariants())
+}
