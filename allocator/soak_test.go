@@ -127,6 +127,9 @@ func TestSoak(t *testing.T) {
 		all.ops, el.Round(time.Millisecond), float64(all.ops)/el.Seconds(), len(soakPhases), soakWorkers, all.checks)
 	t.Logf("soak: %s", all.String())
 	require.Zero(t, all.badReuse, "blocks reused while another stream still read them")
+	if all.stitchPhases > 0 {
+		require.Positive(t, all.stitched, "the stitch phases moved no page")
+	}
 }
 
 // soakCounts are a phase's tallies.
@@ -134,6 +137,10 @@ type soakCounts struct {
 	ops, mallocs, frees, ooms, raceReuse, captures, captureMallocs, releases, emptyCaches, fractions, hugeOOMs int64
 	guardsChecked, badReuse, checks, captureForks, reusedInCapture                                             int64
 	injected, driverErrs, warnings                                                                             int64
+	// stitchPhases and stitched: the phases with stitch:True and the pages
+	// they moved (a phase alone may meet no stitchable miss: stitching
+	// waits while any capture runs, and the workers capture often).
+	stitchPhases, stitched int64
 }
 
 func (c *soakCounts) add(o *soakCounts) {
@@ -142,7 +149,8 @@ func (c *soakCounts) add(o *soakCounts) {
 		{&c.releases, &o.releases}, {&c.emptyCaches, &o.emptyCaches}, {&c.fractions, &o.fractions},
 		{&c.hugeOOMs, &o.hugeOOMs}, {&c.guardsChecked, &o.guardsChecked}, {&c.badReuse, &o.badReuse}, {&c.checks, &o.checks},
 		{&c.captureForks, &o.captureForks}, {&c.reusedInCapture, &o.reusedInCapture},
-		{&c.injected, &o.injected}, {&c.driverErrs, &o.driverErrs}, {&c.warnings, &o.warnings}} {
+		{&c.injected, &o.injected}, {&c.driverErrs, &o.driverErrs}, {&c.warnings, &o.warnings},
+		{&c.stitchPhases, &o.stitchPhases}, {&c.stitched, &o.stitched}} {
 		atomic.AddInt64(p[0], atomic.LoadInt64(p[1]))
 	}
 }
@@ -267,7 +275,8 @@ func runSoak(t *testing.T, ph soakPhase, ops int, into *soakCounts) {
 			st.Remaps, st.Lent, st.Stitches = st.Remaps+d.Remaps, st.Lent+d.Lent, st.Stitches+d.Stitches
 		}
 		t.Logf("%s: %d pages moved (%d lent) at %d misses", ph.name, st.Remaps, st.Lent, st.Stitches)
-		require.Positive(t, st.Remaps, "nothing was stitched")
+		s.counts.stitchPhases++
+		s.counts.stitched += int64(st.Remaps)
 	}
 	t.Logf("%s: %d operations, %d mallocs of which %d out of memory (%d deliberate), %d captures; "+
 		"%d driver calls failed on purpose, %d driver errors reported, %d warnings",
