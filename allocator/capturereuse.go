@@ -159,8 +159,11 @@ func (d *device) reclaimInCapture(s cuda.Stream) {
 		deps, err := drv.GraphNodeDependencies(d.id, n, r.buf[:0])
 		r.buf = deps
 		if err != nil {
-			// Unknown ancestry: n stays unseen and is asked again next time.
+			// Unknown ancestry. Nodes already marked seen may have had
+			// their dependencies dropped with the stack: forget the walk
+			// so that the next malloc walks afresh.
 			d.warnCaptureGraph(err, s)
+			delete(r.seen, key)
 			return
 		}
 		seen[n] = struct{}{}

@@ -126,7 +126,9 @@ class CudapoolNumbaManager(_cuda.HostOnlyCUDAMemoryManager):
     def memalloc(self, size):
         ctx = self.context
         if size == 0:  # as Numba's empty arrays: a NULL pointer nobody frees
-            return _driver.MemoryPointer(ctx, _driver.binding.CUdeviceptr(0), 0)
+            binding = getattr(_driver, "binding", None)  # absent in numba's own numba.cuda
+            null = binding.CUdeviceptr(0) if binding is not None else ctypes.c_void_p(0)
+            return _driver.MemoryPointer(ctx, null, 0)
         dev = self._device()
         c = _lib_c()
         ptr = c.malloc(size, dev, _default_stream(), 0)
