@@ -1265,3 +1265,22 @@ func exprString(x ast.Expr) string {
 	}
 	return fmt.Sprintf("%T", x)
 }
+
+// A dependency query that fails in the middle of a walk: the nodes already
+// walked may have lost the dependencies that were still on the stack, so
+// the walk is forgotten and the next malloc walks afresh and reuses.
+func TestFaultCaptureReuseMidWalk(t *testing.T) {
+	e, data1 := reuseScene(t)
+	require.NoError(t, e.usedOnSide(data1, 2))
+	fork(t, e.sim(), 2, 1)
+	e.sim().Submit(1) // a kernel after the join: two nodes to walk
+	r := e.fail("GraphNodeDependencies", "", 1)
+	p := e.malloc(32, 1)
+	e.fired(r)
+	require.NotEqual(t, data1, p)
+	q := e.malloc(32, 1)
+	require.Equal(t, data1, q, "reused by the next walk")
+	delete(e.pending, data1)
+	e.endReuseScene()
+	e.nothingLost()
+}
