@@ -327,12 +327,16 @@ static cp_ret cp_stream_capture_graph(const cp_api *a, uintptr_t ctx, uintptr_t 
 // A graph node's dependencies (cuGraphNodeGetDependencies, v1 ABI: node,
 // dependencies*, numDependencies*): the count first, then up to cap of them
 // into out; ret.a is the count (more than cap: call again with more room).
-static cp_ret cp_graph_node_deps(const cp_api *a, uintptr_t node, uintptr_t *out, size_t cap) {
+static cp_ret cp_graph_node_deps(const cp_api *a, uintptr_t ctx, uintptr_t node, uintptr_t *out, size_t cap) {
 	typedef CUresult (*fn_t)(uintptr_t, uintptr_t *, size_t *);
 	size_t n = 0;
-	cp_ret ret = {((fn_t)a->graphNodeGetDependencies)(node, NULL, &n), 0, 0};
+	int pushed;
+	cp_ret ret = {cp_enter(a, ctx, &pushed), 0, 0};
+	if (ret.r == 0)
+		ret.r = ((fn_t)a->graphNodeGetDependencies)(node, NULL, &n);
 	if (ret.r == 0 && n > 0 && n <= cap)
 		ret.r = ((fn_t)a->graphNodeGetDependencies)(node, out, &n);
+	ret.r = cp_leave(a, pushed, ret.r);
 	ret.a = n;
 	return ret;
 }
@@ -1002,11 +1006,15 @@ func (d *Driver) GraphNodeDependencies(dev int, n cuda.GraphNode, buf []cuda.Gra
 	if !d.captureGraph() {
 		return buf, cuda.ErrNotSupported
 	}
+	c, err := d.ctx(dev)
+	if err != nil {
+		return buf, err
+	}
 	room := 4
 	for {
 		buf = slices.Grow(buf, room)
 		spare := buf[len(buf) : len(buf)+room]
-		ret := C.cp_graph_node_deps(d.api, C.uintptr_t(n), (*C.uintptr_t)(unsafe.Pointer(&spare[0])), C.size_t(room))
+		ret := C.cp_graph_node_deps(d.api, c, C.uintptr_t(n), (*C.uintptr_t)(unsafe.Pointer(&spare[0])), C.size_t(room))
 		if err := check(ret.r); err != nil {
 			return buf, err
 		}
