@@ -26,6 +26,7 @@ package allocator
 import (
 	"fmt"
 	"os"
+	"slices"
 
 	"github.com/cudapool/cudapool/cuda"
 	"github.com/cudapool/cudapool/pools"
@@ -99,7 +100,7 @@ func (d *device) noteFreeMarkers(b *pools.Block) {
 		}
 		m.capture = id
 		for _, n := range terms {
-			if !containsNode(m.nodes, n) {
+			if !slices.Contains(m.nodes, n) {
 				m.nodes = append(m.nodes, n)
 			}
 		}
@@ -211,15 +212,6 @@ func (d *device) dropCaptureReuse() {
 		clear(d.reuse.markers)
 		clear(d.reuse.seen)
 	}
-}
-
-func containsNode(ns []cuda.GraphNode, n cuda.GraphNode) bool {
-	for _, m := range ns {
-		if m == n {
-			return true
-		}
-	}
-	return false
 }
 
 func allSeen(ns []cuda.GraphNode, seen map[cuda.GraphNode]struct{}) bool {

@@ -349,9 +349,6 @@ func (d *device) releasePrivate(op string, pp *privatepool.Pool) error {
 func (d *device) free(b *pools.Block) error {
 	d.cache.Release(b)
 	d.record(actionFreeRequested, b.Ptr, b.Requested, b.Stream, b.Pool.ID, d.hist.ctxOr(b.Context))
-	if traceReuse {
-		tracef("free %#x stream %#x: uses empty %v, capturing %v, option %v", uintptr(b.Ptr), uintptr(b.Stream), b.Uses.Empty(), d.capturing(), d.reuse.on)
-	}
 	if b.Uses.Empty() {
 		d.returnBlock(b)
 		return nil

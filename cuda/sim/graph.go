@@ -19,6 +19,8 @@ package sim
 // Nodes stand for work only; they are not replayed.
 
 import (
+	"slices"
+
 	"github.com/cudapool/cudapool/cuda"
 )
 
@@ -172,14 +174,7 @@ func (d *Driver) endJoined(c *capture) {
 func union(a, b []cuda.GraphNode) []cuda.GraphNode {
 	out := append([]cuda.GraphNode(nil), a...)
 	for _, n := range b {
-		found := false
-		for _, m := range out {
-			if m == n {
-				found = true
-				break
-			}
-		}
-		if !found {
+		if !slices.Contains(out, n) {
 			out = append(out, n)
 		}
 	}
