@@ -12,6 +12,16 @@ import (
 
 const reuseConf = "graph_capture_record_stream_reuse:True,debug_checks:True"
 
+// endCapture ends the capture on s and pool g's allocation to it, with no
+// capture rule broken and the invariants intact.
+func endCapture(t *testing.T, a *allocator.Allocator, drv *sim.Driver, g allocator.PoolID, s cuda.Stream) {
+	t.Helper()
+	require.NoError(t, drv.EndCapture(s))
+	require.NoError(t, a.EndAllocateToPool(0, g))
+	require.Zero(t, drv.Violations(), "%v", drv.ViolationLog())
+	require.NoError(t, a.CheckInvariants())
+}
+
 // fork makes to wait on from's captured work, as torch's wait_stream does.
 func fork(t *testing.T, drv *sim.Driver, from, to cuda.Stream) {
 	t.Helper()
@@ -51,10 +61,7 @@ func TestCaptureReuseTwoStreams(t *testing.T) {
 	for _, p := range []cuda.Ptr{sink, buf2, data2, data3} {
 		require.NoError(t, a.Free(0, p, 0))
 	}
-	require.NoError(t, drv.EndCapture(s1))
-	require.NoError(t, a.EndAllocateToPool(0, g))
-	require.Zero(t, drv.Violations(), "%v", drv.ViolationLog())
-	require.NoError(t, a.CheckInvariants())
+	endCapture(t, a, drv, g, s1)
 	require.NoError(t, a.ReleasePool(0, g))
 	require.NoError(t, a.EmptyCache())
 	require.Zero(t, drv.Live(0), "nothing lost")
@@ -97,10 +104,7 @@ func TestCaptureReuseFourStreamsPartialJoins(t *testing.T) {
 	for _, p := range live {
 		require.NoError(t, a.Free(0, p, 0))
 	}
-	require.NoError(t, drv.EndCapture(s1))
-	require.NoError(t, a.EndAllocateToPool(0, g))
-	require.Zero(t, drv.Violations(), "%v", drv.ViolationLog())
-	require.NoError(t, a.CheckInvariants())
+	endCapture(t, a, drv, g, s1)
 }
 
 // Without the option, or when a use stream is not in the capture (another
@@ -133,9 +137,7 @@ func TestCaptureReuseOffOrOutsideStream(t *testing.T) {
 			p := mustMalloc(t, a, 0, 32, s1)
 			require.NotEqual(t, data1, p, "reused inside the capture")
 			require.NoError(t, a.Free(0, p, 0))
-			require.NoError(t, drv.EndCapture(s1))
-			require.NoError(t, a.EndAllocateToPool(0, g))
-			require.Zero(t, drv.Violations(), "%v", drv.ViolationLog())
+			endCapture(t, a, drv, g, s1)
 
 			drv.CompleteAll()
 			// Ordinary frees after the capture: the deferred block gets its
@@ -220,8 +222,5 @@ func TestCaptureReuseMallocAllocatesNothing(t *testing.T) {
 	p := mustMalloc(t, a, 0, 4096, s1)
 	require.Contains(t, held, p, "reused after the join")
 	require.NoError(t, a.Free(0, p, 0))
-	require.NoError(t, drv.EndCapture(s1))
-	require.NoError(t, a.EndAllocateToPool(0, g))
-	require.Zero(t, drv.Violations(), "%v", drv.ViolationLog())
-	require.NoError(t, a.CheckInvariants())
+	endCapture(t, a, drv, g, s1)
 }
