@@ -13,7 +13,13 @@ outside the allocator; docs/hot-path.md). The last two are medians of
 single timed calls.
 
     PYTHONPATH=python CUDAPOOL_LIBRARY=lib/libcudapool.so FLOOR_LIB=build/bench/libfloor.so \
-        python3 gpu/bench_class_paths.py [REPEATS] [--json FILE]
+        python3 gpu/bench_class_paths.py [REPEATS] [--json FILE] [--modes a,b] [--pin CPUS] [--hot-only]
+
+--modes keeps the paths whose names start with one of the comma-separated
+prefixes; --pin CPUS runs every child on those CPUs (a list like 4-7, as
+taskset takes it: sched_setaffinity before torch loads); --hot-only skips
+the two single-call columns. Each child's figures are printed as it ends,
+so that a bimodal spread shows which processes were slow.
 """
 import json
 import os
@@ -24,6 +30,12 @@ import sys
 CHILD = r'''
 import os, sys, time, json, statistics, random
 mode = sys.argv[1]
+if os.environ.get("BENCH_PIN"):
+    cpus = set()
+    for part in os.environ["BENCH_PIN"].split(","):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    os.sched_setaffinity(0, cpus)
 import torch
 if mode == "floor":
     a = torch.cuda.memory.CUDAPluggableAllocator(os.environ["FLOOR_LIB"], "floor_malloc", "floor_free")
@@ -64,15 +76,21 @@ mixed = [int(512 * 2 ** rng.uniform(0, 15)) for _ in range(4096)]
 out = {"hot": statistics.median(run([4096], 200000) for _ in range(3))}
 if mode != "floor":  # the floor caches by exact size and never frees: no mixed loop
     out["mixed"] = statistics.median(run(mixed, 100000) for _ in range(3))
-out["touched"] = single(touch, 3000)
-out["asleep"] = single(lambda: time.sleep(0.01), 100)
+if not os.environ.get("BENCH_HOT_ONLY"):
+    out["touched"] = single(touch, 3000)
+    out["asleep"] = single(lambda: time.sleep(0.01), 100)
 print("RESULT " + json.dumps(out))
 '''
 
 MODES = [("class", {}), ("class, pluggable base path", {"CUDAPOOL_TORCH_EXT_FAST": "0"}),
+         ("class, frees not queued", {"CUDAPOOL_TORCH_EXT_FAST": "2"}),
+         ("class, GODEBUG=schedtrace", {"GODEBUG": "schedtrace=1000000000"}),
          ("pluggable (no class)", {}), ("floor (trivial C allocator)", {}), ("native", {})]
-ARG = {"class": "class", "class, pluggable base path": "class", "pluggable (no class)": "pluggable",
+ARG = {"class": "class", "class, pluggable base path": "class", "class, frees not queued": "class",
+       "class, GODEBUG=schedtrace": "class", "pluggable (no class)": "pluggable",
        "floor (trivial C allocator)": "floor", "native": "native"}
+# The default set (gpu/diag_hot_path.sh's table); --modes picks others.
+DEFAULT = ["class", "class, pluggable base path", "pluggable (no class)", "floor (trivial C allocator)", "native"]
 COLS = [("hot", "4 KiB loop"), ("mixed", "mixed 512 B-16 MiB"), ("touched", "4 KiB, 2 MiB touched"),
         ("asleep", "4 KiB after 10 ms")]
 
@@ -84,20 +102,32 @@ def cell(v):
 
 
 def main():
-    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    args = [a for i, a in enumerate(sys.argv[1:], 1)
+            if not a.startswith("--") and sys.argv[i - 1] not in ("--json", "--modes", "--pin")]
     reps = int(args[0]) if args else 5
     json_out = sys.argv[sys.argv.index("--json") + 1] if "--json" in sys.argv else None
-    modes = [(m, env) for m, env in MODES if ARG[m] != "floor" or os.environ.get("FLOOR_LIB")]
+    want = sys.argv[sys.argv.index("--modes") + 1].split(",") if "--modes" in sys.argv else None
+    modes = [(m, env) for m, env in MODES if (ARG[m] != "floor" or os.environ.get("FLOOR_LIB")) and
+             (any(m.startswith(w) for w in want) if want else m in DEFAULT)]
+    pin = sys.argv[sys.argv.index("--pin") + 1] if "--pin" in sys.argv else ""
+    hot_only = "--hot-only" in sys.argv
+    if pin:
+        print(f"every child pinned to CPUs {pin}")
     res = {m: {k: [] for k, _ in COLS} for m, _ in modes}
     for r in range(reps):
         for m, env in modes:
             e = dict(os.environ, **env)
+            if pin:
+                e["BENCH_PIN"] = pin
+            if hot_only:
+                e["BENCH_HOT_ONLY"] = "1"
             out = subprocess.run([sys.executable, "-c", CHILD, ARG[m]], env=e, capture_output=True, text=True, timeout=300)
             line = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
             if not line:
                 print(f"{m}: failed\n{out.stderr[-2000:]}")
                 return 1
             d = json.loads(line[0][7:])
+            print(f"  run {r + 1} {m}: " + ", ".join(f"{k} {v:.2f}" for k, v in d.items()), flush=True)
             for k in d:
                 res[m][k].append(d[k])
     if json_out:

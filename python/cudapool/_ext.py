@@ -250,7 +250,10 @@ def _prebuilt():
 
 
 def install(fast=True):
-    """Make the class PyTorch's CUDA allocator. Raises ExtensionUnavailable."""
+    """Make the class PyTorch's CUDA allocator. Raises ExtensionUnavailable.
+
+    fast: True (1), the direct path; False (0), the pluggable base's; 2, the
+    direct path with frees made at once instead of queued (measurement)."""
     import ctypes
 
     path, why = ensure()
@@ -265,7 +268,7 @@ def install(fast=True):
         raise ExtensionUnavailable(f"{path} is a stale build (interface {h.cudapool_torch_ext_version()})")
     buf = ctypes.create_string_buffer(4096)
     h.cudapool_torch_ext_install.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]
-    if h.cudapool_torch_ext_install(1 if fast else 0, buf, len(buf)) != 0:
+    if h.cudapool_torch_ext_install(2 if fast == 2 else (1 if fast else 0), buf, len(buf)) != 0:
         raise ExtensionUnavailable(buf.value.decode(errors="replace"))
     _state["handle"] = h
     return h

@@ -270,6 +270,11 @@ void *malloc_on(size_t size, DeviceIndex device, cudaStream_t stream) {
 	return p;
 }
 
+// free_now makes the deleter free at once (a call into Go per free) instead
+// of queueing: a measurement switch (install mode 2,
+// CUDAPOOL_TORCH_EXT_FAST=2) that isolates the queue's share of a pair.
+bool free_now = false;
+
 // free_ptr queues the free of p; the device and size are found by cudapool.
 void free_ptr(void *p) {
 	if (p == nullptr)
@@ -288,6 +293,13 @@ void free_ptr(void *p) {
 			cudapool_free_deferred(p, 0, -1, gather(CUDAPOOL_GATHER_FREE));
 		}
 		contexts.maybe_sweep();
+		return;
+	}
+	if (C10_UNLIKELY(free_now)) {
+		if (cudapool_free_ctx(p, 0, -1, 0) != 0) { // a deleter cannot throw
+			fprintf(stderr, "%s\n", last_error("cudapool: free failed").c_str());
+			cudapool_clear_error();
+		}
 		return;
 	}
 	cudapool_free_deferred(p, 0, -1, 0);
@@ -826,12 +838,14 @@ extern "C" {
 // current CUDAAllocator, c10's allocator for the CUDA device type (what
 // torch.accelerator reads), and a listener of
 // torch.cuda.memory._set_allocator_settings. fast=0 keeps the pluggable
-// base's malloc/free path (for measurement). Returns 0, or -1 with the
-// reason in err.
+// base's malloc/free path and fast=2 the direct path with frees made at
+// once, not queued (both for measurement). Returns 0, or -1 with the reason
+// in err.
 __attribute__((visibility("default"))) int cudapool_torch_ext_install(int fast, char *err, size_t errlen) {
 	using namespace cudapool_torch;
 	try {
 		if (!installed) {
+			free_now = fast == 2;
 			auto a = std::make_shared<Allocator>(fast != 0);
 			torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(a);
 			c10::SetAllocator(c10::DeviceType::CUDA, a.get(), UINT8_MAX);
