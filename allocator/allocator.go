@@ -117,8 +117,8 @@ type device struct {
 	page           uint64           // mapping unit, once probed
 	mapCapturing   bool             // a capture may be under way during Map
 	orphans        []orphan         // physical memory to give back after captures
-	spare          []cuda.MemHandle // created, unmapped, for the next Map
-	handles        []cuda.MemHandle // Map's scratch space
+	spare          []physical       // created, unmapped, for the next Map
+	handles        []physical       // Map's scratch space
 	mapper         vmmMapper
 	mapUnitCfg     uint64      // expandable_map_unit_mb, in bytes
 	stitch         stitchState // stitch:True (stitch.go)
