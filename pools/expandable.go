@@ -49,9 +49,11 @@ import (
 // unmapped the old mapping and calls Unlend.
 //
 // Release (empty_cache, the OOM retry; never during a capture): UnmapFree
-// unmaps the whole pages inside each free mapped block; the partial pages at
-// its ends stay mapped as free blocks. A segment left with nothing mapped
-// gives its address range back.
+// unmaps the whole physical allocations (chunks: Segment.ChunkSize; pages
+// of one chunk hold the same handle) inside each free mapped block; the
+// partial chunks at its ends stay mapped as free blocks (cuMemUnmap takes
+// whole mappings). A segment left with nothing mapped gives its address
+// range back.
 //
 // Splitting follows the small-pool rule in expandable segments (any
 // remainder of at least 512 B), since unneeded pages can be unmapped
