@@ -111,14 +111,14 @@ type device struct {
 	total    uint64 // device capacity; guarded by mu (0: not yet read)
 
 	// Expandable segments (expandable.go), all guarded by mu.
-	wantExpandable bool             // the configuration asks for them
-	vmm            vmmDriver        // nil: the driver has no VMM API
-	vmmState       int8             // 0: not probed yet, 1: usable, -1: not
-	page           uint64           // mapping unit, once probed
-	mapCapturing   bool             // a capture may be under way during Map
-	orphans        []orphan         // physical memory to give back after captures
-	spare          []cuda.MemHandle // created, unmapped, for the next Map
-	handles        []cuda.MemHandle // Map's scratch space
+	wantExpandable bool       // the configuration asks for them
+	vmm            vmmDriver  // nil: the driver has no VMM API
+	vmmState       int8       // 0: not probed yet, 1: usable, -1: not
+	page           uint64     // mapping unit, once probed
+	mapCapturing   bool       // a capture may be under way during Map
+	orphans        []orphan   // physical memory to give back after captures
+	spare          []physical // created, unmapped, for the next Map
+	handles        []physical // Map's scratch space
 	mapper         vmmMapper
 	mapUnitCfg     uint64      // expandable_map_unit_mb, in bytes
 	stitch         stitchState // stitch:True (stitch.go)

@@ -1059,11 +1059,21 @@ func TestFaultInjection(t *testing.T) {
 // capture gate: a capture beginning on another device meanwhile waits
 // (else the unmap would invalidate it; the soak found it).
 func TestTrimUnusedHoldsTheGate(t *testing.T) {
-	e := newFault(t, confExpandable, false) // the 20 MiB unit
+	// A range made page by page, then grown with the 20 MiB unit: the
+	// pages mapped ahead are single physical allocations, which trimUnused
+	// can unmap (a range of 20 MiB chunks keeps a chunk it touched).
+	e := newFault(t, confPages, false)
 	g := allocator.PoolID{A: 1}
 	const cs = cuda.Stream(7)
 	beginCapture(t, e.a, e.sim(), g, cs, cuda.CaptureModeGlobal)
 	p := e.malloc(3*MiB, cs)
+	require.NoError(t, e.sim().EndCapture(cs))
+	require.NoError(t, e.a.EndAllocateToPool(0, g))
+	cfg, _, err := allocator.ParseConfig(confExpandable)
+	require.NoError(t, err)
+	e.a.Configure(cfg)
+	beginCapture(t, e.a, e.sim(), g, cs, cuda.CaptureModeGlobal)
+	q := e.malloc(2*MiB, cs)
 	require.NoError(t, e.sim().EndCapture(cs))
 	began := make(chan error, 1)
 	r := e.f.Before("MemUnmap", "trimUnused", func() {
@@ -1080,10 +1090,12 @@ func TestTrimUnusedHoldsTheGate(t *testing.T) {
 	require.NoError(t, e.a.EndAllocateToPool(0, g))
 	e.fired(r)
 	require.NoError(t, <-began, "it began once the unmapping was done")
-	require.Equal(t, uint64(4*MiB), e.sim().Mapped(0), "two pages left")
+	require.Equal(t, uint64(6*MiB), e.sim().Mapped(0), "three pages left")
 	require.NoError(t, e.a.EndAllocateToPool(1, allocator.PoolID{A: 2}))
 	require.NoError(t, e.a.ReleasePool(1, allocator.PoolID{A: 2}))
 	e.free(p)
+	e.free(q)
+	require.NoError(t, e.a.ReleasePool(0, g))
 	require.NoError(t, e.a.ReleasePool(0, g))
 	e.nothingLost()
 }

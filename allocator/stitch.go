@@ -308,13 +308,13 @@ func (d *device) stitchFor(r *pools.Request, start *pools.Block, unit uint64) ui
 	return unmapped
 }
 
-// countRemaps records that Map used moved handles: used of the donated
-// ones (in pages of page bytes). Leftover handles are released at once
+// countRemaps records that Map used moved handles: used bytes of the
+// donated ones (counted in pages of page bytes). Leftover handles are released at once
 // (Map uses every spare unless the driver failed; a lent handle released
 // then keeps its memory until its old mapping goes at unlend, and the
 // driver counts it meanwhile). d.mu is held; never during a capture.
 func (d *device) countRemaps(donated, used, page uint64) {
-	n := min(donated/page, used)
+	n := min(donated, used) / page
 	if n > 0 {
 		d.stitch.stats.Remaps += int64(n)
 		d.stitch.stats.RemappedBytes += int64(n * page)
@@ -329,7 +329,7 @@ func (d *device) countRemaps(donated, used, page uint64) {
 func (d *device) releaseSpares() {
 	kept := d.spare[:0]
 	for _, h := range d.spare {
-		if d.vmm.MemRelease(d.id, h) != nil {
+		if d.vmm.MemRelease(d.id, h.h) != nil {
 			kept = append(kept, h)
 		}
 	}

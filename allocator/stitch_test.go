@@ -294,7 +294,7 @@ func TestExpandableMapUnit(t *testing.T) {
 	}
 	maps, _ := drv.MapCalls(0)
 	require.Equal(t, uint64(20*MiB), drv.Mapped(0), "18 MiB in one 20 MiB step")
-	require.Equal(t, int64(10), maps, "ten pages, mapped by one call")
+	require.Equal(t, int64(1), maps, "one 20 MiB physical allocation, one cuMemMap")
 	ps = append(ps, mustMalloc(t, a, 0, 3*MiB, 0))
 	require.Equal(t, uint64(40*MiB), drv.Mapped(0))
 	ps = append(ps, mustMalloc(t, a, 0, 100*KiB, 0))
@@ -376,10 +376,13 @@ func TestStitchFullDeviceUsesMovedPages(t *testing.T) {
 	require.Zero(t, drv.Violations(), "%v", drv.ViolationLog())
 }
 
-// A capture maps its private pool 20 MiB at a time (fewer mapping calls
-// while capturing); when the capture ends, the pages mapped ahead and never
-// handed out go back, so the graph's pool holds what its allocations
-// needed, in whole pages. Pages a captured kernel may use stay.
+// A capture maps its private pool 20 MiB at a time, each step one physical
+// allocation (one cuMemCreate, one cuMemMap), as PyTorch's 20 MiB pages.
+// When the capture ends nothing it touched goes back: the chunk it used a
+// part of stays whole (cuMemUnmap takes whole mappings), its free tail
+// serving the pool's later captures. A range mapped page by page (mapped
+// before the unit was raised) gives back the pages mapped ahead and never
+// handed out.
 func TestCaptureTrimsPagesMappedAhead(t *testing.T) {
 	lockThread(t)
 	a, drv := newAlloc(t, 1, GiB, "expandable_segments:True")
@@ -391,25 +394,53 @@ func TestCaptureTrimsPagesMappedAhead(t *testing.T) {
 	tmp := mustMalloc(t, a, 0, 5*MiB, cs)
 	require.NoError(t, a.Free(0, tmp, 0)) // used by the graph: stays
 	maps, _ := drv.MapCalls(0)
-	require.Equal(t, int64(10), maps, "one 20 MiB step")
+	require.Equal(t, int64(1), maps, "one 20 MiB step, one physical allocation")
 	require.Equal(t, uint64(20*MiB), drv.Mapped(0))
 	require.NoError(t, drv.EndCapture(cs), "the capture stayed valid")
 	require.NoError(t, a.EndAllocateToPool(0, g))
-	require.Equal(t, uint64(12*MiB), drv.Mapped(0), "x, y and the freed temporary: six pages")
-	require.Equal(t, uint64(12*MiB), mappedIn(t, a, g))
-	require.True(t, drv.Accessible(0, x, 12*MiB))
+	require.Equal(t, uint64(20*MiB), drv.Mapped(0), "a chunk in use stays whole")
+	require.Equal(t, uint64(20*MiB), mappedIn(t, a, g))
+	require.True(t, drv.Accessible(0, x, 20*MiB))
 	require.NoError(t, a.CheckInvariants())
 
-	// The pool grows again in a later capture.
+	// The pool's later capture uses the chunk's free tail: nothing mapped.
 	beginCapture(t, a, drv, g, cs, cuda.CaptureModeGlobal)
 	z := mustMalloc(t, a, 0, 6*MiB, cs)
 	require.True(t, drv.Accessible(0, z, 6*MiB))
 	require.NoError(t, drv.EndCapture(cs))
 	require.NoError(t, a.EndAllocateToPool(0, g))
+	maps, _ = drv.MapCalls(0)
+	require.Equal(t, int64(1), maps)
 	for _, p := range []cuda.Ptr{x, y, z} {
 		require.NoError(t, a.Free(0, p, 0))
 	}
 	require.NoError(t, a.ReleasePool(0, g)) // both graphs
+	require.NoError(t, a.ReleasePool(0, g))
+	require.NoError(t, a.EmptyCache())
+	require.Zero(t, drv.Mapped(0))
+	require.NoError(t, a.CheckInvariants())
+
+	// A pool whose range was made page by page (unit 2 MiB), then grown
+	// 20 MiB at a time: the pages mapped ahead go back at the end.
+	a, drv = newAlloc(t, 1, GiB, expandable)
+	g = allocator.PoolID{A: 2}
+	beginCapture(t, a, drv, g, cs, cuda.CaptureModeGlobal)
+	x = mustMalloc(t, a, 0, 3*MiB, cs)
+	require.NoError(t, drv.EndCapture(cs))
+	require.NoError(t, a.EndAllocateToPool(0, g))
+	cfg, _, err := allocator.ParseConfig("expandable_segments:True")
+	require.NoError(t, err)
+	a.Configure(cfg)
+	beginCapture(t, a, drv, g, cs, cuda.CaptureModeGlobal)
+	y = mustMalloc(t, a, 0, 4*MiB, cs)
+	require.Equal(t, uint64(24*MiB), drv.Mapped(0), "4 MiB, then a 20 MiB step in pages")
+	require.NoError(t, drv.EndCapture(cs))
+	require.NoError(t, a.EndAllocateToPool(0, g))
+	require.Equal(t, uint64(8*MiB), drv.Mapped(0), "x and y: four pages")
+	require.True(t, drv.Accessible(0, x, 8*MiB))
+	require.NoError(t, a.Free(0, x, 0))
+	require.NoError(t, a.Free(0, y, 0))
+	require.NoError(t, a.ReleasePool(0, g))
 	require.NoError(t, a.ReleasePool(0, g))
 	require.NoError(t, a.EmptyCache())
 	require.Zero(t, drv.Mapped(0))

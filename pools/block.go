@@ -58,9 +58,14 @@ type Segment struct {
 	// (Block.Unmapped); Mapped is the bytes mapped, PageSize the unit of
 	// mapping. Pages is the owner's record of the physical allocation
 	// behind each page (index (addr-Base)/PageSize, 0 where unmapped); the
-	// Mapper fills and empties it, this package only sizes it.
+	// Mapper fills and empties it, this package only sizes it. One
+	// physical allocation (a chunk) may back several consecutive pages,
+	// which then hold the same handle: ChunkSize (a multiple of PageSize)
+	// is the most one chunk may cover, and chunks are unmapped only whole
+	// (see expandable.go).
 	Expandable bool
 	PageSize   uint64
+	ChunkSize  uint64
 	Mapped     uint64
 	Pages      []cuda.MemHandle
 	// UsedEnd is the end of the highest block ever handed out in an

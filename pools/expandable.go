@@ -49,9 +49,11 @@ import (
 // unmapped the old mapping and calls Unlend.
 //
 // Release (empty_cache, the OOM retry; never during a capture): UnmapFree
-// unmaps the whole pages inside each free mapped block; the partial pages at
-// its ends stay mapped as free blocks. A segment left with nothing mapped
-// gives its address range back.
+// unmaps the whole physical allocations (chunks: Segment.ChunkSize; pages
+// of one chunk hold the same handle) inside each free mapped block; the
+// partial chunks at its ends stay mapped as free blocks (cuMemUnmap takes
+// whole mappings). A segment left with nothing mapped gives its address
+// range back.
 //
 // Splitting follows the small-pool rule in expandable segments (any
 // remainder of at least 512 B), since unneeded pages can be unmapped
@@ -86,11 +88,12 @@ type Mapper interface {
 var ErrFraction = errors.New("pools: the memory fraction does not allow mapping more")
 
 // AddExpandable records a new reserved range of size bytes at base for r's
-// pool and stream, mapped in pages of page bytes, and returns its one
+// pool and stream, mapped in pages of page bytes by physical allocations
+// of at most chunk bytes (a multiple of page), and returns its one
 // (unmapped) block, a candidate for MapExpandable.
-func (c *Cache) AddExpandable(r *Request, base cuda.Ptr, size, page uint64) *Block {
+func (c *Cache) AddExpandable(r *Request, base cuda.Ptr, size, page, chunk uint64) *Block {
 	seg := &Segment{Base: base, Size: size, Stream: r.Stream, Pool: r.Pool,
-		Expandable: true, PageSize: page, Pages: make([]cuda.MemHandle, size/page)}
+		Expandable: true, PageSize: page, ChunkSize: max(chunk, page), Pages: make([]cuda.MemHandle, size/page)}
 	b := c.newBlock()
 	b.Ptr, b.Size, b.Stream, b.Pool, b.Seg, b.Unmapped = base, size, r.Stream, r.Pool, seg, true
 	seg.Head = b
@@ -322,7 +325,7 @@ func (c *Cache) TrimUnused(p *BlockPool, m Mapper) error {
 	p.Blocks.Ascend(func(b *Block) bool {
 		if s := b.Seg; s.Expandable && b.End() > s.UsedEnd {
 			lo, hi := wholePages(b)
-			lo = max(lo, roundUp(uint64(max(s.UsedEnd, s.Base)-s.Base), s.PageSize))
+			lo = s.chunkAfter(max(lo, roundUp(uint64(max(s.UsedEnd, s.Base)-s.Base), s.PageSize)), hi)
 			if hi > lo {
 				ds = append(ds, Donor{B: b, Lo: lo, Hi: hi})
 			}
@@ -361,13 +364,52 @@ func (c *Cache) unmapBlock(b *Block, m Mapper) error {
 	return c.unmapRange(b, lo, hi, m, false)
 }
 
-// wholePages returns the offsets in b's segment of the whole pages inside
-// b: [lo, hi), empty when hi <= lo.
+// wholePages returns the offsets in b's segment of the whole physical
+// allocations (chunks) inside b: [lo, hi), empty when hi <= lo. Only they
+// can be unmapped and released: cuMemUnmap takes whole mappings.
 func wholePages(b *Block) (lo, hi uint64) {
 	seg := b.Seg
 	lo = roundUp(uint64(b.Ptr-seg.Base), seg.PageSize)
 	hi = uint64(b.End()-seg.Base) / seg.PageSize * seg.PageSize
+	lo = seg.chunkAfter(lo, hi)
+	for hi > lo && !seg.ChunkBoundary(hi) {
+		hi -= seg.PageSize
+	}
 	return lo, hi
+}
+
+// chunkAfter is the first chunk boundary at or after the page offset lo,
+// or hi if there is none before it.
+func (s *Segment) chunkAfter(lo, hi uint64) uint64 {
+	for lo < hi && !s.ChunkBoundary(lo) {
+		lo += s.PageSize
+	}
+	return min(lo, hi)
+}
+
+// ChunkAt is the size of the physical allocation mapped at the page
+// offset o of s (the run of pages holding its handle), or one page where
+// nothing is mapped.
+func (s *Segment) ChunkAt(o uint64) uint64 {
+	i := o / s.PageSize
+	h := s.Pages[i]
+	j := i + 1
+	for h != 0 && j < uint64(len(s.Pages)) && s.Pages[j] == h {
+		j++
+	}
+	return (j - i) * s.PageSize
+}
+
+// ChunkBoundary reports whether the page offset o of s separates two
+// physical allocations (or an allocation from unmapped space, or lies at
+// an end of the range): pages of one chunk hold the same handle, and no
+// handle backs two places of a segment.
+func (s *Segment) ChunkBoundary(o uint64) bool {
+	i := o / s.PageSize
+	if i == 0 || i >= uint64(len(s.Pages)) {
+		return true
+	}
+	return s.Pages[i] == 0 || s.Pages[i-1] != s.Pages[i]
 }
 
 // unmapRange unmaps the pages [lo, hi) (offsets in its segment, whole

@@ -18,6 +18,7 @@ type fakeMapper struct {
 	unmapFail error
 	freed     int
 	lent      int
+	handles   cuda.MemHandle // the last handle given out: one per page
 }
 
 func newFakeMapper() *fakeMapper { return &fakeMapper{mapped: map[cuda.Ptr]bool{}} }
@@ -32,7 +33,8 @@ func (m *fakeMapper) Map(seg *Segment, off, size uint64) (uint64, error) {
 			return o - off, errors.New("mapped twice")
 		}
 		m.mapped[p] = true
-		seg.Pages[o/seg.PageSize] = 1
+		m.handles++
+		seg.Pages[o/seg.PageSize] = m.handles
 	}
 	return size, nil
 }
@@ -71,7 +73,7 @@ func expAlloc(t *testing.T, c *Cache, m Mapper, size uint64, s cuda.Stream) *Blo
 	if b == nil {
 		start := c.FindExpandable(&r)
 		if start == nil {
-			start = c.AddExpandable(&r, cuda.Ptr(0x10000000000)*cuda.Ptr(len(c.segments)+1), 64*page, page)
+			start = c.AddExpandable(&r, cuda.Ptr(0x10000000000)*cuda.Ptr(len(c.segments)+1), 64*page, page, page)
 		}
 		var err error
 		b, err = c.MapExpandable(&r, start, m, page)

@@ -37,7 +37,7 @@ func (h *poolHarness) malloc(size uint64, s cuda.Stream) *Block {
 	if b == nil {
 		start := h.c.FindExpandable(&r)
 		if start == nil {
-			start = h.c.AddExpandable(&r, h.next, 64*page, page)
+			start = h.c.AddExpandable(&r, h.next, 64*page, page, page)
 			h.next += 66 * page
 		}
 		var err error

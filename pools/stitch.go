@@ -29,6 +29,10 @@ package pools
 // Donors are taken smallest block first (the holes least likely to be
 // reused whole), from the end of each block (so a free tail before unmapped
 // space extends that space instead of opening a hole).
+//
+// Donors come only from ranges whose physical allocations are single pages
+// (Segment.ChunkSize == PageSize): the owner maps the default pools' ranges
+// page by page when stitching is on (allocator/expandable.go says why).
 
 // Donor is whole pages [Lo, Hi) (offsets in its segment) of a free mapped
 // block to unmap for stitching, or, if Lend, to lend: their memory is mapped
@@ -66,7 +70,10 @@ func (c *Cache) Donors(p *BlockPool, want uint64, kind func(*Block) DonorKind, s
 		if got >= want {
 			return false
 		}
-		if !b.Seg.Expandable {
+		if !b.Seg.Expandable || b.Seg.ChunkSize != b.Seg.PageSize {
+			// Only ranges mapped page by page give pages: a lent page's
+			// old mapping is unmapped page by page (the owner's unlend),
+			// and the holes of chunked ranges rarely hold a whole chunk.
 			return true
 		}
 		lo, hi := wholePages(b)
