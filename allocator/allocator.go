@@ -646,7 +646,7 @@ func (a *Allocator) Stats(dev int) (pools.Stats, error) {
 	}
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	return d.cache.Stats, nil
+	return d.cache.ReadStats(), nil
 }
 
 // ResetPeakStats sets every peak statistic of dev to its current value.
@@ -656,7 +656,7 @@ func (a *Allocator) ResetPeakStats(dev int) error {
 		return err
 	}
 	d.mu.Lock()
-	d.cache.Stats.ResetPeak()
+	d.cache.ResetPeak()
 	d.mu.Unlock()
 	return nil
 }
@@ -668,7 +668,7 @@ func (a *Allocator) ResetAccumulatedStats(dev int) error {
 		return err
 	}
 	d.mu.Lock()
-	d.cache.Stats.ResetAccumulated()
+	d.cache.ResetAccumulated()
 	d.mu.Unlock()
 	return nil
 }
