@@ -114,7 +114,7 @@ const (
 
 // hotPool is one pool type's (small or large) share of the hot statistics.
 // The arrays have nHotSlots entries so that an index masked with
-// nHotSlots-1 needs no bounds check (and increase stays inlinable).
+// nHotSlots-1 needs no bounds check.
 type hotPool struct {
 	cur  [nHotSlots]int64
 	inc  [nHotSlots]int64 // sums of increases since ResetAccumulated

@@ -3,6 +3,7 @@ package pools
 import (
 	"math/rand/v2"
 	"testing"
+	"unsafe"
 
 	"github.com/stretchr/testify/require"
 )
@@ -84,4 +85,16 @@ func TestReadStatsPeakIsExact(t *testing.T) {
 	st = h.c.ReadStats()
 	require.Zero(t, st.AllocatedBytes[StatAll].Peak)
 	require.Equal(t, int64(3), st.Active[StatAll].Freed)
+}
+
+// TestHotLayout checks the layout the cache-line counts rely on (stats.go,
+// Cache): hotStats line-aligned with each pool and "all" 320 bytes, and the
+// Cache fields of a cache hit in its first 120 bytes.
+func TestHotLayout(t *testing.T) {
+	c := NewCache(DefaultConfig())
+	require.Zero(t, uintptr(unsafe.Pointer(c.hot))%64, "hotStats starts a cache line")
+	require.Equal(t, uintptr(320), unsafe.Offsetof(c.hot.large), "small pool and all: five lines")
+	require.Equal(t, uintptr(640-128), unsafe.Offsetof(c.hot.base), "large pool and all: five lines")
+	require.LessOrEqual(t, unsafe.Offsetof(c.cfg)+unsafe.Offsetof(c.cfg.RoundupDivisions)+8, uintptr(120))
+	require.LessOrEqual(t, unsafe.Offsetof(c.fractionSet)+1, uintptr(120))
 }
