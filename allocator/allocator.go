@@ -60,15 +60,24 @@ import (
 type PoolID = pools.PoolID
 
 // Allocator is a caching allocator over all devices of a driver.
+//
+// The fields every malloc reads (devs, announced, cachingOff) come first, in
+// 32 bytes: one cache line wherever Go places the struct (its size class
+// aligns it to 32 bytes).
 type Allocator struct {
-	drv  Driver
 	devs []*device
 	// announced is set once anyone announces captures (Begin, or
 	// ExpectAnnouncements); from then on malloc no longer asks the driver
 	// whether its stream is capturing.
 	announced atomic.Bool
-	cfgMu     sync.Mutex // serializes Configure
-	cfg       atomic.Pointer[Config]
+	// cachingOff: every malloc goes to the driver (uncached.go); unc holds
+	// those allocations, uncN their number.
+	cachingOff atomic.Bool
+	uncN       atomic.Int64
+	unc        uncached
+	drv        Driver
+	cfgMu      sync.Mutex // serializes Configure
+	cfg        atomic.Pointer[Config]
 	// underway counts the captures the devices believe under way. CUDA's
 	// capture rules are process-wide (a free or synchronize on one device
 	// can invalidate a capture on another), so every device consults it.
@@ -81,34 +90,38 @@ type Allocator struct {
 	// message once); nil: stderr.
 	onWarning atomic.Pointer[func(string)]
 	warned    sync.Map
-	// cachingOff: every malloc goes to the driver (uncached.go); unc holds
-	// those allocations, uncN their number.
-	cachingOff atomic.Bool
-	unc        uncached
-	uncN       atomic.Int64
-	hist       history // memory history (history.go)
+	hist      history // memory history (history.go)
 }
 
 // device is one GPU's allocator state.
+//
+// The fields a cache-hit malloc and free read come first, together: after
+// an eviction each cache line is a miss. Go puts an 8-byte header before an
+// object of this size, so the struct starts 8 bytes into a line: mu through
+// newPools fill the first line, underway and graphs the second, hist's
+// first fields the third.
 type device struct {
-	id        int
-	drv       Driver
-	underway  *atomic.Int64 // the allocator's count of captures under way
-	announced *atomic.Bool  // the allocator's: captures are announced
-	gate      *sync.RWMutex // the allocator's gate (device.go)
-
-	mu     sync.Mutex
-	cache  *pools.Cache    // guarded by mu
-	ev     *events.Tracker // guarded by mu
-	graphs graphs.Router   // guarded by mu
-	hist   deviceHistory   // guarded by mu (history.go)
+	mu    sync.Mutex
+	cache *pools.Cache    // guarded by mu
+	ev    *events.Tracker // guarded by mu
 	// counted is this device's contribution to underway; guarded by mu.
 	counted int64
 	// inUnsafe: this device holds the gate shared (enterUnsafe); guarded
 	// by mu.
 	inUnsafe bool
-	debug    bool   // guarded by mu
-	total    uint64 // device capacity; guarded by mu (0: not yet read)
+	debug    bool // guarded by mu
+	// Built once so that passing them costs no allocation.
+	query    func(cuda.Stream) (cuda.CaptureStatus, uint64, error)
+	newPools privatepool.NewPools
+	underway *atomic.Int64 // the allocator's count of captures under way
+	graphs   graphs.Router // guarded by mu
+	hist     deviceHistory // guarded by mu (history.go)
+
+	id        int
+	drv       Driver
+	announced *atomic.Bool  // the allocator's: captures are announced
+	gate      *sync.RWMutex // the allocator's gate (device.go)
+	total     uint64        // device capacity; guarded by mu (0: not yet read)
 
 	// Expandable segments (expandable.go), all guarded by mu.
 	wantExpandable bool       // the configuration asks for them
@@ -139,10 +152,8 @@ type device struct {
 	reuse captureReuse
 
 	// Built once so that passing them costs no allocation.
-	freeSeg  pools.FreeFunc
-	newPools privatepool.NewPools
-	query    func(cuda.Stream) (cuda.CaptureStatus, uint64, error)
-	ret      func(*pools.Block)
+	freeSeg pools.FreeFunc
+	ret     func(*pools.Block)
 }
 
 // New returns an allocator for every device of drv.
@@ -241,11 +252,19 @@ func (a *Allocator) warn(msg string) {
 // ask the driver whether its stream is capturing.
 func (a *Allocator) ExpectAnnouncements() { a.announced.Store(true) }
 
+// device returns device dev, or the error for a device that does not exist.
+// Small enough to be inlined into every operation (the error is built out of
+// line): a call frame less on the hot path.
 func (a *Allocator) device(op string, dev int) (*device, error) {
-	if dev < 0 || dev >= len(a.devs) {
-		return nil, newError(op, ErrInvalidDevice, "device %d does not exist (%d devices)", dev, len(a.devs))
+	if uint(dev) < uint(len(a.devs)) {
+		return a.devs[dev], nil
 	}
-	return a.devs[dev], nil
+	return nil, a.noDevice(op, dev)
+}
+
+//go:noinline
+func (a *Allocator) noDevice(op string, dev int) error {
+	return newError(op, ErrInvalidDevice, "device %d does not exist (%d devices)", dev, len(a.devs))
 }
 
 // Malloc allocates size bytes on device dev for use on stream s. Size 0
@@ -646,7 +665,7 @@ func (a *Allocator) Stats(dev int) (pools.Stats, error) {
 	}
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	return d.cache.Stats, nil
+	return d.cache.ReadStats(), nil
 }
 
 // ResetPeakStats sets every peak statistic of dev to its current value.
@@ -656,7 +675,7 @@ func (a *Allocator) ResetPeakStats(dev int) error {
 		return err
 	}
 	d.mu.Lock()
-	d.cache.Stats.ResetPeak()
+	d.cache.ResetPeak()
 	d.mu.Unlock()
 	return nil
 }
@@ -668,7 +687,7 @@ func (a *Allocator) ResetAccumulatedStats(dev int) error {
 		return err
 	}
 	d.mu.Lock()
-	d.cache.Stats.ResetAccumulated()
+	d.cache.ResetAccumulated()
 	d.mu.Unlock()
 	return nil
 }

@@ -439,7 +439,7 @@ func (d *device) outOfMemory(r *pools.Request) error {
 			fmt.Fprintf(&b, "%s allowed; ", FormatSize(allowed))
 		}
 	}
-	st := &d.cache.Stats
+	st := d.cache.ReadStats()
 	allocated := uint64(st.AllocatedBytes[pools.StatAll].Current)
 	reserved := uint64(st.ReservedBytes[pools.StatAll].Current)
 	// Free memory cached in private pools counts as allocated: only their

@@ -151,15 +151,17 @@ type deviceHistory struct {
 	on    bool         // record trace entries: enabled, with room for entries
 	level HistoryLevel // which contexts are kept (HistoryNever when disabled)
 	skip  uint32       // actions not recorded, one bit per action
-	ring  ring[traceEntry]
 	// op is the context of the operation in progress, 0 when it has none
 	// or its level does not keep it (begin and end bracket operations).
 	op uint64
 	// inOp is set between begin and end; now is then the operation's time,
 	// read at its first entry (0: none yet), so that an operation reads the
 	// clock once however many entries it makes.
-	inOp   bool
-	now    int64
+	inOp bool
+	now  int64
+	// The fields above are read or written by every malloc and free (one
+	// cache line); those below only while recording.
+	ring   ring[traceEntry]
 	labels *atomic.Pointer[historyLabels] // the allocator's
 }
 

@@ -150,6 +150,9 @@ func (r *Router) Underway(query func(cuda.Stream) (cuda.CaptureStatus, uint64, e
 	if len(r.captures) > 0 {
 		return true
 	}
+	if len(r.auto) == 0 {
+		return false // the usual case: no write, no scan
+	}
 	live := r.auto[:0]
 	for _, a := range r.auto {
 		st, id, err := query(a.stream)

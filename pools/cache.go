@@ -44,35 +44,69 @@ type Request struct {
 // comment; the owner's lock guards every field and call.
 //
 // The fields a cache-hit malloc or free reads come first, together, so
-// that they share cache lines (after an eviction each line is a miss).
+// that they share cache lines (after an eviction each line is a miss): in
+// the first 120 bytes, which are two lines wherever the object starts (Go
+// puts an 8-byte header before objects of this size, so the struct starts 8
+// bytes into a line), including cfg's MaxSplitSize and first
+// RoundupDivisions entry (the one of every size below 2 MiB).
 type Cache struct {
-	Small *BlockPool // the default pools
-	Large *BlockPool
-	// allowed is the memory-fraction limit, fraction (below) the fraction
-	// it was set from; fractionSet is false when there is no limit.
-	fractionSet bool
-	allowed     uint64
-	active      ptrMap // allocated blocks by address
+	Small  *BlockPool // the default pools
+	Large  *BlockPool
+	active ptrMap // allocated blocks by address
 	// spare is a list of recycled Block structs linked through Next
 	// (intrusive: taking one reads only the block itself); nSpare counts it.
 	spare  *Block
 	nSpare int
-	cfg    Config
-	Stats  Stats
+	// hot holds the statistics every allocation and free changes, in a
+	// separate object that Go aligns to a cache line (stats.go).
+	hot *hotStats
+	// clock orders frees and stitching's marker events (Tick, FreedAt).
+	clock uint64
+	// allowed is the memory-fraction limit, fraction (below) the fraction
+	// it was set from; fractionSet is false when there is no limit.
+	fractionSet bool
+	cfg         Config
+	allowed     uint64
+	// Stats are the other statistics. Read all of them through ReadStats.
+	Stats ColdStats
 	// Reserved is the bytes of all live segments (PyTorch's
 	// total_allocated_memory), the quantity the memory fraction bounds.
 	Reserved uint64
 	fraction float64
 
-	// clock orders frees and stitching's marker events (Tick, FreedAt).
-	clock uint64
-
 	segments map[cuda.Ptr]*Segment // live segments by base address
+}
+
+// ReadStats returns the statistics: ColdStats and the per-allocation
+// statistics in one Stats (see stats.go). Every reader goes through it.
+func (c *Cache) ReadStats() Stats {
+	cs := &c.Stats
+	st := Stats{
+		Segment: cs.Segment, ReservedBytes: cs.ReservedBytes,
+		OversizeAllocations: cs.OversizeAllocations, OversizeSegments: cs.OversizeSegments,
+		NumAllocRetries: cs.NumAllocRetries, NumOOMs: cs.NumOOMs, NumSyncAllStreams: cs.NumSyncAllStreams,
+		NumDeviceAlloc: cs.NumDeviceAlloc, NumDeviceFree: cs.NumDeviceFree, MaxSplitSize: cs.MaxSplitSize,
+	}
+	c.hot.fill(&st)
+	return st
+}
+
+// ResetPeak sets every peak statistic to its current value.
+func (c *Cache) ResetPeak() {
+	c.Stats.resetPeak()
+	c.hot.resetPeak()
+}
+
+// ResetAccumulated zeroes the accumulated statistics (the sums of increases
+// and decreases, and the event counters).
+func (c *Cache) ResetAccumulated() {
+	c.Stats.resetAccumulated()
+	c.hot.resetAccumulated()
 }
 
 // NewCache returns an empty cache with the given policy.
 func NewCache(cfg Config) *Cache {
-	c := &Cache{active: newPtrMap(1024), segments: make(map[cuda.Ptr]*Segment)}
+	c := &Cache{active: newPtrMap(1024), hot: new(hotStats), segments: make(map[cuda.Ptr]*Segment)}
 	c.SetConfig(cfg)
 	c.Small = c.NewPool(true, PoolID{})
 	c.Large = c.NewPool(false, PoolID{})
@@ -246,15 +280,15 @@ func (c *Cache) Allocate(r *Request, b *Block) *Block {
 			// does: their free pages can always be given back.
 		} else if wasSplit {
 			// An inactive split block shrank by the allocated size.
-			c.Stats.InactiveSplitBytes.Decrease(small, int64(b.Size))
+			c.hot.decrease(small, hInactiveSplitBytes, int64(b.Size))
 		} else {
 			// A whole block became split; its tail is inactive.
-			c.Stats.InactiveSplitBytes.Increase(small, int64(rest.Size))
-			c.Stats.InactiveSplit.Increase(small, 1)
+			c.hot.increase(small, hInactiveSplitBytes, int64(rest.Size))
+			c.hot.increase(small, hInactiveSplit, 1)
 		}
 	} else if wasSplit && !b.Seg.Expandable {
-		c.Stats.InactiveSplitBytes.Decrease(small, int64(b.Size))
-		c.Stats.InactiveSplit.Decrease(small, 1)
+		c.hot.decrease(small, hInactiveSplitBytes, int64(b.Size))
+		c.hot.decrease(small, hInactiveSplit, 1)
 	}
 	b.Allocated = true
 	b.Requested = r.Requested
@@ -270,11 +304,7 @@ func (c *Cache) Allocate(r *Request, b *Block) *Block {
 func (c *Cache) countAllocated(b *Block) {
 	small := b.Pool.Small
 	c.active.put(b.Ptr, b)
-	c.Stats.Allocation.Increase(small, 1)
-	c.Stats.AllocatedBytes.Increase(small, int64(b.Size))
-	c.Stats.Active.Increase(small, 1)
-	c.Stats.ActiveBytes.Increase(small, int64(b.Size))
-	c.Stats.RequestedBytes.Increase(small, int64(b.Requested))
+	c.hot.allocated(small, int64(b.Size), int64(b.Requested))
 	if b.Size >= c.cfg.MaxSplitSize {
 		c.Stats.OversizeAllocations.Increase(1)
 	}
@@ -292,8 +322,8 @@ func (c *Cache) Release(b *Block) {
 	c.active.del(b.Ptr)
 	b.Allocated = false
 	small := b.Pool.Small
-	c.Stats.Allocation.Decrease(small, 1)
-	c.Stats.AllocatedBytes.Decrease(small, int64(b.Size))
+	c.hot.decrease(small, hAllocation, 1)
+	c.hot.decrease(small, hAllocatedBytes, int64(b.Size))
 	if b.Size >= c.cfg.MaxSplitSize {
 		c.Stats.OversizeAllocations.Decrease(1)
 	}
@@ -322,12 +352,12 @@ func (c *Cache) Return(b *Block) {
 	c.insertFree(b)
 	small := b.Pool.Small
 	if !b.Seg.Expandable {
-		c.Stats.InactiveSplit.Add(small, splitBlocks)
-		c.Stats.InactiveSplitBytes.Add(small, splitBytes)
+		c.hot.add(small, hInactiveSplit, splitBlocks)
+		c.hot.add(small, hInactiveSplitBytes, splitBytes)
 	}
-	c.Stats.Active.Decrease(small, 1)
-	c.Stats.ActiveBytes.Decrease(small, int64(size))
-	c.Stats.RequestedBytes.Decrease(small, int64(requested))
+	c.hot.decrease(small, hActive, 1)
+	c.hot.decrease(small, hActiveBytes, int64(size))
+	c.hot.decrease(small, hRequestedBytes, int64(requested))
 }
 
 // tryMerge absorbs the neighbour n into b if n is free and mapped alike,
@@ -663,7 +693,7 @@ func (c *Cache) Check() error {
 	if reserved != c.Reserved {
 		return fmt.Errorf("reserved %d, segments sum to %d", c.Reserved, reserved)
 	}
-	st := &c.Stats
+	st := c.ReadStats()
 	for _, e := range []struct {
 		name string
 		a    *StatArray

@@ -99,36 +99,36 @@ func cur(a StatArray, t int) int64 { return a[t].Current }
 
 func TestSplitAndMergeStats(t *testing.T) {
 	h := newHarness(t, DefaultConfig())
-	st := &h.c.Stats
+	st := h.c.ReadStats // read again after each change
 
 	a := h.malloc(1000, 0) // small: 2 MiB segment split into 1024 + rest
 	require.Equal(t, uint64(1024), a.Size)
-	require.Equal(t, int64(1), cur(st.Segment, StatSmall))
-	require.Equal(t, int64(2*MiB), cur(st.ReservedBytes, StatSmall))
-	require.Equal(t, int64(1024), cur(st.AllocatedBytes, StatAll))
-	require.Equal(t, int64(1000), cur(st.RequestedBytes, StatSmall))
-	require.Equal(t, int64(1), cur(st.InactiveSplit, StatSmall))
-	require.Equal(t, int64(2*MiB-1024), cur(st.InactiveSplitBytes, StatSmall))
+	require.Equal(t, int64(1), cur(st().Segment, StatSmall))
+	require.Equal(t, int64(2*MiB), cur(st().ReservedBytes, StatSmall))
+	require.Equal(t, int64(1024), cur(st().AllocatedBytes, StatAll))
+	require.Equal(t, int64(1000), cur(st().RequestedBytes, StatSmall))
+	require.Equal(t, int64(1), cur(st().InactiveSplit, StatSmall))
+	require.Equal(t, int64(2*MiB-1024), cur(st().InactiveSplitBytes, StatSmall))
 
 	b := h.malloc(3000, 0) // from the same segment, right after a
 	require.Equal(t, a.End(), b.Ptr)
-	require.Equal(t, int64(1), cur(st.Segment, StatSmall), "no new segment")
-	require.Equal(t, int64(2*MiB-1024-3072), cur(st.InactiveSplitBytes, StatSmall))
+	require.Equal(t, int64(1), cur(st().Segment, StatSmall), "no new segment")
+	require.Equal(t, int64(2*MiB-1024-3072), cur(st().InactiveSplitBytes, StatSmall))
 
 	h.freeBlock(a) // a is free and split, not merged (b is allocated)
-	require.Equal(t, int64(2), cur(st.InactiveSplit, StatSmall))
-	require.Equal(t, int64(2*MiB-3072), cur(st.InactiveSplitBytes, StatSmall))
+	require.Equal(t, int64(2), cur(st().InactiveSplit, StatSmall))
+	require.Equal(t, int64(2*MiB-3072), cur(st().InactiveSplitBytes, StatSmall))
 
 	h.freeBlock(b) // merges with both neighbours: the whole segment is free
-	require.Equal(t, int64(0), cur(st.InactiveSplit, StatAll))
-	require.Equal(t, int64(0), cur(st.InactiveSplitBytes, StatAll))
+	require.Equal(t, int64(0), cur(st().InactiveSplit, StatAll))
+	require.Equal(t, int64(0), cur(st().InactiveSplitBytes, StatAll))
 	require.Equal(t, 1, h.c.Small.Blocks.Len())
 	seg := h.c.Small.Blocks.LowerBound(0, 0)
 	require.Equal(t, uint64(2*MiB), seg.Size)
 	require.False(t, seg.IsSplit())
-	require.Equal(t, int64(2), st.Allocation[StatAll].Allocated)
-	require.Equal(t, int64(2), st.Allocation[StatAll].Freed)
-	require.Equal(t, int64(4096), st.AllocatedBytes[StatAll].Peak)
+	require.Equal(t, int64(2), st().Allocation[StatAll].Allocated)
+	require.Equal(t, int64(2), st().Allocation[StatAll].Freed)
+	require.Equal(t, int64(4096), st().AllocatedBytes[StatAll].Peak)
 	require.Equal(t, 2, h.c.SpareBlocks(), "split blocks are recycled")
 }
 
@@ -309,23 +309,28 @@ func TestResetStats(t *testing.T) {
 	b := h.malloc(8*MiB, 0)
 	h.freeBlock(b)
 	h.malloc(4096, 0)
-	st := &h.c.Stats
-	require.Equal(t, int64(8*MiB), st.AllocatedBytes[StatAll].Peak)
-	st.ResetPeak()
-	require.Equal(t, int64(4096), st.AllocatedBytes[StatAll].Peak)
-	st.ResetAccumulated()
+	require.Equal(t, int64(8*MiB), h.c.ReadStats().AllocatedBytes[StatAll].Peak)
+	h.c.ResetPeak()
+	require.Equal(t, int64(4096), h.c.ReadStats().AllocatedBytes[StatAll].Peak)
+	h.c.ResetAccumulated()
+	st := h.c.ReadStats()
 	require.Zero(t, st.AllocatedBytes[StatAll].Allocated)
+	require.Zero(t, st.AllocatedBytes[StatAll].Freed)
 	require.Zero(t, st.NumDeviceAlloc)
 	require.Equal(t, int64(4096), st.AllocatedBytes[StatAll].Current, "current survives resets")
+	h.malloc(1024, 0)
+	st = h.c.ReadStats()
+	require.Equal(t, int64(1024), st.AllocatedBytes[StatSmall].Allocated, "increases after the reset")
+	require.Equal(t, int64(4096+1024), st.AllocatedBytes[StatAll].Current)
 	require.NoError(t, h.c.Check())
 }
 
 func TestCheckCatchesCorruption(t *testing.T) {
 	h := newHarness(t, DefaultConfig())
 	b := h.malloc(4096, 0)
-	h.c.Stats.AllocatedBytes[StatAll].Current++
+	h.c.CorruptAllAllocatedBytes(1)
 	require.ErrorContains(t, h.c.Check(), "allocated_bytes")
-	h.c.Stats.AllocatedBytes[StatAll].Current--
+	h.c.CorruptAllAllocatedBytes(-1)
 	b.Size += 512
 	require.Error(t, h.c.Check(), "a block that overlaps its neighbour")
 	b.Size -= 512

@@ -111,7 +111,7 @@ func TestExpandableGrowsAcrossPages(t *testing.T) {
 	d := expAlloc(t, c, m, 7*MiB, 0)
 	require.Equal(t, a.End(), d.Ptr)
 	require.Equal(t, uint64(5*page), c.Reserved)
-	require.Zero(t, c.Stats.InactiveSplit[StatAll].Current)
+	require.Zero(t, c.ReadStats().InactiveSplit[StatAll].Current)
 
 	// Another stream gets its own range.
 	e := expAlloc(t, c, m, 512, 1)

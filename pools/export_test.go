@@ -15,3 +15,7 @@ func (m *ptrMap) Put(p uintptr, b *Block) { m.put(cudaPtr(p), b) }
 func (m *ptrMap) Del(p uintptr) bool      { return m.del(cudaPtr(p)) }
 func (m *ptrMap) Len() int                { return m.n }
 func (m *ptrMap) Cap() int                { return len(m.slots) }
+
+// CorruptAllAllocatedBytes changes allocated_bytes.all.current behind the
+// cache's back, for a test that Check notices.
+func (c *Cache) CorruptAllAllocatedBytes(d int64) { c.hot.all.cur[hAllocatedBytes] += d }

@@ -223,8 +223,8 @@ func (c *Cache) carve(f *Block, allocs []BlockState, out []*Block) []*Block {
 	// inactive_split leaves expandable segments out (see Allocate).
 	counted := !seg.Expandable
 	if counted && f.IsSplit() {
-		c.Stats.InactiveSplit.Decrease(small, 1)
-		c.Stats.InactiveSplitBytes.Decrease(small, int64(f.Size))
+		c.hot.decrease(small, hInactiveSplit, 1)
+		c.hot.decrease(small, hInactiveSplitBytes, int64(f.Size))
 	}
 	p.Blocks.Remove(f)
 	start, end := f.Ptr, f.End()
@@ -279,8 +279,8 @@ func (c *Cache) carve(f *Block, allocs []BlockState, out []*Block) []*Block {
 		if !b.Allocated {
 			c.insertFree(b)
 			if counted && b.IsSplit() {
-				c.Stats.InactiveSplit.Increase(small, 1)
-				c.Stats.InactiveSplitBytes.Increase(small, int64(b.Size))
+				c.hot.increase(small, hInactiveSplit, 1)
+				c.hot.increase(small, hInactiveSplitBytes, int64(b.Size))
 			}
 			continue
 		}

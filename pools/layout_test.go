@@ -134,8 +134,8 @@ func TestCheckpointLayoutRoundTrip(t *testing.T) {
 	}
 	require.Equal(t, map[cuda.Ptr]uint64{pa: 11, pd: 0, pc: 33}, ctx)
 	require.Equal(t, map[cuda.Ptr]uint64{pa: 1000, pd: 700, pc: 5 * MiB}, req)
-	require.Equal(t, int64(3), h.c.Stats.Allocation[StatAll].Current)
-	require.Equal(t, int64(1000+700+5*MiB), h.c.Stats.RequestedBytes[StatAll].Current)
+	require.Equal(t, int64(3), h.c.ReadStats().Allocation[StatAll].Current)
+	require.Equal(t, int64(1000+700+5*MiB), h.c.ReadStats().RequestedBytes[StatAll].Current)
 
 	// The carve counts no allocation that never was: from a state with
 	// less allocated, the peak after the restore is the restored state.
@@ -144,12 +144,12 @@ func TestCheckpointLayoutRoundTrip(t *testing.T) {
 			h.free(x)
 		}
 	}
-	h.c.Stats.ResetPeak()
-	allocs := h.c.Stats.Allocation[StatAll].Allocated
+	h.c.ResetPeak()
+	allocs := h.c.ReadStats().Allocation[StatAll].Allocated
 	h.restore(saved)
-	st := h.c.Stats.AllocatedBytes[StatAll]
+	st := h.c.ReadStats().AllocatedBytes[StatAll]
 	require.Equal(t, st.Current, st.Peak)
-	require.Equal(t, allocs+3, h.c.Stats.Allocation[StatAll].Allocated, "d freed and allocated again, a and c allocated")
+	require.Equal(t, allocs+3, h.c.ReadStats().Allocation[StatAll].Allocated, "d freed and allocated again, a and c allocated")
 
 	// Restoring twice gives the same again.
 	got2 := h.restore(saved)
@@ -167,8 +167,8 @@ func TestCheckpointLayoutEmpty(t *testing.T) {
 	h.malloc(8*MiB, 1)
 	require.Empty(t, h.restore(empty))
 	require.Empty(t, h.c.PoolAllocated(h.small, h.large))
-	require.Zero(t, h.c.Stats.Allocation[StatAll].Current)
-	require.Zero(t, h.c.Stats.InactiveSplit[StatAll].Current, "whole free segments are not split")
+	require.Zero(t, h.c.ReadStats().Allocation[StatAll].Current)
+	require.Zero(t, h.c.ReadStats().InactiveSplit[StatAll].Current, "whole free segments are not split")
 }
 
 // Expandable segments: pages mapped since the checkpoint stay mapped and
@@ -262,5 +262,5 @@ func TestNoSplitPool(t *testing.T) {
 	require.NotEqual(t, a.Seg, b.Seg, "each allocation its own segment")
 	c := h.malloc(3*MiB, 0)
 	require.Equal(t, uint64(LargeBuffer), c.Size)
-	require.Zero(t, h.c.Stats.InactiveSplit[StatAll].Current)
+	require.Zero(t, h.c.ReadStats().InactiveSplit[StatAll].Current)
 }

@@ -27,15 +27,17 @@ type Config struct {
 	// MaxSplitSize: blocks at or above it are never split and are not given
 	// to smaller requests. Unlimited by default.
 	MaxSplitSize uint64
+	// RoundupDivisions[i] applies to sizes in [2^(20+i), 2^(21+i)) (the first
+	// also below, the last also above); 0 or 1 means plain 512 B rounding.
+	// Second, so that entry 0 (every size below 2 MiB) shares a cache line
+	// with MaxSplitSize and the Cache fields before them.
+	RoundupDivisions [roundupIntervals]uint64
 	// MaxNonSplitRounding: a request at or above MaxSplitSize may take a
 	// cached block at most this much larger.
 	MaxNonSplitRounding uint64
 	// LargeSegmentSize is the segment size for large-pool requests below
 	// MinLargeAlloc.
 	LargeSegmentSize uint64
-	// RoundupDivisions[i] applies to sizes in [2^(20+i), 2^(21+i)) (the first
-	// also below, the last also above); 0 or 1 means plain 512 B rounding.
-	RoundupDivisions [roundupIntervals]uint64
 	// GCThreshold (0 = off) frees old cached blocks once reserved memory
 	// exceeds this fraction of the memory-fraction limit.
 	GCThreshold float64

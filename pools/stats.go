@@ -1,5 +1,42 @@
 package pools
 
+// Statistics.
+//
+// Design. Stats is what torch.cuda.memory_stats() reports: for each of nine
+// quantities a StatArray ("all", small pools, large pools) of four values
+// (current, peak, sum of increases, sum of decreases). Kept in that shape, a
+// cache-hit malloc+free pair updated 10 to 14 Stat entries spread over 7 of
+// the 96-byte arrays, about 12 cache lines, the largest part of a pair's
+// misses once the caller has evicted them (docs/hot-path.md, 3b).
+//
+// So the seven quantities an allocation and a free change (allocation,
+// allocated_bytes, active, active_bytes, requested_bytes, inactive_split,
+// inactive_split_bytes) live in hotStats instead, in as few values as
+// PyTorch's numbers can be derived from exactly:
+//
+//   - per pool, the current value, the sum of increases and the peak;
+//   - for "all", the current value and the peak;
+//   - nothing for the sums of decreases: since the last ResetAccumulated,
+//     increases - decreases = current - (current at that reset), so
+//     freed = allocated - current + base, base saved by the reset;
+//   - nothing for "all"'s sums: every increase (decrease) of "all" is an
+//     increase (decrease) of exactly one pool by the same amount, so they are
+//     the pools' sums.
+//
+// Peaks stay exact: a peak is a maximum over every current value, not a
+// function of the sums, so each increase still compares the new current
+// value with its pool's peak and with "all"'s, as Stat.Increase does. The
+// decreases touch the current values only.
+//
+// A pair of the small pool then touches the small pool's 192 bytes and
+// "all"'s 128, adjacent and line-aligned (hotStats puts "all" between the
+// pools): five lines instead of twelve, in no more instructions. Everything else (segments,
+// reserved bytes, oversize counts, event counters) changes with segments or
+// rare events and stays in ColdStats, in Stats' own shape. Cache.ReadStats
+// assembles a Stats from both; it is the only way to read the seven
+// quantities (Cache.Stats, a ColdStats, has no field for them, so a stale
+// read does not compile).
+
 // Stat is one statistic as PyTorch keeps it.
 type Stat struct {
 	Current   int64
@@ -63,6 +100,172 @@ func poolStat(small bool) int {
 	return StatLarge
 }
 
+// The quantities kept in hotStats, in the order of Stats.hotArrays.
+const (
+	hAllocation = iota
+	hAllocatedBytes
+	hActive
+	hActiveBytes
+	hRequestedBytes
+	hInactiveSplit
+	hInactiveSplitBytes
+	nHot
+)
+
+// hotPool is one pool type's (small or large) share of the hot statistics.
+// The arrays have nHotSlots entries so that an index masked with
+// nHotSlots-1 needs no bounds check.
+type hotPool struct {
+	cur  [nHotSlots]int64
+	inc  [nHotSlots]int64 // sums of increases since ResetAccumulated
+	peak [nHotSlots]int64
+}
+
+const nHotSlots = 8 // nHot rounded up to a power of two
+
+// hotStats are the per-allocation statistics (see the design note). Guarded,
+// like the rest of the Cache, by the owner's lock. It is allocated on its
+// own: Go aligns a 640-byte pointer-free object to 64 bytes, so the small
+// pool and "all" (320 bytes) are exactly five lines, as are "all" and the
+// large pool.
+type hotStats struct {
+	small hotPool
+	all   struct{ cur, peak [nHotSlots]int64 }
+	large hotPool
+	// base is the pools' current values at the last ResetAccumulated
+	// (freed = inc - (cur - base)); read only by ReadStats.
+	base [2][nHotSlots]int64 // [0] small, [1] large
+}
+
+func (h *hotStats) pool(small bool) *hotPool {
+	if small {
+		return &h.small
+	}
+	return &h.large
+}
+
+// up adds n to *cur and raises *peak to the new value if it is higher.
+func up(cur, peak *int64, n int64) {
+	c := *cur + n
+	*cur = c
+	if c > *peak {
+		*peak = c
+	}
+}
+
+// increase adds n (> 0) to quantity q of the pool and of "all", raising
+// their peaks.
+func (h *hotStats) increase(small bool, q int, n int64) {
+	q &= nHotSlots - 1
+	p := h.pool(small)
+	up(&p.cur[q], &p.peak[q], n)
+	p.inc[q] += n
+	up(&h.all.cur[q], &h.all.peak[q], n)
+}
+
+// allocated counts a new allocation of size bytes (requested asked for):
+// allocation, allocated_bytes, active, active_bytes and requested_bytes go
+// up, the pool looked up once and every index a constant (this runs on
+// every malloc).
+func (h *hotStats) allocated(small bool, size, requested int64) {
+	p, a := h.pool(small), &h.all
+	up(&p.cur[hAllocation], &p.peak[hAllocation], 1)
+	up(&p.cur[hAllocatedBytes], &p.peak[hAllocatedBytes], size)
+	up(&p.cur[hActive], &p.peak[hActive], 1)
+	up(&p.cur[hActiveBytes], &p.peak[hActiveBytes], size)
+	up(&p.cur[hRequestedBytes], &p.peak[hRequestedBytes], requested)
+	p.inc[hAllocation]++
+	p.inc[hAllocatedBytes] += size
+	p.inc[hActive]++
+	p.inc[hActiveBytes] += size
+	p.inc[hRequestedBytes] += requested
+	up(&a.cur[hAllocation], &a.peak[hAllocation], 1)
+	up(&a.cur[hAllocatedBytes], &a.peak[hAllocatedBytes], size)
+	up(&a.cur[hActive], &a.peak[hActive], 1)
+	up(&a.cur[hActiveBytes], &a.peak[hActiveBytes], size)
+	up(&a.cur[hRequestedBytes], &a.peak[hRequestedBytes], requested)
+}
+
+// decrease subtracts n (> 0) from quantity q of the pool and of "all".
+func (h *hotStats) decrease(small bool, q int, n int64) {
+	q &= nHotSlots - 1
+	h.pool(small).cur[q] -= n
+	h.all.cur[q] -= n
+}
+
+// add changes quantity q by a signed amount.
+func (h *hotStats) add(small bool, q int, n int64) {
+	if n > 0 {
+		h.increase(small, q, n)
+	} else if n < 0 {
+		h.decrease(small, q, -n)
+	}
+}
+
+func (h *hotStats) resetPeak() {
+	for _, p := range [2]*hotPool{&h.small, &h.large} {
+		p.peak = p.cur
+	}
+	h.all.peak = h.all.cur
+}
+
+func (h *hotStats) resetAccumulated() {
+	for i, p := range [2]*hotPool{&h.small, &h.large} {
+		p.inc = [nHotSlots]int64{}
+		h.base[i] = p.cur
+	}
+}
+
+// fill writes the seven hot quantities into st.
+func (h *hotStats) fill(st *Stats) {
+	for q, a := range st.hotArrays() {
+		for i, p := range [2]*hotPool{&h.small, &h.large} {
+			a[StatSmall+i] = Stat{Current: p.cur[q], Peak: p.peak[q], Allocated: p.inc[q],
+				Freed: p.inc[q] - (p.cur[q] - h.base[i][q])}
+		}
+		a[StatAll] = Stat{Current: h.all.cur[q], Peak: h.all.peak[q],
+			Allocated: a[StatSmall].Allocated + a[StatLarge].Allocated,
+			Freed:     a[StatSmall].Freed + a[StatLarge].Freed}
+	}
+}
+
+// ColdStats are the statistics that change only with segments and rare
+// events, in Stats' shape; Cache.ReadStats adds the per-allocation ones.
+type ColdStats struct {
+	Segment       StatArray
+	ReservedBytes StatArray
+
+	OversizeAllocations Stat
+	OversizeSegments    Stat
+
+	NumAllocRetries   int64
+	NumOOMs           int64
+	NumSyncAllStreams int64
+	NumDeviceAlloc    int64
+	NumDeviceFree     int64
+	MaxSplitSize      int64 // -1 when unlimited
+}
+
+func (s *ColdStats) resetPeak() {
+	for t := range s.Segment {
+		s.Segment[t].resetPeak()
+		s.ReservedBytes[t].resetPeak()
+	}
+	s.OversizeAllocations.resetPeak()
+	s.OversizeSegments.resetPeak()
+}
+
+func (s *ColdStats) resetAccumulated() {
+	for t := range s.Segment {
+		s.Segment[t].resetAccumulated()
+		s.ReservedBytes[t].resetAccumulated()
+	}
+	s.OversizeAllocations.resetAccumulated()
+	s.OversizeSegments.resetAccumulated()
+	s.NumAllocRetries, s.NumOOMs, s.NumSyncAllStreams = 0, 0, 0
+	s.NumDeviceAlloc, s.NumDeviceFree = 0, 0
+}
+
 // Stats are a device's statistics with the meaning of
 // torch.cuda.memory_stats().
 type Stats struct {
@@ -88,6 +291,12 @@ type Stats struct {
 }
 
 var statTypeNames = [3]string{"all", "small_pool", "large_pool"}
+
+// hotArrays are the arrays kept in hotStats, indexed by hAllocation...
+func (s *Stats) hotArrays() [nHot]*StatArray {
+	return [nHot]*StatArray{&s.Allocation, &s.AllocatedBytes, &s.Active, &s.ActiveBytes,
+		&s.RequestedBytes, &s.InactiveSplit, &s.InactiveSplitBytes}
+}
 
 func (s *Stats) arrays() [9]struct {
 	name string
