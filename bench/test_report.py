@@ -109,15 +109,16 @@ class TestReport(unittest.TestCase):
         self.assertEqual(hot[1]["native"], "480")
         self.assertEqual(hot[1]["cudapool"], "400")
         self.assertEqual(hot[2], "0.833x")
-        self.assertEqual(hot[4], "yes")
+        self.assertEqual(hot[4], "NO")  # 0.833 > 0.5
         mixed = row(rows, "C: malloc+free, mixed")
-        self.assertEqual(mixed[4], "yes")  # 600/830 = 0.72 <= 0.8
-        self.assertEqual(row(rows, "torch.empty + free, 4 KiB")[4], "NO")  # 2.5/2.3 > 1.05
+        self.assertEqual(mixed[4], "NO")  # 600/830 = 0.72 > 0.6
+        self.assertEqual(row(rows, "torch.empty + free, 4 KiB")[4], "NO")  # 2.5/2.3 > 0.95
         step = row(rows, "GPT-2 training step")
         self.assertEqual(step[2], "1.025x")
-        self.assertEqual(step[4], "NO")  # > 1.02
+        self.assertEqual(step[4], "NO")  # > 1.0
         self.assertEqual(row(rows, "training peak reserved")[4], "yes")
         self.assertEqual(row(rows, "CUDA graph private pool")[4], "yes")  # equal is met
+        self.assertEqual(row(rows, "CUDA graph capture")[3], "<= 1x")  # issue 11: capture no slower than native
         self.assertEqual(row(rows, "training reserved / allocated")[1]["native"], "1.200")
         self.assertEqual(row(rows, "C: 4 threads")[1]["cudapool"], "8.00")
         self.assertEqual(row(rows, "C: 4 threads")[2], "2.000x")
