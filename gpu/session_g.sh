@@ -22,7 +22,9 @@ done
 rows+=("graph: $(python3 -c "
 import json
 for l in open('$O/graph.jsonl'):
-    r = json.loads(l); print(r['config'], 'capture %.1f ms' % r['graph_capture_ms'], 'pool %d MiB' % (r['graph_pool_bytes'] >> 20), 'diff', r['graph_max_abs_diff'], end='; ')
+    r = json.loads(l)
+    if r.get('section') != 'graph': continue
+    print(r['config'], 'capture %.1f ms' % r['graph_capture_ms'], 'pool %d MiB' % (r['graph_pool_bytes'] >> 20), 'diff', r['graph_max_abs_diff'], end='; ')
 ")")
 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout -k 5 ${EXP_S:-400} bash python/gpu/run_gpu_tests.sh > "$O/torch_exp.log" 2>&1
 rows+=("torch GPU tests, expandable rc=$? $(grep -E 'RESULT' "$O/torch_exp.log" | tail -n 1)")

@@ -1,0 +1,109 @@
+"""Where a CUDA graph capture's time goes, per allocator (issue 11).
+
+    PYTHONPATH=python CUDAPOOL_LIBRARY=lib/libcudapool.so python3 gpu/diag_capture.py [REPS] [CAPTURES]
+
+Each configuration (native, cudapool, and both with expandable segments) runs
+in REPS fresh processes, interleaved. A process builds bench/model.py's GPT-2
+small (bf16, eval), runs the forward eagerly on a side stream (cuBLAS and the
+caches warm), then captures the same forward CAPTURES times, each into a new
+graph and private pool, timing the phases of torch.cuda.graph by hand:
+  prep     gc.collect + synchronize + empty_cache (what graph.__enter__ does)
+  begin    capture_begin (the allocator's beginAllocateToPool, cudaStreamBeginCapture)
+  forward  the captured forward (allocations into the new pool)
+  end      capture_end (cudaStreamEndCapture, instantiation, endAllocateToPool)
+  sync     torch.cuda.synchronize after it
+Medians over the captures of all processes, ms; the first capture of each
+process is left out (one-off costs).
+"""
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CHILD = r'''
+import gc, json, os, sys, time
+cfg, n = sys.argv[1], int(sys.argv[2])
+sys.path.insert(0, os.path.join(REPO, "bench"))
+if cfg.startswith("cudapool"):
+    sys.path.insert(0, os.path.join(REPO, "python"))
+    import cudapool
+    cudapool.install()
+    if cfg == "cudapool_exp":
+        cudapool.configure("expandable_segments:True")
+elif cfg == "expandable":
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+import torch
+from model import GPT
+torch.manual_seed(0)
+model = GPT(layers=12).cuda().to(torch.bfloat16).eval()
+x = torch.randint(0, 16384, (8, 512), device="cuda")
+phases = {k: [] for k in ("prep", "begin", "forward", "end", "sync", "total")}
+graphs = []
+with torch.no_grad():
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            model(x)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    for i in range(n):
+        g = torch.cuda.CUDAGraph()
+        s = torch.cuda.Stream()
+        pc = time.perf_counter
+        t0 = pc()
+        gc.collect(); torch.cuda.synchronize(); torch.cuda.empty_cache()
+        t1 = pc()
+        with torch.cuda.stream(s):
+            g.capture_begin()
+            t2 = pc()
+            y = model(x)
+            t3 = pc()
+            g.capture_end()
+            t4 = pc()
+        torch.cuda.synchronize()
+        t5 = pc()
+        if i > 0:
+            for k, v in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t5 - t0)):
+                phases[k].append(v * 1e3)
+        graphs.append((g, y))  # each capture keeps its own pool
+print("RESULT " + json.dumps(phases))
+'''.replace("REPO", repr(REPO))
+
+CONFIGS = ["native", "cudapool", "expandable", "cudapool_exp"]
+
+
+def main():
+    args = [a for a in sys.argv[1:]]
+    reps = int(args[0]) if args else 2
+    n = int(args[1]) if len(args) > 1 else 6
+    env = dict(os.environ)
+    for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "CUDAPOOL_CONF"):
+        env.pop(k, None)
+    res = {c: {} for c in CONFIGS}
+    for r in range(reps):
+        for c in CONFIGS:
+            out = subprocess.run([sys.executable, "-c", CHILD, c, str(n)], env=env, capture_output=True,
+                                 text=True, timeout=240)
+            line = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
+            if not line:
+                print(f"{c}: failed\n{out.stderr[-2000:]}")
+                continue
+            for k, v in json.loads(line[0][7:]).items():
+                res[c].setdefault(k, []).extend(v)
+            print(f"  run {r + 1} {c}: total " + " ".join(f"{v:.1f}" for v in res[c]["total"][-(n - 1):]), flush=True)
+    keys = ("prep", "begin", "forward", "end", "sync", "total")
+    print(f"\ncapture phases, ms: median (min-max) over {reps} processes x {n - 1} captures")
+    print(f"{'config':14}" + "".join(f"{k:>20}" for k in keys))
+    for c in CONFIGS:
+        cells = []
+        for k in keys:
+            v = res[c].get(k) or []
+            cells.append(f"{statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f})" if v else "-")
+        print(f"{c:14}" + "".join(f"{x:>20}" for x in cells))
+
+
+if __name__ == "__main__":
+    main()
