@@ -38,6 +38,10 @@ lib:
 	$(GO) build $(LIB_GOFLAGS) -o $(LIB) ./capi
 	@rm -f $(LIBDIR)/libcudapool.h  # cgo's header names the internal functions
 	cp include/cudapool.h $(LIBDIR)/cudapool.h
+	@# The commit the library was built from, for benchmark reports made where
+	@# no git checkout travels along (bench/run_bench.sh reads it).
+	@{ git rev-parse --short HEAD 2>/dev/null || echo unknown; } >$(LIBDIR)/BUILD_COMMIT
+	@git diff --quiet HEAD -- . 2>/dev/null || echo dirty >>$(LIBDIR)/BUILD_COMMIT
 
 test: check-go test-go test-race test-c test-cxx check-lib test-python test-install test-charts
 	@printf '\n==== make test: all passed ====\n'

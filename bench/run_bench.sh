@@ -162,10 +162,16 @@ collect_meta() {
     drv=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -n 1)
     mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader 2>/dev/null | head -n 1)
     cpu=$(grep -m 1 'model name' /proc/cpuinfo 2>/dev/null | sed 's/.*: *//')
-    commit=${BENCH_GIT_COMMIT:-$(git -C "$REPO" rev-parse --short HEAD 2>/dev/null)}
+    # The library's own record first (lib/BUILD_COMMIT, written by make where
+    # it was built): a checkout copied to the GPU machine may carry a stale .git.
+    commit=${BENCH_GIT_COMMIT:-}
     dirty=false
-    if [ -z "${BENCH_GIT_COMMIT:-}" ] && [ -n "$(git -C "$REPO" status --porcelain 2>/dev/null | head -n 1)" ]; then
-        dirty=true
+    if [ -z "$commit" ] && [ -s lib/BUILD_COMMIT ]; then
+        commit=$(head -n 1 lib/BUILD_COMMIT)
+        grep -qx dirty lib/BUILD_COMMIT && dirty=true
+    elif [ -z "$commit" ]; then
+        commit=$(git -C "$REPO" rev-parse --short HEAD 2>/dev/null)
+        [ -n "$(git -C "$REPO" status --porcelain 2>/dev/null | head -n 1)" ] && dirty=true
     fi
     # torch's version, include dir and C++ ABI; no CUDA initialization.
     "$PY" - >"$BUILD/torch_env.txt" <<'EOF'
