@@ -111,7 +111,7 @@ def main():
     if rank == 0:
         rec = {"kind": "torch", "config": args.config, "section": "fsdp",
                "fsdp_ms_per_step": statistics.median(steps), "fsdp_world": world,
-               "fsdp_steps": args.steps, "fsdp_batch": args.batch, "fsdp_layers": args.layers,
+               "fsdp_device": torch.cuda.get_device_name(), "fsdp_steps": args.steps, "fsdp_batch": args.batch, "fsdp_layers": args.layers,
                "fsdp_wall_ms_per_step": wall, "fsdp_pinned_rank0": pinned,
                "fsdp_peak_allocated": torch.cuda.max_memory_allocated(),
                "fsdp_step_ms": [round(v, 3) for v in steps]}

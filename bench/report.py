@@ -320,7 +320,10 @@ def build_rows(res):
     fsdp = {c: FSDP.cell(res.record("torch", c)) for c in ("native", "cudapool")
             if FSDP.value(res.record("torch", c)) is not None}
     if fsdp:
-        text = "FSDP2, 2 GPUs, GPT-2 training step (CUDA-event timed, ranks pinned), ms/step: " + ", ".join(
+        dev = next((r.get("fsdp_device") for r in (res.record("torch", c) for c in ("native", "cudapool"))
+                    if r and r.get("fsdp_device")), None)
+        where = f" on 2x {dev}" if dev else ""
+        text = f"FSDP2, 2 GPUs{where}, GPT-2 training step (CUDA-event timed, ranks pinned), ms/step: " + ", ".join(
             f"{LABELS[c]} {v}" for c, v in fsdp.items())
         nat, cp = (FSDP.value(res.record("torch", c)) for c in ("native", "cudapool"))
         if nat and cp:
