@@ -59,29 +59,39 @@ func (a *Allocator) mallocUncached(d *device, size uint64) (cuda.Ptr, error) {
 }
 
 // freeUncached gives p back to the driver if it was allocated while
-// caching was off; found reports whether it was.
+// caching was off; found reports whether it was. The record is claimed
+// (deleted) before the driver's free, under the lock: of two concurrent
+// frees of p, one frees it and the other finds no record (an unknown
+// pointer), instead of both reaching the driver, the second perhaps after
+// the driver has handed the address to another allocation.
 func (a *Allocator) freeUncached(p cuda.Ptr) (found bool, err error) {
-	if a.uncN.Load() == 0 {
-		return false, nil
-	}
-	a.unc.mu.Lock()
-	dev, ok := a.unc.m[p]
-	a.unc.mu.Unlock()
-	if !ok {
+	if !a.isUncached(p) {
 		return false, nil
 	}
 	a.gate.RLock() // see device.go: no capture may begin during the free
 	defer a.gate.RUnlock()
-	if a.underway.Load() > 0 {
+	a.unc.mu.Lock()
+	dev, ok := a.unc.m[p]
+	if ok && a.underway.Load() > 0 {
+		a.unc.mu.Unlock()
 		return true, newError("free", ErrCaptureUnderway, "pointer %#x was allocated while caching was off; it cannot be freed while a CUDA graph capture is under way", uintptr(p))
 	}
+	if ok {
+		delete(a.unc.m, p)
+		a.uncN.Store(int64(len(a.unc.m)))
+	}
+	a.unc.mu.Unlock()
+	if !ok {
+		return false, nil // freed meanwhile by another thread
+	}
 	if err := a.drv.MemFree(dev, p); err != nil {
+		// Still allocated: keep the record, so that a later free may retry.
+		a.unc.mu.Lock()
+		a.unc.m[p] = dev
+		a.uncN.Store(int64(len(a.unc.m)))
+		a.unc.mu.Unlock()
 		return true, driverError("free", err, "freeing %#x (allocated while caching was off) on device %d", uintptr(p), dev)
 	}
-	a.unc.mu.Lock()
-	delete(a.unc.m, p)
-	a.uncN.Store(int64(len(a.unc.m)))
-	a.unc.mu.Unlock()
 	return true, nil
 }
 

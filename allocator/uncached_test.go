@@ -36,3 +36,31 @@ func TestCachingOff(t *testing.T) {
 	require.NoError(t, a.CheckInvariants())
 	require.Zero(t, drv.Violations())
 }
+
+// Two threads freeing the same uncached pointer at once: one frees it, the
+// other gets ErrUnknownPointer, and the driver sees one free per allocation
+// (before the fix both reached the driver).
+func TestCachingOffConcurrentDoubleFree(t *testing.T) {
+	a, drv := newAlloc(t, 1, GiB, "")
+	a.SetCaching(false)
+	const rounds = 2000
+	frees := drv.Frees(0)
+	for i := 0; i < rounds; i++ {
+		p := mustMalloc(t, a, 0, 4096, 0)
+		errs := make(chan error, 2)
+		start := make(chan struct{})
+		for k := 0; k < 2; k++ {
+			go func() { <-start; errs <- a.Free(0, p, 0) }()
+		}
+		close(start)
+		e1, e2 := <-errs, <-errs
+		if e1 != nil {
+			e1, e2 = e2, e1
+		}
+		require.NoError(t, e1, "round %d: one of the frees succeeds", i)
+		require.ErrorIs(t, e2, allocator.ErrUnknownPointer, "round %d: the other reports the pointer", i)
+	}
+	require.Equal(t, frees+rounds, drv.Frees(0), "one driver free per allocation")
+	require.NoError(t, a.CheckInvariants())
+	require.Zero(t, drv.Violations())
+}
