@@ -80,13 +80,7 @@ type Cache struct {
 // ReadStats returns the statistics: ColdStats and the per-allocation
 // statistics in one Stats (see stats.go). Every reader goes through it.
 func (c *Cache) ReadStats() Stats {
-	cs := &c.Stats
-	st := Stats{
-		Segment: cs.Segment, ReservedBytes: cs.ReservedBytes,
-		OversizeAllocations: cs.OversizeAllocations, OversizeSegments: cs.OversizeSegments,
-		NumAllocRetries: cs.NumAllocRetries, NumOOMs: cs.NumOOMs, NumSyncAllStreams: cs.NumSyncAllStreams,
-		NumDeviceAlloc: cs.NumDeviceAlloc, NumDeviceFree: cs.NumDeviceFree, MaxSplitSize: cs.MaxSplitSize,
-	}
+	st := Stats{ColdStats: c.Stats}
 	c.hot.fill(&st)
 	return st
 }

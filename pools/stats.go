@@ -267,27 +267,17 @@ func (s *ColdStats) resetAccumulated() {
 }
 
 // Stats are a device's statistics with the meaning of
-// torch.cuda.memory_stats().
+// torch.cuda.memory_stats(): ColdStats and the per-allocation arrays.
 type Stats struct {
+	ColdStats
+
 	Allocation         StatArray
-	Segment            StatArray
 	Active             StatArray
 	InactiveSplit      StatArray
 	AllocatedBytes     StatArray
-	ReservedBytes      StatArray
 	ActiveBytes        StatArray
 	InactiveSplitBytes StatArray
 	RequestedBytes     StatArray
-
-	OversizeAllocations Stat
-	OversizeSegments    Stat
-
-	NumAllocRetries   int64
-	NumOOMs           int64
-	NumSyncAllStreams int64
-	NumDeviceAlloc    int64
-	NumDeviceFree     int64
-	MaxSplitSize      int64 // -1 when unlimited
 }
 
 var statTypeNames = [3]string{"all", "small_pool", "large_pool"}
@@ -340,24 +330,20 @@ func (s *Stats) Each(fn func(key string, v int64)) {
 
 // ResetPeak sets every peak to its current value.
 func (s *Stats) ResetPeak() {
-	for _, e := range s.arrays() {
-		for t := range e.a {
-			e.a[t].resetPeak()
+	s.ColdStats.resetPeak()
+	for _, a := range s.hotArrays() {
+		for t := range a {
+			a[t].resetPeak()
 		}
 	}
-	s.OversizeAllocations.resetPeak()
-	s.OversizeSegments.resetPeak()
 }
 
 // ResetAccumulated zeroes the allocated/freed sums and the event counters.
 func (s *Stats) ResetAccumulated() {
-	for _, e := range s.arrays() {
-		for t := range e.a {
-			e.a[t].resetAccumulated()
+	s.ColdStats.resetAccumulated()
+	for _, a := range s.hotArrays() {
+		for t := range a {
+			a[t].resetAccumulated()
 		}
 	}
-	s.OversizeAllocations.resetAccumulated()
-	s.OversizeSegments.resetAccumulated()
-	s.NumAllocRetries, s.NumOOMs, s.NumSyncAllStreams = 0, 0, 0
-	s.NumDeviceAlloc, s.NumDeviceFree = 0, 0
 }
