@@ -97,12 +97,12 @@ static double cpu_per_op(void (*fn)(void), int n) {
 	return (double)(now_ns(CLOCK_THREAD_CPUTIME_ID) - t0) / n;
 }
 
-/* Median wall time of fn after touching evict bytes, less the clock's. */
-static double after_touch(void (*fn)(void), char *evict, size_t evict_len, int n) {
+/* Median wall time of single calls of fn, each after prepare(arg), less the
+ * clock's own cost. */
+static double timed_after(void (*prepare)(void *), void *arg, void (*fn)(void), int n) {
 	double *op = malloc(sizeof(double) * (size_t)n), *clk = malloc(sizeof(double) * (size_t)n);
 	for (int i = 0; i < n; i++) {
-		for (size_t j = 0; j < evict_len; j += 64)
-			evict[j]++;
+		prepare(arg);
 		int64_t t0 = now_ns(CLOCK_MONOTONIC);
 		int64_t t1 = now_ns(CLOCK_MONOTONIC);
 		fn();
@@ -116,24 +116,33 @@ static double after_touch(void (*fn)(void), char *evict, size_t evict_len, int n
 	return r;
 }
 
-/* Median wall time of a call into Go after sleeping gap_ns in C. */
-static double after_gap(int64_t gap_ns, int n) {
-	double *op = malloc(sizeof(double) * (size_t)n), *clk = malloc(sizeof(double) * (size_t)n);
-	for (int i = 0; i < n; i++) {
-		struct timespec ts = {gap_ns / 1000000000, gap_ns % 1000000000};
-		nanosleep(&ts, NULL);
-		int64_t t0 = now_ns(CLOCK_MONOTONIC);
-		int64_t t1 = now_ns(CLOCK_MONOTONIC);
-		op_go_nop();
-		int64_t t2 = now_ns(CLOCK_MONOTONIC);
-		clk[i] = (double)(t1 - t0);
-		op[i] = (double)(t2 - t1);
-	}
-	double r = median(op, n) - median(clk, n);
-	free(op);
-	free(clk);
-	return r;
+/* Touches one byte per cache line of a buffer (evicting the caller's
+ * working set), or sleeps, before a timed call. */
+struct evict_buf {
+	char *p;
+	size_t len;
+};
+
+static void touch(void *arg) {
+	struct evict_buf *b = arg;
+	for (size_t j = 0; j < b->len; j += 64)
+		b->p[j]++;
 }
+
+static void sleep_ns(void *arg) {
+	int64_t gap_ns = *(int64_t *)arg;
+	struct timespec ts = {gap_ns / 1000000000, gap_ns % 1000000000};
+	nanosleep(&ts, NULL);
+}
+
+/* Median wall time of fn after touching evict_len bytes. */
+static double after_touch(void (*fn)(void), char *evict, size_t evict_len, int n) {
+	struct evict_buf b = {evict, evict_len};
+	return timed_after(touch, &b, fn, n);
+}
+
+/* Median wall time of a call into Go after sleeping gap_ns in C. */
+static double after_gap(int64_t gap_ns, int n) { return timed_after(sleep_ns, &gap_ns, op_go_nop, n); }
 
 /* First and second call into Go on a new thread. */
 struct first_call {
