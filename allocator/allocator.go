@@ -91,6 +91,7 @@ type Allocator struct {
 	onWarning atomic.Pointer[func(string)]
 	warned    sync.Map
 	hist      history // memory history (history.go)
+	front     frontCtl
 }
 
 // device is one GPU's allocator state.
@@ -116,6 +117,13 @@ type device struct {
 	underway *atomic.Int64 // the allocator's count of captures under way
 	graphs   graphs.Router // guarded by mu
 	hist     deviceHistory // guarded by mu (history.go)
+	// front is the allocator's Front (nil: none), set before use;
+	// frontBuf receives its log, guarded by mu (front.go).
+	front    Front
+	frontBuf []PendingFree
+	fc       *frontCtl // the allocator's
+	// routed: the last malloc went to a private pool; guarded by mu.
+	routed bool
 
 	id        int
 	drv       Driver
@@ -168,6 +176,7 @@ func New(drv Driver, cfg Config) (*Allocator, error) {
 	for i := 0; i < n; i++ {
 		d := &device{id: i, drv: drv, underway: &a.underway, announced: &a.announced, gate: &a.gate, cache: pools.NewCache(cfg.Pools), ev: events.New(drv, i)}
 		d.hist.labels = &a.hist.labels
+		d.fc = &a.front
 		d.debug = cfg.DebugChecks
 		d.freeSeg = d.freeSegment
 		d.newPools = func(id pools.PoolID) (*pools.BlockPool, *pools.BlockPool) {
@@ -215,7 +224,7 @@ func (a *Allocator) Configure(cfg Config) {
 	defer a.cfgMu.Unlock()
 	old := a.cfg.Swap(&cfg)
 	for _, d := range a.devs {
-		d.mu.Lock()
+		d.lock()
 		d.cache.SetConfig(cfg.Pools)
 		d.debug = cfg.DebugChecks
 		d.wantExpandable = cfg.ExpandableSegments || cfg.Stitch
@@ -229,6 +238,7 @@ func (a *Allocator) Configure(cfg Config) {
 	if cfg.HistoryEntries != old.HistoryEntries {
 		a.historyFromConfig(cfg.HistoryEntries)
 	}
+	a.front.sync()
 }
 
 // SetWarningHandler routes the allocator's warnings (conditions that are not
@@ -250,7 +260,10 @@ func (a *Allocator) warn(msg string) {
 // ExpectAnnouncements tells the allocator that every capture will be
 // announced with BeginAllocateToPool (PyTorch does this), so malloc need not
 // ask the driver whether its stream is capturing.
-func (a *Allocator) ExpectAnnouncements() { a.announced.Store(true) }
+func (a *Allocator) ExpectAnnouncements() {
+	a.announced.Store(true)
+	a.front.sync()
+}
 
 // device returns device dev, or the error for a device that does not exist.
 // Small enough to be inlined into every operation (the error is built out of
@@ -293,7 +306,7 @@ func (a *Allocator) MallocCtx(dev int, size uint64, s cuda.Stream, ctx uint64) (
 	if err != nil {
 		return 0, err
 	}
-	d.mu.Lock()
+	d.lock()
 	d.hist.begin(ctx, HistoryState)
 	p, err := d.malloc(size, s, capture)
 	d.hist.end()
@@ -340,7 +353,7 @@ func (a *Allocator) FreeCtx(dev int, p cuda.Ptr, size uint64, ctx uint64) error 
 	if err != nil {
 		return err
 	}
-	d.mu.Lock()
+	d.lock()
 	d.hist.begin(ctx, HistoryAll)
 	err = d.freeLocked(p, size)
 	d.hist.end()
@@ -425,7 +438,7 @@ func (u unknownAt) Error() string {
 // never seen. It locks the devices one at a time.
 func (a *Allocator) explainUnknown(op string, dev int, p cuda.Ptr) error {
 	for _, o := range a.devs {
-		o.mu.Lock()
+		o.lock()
 		b, seg := o.cache.Lookup(p), o.cache.SegmentAt(p)
 		var inside *pools.Block
 		if b == nil && seg != nil {
@@ -455,7 +468,7 @@ func (a *Allocator) explainUnknown(op string, dev int, p cuda.Ptr) error {
 // the caller unlocks. It returns nil if no device has allocated p.
 func (a *Allocator) find(p cuda.Ptr) (*device, *pools.Block) {
 	for _, d := range a.devs {
-		d.mu.Lock()
+		d.lock()
 		if b := d.cache.Lookup(p); b != nil {
 			return d, b
 		}
@@ -510,7 +523,7 @@ func (a *Allocator) BaseAllocation(p cuda.Ptr) (cuda.Ptr, uint64, error) {
 		return base, size, nil
 	}
 	for _, d := range a.devs {
-		d.mu.Lock()
+		d.lock()
 		seg := d.cache.SegmentAt(p)
 		var base cuda.Ptr
 		var size uint64
@@ -539,13 +552,13 @@ func (a *Allocator) EmptyCache() error { return a.EmptyCacheCtx(0) }
 func (a *Allocator) EmptyCacheCtx(ctx uint64) error {
 	// First let every device notice the unannounced captures that ended.
 	for _, d := range a.devs {
-		d.mu.Lock()
+		d.lock()
 		d.capturing()
 		d.mu.Unlock()
 	}
 	var first error
 	for _, d := range a.devs {
-		d.mu.Lock()
+		d.lock()
 		var err error
 		if !d.enterUnsafe() {
 			err = newError("empty_cache", ErrCaptureUnderway, "device %d: a CUDA graph capture is under way; its cache is kept", d.id)
@@ -582,7 +595,7 @@ func (a *Allocator) SetMemoryFraction(dev int, fraction float64) error {
 	if !(fraction >= 0 && fraction <= 1) {
 		return newError("set_memory_fraction", ErrInvalidArgument, "fraction %v is not in [0, 1]", fraction)
 	}
-	d.mu.Lock()
+	d.lock()
 	defer d.mu.Unlock()
 	total, err := d.capacity()
 	if err != nil {
@@ -600,7 +613,7 @@ func (a *Allocator) BeginAllocateToPool(dev int, id PoolID, filter func(cuda.Str
 	if err != nil {
 		return err
 	}
-	d.mu.Lock()
+	d.lock()
 	defer d.mu.Unlock()
 	if err := d.graphs.Begin(id, filter, d.newPools); err != nil {
 		return poolError("begin_allocate_to_pool", err)
@@ -621,7 +634,7 @@ func (a *Allocator) EndAllocateToPool(dev int, id PoolID) error {
 	if err != nil {
 		return err
 	}
-	d.mu.Lock()
+	d.lock()
 	defer d.mu.Unlock()
 	if err := d.graphs.End(id); err != nil {
 		return poolError("end_allocate_to_pool", err)
@@ -638,7 +651,7 @@ func (a *Allocator) ReleasePool(dev int, id PoolID) error {
 	if err != nil {
 		return err
 	}
-	d.mu.Lock()
+	d.lock()
 	defer d.mu.Unlock()
 	if err := d.graphs.Release(id); err != nil {
 		return poolError("release_pool", err)
@@ -663,7 +676,7 @@ func (a *Allocator) Stats(dev int) (pools.Stats, error) {
 	if err != nil {
 		return pools.Stats{}, err
 	}
-	d.mu.Lock()
+	d.lock()
 	defer d.mu.Unlock()
 	return d.cache.ReadStats(), nil
 }
@@ -674,7 +687,7 @@ func (a *Allocator) ResetPeakStats(dev int) error {
 	if err != nil {
 		return err
 	}
-	d.mu.Lock()
+	d.lock()
 	d.cache.ResetPeak()
 	d.mu.Unlock()
 	return nil
@@ -686,7 +699,7 @@ func (a *Allocator) ResetAccumulatedStats(dev int) error {
 	if err != nil {
 		return err
 	}
-	d.mu.Lock()
+	d.lock()
 	d.cache.ResetAccumulated()
 	d.mu.Unlock()
 	return nil
@@ -695,7 +708,7 @@ func (a *Allocator) ResetAccumulatedStats(dev int) error {
 // CheckInvariants verifies every device's internal consistency.
 func (a *Allocator) CheckInvariants() error {
 	for _, d := range a.devs {
-		d.mu.Lock()
+		d.lock()
 		err := d.check()
 		d.mu.Unlock()
 		if err != nil {
@@ -726,10 +739,12 @@ func (d *device) withThreadRelaxed(fn func() error) error {
 // PendingFree is a free the caller deferred (the C ABI queues PyTorch's
 // frees and hands them over with the next call; see capi).
 type PendingFree struct {
-	Dev  int // -1: unknown, the device that holds Ptr (FreeAny)
-	Ptr  cuda.Ptr
-	Size uint64
-	Ctx  uint64 // the free's context id, as for FreeCtx (0: none)
+	Dev   int // -1: unknown, the device that holds Ptr (FreeAny)
+	Ptr   cuda.Ptr
+	Size  uint64
+	Ctx   uint64  // the free's context id, as for FreeCtx (0: none)
+	Op    FrontOp // OpFree, except in a Front's log (front.go)
+	Count uint64  // OpCycles: how many
 }
 
 // MallocAfterFrees performs the pending frees, then the malloc (whose context
@@ -738,22 +753,30 @@ type PendingFree struct {
 // malloc, so a malloc+free pair costs one lock and one call. It returns the
 // malloc's error and, separately, the first failed free's.
 func (a *Allocator) MallocAfterFrees(dev int, size uint64, s cuda.Stream, ctx uint64, frees []PendingFree) (p cuda.Ptr, err, freeErr error) {
+	p, _, err, freeErr = a.MallocTracked(dev, size, s, ctx, frees)
+	return p, err, freeErr
+}
+
+// MallocTracked is MallocAfterFrees that also reports whether the block may
+// be tracked by the allocator's Front (front.go): a default-pool block
+// allocated while the front may serve.
+func (a *Allocator) MallocTracked(dev int, size uint64, s cuda.Stream, ctx uint64, frees []PendingFree) (p cuda.Ptr, track bool, err, freeErr error) {
 	d, err := a.device("malloc", dev)
 	if err != nil || size == 0 || size >= pools.MaxRequest || a.cachingOff.Load() || a.uncN.Load() != 0 {
 		freeErr = a.FreeMany(frees)
 		p, err = a.MallocCtx(dev, size, s, ctx)
-		return p, err, freeErr
+		return p, false, err, freeErr
 	}
 	capture, err := a.unannouncedCapture(dev, s)
 	if err != nil {
-		return 0, err, a.FreeMany(frees)
+		return 0, false, err, a.FreeMany(frees)
 	}
 	// done marks the frees of unknown device done under the lock (only the
 	// first 128 are tried on dev first: the C queue holds 65).
 	var done [2]uint64
 	isDone := func(i int) bool { return i < 128 && done[i/64]&(1<<(i%64)) != 0 }
 	others := 0
-	d.mu.Lock()
+	d.lock()
 	for i := range frees {
 		f := &frees[i]
 		var b *pools.Block
@@ -779,6 +802,7 @@ func (a *Allocator) MallocAfterFrees(dev int, size uint64, s cuda.Stream, ctx ui
 	d.hist.begin(ctx, HistoryState)
 	p, err = d.malloc(size, s, capture)
 	d.hist.end()
+	track = err == nil && !d.routed && d.front != nil && a.front.on.Load()
 	if d.debug {
 		d.mustCheck()
 	}
@@ -795,7 +819,7 @@ func (a *Allocator) MallocAfterFrees(dev int, size uint64, s cuda.Stream, ctx ui
 	if freeErr != nil {
 		freeErr = a.explainFree(freeErr)
 	}
-	return p, err, freeErr
+	return p, track, err, freeErr
 }
 
 // FreeMany performs deferred frees and returns the first error.

@@ -100,7 +100,7 @@ func (a *Allocator) CheckpointPool(dev int, id PoolID) (*Checkpoint, error) {
 	if err != nil {
 		return nil, err
 	}
-	d.mu.Lock()
+	d.lock()
 	defer d.mu.Unlock()
 	pp := d.graphs.Pools.Get(id)
 	if pp == nil {
@@ -128,7 +128,7 @@ func (a *Allocator) RestoreCheckpoint(dev int, cp *Checkpoint) (RestoreResult, e
 	if cp.dev != dev {
 		return RestoreResult{}, newError(op, ErrInvalidArgument, "the checkpoint is of pool {%d,%d} on device %d, not device %d", cp.id.A, cp.id.B, cp.dev, dev)
 	}
-	d.mu.Lock()
+	d.lock()
 	defer d.mu.Unlock()
 	pp, err := d.livePool(op, cp.id)
 	if err != nil {
@@ -173,7 +173,7 @@ func (a *Allocator) CheckPoolLive(dev int, id PoolID, expected []cuda.Ptr) (bool
 	for _, p := range expected {
 		want[p] = struct{}{}
 	}
-	d.mu.Lock()
+	d.lock()
 	defer d.mu.Unlock()
 	pp := d.graphs.Pools.Get(id)
 	if pp == nil {

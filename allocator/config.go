@@ -49,11 +49,16 @@ type Config struct {
 	// capture graph orders all its uses before the allocating stream's new
 	// work (PyTorch's graph_capture_record_stream_reuse; capturereuse.go).
 	GraphCaptureRecordStreamReuse bool
+	// FrontCache lets a front cache (capi's C front, front.go) serve a
+	// malloc with a block of the same size and stream freed since the last
+	// call into the allocator, without entering Go. cudapool's own key:
+	// front_cache (default True; False for comparisons).
+	FrontCache bool
 }
 
 // DefaultConfig is PyTorch's default configuration.
 func DefaultConfig() Config {
-	return Config{Pools: pools.DefaultConfig(), ExpandableMapUnit: DefaultMapUnit}
+	return Config{Pools: pools.DefaultConfig(), ExpandableMapUnit: DefaultMapUnit, FrontCache: true}
 }
 
 // DefaultMapUnit is expandable_map_unit_mb's default, in bytes.
@@ -217,6 +222,12 @@ func (c *Config) set(key, val string) (warning string, err error) {
 			return "", configError("record_history=%d: at most %d entries", n, 1<<24)
 		}
 		c.HistoryEntries = int(n)
+	case "front_cache":
+		b, err := parseBool(key, val)
+		if err != nil {
+			return "", err
+		}
+		c.FrontCache = b
 	case "debug_checks":
 		b, err := parseBool(key, val)
 		if err != nil {
@@ -370,6 +381,9 @@ func (c Config) String() string {
 	}
 	if c.DebugChecks {
 		parts = append(parts, "debug_checks:True")
+	}
+	if !c.FrontCache {
+		parts = append(parts, "front_cache:False")
 	}
 	return strings.Join(parts, ",")
 }

@@ -62,6 +62,7 @@ func (d *device) countCaptures() {
 	if n := int64(d.graphs.Count()); n != d.counted {
 		d.underway.Add(n - d.counted)
 		d.counted = n
+		d.fc.sync()
 	}
 }
 
@@ -83,9 +84,11 @@ func (d *device) malloc(size uint64, s cuda.Stream, capture uint64) (cuda.Ptr, e
 		d.leaveUnsafe()
 	}
 	small, large := d.cache.Small, d.cache.Large
+	d.routed = false
 	if p := d.graphs.Route(s, capture, d.newPools); p != nil {
 		small, large = p.Small, p.Large
 		capturing = true
+		d.routed = true
 		d.countCaptures() // Route may have met a new unannounced capture
 	}
 	r := d.cache.NewRequest(size, s, small, large)

@@ -228,7 +228,7 @@ func (a *Allocator) RecordHistory(o HistoryOptions) error {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	for _, d := range a.devs {
-		d.mu.Lock()
+		d.lock()
 		dh := &d.hist
 		if clear {
 			dh.ring.clear()
@@ -242,6 +242,7 @@ func (a *Allocator) RecordHistory(o HistoryOptions) error {
 	}
 	h.annotations.setMax(entries)
 	h.enabled.Store(o.Enabled)
+	a.front.sync()
 	var mask uint32
 	if level >= HistoryState {
 		mask |= GatherAlloc
@@ -396,7 +397,7 @@ func (e AnnotationEntry) MarshalJSON() ([]byte, error) {
 func (a *Allocator) LiveContexts(dst []uint64) []uint64 {
 	start := len(dst)
 	for _, d := range a.devs {
-		d.mu.Lock()
+		d.lock()
 		for _, s := range d.cache.Segments() {
 			if s.Context != 0 {
 				dst = append(dst, s.Context)

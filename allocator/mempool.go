@@ -51,7 +51,7 @@ func (a *Allocator) CreateOrIncrefPool(dev int, id PoolID) error {
 	if err != nil {
 		return err
 	}
-	d.mu.Lock()
+	d.lock()
 	defer d.mu.Unlock()
 	if _, err := d.graphs.Pools.Incref(id, d.newPools); err != nil {
 		return poolError(op, err)
@@ -68,7 +68,7 @@ func (a *Allocator) PoolUseCount(dev int, id PoolID) (int, error) {
 	if err != nil {
 		return 0, err
 	}
-	d.mu.Lock()
+	d.lock()
 	defer d.mu.Unlock()
 	n, err := d.graphs.Pools.UseCount(id)
 	if err != nil {
@@ -85,7 +85,7 @@ func (a *Allocator) SetPoolNoSplit(dev int, id PoolID) error {
 	if err != nil {
 		return err
 	}
-	d.mu.Lock()
+	d.lock()
 	defer d.mu.Unlock()
 	pp, err := d.knownPool(op, id)
 	if err != nil {
@@ -104,7 +104,7 @@ func (a *Allocator) SetPoolUseOnOOM(dev int, id PoolID, use bool) error {
 	if err != nil {
 		return err
 	}
-	d.mu.Lock()
+	d.lock()
 	defer d.mu.Unlock()
 	pp := d.graphs.Pools.Get(id)
 	if pp == nil && !use {
@@ -126,7 +126,7 @@ func (a *Allocator) SetPoolSource(dev int, id PoolID, src SegmentSource) error {
 	if err != nil {
 		return err
 	}
-	d.mu.Lock()
+	d.lock()
 	defer d.mu.Unlock()
 	pp, err := d.knownPool(op, id)
 	if err != nil {
@@ -159,7 +159,7 @@ func (a *Allocator) EmptyPool(dev int, id PoolID) error {
 	if id.IsDefault() {
 		return a.EmptyCache()
 	}
-	d.mu.Lock()
+	d.lock()
 	defer d.mu.Unlock()
 	pp := d.graphs.Pools.Get(id)
 	if pp == nil || !pp.Freeable() {
@@ -197,7 +197,7 @@ func (a *Allocator) CacheInfo(dev int, largest uint64) (uint64, error) {
 	if err != nil {
 		return 0, err
 	}
-	d.mu.Lock()
+	d.lock()
 	defer d.mu.Unlock()
 	if largest == 0 {
 		free, _, err := d.drv.MemGetInfo(dev)
@@ -220,7 +220,7 @@ func (a *Allocator) MemoryFraction(dev int) (float64, error) {
 	if err != nil {
 		return 0, err
 	}
-	d.mu.Lock()
+	d.lock()
 	defer d.mu.Unlock()
 	if d.fractionPending {
 		if err := d.applyFraction(); err != nil {

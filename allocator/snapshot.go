@@ -127,7 +127,7 @@ func (a *Allocator) SnapshotOf(pool *PoolID, includeTraces bool) Snapshot {
 	var tr []traceEntry
 	for _, d := range a.devs {
 		tr = tr[:0]
-		d.mu.Lock()
+		d.lock()
 		if includeTraces {
 			d.hist.ring.each(func(e *traceEntry) { tr = append(tr, *e) })
 		}
@@ -149,7 +149,7 @@ func (a *Allocator) SnapshotOf(pool *PoolID, includeTraces bool) Snapshot {
 	}
 	remaps, lent := make([]int64, len(a.devs)), make([]int64, len(a.devs))
 	for i, d := range a.devs {
-		d.mu.Lock()
+		d.lock()
 		remaps[i], lent[i] = d.stitch.stats.Remaps, d.stitch.stats.Lent
 		d.mu.Unlock()
 	}

@@ -104,7 +104,7 @@ func (a *Allocator) StitchStats(dev int) (StitchStats, error) {
 	if err != nil {
 		return StitchStats{}, err
 	}
-	d.mu.Lock()
+	d.lock()
 	defer d.mu.Unlock()
 	return d.stitch.stats, nil
 }

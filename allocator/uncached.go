@@ -25,7 +25,10 @@ type uncached struct {
 }
 
 // SetCaching turns caching on (true, the default) or off.
-func (a *Allocator) SetCaching(on bool) { a.cachingOff.Store(!on) }
+func (a *Allocator) SetCaching(on bool) {
+	a.cachingOff.Store(!on)
+	a.front.sync()
+}
 
 // Caching reports whether caching is on.
 func (a *Allocator) Caching() bool { return !a.cachingOff.Load() }
@@ -54,6 +57,7 @@ func (a *Allocator) mallocUncached(d *device, size uint64) (cuda.Ptr, error) {
 	}
 	a.unc.m[p] = d.id
 	a.uncN.Store(int64(len(a.unc.m)))
+	a.front.sync()
 	a.unc.mu.Unlock()
 	return p, nil
 }
@@ -79,6 +83,7 @@ func (a *Allocator) freeUncached(p cuda.Ptr) (found bool, err error) {
 	if ok {
 		delete(a.unc.m, p)
 		a.uncN.Store(int64(len(a.unc.m)))
+		a.front.sync()
 	}
 	a.unc.mu.Unlock()
 	if !ok {
@@ -89,6 +94,7 @@ func (a *Allocator) freeUncached(p cuda.Ptr) (found bool, err error) {
 		a.unc.mu.Lock()
 		a.unc.m[p] = dev
 		a.uncN.Store(int64(len(a.unc.m)))
+		a.front.sync()
 		a.unc.mu.Unlock()
 		return true, driverError("free", err, "freeing %#x (allocated while caching was off) on device %d", uintptr(p), dev)
 	}

@@ -18,13 +18,46 @@ extern "C" {
  * cgo's own definitions follow.) */
 #pragma GCC visibility push(hidden)
 
-/* A free PyTorch made that waits in the queue (cudapool.c). */
+/* A free PyTorch made that waits in the queue (cudapool.c), or an
+ * operation of the front cache's log (front.c) as Go replays it. */
 typedef struct {
 	uintptr_t ptr;
 	size_t size;
 	int device; /* -1: unknown, found by the allocator */
+	int op;     /* CP_OP_*: allocator.FrontOp */
 	unsigned long long ctx; /* the free's context (memory history), 0: none */
+	unsigned long long count; /* CP_OP_CYCLES: how many */
 } cp_pending_free;
+
+/* allocator.FrontOp's values (capi's tests check they agree). */
+enum { CP_OP_FREE = 0, CP_OP_FREE_STATS = 1, CP_OP_REUSE = 2, CP_OP_CYCLES = 3 };
+
+/* ---- The front cache (front.c; design in allocator/front.go). ---- */
+
+/* Devices the front serves (others always go to Go) and records per
+ * device log. */
+#define CP_FRONT_MAXDEV 16
+#define CP_FRONT_LOG 64
+
+/* Log lengths, read by Go without the lock. */
+extern volatile int cp_front_n[CP_FRONT_MAXDEV];
+/* Where cp_front_take writes a device's log. */
+extern cp_pending_free cp_front_out[CP_FRONT_MAXDEV][CP_FRONT_LOG];
+
+/* Serves a malloc from the blocks waiting in front, or returns NULL. */
+void *cp_front_malloc(size_t size, int dev, uintptr_t stream);
+/* Takes the free of a tracked block (1), or leaves it to Go (0). */
+int cp_front_free(uintptr_t p, size_t size, int dev);
+/* After a malloc through Go: tracks the block at p if Go says so (track),
+ * else drops any stale entry for p. */
+void cp_front_track(uintptr_t p, size_t size, uintptr_t stream, int dev, int track);
+/* Stops tracking p (before record_stream, IPC and frees through Go). */
+void cp_front_untrack(uintptr_t p);
+/* Moves device dev's log to cp_front_out[dev]; returns its length. Called
+ * by Go under the device lock. */
+size_t cp_front_take(int dev);
+/* Go: whether the front may serve. */
+void cp_front_set_on(int on);
 
 /* The queue's capacity: the most frees one call hands to Go. */
 #define CP_FREEQ_CAP 64
@@ -46,8 +79,9 @@ void cp_set_oom(int device, size_t size, size_t device_total, size_t device_free
 
 /* ---- Go exports (exports.go), called by the C and C++ wrappers. Pointers
  * and streams cross as uintptr_t. ---- */
-extern uintptr_t cpgo_malloc(size_t size, int device, uintptr_t stream);
-extern uintptr_t cpgo_torch_malloc(size_t size, int device, uintptr_t stream, cp_pending_free *frees, size_t nfrees);
+extern uintptr_t cpgo_malloc(size_t size, int device, uintptr_t stream, int *track);
+extern uintptr_t cpgo_torch_malloc(size_t size, int device, uintptr_t stream, cp_pending_free *frees, size_t nfrees,
+                                   int *track);
 extern void cpgo_free_batch(cp_pending_free *frees, size_t nfrees);
 extern void cpgo_free(uintptr_t ptr, size_t size, int device, uintptr_t stream);
 extern void cpgo_init(int device_count);
@@ -76,7 +110,7 @@ extern long long cpgo_sim_violations(void);
 
 /* ---- Go exports for PyTorch's CUDAAllocator interface (torchabi.go). ---- */
 extern uintptr_t cpgo_malloc_ctx(size_t size, int device, uintptr_t stream, unsigned long long ctx,
-                                 cp_pending_free *frees, size_t nfrees);
+                                 cp_pending_free *frees, size_t nfrees, int *track);
 extern void cpgo_expect_announced(void);
 extern int cpgo_free_ctx(uintptr_t ptr, size_t size, int device, unsigned long long ctx);
 extern int cpgo_configure_update(char *conf);

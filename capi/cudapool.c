@@ -136,7 +136,9 @@ size_t cp_take_frees(cp_pending_free *out, size_t cap) {
 void cudapool_free_deferred(void *ptr, size_t size, int device, unsigned long long context) {
 	if (cp_forked_child() || ptr == NULL)
 		return;
-	cp_pending_free f = {(uintptr_t)ptr, size, device, context};
+	if (context == 0 && cp_front_free((uintptr_t)ptr, size, device))
+		return;
+	cp_pending_free f = {.ptr = (uintptr_t)ptr, .size = size, .device = device, .ctx = context};
 	freeq_lock();
 	if (cp_freeq_n < CP_FREEQ_CAP) {
 		cp_freeq[cp_freeq_n++] = f;
@@ -192,14 +194,24 @@ int cudapool_abi_version(void) { return cudapool_version() != NULL ? cp_abi : -1
 
 /* ---- the API ---- */
 
+/* malloc and free try the front cache first (front.c); a malloc through Go
+ * tells it whether to track the block. */
 void *cudapool_malloc(size_t size, int device, cudapool_stream stream) {
 	if (cp_forked_child())
 		return NULL;
-	return (void *)cpgo_malloc(size, device, (uintptr_t)stream);
+	void *p = cp_front_malloc(size, device, (uintptr_t)stream);
+	if (p != NULL)
+		return p;
+	int track = 0;
+	uintptr_t r = cpgo_malloc(size, device, (uintptr_t)stream, &track);
+	cp_front_track(r, size, (uintptr_t)stream, device, track);
+	return (void *)r;
 }
 
 void cudapool_free(void *ptr, size_t size, int device, cudapool_stream stream) {
 	if (cp_forked_child() || ptr == NULL)
+		return;
+	if (cp_front_free((uintptr_t)ptr, size, device))
 		return;
 	cpgo_free((uintptr_t)ptr, size, device, (uintptr_t)stream);
 }
@@ -231,6 +243,7 @@ void *cudapool_base_allocation(void *ptr, size_t *size) {
 void cudapool_record_stream(void *ptr, cudapool_stream stream) {
 	if (cp_forked_child())
 		return;
+	cp_front_untrack((uintptr_t)ptr); /* its free will wait for the stream's work: Go's rule */
 	cpgo_record_stream((uintptr_t)ptr, (uintptr_t)stream);
 }
 
@@ -340,9 +353,32 @@ int cudapool_last_oom(cudapool_oom_info *out) {
 void *cudapool_malloc_ctx(size_t size, int device, cudapool_stream stream, unsigned long long context) {
 	if (cp_forked_child())
 		return NULL;
+	if (context == 0) {
+		void *p = cp_front_malloc(size, device, (uintptr_t)stream);
+		if (p != NULL)
+			return p;
+	}
 	cp_pending_free frees[CP_FREEQ_CAP];
 	size_t n = cp_freeq_n != 0 ? cp_take_frees(frees, CP_FREEQ_CAP) : 0;
-	return (void *)cpgo_malloc_ctx(size, device, (uintptr_t)stream, context, frees, n);
+	int track = 0;
+	uintptr_t r = cpgo_malloc_ctx(size, device, (uintptr_t)stream, context, frees, n, &track);
+	cp_front_track(r, size, (uintptr_t)stream, device, track);
+	return (void *)r;
+}
+
+/* Frees through Go and IPC stop tracking the pointer first. */
+int cudapool_free_ctx(void *ptr, size_t size, int device, unsigned long long context) {
+	if (cp_forked_child())
+		return -1;
+	cp_front_untrack((uintptr_t)ptr);
+	return cpgo_free_ctx((uintptr_t)ptr, size, device, context);
+}
+
+int cudapool_ipc_handle(void *ptr, unsigned char handle[64], size_t *offset, int *device) {
+	if (cp_forked_child())
+		return -1;
+	cp_front_untrack((uintptr_t)ptr);
+	return cpgo_ipc_handle((uintptr_t)ptr, handle, offset, device);
 }
 
 #define CP_FORWARD(ret, fail, name, params, args) \
@@ -359,8 +395,6 @@ void *cudapool_malloc_ctx(size_t size, int device, cudapool_stream stream, unsig
 	}
 
 CP_FORWARD_VOID(cudapool_expect_announced_captures, (void), expect_announced())
-CP_FORWARD(int, -1, cudapool_free_ctx, (void *ptr, size_t size, int device, unsigned long long context),
-           free_ctx((uintptr_t)ptr, size, device, context))
 CP_FORWARD(int, -1, cudapool_configure_update, (const char *conf), configure_update((char *)conf))
 CP_FORWARD(int, -1, cudapool_get_device_stats, (int device, cudapool_device_stats *out),
            get_device_stats(device, out))
@@ -404,8 +438,6 @@ CP_FORWARD(int, -1, cudapool_record_annotation,
            record_annotation(device, (void *)keys, (void *)values, n))
 CP_FORWARD(cudapool_snapshot *, NULL, cudapool_snapshot_take, (int by_pool, unsigned long long a, unsigned long long b,
            int include_traces), snapshot_take(by_pool, a, b, include_traces))
-CP_FORWARD(int, -1, cudapool_ipc_handle, (void *ptr, unsigned char handle[64], size_t *offset, int *device),
-           ipc_handle((uintptr_t)ptr, handle, offset, device))
 void *cudapool_ipc_open(int device, const unsigned char handle[64]) {
 	if (cp_forked_child())
 		return NULL;

@@ -24,7 +24,7 @@ import (
 )
 
 //export cpgo_malloc
-func cpgo_malloc(size C.size_t, dev C.int, stream C.uintptr_t) C.uintptr_t {
+func cpgo_malloc(size C.size_t, dev C.int, stream C.uintptr_t, track *C.int) C.uintptr_t {
 	defer guard("malloc")
 	st := load()
 	if st.err != nil {
@@ -33,9 +33,9 @@ func cpgo_malloc(size C.size_t, dev C.int, stream C.uintptr_t) C.uintptr_t {
 	}
 	if C.cp_freeq_n != 0 {
 		var buf [C.CP_FREEQ_CAP]allocator.PendingFree
-		return mallocAfter(st.a, size, dev, stream, 0, takeFrees(&buf))
+		return mallocAfter(st.a, size, dev, stream, 0, takeFrees(&buf), track)
 	}
-	return mallocAfter(st.a, size, dev, stream, 0, nil)
+	return mallocAfter(st.a, size, dev, stream, 0, nil, track)
 }
 
 // smallBatch is the most queued frees converted in a small stack buffer: a
@@ -45,28 +45,32 @@ func cpgo_malloc(size C.size_t, dev C.int, stream C.uintptr_t) C.uintptr_t {
 const smallBatch = 4
 
 // mallocAfterQueued converts the frees queued in C, then is mallocAfter.
-func mallocAfterQueued(a *allocator.Allocator, size C.size_t, dev C.int, stream C.uintptr_t, ctx C.ulonglong, src []C.cp_pending_free) C.uintptr_t {
+func mallocAfterQueued(a *allocator.Allocator, size C.size_t, dev C.int, stream C.uintptr_t, ctx C.ulonglong, src []C.cp_pending_free, track *C.int) C.uintptr_t {
 	if len(src) <= smallBatch {
 		var buf [smallBatch]allocator.PendingFree
-		return mallocAfter(a, size, dev, stream, ctx, convertFrees(buf[:0], src))
+		return mallocAfter(a, size, dev, stream, ctx, convertFrees(buf[:0], src), track)
 	}
-	return mallocAfterMany(a, size, dev, stream, ctx, src)
+	return mallocAfterMany(a, size, dev, stream, ctx, src, track)
 }
 
 //go:noinline
-func mallocAfterMany(a *allocator.Allocator, size C.size_t, dev C.int, stream C.uintptr_t, ctx C.ulonglong, src []C.cp_pending_free) C.uintptr_t {
+func mallocAfterMany(a *allocator.Allocator, size C.size_t, dev C.int, stream C.uintptr_t, ctx C.ulonglong, src []C.cp_pending_free, track *C.int) C.uintptr_t {
 	var buf [C.CP_FREEQ_CAP]allocator.PendingFree
-	return mallocAfter(a, size, dev, stream, ctx, convertFrees(buf[:0], src))
+	return mallocAfter(a, size, dev, stream, ctx, convertFrees(buf[:0], src), track)
 }
 
 // mallocAfter performs the queued frees and the malloc (whose context id is
-// ctx) in one lock hold.
-func mallocAfter(a *allocator.Allocator, size C.size_t, dev C.int, stream C.uintptr_t, ctx C.ulonglong, frees []allocator.PendingFree) C.uintptr_t {
-	p, err, ferr := a.MallocAfterFrees(int(dev), uint64(size), cuda.Stream(stream), uint64(ctx), frees)
+// ctx) in one lock hold, and sets *track when the front cache may track the
+// block (allocator/front.go).
+func mallocAfter(a *allocator.Allocator, size C.size_t, dev C.int, stream C.uintptr_t, ctx C.ulonglong, frees []allocator.PendingFree, track *C.int) C.uintptr_t {
+	p, tr, err, ferr := a.MallocTracked(int(dev), uint64(size), cuda.Stream(stream), uint64(ctx), frees)
 	reportFreeError(ferr)
 	if err != nil {
 		failMalloc(err)
 		return 0
+	}
+	if tr && track != nil {
+		*track = 1
 	}
 	return C.uintptr_t(p)
 }
@@ -87,7 +91,7 @@ func cpgo_free_batch(frees *C.cp_pending_free, n C.size_t) {
 var torchAnnounced atomic.Bool
 
 //export cpgo_torch_malloc
-func cpgo_torch_malloc(size C.size_t, dev C.int, stream C.uintptr_t, frees *C.cp_pending_free, nfrees C.size_t) C.uintptr_t {
+func cpgo_torch_malloc(size C.size_t, dev C.int, stream C.uintptr_t, frees *C.cp_pending_free, nfrees C.size_t, track *C.int) C.uintptr_t {
 	defer guard("malloc")
 	st := load()
 	if st.err != nil {
@@ -99,7 +103,7 @@ func cpgo_torch_malloc(size C.size_t, dev C.int, stream C.uintptr_t, frees *C.cp
 		a.ExpectAnnouncements()
 		torchAnnounced.Store(true)
 	}
-	return mallocAfterQueued(a, size, dev, stream, 0, unsafe.Slice(frees, int(nfrees)))
+	return mallocAfterQueued(a, size, dev, stream, 0, unsafe.Slice(frees, int(nfrees)), track)
 }
 
 //export cpgo_free

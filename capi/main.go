@@ -135,7 +135,8 @@ func takeFrees(buf *[C.CP_FREEQ_CAP]allocator.PendingFree) []allocator.PendingFr
 
 func convertFrees(dst []allocator.PendingFree, src []C.cp_pending_free) []allocator.PendingFree {
 	for _, f := range src {
-		dst = append(dst, allocator.PendingFree{Dev: int(f.device), Ptr: cuda.Ptr(f.ptr), Size: uint64(f.size), Ctx: uint64(f.ctx)})
+		dst = append(dst, allocator.PendingFree{Dev: int(f.device), Ptr: cuda.Ptr(f.ptr), Size: uint64(f.size), Ctx: uint64(f.ctx),
+			Op: allocator.FrontOp(f.op), Count: uint64(f.count)})
 	}
 	return dst
 }
@@ -195,6 +196,7 @@ func newState(lookup func(string) (string, bool)) *state {
 		return st
 	}
 	a.SetWarningHandler(warnOnce)
+	a.SetFront(cFront{})
 	st.a = a
 	return st
 }

@@ -139,10 +139,16 @@ void *cudapool_torch_malloc(size_t size, int device, cudaStream_t stream) {
 			return nullptr;
 		cp_throw_oom(cudapool_last_error());
 	}
+	uintptr_t s = reinterpret_cast<uintptr_t>(stream);
+	if (void *hit = cp_front_malloc(size, device, s))
+		return hit;
 	// Queued frees (cudapool_torch_free) go along, done before the malloc.
 	cp_pending_free frees[CP_FREEQ_CAP];
 	size_t n = cp_freeq_n != 0 ? cp_take_frees(frees, CP_FREEQ_CAP) : 0;
-	void *p = reinterpret_cast<void *>(cpgo_torch_malloc(size, device, reinterpret_cast<uintptr_t>(stream), frees, n));
+	int track = 0;
+	uintptr_t r = cpgo_torch_malloc(size, device, s, frees, n, &track);
+	cp_front_track(r, size, s, device, track);
+	void *p = reinterpret_cast<void *>(r);
 	if (p == nullptr && size > 0)
 		cp_throw_oom(cudapool_last_error());
 	return p;

@@ -26,14 +26,14 @@ import (
 )
 
 //export cpgo_malloc_ctx
-func cpgo_malloc_ctx(size C.size_t, dev C.int, stream C.uintptr_t, ctx C.ulonglong, frees *C.cp_pending_free, nfrees C.size_t) C.uintptr_t {
+func cpgo_malloc_ctx(size C.size_t, dev C.int, stream C.uintptr_t, ctx C.ulonglong, frees *C.cp_pending_free, nfrees C.size_t, track *C.int) C.uintptr_t {
 	defer guard("malloc")
 	st := load()
 	if st.err != nil {
 		setError(st.err.Error())
 		return 0
 	}
-	return mallocAfterQueued(st.a, size, dev, stream, ctx, unsafe.Slice(frees, int(nfrees)))
+	return mallocAfterQueued(st.a, size, dev, stream, ctx, unsafe.Slice(frees, int(nfrees)), track)
 }
 
 // failMalloc records a failed malloc, and for out of memory the numbers

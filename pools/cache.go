@@ -304,6 +304,41 @@ func (c *Cache) countAllocated(b *Block) {
 	}
 }
 
+// Front-cache accounting. A front cache (allocator/front.go) serves a malloc
+// with a block the user freed since the allocator last looked, without
+// the block ever leaving its allocation: to the structures the block stays
+// allocated throughout, and these record only what the statistics would
+// have seen. The caller replays them in the order they happened, so the
+// peaks stay exact.
+
+// CountFrontFree counts the user's free of the allocated block b, which
+// stays allocated in the structures (its reuse follows, or a real free).
+func (c *Cache) CountFrontFree(b *Block) {
+	c.hot.freed(b.Pool.Small, int64(b.Size), int64(b.Requested))
+	if b.Size >= c.cfg.MaxSplitSize {
+		c.Stats.OversizeAllocations.Decrease(1)
+	}
+}
+
+// CountFrontReuse counts b's reallocation after CountFrontFree.
+func (c *Cache) CountFrontReuse(b *Block) {
+	c.hot.allocated(b.Pool.Small, int64(b.Size), int64(b.Requested))
+	if b.Size >= c.cfg.MaxSplitSize {
+		c.Stats.OversizeAllocations.Increase(1)
+	}
+}
+
+// CountFrontCycles counts k frees of the allocated block b, each followed at
+// once by its reuse.
+func (c *Cache) CountFrontCycles(b *Block, k int64) {
+	c.hot.cycled(b.Pool.Small, int64(b.Size), int64(b.Requested), k)
+	if b.Size >= c.cfg.MaxSplitSize {
+		o := &c.Stats.OversizeAllocations
+		o.Allocated += k
+		o.Freed += k
+	}
+}
+
 // Lookup returns the allocated block at p, or nil.
 func (c *Cache) Lookup(p cuda.Ptr) *Block { return c.active.get(p) }
 

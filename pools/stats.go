@@ -186,6 +186,32 @@ func (h *hotStats) allocated(small bool, size, requested int64) {
 	up(&a.cur[hRequestedBytes], &a.peak[hRequestedBytes], requested)
 }
 
+// freed undoes allocated: the five quantities go down (a block the user
+// freed that a front cache keeps for its next malloc, allocator/front.go).
+func (h *hotStats) freed(small bool, size, requested int64) {
+	p, a := h.pool(small), &h.all
+	for _, c := range [2]*[nHotSlots]int64{&p.cur, &a.cur} {
+		c[hAllocation]--
+		c[hAllocatedBytes] -= size
+		c[hActive]--
+		c[hActiveBytes] -= size
+		c[hRequestedBytes] -= requested
+	}
+}
+
+// cycled counts k frees of one block, each followed at once by its
+// reallocation: the sums of increases grow by k allocations; the current
+// values end where they were and the peaks cannot move (every value in
+// between was lower).
+func (h *hotStats) cycled(small bool, size, requested, k int64) {
+	p := h.pool(small)
+	p.inc[hAllocation] += k
+	p.inc[hAllocatedBytes] += k * size
+	p.inc[hActive] += k
+	p.inc[hActiveBytes] += k * size
+	p.inc[hRequestedBytes] += k * requested
+}
+
 // decrease subtracts n (> 0) from quantity q of the pool and of "all".
 func (h *hotStats) decrease(small bool, q int, n int64) {
 	q &= nHotSlots - 1

@@ -1,0 +1,298 @@
+/*
+ * front.c - the front cache: the C half of allocator/front.go, whose design
+ * note says what it may do. In short: Go marks the blocks this file may
+ * track (default-pool blocks allocated while the front is enabled); a free
+ * of a tracked block is logged here and the block waits, still allocated to
+ * Go; a malloc of the same requested size, stream and device takes it back
+ * (logged as a reuse); Go takes each device's log under its device lock
+ * before anything else and replays it. Everything else goes to Go.
+ *
+ * One spin lock guards everything here. It is held for a few dozen
+ * instructions and never across a call into Go, and Go takes it only
+ * through cp_front_take, so the lock order is: device lock (Go), then this.
+ *
+ * The table of tracked blocks is an open-addressing hash (linear probing,
+ * deletion by backward shift) over a fixed array of entries; when it is
+ * full a block is simply not tracked. A device's waiting blocks are linked
+ * in lists hashed by (size, stream), newest first.
+ *
+ * The log of a device holds at most CP_FRONT_LOG records. A reuse that
+ * follows the free of the same block is folded into that record (a cycle),
+ * so a loop of malloc+free of one size never fills it. When it is full a
+ * free goes to Go and a malloc misses; Go then takes the log.
+ */
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "capi.h"
+
+#define ENTS (1 << 16)  /* tracked blocks, all devices together */
+#define SLOTS (1 << 17) /* hash slots: at most half full */
+#define BUCKETS 64      /* reuse lists per device */
+
+enum { LIVE = 1, FREED = 2 };
+enum { R_FREE = 1, R_REUSE, R_CYCLE };
+
+typedef struct {
+	uintptr_t ptr, stream;
+	size_t size;       /* the requested size */
+	int32_t dev;
+	int32_t next;      /* FREED: next in its reuse list; unused: next free entry (index + 1, 0: none) */
+	int32_t lastfree;  /* FREED: the index of its free in the log */
+	uint8_t state;
+} ent;
+
+typedef struct {
+	int32_t kind;
+	int32_t ent; /* index + 1 */
+	uint64_t count;
+} rec;
+
+typedef struct {
+	rec log[CP_FRONT_LOG];
+	int32_t bucket[BUCKETS]; /* heads of the reuse lists (index + 1, 0: empty) */
+} devfront;
+
+/* All guarded by lock_word, except where said. */
+static ent ents[ENTS];
+static int32_t slots[SLOTS]; /* index + 1; 0: empty */
+static int32_t free_ents;    /* head of the unused entries (index + 1) */
+static int32_t used_ents;    /* entries ever handed out: [used_ents, ENTS) never were */
+static devfront devs[CP_FRONT_MAXDEV];
+static atomic_int lock_word;
+
+/* Log lengths, written under the lock and read by Go without it (a hint). */
+volatile int cp_front_n[CP_FRONT_MAXDEV];
+/* Where cp_front_take writes a device's log for Go (guarded by Go's device lock). */
+cp_pending_free cp_front_out[CP_FRONT_MAXDEV][CP_FRONT_LOG];
+/* Whether the front may serve: written by Go (cp_front_set_on), read
+ * without the lock as a hint and again under it. */
+static atomic_int front_on;
+/* How many blocks are tracked: read without the lock to skip the lock when
+ * there are none. */
+static atomic_int tracked;
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+	__builtin_ia32_pause();
+#elif defined(__aarch64__)
+	__asm__ __volatile__("yield");
+#endif
+}
+
+static void lock(void) {
+	for (;;) {
+		if (!atomic_exchange_explicit(&lock_word, 1, memory_order_acquire))
+			return;
+		for (int spins = 0; atomic_load_explicit(&lock_word, memory_order_relaxed);) {
+			if (++spins < 128) {
+				cpu_relax();
+			} else {
+				sched_yield(); /* the holder may have been descheduled */
+				spins = 0;
+			}
+		}
+	}
+}
+
+static void unlock(void) { atomic_store_explicit(&lock_word, 0, memory_order_release); }
+
+static inline uint32_t slot_of(uintptr_t p) {
+	return (uint32_t)(((uint64_t)p * 0x9E3779B97F4A7C15ull) >> 47) & (SLOTS - 1);
+}
+
+static inline uint32_t bucket_of(size_t size, uintptr_t stream) {
+	return (uint32_t)((((uint64_t)size ^ ((uint64_t)stream << 7)) * 0x9E3779B97F4A7C15ull) >> 58) & (BUCKETS - 1);
+}
+
+/* find returns the slot holding p, or -1. */
+static int32_t find(uintptr_t p) {
+	for (uint32_t i = slot_of(p);; i = (i + 1) & (SLOTS - 1)) {
+		int32_t e = slots[i];
+		if (e == 0)
+			return -1;
+		if (ents[e - 1].ptr == p)
+			return (int32_t)i;
+	}
+}
+
+/* forget removes the entry in slot i from the table. */
+static void forget(uint32_t i) {
+	int32_t e = slots[i];
+	ents[e - 1].state = 0;
+	ents[e - 1].next = free_ents;
+	free_ents = e;
+	atomic_fetch_sub_explicit(&tracked, 1, memory_order_relaxed);
+	/* Backward-shift deletion: move up every later entry of the run whose
+	 * home slot is not between the hole and it. */
+	slots[i] = 0;
+	for (uint32_t j = (i + 1) & (SLOTS - 1); slots[j] != 0; j = (j + 1) & (SLOTS - 1)) {
+		uint32_t k = slot_of(ents[slots[j] - 1].ptr);
+		int stays = (i <= j) ? (i < k && k <= j) : (i < k || k <= j);
+		if (!stays) {
+			slots[i] = slots[j];
+			slots[j] = 0;
+			i = j;
+		}
+	}
+}
+
+void cp_front_set_on(int on) { atomic_store(&front_on, on != 0); }
+
+void cp_front_track(uintptr_t p, size_t size, uintptr_t stream, int dev, int track) {
+	if (p == 0)
+		return;
+	if (!track || (unsigned)dev >= CP_FRONT_MAXDEV) {
+		/* An untracked block at p: drop a stale entry, should one be left. */
+		if (atomic_load_explicit(&tracked, memory_order_relaxed) == 0)
+			return;
+		lock();
+		int32_t i = find(p);
+		if (i >= 0 && ents[slots[i] - 1].state == LIVE)
+			forget((uint32_t)i);
+		unlock();
+		return;
+	}
+	lock();
+	int32_t i = find(p), e;
+	if (i >= 0) {
+		e = slots[i];
+		if (ents[e - 1].state != LIVE) { /* cannot happen: Go never hands out a waiting block */
+			unlock();
+			return;
+		}
+	} else {
+		if (free_ents != 0) {
+			e = free_ents;
+			free_ents = ents[e - 1].next;
+		} else if (used_ents < ENTS) {
+			e = ++used_ents;
+		} else {
+			unlock(); /* full: this block is not tracked */
+			return;
+		}
+		uint32_t s = slot_of(p);
+		while (slots[s] != 0)
+			s = (s + 1) & (SLOTS - 1);
+		slots[s] = e;
+		atomic_fetch_add_explicit(&tracked, 1, memory_order_relaxed);
+	}
+	ents[e - 1] = (ent){.ptr = p, .stream = stream, .size = size, .dev = dev, .state = LIVE};
+	unlock();
+}
+
+void cp_front_untrack(uintptr_t p) { cp_front_track(p, 0, 0, -1, 0); }
+
+int cp_front_free(uintptr_t p, size_t size, int dev) {
+	if (atomic_load_explicit(&tracked, memory_order_relaxed) == 0)
+		return 0;
+	lock();
+	int32_t i = find(p);
+	if (i < 0) {
+		unlock();
+		return 0;
+	}
+	int32_t e = slots[i];
+	ent *x = &ents[e - 1];
+	if (x->state != LIVE) {
+		/* Freed twice: Go reports it, after taking the log. */
+		unlock();
+		return 0;
+	}
+	int n = cp_front_n[x->dev];
+	if (!atomic_load_explicit(&front_on, memory_order_relaxed) || (size != 0 && size != x->size) ||
+	    (dev >= 0 && dev != x->dev) || n == CP_FRONT_LOG) {
+		/* Go frees it (and reports a wrong size or device). */
+		forget((uint32_t)i);
+		unlock();
+		return 0;
+	}
+	devfront *d = &devs[x->dev];
+	d->log[n] = (rec){.kind = R_FREE, .ent = e};
+	x->state = FREED;
+	x->lastfree = n;
+	int32_t *head = &d->bucket[bucket_of(x->size, x->stream)];
+	x->next = *head;
+	*head = e;
+	__atomic_store_n(&cp_front_n[x->dev], n + 1, __ATOMIC_RELEASE);
+	unlock();
+	return 1;
+}
+
+void *cp_front_malloc(size_t size, int dev, uintptr_t stream) {
+	if (!atomic_load_explicit(&front_on, memory_order_relaxed) || (unsigned)dev >= CP_FRONT_MAXDEV ||
+	    cp_front_n[dev] == 0)
+		return NULL; /* no block waits on this device */
+	lock();
+	devfront *d = &devs[dev];
+	int n = cp_front_n[dev];
+	int32_t *link = &d->bucket[bucket_of(size, stream)], e;
+	for (e = *link; e != 0; link = &ents[e - 1].next, e = *link)
+		if (ents[e - 1].size == size && ents[e - 1].stream == stream)
+			break;
+	if (e == 0 || !atomic_load_explicit(&front_on, memory_order_relaxed)) {
+		unlock();
+		return NULL;
+	}
+	if (n > 0 && d->log[n - 1].kind == R_FREE && d->log[n - 1].ent == e) {
+		/* Freed just before: free and reuse fold into a cycle. */
+		if (n > 1 && d->log[n - 2].kind == R_CYCLE && d->log[n - 2].ent == e) {
+			d->log[n - 2].count++;
+			n--;
+		} else {
+			d->log[n - 1] = (rec){.kind = R_CYCLE, .ent = e, .count = 1};
+		}
+	} else if (n < CP_FRONT_LOG) {
+		d->log[n++] = (rec){.kind = R_REUSE, .ent = e};
+	} else {
+		unlock(); /* full: a miss; Go takes the log */
+		return NULL;
+	}
+	ent *x = &ents[e - 1];
+	*link = x->next;
+	x->next = 0;
+	x->state = LIVE;
+	__atomic_store_n(&cp_front_n[dev], n, __ATOMIC_RELEASE);
+	unlock();
+	return (void *)x->ptr;
+}
+
+size_t cp_front_take(int dev) {
+	if ((unsigned)dev >= CP_FRONT_MAXDEV)
+		return 0;
+	lock();
+	devfront *d = &devs[dev];
+	int n = cp_front_n[dev];
+	cp_pending_free *out = cp_front_out[dev];
+	for (int i = 0; i < n; i++) {
+		rec r = d->log[i];
+		ent *x = &ents[r.ent - 1];
+		cp_pending_free f = {.ptr = x->ptr, .device = dev};
+		switch (r.kind) {
+		case R_FREE:
+			if (x->state == FREED && x->lastfree == i) {
+				/* Its last free, and no reuse followed: a real free, and
+				 * the block leaves the front (no later record names it). */
+				f.op = CP_OP_FREE;
+				forget((uint32_t)find(x->ptr));
+			} else {
+				f.op = CP_OP_FREE_STATS;
+			}
+			break;
+		case R_REUSE:
+			f.op = CP_OP_REUSE;
+			break;
+		default:
+			f.op = CP_OP_CYCLES;
+			f.count = r.count;
+		}
+		out[i] = f;
+	}
+	/* Every waiting block of the device had its free in this log. */
+	memset(d->bucket, 0, sizeof d->bucket);
+	__atomic_store_n(&cp_front_n[dev], 0, __ATOMIC_RELEASE);
+	unlock();
+	return (size_t)n;
+}

@@ -1,0 +1,43 @@
+package main
+
+// The Go side of the front cache (front.c; the design is in
+// allocator/front.go): the allocator.Front that reads the C logs.
+
+/*
+#cgo noescape cp_front_take
+#cgo nocallback cp_front_take
+#cgo nocallback cp_front_set_on
+#include "capi.h"
+*/
+import "C"
+
+import (
+	"sync/atomic"
+	"unsafe"
+
+	"github.com/cudapool/cudapool/allocator"
+)
+
+type cFront struct{}
+
+func (cFront) Pending(dev int) bool {
+	return uint(dev) < C.CP_FRONT_MAXDEV && atomic.LoadInt32((*int32)(unsafe.Pointer(&C.cp_front_n[dev]))) != 0
+}
+
+func (cFront) Take(dev int, buf []allocator.PendingFree) []allocator.PendingFree {
+	n := int(C.cp_front_take(C.int(dev)))
+	if n == 0 {
+		return buf
+	}
+	return convertFrees(buf, unsafe.Slice(&C.cp_front_out[dev][0], n))
+}
+
+func (cFront) SetEnabled(on bool) {
+	v := C.int(0)
+	if on {
+		v = 1
+	}
+	C.cp_front_set_on(v)
+}
+
+func (cFront) Capacity() int { return C.CP_FRONT_LOG }
