@@ -2,12 +2,16 @@
  * hot_path.c - where one cache-hit malloc+free pair spends its time, seen
  * from C (docs/hot-path.md): the cost of a call, of a call into Go (on a
  * thread whose Go M is warm, and the first call of a new thread), the pair
- * as PyTorch's C++ class makes it (one call into Go: cudapool_malloc_ctx
- * with the previous free queued in C by cudapool_free_deferred), the pair as
- * a C program makes it (two calls), and the PyTorch-class pair after other
+ * as PyTorch's C++ class makes it (cudapool_malloc_ctx, then
+ * cudapool_free_deferred), the pair as a C program makes it
+ * (cudapool_malloc, cudapool_free), and the PyTorch-class pair after other
  * memory was touched (as the Python interpreter does between allocations),
  * and a call into Go after the thread slept in C for 1 and 10 ms (a Python
- * step that allocates nothing for that long).
+ * step that allocates nothing for that long). The pairs are served by the
+ * front cache (allocator/front.go: no call into Go); the "front off" rows
+ * are the same pairs with front_cache:False, through Go (the class path's
+ * free is queued and performed by the next malloc: one call into Go; the C
+ * API's: two).
  *
  *   hot_path [ROUNDS]      (CUDAPOOL_BACKEND=sim: the simulator, no GPU)
  *
@@ -176,6 +180,9 @@ enum {
 	R_PAIR_C,
 	R_TOUCH_S,
 	R_TOUCH_L,
+	R_PAIR_TORCH_GO,
+	R_PAIR_C_GO,
+	R_TOUCH_S_GO,
 	NROWS
 };
 static const char *row_names[NROWS] = {
@@ -186,12 +193,21 @@ static const char *row_names[NROWS] = {
     "call into Go, second on that thread",
     "call into Go after 1 ms asleep in C",
     "call into Go after 10 ms asleep in C",
-    "pair, PyTorch class path (1 Go call)",
-    "pair, C API (2 Go calls)",
+    "pair, PyTorch class path",
+    "pair, C API",
     "class-path pair after 2 MiB touched",
     "class-path pair after 8 MiB touched",
+    "pair, class path, front off (1 Go call)",
+    "pair, C API, front off (2 Go calls)",
+    "class pair, 2 MiB touched, front off",
 };
-static const char *row_units[NROWS] = {"cpu", "cpu", "cpu", "wall", "wall", "wall", "wall", "cpu", "cpu", "wall", "wall"};
+static const char *row_units[NROWS] = {"cpu", "cpu", "cpu", "wall", "wall", "wall", "wall",
+                                       "cpu", "cpu", "wall", "wall", "cpu", "cpu", "wall"};
+
+/* front switches the front cache on or off (a live configuration update). */
+static int front(int on) {
+	return cudapool_configure_update(on ? "front_cache:True" : "front_cache:False");
+}
 
 int main(int argc, char **argv) {
 	int rounds = argc > 1 ? atoi(argv[1]) : 7;
@@ -225,6 +241,14 @@ int main(int argc, char **argv) {
 		res[R_PAIR_C][k] = cpu_per_op(op_pair_c, 300000);
 		res[R_TOUCH_S][k] = after_touch(op_pair_torch, evict, small, 3000);
 		res[R_TOUCH_L][k] = after_touch(op_pair_torch, evict, large, 1000);
+		if (front(0) != 0) {
+			fprintf(stderr, "hot_path: %s\n", cudapool_last_error());
+			return 2;
+		}
+		res[R_PAIR_TORCH_GO][k] = cpu_per_op(op_pair_torch, 300000);
+		res[R_PAIR_C_GO][k] = cpu_per_op(op_pair_c, 300000);
+		res[R_TOUCH_S_GO][k] = after_touch(op_pair_torch, evict, small, 3000);
+		front(1);
 		res[R_GO_GAP1][k] = after_gap(1000000, 50);
 		res[R_GO_GAP10][k] = after_gap(10000000, 15);
 		double first[THREADS], second[THREADS];
