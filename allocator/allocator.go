@@ -122,7 +122,8 @@ type device struct {
 	front    Front
 	frontBuf []PendingFree
 	fc       *frontCtl // the allocator's
-	// routed: the last malloc went to a private pool; guarded by mu.
+	// routed: the last malloc's block is not the default pool's (or it
+	// failed); guarded by mu.
 	routed bool
 
 	id        int

@@ -84,11 +84,10 @@ func (d *device) malloc(size uint64, s cuda.Stream, capture uint64) (cuda.Ptr, e
 		d.leaveUnsafe()
 	}
 	small, large := d.cache.Small, d.cache.Large
-	d.routed = false
+	d.routed = true // until a default-pool block is allocated
 	if p := d.graphs.Route(s, capture, d.newPools); p != nil {
 		small, large = p.Small, p.Large
 		capturing = true
-		d.routed = true
 		d.countCaptures() // Route may have met a new unannounced capture
 	}
 	r := d.cache.NewRequest(size, s, small, large)
@@ -100,6 +99,8 @@ func (d *device) malloc(size uint64, s cuda.Stream, capture uint64) (cuda.Ptr, e
 		}
 	}
 	b = d.cache.Allocate(&r, b)
+	// A block borrowed from a private pool under OOM (grow) is routed too.
+	d.routed = !b.Pool.ID.IsDefault()
 	b.Context = d.hist.op
 	d.record(actionAlloc, b.Ptr, b.Requested, s, b.Pool.ID, b.Context)
 	return b.Ptr, nil

@@ -25,9 +25,12 @@ package allocator
 //     (pools.Cache.CountFront*); the last free of a block still waiting is a
 //     real free. So the structures never see a block that was reused, and
 //     the statistics see every free and malloc in the order they happened:
-//     current values, sums and peaks are exactly those of the same calls
-//     without the front. Anything that reads state (statistics, snapshots,
-//     empty_cache, OOM retry, a miss) takes the log first.
+//     allocations, allocated, active and requested bytes and oversize
+//     allocations (current values, sums and peaks) are exactly those of the
+//     same calls without the front. inactive_split describes what happened:
+//     a split block that waited in front was an unmerged free block. Anything
+//     that reads state (statistics, snapshots, empty_cache, OOM retry, a
+//     miss) on a device takes that device's log first.
 //   - The front serves nothing while any rule it cannot see might apply:
 //     captures not announced (each malloc would have to ask the driver), a
 //     capture or allocate-to-pool under way on any device (allocations route
@@ -40,8 +43,13 @@ package allocator
 // What differs from the same calls without the front is placement only: a
 // freed block is reused as it is, instead of merging with free neighbours
 // and being found again by best fit. It is the block best fit would often
-// pick anyway, and nothing can run short for it: the front holds blocks only
-// until the next call into Go, which takes them back first.
+// pick anyway, and nothing can run short for it: the front holds a device's
+// blocks only until the next call into Go for that device, which takes
+// them back first. Two smaller differences: operations logged just before
+// memory history starts are replayed after it has (their frees then appear
+// in the trace, their reuses do not), and a block waiting in front keeps
+// the size it was rounded to when a configuration change would round the
+// same request differently (as a cached block does without the front).
 
 import (
 	"fmt"
@@ -157,15 +165,4 @@ func (d *device) replayFront() {
 			d.cache.CountFrontCycles(b, int64(op.Count))
 		}
 	}
-}
-
-// Drain replays device dev's front log now (the front calls it when its log
-// is full).
-func (a *Allocator) Drain(dev int) {
-	d, err := a.device("drain", dev)
-	if err != nil {
-		return
-	}
-	d.lock()
-	d.mu.Unlock()
 }

@@ -46,8 +46,12 @@ extern cp_pending_free cp_front_out[CP_FRONT_MAXDEV][CP_FRONT_LOG];
 
 /* Serves a malloc from the blocks waiting in front, or returns NULL. */
 void *cp_front_malloc(size_t size, int dev, uintptr_t stream);
-/* Takes the free of a tracked block (1), or leaves it to Go (0). */
-int cp_front_free(uintptr_t p, size_t size, int dev);
+/* Takes the free of a tracked block (1), or leaves it to Go (0), or says
+ * the block waits in front already (CP_FRONT_TWICE: a double free, which
+ * must reach Go at once). dev must be the block's device, or -1 if
+ * any_dev. */
+#define CP_FRONT_TWICE 2
+int cp_front_free(uintptr_t p, size_t size, int dev, int any_dev);
 /* After a malloc through Go: tracks the block at p if Go says so (track),
  * else drops any stale entry for p. */
 void cp_front_track(uintptr_t p, size_t size, uintptr_t stream, int dev, int track);

@@ -136,9 +136,20 @@ size_t cp_take_frees(cp_pending_free *out, size_t cap) {
 void cudapool_free_deferred(void *ptr, size_t size, int device, unsigned long long context) {
 	if (cp_forked_child() || ptr == NULL)
 		return;
-	if (context == 0 && cp_front_free((uintptr_t)ptr, size, device))
-		return;
 	cp_pending_free f = {.ptr = (uintptr_t)ptr, .size = size, .device = device, .ctx = context};
+	if (context != 0) {
+		cp_front_untrack((uintptr_t)ptr); /* freed through Go: the front must forget it */
+	} else {
+		int r = cp_front_free((uintptr_t)ptr, size, device, 1);
+		if (r == 1)
+			return;
+		if (r == CP_FRONT_TWICE) {
+			/* Queued, it would be performed after a malloc had handed the
+			 * block out again: Go reports it now instead. */
+			cpgo_free_batch(&f, 1);
+			return;
+		}
+	}
 	freeq_lock();
 	if (cp_freeq_n < CP_FREEQ_CAP) {
 		cp_freeq[cp_freeq_n++] = f;
@@ -211,7 +222,7 @@ void *cudapool_malloc(size_t size, int device, cudapool_stream stream) {
 void cudapool_free(void *ptr, size_t size, int device, cudapool_stream stream) {
 	if (cp_forked_child() || ptr == NULL)
 		return;
-	if (cp_front_free((uintptr_t)ptr, size, device))
+	if (cp_front_free((uintptr_t)ptr, size, device, 0) == 1)
 		return;
 	cpgo_free((uintptr_t)ptr, size, device, (uintptr_t)stream);
 }
@@ -418,9 +429,19 @@ CP_FORWARD(int, -1, cudapool_pool_set_source,
 CP_FORWARD(unsigned long long, 0, cudapool_checkpoint_pool, (int device, unsigned long long a, unsigned long long b),
            checkpoint_pool(device, a, b))
 CP_FORWARD_VOID(cudapool_checkpoint_release, (unsigned long long checkpoint), checkpoint_release(checkpoint))
-CP_FORWARD(int, -1, cudapool_checkpoint_restore,
-           (int device, unsigned long long checkpoint, cudapool_restore_result *out),
-           checkpoint_restore(device, checkpoint, out))
+/* A restore frees and allocates blocks in Go: the front forgets them. */
+int cudapool_checkpoint_restore(int device, unsigned long long checkpoint, cudapool_restore_result *out) {
+	if (cp_forked_child())
+		return -1;
+	int rc = cpgo_checkpoint_restore(device, checkpoint, out);
+	if (rc == 0 && out != NULL) {
+		for (size_t i = 0; i < out->nfreed; i++)
+			cp_front_untrack((uintptr_t)out->freed[i]);
+		for (size_t i = 0; i < out->nallocated; i++)
+			cp_front_untrack((uintptr_t)out->allocated[i]);
+	}
+	return rc;
+}
 CP_FORWARD(int, -1, cudapool_pool_check_live,
            (int device, unsigned long long a, unsigned long long b, void *const *expected, size_t n),
            pool_check_live(device, a, b, (void *)expected, n))

@@ -28,11 +28,21 @@
 
 #include "capi.h"
 
-#define ENTS (1 << 16)  /* tracked blocks, all devices together */
-#define SLOTS (1 << 17) /* hash slots: at most half full */
+#define ENTS (1 << 13)  /* tracked blocks, all devices together */
+#define SLOTS (1 << 14) /* hash slots: at most half full */
 #define BUCKETS 64      /* reuse lists per device */
 
-enum { LIVE = 1, FREED = 2 };
+/* Cold mode: when, over the last COLD_WINDOW blocks a device's front took
+ * or gave back, more than twice as many were freed for real (never reused)
+ * as were reused, the next COLD_SKIP blocks of that device are not tracked.
+ * A workload whose sizes rarely repeat (the C benchmark's mixed sizes) then
+ * pays for the front only in the windows where it samples again. */
+#define COLD_WINDOW 256
+#define COLD_SKIP 4096
+
+/* DEAD: forgotten while its device's log still names it; recycled by the
+ * device's next take, so that a record never names another block. */
+enum { LIVE = 1, FREED = 2, DEAD = 3 };
 enum { R_FREE = 1, R_REUSE, R_CYCLE };
 
 typedef struct {
@@ -42,6 +52,7 @@ typedef struct {
 	int32_t next;      /* FREED: next in its reuse list; unused: next free entry (index + 1, 0: none) */
 	int32_t lastfree;  /* FREED: the index of its free in the log */
 	uint8_t state;
+	uint8_t inlog;     /* a record of its device's log names it */
 } ent;
 
 typedef struct {
@@ -53,11 +64,21 @@ typedef struct {
 typedef struct {
 	rec log[CP_FRONT_LOG];
 	int32_t bucket[BUCKETS]; /* heads of the reuse lists (index + 1, 0: empty) */
+	int32_t dead;            /* DEAD entries (index + 1), linked by next */
+	uint32_t reused, wasted; /* blocks reused, and freed for real, in this window */
+	atomic_int cold;         /* blocks still to leave untracked (cold mode) */
 } devfront;
+
+/* A hash slot: the pointer is kept here too, so that probing reads only
+ * the slots. */
+typedef struct {
+	uintptr_t ptr;
+	int32_t e; /* index + 1; 0: empty */
+} slot;
 
 /* All guarded by lock_word, except where said. */
 static ent ents[ENTS];
-static int32_t slots[SLOTS]; /* index + 1; 0: empty */
+static slot slots[SLOTS];
 static int32_t free_ents;    /* head of the unused entries (index + 1) */
 static int32_t used_ents;    /* entries ever handed out: [used_ents, ENTS) never were */
 static devfront devs[CP_FRONT_MAXDEV];
@@ -110,30 +131,38 @@ static inline uint32_t bucket_of(size_t size, uintptr_t stream) {
 /* find returns the slot holding p, or -1. */
 static int32_t find(uintptr_t p) {
 	for (uint32_t i = slot_of(p);; i = (i + 1) & (SLOTS - 1)) {
-		int32_t e = slots[i];
-		if (e == 0)
+		if (slots[i].e == 0)
 			return -1;
-		if (ents[e - 1].ptr == p)
+		if (slots[i].ptr == p)
 			return (int32_t)i;
 	}
 }
 
-/* forget removes the entry in slot i from the table. */
+/* forget removes the entry in slot i from the table. An entry its device's
+ * log still names waits, DEAD, for the device's next take: the log's
+ * records read the entry's pointer. */
 static void forget(uint32_t i) {
-	int32_t e = slots[i];
-	ents[e - 1].state = 0;
-	ents[e - 1].next = free_ents;
-	free_ents = e;
+	int32_t e = slots[i].e;
+	ent *x = &ents[e - 1];
+	if (x->inlog) {
+		x->state = DEAD;
+		x->next = devs[x->dev].dead;
+		devs[x->dev].dead = e;
+	} else {
+		x->state = 0;
+		x->next = free_ents;
+		free_ents = e;
+	}
 	atomic_fetch_sub_explicit(&tracked, 1, memory_order_relaxed);
 	/* Backward-shift deletion: move up every later entry of the run whose
 	 * home slot is not between the hole and it. */
-	slots[i] = 0;
-	for (uint32_t j = (i + 1) & (SLOTS - 1); slots[j] != 0; j = (j + 1) & (SLOTS - 1)) {
-		uint32_t k = slot_of(ents[slots[j] - 1].ptr);
+	slots[i] = (slot){0, 0};
+	for (uint32_t j = (i + 1) & (SLOTS - 1); slots[j].e != 0; j = (j + 1) & (SLOTS - 1)) {
+		uint32_t k = slot_of(slots[j].ptr);
 		int stays = (i <= j) ? (i < k && k <= j) : (i < k || k <= j);
 		if (!stays) {
 			slots[i] = slots[j];
-			slots[j] = 0;
+			slots[j] = (slot){0, 0};
 			i = j;
 		}
 	}
@@ -150,20 +179,31 @@ void cp_front_track(uintptr_t p, size_t size, uintptr_t stream, int dev, int tra
 			return;
 		lock();
 		int32_t i = find(p);
-		if (i >= 0 && ents[slots[i] - 1].state == LIVE)
+		if (i >= 0 && ents[slots[i].e - 1].state == LIVE)
 			forget((uint32_t)i);
 		unlock();
+		return;
+	}
+	atomic_int *cold = &devs[dev].cold;
+	if (atomic_load_explicit(cold, memory_order_relaxed) > 0) {
+		/* Cold: not tracked (a race on the count only moves the window). */
+		atomic_fetch_sub_explicit(cold, 1, memory_order_relaxed);
+		if (atomic_load_explicit(&tracked, memory_order_relaxed) != 0)
+			cp_front_track(p, 0, 0, -1, 0); /* a stale entry, should one be left */
 		return;
 	}
 	lock();
 	int32_t i = find(p), e;
 	if (i >= 0) {
-		e = slots[i];
-		if (ents[e - 1].state != LIVE) { /* cannot happen: Go never hands out a waiting block */
+		if (ents[slots[i].e - 1].state != LIVE) { /* cannot happen: Go never hands out a waiting block */
 			unlock();
 			return;
 		}
-	} else {
+		/* A stale entry (Go freed p without the front seeing it): a new
+		 * block, perhaps of another device, takes a new entry. */
+		forget((uint32_t)i);
+	}
+	{
 		if (free_ents != 0) {
 			e = free_ents;
 			free_ents = ents[e - 1].next;
@@ -174,18 +214,18 @@ void cp_front_track(uintptr_t p, size_t size, uintptr_t stream, int dev, int tra
 			return;
 		}
 		uint32_t s = slot_of(p);
-		while (slots[s] != 0)
+		while (slots[s].e != 0)
 			s = (s + 1) & (SLOTS - 1);
-		slots[s] = e;
-		atomic_fetch_add_explicit(&tracked, 1, memory_order_relaxed);
+		slots[s] = (slot){p, e};
 	}
 	ents[e - 1] = (ent){.ptr = p, .stream = stream, .size = size, .dev = dev, .state = LIVE};
+	atomic_fetch_add_explicit(&tracked, 1, memory_order_relaxed);
 	unlock();
 }
 
 void cp_front_untrack(uintptr_t p) { cp_front_track(p, 0, 0, -1, 0); }
 
-int cp_front_free(uintptr_t p, size_t size, int dev) {
+int cp_front_free(uintptr_t p, size_t size, int dev, int any_dev) {
 	if (atomic_load_explicit(&tracked, memory_order_relaxed) == 0)
 		return 0;
 	lock();
@@ -194,16 +234,17 @@ int cp_front_free(uintptr_t p, size_t size, int dev) {
 		unlock();
 		return 0;
 	}
-	int32_t e = slots[i];
+	int32_t e = slots[i].e;
 	ent *x = &ents[e - 1];
 	if (x->state != LIVE) {
-		/* Freed twice: Go reports it, after taking the log. */
+		/* Freed twice: Go must see it now (it takes the log, then reports
+		 * the second free), before a malloc could hand the block out. */
 		unlock();
-		return 0;
+		return CP_FRONT_TWICE;
 	}
 	int n = cp_front_n[x->dev];
 	if (!atomic_load_explicit(&front_on, memory_order_relaxed) || (size != 0 && size != x->size) ||
-	    (dev >= 0 && dev != x->dev) || n == CP_FRONT_LOG) {
+	    (dev != x->dev && !(dev == -1 && any_dev)) || n == CP_FRONT_LOG) {
 		/* Go frees it (and reports a wrong size or device). */
 		forget((uint32_t)i);
 		unlock();
@@ -211,6 +252,7 @@ int cp_front_free(uintptr_t p, size_t size, int dev) {
 	}
 	devfront *d = &devs[x->dev];
 	d->log[n] = (rec){.kind = R_FREE, .ent = e};
+	x->inlog = 1;
 	x->state = FREED;
 	x->lastfree = n;
 	int32_t *head = &d->bucket[bucket_of(x->size, x->stream)];
@@ -254,6 +296,7 @@ void *cp_front_malloc(size_t size, int dev, uintptr_t stream) {
 	*link = x->next;
 	x->next = 0;
 	x->state = LIVE;
+	d->reused++;
 	__atomic_store_n(&cp_front_n[dev], n, __ATOMIC_RELEASE);
 	unlock();
 	return (void *)x->ptr;
@@ -270,6 +313,7 @@ size_t cp_front_take(int dev) {
 		rec r = d->log[i];
 		ent *x = &ents[r.ent - 1];
 		cp_pending_free f = {.ptr = x->ptr, .device = dev};
+		x->inlog = 0;
 		switch (r.kind) {
 		case R_FREE:
 			if (x->state == FREED && x->lastfree == i) {
@@ -277,6 +321,7 @@ size_t cp_front_take(int dev) {
 				 * the block leaves the front (no later record names it). */
 				f.op = CP_OP_FREE;
 				forget((uint32_t)find(x->ptr));
+				d->wasted++;
 			} else {
 				f.op = CP_OP_FREE_STATS;
 			}
@@ -292,6 +337,18 @@ size_t cp_front_take(int dev) {
 	}
 	/* Every waiting block of the device had its free in this log. */
 	memset(d->bucket, 0, sizeof d->bucket);
+	while (d->dead != 0) {
+		int32_t e = d->dead;
+		d->dead = ents[e - 1].next;
+		ents[e - 1].state = 0;
+		ents[e - 1].next = free_ents;
+		free_ents = e;
+	}
+	if (d->reused + d->wasted >= COLD_WINDOW) {
+		if (d->wasted > 2 * d->reused)
+			atomic_store_explicit(&d->cold, COLD_SKIP, memory_order_relaxed);
+		d->reused = d->wasted = 0;
+	}
 	__atomic_store_n(&cp_front_n[dev], 0, __ATOMIC_RELEASE);
 	unlock();
 	return (size_t)n;

@@ -241,6 +241,7 @@ func parseBytes(s string) (uint64, error) {
 
 // poison disables the library after an internal error.
 func poison(err error) {
+	C.cp_front_set_on(0) // the front serves nothing for a disabled library
 	old := current.Load()
 	st := &state{err: err}
 	if old != nil {

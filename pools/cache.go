@@ -313,29 +313,55 @@ func (c *Cache) countAllocated(b *Block) {
 
 // CountFrontFree counts the user's free of the allocated block b, which
 // stays allocated in the structures (its reuse follows, or a real free).
+//
+// While it waits in front, a block is free and unmerged: a split block
+// counts as an inactive split one, as a free block whose neighbours are
+// allocated would.
 func (c *Cache) CountFrontFree(b *Block) {
-	c.hot.freed(b.Pool.Small, int64(b.Size), int64(b.Requested))
+	small := b.Pool.Small
+	c.hot.freed(small, int64(b.Size), int64(b.Requested))
 	if b.Size >= c.cfg.MaxSplitSize {
 		c.Stats.OversizeAllocations.Decrease(1)
+	}
+	if b.IsSplit() && !b.Seg.Expandable {
+		c.hot.increase(small, hInactiveSplit, 1)
+		c.hot.increase(small, hInactiveSplitBytes, int64(b.Size))
 	}
 }
 
 // CountFrontReuse counts b's reallocation after CountFrontFree.
 func (c *Cache) CountFrontReuse(b *Block) {
-	c.hot.allocated(b.Pool.Small, int64(b.Size), int64(b.Requested))
+	small := b.Pool.Small
+	c.hot.allocated(small, int64(b.Size), int64(b.Requested))
 	if b.Size >= c.cfg.MaxSplitSize {
 		c.Stats.OversizeAllocations.Increase(1)
+	}
+	if b.IsSplit() && !b.Seg.Expandable {
+		c.hot.decrease(small, hInactiveSplit, 1)
+		c.hot.decrease(small, hInactiveSplitBytes, int64(b.Size))
 	}
 }
 
 // CountFrontCycles counts k frees of the allocated block b, each followed at
 // once by its reuse.
 func (c *Cache) CountFrontCycles(b *Block, k int64) {
-	c.hot.cycled(b.Pool.Small, int64(b.Size), int64(b.Requested), k)
+	small := b.Pool.Small
+	c.hot.cycled(small, int64(b.Size), int64(b.Requested), k)
 	if b.Size >= c.cfg.MaxSplitSize {
 		o := &c.Stats.OversizeAllocations
 		o.Allocated += k
 		o.Freed += k
+	}
+	if b.IsSplit() && !b.Seg.Expandable {
+		// The first wait raises the peaks as CountFrontFree does; the
+		// others add to the sums only.
+		c.hot.increase(small, hInactiveSplit, 1)
+		c.hot.increase(small, hInactiveSplitBytes, int64(b.Size))
+		c.hot.decrease(small, hInactiveSplit, 1)
+		c.hot.decrease(small, hInactiveSplitBytes, int64(b.Size))
+		p := c.hot.pool(small)
+		p.inc[hInactiveSplit] += k - 1
+		p.inc[hInactiveSplitBytes] += (k - 1) * int64(b.Size)
 	}
 }
 

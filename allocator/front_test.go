@@ -1,0 +1,67 @@
+package allocator_test
+
+import (
+	"testing"
+
+	"github.com/cudapool/cudapool/allocator"
+	"github.com/stretchr/testify/require"
+)
+
+// fakeFront is a Go stand-in for capi's C front: a log the test fills.
+type fakeFront struct{ log []allocator.PendingFree }
+
+func (f *fakeFront) Pending(dev int) bool { return len(f.log) != 0 }
+func (f *fakeFront) Take(dev int, buf []allocator.PendingFree) []allocator.PendingFree {
+	buf = append(buf, f.log...)
+	f.log = f.log[:0]
+	return buf
+}
+func (f *fakeFront) SetEnabled(on bool) {}
+func (f *fakeFront) Capacity() int      { return 64 }
+
+// Replaying a log in the hot path allocates nothing.
+func TestFrontReplayAllocatesNothing(t *testing.T) {
+	lockThread(t)
+	a, _ := newAlloc(t, 1, 8*GiB, "")
+	f := &fakeFront{log: make([]allocator.PendingFree, 0, 64)}
+	a.SetFront(f)
+	a.ExpectAnnouncements()
+	require.True(t, a.FrontEnabled())
+	p, track, err, _ := a.MallocTracked(0, 4096, 0, 0, nil)
+	require.NoError(t, err)
+	require.True(t, track)
+	allocs := testing.AllocsPerRun(1000, func() {
+		f.log = append(f.log,
+			allocator.PendingFree{Ptr: p, Op: allocator.OpFreeStats},
+			allocator.PendingFree{Ptr: p, Op: allocator.OpReuse},
+			allocator.PendingFree{Ptr: p, Op: allocator.OpCycles, Count: 3})
+		q, _, _, _ := a.MallocTracked(0, 8192, 0, 0, nil)
+		_ = a.Free(0, q, 0)
+	})
+	require.Zero(t, allocs)
+	st, _ := a.Stats(0)
+	require.EqualValues(t, 1, st.Allocation[0].Current)
+}
+
+// A default-pool request that borrows a use_on_oom pool's block is not
+// trackable: the front would hold and re-serve a private-pool block.
+func TestFrontTracksBorrowedBlock(t *testing.T) {
+	lockThread(t)
+	a, _ := newAlloc(t, 1, 100*MiB, "")
+	f := &fakeFront{}
+	a.SetFront(f)
+	a.ExpectAnnouncements()
+	pool := allocator.PoolID{B: 4}
+	require.NoError(t, a.CreateOrIncrefPool(0, pool))
+	require.NoError(t, a.SetPoolUseOnOOM(0, pool, true))
+	done := useMemPool(t, a, pool)
+	cached := mustMalloc(t, a, 0, 60*MiB, 5)
+	done()
+	require.True(t, a.FrontEnabled())
+	require.NoError(t, a.Free(0, cached, 0))
+	p, track, err, _ := a.MallocTracked(0, 60*MiB, 5, 0, nil)
+	require.NoError(t, err)
+	require.Equal(t, cached, p)
+	require.True(t, inPool(t, a, pool, p), "a private pool's block")
+	require.False(t, track, "the front must not track a private pool's block")
+}
