@@ -75,13 +75,37 @@ $(BUILD)/test_interop: capi/ctest/test_interop.c capi/ctest/check.h include/cuda
 	@mkdir -p $(BUILD)
 	$(CC) -std=c11 $(TEST_CFLAGS) -o $@ $< $(TEST_LDFLAGS)
 
-test-c: $(BUILD)/test_cudapool $(BUILD)/test_torchabi $(BUILD)/test_interop
+$(BUILD)/test_front: capi/ctest/test_front.c capi/ctest/check.h include/cudapool.h lib
+	@mkdir -p $(BUILD)
+	$(CC) -std=c11 $(TEST_CFLAGS) -o $@ $< $(TEST_LDFLAGS)
+
+# test_front runs twice, with the front cache on and off (debug_checks in
+# both); its "cmp" lines are statistics that do not depend on placement, so
+# the two runs' must be identical.
+FRONT_CONF := debug_checks:True,max_split_size_mb:40
+
+test-c: $(BUILD)/test_cudapool $(BUILD)/test_torchabi $(BUILD)/test_interop $(BUILD)/test_front
 	$(call section,C ABI test (simulator))
 	$(SIM_ENV) ./$(BUILD)/test_cudapool
 	$(call section,C ABI for the PyTorch allocator class (simulator))
 	$(SIM_ENV) CUDAPOOL_SIM_MEMORY=8G ./$(BUILD)/test_torchabi
 	$(call section,C ABI for CuPy and other libraries (simulator))
 	$(SIM_ENV) ./$(BUILD)/test_interop
+	$(call section,front cache: randomized; front on and off (simulator))
+	@rc=0; for mode in on off; do \
+		conf='$(FRONT_CONF)'; if [ $$mode = off ]; then conf="$$conf,front_cache:False"; fi; \
+		echo "CUDAPOOL_CONF=$$conf ./$(BUILD)/test_front"; \
+		$(SIM_ENV) CUDAPOOL_CONF=$$conf ./$(BUILD)/test_front >$(BUILD)/test_front.$$mode.out || rc=1; \
+		grep -v '^cmp ' $(BUILD)/test_front.$$mode.out; \
+		grep '^cmp ' $(BUILD)/test_front.$$mode.out >$(BUILD)/test_front.$$mode.cmp; \
+	done; \
+	if [ -s $(BUILD)/test_front.off.cmp ] && cmp -s $(BUILD)/test_front.on.cmp $(BUILD)/test_front.off.cmp; then \
+		echo "ok    front on and off: the same $$(wc -l <$(BUILD)/test_front.on.cmp) statistics lines"; \
+	else \
+		echo "FAIL  front on and off: the statistics differ (< on, > off):"; \
+		diff $(BUILD)/test_front.on.cmp $(BUILD)/test_front.off.cmp | head -20; rc=1; \
+	fi; \
+	exit $$rc
 
 test-cxx: $(BUILD)/test_cudapool_cpp
 	$(call section,C++ ABI test (simulator))
