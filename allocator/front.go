@@ -50,6 +50,9 @@ package allocator
 // in the trace, their reuses do not), and a block waiting in front keeps
 // the size it was rounded to when a configuration change would round the
 // same request differently (as a cached block does without the front).
+// And a hit does not look at the events of blocks freed while other
+// streams used them (a malloc through Go does, first): such a block becomes
+// free, and leaves the active statistics, at the next call into Go.
 
 import (
 	"fmt"
