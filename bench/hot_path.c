@@ -248,7 +248,10 @@ int main(int argc, char **argv) {
 		res[R_PAIR_TORCH_GO][k] = cpu_per_op(op_pair_torch, 300000);
 		res[R_PAIR_C_GO][k] = cpu_per_op(op_pair_c, 300000);
 		res[R_TOUCH_S_GO][k] = after_touch(op_pair_torch, evict, small, 3000);
-		front(1);
+		if (front(1) != 0) {
+			fprintf(stderr, "hot_path: %s\n", cudapool_last_error());
+			return 2;
+		}
 		res[R_GO_GAP1][k] = after_gap(1000000, 50);
 		res[R_GO_GAP10][k] = after_gap(10000000, 15);
 		double first[THREADS], second[THREADS];

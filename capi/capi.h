@@ -63,6 +63,15 @@ size_t cp_front_take(int dev);
 /* Go: whether the front may serve. */
 void cp_front_set_on(int on);
 
+/* The spin lock of the front and of the free queue: short critical
+ * sections, never held across a call into Go; yields while a holder that
+ * was descheduled keeps it. */
+#ifndef __cplusplus
+#include <stdatomic.h>
+void cp_spin_lock(atomic_int *w);
+void cp_spin_unlock(atomic_int *w);
+#endif
+
 /* The queue's capacity: the most frees one call hands to Go. */
 #define CP_FREEQ_CAP 64
 

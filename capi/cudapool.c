@@ -112,14 +112,10 @@ int cp_forked_child(void) {
  * reach its caller. */
 static cp_pending_free cp_freeq[CP_FREEQ_CAP];
 volatile int cp_freeq_n;
-static atomic_flag cp_freeq_lock = ATOMIC_FLAG_INIT;
+static atomic_int cp_freeq_lock;
 
-static void freeq_lock(void) {
-	while (atomic_flag_test_and_set_explicit(&cp_freeq_lock, memory_order_acquire))
-		;
-}
-
-static void freeq_unlock(void) { atomic_flag_clear_explicit(&cp_freeq_lock, memory_order_release); }
+static void freeq_lock(void) { cp_spin_lock(&cp_freeq_lock); }
+static void freeq_unlock(void) { cp_spin_unlock(&cp_freeq_lock); }
 
 size_t cp_take_frees(cp_pending_free *out, size_t cap) {
 	freeq_lock();

@@ -103,11 +103,11 @@ static inline void cpu_relax(void) {
 #endif
 }
 
-static void lock(void) {
+void cp_spin_lock(atomic_int *w) {
 	for (;;) {
-		if (!atomic_exchange_explicit(&lock_word, 1, memory_order_acquire))
+		if (!atomic_exchange_explicit(w, 1, memory_order_acquire))
 			return;
-		for (int spins = 0; atomic_load_explicit(&lock_word, memory_order_relaxed);) {
+		for (int spins = 0; atomic_load_explicit(w, memory_order_relaxed);) {
 			if (++spins < 128) {
 				cpu_relax();
 			} else {
@@ -118,7 +118,10 @@ static void lock(void) {
 	}
 }
 
-static void unlock(void) { atomic_store_explicit(&lock_word, 0, memory_order_release); }
+void cp_spin_unlock(atomic_int *w) { atomic_store_explicit(w, 0, memory_order_release); }
+
+static void lock(void) { cp_spin_lock(&lock_word); }
+static void unlock(void) { cp_spin_unlock(&lock_word); }
 
 static inline uint32_t slot_of(uintptr_t p) {
 	return (uint32_t)(((uint64_t)p * 0x9E3779B97F4A7C15ull) >> 47) & (SLOTS - 1);
@@ -189,7 +192,7 @@ void cp_front_track(uintptr_t p, size_t size, uintptr_t stream, int dev, int tra
 		/* Cold: not tracked (a race on the count only moves the window). */
 		atomic_fetch_sub_explicit(cold, 1, memory_order_relaxed);
 		if (atomic_load_explicit(&tracked, memory_order_relaxed) != 0)
-			cp_front_track(p, 0, 0, -1, 0); /* a stale entry, should one be left */
+			cp_front_untrack(p); /* a stale entry, should one be left */
 		return;
 	}
 	lock();
@@ -203,21 +206,19 @@ void cp_front_track(uintptr_t p, size_t size, uintptr_t stream, int dev, int tra
 		 * block, perhaps of another device, takes a new entry. */
 		forget((uint32_t)i);
 	}
-	{
-		if (free_ents != 0) {
-			e = free_ents;
-			free_ents = ents[e - 1].next;
-		} else if (used_ents < ENTS) {
-			e = ++used_ents;
-		} else {
-			unlock(); /* full: this block is not tracked */
-			return;
-		}
-		uint32_t s = slot_of(p);
-		while (slots[s].e != 0)
-			s = (s + 1) & (SLOTS - 1);
-		slots[s] = (slot){p, e};
+	if (free_ents != 0) {
+		e = free_ents;
+		free_ents = ents[e - 1].next;
+	} else if (used_ents < ENTS) {
+		e = ++used_ents;
+	} else {
+		unlock(); /* full: this block is not tracked */
+		return;
 	}
+	uint32_t s = slot_of(p);
+	while (slots[s].e != 0)
+		s = (s + 1) & (SLOTS - 1);
+	slots[s] = (slot){p, e};
 	ents[e - 1] = (ent){.ptr = p, .stream = stream, .size = size, .dev = dev, .state = LIVE};
 	atomic_fetch_add_explicit(&tracked, 1, memory_order_relaxed);
 	unlock();
