@@ -20,10 +20,15 @@ Sections, in this order (the same for every config):
          in a fresh process (torch.cuda.max_memory_allocated/reserved;
          cudapool.install() routes these to cudapool).
   graph  torch.cuda.graph capture of the same model's forward (bf16 weights,
-         no_grad, batch 8, sequence 512) after a warm-up on a side stream:
-         capture time (the whole `with torch.cuda.graph` block, instantiation
-         included), mean replay time, and the private pool's size: reserved
-         bytes after capture minus before (the cache is emptied first). The
+         no_grad, batch 8, sequence 512) after a warm-up on a side stream,
+         --graph-captures times, each into a new graph and private pool after
+         the previous graph was deleted (so each capture starts from the same
+         state and takes new segments, as the first does): capture time (the
+         whole `with torch.cuda.graph` block and a synchronize, instantiation
+         included) as the median of the process's captures, with the first
+         capture and every capture's time also reported; mean replay time of
+         the last graph, and the private pool's size: reserved
+         bytes after the first capture minus before (the cache is emptied first). The
          cudaMallocAsync backend's graph memory is not in its reserved
          statistic, so for it the pool size is the drop of free device memory
          (torch.cuda.mem_get_info) from before the capture to after the first
@@ -61,6 +66,8 @@ CONFIGS = {
     # with stitching (docs/fragmentation.md): gpu/bench_stitch_train.sh.
     "cudapool_exp2": None,
     "cudapool_stitch": None,
+    # cudapool without its front cache (allocator/front.go): for diagnostics.
+    "cudapool_nofront": None,
     # A trivial C pluggable allocator (bench/floor_alloc.c): what PyTorch's
     # CUDAPluggableAllocator path costs by itself. Only the 4 KiB loop.
     "floor": None,
@@ -71,6 +78,7 @@ CUDAPOOL_CONFS = {
     "cudapool_exp": "expandable_segments:True",
     "cudapool_exp2": "expandable_segments:True,expandable_map_unit_mb:2",
     "cudapool_stitch": "stitch:True",
+    "cudapool_nofront": "front_cache:False",
 }
 SECTIONS = ("train", "graph", "empty")
 VOCAB = 16384
@@ -97,6 +105,8 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--graph-seq", type=int, default=512)
     p.add_argument("--graph-replays", type=int, default=50)
+    p.add_argument("--graph-captures", type=int, default=6,
+                   help="captures per process (the reported time is their median)")
     p.add_argument("--empty-pairs", type=int, default=100_000, help="4 KiB pairs per rep")
     p.add_argument("--mixed-pairs", type=int, default=50_000, help="mixed pairs per rep")
     p.add_argument("--reps", type=int, default=5)
@@ -107,7 +117,7 @@ def parse_args(argv=None):
     if bad or not secs:
         p.error(f"unknown section(s) {bad}; choose from {','.join(SECTIONS)}")
     args.sections = [s for s in SECTIONS if s in secs]
-    for name in ("warmup", "steps", "batch", "graph_seq", "graph_replays", "empty_pairs", "mixed_pairs", "reps"):
+    for name in ("warmup", "steps", "batch", "graph_seq", "graph_replays", "graph_captures", "empty_pairs", "mixed_pairs", "reps"):
         if getattr(args, name) < (0 if name == "warmup" else 1):
             p.error(f"--{name.replace('_', '-')} must be positive")
     return args
@@ -198,20 +208,35 @@ def bench_graph(torch, args):
         out["graph_eager_ms"] = (time.perf_counter() - t0) * 1e3 / args.graph_replays
 
         # torch.cuda.graph empties the cache itself before capturing; do it
-        # first so that "before" is what the capture starts from.
-        cleanup(torch)
-        reserved0 = torch.cuda.memory_reserved()
-        free0 = torch.cuda.mem_get_info()[0]
-        g = torch.cuda.CUDAGraph()
-        t0 = time.perf_counter()
-        with torch.cuda.graph(g):
-            y = model(x)
-        torch.cuda.synchronize()
-        out["graph_capture_ms"] = (time.perf_counter() - t0) * 1e3
-        reserved1 = torch.cuda.memory_reserved()
+        # first so that "before" is what the capture starts from. Each later
+        # capture starts after the previous graph and its output are deleted:
+        # its pool is released, and the capture's own empty_cache returns the
+        # pool's segments, so every capture takes new segments as the first.
+        caps = []
+        g = y = None
+        for i in range(args.graph_captures):
+            g = y = None
+            cleanup(torch)
+            if i == 0:
+                reserved0 = torch.cuda.memory_reserved()
+                free0 = torch.cuda.mem_get_info()[0]
+            g = torch.cuda.CUDAGraph()
+            t0 = time.perf_counter()
+            with torch.cuda.graph(g):
+                y = model(x)
+            torch.cuda.synchronize()
+            caps.append((time.perf_counter() - t0) * 1e3)
+            if i == 0:
+                reserved1 = torch.cuda.memory_reserved()
+                g.replay()
+                torch.cuda.synchronize()
+                free1 = torch.cuda.mem_get_info()[0]
+        out["graph_capture_ms"] = statistics.median(caps)
+        out["graph_capture_first_ms"] = caps[0]
+        out["graph_capture_reps_ms"] = caps
+        out["graph_captures"] = len(caps)
         g.replay()
         torch.cuda.synchronize()
-        free1 = torch.cuda.mem_get_info()[0]
         out["graph_max_abs_diff"] = float((y.float() - ref.float()).abs().max())
         t0 = time.perf_counter()
         for _ in range(args.graph_replays):

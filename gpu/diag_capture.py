@@ -12,8 +12,10 @@ graph and private pool, timing the phases of torch.cuda.graph by hand:
   forward  the captured forward (allocations into the new pool)
   end      capture_end (cudaStreamEndCapture, instantiation, endAllocateToPool)
   sync     torch.cuda.synchronize after it
-Medians over the captures of all processes, ms; the first capture of each
-process is left out (one-off costs).
+Medians over the captures of all processes, ms: the first capture of each
+process (one-off costs) in a table of its own, the later ones in another.
+Each capture starts after the previous graph was deleted (as bench/
+torch_bench.py's graph section does); DIAG_KEEP=1 keeps every graph instead.
 """
 import json
 import os
@@ -40,6 +42,8 @@ torch.manual_seed(0)
 model = GPT(layers=12).cuda().to(torch.bfloat16).eval()
 x = torch.randint(0, 16384, (8, 512), device="cuda")
 phases = {k: [] for k in ("prep", "begin", "forward", "end", "sync", "total")}
+first = {}
+keep = os.environ.get("DIAG_KEEP") == "1"
 graphs = []
 with torch.no_grad():
     side = torch.cuda.Stream()
@@ -50,6 +54,8 @@ with torch.no_grad():
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     for i in range(n):
+        if not keep:
+            graphs.clear()
         g = torch.cuda.CUDAGraph()
         s = torch.cuda.Stream()
         pc = time.perf_counter
@@ -65,10 +71,14 @@ with torch.no_grad():
             t4 = pc()
         torch.cuda.synchronize()
         t5 = pc()
-        if i > 0:
-            for k, v in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t5 - t0)):
+        for k, v in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t5 - t0)):
+            if i > 0:
                 phases[k].append(v * 1e3)
-        graphs.append((g, y))  # each capture keeps its own pool
+            else:
+                first["first_" + k] = [v * 1e3]
+        graphs.append((g, y))  # deleted before the next capture unless DIAG_KEEP=1
+        del g, y
+phases.update(first)
 print("RESULT " + json.dumps(phases))
 '''.replace("REPO", repr(REPO))
 
@@ -95,14 +105,16 @@ def main():
                 res[c].setdefault(k, []).extend(v)
             print(f"  run {r + 1} {c}: total " + " ".join(f"{v:.1f}" for v in res[c]["total"][-(n - 1):]), flush=True)
     keys = ("prep", "begin", "forward", "end", "sync", "total")
-    print(f"\ncapture phases, ms: median (min-max) over {reps} processes x {n - 1} captures")
-    print(f"{'config':14}" + "".join(f"{k:>20}" for k in keys))
-    for c in CONFIGS:
-        cells = []
-        for k in keys:
-            v = res[c].get(k) or []
-            cells.append(f"{statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f})" if v else "-")
-        print(f"{c:14}" + "".join(f"{x:>20}" for x in cells))
+    for title, pre in ((f"first capture of each process, ms: median (min-max) over {reps} processes", "first_"),
+                       (f"later captures, ms: median (min-max) over {reps} processes x {n - 1} captures", "")):
+        print(f"\n{title}")
+        print(f"{'config':14}" + "".join(f"{k:>20}" for k in keys))
+        for c in CONFIGS:
+            cells = []
+            for k in keys:
+                v = res[c].get(pre + k) or []
+                cells.append(f"{statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f})" if v else "-")
+            print(f"{c:14}" + "".join(f"{x:>20}" for x in cells))
 
 
 if __name__ == "__main__":
