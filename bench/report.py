@@ -459,7 +459,10 @@ def params_line(res):
     if t.get("train_steps"):
         parts.append(f"training: {t.get('train_warmup_steps', '?')} warm-up + {t['train_steps']} timed steps, batch {t.get('train_batch', '?')}")
     if t.get("graph_seq"):
-        parts.append(f"graph: batch {t.get('graph_batch', '?')} x seq {t['graph_seq']}, {t.get('graph_replays', '?')} replays")
+        caps = t.get("graph_captures")
+        parts.append(f"graph: batch {t.get('graph_batch', '?')} x seq {t['graph_seq']}, "
+                     + (f"capture time the median of {caps} captures per process (each into a new pool), " if caps else "")
+                     + f"{t.get('graph_replays', '?')} replays")
     if c.get("trace_ops"):
         parts.append(f"trace: {c['trace_ops']:,} ops x {c.get('trace_repeats', '?')} passes")
     return "; ".join(parts)

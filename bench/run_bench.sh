@@ -192,12 +192,19 @@ EOF
     printf '{"kind":"meta","date_utc":%s,"gpu":%s,"driver":%s,"gpu_memory":%s,"host_cpu":%s,"torch_version":%s,"torch_cuda":%s,"git_commit":%s,"git_dirty":%s}\n' \
         "$(json_str "$(date -u '+%Y-%m-%d %H:%M UTC')")" "$(json_str "$gpu")" "$(json_str "$drv")" \
         "$(json_str "$mem")" "$(json_str "$cpu")" "$(json_str "$tv")" "$(json_str "$tc")" \
-        "$(json_str "$commit")" "$dirty" >"$RES/meta.json"
+        "$(json_str "$commit")" "$dirty" >"$META_FILE"
     echo "GPU: ${gpu:-none found}, driver ${drv:-?}; PyTorch ${tv:-?}"
     return "$rc"
 }
 TORCH_DIR=""
 TORCH_ABI=1
+META_FILE=$RES/meta.json
+if [ "$PARTS" = " fsdp " ] && [ -s "$RES/meta.json" ]; then
+    # FSDP2 alone, added to another machine's results (it needs 2 GPUs): the
+    # header stays that machine's (the FSDP note names its own device); this
+    # machine's description goes to logs/meta_fsdp.log.
+    META_FILE=$LOGS/meta_fsdp.json
+fi
 run_step meta 0 "" collect_meta
 
 # ---- 2. build -------------------------------------------------------------
