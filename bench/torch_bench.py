@@ -21,9 +21,9 @@ Sections, in this order (the same for every config):
          cudapool.install() routes these to cudapool).
   graph  torch.cuda.graph capture of the same model's forward (bf16 weights,
          no_grad, batch 8, sequence 512) after a warm-up on a side stream,
-         --graph-captures times, each into a new graph and private pool after
-         the previous graph was deleted (so each capture starts from the same
-         state and takes new segments, as the first does): capture time (the
+         --graph-captures times, each into a new graph and private pool while
+         the earlier graphs stay alive (so each capture takes new segments, as
+         the first does): capture time (the
          whole `with torch.cuda.graph` block and a synchronize, instantiation
          included) as the median of the process's captures, with the first
          capture and every capture's time also reported; mean replay time of
@@ -208,14 +208,15 @@ def bench_graph(torch, args):
         out["graph_eager_ms"] = (time.perf_counter() - t0) * 1e3 / args.graph_replays
 
         # torch.cuda.graph empties the cache itself before capturing; do it
-        # first so that "before" is what the capture starts from. Each later
-        # capture starts after the previous graph and its output are deleted:
-        # its pool is released, and the capture's own empty_cache returns the
-        # pool's segments, so every capture takes new segments as the first.
+        # first so that "before" is what the capture starts from. Every graph
+        # and its output stay alive until the end, so each capture takes new
+        # segments for its new private pool, as the first does (and no graph
+        # allocation is freed while its graph lives on: PyTorch's
+        # cudaMallocAsync backend aborts on the free of a destroyed graph's
+        # allocation).
         caps = []
-        g = y = None
+        kept = []
         for i in range(args.graph_captures):
-            g = y = None
             cleanup(torch)
             if i == 0:
                 reserved0 = torch.cuda.memory_reserved()
@@ -226,6 +227,7 @@ def bench_graph(torch, args):
                 y = model(x)
             torch.cuda.synchronize()
             caps.append((time.perf_counter() - t0) * 1e3)
+            kept.append((g, y))
             if i == 0:
                 reserved1 = torch.cuda.memory_reserved()
                 g.replay()
@@ -251,7 +253,12 @@ def bench_graph(torch, args):
         else:
             out["graph_pool_bytes"] = out["graph_pool_reserved_delta"]
             out["graph_pool_source"] = "reserved"
-        del g, y, ref
+        # The outputs go before their graphs (see above).
+        graphs = [k[0] for k in kept]
+        del y, ref
+        kept.clear()
+        del g
+        graphs.clear()
     del model, x
     return out
 
