@@ -338,8 +338,13 @@ def build_rows(res):
                 f"behind it (bench/floor_alloc.c): {floor:.2f} us/pair")
         if nat:
             text += f" = {floor / nat:.3f}x native"
-        if cp:
+        if cp and cp >= floor:
             text += f"; cudapool adds {1e3 * (cp - floor):.0f} ns to that floor"
+        elif cp:
+            # A floor above cudapool means the floor's runs met the host in a
+            # slower state than cudapool's (docs/hot-path.md, section 7).
+            text += (f"; cudapool's median is {1e3 * (floor - cp):,.0f} ns below the floor's: the floor's runs met "
+                     f"the host in a slower state, so this run cannot split cudapool's cost from the floor's")
         note(text)
     # Expandable segments: cudapool's against PyTorch's own (issue 7's goal:
     # reserved/allocated at or below native expandable, step time within 2%

@@ -169,6 +169,28 @@ class TestReport(unittest.TestCase):
                       "native 35.10 (34.80-36.00), cudapool 33.50 (33.00-34.10); cudapool/native 0.954x "
                       "(target <= 1x: met)", notes)
 
+    def test_floor_note(self):
+        for cfg, small in (("native", 2.4), ("cudapool", 2.0), ("floor", 1.7)):
+            write_lines(os.path.join(self.dir, f"torch_{cfg}.json"), [
+                {"kind": "torch", "config": cfg, "section": "empty", "empty_small_us": small}])
+        notes = report.build_rows(report.load(self.dir))[1]
+        self.assertTrue(any(n.startswith("floor:") and "cudapool adds 300 ns to that floor" in n for n in notes), notes)
+        # A floor measured above cudapool (the host's slower state): said so, no negative cost.
+        write_lines(os.path.join(self.dir, "torch_floor.json"), [
+            {"kind": "torch", "config": "floor", "section": "empty", "empty_small_us": 3.3}])
+        notes = report.build_rows(report.load(self.dir))[1]
+        floor = [n for n in notes if n.startswith("floor:")]
+        self.assertEqual(len(floor), 1, notes)
+        self.assertIn("cudapool's median is 1,300 ns below the floor's", floor[0])
+        self.assertNotIn("adds -", floor[0])
+
+    def test_params_line_names_the_captures(self):
+        write_lines(os.path.join(self.dir, "torch_native.json"), [
+            {"kind": "torch", "config": "native", "section": "graph", "graph_capture_ms": 5.0, "graph_batch": 8,
+             "graph_seq": 512, "graph_replays": 50, "graph_captures": 6}])
+        line = report.params_line(report.load(self.dir))
+        self.assertIn("graph: batch 8 x seq 512, capture time the median of 6 captures per process", line)
+
     def test_failed_repeat_is_explained(self):
         write_lines(os.path.join(self.dir, "c_native.json"), c_rec("native", 480.0, 830.0))
         write_lines(os.path.join(self.dir, "steps.jsonl"), [
@@ -274,6 +296,15 @@ class TestTorchBenchArgs(unittest.TestCase):
                 old, sys.stderr = sys.stderr, devnull
                 try:
                     torch_bench.parse_args(["native", "--sections", "bogus"])
+                finally:
+                    sys.stderr = old
+        self.assertEqual(torch_bench.parse_args(["native"]).graph_captures, 6)
+        self.assertEqual(torch_bench.parse_args(["cudapool_nofront", "--graph-captures", "2"]).graph_captures, 2)
+        with redirect_stdout(io.StringIO()), self.assertRaises(SystemExit):
+            with open(os.devnull, "w") as devnull:
+                old, sys.stderr = sys.stderr, devnull
+                try:
+                    torch_bench.parse_args(["native", "--graph-captures", "0"])
                 finally:
                     sys.stderr = old
 
