@@ -167,7 +167,29 @@ class TestReport(unittest.TestCase):
         rows, notes = report.build_rows(report.load(self.dir))
         self.assertIn("FSDP2, 2 GPUs, GPT-2 training step (CUDA-event timed, ranks pinned), ms/step: "
                       "native 35.10 (34.80-36.00), cudapool 33.50 (33.00-34.10); cudapool/native 0.954x "
-                      "(target <= 1x: met)", notes)
+                      "(target <= 1x: met); 95% bootstrap interval 0.930-0.974x, 5% wide: resolved to 5%", notes)
+        # Launches spread over 20%: the median may meet the target, the resolution does not.
+        for i, (n, c) in enumerate([(80.8, 75.4), (85.8, 84.2), (87.7, 82.9), (87.1, 90.0), (72.4, 88.0)]):
+            suffix = "" if i == 0 else f"_r{i + 1}"
+            for cfg, v in (("native", n), ("cudapool", c)):
+                write_lines(os.path.join(self.dir, f"fsdp_{cfg}{suffix}.json"), [
+                    {"kind": "torch", "config": cfg, "section": "fsdp", "fsdp_ms_per_step": v}])
+        notes = report.build_rows(report.load(self.dir))[1]
+        fsdp = [n for n in notes if n.startswith("FSDP2")]
+        self.assertEqual(len(fsdp), 1, notes)
+        self.assertIn("cudapool/native 0.981x (target <= 1x: met)", fsdp[0])
+        self.assertIn("not resolved to 5%", fsdp[0])
+
+    def test_ratio_interval(self):
+        self.assertIsNone(report.ratio_interval([1.0, 2.0], [1.0, 2.0, 3.0]))  # fewer than 3 runs
+        self.assertEqual(report.ratio_interval([2.0] * 4, [1.0] * 3), (0.5, 0.5))
+        lo, hi = report.ratio_interval([10, 11, 12, 13, 14], [5, 6, 7, 8, 9])
+        self.assertLess(lo, 7 / 12)
+        self.assertGreater(hi, 7 / 12)
+        self.assertGreaterEqual(lo, 5 / 14)
+        self.assertLessEqual(hi, 9 / 10)
+        self.assertEqual((lo, hi), report.ratio_interval([10, 11, 12, 13, 14], [5, 6, 7, 8, 9]))  # seeded
+        self.assertEqual(report.samples({"_samples": {"k": [1.0, -1, float("nan"), 2]}}, "k"), [1.0, 2.0])
 
     def test_floor_note(self):
         for cfg, small in (("native", 2.4), ("cudapool", 2.0), ("floor", 1.7)):
