@@ -324,7 +324,7 @@ def build_rows(res):
     runs = {}
     for kind in ("c", "torch"):
         counts = sorted({len(v) for c in CONFIGS for k, v in ((res.record(kind, c) or {}).get("_samples") or {}).items()
-                         if k != "train_ms_per_step"})
+                         if k != "train_ms_per_step" and not k.startswith("fsdp_")})  # both counted in their own notes
         if counts and counts[-1] > 1:
             runs[kind] = "-".join(str(n) for n in (counts[0], counts[-1]) if n) if counts[0] != counts[-1] else str(counts[0])
     if runs:
@@ -354,8 +354,10 @@ def build_rows(res):
         dev = next((r.get("fsdp_device") for r in (res.record("torch", c) for c in ("native", "cudapool"))
                     if r and r.get("fsdp_device")), None)
         where = f" on 2x {dev}" if dev else ""
-        text = f"FSDP2, 2 GPUs{where}, GPT-2 training step (CUDA-event timed, ranks pinned), ms/step: " + ", ".join(
-            f"{LABELS[c]} {v}" for c, v in fsdp.items())
+        launches = sorted({len(samples(res.record("torch", c), FSDP.key)) for c in fsdp})
+        each = f", {'-'.join(str(n) for n in launches)} launches each" if launches and launches[-1] > 1 else ""
+        text = (f"FSDP2, 2 GPUs{where}, GPT-2 training step (CUDA-event timed, ranks pinned{each}), ms/step: "
+                + ", ".join(f"{LABELS[c]} {v}" for c, v in fsdp.items()))
         nat, cp = (FSDP.value(res.record("torch", c)) for c in ("native", "cudapool"))
         if nat and cp:
             r = cp / nat

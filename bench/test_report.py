@@ -165,7 +165,7 @@ class TestReport(unittest.TestCase):
                 "[rank0]:" + json.dumps({"kind": "torch", "config": "cudapool", "section": "fsdp",
                                          "fsdp_ms_per_step": c})])
         rows, notes = report.build_rows(report.load(self.dir))
-        self.assertIn("FSDP2, 2 GPUs, GPT-2 training step (CUDA-event timed, ranks pinned), ms/step: "
+        self.assertIn("FSDP2, 2 GPUs, GPT-2 training step (CUDA-event timed, ranks pinned, 5 launches each), ms/step: "
                       "native 35.10 (34.80-36.00), cudapool 33.50 (33.00-34.10); cudapool/native 0.954x "
                       "(target <= 1x: met); 95% bootstrap interval 0.930-0.974x, 5% wide: resolved to 5%", notes)
         # Launches spread over 20%: the median may meet the target, the resolution does not.
@@ -179,6 +179,8 @@ class TestReport(unittest.TestCase):
         self.assertEqual(len(fsdp), 1, notes)
         self.assertIn("cudapool/native 0.981x (target <= 1x: met)", fsdp[0])
         self.assertIn("not resolved to 5%", fsdp[0])
+        # FSDP2's launches are counted in its own note, not as torch-level runs.
+        self.assertFalse(any("torch level: 5 runs" in n for n in notes), notes)
 
     def test_ratio_interval(self):
         self.assertIsNone(report.ratio_interval([1.0, 2.0], [1.0, 2.0, 3.0]))  # fewer than 3 runs
