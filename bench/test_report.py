@@ -315,22 +315,16 @@ class TestTorchBenchArgs(unittest.TestCase):
         self.assertEqual(a.config, "cudapool")
         self.assertEqual(a.sections, ["train", "empty"])  # always in the fixed order
         self.assertEqual(a.steps, 3)
-        with redirect_stdout(io.StringIO()), self.assertRaises(SystemExit):
-            with open(os.devnull, "w") as devnull:
-                old, sys.stderr = sys.stderr, devnull
-                try:
-                    torch_bench.parse_args(["native", "--sections", "bogus"])
-                finally:
-                    sys.stderr = old
         self.assertEqual(torch_bench.parse_args(["native"]).graph_captures, 6)
         self.assertEqual(torch_bench.parse_args(["cudapool_nofront", "--graph-captures", "2"]).graph_captures, 2)
-        with redirect_stdout(io.StringIO()), self.assertRaises(SystemExit):
-            with open(os.devnull, "w") as devnull:
-                old, sys.stderr = sys.stderr, devnull
-                try:
-                    torch_bench.parse_args(["native", "--graph-captures", "0"])
-                finally:
-                    sys.stderr = old
+        for bad in (["native", "--sections", "bogus"], ["native", "--graph-captures", "0"]):
+            with self.subTest(bad=bad), redirect_stdout(io.StringIO()), self.assertRaises(SystemExit):
+                with open(os.devnull, "w") as devnull:
+                    old, sys.stderr = sys.stderr, devnull
+                    try:
+                        torch_bench.parse_args(bad)
+                    finally:
+                        sys.stderr = old
 
     def test_allocator_env(self):
         env = {"PYTORCH_CUDA_ALLOC_CONF": "x", "PYTORCH_ALLOC_CONF": "y", "CUDAPOOL_CONF": "z", "HOME": "/"}
