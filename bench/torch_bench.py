@@ -23,12 +23,12 @@ Sections, in this order (the same for every config):
          no_grad, batch 8, sequence 512) after a warm-up on a side stream,
          --graph-captures times, each into a new graph and private pool while
          the earlier graphs stay alive (so each capture takes new segments, as
-         the first does): capture time (the
-         whole `with torch.cuda.graph` block and a synchronize, instantiation
-         included) as the median of the process's captures, with the first
-         capture and every capture's time also reported; mean replay time of
-         the last graph, and the private pool's size: reserved
-         bytes after the first capture minus before (the cache is emptied first). The
+         the first does): capture time (the whole `with torch.cuda.graph`
+         block and a synchronize, instantiation included) as the median of
+         the process's captures, with the first capture and every capture's
+         time also reported; mean replay time of the last graph; and the
+         private pool's size: reserved bytes after the first capture minus
+         before (the cache is emptied first). The
          cudaMallocAsync backend's graph memory is not in its reserved
          statistic, so for it the pool size is the drop of free device memory
          (torch.cuda.mem_get_info) from before the capture to after the first
@@ -210,15 +210,14 @@ def bench_graph(torch, args):
         # torch.cuda.graph empties the cache itself before capturing; do it
         # first so that "before" is what the capture starts from. Every graph
         # and its output stay alive until the end, so each capture takes new
-        # segments for its new private pool, as the first does (and no graph
-        # allocation is freed while its graph lives on: PyTorch's
-        # cudaMallocAsync backend aborts on the free of a destroyed graph's
-        # allocation).
+        # segments for its new private pool, as the first does. One capture
+        # per process would time the process's one-off costs and little else
+        # (docs/hot-path.md, section 7).
         caps = []
         kept = []
-        # The cudaMallocAsync backend aborts (CUDA "invalid argument" in its
-        # free_impl) when the outputs of several kept graphs are freed, on
-        # PyTorch 2.11: it captures once, as this section did before.
+        # PyTorch 2.11's cudaMallocAsync backend aborts (CUDA "invalid
+        # argument" in its free_impl) in this loop: it captures once, as this
+        # section did before (it has no target).
         n_caps = 1 if args.config == "async" else args.graph_captures
         for i in range(n_caps):
             cleanup(torch)
@@ -257,7 +256,8 @@ def bench_graph(torch, args):
         else:
             out["graph_pool_bytes"] = out["graph_pool_reserved_delta"]
             out["graph_pool_source"] = "reserved"
-        # The outputs go before their graphs (see above).
+        # The outputs go before their graphs: a graph's allocation freed after
+        # its graph is an error for the cudaMallocAsync backend.
         graphs = [k[0] for k in kept]
         del y, ref
         kept.clear()
