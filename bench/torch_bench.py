@@ -256,8 +256,7 @@ def bench_graph(torch, args):
         else:
             out["graph_pool_bytes"] = out["graph_pool_reserved_delta"]
             out["graph_pool_source"] = "reserved"
-        # The outputs go before their graphs: a graph's allocation freed after
-        # its graph is an error for the cudaMallocAsync backend.
+        # The outputs go before their graphs.
         graphs = [k[0] for k in kept]
         del y, ref
         kept.clear()
