@@ -52,11 +52,7 @@ func TestFrontTracksBorrowedBlock(t *testing.T) {
 	a.SetFront(f)
 	a.ExpectAnnouncements()
 	pool := allocator.PoolID{B: 4}
-	require.NoError(t, a.CreateOrIncrefPool(0, pool))
-	require.NoError(t, a.SetPoolUseOnOOM(0, pool, true))
-	done := useMemPool(t, a, pool)
-	cached := mustMalloc(t, a, 0, 60*MiB, 5)
-	done()
+	cached := oomPoolBlock(t, a, pool)
 	require.True(t, a.FrontEnabled())
 	require.NoError(t, a.Free(0, cached, 0))
 	p, track, err, _ := a.MallocTracked(0, 60*MiB, 5, 0, nil)

@@ -269,17 +269,24 @@ func TestMemPoolNoSplit(t *testing.T) {
 	require.NoError(t, a.CheckInvariants())
 }
 
+// oomPoolBlock makes pool a use_on_oom pool of device 0 and allocates a
+// 60 MiB block in it on stream 5 (still allocated; of a 100 MiB device).
+func oomPoolBlock(t testing.TB, a *allocator.Allocator, pool allocator.PoolID) cuda.Ptr {
+	t.Helper()
+	require.NoError(t, a.CreateOrIncrefPool(0, pool))
+	require.NoError(t, a.SetPoolUseOnOOM(0, pool, true))
+	done := useMemPool(t, a, pool)
+	defer done()
+	return mustMalloc(t, a, 0, 60*MiB, 5)
+}
+
 // use_on_oom: when the device is out of memory, a request of the default
 // pools takes a cached block of the pool before anything is freed.
 func TestMemPoolUseOnOOM(t *testing.T) {
 	lockThread(t)
 	a, drv := newAlloc(t, 1, 100*MiB, "")
 	pool := allocator.PoolID{B: 4}
-	require.NoError(t, a.CreateOrIncrefPool(0, pool))
-	require.NoError(t, a.SetPoolUseOnOOM(0, pool, true))
-	done := useMemPool(t, a, pool)
-	cached := mustMalloc(t, a, 0, 60*MiB, 5)
-	done()
+	cached := oomPoolBlock(t, a, pool)
 	require.NoError(t, a.Free(0, cached, 0)) // cached in the pool
 
 	p := mustMalloc(t, a, 0, 60*MiB, 5) // 40 MiB left on the device
@@ -304,7 +311,7 @@ func TestMemPoolUseOnOOM(t *testing.T) {
 	// A request routed to another private pool does not borrow.
 	other := allocator.PoolID{B: 5}
 	require.NoError(t, a.CreateOrIncrefPool(0, other))
-	done = useMemPool(t, a, other)
+	done := useMemPool(t, a, other)
 	_, err = a.Malloc(0, 60*MiB, 5)
 	require.ErrorIs(t, err, allocator.ErrOutOfMemory)
 	done()

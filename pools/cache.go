@@ -323,9 +323,23 @@ func (c *Cache) CountFrontFree(b *Block) {
 	if b.Size >= c.cfg.MaxSplitSize {
 		c.Stats.OversizeAllocations.Decrease(1)
 	}
-	if b.IsSplit() && !b.Seg.Expandable {
+	if waitsAsInactiveSplit(b) {
+		c.countWaiting(small, b, true)
+	}
+}
+
+// waitsAsInactiveSplit reports whether b, while it waits in front, counts as
+// an inactive split block.
+func waitsAsInactiveSplit(b *Block) bool { return b.IsSplit() && !b.Seg.Expandable }
+
+// countWaiting counts b in (start) or out of the inactive split statistics.
+func (c *Cache) countWaiting(small bool, b *Block, start bool) {
+	if start {
 		c.hot.increase(small, hInactiveSplit, 1)
 		c.hot.increase(small, hInactiveSplitBytes, int64(b.Size))
+	} else {
+		c.hot.decrease(small, hInactiveSplit, 1)
+		c.hot.decrease(small, hInactiveSplitBytes, int64(b.Size))
 	}
 }
 
@@ -336,9 +350,8 @@ func (c *Cache) CountFrontReuse(b *Block) {
 	if b.Size >= c.cfg.MaxSplitSize {
 		c.Stats.OversizeAllocations.Increase(1)
 	}
-	if b.IsSplit() && !b.Seg.Expandable {
-		c.hot.decrease(small, hInactiveSplit, 1)
-		c.hot.decrease(small, hInactiveSplitBytes, int64(b.Size))
+	if waitsAsInactiveSplit(b) {
+		c.countWaiting(small, b, false)
 	}
 }
 
@@ -352,13 +365,11 @@ func (c *Cache) CountFrontCycles(b *Block, k int64) {
 		o.Allocated += k
 		o.Freed += k
 	}
-	if b.IsSplit() && !b.Seg.Expandable {
+	if waitsAsInactiveSplit(b) {
 		// The first wait raises the peaks as CountFrontFree does; the
 		// others add to the sums only.
-		c.hot.increase(small, hInactiveSplit, 1)
-		c.hot.increase(small, hInactiveSplitBytes, int64(b.Size))
-		c.hot.decrease(small, hInactiveSplit, 1)
-		c.hot.decrease(small, hInactiveSplitBytes, int64(b.Size))
+		c.countWaiting(small, b, true)
+		c.countWaiting(small, b, false)
 		p := c.hot.pool(small)
 		p.inc[hInactiveSplit] += k - 1
 		p.inc[hInactiveSplitBytes] += (k - 1) * int64(b.Size)
