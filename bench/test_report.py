@@ -326,6 +326,35 @@ class TestTorchBenchArgs(unittest.TestCase):
                     finally:
                         sys.stderr = old
 
+    def test_warm_forward(self):
+        # A stand-in for torch.cuda that records the calls in order.
+        calls = []
+
+        class Stream:
+            def __init__(self, name="side"):
+                self.name = name
+
+            def wait_stream(self, other):
+                calls.append(f"{self.name} waits for {other.name}")
+
+        class StreamCtx:
+            def __init__(self, s):
+                self.s = s
+
+            def __enter__(self):
+                calls.append(f"enter {self.s.name}")
+
+            def __exit__(self, *exc):
+                calls.append(f"leave {self.s.name}")
+
+        main = Stream("main")
+        cuda = type("cuda", (), {"Stream": staticmethod(Stream), "current_stream": staticmethod(lambda: main),
+                                 "stream": staticmethod(StreamCtx),
+                                 "synchronize": staticmethod(lambda: calls.append("synchronize"))})
+        torch_bench.warm_forward(type("torch", (), {"cuda": cuda}), lambda x: calls.append(f"model({x})"), 7, n=2)
+        self.assertEqual(calls, ["side waits for main", "enter side", "model(7)", "model(7)", "leave side",
+                                 "main waits for side", "synchronize"])
+
     def test_allocator_env(self):
         env = {"PYTORCH_CUDA_ALLOC_CONF": "x", "PYTORCH_ALLOC_CONF": "y", "CUDAPOOL_CONF": "z", "HOME": "/"}
         torch_bench.set_allocator_env("async", env)

@@ -185,6 +185,19 @@ def bench_train(torch, args):
     return out
 
 
+def warm_forward(torch, model, x, n=3):
+    """Runs model(x) n times on a side stream and waits for it: the warm-up
+    PyTorch's CUDA graph documentation asks for before a capture (cuBLAS
+    handles, workspaces and the allocator's cache made outside the graph)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(n):
+            model(x)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+
+
 def bench_graph(torch, args):
     from model import GPT
 
@@ -194,13 +207,7 @@ def bench_graph(torch, args):
     x = torch.randint(0, VOCAB, (args.batch, args.graph_seq), device="cuda", generator=gen)
     out = {"graph_batch": args.batch, "graph_seq": args.graph_seq, "graph_replays": args.graph_replays}
     with torch.no_grad():
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                model(x)
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
+        warm_forward(torch, model, x)
         t0 = time.perf_counter()
         for _ in range(args.graph_replays):
             ref = model(x)

@@ -38,6 +38,7 @@ elif cfg == "expandable":
     os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
 import torch
 from model import GPT
+from torch_bench import warm_forward
 torch.manual_seed(0)
 model = GPT(layers=12).cuda().to(torch.bfloat16).eval()
 x = torch.randint(0, 16384, (8, 512), device="cuda")
@@ -46,13 +47,7 @@ first = {}
 keep = os.environ.get("DIAG_KEEP") == "1"
 graphs = []
 with torch.no_grad():
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            model(x)
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
+    warm_forward(torch, model, x)
     for i in range(n):
         if not keep:
             graphs.clear()

@@ -83,7 +83,6 @@ for line in open(sys.argv[1]):
         rows.setdefault(p[0], {}).setdefault(p[1], []).append(float(p[2]))
 print(f"{'row':14} {'config':18} {'median':>9} {'min-max':>19}  ratio to native (median)")
 for row, cfgs in rows.items():
-    base = cfgs.get("native") or cfgs.get("expandable")
     for cfg, v in cfgs.items():
         ref = cfgs.get("expandable") if cfg == "cudapool_exp" and "expandable" in cfgs else cfgs.get("native")
         ratio = f"{statistics.median(v) / statistics.median(ref):.3f}x" if ref else ""
