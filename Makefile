@@ -79,18 +79,25 @@ $(BUILD)/test_front: capi/ctest/test_front.c capi/ctest/check.h include/cudapool
 	@mkdir -p $(BUILD)
 	$(CC) -std=c11 $(TEST_CFLAGS) -o $@ $< $(TEST_LDFLAGS)
 
+# front.c alone (no library, no Go): its cold mode.
+$(BUILD)/test_front_cold: capi/ctest/test_front_cold.c capi/front.c capi/capi.h
+	@mkdir -p $(BUILD)
+	$(CC) -std=c11 $(TEST_CFLAGS) -I capi -o $@ $< -pthread
+
 # test_front runs twice, with the front cache on and off (debug_checks in
 # both); its "cmp" lines are statistics that do not depend on placement, so
 # the two runs' must be identical.
 FRONT_CONF := debug_checks:True,max_split_size_mb:40
 
-test-c: $(BUILD)/test_cudapool $(BUILD)/test_torchabi $(BUILD)/test_interop $(BUILD)/test_front
+test-c: $(BUILD)/test_cudapool $(BUILD)/test_torchabi $(BUILD)/test_interop $(BUILD)/test_front $(BUILD)/test_front_cold
 	$(call section,C ABI test (simulator))
 	$(SIM_ENV) ./$(BUILD)/test_cudapool
 	$(call section,C ABI for the PyTorch allocator class (simulator))
 	$(SIM_ENV) CUDAPOOL_SIM_MEMORY=8G ./$(BUILD)/test_torchabi
 	$(call section,C ABI for CuPy and other libraries (simulator))
 	$(SIM_ENV) ./$(BUILD)/test_interop
+	$(call section,front cache: cold mode (front.c alone))
+	./$(BUILD)/test_front_cold
 	$(call section,front cache: randomized; front on and off (simulator))
 	@rc=0; for mode in on off; do \
 		conf='$(FRONT_CONF)'; if [ $$mode = off ]; then conf="$$conf,front_cache:False"; fi; \

@@ -1,0 +1,111 @@
+/*
+ * test_front_cold.c - the front cache's cold mode (capi/front.c), tested on
+ * front.c alone: it is compiled into this program, with no library and no
+ * Go, and driven the way capi's shells and Go drive it (track after a malloc
+ * through Go, free, malloc, take). What it checks:
+ *   - a device whose blocks are freed for real and never reused stops being
+ *     tracked for COLD_SKIP blocks after a window of COLD_WINDOW;
+ *   - each further cold verdict in a row doubles the skip, up to
+ *     COLD_SKIP << COLD_MAX_SHIFT;
+ *   - a window with reuse resets the skip to COLD_SKIP;
+ *   - another device is not affected.
+ */
+#include <stdio.h>
+
+#include "front.c"
+
+static int passed, failed;
+
+#define CHECK(cond, ...)                                                                           \
+	do {                                                                                       \
+		int ok_ = !!(cond);                                                                \
+		printf(ok_ ? "ok    " : "FAIL  ");                                                 \
+		printf(__VA_ARGS__);                                                               \
+		printf(ok_ ? "\n" : "\n      %s:%d: %s\n", __FILE__, __LINE__, #cond);               \
+		if (ok_)                                                                           \
+			passed++;                                                                  \
+		else                                                                               \
+			failed++;                                                                  \
+	} while (0)
+
+static uintptr_t next_ptr = 0x10000000;
+
+/* One block that Go hands out and the program frees for good: returns
+ * whether the front tracked it (its free was logged in front). Go takes the
+ * log at its next operation on the device, as a malloc through Go does. */
+static int wasted_block(int dev) {
+	uintptr_t p = next_ptr += 4096;
+	cp_front_track(p, 4096, 0, dev, 1);
+	int logged = cp_front_free(p, 4096, dev, 0) == 1;
+	cp_front_take(dev);
+	return logged;
+}
+
+/* A block freed and reused at once (a hit), then freed for real. */
+static int reused_block(int dev) {
+	uintptr_t p = next_ptr += 4096;
+	cp_front_track(p, 512, 7, dev, 1);
+	if (cp_front_free(p, 512, dev, 0) != 1)
+		return 0;
+	int hit = (uintptr_t)cp_front_malloc(512, dev, 7) == p;
+	cp_front_free(p, 512, dev, 0);
+	cp_front_take(dev);
+	return hit;
+}
+
+/* Runs wasted blocks until a cold stretch has begun and ended; returns its
+ * length (blocks left untracked), or -1 if none began within limit. */
+static long cold_stretch(int dev, long limit) {
+	long i = 0;
+	while (i < limit && wasted_block(dev))
+		i++;
+	if (i == limit)
+		return -1;
+	long skipped = 1; /* the block that found the device cold */
+	while (skipped < limit && !wasted_block(dev))
+		skipped++;
+	return skipped;
+}
+
+int main(void) {
+	cp_front_set_on(1);
+
+	/* A first window: tracked until COLD_WINDOW blocks were freed for real. */
+	long tracked_first = 0;
+	while (tracked_first < 10 * COLD_WINDOW && wasted_block(0))
+		tracked_first++;
+	CHECK(tracked_first == COLD_WINDOW, "the first %d wasted blocks are tracked (got %ld)", COLD_WINDOW, tracked_first);
+	long skipped = 1;
+	while (skipped < 10L * COLD_SKIP && !wasted_block(0))
+		skipped++;
+	CHECK(skipped == COLD_SKIP, "then %d blocks are not tracked (got %ld)", COLD_SKIP, skipped);
+
+	/* Cold verdicts in a row: the skip doubles, then stays at its cap. The
+	 * block that ends a stretch is tracked and opens the next window. */
+	long want = COLD_SKIP;
+	for (int k = 1; k <= COLD_MAX_SHIFT + 2; k++) {
+		if (want < ((long)COLD_SKIP << COLD_MAX_SHIFT))
+			want *= 2;
+		long got = cold_stretch(0, 4L * (COLD_SKIP << COLD_MAX_SHIFT));
+		CHECK(got == want, "cold verdict %d in a row: %ld blocks untracked (got %ld)", k + 1, want, got);
+	}
+
+	/* Device 1 was never cold. */
+	CHECK(wasted_block(1), "another device still tracks its blocks");
+
+	/* A window with reuse resets the skip: reuse until a window closes
+	 * warm (the first reused block ends the current cold stretch). */
+	long n = 0;
+	while (!reused_block(0) && n < 4L * (COLD_SKIP << COLD_MAX_SHIFT))
+		n++;
+	int hits = 1;
+	for (int i = 0; i < 2 * COLD_WINDOW; i++)
+		hits += reused_block(0);
+	CHECK(hits == 2 * COLD_WINDOW + 1, "reused blocks are served by the front (%d of %d)", hits, 2 * COLD_WINDOW + 1);
+	long got = cold_stretch(0, 4L * (COLD_SKIP << COLD_MAX_SHIFT));
+	CHECK(got == COLD_SKIP, "after a window with reuse, the next cold stretch is %d blocks again (got %ld)", COLD_SKIP,
+	      got);
+
+	printf("%d passed, %d failed\n", passed, failed);
+	return failed != 0;
+}
