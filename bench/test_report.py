@@ -364,6 +364,16 @@ class TestTorchBenchArgs(unittest.TestCase):
         torch_bench.set_allocator_env("native", env)
         self.assertEqual(env, {"HOME": "/"})
 
+    def test_wait_start(self):
+        slept = []
+        self.assertEqual(torch_bench.wait_start({}, clock=lambda: 100.0, sleep=slept.append), 0.0)
+        self.assertEqual(torch_bench.wait_start({"BENCH_START_AT": "102.5"}, clock=lambda: 100.0, sleep=slept.append), 2.5)
+        self.assertEqual(slept, [2.5])
+        # Late: no sleep; capped at 60 s ahead.
+        self.assertEqual(torch_bench.wait_start({"BENCH_START_AT": "99"}, clock=lambda: 100.0, sleep=slept.append), -1.0)
+        self.assertEqual(torch_bench.wait_start({"BENCH_START_AT": "1000"}, clock=lambda: 100.0, sleep=slept.append), 60.0)
+        self.assertEqual(slept, [2.5, 60.0])
+
 
 class TestScript(unittest.TestCase):
     def test_run_bench_sh_parses(self):

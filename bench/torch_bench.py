@@ -123,6 +123,22 @@ def parse_args(argv=None):
     return args
 
 
+def wait_start(environ=None, clock=time.time, sleep=time.sleep):
+    """BENCH_START_AT (Unix time in seconds): the sections start then, not
+    before (at most 60 s from now), so that two processes started together
+    time the same seconds of the host (gpu/diag_pairing.sh). Returns the
+    seconds waited (negative: how late the sections began)."""
+    v = (os.environ if environ is None else environ).get("BENCH_START_AT", "")
+    if not v:
+        return 0.0
+    wait = min(float(v) - clock(), 60.0)
+    if wait > 0:
+        sleep(wait)
+    else:
+        print(f"BENCH_START_AT passed {-wait:.2f} s before the sections began", file=sys.stderr)
+    return wait
+
+
 def set_allocator_env(config, environ=None):
     """Replaces the allocator variables of environ with the config's."""
     env = os.environ if environ is None else environ
@@ -363,6 +379,7 @@ def main(argv=None):
     emit(cfg, "meta", **meta)
 
     funcs = {"train": bench_train, "graph": bench_graph, "empty": bench_empty}
+    wait_start()
     failed = 0
     for name in args.sections:
         t0 = time.perf_counter()

@@ -697,6 +697,26 @@ static int wl_parse_threads(struct wl_opts *o, const char *s) {
 	return o->nthreads > 0;
 }
 
+/* BENCH_START_AT (Unix time in seconds): the sections start then, not
+ * before (at most 60 s from now), so that two processes started together
+ * time the same seconds of the host (gpu/diag_pairing.sh). */
+static void wl_wait_start(void) {
+	const char *v = getenv("BENCH_START_AT");
+	if (v == NULL || *v == 0)
+		return;
+	struct timespec now;
+	clock_gettime(CLOCK_REALTIME, &now);
+	double wait = atof(v) - ((double)now.tv_sec + (double)now.tv_nsec / 1e9);
+	if (wait > 60)
+		wait = 60;
+	if (wait <= 0) {
+		fprintf(stderr, "BENCH_START_AT passed %.2f s before the sections began\n", -wait);
+		return;
+	}
+	struct timespec d = {(time_t)wait, (long)((wait - (double)(time_t)wait) * 1e9)};
+	nanosleep(&d, NULL);
+}
+
 static int wl_main(int argc, char **argv) {
 	struct wl_opts o;
 	memset(&o, 0, sizeof o);
@@ -779,6 +799,7 @@ static int wl_main(int argc, char **argv) {
 	         esc, WL_HOT_SIZE, WL_LIVE, o.reps, (unsigned long long)WL_MIXED_SEED);
 	wl_emit("init", body);
 	fprintf(stderr, "config %s, backend %s\n", o.config, name);
+	wl_wait_start();
 
 	double t0 = wl_now_ns();
 	if (o.do_trace) {
