@@ -177,6 +177,8 @@ static void bk_trace_extras(char *buf, size_t len) {
 	cudapool_string_free(js);
 }
 
+#ifndef WL_PAIR_PREFIX /* bench/pair_bench.c has the main */
 int main(int argc, char **argv) {
 	return wl_main(argc, argv);
 }
+#endif

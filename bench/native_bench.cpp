@@ -171,7 +171,12 @@ void setHasPrimaryContext(bool (*func)(c10::DeviceIndex));
 
 static bool has_primary_context(c10::DeviceIndex) { return true; }
 
+#ifdef WL_PAIR_PREFIX
+// bench/pair_bench.c has the main and calls this first.
+extern "C" void WL_PAIR_FN(prepare)(void) { c10::cuda::_internal::setHasPrimaryContext(has_primary_context); }
+#else
 int main(int argc, char **argv) {
 	c10::cuda::_internal::setHasPrimaryContext(has_primary_context);
 	return wl_main(argc, argv);
 }
+#endif

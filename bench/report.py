@@ -13,7 +13,8 @@ with a note, when the README or its markers are missing).
 Result lines: {"kind": "c"|"torch", "config": CONFIG, "section": ..., ...}
 merged per (kind, config); {"kind": "meta", ...} describes the machine;
 {"kind": "step", "name": ..., "status": ..., ...} tells how each step of
-run_bench.sh ended, to explain missing numbers. Nothing here needs torch;
+run_bench.sh ended, to explain missing numbers; {"kind": "pair", ...} is
+bench/pair_bench.c's (both allocators in one process, reps alternated). Nothing here needs torch;
 a missing or broken result is shown as "n/a" with its reason.
 """
 import argparse
@@ -166,6 +167,8 @@ class Results:
         self.steps = {}  # step name -> record
         self.bad_lines = 0
         self.files = []
+        self.pairs = {}  # pair_bench section -> [its result line per process]
+        self.pair_errors = []
 
     def add(self, obj):
         if not isinstance(obj, dict):
@@ -179,6 +182,13 @@ class Results:
             name = obj.get("name")
             if isinstance(name, str):
                 self.steps[name] = obj
+            return
+        if kind == "pair":  # bench/pair_bench.c: both allocators in one process
+            sec = obj.get("section")
+            if "error" in obj:
+                self.pair_errors.append(f"{sec}: {obj['error']}")
+            elif sec in ("hot", "mixed") and isinstance(obj.get("ratio"), (int, float)):
+                self.pairs.setdefault(sec, []).append(obj)
             return
         config = obj.get("config")
         if kind not in ("c", "torch") or not isinstance(config, str):
@@ -287,6 +297,33 @@ def ratio_interval(base, other, iters=4000, seed=11, level=0.95):
     return rs[int((1 - level) / 2 * iters)], rs[int((1 + level) / 2 * iters) - 1]
 
 
+def pair_note(res):
+    """The C rows measured with both allocators in one process, their reps
+    alternated (bench/pair_bench.c), or None. Each process gives the median
+    of its per-pair ratios; the note gives the median of those (min-max)."""
+    parts = []
+    for sec, metric in (("hot", METRICS[0]), ("mixed", METRICS[1])):
+        lines = res.pairs.get(sec) or []
+        if not lines:
+            continue
+        per = [float(x["ratio"]) for x in lines]
+        r = statistics.median(per)
+        cp = statistics.median(float(x["cudapool_ns"]) for x in lines)
+        nat = statistics.median(float(x["native_ns"]) for x in lines)
+        spread = f" ({min(per):.3f}-{max(per):.3f})" if len(per) > 1 else ""
+        met = "met" if r <= metric.target + 1e-12 else "NOT met"
+        parts.append(f"{'4 KiB hot pair' if sec == 'hot' else 'mixed sizes'} {r:.3f}x{spread} "
+                     f"(cudapool {cp:,.0f} ns, native {nat:,.0f} ns; target <= {metric.target:g}x: {met})")
+    if not parts:
+        return "C level in one process: failed (" + "; ".join(res.pair_errors) + ")" if res.pair_errors else None
+    n = max(len(res.pairs.get(s) or []) for s in ("hot", "mixed"))
+    reps = sorted({len(x.get("ratio_reps") or []) for v in res.pairs.values() for x in v})
+    return (f"C level with both allocators in one process, their reps alternated so that each pair of reps meets "
+            f"the host in the same state (bench/pair_bench.c; {n} processes of {'-'.join(map(str, reps))} "
+            f"pairs of reps; median of the processes' median per-pair ratios, cudapool/native, with their "
+            f"min-max): " + "; ".join(parts))
+
+
 def build_rows(res):
     """[(metric, cells{config: text}, ratio_text, target_text, met_text)], notes."""
     rows, notes = [], []
@@ -342,6 +379,9 @@ def build_rows(res):
     if spans:
         note("how far the runs resolve each targeted ratio, cudapool/native: 95% percentile bootstrap interval "
              "(each configuration's runs resampled, 4,000 times): " + "; ".join(spans))
+    paired = pair_note(res)
+    if paired:
+        note(paired)
     train = {c: (res.record("torch", c) or {}).get("_train_samples") for c in CONFIGS}
     if any(train.values()):
         note("training ms/step: median of " + ", ".join(

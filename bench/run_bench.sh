@@ -10,7 +10,9 @@
 #      with 256 live blocks, 4 and 8 threads on their own streams, and a
 #      replay of demo/trace.txt (peak reserved vs allocated). cudapool through
 #      bench/c_bench.c + lib/libcudapool.so; PyTorch's allocators through
-#      bench/native_bench.cpp + libc10_cuda.
+#      bench/native_bench.cpp + libc10_cuda. Then, once per run, the hot and
+#      mixed loops of cudapool and native in one process, reps alternated
+#      (bench/pair_bench.c: both meet the host in the same state).
 #   2. torch level (bench/torch_bench.py): GPT-2 training with variable
 #      sequence lengths, CUDA graph capture/replay, torch.empty + free.
 #   3. FSDP2 training of a small GPT-2 on 2 GPUs under torchrun
@@ -244,6 +246,7 @@ build_native() {
                     bench/native_bench.cpp -o "$BUILD/native_bench" \
                     -L "$TORCH_DIR/lib" -lc10_cuda -lc10 -Wl,-rpath,"$TORCH_DIR/lib" -Wl,--allow-shlib-undefined -pthread; then
                     echo "built native_bench with -std=$std $extras (CUDA headers: $order first)"
+                    NB_FLAGS=(-std="$std" -O2 -D_GLIBCXX_USE_CXX11_ABI="$TORCH_ABI" "$extras" "${inc[@]}")
                     return 0
                 fi
             done
@@ -252,10 +255,28 @@ build_native() {
     return 1
 }
 
+# bench/pair_bench.c: both allocators in one process, their reps alternated
+# (c_bench.c and native_bench.cpp compiled without their mains, with the
+# flags that built native_bench).
+NB_FLAGS=()
+build_pair() {
+    if [ ${#NB_FLAGS[@]} -eq 0 ]; then
+        echo "native_bench was not built"
+        return 1
+    fi
+    gcc -std=c11 -O2 -Wall -I include -I bench -DWL_PAIR_PREFIX=cp -c bench/c_bench.c -o "$BUILD/pair_cp.o" &&
+        g++ "${NB_FLAGS[@]}" -DWL_PAIR_PREFIX=nat -c bench/native_bench.cpp -o "$BUILD/pair_nat.o" &&
+        gcc -std=c11 -O2 -Wall -c bench/pair_bench.c -o "$BUILD/pair_main.o" &&
+        g++ "$BUILD/pair_main.o" "$BUILD/pair_cp.o" "$BUILD/pair_nat.o" -o "$BUILD/pair_bench" \
+            -L lib -lcudapool -L "$TORCH_DIR/lib" -lc10_cuda -lc10 -Wl,-rpath,"$REPO/lib" -Wl,-rpath,"$TORCH_DIR/lib" \
+            -Wl,--allow-shlib-undefined -ldl -pthread
+}
+
 if part c; then
-    rm -f "$BUILD/c_bench" "$BUILD/native_bench"
+    rm -f "$BUILD/c_bench" "$BUILD/native_bench" "$BUILD/pair_bench"
     run_step build_c 0 "" build_c
     run_step build_native 0 "" build_native
+    run_step build_pair 0 "" build_pair
 fi
 
 # ---- 3. C level -----------------------------------------------------------
@@ -295,6 +316,12 @@ c_run() { # CFG REP
 if part c; then
     for rep in $(seq "$FROM" "$REPEATS"); do
         for cfg in "${CONFIGS[@]}"; do c_run "$cfg" "$rep"; done
+        name=$(run_name pair "$rep")
+        if [ -x "$BUILD/pair_bench" ] && [ "${BENCH_SIM:-0}" != 1 ]; then
+            run_step "$name" 120 "$RES/$name.json" env -u PYTORCH_CUDA_ALLOC_CONF -u CUDAPOOL_CONF "$BUILD/pair_bench"
+        else
+            record_step "$name" skipped 0 "pair_bench was not built (logs/build_pair.log), or BENCH_SIM=1"
+        fi
     done
 fi
 

@@ -208,6 +208,30 @@ class TestReport(unittest.TestCase):
         self.assertIn("cudapool's median is 1,300 ns below the floor's", floor[0])
         self.assertNotIn("adds -", floor[0])
 
+    def test_pair_note(self):
+        def pair(sec, ratio, cp, nat):
+            return {"kind": "pair", "section": sec, "ratio": ratio, "cudapool_ns": cp, "native_ns": nat,
+                    "ratio_reps": [ratio] * 15, "cudapool_reps_ns": [cp] * 15, "native_reps_ns": [nat] * 15}
+        for i, (h, m) in enumerate(((0.08, 0.72), (0.09, 0.58), (0.07, 0.70))):
+            write_lines(os.path.join(self.dir, f"pair_{i}.json"), [
+                {"kind": "pair", "section": "init", "cudapool": "cudapool", "native": "native", "reps": 15},
+                pair("hot", h, 40.0, 500.0), pair("mixed", m, 700.0 + i, 1000.0)])
+        res = report.load(self.dir)
+        self.assertEqual(res.bad_lines, 0)
+        note = [n for n in report.build_rows(res)[1] if n.startswith("C level with both allocators")]
+        self.assertEqual(len(note), 1)
+        self.assertIn("3 processes of 15 pairs of reps", note[0])
+        self.assertIn("4 KiB hot pair 0.080x (0.070-0.090) (cudapool 40 ns, native 500 ns; target <= 0.5x: met)", note[0])
+        self.assertIn("mixed sizes 0.700x (0.580-0.720) (cudapool 701 ns, native 1,000 ns; target <= 0.6x: NOT met)",
+                      note[0])
+        # A failed run is said, not hidden.
+        for f in os.listdir(self.dir):
+            os.remove(os.path.join(self.dir, f))
+        write_lines(os.path.join(self.dir, "pair_0.json"), [
+            {"kind": "pair", "section": "init", "error": "no CUDA device"}])
+        notes = report.build_rows(report.load(self.dir))[1]
+        self.assertIn("C level in one process: failed (init: no CUDA device)", notes)
+
     def test_params_line_names_the_captures(self):
         write_lines(os.path.join(self.dir, "torch_native.json"), [
             {"kind": "torch", "config": "native", "section": "graph", "graph_capture_ms": 5.0, "graph_batch": 8,

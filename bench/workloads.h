@@ -34,6 +34,11 @@
  *           untouched by it, bench/trace_series.sh records the series in a
  *           run of its own.
  *
+ * Paired (bench/pair_bench.c): compiled with -DWL_PAIR_PREFIX=x, a file
+ * defines no main but exports x_init, x_hot_rep, x_mixed_begin, x_mixed_rep
+ * and x_mixed_end (C linkage), so that one program can run two backends'
+ * reps alternately, in the same seconds of the host.
+ *
  * Output: one JSON object per line on stdout, one per section, each with
  * "kind":"c", "config" and "section"; bench/report.py merges them. A section
  * that fails prints its "error" and the program goes on with the next.
@@ -820,5 +825,63 @@ static int wl_main(int argc, char **argv) {
 	wl_emit("done", body);
 	return 0;
 }
+
+/* ---- paired: the reps one at a time, for bench/pair_bench.c ---- */
+
+#ifdef WL_PAIR_PREFIX
+#ifdef __cplusplus
+#define WL_PAIR_EXTERN extern "C"
+#else
+#define WL_PAIR_EXTERN
+#endif
+#define WL_PAIR_CAT2(a, b) a##_##b
+#define WL_PAIR_CAT(a, b) WL_PAIR_CAT2(a, b)
+#define WL_PAIR_FN(n) WL_PAIR_CAT(WL_PAIR_PREFIX, n)
+
+static struct wl_mixed wl_pair_mixed;
+/* The sections' code stays compiled (and unwarned) in this mode. */
+static int (*const wl_pair_main)(int, char **) __attribute__((unused)) = wl_main;
+
+/* Sets up the backend; writes its name. 0 on success, else the error. */
+WL_PAIR_EXTERN const char *WL_PAIR_FN(init)(char *name, size_t name_len) {
+	return bk_init(name, name_len) == 0 ? NULL : bk_last_error();
+}
+
+/* n 4 KiB pairs on the legacy stream: ns per pair, -1 on failure. */
+WL_PAIR_EXTERN double WL_PAIR_FN(hot_rep)(long n) { return wl_hot_rep(n, NULL); }
+
+/* The mixed workload's initial fill and warm-up cycle (as its section
+ * does). NULL on success, else the error. */
+WL_PAIR_EXTERN const char *WL_PAIR_FN(mixed_begin)(void) {
+	struct wl_mixed *m = &wl_pair_mixed;
+	memset(m, 0, sizeof *m);
+	m->sizes = (size_t *)malloc(sizeof(size_t) * WL_SEQ);
+	m->slots = (unsigned *)malloc(sizeof(unsigned) * WL_SEQ);
+	if (m->sizes == NULL || m->slots == NULL)
+		return "host out of memory";
+	wl_mixed_sequence(m->sizes, m->slots);
+	size_t bad = 0;
+	for (int s = 0; s < WL_LIVE; s++) {
+		m->live[s] = bk_malloc(m->sizes[s], NULL);
+		m->live_size[s] = m->sizes[s];
+		if (m->live[s] == NULL)
+			return bk_last_error();
+	}
+	return wl_mixed_run(m, WL_SEQ, &bad) < 0 ? bk_last_error() : NULL;
+}
+
+/* n mixed pairs: ns per pair, -1 on failure. */
+WL_PAIR_EXTERN double WL_PAIR_FN(mixed_rep)(long n) {
+	size_t bad = 0;
+	return wl_mixed_run(&wl_pair_mixed, n, &bad);
+}
+
+WL_PAIR_EXTERN void WL_PAIR_FN(mixed_end)(void) {
+	wl_mixed_release(&wl_pair_mixed);
+	free(wl_pair_mixed.sizes);
+	free(wl_pair_mixed.slots);
+	memset(&wl_pair_mixed, 0, sizeof wl_pair_mixed);
+}
+#endif /* WL_PAIR_PREFIX */
 
 #endif /* CUDAPOOL_BENCH_WORKLOADS_H */
