@@ -49,20 +49,23 @@ cmix() { # CPU CONFIG START_AT -> ns/pair
         sed -n 's/.*\[mixed\] median \([0-9.]*\).*/\1/p'
 }
 soon() { $PY -c "import time; print(time.time() + $1)"; }
+# together FUNC LEAD CPUS_A CONFIG_A CPUS_B CONFIG_B: both at once, their
+# sections starting LEAD seconds from now; outputs in $D/a and $D/b.
+together() {
+    local t
+    t=$(soon "$2")
+    $1 "$3" "$4" "$t" >"$D/a" &
+    $1 "$5" "$6" "$t" >"$D/b"
+    wait
+}
 for r in $(seq 1 "$ROUNDS"); do
     a=$(cmix $A native "") b=$(cmix $A cudapool "")
     echo "c seq $r $a $b" >>"$R"
     x=$A y=$B
     [ $((r % 2)) = 0 ] && x=$B y=$A
-    t=$(soon 3)
-    cmix $x native "$t" >"$D/a" &
-    cmix $y cudapool "$t" >"$D/b"
-    wait
+    together cmix 3 $x native $y cudapool
     echo "c conc $r $(cat "$D/a") $(cat "$D/b")" >>"$R"
-    t=$(soon 3)
-    cmix $x cudapool "$t" >"$D/a" &
-    cmix $y cudapool "$t" >"$D/b"
-    wait
+    together cmix 3 $x cudapool $y cudapool
     echo "c same $r $(cat "$D/a") $(cat "$D/b")" >>"$R"
 done
 echo "C done at $(el)s"
@@ -82,19 +85,13 @@ for r in $(seq 1 "$TROUNDS"); do
     echo "tmix seq $r $a2 $b2" >>"$R"
     x=$TA y=$TB
     [ $((r % 2)) = 0 ] && x=$TB y=$TA
-    t=$(soon 15)
-    tempty $x native "$t" >"$D/a" &
-    tempty $y cudapool "$t" >"$D/b"
-    wait
+    together tempty 15 $x native $y cudapool
     read -r a1 a2 <"$D/a"
     read -r b1 b2 <"$D/b"
     echo "t4k conc $r $a1 $b1" >>"$R"
     echo "tmix conc $r $a2 $b2" >>"$R"
     if [ "$r" -le 2 ]; then
-        t=$(soon 15)
-        tempty $x cudapool "$t" >"$D/a" &
-        tempty $y cudapool "$t" >"$D/b"
-        wait
+        together tempty 15 $x cudapool $y cudapool
         read -r a1 a2 <"$D/a"
         read -r b1 b2 <"$D/b"
         echo "t4k same $r $a1 $b1" >>"$R"
