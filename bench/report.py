@@ -302,7 +302,8 @@ def pair_note(res):
     alternated (bench/pair_bench.c), or None. Each process gives the median
     of its per-pair ratios; the note gives the median of those (min-max)."""
     parts = []
-    for sec, metric in (("hot", METRICS[0]), ("mixed", METRICS[1])):
+    by_key = {m.key: m for m in METRICS}
+    for sec, metric in (("hot", by_key["hot_ns_per_pair"]), ("mixed", by_key["mixed_ns_per_pair"])):
         lines = res.pairs.get(sec) or []
         if not lines:
             continue

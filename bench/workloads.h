@@ -274,41 +274,53 @@ static void wl_mixed_release(struct wl_mixed *m) {
 		}
 }
 
-static void wl_section_mixed(const struct wl_opts *o) {
-	struct wl_mixed m;
-	memset(&m, 0, sizeof m);
-	m.sizes = (size_t *)malloc(sizeof(size_t) * WL_SEQ);
-	m.slots = (unsigned *)malloc(sizeof(unsigned) * WL_SEQ);
-	if (m.sizes == NULL || m.slots == NULL) {
-		wl_emit_error("mixed", "host out of memory");
-		free(m.sizes);
-		free(m.slots);
-		return;
-	}
-	wl_mixed_sequence(m.sizes, m.slots);
-	char what[160];
-	size_t bad = 0;
-	double reps[64];
-	int n = o->reps > 64 ? 64 : o->reps;
-	int ok = 1;
-	/* Initial fill: slot i gets sizes[i]. */
-	for (int s = 0; s < WL_LIVE && ok; s++) {
-		m.live[s] = bk_malloc(m.sizes[s], NULL);
-		m.live_size[s] = m.sizes[s];
-		if (m.live[s] == NULL) {
-			bad = m.sizes[s];
-			ok = 0;
+/* The workload's sequence, initial fill (slot i gets sizes[i]) and one
+ * warm-up cycle (it creates the segments). 0 on success; -1 when the host
+ * is out of memory; -2 when a malloc failed (its size in *bad). */
+static int wl_mixed_begin(struct wl_mixed *m, size_t *bad, double *warm_ms) {
+	memset(m, 0, sizeof *m);
+	m->sizes = (size_t *)malloc(sizeof(size_t) * WL_SEQ);
+	m->slots = (unsigned *)malloc(sizeof(unsigned) * WL_SEQ);
+	if (m->sizes == NULL || m->slots == NULL)
+		return -1;
+	wl_mixed_sequence(m->sizes, m->slots);
+	for (int s = 0; s < WL_LIVE; s++) {
+		m->live[s] = bk_malloc(m->sizes[s], NULL);
+		m->live_size[s] = m->sizes[s];
+		if (m->live[s] == NULL) {
+			*bad = m->sizes[s];
+			return -2;
 		}
 	}
 	double t0 = wl_now_ns();
-	double warm = ok ? wl_mixed_run(&m, WL_SEQ, &bad) : -1;
-	double warm_ms = (wl_now_ns() - t0) / 1e6;
-	ok = warm >= 0;
+	double warm = wl_mixed_run(m, WL_SEQ, bad);
+	*warm_ms = (wl_now_ns() - t0) / 1e6;
+	return warm < 0 ? -2 : 0;
+}
+
+/* Frees what wl_mixed_begin made (after a failure too). */
+static void wl_mixed_end(struct wl_mixed *m) {
+	wl_mixed_release(m);
+	free(m->sizes);
+	free(m->slots);
+	memset(m, 0, sizeof *m);
+}
+
+static void wl_section_mixed(const struct wl_opts *o) {
+	struct wl_mixed m;
+	char what[160];
+	size_t bad = 0;
+	double reps[64], warm_ms = 0;
+	int n = o->reps > 64 ? 64 : o->reps;
+	int rc = wl_mixed_begin(&m, &bad, &warm_ms);
+	int ok = rc == 0;
 	for (int r = 0; r < n && ok; r++) {
 		reps[r] = wl_mixed_run(&m, o->mixed_pairs, &bad);
 		ok = reps[r] >= 0;
 	}
-	if (!ok) {
+	if (rc == -1) {
+		wl_emit_error("mixed", "host out of memory");
+	} else if (!ok) {
 		snprintf(what, sizeof what, "malloc of %zu bytes failed", bad);
 		wl_emit_error("mixed", what);
 	} else {
@@ -323,9 +335,7 @@ static void wl_section_mixed(const struct wl_opts *o) {
 		wl_emit("mixed", body);
 		fprintf(stderr, "[mixed] median %.1f ns/pair (warm-up cycle %.1f ms)\n", wl_median(reps, n), warm_ms);
 	}
-	wl_mixed_release(&m);
-	free(m.sizes);
-	free(m.slots);
+	wl_mixed_end(&m);
 }
 
 /* ---- threads ---- */
@@ -842,7 +852,7 @@ static struct wl_mixed wl_pair_mixed;
 /* The sections' code stays compiled (and unwarned) in this mode. */
 static int (*const wl_pair_main)(int, char **) __attribute__((unused)) = wl_main;
 
-/* Sets up the backend; writes its name. 0 on success, else the error. */
+/* Sets up the backend; writes its name. NULL on success, else the error. */
 WL_PAIR_EXTERN const char *WL_PAIR_FN(init)(char *name, size_t name_len) {
 	return bk_init(name, name_len) == 0 ? NULL : bk_last_error();
 }
@@ -850,24 +860,13 @@ WL_PAIR_EXTERN const char *WL_PAIR_FN(init)(char *name, size_t name_len) {
 /* n 4 KiB pairs on the legacy stream: ns per pair, -1 on failure. */
 WL_PAIR_EXTERN double WL_PAIR_FN(hot_rep)(long n) { return wl_hot_rep(n, NULL); }
 
-/* The mixed workload's initial fill and warm-up cycle (as its section
- * does). NULL on success, else the error. */
+/* The mixed workload's sequence, initial fill and warm-up cycle, as its
+ * section makes them. NULL on success, else the error. */
 WL_PAIR_EXTERN const char *WL_PAIR_FN(mixed_begin)(void) {
-	struct wl_mixed *m = &wl_pair_mixed;
-	memset(m, 0, sizeof *m);
-	m->sizes = (size_t *)malloc(sizeof(size_t) * WL_SEQ);
-	m->slots = (unsigned *)malloc(sizeof(unsigned) * WL_SEQ);
-	if (m->sizes == NULL || m->slots == NULL)
-		return "host out of memory";
-	wl_mixed_sequence(m->sizes, m->slots);
 	size_t bad = 0;
-	for (int s = 0; s < WL_LIVE; s++) {
-		m->live[s] = bk_malloc(m->sizes[s], NULL);
-		m->live_size[s] = m->sizes[s];
-		if (m->live[s] == NULL)
-			return bk_last_error();
-	}
-	return wl_mixed_run(m, WL_SEQ, &bad) < 0 ? bk_last_error() : NULL;
+	double warm_ms = 0;
+	int rc = wl_mixed_begin(&wl_pair_mixed, &bad, &warm_ms);
+	return rc == 0 ? NULL : rc == -1 ? "host out of memory" : bk_last_error();
 }
 
 /* n mixed pairs: ns per pair, -1 on failure. */
@@ -876,12 +875,7 @@ WL_PAIR_EXTERN double WL_PAIR_FN(mixed_rep)(long n) {
 	return wl_mixed_run(&wl_pair_mixed, n, &bad);
 }
 
-WL_PAIR_EXTERN void WL_PAIR_FN(mixed_end)(void) {
-	wl_mixed_release(&wl_pair_mixed);
-	free(wl_pair_mixed.sizes);
-	free(wl_pair_mixed.slots);
-	memset(&wl_pair_mixed, 0, sizeof wl_pair_mixed);
-}
+WL_PAIR_EXTERN void WL_PAIR_FN(mixed_end)(void) { wl_mixed_end(&wl_pair_mixed); }
 #endif /* WL_PAIR_PREFIX */
 
 #endif /* CUDAPOOL_BENCH_WORKLOADS_H */

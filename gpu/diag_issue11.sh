@@ -15,19 +15,8 @@ set -u
 cd "$(dirname "$0")/.." || exit 1
 ROUNDS=${ROUNDS:-5}
 GROUNDS=${GROUNDS:-3}
-PY=${PYTHON:-python3}
-D=build/diag
-rm -rf "$D" && mkdir -p "$D"
-export CUDAPOOL_LIBRARY=$PWD/lib/libcudapool.so PYTHONUNBUFFERED=1
-unset PYTORCH_CUDA_ALLOC_CONF PYTORCH_ALLOC_CONF CUDAPOOL_CONF CUDAPOOL_BACKEND
-T0=$(date +%s)
-el() { echo $(($(date +%s) - T0)); }
-
-# Builds c_bench and native_bench exactly as the benchmark does (no runs).
-OUT=$PWD/$D/bo BENCH_PARTS=c BENCH_REPEATS=0 BENCH_UPDATE_REPO=0 bash bench/run_bench.sh >"$D/build.log" 2>&1
-CB=build/bench/c_bench NB=build/bench/native_bench
-[ -x $CB ] && [ -x $NB ] || { tail -n 30 "$D/build.log"; echo "build failed"; exit 1; }
-echo "built at $(el)s"
+# shellcheck source=gpu/diag_setup.sh
+. gpu/diag_setup.sh
 
 R=$D/rows.txt
 : >"$R"

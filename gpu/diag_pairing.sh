@@ -19,18 +19,8 @@ set -u
 cd "$(dirname "$0")/.." || exit 1
 ROUNDS=${ROUNDS:-10}
 TROUNDS=${TROUNDS:-4}
-PY=${PYTHON:-python3}
-D=build/diag
-rm -rf "$D" && mkdir -p "$D"
-export CUDAPOOL_LIBRARY=$PWD/lib/libcudapool.so PYTHONUNBUFFERED=1
-unset PYTORCH_CUDA_ALLOC_CONF PYTORCH_ALLOC_CONF CUDAPOOL_CONF CUDAPOOL_BACKEND BENCH_START_AT
-T0=$(date +%s)
-el() { echo $(($(date +%s) - T0)); }
-
-OUT=$PWD/$D/bo BENCH_PARTS=c BENCH_REPEATS=0 BENCH_UPDATE_REPO=0 bash bench/run_bench.sh >"$D/build.log" 2>&1
-CB=build/bench/c_bench NB=build/bench/native_bench
-[ -x $CB ] && [ -x $NB ] || { tail -n 30 "$D/build.log"; echo "build failed"; exit 1; }
-echo "built at $(el)s"
+# shellcheck source=gpu/diag_setup.sh
+. gpu/diag_setup.sh
 
 # Two CPU sets on different physical cores (and their SMT siblings left idle).
 siblings() { cat "/sys/devices/system/cpu/cpu$1/topology/thread_siblings_list" 2>/dev/null || echo "$1"; }
