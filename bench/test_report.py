@@ -8,14 +8,16 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 import unittest
-from contextlib import redirect_stdout
+from contextlib import redirect_stderr, redirect_stdout
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import report  # noqa: E402
 import torch_bench  # noqa: E402  (imports no torch at module level)
+import turns  # noqa: E402
 import workloads  # noqa: E402
 
 GiB = 1 << 30
@@ -397,6 +399,110 @@ class TestTorchBenchArgs(unittest.TestCase):
         self.assertEqual(torch_bench.wait_start({"BENCH_START_AT": "99"}, clock=lambda: 100.0, sleep=slept.append), -1.0)
         self.assertEqual(torch_bench.wait_start({"BENCH_START_AT": "1000"}, clock=lambda: 100.0, sleep=slept.append), 60.0)
         self.assertEqual(slept, [2.5, 60.0])
+
+
+# A process taking turns (run by TestTurns through python3 -c): it appends
+# "NAME k" to LOG in each of its N turns, sleeping a little inside the turn.
+TURN_CHILD = """
+import sys, time
+sys.path.insert(0, sys.argv[1])
+import torch_bench
+name, n, log = sys.argv[2], int(sys.argv[3]), sys.argv[4]
+t = torch_bench.Turns(sys.argv[5], timeout=float(sys.argv[6]))
+t.begin()
+for k in range(n):
+    with open(log, "a") as f:
+        f.write(f"{name} {k} start\\n")
+    time.sleep(0.02)
+    with open(log, "a") as f:
+        f.write(f"{name} {k} end\\n")
+    t.turn()
+t.end()
+print(t.summary())
+"""
+
+
+class TestTurns(unittest.TestCase):
+    def run_pair(self, na, nb, timeout=30.0):
+        d = tempfile.mkdtemp()
+        f1, f2, log = os.path.join(d, "f1"), os.path.join(d, "f2"), os.path.join(d, "log")
+        os.mkfifo(f1)
+        os.mkfifo(f2)
+        # The second starts first: the barrier must hold the first back.
+        b = subprocess.Popen([sys.executable, "-c", TURN_CHILD, HERE, "B", str(nb), log, f"{f2}:{f1}:second",
+                              str(timeout)], stdout=subprocess.PIPE, text=True)
+        time.sleep(0.2)
+        a = subprocess.Popen([sys.executable, "-c", TURN_CHILD, HERE, "A", str(na), log, f"{f1}:{f2}:first",
+                              str(timeout)], stdout=subprocess.PIPE, text=True)
+        oa, _ = a.communicate(timeout=60)
+        ob, _ = b.communicate(timeout=60)
+        with open(log) as f:
+            events = f.read().split("\n")[:-1]
+        return events, oa, ob
+
+    def test_strict_alternation(self):
+        events, oa, ob = self.run_pair(3, 3)
+        want = []
+        for k in range(3):
+            for name in "AB":
+                want += [f"{name} {k} start", f"{name} {k} end"]
+        self.assertEqual(events, want)
+        self.assertIn("'turns': 3", oa)
+        self.assertIn("'turns_partner_gone': ''", oa)
+
+    def test_partner_ending_early_does_not_block(self):
+        t0 = time.perf_counter()
+        events, oa, ob = self.run_pair(1, 4)
+        self.assertLess(time.perf_counter() - t0, 20)
+        self.assertEqual(events[:4], ["A 0 start", "A 0 end", "B 0 start", "B 0 end"])
+        self.assertEqual(len(events), 10)
+        self.assertIn("'turns_partner_gone': 'ended'", ob)
+
+    def test_silent_partner_times_out(self):
+        d = tempfile.mkdtemp()
+        f1, f2 = os.path.join(d, "f1"), os.path.join(d, "f2")
+        os.mkfifo(f1)
+        os.mkfifo(f2)
+        t = torch_bench.Turns(f"{f1}:{f2}:first", timeout=0.2)
+        t.begin()  # nobody answers the barrier
+        t.turn()
+        self.assertEqual(t.summary()["turns_partner_gone"], "no answer in 0 s")
+        self.assertEqual(t.summary()["turns"], 1)
+        self.assertLess(t.waited, 1.0)
+
+    def test_off_and_bad_spec(self):
+        t = torch_bench.Turns("")
+        t.begin()
+        t.turn()
+        t.end()
+        self.assertEqual(t.summary(), {})
+        with self.assertRaises(ValueError):
+            torch_bench.Turns("a:b:third")
+
+    def test_train_blocks_arg(self):
+        self.assertEqual(torch_bench.parse_args(["native"]).train_blocks, 6)
+        self.assertEqual(torch_bench.parse_args(["native", "--steps", "4", "--train-blocks", "5"]).train_blocks, 4)
+        with redirect_stderr(io.StringIO()), self.assertRaises(SystemExit):
+            torch_bench.parse_args(["native", "--train-blocks", "0"])
+
+    def test_paired_figures(self):
+        base = {"empty_small_reps_us": [4.0, 5.0, 8.0], "graph_capture_reps_ms": [6.0, 6.0], "turns": 5,
+                "turns_partner_gone": ""}
+        test = {"empty_small_reps_us": [2.0, 3.0, 4.0], "graph_capture_reps_ms": [3.0], "turns": 5,
+                "turns_partner_gone": ""}
+        p = turns.paired(base, test)
+        self.assertEqual(set(p), {"torch.empty 4 KiB"})  # capture: rep counts differ
+        r, a, b, n = p["torch.empty 4 KiB"]
+        self.assertAlmostEqual(r, 0.5)  # per-rep ratios 0.5, 0.6, 0.5
+        self.assertEqual((a, b, n), (5.0, 3.0, 3))
+        lines = turns.summarize([("cp/native", "1", base, dict(test, turns_partner_gone="ended")),
+                                 ("cp/native", "2", base, {"turns": 4, "empty_small_reps_us": [1.0, 1.0, 1.0]}),
+                                 ("cp/native", "3", base, dict(test, turns_partner_gone="no answer in 300 s"))])
+        self.assertIn("cp/native 1 torch.empty 4 KiB: 0.500 (5, 3, 3)", lines)
+        self.assertIn("cp/native 2 not paired: turns differ: 5 and 4", lines)
+        self.assertIn("cp/native 3 not paired: test: partner gave no answer in 300 s", lines)
+        self.assertEqual(sum("n=1 0.500 (0.500-0.500)" in ln for ln in lines), 1)
+        self.assertIn("base: no turns", turns.broken({}, test))
 
 
 class TestScript(unittest.TestCase):

@@ -37,6 +37,12 @@ Sections, in this order (the same for every config):
          benchmark's mixed sequence (bench/workloads.py: 256 live tensors,
          512 B - 144 MiB) after one warm-up cycle.
 
+BENCH_TURNS=IN:OUT:first|second (two FIFOs) makes two processes pinned to
+one CPU take turns (gpu/diag_turns.sh): only one runs at a time, and each
+passes the turn after every timed rep (training block, capture, empty rep),
+so rep k of the two processes runs back to back, in the same state of the
+host (docs/hot-path.md, section 9). The times exclude the waits.
+
 Output: one JSON line per section on stdout ("kind":"torch"); a failing
 section prints its "<section>_error" and the next one still runs.
 """
@@ -44,6 +50,7 @@ import argparse
 import gc
 import json
 import os
+import select
 import statistics
 import sys
 import time
@@ -102,6 +109,9 @@ def parse_args(argv=None):
                    help="comma-separated subset of " + ",".join(SECTIONS))
     p.add_argument("--warmup", type=int, default=5, help="training warm-up steps")
     p.add_argument("--steps", type=int, default=60, help="timed training steps")
+    p.add_argument("--train-blocks", type=int, default=6,
+                   help="timed training steps run in this many synchronized blocks (one turn each; "
+                        "at most --steps)")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--graph-seq", type=int, default=512)
     p.add_argument("--graph-replays", type=int, default=50)
@@ -117,7 +127,8 @@ def parse_args(argv=None):
     if bad or not secs:
         p.error(f"unknown section(s) {bad}; choose from {','.join(SECTIONS)}")
     args.sections = [s for s in SECTIONS if s in secs]
-    for name in ("warmup", "steps", "batch", "graph_seq", "graph_replays", "graph_captures", "empty_pairs", "mixed_pairs", "reps"):
+    args.train_blocks = min(args.train_blocks, args.steps)  # a block has a step at least
+    for name in ("warmup", "steps", "train_blocks", "batch", "graph_seq", "graph_replays", "graph_captures", "empty_pairs", "mixed_pairs", "reps"):
         if getattr(args, name) < (0 if name == "warmup" else 1):
             p.error(f"--{name.replace('_', '-')} must be positive")
     return args
@@ -137,6 +148,71 @@ def wait_start(environ=None, clock=time.time, sleep=time.sleep):
     else:
         print(f"BENCH_START_AT passed {-wait:.2f} s before the sections began", file=sys.stderr)
     return wait
+
+
+class Turns:
+    """Two processes on one CPU taking turns (BENCH_TURNS=IN:OUT:ROLE, two
+    FIFOs, the first process's IN being the second's OUT). begin() is a
+    barrier, after which the "second" waits; turn() hands the CPU to the
+    other process and waits for it back; end() hands it over for good. A
+    process whose partner has ended, or has not answered within timeout
+    seconds (it failed), stops waiting. Without BENCH_TURNS every call does
+    nothing."""
+
+    def __init__(self, spec="", timeout=300.0):
+        self.on = bool(spec)
+        self.count = 0        # turns taken
+        self.waited = 0.0     # seconds spent waiting for the partner
+        self.partner_gone = ""  # why the partner no longer takes turns
+        if not self.on:
+            return
+        parts = spec.split(":")
+        if len(parts) != 3 or parts[2] not in ("first", "second"):
+            raise ValueError(f"BENCH_TURNS={spec!r}: want IN:OUT:first|second")
+        # O_RDWR: opening a FIFO so never blocks, and it never reads EOF.
+        self.fin = os.open(parts[0], os.O_RDWR)
+        self.fout = os.open(parts[1], os.O_RDWR)
+        self.second = parts[2] == "second"
+        self.timeout = timeout
+
+    def _pass(self, mark):
+        if self.on and not self.partner_gone:
+            os.write(self.fout, mark)
+
+    def _wait(self):
+        if not self.on or self.partner_gone:
+            return
+        t0 = time.perf_counter()
+        ready, _, _ = select.select([self.fin], [], [], self.timeout)
+        if not ready:
+            self.partner_gone = f"no answer in {self.timeout:.0f} s"
+        elif os.read(self.fin, 1) == b"e":
+            self.partner_gone = "ended"
+        self.waited += time.perf_counter() - t0
+
+    def begin(self):
+        self._pass(b"r")
+        self._wait()
+        if self.on and self.second:
+            self._wait()
+
+    def turn(self):
+        if self.on:
+            self.count += 1
+        self._pass(b"t")
+        self._wait()
+
+    def end(self):
+        self._pass(b"e")
+
+    def summary(self):
+        if not self.on:
+            return {}
+        return {"turns": self.count, "turns_waited_s": round(self.waited, 3),
+                "turns_partner_gone": self.partner_gone}
+
+
+TURNS = Turns()  # replaced in main() from BENCH_TURNS
 
 
 def set_allocator_env(config, environ=None):
@@ -178,15 +254,23 @@ def bench_train(torch, args):
         step(i)
     torch.cuda.synchronize()
     warm_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
+    # The timed steps in synchronized blocks, a turn after each (the waits
+    # are not timed).
     loss = None
-    for i in range(args.warmup, args.warmup + args.steps):
-        loss = step(i)
-    torch.cuda.synchronize()
-    dt = time.perf_counter() - t0
+    blocks = []
+    bounds = [args.warmup + args.steps * b // args.train_blocks for b in range(args.train_blocks + 1)]
+    for lo, hi in zip(bounds, bounds[1:]):
+        t0 = time.perf_counter()
+        for i in range(lo, hi):
+            loss = step(i)
+        torch.cuda.synchronize()
+        blocks.append(((time.perf_counter() - t0) * 1e3, hi - lo))
+        TURNS.turn()
+    dt = sum(ms for ms, _ in blocks) / 1e3
     final_loss = float(loss.detach())
     out = {
         "train_ms_per_step": dt * 1e3 / args.steps,
+        "train_block_ms_per_step": [ms / n for ms, n in blocks],
         "train_steps": args.steps,
         "train_warmup_steps": args.warmup,
         "train_warmup_s": warm_s,
@@ -254,6 +338,7 @@ def bench_graph(torch, args):
             torch.cuda.synchronize()
             caps.append((time.perf_counter() - t0) * 1e3)
             kept.append((g, y))
+            TURNS.turn()
             if i == 0:
                 reserved1 = torch.cuda.memory_reserved()
                 g.replay()
@@ -302,7 +387,10 @@ def bench_empty(torch, args):
         return (time.perf_counter_ns() - t0) / n / 1e3
 
     small(10_000)
-    reps = [small(args.empty_pairs) for _ in range(args.reps)]
+    reps = []
+    for _ in range(args.reps):
+        reps.append(small(args.empty_pairs))
+        TURNS.turn()
     out = {"empty_small_us": statistics.median(reps), "empty_small_reps_us": reps,
            "empty_pairs": args.empty_pairs}
     if args.config == "floor":  # it caches by exact size: the mixed loop would exhaust memory
@@ -328,6 +416,7 @@ def bench_empty(torch, args):
     mreps = []
     for _ in range(args.reps):
         mreps.append(mixed(start, args.mixed_pairs))
+        TURNS.turn()
         start += args.mixed_pairs
     out.update({"empty_mixed_us": statistics.median(mreps), "empty_mixed_reps_us": mreps,
                 "empty_mixed_pairs": args.mixed_pairs})
@@ -379,7 +468,14 @@ def main(argv=None):
     emit(cfg, "meta", **meta)
 
     funcs = {"train": bench_train, "graph": bench_graph, "empty": bench_empty}
+    global TURNS
+    try:
+        TURNS = Turns(os.environ.get("BENCH_TURNS", ""))
+    except (OSError, ValueError) as e:
+        emit(cfg, "meta", meta_error=f"BENCH_TURNS: {short_error(e)}", **meta)
+        return 1
     wait_start()
+    TURNS.begin()
     failed = 0
     for name in args.sections:
         t0 = time.perf_counter()
@@ -400,7 +496,8 @@ def main(argv=None):
                 torch.cuda.reset_peak_memory_stats()
         except Exception as e:  # noqa: BLE001
             print(f"[{cfg}] cleanup after {name}: {short_error(e)}", file=sys.stderr, flush=True)
-    emit(cfg, "done", torch_total_s=time.perf_counter() - t_start)
+    TURNS.end()
+    emit(cfg, "done", torch_total_s=time.perf_counter() - t_start, **TURNS.summary())
     return 1 if failed else 0
 
 
