@@ -14,7 +14,9 @@ Result lines: {"kind": "c"|"torch", "config": CONFIG, "section": ..., ...}
 merged per (kind, config); {"kind": "meta", ...} describes the machine;
 {"kind": "step", "name": ..., "status": ..., ...} tells how each step of
 run_bench.sh ended, to explain missing numbers; {"kind": "pair", ...} is
-bench/pair_bench.c's (both allocators in one process, reps alternated). Nothing here needs torch;
+bench/pair_bench.c's (both allocators in one process, reps alternated);
+{"kind": "torch_turns", ...} bench/turn_pair.sh's (two torch_bench.py
+processes taking turns on one CPU: bench/turns.py). Nothing here needs torch;
 a missing or broken result is shown as "n/a" with its reason.
 """
 import argparse
@@ -25,6 +27,9 @@ import statistics
 import os
 import random
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import turns  # noqa: E402  (bench/turns.py)
 
 CONFIGS = ["native", "expandable", "async", "cudapool", "cudapool_exp"]
 LABELS = {
@@ -169,6 +174,7 @@ class Results:
         self.files = []
         self.pairs = {}  # pair_bench section -> [its result line per process]
         self.pair_errors = []
+        self.turns = {}  # (kind, round) -> {role: fields}: bench/turn_pair.sh's pairs
 
     def add(self, obj):
         if not isinstance(obj, dict):
@@ -182,6 +188,9 @@ class Results:
             name = obj.get("name")
             if isinstance(name, str):
                 self.steps[name] = obj
+            return
+        if kind == "torch_turns":  # bench/turn_pair.sh: two processes taking turns on one CPU
+            turns.collect([obj], self.turns)
             return
         if kind == "pair":  # bench/pair_bench.c: both allocators in one process
             sec = obj.get("section")
@@ -325,6 +334,35 @@ def pair_note(res):
             f"min-max): " + "; ".join(parts))
 
 
+def turns_note(res):
+    """The torch rows measured by pairs of processes taking turns on one CPU
+    (bench/turn_pair.sh), or None: per kind of pair, each metric's median
+    (min-max) over the pairs of the pair's median per-rep ratio."""
+    per, bad = turns.figures(res.turns)
+    if not per and not bad:
+        return None
+    targets = {m.key: m.target for m in METRICS if m.kind == "torch"}
+    parts = []
+    for kind in sorted({k for k, _ in per}, key=lambda k: (k != "native/cudapool", k)):
+        items = []
+        for label, _, key in turns.METRICS:
+            v = per.get((kind, label))
+            if not v:
+                continue
+            r = statistics.median(v)
+            t = targets.get(key) if kind == "native/cudapool" or key == "graph_capture_ms" else None
+            met = f"; target <= {t:g}x: {'met' if r <= t + 1e-12 else 'NOT met'}" if t else ""
+            rng = f" ({min(v):.3f}-{max(v):.3f})" if len(v) > 1 else ""
+            items.append(f"{label} {r:.3f}x{rng}{met}")
+        n = max(len(v) for (k, _), v in per.items() if k == kind)
+        parts.append(f"{kind} ({n} pair{'s' if n != 1 else ''}): " + ", ".join(items))
+    if bad:
+        parts.append("not paired: " + "; ".join(f"{k} {r}: {why}" for k, r, why in bad))
+    return ("torch level with two processes taking turns on one CPU, handing it over after every timed rep, so "
+            "that rep k of both meets the host in the same state (bench/turn_pair.sh; per pair the median of "
+            "the per-rep ratios, then their median (min-max) over the pairs, test/base): " + "; ".join(parts))
+
+
 def build_rows(res):
     """[(metric, cells{config: text}, ratio_text, target_text, met_text)], notes."""
     rows, notes = [], []
@@ -383,6 +421,9 @@ def build_rows(res):
     paired = pair_note(res)
     if paired:
         note(paired)
+    tn = turns_note(res)
+    if tn:
+        note(tn)
     train = {c: (res.record("torch", c) or {}).get("_train_samples") for c in CONFIGS}
     if any(train.values()):
         note("training ms/step: median of " + ", ".join(

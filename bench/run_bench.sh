@@ -14,7 +14,10 @@
 #      mixed loops of cudapool and native in one process, reps alternated
 #      (bench/pair_bench.c: both meet the host in the same state).
 #   2. torch level (bench/torch_bench.py): GPT-2 training with variable
-#      sequence lengths, CUDA graph capture/replay, torch.empty + free.
+#      sequence lengths, CUDA graph capture/replay, torch.empty + free. Then,
+#      once per run (part "turns"), native and cudapool (and both with
+#      expandable segments) as two processes taking turns on one CPU
+#      (bench/turn_pair.sh: each pair of reps meets the host in one state).
 #   3. FSDP2 training of a small GPT-2 on 2 GPUs under torchrun
 #      (bench/fsdp2_bench.py: CPU pinning per rank, CUDA-event step timing),
 #      native and cudapool, where the machine has 2 GPUs or more.
@@ -50,7 +53,8 @@
 # BENCH_UPDATE_REPO=0 (leave bench/RESULTS.md and README.md alone: write the
 # results file and an updated copy of the README to $OUT only),
 # BENCH_REPEATS (3), BENCH_TRAIN_RUNS (5), BENCH_FSDP_RUNS (5),
-# BENCH_PARTS (the parts to run, default "c torch train floor fsdp"),
+# BENCH_PARTS (the parts to run, default "c torch turns train floor fsdp"),
+# BENCH_TURN_CPU (the CPU of the turn pairs, default 2),
 # BENCH_KEEP=1 (keep the results already under $OUT: add to them),
 # BENCH_REPEAT_FROM (1: the first run number of this call).
 # shellcheck disable=SC2317  # the step functions are called through run_step
@@ -71,7 +75,7 @@ REPEATS=${BENCH_REPEATS:-3}
 FROM=${BENCH_REPEAT_FROM:-1} # first run number of this call (to split the runs over calls)
 TRAIN_RUNS=${BENCH_TRAIN_RUNS:-5}
 FSDP_RUNS=${BENCH_FSDP_RUNS:-5}
-PARTS=" ${BENCH_PARTS:-c torch train floor fsdp} "
+PARTS=" ${BENCH_PARTS:-c torch turns train floor fsdp} "
 part() { [[ $PARTS == *" $1 "* ]]; }
 
 mkdir -p "$RES" "$LOGS" "$BUILD"
@@ -344,6 +348,25 @@ if part torch || part floor; then
             run_step "$name" 60 "$RES/$name.json" env FLOOR_LIB="$BUILD/libfloor.so" \
                 "$PY" bench/torch_bench.py floor --sections empty "${T_ARGS[@]}"
         fi
+    done
+fi
+
+# The torch rows paired: native and cudapool (and both with expandable
+# segments) as two processes pinned to one CPU, taking turns after every
+# timed rep (bench/turn_pair.sh), so that rep k of both meets the host in
+# the same state; once per run, who goes first alternating.
+if part turns; then
+    ncpu=$(nproc 2>/dev/null || echo 1)
+    tcpu=${BENCH_TURN_CPU:-$((ncpu > 2 ? 2 : 0))}
+    for rep in $(seq "$FROM" "$REPEATS"); do
+        first=base
+        [ $((rep % 2)) = 0 ] && first=test
+        for kp in native:cudapool expandable:cudapool_exp; do
+            b=${kp%%:*} t=${kp#*:}
+            name=$(run_name "turns_${b}_$t" "$rep")
+            run_step "$name" 300 "" env TURN_LIMIT=290 bash bench/turn_pair.sh "$tcpu" "$b/$t" "$rep" "$b" "$t" \
+                "$first" "$RES/$name.json" "${T_ARGS[@]}"
+        done
     done
 fi
 

@@ -234,6 +234,35 @@ class TestReport(unittest.TestCase):
         notes = report.build_rows(report.load(self.dir))[1]
         self.assertIn("C level in one process: failed (init: no CUDA device)", notes)
 
+    def test_turns_note(self):
+        def proc(kind, rnd, role, cfg, small, cap, turns_n=12, gone=""):
+            tag = {"kind": "torch_turns", "config": cfg, "turns_kind": kind, "turns_round": str(rnd),
+                   "turns_role": role}
+            return [dict(tag, section="graph", graph_capture_reps_ms=cap, graph_capture_ms=cap[0]),
+                    dict(tag, section="empty", empty_small_reps_us=small, empty_small_us=small[0]),
+                    dict(tag, section="done", turns=turns_n, turns_partner_gone=gone)]
+        for r, f in ((1, 0.6), (2, 0.7), (3, 0.65)):
+            write_lines(os.path.join(self.dir, f"turns_native_cudapool_{r}.json"),
+                        proc("native/cudapool", r, "base", "native", [4.0, 4.4], [8.0, 8.0]) +
+                        proc("native/cudapool", r, "test", "cudapool", [4.0 * f, 4.4 * f], [8.8, 8.8], gone="ended"))
+        write_lines(os.path.join(self.dir, "turns_expandable_cudapool_exp_1.json"),
+                    proc("expandable/cudapool_exp", 1, "base", "expandable", [4.0], [8.0]) +
+                    proc("expandable/cudapool_exp", 1, "test", "cudapool_exp", [3.0], [6.0]) +
+                    proc("expandable/cudapool_exp", 2, "base", "expandable", [4.0], [8.0]) +
+                    proc("expandable/cudapool_exp", 2, "test", "cudapool_exp", [3.0], [6.0], turns_n=3))
+        res = report.load(self.dir)
+        self.assertEqual(res.bad_lines, 0)
+        self.assertIsNone(res.record("torch", "native"))  # the pairs stay out of the unpaired rows
+        note = [n for n in report.build_rows(res)[1] if n.startswith("torch level with two processes")]
+        self.assertEqual(len(note), 1)
+        self.assertIn("native/cudapool (3 pairs): capture 1.100x (1.100-1.100); target <= 1x: NOT met, "
+                      "torch.empty 4 KiB 0.650x (0.600-0.700); target <= 0.95x: met", note[0])
+        # Only the capture row has a target for the expandable pair.
+        self.assertIn("expandable/cudapool_exp (1 pair): capture 0.750x; target <= 1x: met, torch.empty 4 KiB 0.750x;",
+                      note[0])
+        self.assertIn("not paired: expandable/cudapool_exp 2: turns differ: 12 and 3", note[0])
+        self.assertLess(note[0].index("native/cudapool (3"), note[0].index("expandable/cudapool_exp (1"))
+
     def test_params_line_names_the_captures(self):
         write_lines(os.path.join(self.dir, "torch_native.json"), [
             {"kind": "torch", "config": "native", "section": "graph", "graph_capture_ms": 5.0, "graph_batch": 8,
@@ -485,24 +514,83 @@ class TestTurns(unittest.TestCase):
         with redirect_stderr(io.StringIO()), self.assertRaises(SystemExit):
             torch_bench.parse_args(["native", "--train-blocks", "0"])
 
+    def test_turns_tag(self):
+        self.assertEqual(torch_bench.turns_tag({}), {})
+        self.assertEqual(torch_bench.turns_tag({"BENCH_TURNS_TAG": "native/cudapool:3:test"}),
+                         {"turns_kind": "native/cudapool", "turns_round": "3", "turns_role": "test"})
+        with self.assertRaises(ValueError):
+            torch_bench.turns_tag({"BENCH_TURNS_TAG": "native/cudapool:3:other"})
+
     def test_paired_figures(self):
+        tag = {"kind": "torch_turns", "turns_kind": "cp/native"}
         base = {"empty_small_reps_us": [4.0, 5.0, 8.0], "graph_capture_reps_ms": [6.0, 6.0], "turns": 5,
                 "turns_partner_gone": ""}
         test = {"empty_small_reps_us": [2.0, 3.0, 4.0], "graph_capture_reps_ms": [3.0], "turns": 5,
-                "turns_partner_gone": ""}
+                "turns_partner_gone": "ended"}
         p = turns.paired(base, test)
         self.assertEqual(set(p), {"torch.empty 4 KiB"})  # capture: rep counts differ
-        r, a, b, n = p["torch.empty 4 KiB"]
-        self.assertAlmostEqual(r, 0.5)  # per-rep ratios 0.5, 0.6, 0.5
-        self.assertEqual((a, b, n), (5.0, 3.0, 3))
-        lines = turns.summarize([("cp/native", "1", base, dict(test, turns_partner_gone="ended")),
-                                 ("cp/native", "2", base, {"turns": 4, "empty_small_reps_us": [1.0, 1.0, 1.0]}),
-                                 ("cp/native", "3", base, dict(test, turns_partner_gone="no answer in 300 s"))])
-        self.assertIn("cp/native 1 torch.empty 4 KiB: 0.500 (5, 3, 3)", lines)
-        self.assertIn("cp/native 2 not paired: turns differ: 5 and 4", lines)
-        self.assertIn("cp/native 3 not paired: test: partner gave no answer in 300 s", lines)
-        self.assertEqual(sum("n=1 0.500 (0.500-0.500)" in ln for ln in lines), 1)
+        self.assertEqual(p["torch.empty 4 KiB"], (0.5, 5.0, 3.0, 3))  # per-rep ratios 0.5, 0.6, 0.5
+        lines = [dict(tag, turns_round="1", turns_role="base", **base), dict(tag, turns_round="1", turns_role="test", **test),
+                 dict(tag, turns_round="2", turns_role="base", **base),
+                 dict(tag, turns_round="2", turns_role="test", turns=4, empty_small_reps_us=[1.0, 1.0, 1.0]),
+                 dict(tag, turns_round="3", turns_role="base", **base),
+                 dict(tag, turns_round="3", turns_role="test", **dict(test, turns_partner_gone="no answer in 300 s")),
+                 {"kind": "torch", "config": "native", "empty_small_reps_us": [1.0]}]
+        pairs = turns.collect(lines)
+        self.assertEqual(sorted(pairs), [("cp/native", "1"), ("cp/native", "2"), ("cp/native", "3")])
+        out = turns.summarize(pairs)
+        self.assertIn("cp/native 1 torch.empty 4 KiB: 0.500 (5, 3, 3)", out)
+        self.assertIn("cp/native 2 not paired: turns differ: 5 and 4", out)
+        self.assertIn("cp/native 3 not paired: test: partner gave no answer in 300 s", out)
+        self.assertEqual(sum("n=1 0.500 (0.500-0.500)" in ln for ln in out), 1)
         self.assertIn("base: no turns", turns.broken({}, test))
+
+    def test_turn_pair_script(self):
+        # bench/turn_pair.sh with a stand-in for torch_bench.py (PYTHON): a
+        # test process that takes half the base's time per rep.
+        d = tempfile.mkdtemp()
+        stub = os.path.join(d, "py")
+        with open(stub, "w") as f:
+            f.write(f"#!{sys.executable}\n" + TURN_STUB.replace("HERE", repr(HERE)))
+        os.chmod(stub, 0o755)
+        out = os.path.join(d, "pair.json")
+        r = subprocess.run(["bash", os.path.join(HERE, "turn_pair.sh"), "0", "native/cudapool", "1", "native",
+                            "cudapool", "test", out, "--reps", "4"], env=dict(os.environ, PYTHON=stub),
+                           capture_output=True, text=True, timeout=60)
+        with open(out + ".log") as f:
+            log = f.read()
+        self.assertEqual(r.returncode, 0, r.stderr + log)
+        per, bad = turns.figures(turns.load([out]))
+        self.assertEqual(bad, [])
+        (key, v), = per.items()
+        self.assertEqual(key, ("native/cudapool", "torch.empty 4 KiB"))
+        self.assertTrue(0.3 < v[0] < 0.8, v)
+        r = subprocess.run(["bash", os.path.join(HERE, "turn_pair.sh"), "0", "k", "1", "native", "cudapool", "middle",
+                            out], capture_output=True, text=True)
+        self.assertEqual(r.returncode, 2)
+        self.assertIn("FIRST must be base or test", r.stderr)
+
+
+# Stands in for torch_bench.py in TestTurns.test_turn_pair_script: argv is
+# [bench/torch_bench.py, CONFIG, --reps, N].
+TURN_STUB = """
+import os, sys, time
+sys.path.insert(0, HERE)
+import torch_bench as tb
+cfg, n = sys.argv[2], int(sys.argv[4])
+tb.TAG = tb.turns_tag()
+t = tb.Turns(os.environ["BENCH_TURNS"], timeout=20)
+t.begin()
+reps = []
+for _ in range(n):
+    t0 = time.perf_counter()
+    time.sleep(0.02 if cfg == "cudapool" else 0.04)
+    reps.append((time.perf_counter() - t0) * 1e6)
+    t.turn()
+tb.emit(cfg, "empty", empty_small_reps_us=reps)
+t.end()
+tb.emit(cfg, "done", **t.summary())
+"""
 
 
 class TestScript(unittest.TestCase):

@@ -38,7 +38,8 @@ Sections, in this order (the same for every config):
          512 B - 144 MiB) after one warm-up cycle.
 
 BENCH_TURNS=IN:OUT:first|second (two FIFOs) makes two processes pinned to
-one CPU take turns (gpu/diag_turns.sh): only one runs at a time, and each
+one CPU take turns (bench/turn_pair.sh starts such a pair, tagging its
+lines with BENCH_TURNS_TAG): only one runs at a time, and each
 passes the turn after every timed rep (training block, capture, empty rep),
 so rep k of the two processes runs back to back, in the same state of the
 host (docs/hot-path.md, section 9). The times exclude the waits.
@@ -91,8 +92,26 @@ SECTIONS = ("train", "graph", "empty")
 VOCAB = 16384
 
 
+def turns_tag(environ=None):
+    """BENCH_TURNS_TAG=KIND:ROUND:ROLE (bench/turn_pair.sh) names a process
+    of a pair taking turns: its lines are "kind":"torch_turns" with these
+    fields, so that the report keeps them apart from the unpaired runs."""
+    v = (os.environ if environ is None else environ).get("BENCH_TURNS_TAG", "")
+    if not v:
+        return {}
+    kind, _, rest = v.partition(":")
+    rnd, _, role = rest.partition(":")
+    if not kind or role not in ("base", "test"):
+        raise ValueError(f"BENCH_TURNS_TAG={v!r}: want KIND:ROUND:base|test")
+    return {"turns_kind": kind, "turns_round": rnd, "turns_role": role}
+
+
+TAG = {}  # set in main() from BENCH_TURNS_TAG
+
+
 def emit(config, section, **fields):
-    rec = {"kind": "torch", "config": config, "section": section}
+    rec = {"kind": "torch_turns" if TAG else "torch", "config": config, "section": section}
+    rec.update(TAG)
     rec.update(fields)
     print(json.dumps(rec), flush=True)
 
@@ -427,6 +446,12 @@ def bench_empty(torch, args):
 def main(argv=None):
     args = parse_args(argv)
     cfg = args.config
+    global TAG, TURNS
+    try:
+        TAG = turns_tag()
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 2
     set_allocator_env(cfg)
     t_start = time.perf_counter()
     meta = {"alloc_conf": CONFIGS[cfg] if CONFIGS[cfg] is not None else "cudapool"}
@@ -468,7 +493,6 @@ def main(argv=None):
     emit(cfg, "meta", **meta)
 
     funcs = {"train": bench_train, "graph": bench_graph, "empty": bench_empty}
-    global TURNS
     try:
         TURNS = Turns(os.environ.get("BENCH_TURNS", ""))
     except (OSError, ValueError) as e:

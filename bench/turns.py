@@ -1,58 +1,74 @@
 #!/usr/bin/env python3
-"""Paired ratios of two torch_bench.py processes that took turns on one CPU.
+"""Paired ratios of torch_bench.py processes that took turns on one CPU.
 
-    python3 bench/turns.py LIST
+    python3 bench/turns.py FILE...
 
-LIST has one line per pair of processes: "KIND ROUND BASE.jsonl TEST.jsonl"
-(the JSON lines of torch_bench.py run with BENCH_TURNS; BASE is the
-reference, e.g. native, TEST e.g. cudapool). With turns, rep k of the two
-processes ran back to back, so TEST_k / BASE_k compares them in one state of
-the host; a pair's figure is the median of those per-rep ratios (as
-bench/pair_bench.c does for the C loops). Prints every pair, then per KIND
-and metric the median (min-max) over rounds and the spread (standard
-deviation of the log of the per-pair figures): where a KIND of equals
-(e.g. cudapool against cudapool) has a small spread, the pairing works.
+FILEs hold the JSON lines of pairs started by bench/turn_pair.sh
+("kind":"torch_turns", tagged with the pair's kind, round and role: base,
+the reference such as native, or test, such as cudapool). Within a pair,
+rep k of the two processes ran back to back, so test_k / base_k compares
+them in one state of the host; a pair's figure is the median of those
+per-rep ratios (as bench/pair_bench.c does for the C loops). Prints every
+pair, then per kind and metric the median (min-max) over the pairs and the
+spread (standard deviation of the log of the pairs' figures): where a kind
+of equals (cudapool against cudapool) has a small spread, the pairing
+works. bench/report.py prints the same figures as a note.
 """
 import json
 import math
 import statistics
 import sys
 
-# label, the JSON field holding the per-rep values (a list)
+# label, the JSON field holding the per-rep values (a list), the report's key
 METRICS = (
-    ("training step", "train_block_ms_per_step"),
-    ("capture", "graph_capture_reps_ms"),
-    ("torch.empty 4 KiB", "empty_small_reps_us"),
-    ("torch.empty mixed", "empty_mixed_reps_us"),
+    ("training step", "train_block_ms_per_step", "train_ms_per_step"),
+    ("capture", "graph_capture_reps_ms", "graph_capture_ms"),
+    ("torch.empty 4 KiB", "empty_small_reps_us", "empty_small_us"),
+    ("torch.empty mixed", "empty_mixed_reps_us", "empty_mixed_us"),
 )
 
 
-def load(path):
-    """The fields of every record of a torch_bench.py output file, merged."""
-    out = {}
-    try:
-        with open(path) as f:
-            for line in f:
-                line = line.strip()
-                if line.startswith("{"):
-                    try:
-                        out.update(json.loads(line))
-                    except ValueError:
-                        pass
-    except OSError:
-        pass
-    return out
+def collect(objs, pairs=None):
+    """Adds the torch_turns lines among objs to pairs
+    {(kind, round): {"base": fields, "test": fields}} (merged per role)."""
+    pairs = {} if pairs is None else pairs
+    for o in objs:
+        if not isinstance(o, dict) or o.get("kind") != "torch_turns":
+            continue
+        role = o.get("turns_role")
+        if role not in ("base", "test"):
+            continue
+        key = (str(o.get("turns_kind")), str(o.get("turns_round")))
+        pairs.setdefault(key, {}).setdefault(role, {}).update(o)
+    return pairs
+
+
+def load(paths):
+    objs = []
+    for p in paths:
+        try:
+            with open(p) as f:
+                for line in f:
+                    line = line.strip()
+                    if line.startswith("{"):
+                        try:
+                            objs.append(json.loads(line))
+                        except ValueError:
+                            pass
+        except OSError as e:
+            print(f"{p}: {e}", file=sys.stderr)
+    return collect(objs)
 
 
 def paired(base, test):
     """{label: (median of test_k/base_k, base median, test median, n)} for
     the metrics both processes measured, over the same number of reps."""
     res = {}
-    for label, key in METRICS:
+    for label, key, _ in METRICS:
         a, b = base.get(key), test.get(key)
         if not isinstance(a, list) or not isinstance(b, list) or len(a) != len(b) or not a:
             continue
-        if any(x <= 0 for x in a + b):
+        if any(not isinstance(x, (int, float)) or x <= 0 for x in a + b):
             continue
         ratios = [y / x for x, y in zip(a, b)]
         res[label] = (statistics.median(ratios), statistics.median(a), statistics.median(b), len(a))
@@ -74,37 +90,48 @@ def broken(base, test):
     return ""
 
 
-def summarize(rows):
-    """rows: [(kind, round, base_rec, test_rec)]. Returns the report's lines."""
-    lines = ["==== per pair: kind round metric ratio (base median, test median, reps) ===="]
-    per = {}
-    for kind, rnd, base, test in rows:
+def figures(pairs):
+    """({(kind, label): [per-pair figure, in round order]}, [(kind, round, why)]
+    for the pairs that could not be used)."""
+    per, bad = {}, []
+    for (kind, rnd), roles in sorted(pairs.items()):
+        base, test = roles.get("base", {}), roles.get("test", {})
         why = broken(base, test)
+        if why:
+            bad.append((kind, rnd, why))
+            continue
+        for label, v in paired(base, test).items():
+            per.setdefault((kind, label), []).append(v[0])
+    return per, bad
+
+
+def spread(v):
+    return statistics.stdev(math.log(x) for x in v) if len(v) > 1 else float("nan")
+
+
+def summarize(pairs):
+    """The lines bench/turns.py prints."""
+    lines = ["==== per pair: kind round metric ratio (base median, test median, reps) ===="]
+    for (kind, rnd), roles in sorted(pairs.items()):
+        why = broken(roles.get("base", {}), roles.get("test", {}))
         if why:
             lines.append(f"{kind} {rnd} not paired: {why}")
             continue
-        for label, (r, a, b, n) in paired(base, test).items():
+        for label, (r, a, b, n) in paired(roles["base"], roles["test"]).items():
             lines.append(f"{kind} {rnd} {label}: {r:.3f} ({a:.4g}, {b:.4g}, {n})")
-            per.setdefault((kind, label), []).append(r)
     lines.append("==== per kind and metric: median (min-max) of the pairs, spread = stdev of log ====")
+    per, _ = figures(pairs)
     for (kind, label), v in per.items():
-        sd = statistics.stdev(math.log(x) for x in v) if len(v) > 1 else float("nan")
         lines.append(f"{kind:24} {label:18} n={len(v)} {statistics.median(v):.3f} "
-                     f"({min(v):.3f}-{max(v):.3f}) spread {sd:.3f}")
+                     f"({min(v):.3f}-{max(v):.3f}) spread {spread(v):.3f}")
     return lines
 
 
 def main(argv):
-    if len(argv) != 2:
+    if len(argv) < 2:
         print(__doc__.strip().splitlines()[2], file=sys.stderr)
         return 2
-    rows = []
-    with open(argv[1]) as f:
-        for line in f:
-            p = line.split()
-            if len(p) == 4:
-                rows.append((p[0], p[1], load(p[2]), load(p[3])))
-    print("\n".join(summarize(rows)))
+    print("\n".join(summarize(load(argv[1:]))))
     return 0
 
 

@@ -24,28 +24,17 @@ ARGS=(--steps 30 --reps 7)
 DIAG_BUILD_C=0
 # shellcheck source=gpu/diag_setup.sh
 . gpu/diag_setup.sh
-L=$D/list.txt
-: >"$L"
 echo "CPU $CPU (siblings $(cat /sys/devices/system/cpu/cpu"$CPU"/topology/thread_siblings_list 2>/dev/null || echo ?))"
 
-# pair KIND ROUND BASE TEST FIRST: BASE and TEST taking turns on $CPU, FIRST
-# (base or test) going first.
+# pair KIND ROUND BASE TEST FIRST: BASE and TEST taking turns on $CPU
+# (bench/turn_pair.sh), FIRST (base or test) going first.
 pair() {
-    local kind=$1 r=$2 base=$3 test=$4 first=$5 tag f1 f2 rb rt
     if [ "$(el)" -gt "$DEADLINE" ]; then
-        echo "skipped $kind $r: past ${DEADLINE}s"
+        echo "skipped $1 $2: past ${DEADLINE}s"
         return
     fi
-    tag=$D/${kind//\//_}.$r
-    f1=$tag.f1 f2=$tag.f2
-    mkfifo "$f1" "$f2" || return
-    rb="$f1:$f2:second" rt="$f2:$f1:first"
-    [ "$first" = base ] && rb="$f1:$f2:first" rt="$f2:$f1:second"
-    BENCH_TURNS=$rb taskset -c "$CPU" $PY bench/torch_bench.py "$base" "${ARGS[@]}" >"$tag.base.jsonl" 2>>"$D/torch.log" &
-    BENCH_TURNS=$rt taskset -c "$CPU" $PY bench/torch_bench.py "$test" "${ARGS[@]}" >"$tag.test.jsonl" 2>>"$D/torch.log"
-    wait
-    echo "$kind $r $tag.base.jsonl $tag.test.jsonl" >>"$L"
-    echo "pair $kind $r ($first first) done at $(el)s"
+    bash bench/turn_pair.sh "$CPU" "$@" "$D/${1//\//_}.$2.json" "${ARGS[@]}" || echo "pair $1 $2 failed: $D/${1//\//_}.$2.json.log"
+    echo "pair $1 $2 ($5 first) done at $(el)s"
 }
 
 for r in $(seq 1 "$ROUNDS"); do
@@ -55,7 +44,7 @@ for r in $(seq 1 "$ROUNDS"); do
     [ "$r" -lt "$ROUNDS" ] && pair expandable/cudapool_exp "$r" expandable cudapool_exp $first
     [ "$r" -le 2 ] && pair cudapool/cudapool "$r" cudapool cudapool $first
 done
-grep -h "Error\|error" "$D/torch.log" | head -n 5
+grep -h "Error" "$D"/*.json.log | head -n 5
 echo
-$PY bench/turns.py "$L"
+$PY bench/turns.py "$D"/*.json
 echo "total $(el)s"
