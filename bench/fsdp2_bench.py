@@ -20,6 +20,12 @@ spread 31.7-56.4 ms per step, hid anything under ~30%):
   interleaved, and the report gives the median and min-max of the launches.
 Sequence lengths vary per step as in the training benchmark (same list for
 every configuration), so the allocator sees varied sizes.
+
+Taking turns (BENCH_TURNS, started by bench/turn_pair.sh with TURN_RANKS=2):
+two launches on the same GPUs and CPUs alternate step by step, rank r of
+one handing over to rank r of the other after each step (synchronized), so
+step k of both meets the host in the same state; rank 0's line is then
+"kind":"torch_turns" (bench/turns.py pairs the steps).
 """
 import argparse
 import json
@@ -79,6 +85,10 @@ def main():
 
     sys.path.insert(0, HERE)
     import model as gpt
+    import torch_bench  # Turns and the turns tag (it imports no torch itself)
+
+    tag = torch_bench.turns_tag()
+    turns = torch_bench.Turns(os.environ.get("BENCH_TURNS", ""))
 
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
@@ -92,6 +102,7 @@ def main():
     lens = gpt.seq_lens(total, seed=1, lo=128, hi=1024)
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(total)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(total)]
+    turns.begin()
     t0 = time.perf_counter()
     for i in range(total):
         x, y = gpt.batch(lens[i], args.batch, VOCAB, "cuda", 1000 * i + rank)
@@ -102,14 +113,19 @@ def main():
         opt.step()
         opt.zero_grad(set_to_none=True)
         ends[i].record()
+        if turns.on:  # the GPUs are the partner's only once this step is done
+            torch.cuda.synchronize()
+            turns.turn()
     torch.cuda.synchronize()
+    turns.end()
     wall = (time.perf_counter() - t0) / total * 1e3
     mine = torch.tensor([starts[i].elapsed_time(ends[i]) for i in range(args.warmup, total)], device="cuda")
     slowest = mine.clone()
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     steps = [float(v) for v in slowest.cpu()]
     if rank == 0:
-        rec = {"kind": "torch", "config": args.config, "section": "fsdp",
+        rec = {"kind": "torch_turns" if tag else "torch", "config": args.config, "section": "fsdp", **tag,
+               **turns.summary(),
                "fsdp_ms_per_step": statistics.median(steps), "fsdp_world": world,
                "fsdp_device": torch.cuda.get_device_name(), "fsdp_steps": args.steps, "fsdp_batch": args.batch, "fsdp_layers": args.layers,
                "fsdp_wall_ms_per_step": wall, "fsdp_pinned_rank0": pinned,

@@ -20,7 +20,8 @@
 #      (bench/turn_pair.sh: each pair of reps meets the host in one state).
 #   3. FSDP2 training of a small GPT-2 on 2 GPUs under torchrun
 #      (bench/fsdp2_bench.py: CPU pinning per rank, CUDA-event step timing),
-#      native and cudapool, where the machine has 2 GPUs or more.
+#      native and cudapool, where the machine has 2 GPUs or more; and once
+#      per run the two launches taking turns step by step (turn_pair.sh).
 # Every configuration runs REPEATS times (default 3), each in a fresh
 # process, the configurations interleaved (run 1 of each, then run 2 of
 # each, ...); training TRAIN_RUNS times (default 5) and FSDP2 FSDP_RUNS
@@ -398,12 +399,21 @@ if part fsdp; then
         [ "$QUICK" = 1 ] && F_ARGS+=(--warmup 2 --steps 8)
         # shellcheck disable=SC2206
         F_ARGS+=(${BENCH_FSDP_ARGS:-})
+        ncpu=$(nproc 2>/dev/null || echo 2)
         for rep in $(seq "$FROM" "$FSDP_RUNS"); do
             for cfg in native cudapool; do
                 name=$(run_name "fsdp_$cfg" "$rep")
                 run_step "$name" 150 "$RES/$name.json" env CUDA_VISIBLE_DEVICES=0,1 \
                     "$PY" -m torch.distributed.run --standalone --nproc_per_node=2 bench/fsdp2_bench.py "$cfg" "${F_ARGS[@]}"
             done
+            # The two launches taking turns step by step on the same GPUs and
+            # CPUs (rank r of each on the same half of the CPUs).
+            [ $((rep % 2)) = 0 ] && first=test || first=base
+            name=$(run_name fsdp_turns "$rep")
+            run_step "$name" 240 "" env CUDA_VISIBLE_DEVICES=0,1 TURN_RANKS=2 TURN_LIMIT=230 \
+                TURN_PROG="-m torch.distributed.run --standalone --nproc_per_node=2 bench/fsdp2_bench.py" \
+                bash bench/turn_pair.sh "0-$((ncpu - 1))" fsdp-native/cudapool "$rep" native cudapool "$first" \
+                "$RES/$name.json" "${F_ARGS[@]}"
         done
     fi
 fi

@@ -565,6 +565,16 @@ class TestTurns(unittest.TestCase):
         (key, v), = per.items()
         self.assertEqual(key, ("native/cudapool", "torch.empty 4 KiB"))
         self.assertTrue(0.3 < v[0] < 0.8, v)
+        # Two ranks per launch, each rank with its own FIFOs.
+        r = subprocess.run(["bash", os.path.join(HERE, "turn_pair.sh"), "0", "fsdp-native/cudapool", "1", "native",
+                            "cudapool", "base", out, "--reps", "3"],
+                           env=dict(os.environ, PYTHON=stub, TURN_RANKS="2", TURN_PROG="launch", LOCAL_RANK="0"),
+                           capture_output=True, text=True, timeout=60)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        per, bad = turns.figures(turns.load([out]))
+        self.assertEqual(bad, [])
+        self.assertEqual(list(per), [("fsdp-native/cudapool", "torch.empty 4 KiB")])
+        self.assertTrue(0.3 < per[("fsdp-native/cudapool", "torch.empty 4 KiB")][0] < 0.8)
         r = subprocess.run(["bash", os.path.join(HERE, "turn_pair.sh"), "0", "k", "1", "native", "cudapool", "middle",
                             out], capture_output=True, text=True)
         self.assertEqual(r.returncode, 2)
@@ -572,11 +582,16 @@ class TestTurns(unittest.TestCase):
 
 
 # Stands in for torch_bench.py in TestTurns.test_turn_pair_script: argv is
-# [bench/torch_bench.py, CONFIG, --reps, N].
+# [bench/torch_bench.py, CONFIG, --reps, N], or [launch, CONFIG, --reps, N]
+# for a torchrun of 2 ranks (rank 0 reports).
 TURN_STUB = """
-import os, sys, time
+import os, subprocess, sys, time
 sys.path.insert(0, HERE)
 import torch_bench as tb
+if sys.argv[1] == "launch":
+    kids = [subprocess.Popen([sys.executable, sys.argv[0], "rank"] + sys.argv[2:], env=dict(os.environ, LOCAL_RANK=str(r)),
+                             stdout=None if r == 0 else subprocess.DEVNULL) for r in (0, 1)]
+    sys.exit(max(k.wait() for k in kids))
 cfg, n = sys.argv[2], int(sys.argv[4])
 tb.TAG = tb.turns_tag()
 t = tb.Turns(os.environ["BENCH_TURNS"], timeout=20)

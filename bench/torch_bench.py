@@ -185,7 +185,9 @@ class Turns:
         self.partner_gone = ""  # why the partner no longer takes turns
         if not self.on:
             return
-        parts = spec.split(":")
+        # Under torchrun every rank has its own pair of FIFOs: {rank} in
+        # their names is the rank (bench/fsdp2_bench.py).
+        parts = spec.replace("{rank}", os.environ.get("LOCAL_RANK", "0")).split(":")
         if len(parts) != 3 or parts[2] not in ("first", "second"):
             raise ValueError(f"BENCH_TURNS={spec!r}: want IN:OUT:first|second")
         # O_RDWR: opening a FIFO so never blocks, and it never reads EOF.

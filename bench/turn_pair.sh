@@ -10,7 +10,13 @@
 # (base or test) goes first. Their JSON lines, tagged KIND:ROUND:base and
 # KIND:ROUND:test ("kind":"torch_turns"), go to OUT (one file); stderr to
 # OUT.log. TURN_LIMIT (seconds, default 300) cuts both off. Exit status:
-# 0 when both processes succeeded.
+# 0 when both processes succeeded. CPU is a taskset list.
+#
+# TURN_PROG (default bench/torch_bench.py) is what python runs; for FSDP2
+#   TURN_RANKS=2 TURN_PROG="-m torch.distributed.run --standalone
+#   --nproc_per_node=2 bench/fsdp2_bench.py"
+# gives each rank its own FIFOs, so that rank r of both launches takes turns
+# (with CPU a list the ranks split, each launch the same way).
 set -u
 [ $# -ge 7 ] || { sed -n 7p "$0" >&2; exit 2; }
 cpu=$1 kind=$2 rnd=$3 base=$4 test=$5 first=$6 out=$7
@@ -21,15 +27,17 @@ cd "$(dirname "$0")/.." || exit 1
 PY=${PYTHON:-python3}
 dir=$(mktemp -d) || exit 1
 trap 'rm -rf "$dir"' EXIT
-mkfifo "$dir/a" "$dir/b" || exit 1
-rb="$dir/a:$dir/b:second" rt="$dir/b:$dir/a:first"
-[ "$first" = base ] && rb="$dir/a:$dir/b:first" rt="$dir/b:$dir/a:second"
+for ((r = 0; r < ${TURN_RANKS:-1}; r++)); do mkfifo "$dir/a$r" "$dir/b$r" || exit 1; done
+a="$dir/a{rank}" b="$dir/b{rank}" # torch_bench.Turns puts in the rank
+rb="$a:$b:second" rt="$b:$a:first"
+[ "$first" = base ] && rb="$a:$b:first" rt="$b:$a:second"
+read -r -a prog <<<"${TURN_PROG:-bench/torch_bench.py}"
 # run_one ROLE CONFIG TURNS [torch_bench args]
 run_one() {
     local role=$1 cfg=$2 t=$3
     shift 3
     BENCH_TURNS=$t BENCH_TURNS_TAG="$kind:$rnd:$role" timeout -k 5 "${TURN_LIMIT:-300}" \
-        taskset -c "$cpu" "$PY" bench/torch_bench.py "$cfg" "$@" >"$dir/$role.out" 2>"$dir/$role.err"
+        taskset -c "$cpu" "$PY" "${prog[@]}" "$cfg" "$@" >"$dir/$role.out" 2>"$dir/$role.err"
 }
 run_one base "$base" "$rb" "$@" &
 pid=$!

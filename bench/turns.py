@@ -25,6 +25,7 @@ METRICS = (
     ("capture", "graph_capture_reps_ms", "graph_capture_ms"),
     ("torch.empty 4 KiB", "empty_small_reps_us", "empty_small_us"),
     ("torch.empty mixed", "empty_mixed_reps_us", "empty_mixed_us"),
+    ("FSDP2 step", "fsdp_step_ms", "fsdp_ms_per_step"),
 )
 
 
@@ -50,6 +51,8 @@ def load(paths):
             with open(p) as f:
                 for line in f:
                     line = line.strip()
+                    if line.startswith("[rank") and "]:" in line[:12]:
+                        line = line[line.index("]:") + 2:].strip()  # torchrun's rank prefix
                     if line.startswith("{"):
                         try:
                             objs.append(json.loads(line))
