@@ -41,6 +41,12 @@ static struct {
 
 static CUcontext g_ctx;
 static int g_sim;
+/* C_BENCH_FREE=deferred: frees through cudapool_free_deferred, performed by
+ * the next cudapool_malloc_ctx in its own call into Go (one crossing per
+ * pair, as PyTorch's class path; the C API's free reports a bad pointer at
+ * the call and so cannot wait). For measuring what a crossing costs
+ * (docs/hot-path.md, section 9). */
+static int g_deferred;
 static uintptr_t g_fake_stream = 0x5000;
 static __thread char g_err[512];
 
@@ -89,6 +95,8 @@ static int bk_init(char *name, size_t name_len) {
 			return -1;
 		}
 	}
+	const char *fm = getenv("C_BENCH_FREE");
+	g_deferred = fm != NULL && strcmp(fm, "deferred") == 0;
 	cudapool_init(-1);
 	if (cudapool_last_error() != NULL)
 		return -1;
@@ -96,16 +104,21 @@ static int bk_init(char *name, size_t name_len) {
 	cudapool_begin_allocate_to_pool(0, 0, 1ULL << 62, reject_all, NULL);
 	cudapool_end_allocate_to_pool(0, 0, 1ULL << 62);
 	cudapool_release_pool(0, 0, 1ULL << 62);
-	snprintf(name, name_len, "cudapool%s", g_sim ? " (simulator)" : "");
+	snprintf(name, name_len, "cudapool%s%s", g_sim ? " (simulator)" : "", g_deferred ? " (deferred frees)" : "");
 	return 0;
 }
 
 static void *bk_malloc(size_t size, bk_stream s) {
+	if (g_deferred)
+		return cudapool_malloc_ctx(size, 0, (cudapool_stream)s, 0);
 	return cudapool_malloc(size, 0, (cudapool_stream)s);
 }
 
 static void bk_free(void *p, size_t size, bk_stream s) {
-	cudapool_free(p, size, 0, (cudapool_stream)s);
+	if (g_deferred)
+		cudapool_free_deferred(p, size, 0, 0);
+	else
+		cudapool_free(p, size, 0, (cudapool_stream)s);
 }
 
 static bk_stream bk_stream_new(void) {

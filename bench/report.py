@@ -608,6 +608,9 @@ C level: `bench/workloads.h` holds the workloads, compiled into `bench/c_bench.c
 allocator chosen by `PYTORCH_CUDA_ALLOC_CONF`). torch level: `bench/torch_bench.py` (GPT-2 small from
 `bench/model.py`, bf16 autocast, AdamW, variable sequence lengths; `torch.cuda.graph` of its forward).
 Trace: `demo/trace.txt` (3 recorded GPT-2 training steps) replayed through each allocator.
+Paired figures (notes): the host runs each process fast or up to 1.9x slower, so a ratio of per-process medians
+moves between runs; `bench/pair_bench.c` alternates the two allocators' C reps in one process, and
+`bench/turn_pair.sh` has two torch processes (or two FSDP2 launches) take turns on one CPU, rep by rep.
 Ratios are cudapool / native (same run); for M pairs/s higher is better, elsewhere lower is better."""
 
 
