@@ -451,7 +451,8 @@ def main(argv=None):
     global TAG, TURNS
     try:
         TAG = turns_tag()
-    except ValueError as e:
+        TURNS = Turns(os.environ.get("BENCH_TURNS", ""))
+    except (OSError, ValueError) as e:
         print(e, file=sys.stderr)
         return 2
     set_allocator_env(cfg)
@@ -491,15 +492,11 @@ def main(argv=None):
     except Exception as e:  # noqa: BLE001
         traceback.print_exc()
         emit(cfg, "meta", meta_error=short_error(e), **meta)
+        TURNS.end()  # the partner need not wait for a process that never starts
         return 1
     emit(cfg, "meta", **meta)
 
     funcs = {"train": bench_train, "graph": bench_graph, "empty": bench_empty}
-    try:
-        TURNS = Turns(os.environ.get("BENCH_TURNS", ""))
-    except (OSError, ValueError) as e:
-        emit(cfg, "meta", meta_error=f"BENCH_TURNS: {short_error(e)}", **meta)
-        return 1
     wait_start()
     TURNS.begin()
     failed = 0
