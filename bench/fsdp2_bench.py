@@ -28,6 +28,7 @@ step k of both meets the host in the same state; rank 0's line is then
 "kind":"torch_turns" (bench/turns.py pairs the steps).
 """
 import argparse
+import atexit
 import json
 import os
 import statistics
@@ -89,6 +90,7 @@ def main():
 
     tag = torch_bench.turns_tag()
     turns = torch_bench.Turns(os.environ.get("BENCH_TURNS", ""))
+    atexit.register(turns.end)  # on any exit, the partner stops waiting for this rank
 
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
@@ -106,6 +108,12 @@ def main():
     t0 = time.perf_counter()
     for i in range(total):
         x, y = gpt.batch(lens[i], args.batch, VOCAB, "cuda", 1000 * i + rank)
+        if turns.on:
+            # Both ranks of this launch hold their turn before the step
+            # starts: else one rank's wait for its partner would be timed in
+            # the other rank's first collective.
+            dist.barrier()
+            torch.cuda.synchronize()
         starts[i].record()
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = net(x, y)
@@ -123,6 +131,12 @@ def main():
     slowest = mine.clone()
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     steps = [float(v) for v in slowest.cpu()]
+    if turns.on:  # every rank's turns must be sound, not rank 0's alone
+        bad = turns.partner_gone not in ("", "ended")
+        t = torch.tensor([turns.count, -turns.count, int(bad)], device="cuda")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        if not bad and (int(t[2]) or int(t[0]) != -int(t[1])):
+            turns.partner_gone = "another rank's turns broke, or the ranks' turns differ"
     if rank == 0:
         rec = {"kind": "torch_turns" if tag else "torch", "config": args.config, "section": "fsdp", **tag,
                **turns.summary(),

@@ -353,7 +353,8 @@ def turns_note(res):
             # Every row of native against cudapool has its target; of the
             # expandable pair, the capture row has (as in the table's note).
             vs_native = kind.endswith("native/cudapool")
-            t = targets.get(key) if vs_native or key == "graph_capture_ms" else None
+            exp_capture = kind == "expandable/cudapool_exp" and key == "graph_capture_ms"
+            t = targets.get(key) if vs_native or exp_capture else None
             met = f"; target <= {t:g}x: {'met' if r <= t + 1e-12 else 'NOT met'}" if t else ""
             rng = f" ({min(v):.3f}-{max(v):.3f})" if len(v) > 1 else ""
             items.append(f"{label} {r:.3f}x{rng}{met}")
@@ -361,9 +362,10 @@ def turns_note(res):
         parts.append(f"{kind} ({n} pair{'s' if n != 1 else ''}): " + ", ".join(items))
     if bad:
         parts.append("not paired: " + "; ".join(f"{k} {r}: {why}" for k, r, why in bad))
-    return ("torch level with two processes taking turns on one CPU, handing it over after every timed rep, so "
-            "that rep k of both meets the host in the same state (bench/turn_pair.sh; per pair the median of "
-            "the per-rep ratios, then their median (min-max) over the pairs, test/base): " + "; ".join(parts))
+    return ("torch level with two processes pinned to one CPU taking turns, handing it over after every timed "
+            "rep, so that rep k of both runs back to back, to meet the host in one state (bench/turn_pair.sh; "
+            "gpu/diag_turns.sh checks that it does; per pair the median of the per-rep ratios, then their median "
+            "(min-max) over the pairs, test/base): " + "; ".join(parts))
 
 
 def build_rows(res):

@@ -55,7 +55,8 @@
 # results file and an updated copy of the README to $OUT only),
 # BENCH_REPEATS (3), BENCH_TRAIN_RUNS (5), BENCH_FSDP_RUNS (5),
 # BENCH_PARTS (the parts to run, default "c torch turns train floor fsdp"),
-# BENCH_TURN_CPU (the CPU of the turn pairs, default 2),
+# BENCH_TURN_CPU (the CPU of the turn pairs, default 2; 0 where there are
+# 2 CPUs or fewer),
 # BENCH_KEEP=1 (keep the results already under $OUT: add to them),
 # BENCH_REPEAT_FROM (1: the first run number of this call).
 # shellcheck disable=SC2317  # the step functions are called through run_step
@@ -399,7 +400,8 @@ if part fsdp; then
         [ "$QUICK" = 1 ] && F_ARGS+=(--warmup 2 --steps 8)
         # shellcheck disable=SC2206
         F_ARGS+=(${BENCH_FSDP_ARGS:-})
-        ncpu=$(nproc 2>/dev/null || echo 2)
+        # The CPUs this process may use (nproc would honour OMP_NUM_THREADS).
+        fcpus=$(taskset -pc $$ 2>/dev/null | sed 's/.*: *//')
         for rep in $(seq "$FROM" "$FSDP_RUNS"); do
             for cfg in native cudapool; do
                 name=$(run_name "fsdp_$cfg" "$rep")
@@ -412,7 +414,7 @@ if part fsdp; then
             name=$(run_name fsdp_turns "$rep")
             run_step "$name" 240 "" env CUDA_VISIBLE_DEVICES=0,1 TURN_RANKS=2 TURN_LIMIT=230 \
                 TURN_PROG="-m torch.distributed.run --standalone --nproc_per_node=2 bench/fsdp2_bench.py" \
-                bash bench/turn_pair.sh "0-$((ncpu - 1))" fsdp-native/cudapool "$rep" native cudapool "$first" \
+                bash bench/turn_pair.sh "${fcpus:--}" fsdp-native/cudapool "$rep" native cudapool "$first" \
                 "$RES/$name.json" "${F_ARGS[@]}"
         done
     fi

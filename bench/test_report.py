@@ -575,6 +575,20 @@ class TestTurns(unittest.TestCase):
         self.assertEqual(bad, [])
         self.assertEqual(list(per), [("fsdp-native/cudapool", "torch.empty 4 KiB")])
         self.assertTrue(0.3 < per[("fsdp-native/cudapool", "torch.empty 4 KiB")][0] < 0.8)
+        # A partner that dies without a word: the other finishes at once
+        # (not after BENCH_TURNS_TIMEOUT), and the exit status is the failure's.
+        t0 = time.perf_counter()
+        r = subprocess.run(["bash", os.path.join(HERE, "turn_pair.sh"), "0", "native/cudapool", "2", "native",
+                            "crash", "test", out, "--reps", "3"],
+                           env=dict(os.environ, PYTHON=stub, BENCH_TURNS_TIMEOUT="30"),
+                           capture_output=True, text=True, timeout=60)
+        self.assertLess(time.perf_counter() - t0, 15)
+        self.assertEqual(r.returncode, 3, r.stderr)
+        self.assertIn("exit 3 (base 0, test 3)", r.stderr)
+        pairs = turns.load([out])
+        self.assertEqual(pairs[("native/cudapool", "2")]["base"]["turns_partner_gone"], "ended")
+        self.assertEqual(turns.figures(pairs)[1], [("native/cudapool", "2", "test: no turns (BENCH_TURNS unset, "
+                                                    "or the process did not finish)")])
         r = subprocess.run(["bash", os.path.join(HERE, "turn_pair.sh"), "0", "k", "1", "native", "cudapool", "middle",
                             out], capture_output=True, text=True)
         self.assertEqual(r.returncode, 2)
@@ -593,8 +607,10 @@ if sys.argv[1] == "launch":
                              stdout=None if r == 0 else subprocess.DEVNULL) for r in (0, 1)]
     sys.exit(max(k.wait() for k in kids))
 cfg, n = sys.argv[2], int(sys.argv[4])
+if cfg == "crash":
+    os._exit(3)  # no end(): turn_pair.sh must release the partner
 tb.TAG = tb.turns_tag()
-t = tb.Turns(os.environ["BENCH_TURNS"], timeout=20)
+t = tb.Turns(os.environ["BENCH_TURNS"])
 t.begin()
 reps = []
 for _ in range(n):

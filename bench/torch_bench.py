@@ -175,10 +175,10 @@ class Turns:
     barrier, after which the "second" waits; turn() hands the CPU to the
     other process and waits for it back; end() hands it over for good. A
     process whose partner has ended, or has not answered within timeout
-    seconds (it failed), stops waiting. Without BENCH_TURNS every call does
-    nothing."""
+    seconds (default BENCH_TURNS_TIMEOUT, else 300: it failed), stops
+    waiting. Without BENCH_TURNS every call does nothing."""
 
-    def __init__(self, spec="", timeout=300.0):
+    def __init__(self, spec="", timeout=None):
         self.on = bool(spec)
         self.count = 0        # turns taken
         self.waited = 0.0     # seconds spent waiting for the partner
@@ -194,7 +194,7 @@ class Turns:
         self.fin = os.open(parts[0], os.O_RDWR)
         self.fout = os.open(parts[1], os.O_RDWR)
         self.second = parts[2] == "second"
-        self.timeout = timeout
+        self.timeout = float(os.environ.get("BENCH_TURNS_TIMEOUT", "300")) if timeout is None else timeout
 
     def _pass(self, mark):
         if self.on and not self.partner_gone:
@@ -359,12 +359,14 @@ def bench_graph(torch, args):
             torch.cuda.synchronize()
             caps.append((time.perf_counter() - t0) * 1e3)
             kept.append((g, y))
-            TURNS.turn()
             if i == 0:
                 reserved1 = torch.cuda.memory_reserved()
                 g.replay()
                 torch.cuda.synchronize()
                 free1 = torch.cuda.mem_get_info()[0]
+            # After mem_get_info, which sees the whole device: the partner's
+            # memory must not change between free0 and free1.
+            TURNS.turn()
         out["graph_capture_ms"] = statistics.median(caps)
         out["graph_capture_first_ms"] = caps[0]
         out["graph_capture_reps_ms"] = caps

@@ -71,7 +71,7 @@ def paired(base, test):
         a, b = base.get(key), test.get(key)
         if not isinstance(a, list) or not isinstance(b, list) or len(a) != len(b) or not a:
             continue
-        if any(not isinstance(x, (int, float)) or x <= 0 for x in a + b):
+        if any(not isinstance(x, (int, float)) or not x > 0 or x == float("inf") for x in a + b):  # NaN too
             continue
         ratios = [y / x for x, y in zip(a, b)]
         res[label] = (statistics.median(ratios), statistics.median(a), statistics.median(b), len(a))
@@ -93,11 +93,17 @@ def broken(base, test):
     return ""
 
 
+def order(pairs):
+    """The pairs' keys by kind, then round (numerically where it is a number)."""
+    return sorted(pairs, key=lambda k: (k[0], int(k[1]) if k[1].isdigit() else 0, k[1]))
+
+
 def figures(pairs):
     """({(kind, label): [per-pair figure, in round order]}, [(kind, round, why)]
     for the pairs that could not be used)."""
     per, bad = {}, []
-    for (kind, rnd), roles in sorted(pairs.items()):
+    for kind, rnd in order(pairs):
+        roles = pairs[(kind, rnd)]
         base, test = roles.get("base", {}), roles.get("test", {})
         why = broken(base, test)
         if why:
@@ -115,7 +121,8 @@ def spread(v):
 def summarize(pairs):
     """The lines bench/turns.py prints."""
     lines = ["==== per pair: kind round metric ratio (base median, test median, reps) ===="]
-    for (kind, rnd), roles in sorted(pairs.items()):
+    for kind, rnd in order(pairs):
+        roles = pairs[(kind, rnd)]
         why = broken(roles.get("base", {}), roles.get("test", {}))
         if why:
             lines.append(f"{kind} {rnd} not paired: {why}")
