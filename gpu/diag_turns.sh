@@ -13,17 +13,36 @@
 #   cudapool/cudapool          2 pairs: equals, the noise of the method
 # Prints every pair's per-metric figure (median of the per-rep ratios) and,
 # per kind, the median (min-max) over pairs and the spread of their logs
-# (bench/turns.py). About 6 minutes on an H100 host (carry lib/):
-#   ROUNDS=4 bash gpu/diag_turns.sh
+# (bench/turns.py). First, what sparing the C API's free its crossing is
+# worth on this host (docs/hot-path.md, section 9): bench/pair_bench.c's
+# mixed loop, cudapool against native in one process, with the C API and
+# with deferred frees (C_BENCH_FREE=deferred), 3 processes each, alternated.
+# About 8 minutes on an H100 host (carry lib/):
+#   ROUNDS=3 bash gpu/diag_turns.sh
 set -u
 cd "$(dirname "$0")/.." || exit 1
-ROUNDS=${ROUNDS:-4}
+ROUNDS=${ROUNDS:-3}
 CPU=${CPU:-2}
-DEADLINE=${DEADLINE:-500} # seconds: no pair starts after this
+DEADLINE=${DEADLINE:-480} # seconds: no pair starts after this
 ARGS=(--steps 30 --reps 7)
-DIAG_BUILD_C=0
 # shellcheck source=gpu/diag_setup.sh
 . gpu/diag_setup.sh
+PB=build/bench/pair_bench
+if [ -x $PB ]; then
+    for r in 1 2 3; do
+        for mode in api deferred; do
+            v=$(C_BENCH_FREE=$mode taskset -c "$CPU" $PB --sections mixed 2>/dev/null | $PY -c 'import json,sys
+for l in sys.stdin:
+    d = json.loads(l)
+    if d.get("section") == "mixed" and "ratio" in d:
+        print("%.3f (cudapool %.0f ns, native %.0f ns)" % (d["ratio"], d["cudapool_ns"], d["native_ns"]))')
+            echo "pair_bench mixed, $mode frees, process $r: ${v:-failed}"
+        done
+    done
+else
+    echo "pair_bench was not built ($D/build.log)"
+fi
+echo "pair_bench done at $(el)s"
 echo "CPU $CPU (siblings $(cat /sys/devices/system/cpu/cpu"$CPU"/topology/thread_siblings_list 2>/dev/null || echo ?))"
 
 # pair KIND ROUND BASE TEST FIRST: BASE and TEST taking turns on $CPU
