@@ -19,17 +19,25 @@
 # with deferred frees (C_BENCH_FREE=deferred), 3 processes each, alternated.
 # About 8 minutes on an H100 host (carry lib/):
 #   ROUNDS=3 bash gpu/diag_turns.sh
+# CPU=2-5 pins each pair to four CPUs; KINDS="native same" and PB_RUNS=0
+# narrow it down.
 set -u
 cd "$(dirname "$0")/.." || exit 1
 ROUNDS=${ROUNDS:-3}
-CPU=${CPU:-2}
+CPU=${CPU:-2}          # a taskset list: the pairs' CPUs
+PB_RUNS=${PB_RUNS:-3}  # pair_bench processes per mode (0: none, and no C build)
+KINDS=${KINDS:-"native expandable same"}
+has() { [[ " $KINDS " == *" $1 "* ]]; }
+[ "$PB_RUNS" = 0 ] && DIAG_BUILD_C=0
 DEADLINE=${DEADLINE:-480} # seconds: no pair starts after this
 ARGS=(--steps 30 --reps 7)
 # shellcheck source=gpu/diag_setup.sh
 . gpu/diag_setup.sh
 PB=build/bench/pair_bench
-if [ -x $PB ]; then
-    for r in 1 2 3; do
+if [ "$PB_RUNS" = 0 ]; then
+    :
+elif [ -x $PB ]; then
+    for r in $(seq 1 "$PB_RUNS"); do
         for mode in api deferred; do
             v=$(C_BENCH_FREE=$mode taskset -c "$CPU" $PB --sections mixed 2>/dev/null | $PY -c 'import json,sys
 for l in sys.stdin:
@@ -59,9 +67,9 @@ pair() {
 for r in $(seq 1 "$ROUNDS"); do
     first=base
     [ $((r % 2)) = 0 ] && first=test
-    pair native/cudapool "$r" native cudapool $first
-    [ "$r" -lt "$ROUNDS" ] && pair expandable/cudapool_exp "$r" expandable cudapool_exp $first
-    [ "$r" -le 2 ] && pair cudapool/cudapool "$r" cudapool cudapool $first
+    has native && pair native/cudapool "$r" native cudapool $first
+    has expandable && [ "$r" -lt "$ROUNDS" ] && pair expandable/cudapool_exp "$r" expandable cudapool_exp $first
+    has same && [ "$r" -le 2 ] && pair cudapool/cudapool "$r" cudapool cudapool $first
 done
 grep -h "Error" "$D"/*.json.log | head -n 5
 echo
