@@ -499,6 +499,12 @@ def main(argv=None):
     emit(cfg, "meta", **meta)
 
     funcs = {"train": bench_train, "graph": bench_graph, "empty": bench_empty}
+    pin = os.environ.get("BENCH_TURNS_PIN", "")
+    if pin:
+        # This thread alone (Linux: pid 0 is the calling thread), after the
+        # library, torch and CUDA started theirs: those stay free, the
+        # threads started from here on (autograd's) follow this one.
+        os.sched_setaffinity(0, {int(c) for c in pin.split(",")})
     wait_start()
     TURNS.begin()
     failed = 0

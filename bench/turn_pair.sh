@@ -59,6 +59,12 @@ rb="$a:$b:second" rt="$b:$a:first"
 read -r -a prog <<<"${TURN_PROG:-bench/torch_bench.py}"
 pin=(taskset -c "$cpu")
 [ "$cpu" = - ] && pin=()
+# TURN_PIN=thread: only torch_bench.py's main thread is pinned (CPU a
+# comma list), once its other threads (Go's, CUDA's) have started.
+if [ "${TURN_PIN:-}" = thread ]; then
+    pin=()
+    export BENCH_TURNS_PIN=$cpu
+fi
 
 # run_one ROLE CONFIG TURNS PARTNER_IN [torch_bench args]: when the process
 # exits, an "e" in each of its partner's FIFOs (opened read-write, so this
