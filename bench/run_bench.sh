@@ -56,7 +56,9 @@
 # BENCH_REPEATS (3), BENCH_TRAIN_RUNS (5), BENCH_FSDP_RUNS (5),
 # BENCH_PARTS (the parts to run, default "c torch turns train floor fsdp"),
 # BENCH_TURN_CPU (the CPU of the turn pairs, default 2; 0 where there are
-# 2 CPUs or fewer),
+# 2 CPUs or fewer), BENCH_TURN_PIN (thread: the default, only the main
+# threads are pinned; process: every thread, which pairs tighter but makes
+# cudapool's other threads compete with its main one: docs/hot-path.md 9),
 # BENCH_KEEP=1 (keep the results already under $OUT: add to them),
 # BENCH_REPEAT_FROM (1: the first run number of this call).
 # shellcheck disable=SC2317  # the step functions are called through run_step
@@ -366,7 +368,8 @@ if part turns; then
         for kp in native:cudapool expandable:cudapool_exp; do
             b=${kp%%:*} t=${kp#*:}
             name=$(run_name "turns_${b}_$t" "$rep")
-            run_step "$name" 300 "" env TURN_LIMIT=290 bash bench/turn_pair.sh "$tcpu" "$b/$t" "$rep" "$b" "$t" \
+            run_step "$name" 300 "" env TURN_LIMIT=290 TURN_PIN="${BENCH_TURN_PIN:-thread}" \
+                bash bench/turn_pair.sh "$tcpu" "$b/$t" "$rep" "$b" "$t" \
                 "$first" "$RES/$name.json" "${T_ARGS[@]}"
         done
     done
