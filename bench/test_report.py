@@ -565,6 +565,16 @@ class TestTurns(unittest.TestCase):
         (key, v), = per.items()
         self.assertEqual(key, ("native/cudapool", "torch.empty 4 KiB"))
         self.assertTrue(0.3 < v[0] < 0.8, v)
+        base = turns.load([out])[("native/cudapool", "1")]["base"]
+        self.assertEqual((base["pin"], base["cpus"]), ("", [0]))  # taskset pinned the whole process
+        # TURN_PIN=thread: no taskset; the program is told the CPU (torch_bench.py pins its main thread).
+        r = subprocess.run(["bash", os.path.join(HERE, "turn_pair.sh"), "0", "native/cudapool", "1", "native",
+                            "cudapool", "base", out, "--reps", "2"], env=dict(os.environ, PYTHON=stub, TURN_PIN="thread"),
+                           capture_output=True, text=True, timeout=60)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        base = turns.load([out])[("native/cudapool", "1")]["base"]
+        self.assertEqual(base["pin"], "0")
+        self.assertEqual(base["cpus"], sorted(os.sched_getaffinity(0)))
         # Two ranks per launch, each rank with its own FIFOs.
         r = subprocess.run(["bash", os.path.join(HERE, "turn_pair.sh"), "0", "fsdp-native/cudapool", "1", "native",
                             "cudapool", "base", out, "--reps", "3"],
@@ -618,7 +628,8 @@ for _ in range(n):
     time.sleep(0.02 if cfg == "cudapool" else 0.04)
     reps.append((time.perf_counter() - t0) * 1e6)
     t.turn()
-tb.emit(cfg, "empty", empty_small_reps_us=reps)
+tb.emit(cfg, "empty", empty_small_reps_us=reps, pin=os.environ.get("BENCH_TURNS_PIN", ""),
+        cpus=sorted(os.sched_getaffinity(0)))
 t.end()
 tb.emit(cfg, "done", **t.summary())
 """
