@@ -22,7 +22,6 @@ a missing or broken result is shown as "n/a" with its reason.
 import argparse
 import datetime
 import glob
-import json
 import statistics
 import os
 import random
@@ -270,15 +269,13 @@ def load(results_dir):
             res.bad_lines += 1
             continue
         for line in text.splitlines():
-            line = line.strip()
-            if line.startswith("[rank") and "]:" in line[:12]:
-                line = line[line.index("]:") + 2:].strip()  # torchrun's rank prefix, when it adds one
-            if not line.startswith("{"):
-                continue
             try:
-                res.add(json.loads(line))
+                obj = turns.parse_line(line)
             except ValueError:
                 res.bad_lines += 1
+                continue
+            if obj is not None:
+                res.add(obj)
     return res
 
 
@@ -362,7 +359,7 @@ def turns_note(res):
         parts.append(f"{kind} ({n} pair{'s' if n != 1 else ''}): " + ", ".join(items))
     if bad:
         parts.append("not paired: " + "; ".join(f"{k} {r}: {why}" for k, r, why in bad))
-    return ("torch level with two processes pinned to one CPU taking turns, handing it over after every timed "
+    return ("torch level with two processes on one CPU taking turns, handing it over after every timed "
             "rep, so that rep k of both runs back to back, to meet the host in one state (bench/turn_pair.sh; "
             "gpu/diag_turns.sh checks that it does; per pair the median of the per-rep ratios, then their median "
             "(min-max) over the pairs, test/base): " + "; ".join(parts))

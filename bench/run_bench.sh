@@ -17,7 +17,7 @@
 #      sequence lengths, CUDA graph capture/replay, torch.empty + free. Then,
 #      once per run (part "turns"), native and cudapool (and both with
 #      expandable segments) as two processes taking turns on one CPU
-#      (bench/turn_pair.sh: each pair of reps meets the host in one state).
+#      (bench/turn_pair.sh: rep k of both runs back to back).
 #   3. FSDP2 training of a small GPT-2 on 2 GPUs under torchrun
 #      (bench/fsdp2_bench.py: CPU pinning per rank, CUDA-event step timing),
 #      native and cudapool, where the machine has 2 GPUs or more; and once
@@ -356,9 +356,9 @@ if part torch || part floor; then
 fi
 
 # The torch rows paired: native and cudapool (and both with expandable
-# segments) as two processes pinned to one CPU, taking turns after every
-# timed rep (bench/turn_pair.sh), so that rep k of both meets the host in
-# the same state; once per run, who goes first alternating.
+# segments) as two processes on one CPU, taking turns after every timed rep
+# (bench/turn_pair.sh), so that rep k of both runs back to back; once per
+# run, who goes first alternating.
 if part turns; then
     ncpu=$(nproc 2>/dev/null || echo 1)
     tcpu=${BENCH_TURN_CPU:-$((ncpu > 2 ? 2 : 0))}

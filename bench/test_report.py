@@ -514,6 +514,12 @@ class TestTurns(unittest.TestCase):
         with redirect_stderr(io.StringIO()), self.assertRaises(SystemExit):
             torch_bench.parse_args(["native", "--train-blocks", "0"])
 
+    def test_cpu_list(self):
+        self.assertEqual(torch_bench.cpu_list("2"), {2})
+        self.assertEqual(torch_bench.cpu_list("2,4-6"), {2, 4, 5, 6})
+        with self.assertRaises(ValueError):
+            torch_bench.cpu_list("x")
+
     def test_turns_tag(self):
         self.assertEqual(torch_bench.turns_tag({}), {})
         self.assertEqual(torch_bench.turns_tag({"BENCH_TURNS_TAG": "native/cudapool:3:test"}),

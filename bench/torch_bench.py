@@ -37,12 +37,13 @@ Sections, in this order (the same for every config):
          benchmark's mixed sequence (bench/workloads.py: 256 live tensors,
          512 B - 144 MiB) after one warm-up cycle.
 
-BENCH_TURNS=IN:OUT:first|second (two FIFOs) makes two processes pinned to
-one CPU take turns (bench/turn_pair.sh starts such a pair, tagging its
-lines with BENCH_TURNS_TAG): only one runs at a time, and each
+BENCH_TURNS=IN:OUT:first|second (two FIFOs) makes two processes on one CPU
+take turns (bench/turn_pair.sh starts such a pair, tagging its lines with
+BENCH_TURNS_TAG, and pins them or, with BENCH_TURNS_PIN=CPUS, has this
+script pin its main thread): only one main thread runs at a time, and each
 passes the turn after every timed rep (training block, capture, empty rep),
-so rep k of the two processes runs back to back, in the same state of the
-host (docs/hot-path.md, section 9). The times exclude the waits.
+so rep k of the two processes runs back to back (docs/hot-path.md,
+section 9). The times exclude the waits.
 
 Output: one JSON line per section on stdout ("kind":"torch"); a failing
 section prints its "<section>_error" and the next one still runs.
@@ -167,6 +168,15 @@ def wait_start(environ=None, clock=time.time, sleep=time.sleep):
     else:
         print(f"BENCH_START_AT passed {-wait:.2f} s before the sections began", file=sys.stderr)
     return wait
+
+
+def cpu_list(text):
+    """The CPUs of a taskset-style list ("2", "2,4", "2-5")."""
+    cpus = set()
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
 
 
 class Turns:
@@ -454,6 +464,7 @@ def main(argv=None):
     try:
         TAG = turns_tag()
         TURNS = Turns(os.environ.get("BENCH_TURNS", ""))
+        pin = cpu_list(os.environ["BENCH_TURNS_PIN"]) if os.environ.get("BENCH_TURNS_PIN") else None
     except (OSError, ValueError) as e:
         print(e, file=sys.stderr)
         return 2
@@ -499,12 +510,11 @@ def main(argv=None):
     emit(cfg, "meta", **meta)
 
     funcs = {"train": bench_train, "graph": bench_graph, "empty": bench_empty}
-    pin = os.environ.get("BENCH_TURNS_PIN", "")
     if pin:
         # This thread alone (Linux: pid 0 is the calling thread), after the
         # library, torch and CUDA started theirs: those stay free, the
         # threads started from here on (autograd's) follow this one.
-        os.sched_setaffinity(0, {int(c) for c in pin.split(",")})
+        os.sched_setaffinity(0, pin)
     wait_start()
     TURNS.begin()
     failed = 0

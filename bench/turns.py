@@ -44,20 +44,27 @@ def collect(objs, pairs=None):
     return pairs
 
 
+def parse_line(line):
+    """The JSON object of a result line, or None when the line is not one
+    (torchrun's "[rankN]:" prefix, when it adds one, is skipped). Raises
+    ValueError for a line that looks like JSON but is not; bench/report.py
+    reads its lines the same way."""
+    line = line.strip()
+    if line.startswith("[rank") and "]:" in line[:12]:
+        line = line[line.index("]:") + 2:].strip()
+    return json.loads(line) if line.startswith("{") else None
+
+
 def load(paths):
     objs = []
     for p in paths:
         try:
             with open(p) as f:
                 for line in f:
-                    line = line.strip()
-                    if line.startswith("[rank") and "]:" in line[:12]:
-                        line = line[line.index("]:") + 2:].strip()  # torchrun's rank prefix
-                    if line.startswith("{"):
-                        try:
-                            objs.append(json.loads(line))
-                        except ValueError:
-                            pass
+                    try:
+                        objs.append(parse_line(line))
+                    except ValueError:
+                        pass
         except OSError as e:
             print(f"{p}: {e}", file=sys.stderr)
     return collect(objs)

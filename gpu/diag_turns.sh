@@ -19,8 +19,9 @@
 # with deferred frees (C_BENCH_FREE=deferred), 3 processes each, alternated.
 # About 8 minutes on an H100 host (carry lib/):
 #   ROUNDS=3 bash gpu/diag_turns.sh
-# CPU=2-5 pins each pair to four CPUs; KINDS="native same" and PB_RUNS=0
-# narrow it down.
+# CPU=2-5 pins each pair to four CPUs; TURN_PIN=thread pins only the main
+# threads (bench/turn_pair.sh); KINDS="native same" and PB_RUNS=0 narrow it
+# down.
 set -u
 cd "$(dirname "$0")/.." || exit 1
 ROUNDS=${ROUNDS:-3}
