@@ -551,6 +551,20 @@ class TestTurns(unittest.TestCase):
         self.assertEqual(sum("n=1 0.500 (0.500-0.500)" in ln for ln in out), 1)
         self.assertIn("base: no turns", turns.broken({}, test))
 
+    def test_capture_phases_and_counts(self):
+        # The phases pair like the metrics; the counters print side by side.
+        base = {"graph_forward_reps_ms": [4.0, 5.0], "graph_num_device_alloc_reps": [9, 9],
+                "empty_mixed_num_device_alloc": 3, "turns": 2, "turns_partner_gone": ""}
+        test = {"graph_forward_reps_ms": [5.0, 5.0], "graph_num_device_alloc_reps": [9, 12],
+                "empty_mixed_num_device_alloc": 7, "turns": 2, "turns_partner_gone": "ended"}
+        self.assertEqual(turns.paired(base, test), {"capture: forward": (1.125, 4.5, 5.0, 2)})
+        tag = {"kind": "torch_turns", "turns_kind": "native/cudapool", "turns_round": "1"}
+        out = turns.summarize(turns.collect([dict(tag, turns_role="base", **base), dict(tag, turns_role="test", **test)]))
+        self.assertIn("native/cudapool 1 graph_num_device_alloc_reps: [9, 9] | [9, 12]", out)
+        self.assertIn("native/cudapool 1 empty_mixed_num_device_alloc: 3 | 7", out)
+        # Not a target: the report's note leaves the phases out.
+        self.assertNotIn("forward", " ".join(label for label, _, _ in turns.METRICS))
+
     def test_turn_pair_script(self):
         # bench/turn_pair.sh with a stand-in for torch_bench.py (PYTHON): a
         # test process that takes half the base's time per rep.

@@ -77,6 +77,11 @@ CONFIGS = {
     "cudapool_stitch": None,
     # cudapool without its front cache (allocator/front.go): for diagnostics.
     "cudapool_nofront": None,
+    # cudapool with the treap free set (free_set:treap), and with the Go
+    # runtime's sysmon kept out of its deep sleep (GODEBUG=schedtrace set
+    # before the library loads; docs/hot-path.md, section 3): diagnostics.
+    "cudapool_treap": None,
+    "cudapool_sched": None,
     # A trivial C pluggable allocator (bench/floor_alloc.c): what PyTorch's
     # CUDAPluggableAllocator path costs by itself. Only the 4 KiB loop.
     "floor": None,
@@ -88,6 +93,8 @@ CUDAPOOL_CONFS = {
     "cudapool_exp2": "expandable_segments:True,expandable_map_unit_mb:2",
     "cudapool_stitch": "stitch:True",
     "cudapool_nofront": "front_cache:False",
+    "cudapool_treap": "free_set:treap",
+    "cudapool_sched": "",
 }
 SECTIONS = ("train", "graph", "empty")
 VOCAB = 16384
@@ -329,6 +336,17 @@ def warm_forward(torch, model, x, n=3):
     torch.cuda.synchronize()
 
 
+# memory_stats counters read around the graph captures and the mixed
+# torch.empty reps: the allocations, and the driver's allocations and frees.
+COUNTED = ("allocation.all.allocated", "num_device_alloc", "num_device_free", "num_alloc_retries")
+
+
+def device_calls(torch):
+    """The COUNTED counters of device 0 now (0 where an allocator lacks one)."""
+    st = torch.cuda.memory_stats(0)
+    return {k: int(st.get(k, 0)) for k in COUNTED}
+
+
 def bench_graph(torch, args):
     from model import GPT
 
@@ -352,6 +370,8 @@ def bench_graph(torch, args):
         # per process would time the process's one-off costs and little else
         # (docs/hot-path.md, section 7).
         caps = []
+        phases = {k: [] for k in ("enter", "forward", "exit", "sync")}
+        counts = {k: [] for k in COUNTED}
         kept = []
         # PyTorch 2.11's cudaMallocAsync backend aborts (CUDA "invalid
         # argument" in its free_impl) in this loop: it captures once, as this
@@ -363,11 +383,25 @@ def bench_graph(torch, args):
                 reserved0 = torch.cuda.memory_reserved()
                 free0 = torch.cuda.mem_get_info()[0]
             g = torch.cuda.CUDAGraph()
+            c0 = device_calls(torch)
             t0 = time.perf_counter()
             with torch.cuda.graph(g):
+                t1 = time.perf_counter()
                 y = model(x)
+                t2 = time.perf_counter()
+            t3 = time.perf_counter()
             torch.cuda.synchronize()
-            caps.append((time.perf_counter() - t0) * 1e3)
+            t4 = time.perf_counter()
+            caps.append((t4 - t0) * 1e3)
+            # Where the capture's time went (graph.__enter__: gc, empty_cache,
+            # capture_begin; the captured forward; __exit__: capture_end and
+            # instantiation; the synchronize), and what the allocator did:
+            # read after the timing, so that nothing is added to it.
+            for k, a, b in (("enter", t0, t1), ("forward", t1, t2), ("exit", t2, t3), ("sync", t3, t4)):
+                phases[k].append((b - a) * 1e3)
+            c1 = device_calls(torch)
+            for k in COUNTED:
+                counts[k].append(c1[k] - c0[k])
             kept.append((g, y))
             if i == 0:
                 reserved1 = torch.cuda.memory_reserved()
@@ -381,6 +415,10 @@ def bench_graph(torch, args):
         out["graph_capture_first_ms"] = caps[0]
         out["graph_capture_reps_ms"] = caps
         out["graph_captures"] = len(caps)
+        for k, v in phases.items():
+            out[f"graph_{k}_reps_ms"] = v
+        for k, v in counts.items():
+            out[f"graph_{k}_reps"] = v
         g.replay()
         torch.cuda.synchronize()
         out["graph_max_abs_diff"] = float((y.float() - ref.float()).abs().max())
@@ -447,12 +485,18 @@ def bench_empty(torch, args):
     out["empty_mixed_warmup_ms"] = (time.perf_counter() - t0) * 1e3
     start = workloads.SEQ
     mreps = []
+    c0 = device_calls(torch)
     for _ in range(args.reps):
         mreps.append(mixed(start, args.mixed_pairs))
         TURNS.turn()
         start += args.mixed_pairs
+    c1 = device_calls(torch)
     out.update({"empty_mixed_us": statistics.median(mreps), "empty_mixed_reps_us": mreps,
                 "empty_mixed_pairs": args.mixed_pairs})
+    # Driver allocations and frees during the timed reps: the same best fit
+    # makes the same number, so a difference is a difference of algorithm.
+    for k in COUNTED:
+        out[f"empty_mixed_{k}"] = c1[k] - c0[k]
     live.clear()
     return out
 
@@ -476,6 +520,11 @@ def main(argv=None):
             sys.path.insert(0, os.path.join(REPO, "python"))
             import cudapool
 
+            if cfg == "cudapool_sched":
+                # A period of 10^9 ms: sysmon never sleeps deeply, and no
+                # trace line is due for 11.6 days of the host's clock.
+                os.environ["GODEBUG"] = ",".join(filter(None, (os.environ.get("GODEBUG"), "schedtrace=1000000000")))
+                meta["alloc_conf"] = "cudapool GODEBUG=" + os.environ["GODEBUG"]
             cudapool.install()
             if CUDAPOOL_CONFS[cfg]:
                 cudapool.configure(CUDAPOOL_CONFS[cfg])

@@ -27,6 +27,19 @@ METRICS = (
     ("torch.empty mixed", "empty_mixed_reps_us", "empty_mixed_us"),
     ("FSDP2 step", "fsdp_step_ms", "fsdp_ms_per_step"),
 )
+# Where a capture's time goes (torch_bench.py's graph section): paired and
+# printed here, not targets of the report.
+PHASES = (
+    ("capture: enter", "graph_enter_reps_ms", None),
+    ("capture: forward", "graph_forward_reps_ms", None),
+    ("capture: exit", "graph_exit_reps_ms", None),
+    ("capture: sync", "graph_sync_reps_ms", None),
+)
+# What the allocator did in the paired sections (memory_stats counters):
+# printed side by side, base then test.
+COUNTS = ("graph_allocation.all.allocated_reps", "graph_num_device_alloc_reps", "graph_num_device_free_reps",
+          "empty_mixed_allocation.all.allocated", "empty_mixed_num_device_alloc", "empty_mixed_num_device_free",
+          "empty_mixed_num_alloc_retries")
 
 
 def collect(objs, pairs=None):
@@ -74,7 +87,7 @@ def paired(base, test):
     """{label: (median of test_k/base_k, base median, test median, n)} for
     the metrics both processes measured, over the same number of reps."""
     res = {}
-    for label, key, _ in METRICS:
+    for label, key, _ in METRICS + PHASES:
         a, b = base.get(key), test.get(key)
         if not isinstance(a, list) or not isinstance(b, list) or len(a) != len(b) or not a:
             continue
@@ -136,6 +149,10 @@ def summarize(pairs):
             continue
         for label, (r, a, b, n) in paired(roles["base"], roles["test"]).items():
             lines.append(f"{kind} {rnd} {label}: {r:.3f} ({a:.4g}, {b:.4g}, {n})")
+        for key in COUNTS:
+            a, b = roles["base"].get(key), roles["test"].get(key)
+            if a is not None and b is not None:
+                lines.append(f"{kind} {rnd} {key}: {a} | {b}")
     lines.append("==== per kind and metric: median (min-max) of the pairs, spread = stdev of log ====")
     per, _ = figures(pairs)
     for (kind, label), v in per.items():
