@@ -46,16 +46,16 @@ E=(--sections empty --reps 7)
 for r in $(seq 1 "$ROUNDS"); do
     first=base
     [ $((r % 2)) = 0 ] && first=test
-    pair capture:native/cudapool "$r" native cudapool $first "${G[@]}"
+    pair capture.native/cudapool "$r" native cudapool $first "${G[@]}"
 done
-pair capture:cudapool/cudapool 1 cudapool cudapool base "${G[@]}"
-pair capture:cudapool/cudapool_sched 1 cudapool cudapool_sched base "${G[@]}"
+pair capture.cudapool/cudapool 1 cudapool cudapool base "${G[@]}"
+pair capture.cudapool/cudapool_sched 1 cudapool cudapool_sched base "${G[@]}"
 for r in 1 2; do
     first=base
     [ "$r" = 2 ] && first=test
-    pair empty:native/cudapool "$r" native cudapool $first "${E[@]}"
-    pair empty:cudapool_nofront/cudapool "$r" cudapool_nofront cudapool $first "${E[@]}"
-    pair empty:cudapool/cudapool_treap "$r" cudapool cudapool_treap $first "${E[@]}"
+    pair empty.native/cudapool "$r" native cudapool $first "${E[@]}"
+    pair empty.cudapool_nofront/cudapool "$r" cudapool_nofront cudapool $first "${E[@]}"
+    pair empty.cudapool/cudapool_treap "$r" cudapool cudapool_treap $first "${E[@]}"
 done
 grep -h "Error" "$D"/*.json.log | head -n 5
 echo
