@@ -37,9 +37,11 @@ pair() {
         echo "skipped $1 $2: past ${DEADLINE}s"
         return
     fi
-    local out="$D/${1//\//_}.$2.json"
-    bash bench/turn_pair.sh "$CPU" "$@" "$out" >/dev/null 2>&1 || echo "pair $1 $2 failed: $(tail -n 3 "$out.log")"
-    echo "pair $1 $2 ($5 first) done at $(el)s"
+    local out="$D/${1//\//_}.$2.json" head=("$1" "$2" "$3" "$4" "$5")
+    shift 5
+    bash bench/turn_pair.sh "$CPU" "${head[@]}" "$out" "$@" >/dev/null 2>&1 ||
+        echo "pair ${head[0]} ${head[1]} failed: $(tail -n 3 "$out.log" 2>&1)"
+    echo "pair ${head[0]} ${head[1]} (${head[4]} first) done at $(el)s"
 }
 G=(--sections graph --graph-captures "$GRAPH_CAPTURES" --graph-replays 10)
 E=(--sections empty --reps 7)
