@@ -36,6 +36,8 @@ double nat_hot_rep(long n);
 const char *nat_mixed_begin(void);
 double nat_mixed_rep(long n);
 void nat_mixed_end(void);
+double cp_evict_rep(long n);
+double nat_evict_rep(long n);
 #ifndef PAIR_SIM
 void nat_prepare(void);
 #endif
@@ -161,6 +163,20 @@ int main(int argc, char **argv) {
 			failed = 1;
 		} else {
 			failed |= run_pairs("mixed", cp_mixed_rep, nat_mixed_rep, mixed_pairs, reps);
+			/* WL_EVICT_KB / WL_EVICT_CODE (bench/workloads.h): what the
+			 * evictions in those pairs cost alone, to subtract. */
+			if (cp_evict_rep(1) > 0) {
+				double e[MAXREPS];
+				for (int i = 0; i < reps; i++)
+					e[i] = i % 2 ? nat_evict_rep(mixed_pairs) : cp_evict_rep(mixed_pairs);
+				printf("{\"kind\":\"pair\",\"section\":\"evict\",\"evict_kb\":\"%s\",\"evict_code\":\"%s\","
+				       "\"evict_ns\":%.2f",
+				       getenv("WL_EVICT_KB") ? getenv("WL_EVICT_KB") : "0",
+				       getenv("WL_EVICT_CODE") ? getenv("WL_EVICT_CODE") : "0", median(e, reps));
+				print_array("evict_reps_ns", e, reps);
+				printf("}\n");
+				fprintf(stderr, "[evict] %.1f ns per eviction\n", median(e, reps));
+			}
 		}
 		cp_mixed_end();
 		nat_mixed_end();

@@ -236,6 +236,56 @@ static void wl_section_hot(const struct wl_opts *o) {
 	fprintf(stderr, "[hot] median %.1f ns/pair\n", wl_median(reps, n));
 }
 
+/* ---- eviction between a pair's free and malloc (WL_EVICT_KB) ----
+ *
+ * In PyTorch's mixed torch.empty loop the interpreter and the dispatcher run
+ * between the tensor's free and the next malloc, and evict much of the
+ * allocator's working set (docs/hot-path.md, section 3). WL_EVICT_KB=N
+ * makes the mixed loop touch N KiB of its own buffer there (a read and a
+ * write per 64-byte line), and WL_EVICT_CODE=1 also runs 40 KiB of
+ * straight-line code (more than a core's L1 instruction cache), so that
+ * the pair's cold cost can be compared between allocators in C, in one
+ * process (bench/pair_bench.c). The eviction's own time is in every pair:
+ * wl_evict_rep measures it alone, to subtract. */
+static size_t wl_evict_bytes;
+static int wl_evict_code;
+static unsigned char *wl_evict_buf;
+
+static void wl_evict_setup(void) {
+	const char *v = getenv("WL_EVICT_KB");
+	const char *c = getenv("WL_EVICT_CODE");
+	wl_evict_code = c != NULL && strcmp(c, "1") == 0;
+	if (v == NULL || atol(v) <= 0 || wl_evict_buf != NULL)
+		return;
+	wl_evict_bytes = (size_t)atol(v) << 10;
+	wl_evict_buf = (unsigned char *)calloc(wl_evict_bytes, 1);
+	if (wl_evict_buf == NULL)
+		wl_evict_bytes = 0;
+}
+
+/* 40 KiB of 8-byte no-ops: fetched and decoded at the front end's pace,
+ * with no dependences between them (x86-64 only; elsewhere nothing). */
+__attribute__((noinline)) static void wl_evict_code_run(void) {
+#if defined(__x86_64__)
+	__asm__ __volatile__(".rept 5120\n\tnopl 0x12345678(%%rax,%%rax,1)\n\t.endr" ::: "memory");
+#endif
+}
+
+static inline void wl_evict(void) {
+	for (size_t i = 0; i < wl_evict_bytes; i += 64)
+		wl_evict_buf[i]++;
+	if (wl_evict_code)
+		wl_evict_code_run();
+}
+
+/* n evictions alone: ns each. */
+__attribute__((unused)) static double wl_evict_rep(long n) {
+	double t0 = wl_now_ns();
+	for (long i = 0; i < n; i++)
+		wl_evict();
+	return (wl_now_ns() - t0) / (double)n;
+}
+
 /* ---- mixed ---- */
 
 struct wl_mixed {
@@ -256,6 +306,8 @@ static double wl_mixed_run(struct wl_mixed *m, long n, size_t *bad) {
 		m->k++;
 		if (m->live[s] != NULL)
 			bk_free(m->live[s], m->live_size[s], NULL);
+		if (wl_evict_bytes != 0 || wl_evict_code)
+			wl_evict();
 		m->live[s] = bk_malloc(sz, NULL);
 		m->live_size[s] = sz;
 		if (m->live[s] == NULL) {
@@ -279,6 +331,7 @@ static void wl_mixed_release(struct wl_mixed *m) {
  * is out of memory; -2 when a malloc failed (its size in *bad). */
 static int wl_mixed_begin(struct wl_mixed *m, size_t *bad, double *warm_ms) {
 	memset(m, 0, sizeof *m);
+	wl_evict_setup();
 	m->sizes = (size_t *)malloc(sizeof(size_t) * WL_SEQ);
 	m->slots = (unsigned *)malloc(sizeof(unsigned) * WL_SEQ);
 	if (m->sizes == NULL || m->slots == NULL)
@@ -876,6 +929,13 @@ WL_PAIR_EXTERN double WL_PAIR_FN(mixed_rep)(long n) {
 }
 
 WL_PAIR_EXTERN void WL_PAIR_FN(mixed_end)(void) { wl_mixed_end(&wl_pair_mixed); }
+
+/* n of the mixed loop's evictions alone (WL_EVICT_KB, WL_EVICT_CODE): ns
+ * each; 0 when there are none. */
+WL_PAIR_EXTERN double WL_PAIR_FN(evict_rep)(long n) {
+	wl_evict_setup();
+	return wl_evict_bytes != 0 || wl_evict_code ? wl_evict_rep(n) : 0;
+}
 #endif /* WL_PAIR_PREFIX */
 
 #endif /* CUDAPOOL_BENCH_WORKLOADS_H */
