@@ -96,7 +96,10 @@ CUDAPOOL_CONFS = {
     "cudapool_treap": "free_set:treap",
     "cudapool_sched": "",
 }
-SECTIONS = ("train", "graph", "empty")
+SECTIONS = ("train", "graph", "empty", "alt")
+# "alt" (cudapool's configurations only) alternates native and cudapool
+# within one process: not run unless asked for.
+DEFAULT_SECTIONS = ("train", "graph", "empty")
 VOCAB = 16384
 
 
@@ -132,7 +135,7 @@ def short_error(e):
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("config", choices=sorted(CONFIGS))
-    p.add_argument("--sections", default=",".join(SECTIONS),
+    p.add_argument("--sections", default=",".join(DEFAULT_SECTIONS),
                    help="comma-separated subset of " + ",".join(SECTIONS))
     p.add_argument("--warmup", type=int, default=5, help="training warm-up steps")
     p.add_argument("--steps", type=int, default=60, help="timed training steps")
@@ -501,6 +504,71 @@ def bench_empty(torch, args):
     return out
 
 
+def bench_alt(torch, args):
+    """The torch.empty loops of bench_empty, PyTorch's allocator and cudapool
+    alternating rep by rep within this process (A B, B A, ...), as
+    bench/pair_bench.c does in C: cudapool's C++ class hands allocate() to
+    the allocator it replaced while a native rep runs (_ext.passthrough).
+    Both reps of a pair meet the host in the same state; what the switch
+    itself costs (one predictable branch in the class) falls on native's
+    side. Per loop: each side's per-rep us, the per-pair ratios
+    cudapool/native and their median."""
+    if args.config not in CUDAPOOL_CONFS:
+        raise RuntimeError("the alt section needs one of cudapool's configurations")
+    from cudapool import _ext
+
+    dev = torch.device("cuda", 0)
+    u8 = torch.uint8
+    empty = torch.empty
+    size = workloads.HOT_SIZE
+    sizes, slots = workloads.mixed_sequence()
+    mask = workloads.SEQ - 1
+
+    def small(n):
+        t0 = time.perf_counter_ns()
+        for _ in range(n):
+            empty(size, dtype=u8, device=dev)
+        return (time.perf_counter_ns() - t0) / n / 1e3
+
+    def mixed(live, start, n):
+        t0 = time.perf_counter_ns()
+        for i in range(start, start + n):
+            j = i & mask
+            s = slots[j]
+            live[s] = None
+            live[s] = empty(sizes[j], dtype=u8, device=dev)
+        return (time.perf_counter_ns() - t0) / n / 1e3
+
+    sides = ("native", "cudapool")
+    live = {}
+    try:
+        for side in sides:
+            _ext.passthrough(side == "native")
+            small(10_000)
+            live[side] = [empty(sizes[s], dtype=u8, device=dev) for s in range(workloads.LIVE)]
+            mixed(live[side], 0, workloads.SEQ)
+        out = {}
+        for loop, n in (("small", args.empty_pairs), ("mixed", args.mixed_pairs)):
+            reps = {side: [] for side in sides}
+            start = workloads.SEQ
+            for i in range(args.reps):
+                for side in (sides if i % 2 == 0 else sides[::-1]):
+                    _ext.passthrough(side == "native")
+                    reps[side].append(small(n) if loop == "small" else mixed(live[side], start, n))
+                start += n
+            ratios = [c / b for b, c in zip(reps["native"], reps["cudapool"])]
+            out.update({f"alt_{loop}_ratio": statistics.median(ratios), f"alt_{loop}_ratio_reps": ratios,
+                        f"alt_{loop}_native_reps_us": reps["native"], f"alt_{loop}_cudapool_reps_us": reps["cudapool"],
+                        f"alt_{loop}_pairs": n})
+        return out
+    finally:
+        live.clear()
+        try:
+            _ext.passthrough(False)
+        except _ext.ExtensionUnavailable:
+            pass  # never switched: the error that brought us here is the one to see
+
+
 def main(argv=None):
     args = parse_args(argv)
     cfg = args.config
@@ -558,7 +626,7 @@ def main(argv=None):
         return 1
     emit(cfg, "meta", **meta)
 
-    funcs = {"train": bench_train, "graph": bench_graph, "empty": bench_empty}
+    funcs = {"train": bench_train, "graph": bench_graph, "empty": bench_empty, "alt": bench_alt}
     if pin:
         # This thread alone (Linux: pid 0 is the calling thread), after the
         # library, torch and CUDA started theirs: those stay free, the

@@ -38,7 +38,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCE = "torch_allocator.cpp"
 # The version the C++ file reports (cudapool_torch_ext_version): a cached
 # build with another is stale.
-INTERFACE_VERSION = 1
+INTERFACE_VERSION = 2
 
 
 class ExtensionUnavailable(Exception):
@@ -272,6 +272,19 @@ def install(fast=True):
         raise ExtensionUnavailable(buf.value.decode(errors="replace"))
     _state["handle"] = h
     return h
+
+
+def passthrough(on):
+    """Hands torch's allocations to PyTorch's own allocator (True) or back to
+    cudapool (False): a measurement switch, so that a benchmark can alternate
+    the two within one process (bench/torch_bench.py, section alt). Tensors
+    keep the deleter of the allocator that made them. Raises
+    ExtensionUnavailable when the class is not installed on its direct path
+    or PyTorch's allocator is not at hand."""
+    h = _state["handle"]
+    if h is None or h.cudapool_torch_ext_passthrough(1 if on else 0) != 0:
+        raise ExtensionUnavailable("passthrough needs cudapool's C++ class installed on its direct path, "
+                                   "over PyTorch's own allocator")
 
 
 def fast_path():

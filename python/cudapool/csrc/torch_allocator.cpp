@@ -382,11 +382,14 @@ constexpr size_t kIpcHandleSize = 64;
 
 class Allocator final : public Base {
   public:
-	explicit Allocator(bool fast) : Base(&cudapool_torch_malloc, &cudapool_torch_free), fast_(fast) {}
+	explicit Allocator(bool fast, CCA::CUDAAllocator *native) : Base(&cudapool_torch_malloc, &cudapool_torch_free), fast_(fast), native_(native) {}
 
 	c10::DataPtr allocate(size_t size) override {
-		if (!fast_)
+		if (C10_UNLIKELY(!fast_ || pass_.load(std::memory_order_relaxed))) {
+			if (pass_.load(std::memory_order_relaxed))
+				return native_->allocate(size);
 			return Base::allocate(size);
+		}
 		DeviceIndex device = current_device();
 		cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
 		void *p = malloc_on(size, device, stream);
@@ -797,6 +800,21 @@ class Allocator final : public Base {
 
 	bool fast() const { return fast_; }
 
+	// set_passthrough hands allocate() to PyTorch's own allocator (the one
+	// cudapool replaced) or takes it back: a measurement switch, so that a
+	// benchmark can alternate the two allocators within one process
+	// (bench/torch_bench.py, section alt). Only allocate() (torch.empty and
+	// every tensor PyTorch makes) is handed over; the tensors keep their
+	// allocator's deleter. Returns false when there is no such allocator.
+	bool set_passthrough(bool on) {
+		if (on && native_ == nullptr)
+			return false;
+		if (on && !native_->initialized())
+			native_->init(static_cast<int>(c10::cuda::device_count()));
+		pass_.store(on, std::memory_order_relaxed);
+		return true;
+	}
+
   private:
 	static cudapool_snapshot *take_snapshot(const MempoolId_t *pool, bool traces) {
 		cudapool_clear_error();
@@ -808,6 +826,8 @@ class Allocator final : public Base {
 	}
 
 	const bool fast_;
+	std::atomic<bool> pass_{false}; // set_passthrough; beside fast_, read with it
+	CCA::CUDAAllocator *const native_;
 };
 
 bool is_cudapool(const std::shared_ptr<CCA::CUDAAllocator> &a) {
@@ -846,7 +866,12 @@ __attribute__((visibility("default"))) int cudapool_torch_ext_install(int fast, 
 	try {
 		if (!installed) {
 			free_now = fast == 2;
-			auto a = std::make_shared<Allocator>(fast != 0);
+			// PyTorch's own allocator, kept for set_passthrough (unless
+			// another pluggable allocator was installed before).
+			CCA::CUDAAllocator *native = CCA::get();
+			if (dynamic_cast<Base *>(native) != nullptr)
+				native = nullptr;
+			auto a = std::make_shared<Allocator>(fast != 0, native);
 			torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(a);
 			c10::SetAllocator(c10::DeviceType::CUDA, a.get(), UINT8_MAX);
 			// torch.cuda.memory._set_allocator_settings reaches the CUDA
@@ -880,8 +905,22 @@ __attribute__((visibility("default"))) int cudapool_torch_ext_fast(void) {
 	return cudapool_torch::installed ? (cudapool_torch::installed->fast() ? 1 : 0) : -1;
 }
 
+// cudapool_torch_ext_passthrough hands torch's allocations to PyTorch's own
+// allocator (on=1) or back to cudapool (on=0): a measurement switch (see
+// Allocator::set_passthrough). 0 on success, -1 when not installed or
+// when PyTorch's allocator is not at hand.
+__attribute__((visibility("default"))) int cudapool_torch_ext_passthrough(int on) {
+	using namespace cudapool_torch;
+	try {
+		return installed && installed->fast() && installed->set_passthrough(on != 0) ? 0 : -1;
+	} catch (const std::exception &e) {
+		fprintf(stderr, "cudapool: passthrough: %s\n", e.what());
+		return -1;
+	}
+}
+
 // cudapool_torch_ext_version is the version of this file's interface with
 // cudapool._ext (a mismatch means a stale cached build).
-__attribute__((visibility("default"))) int cudapool_torch_ext_version(void) { return 1; }
+__attribute__((visibility("default"))) int cudapool_torch_ext_version(void) { return 2; }
 
 } // extern "C"

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# gpu/diag_alt.sh - the torch.empty rows with PyTorch's allocator and
+# cudapool alternating rep by rep in one process (bench/torch_bench.py,
+# section alt: cudapool's class hands allocate() to the allocator it
+# replaced during native's reps), for each cudapool configuration in
+# CONFIGS, RUNS processes each, interleaved, the main thread pinned to CPU
+# $CPU (BENCH_TURNS_PIN). Prints each process's median per-pair ratio
+# cudapool/native for the 4 KiB and the mixed loop, with each side's
+# median. About 4 minutes on an H100 host (carry lib/):
+#   bash gpu/diag_alt.sh
+set -u
+cd "$(dirname "$0")/.." || exit 1
+RUNS=${RUNS:-3}
+CPU=${CPU:-2}
+CONFIGS=${CONFIGS:-"cudapool cudapool_nofront cudapool_treap"}
+DIAG_BUILD_C=0
+# shellcheck source=gpu/diag_setup.sh
+. gpu/diag_setup.sh
+echo "CPU $CPU (main thread), library $(cat lib/BUILD_COMMIT 2>/dev/null || echo ?)"
+for r in $(seq 1 "$RUNS"); do
+    for c in $CONFIGS; do
+        BENCH_TURNS_PIN=$CPU timeout 300 $PY bench/torch_bench.py "$c" --sections alt --reps "${REPS:-9}" \
+            >"$D/alt.$c.$r.json" 2>"$D/alt.$c.$r.log" || echo "$c run $r failed: $(tail -n 3 "$D/alt.$c.$r.log")"
+        echo "$c run $r done at $(el)s"
+    done
+done
+$PY - "$D" <<'PYEOF'
+import glob, json, os, statistics, sys
+print("\n==== torch.empty, native and cudapool alternating in one process: cudapool/native ====")
+for p in sorted(glob.glob(os.path.join(sys.argv[1], "alt.*.json"))):
+    _, cfg, run, _ = os.path.basename(p).split(".")
+    for line in open(p):
+        d = json.loads(line) if line.startswith("{") else {}
+        if d.get("section") != "alt":
+            continue
+        if "alt_error" in d:
+            print(f"{cfg:18} run {run}: {d['alt_error']}")
+            continue
+        cells = []
+        for loop in ("small", "mixed"):
+            r = d[f"alt_{loop}_ratio_reps"]
+            cells.append(f"{loop} {d[f'alt_{loop}_ratio']:.3f} ({min(r):.3f}-{max(r):.3f}; "
+                         f"native {statistics.median(d[f'alt_{loop}_native_reps_us']):.3f} us, "
+                         f"cudapool {statistics.median(d[f'alt_{loop}_cudapool_reps_us']):.3f} us)")
+        print(f"{cfg:18} run {run}: " + "; ".join(cells))
+PYEOF
+echo "total $(el)s"
