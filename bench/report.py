@@ -174,6 +174,7 @@ class Results:
         self.pairs = {}  # pair_bench section -> [its result line per process]
         self.pair_errors = []
         self.turns = {}  # (kind, round) -> {role: fields}: bench/turn_pair.sh's pairs
+        self.alts = {}  # config -> [torch_bench.py's alt line per process]
 
     def add(self, obj):
         if not isinstance(obj, dict):
@@ -201,6 +202,12 @@ class Results:
         config = obj.get("config")
         if kind not in ("c", "torch") or not isinstance(config, str):
             self.bad_lines += 1
+            return
+        if kind == "torch" and obj.get("section") == "alt":
+            # One line per process, kept apart: each is a paired figure of
+            # its own (torch_bench.py's alt section), not a run to merge.
+            if "alt_error" not in obj:
+                self.alts.setdefault(config, []).append(obj)
             return
         rec = self.records.setdefault((kind, config), {})
         errs = self.errors.setdefault((kind, config), {})
@@ -331,6 +338,31 @@ def pair_note(res):
             f"min-max): " + "; ".join(parts))
 
 
+def alt_note(res):
+    """The torch.empty rows measured with PyTorch's allocator and cudapool
+    alternating rep by rep in one process (torch_bench.py's alt section), or
+    None: per loop, the median (min-max) over the processes of each
+    process's median per-pair ratio, with the rows' targets."""
+    lines = res.alts.get("cudapool") or []
+    if not lines:
+        return None
+    targets = {m.key: m.target for m in METRICS}
+    parts = []
+    for loop, key, label in (("small", "empty_small_us", "4 KiB"), ("mixed", "empty_mixed_us", "mixed sizes")):
+        per = [float(x[f"alt_{loop}_ratio"]) for x in lines if isinstance(x.get(f"alt_{loop}_ratio"), (int, float))]
+        if not per:
+            continue
+        r = statistics.median(per)
+        spread = f" ({min(per):.3f}-{max(per):.3f})" if len(per) > 1 else ""
+        t = targets[key]
+        parts.append(f"{label} {r:.3f}x{spread} (target <= {t:g}x: {'met' if r <= t + 1e-12 else 'NOT met'})")
+    reps = sorted({len(x.get("alt_small_ratio_reps") or []) for x in lines})
+    return (f"torch.empty with PyTorch's allocator and cudapool alternating rep by rep in one process (cudapool's "
+            f"class hands allocate() to the allocator it replaced during native's reps: torch_bench.py, section "
+            f"alt; {len(lines)} processes of {'-'.join(map(str, reps))} pairs of reps; median of the processes' "
+            f"median per-pair ratios, cudapool/native, with their min-max): " + "; ".join(parts))
+
+
 def turns_note(res):
     """The torch rows measured by pairs of processes taking turns on one CPU
     (bench/turn_pair.sh), or None: per kind of pair, each metric's median
@@ -423,6 +455,9 @@ def build_rows(res):
     paired = pair_note(res)
     if paired:
         note(paired)
+    an = alt_note(res)
+    if an:
+        note(an)
     tn = turns_note(res)
     if tn:
         note(tn)

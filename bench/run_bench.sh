@@ -15,7 +15,9 @@
 #      (bench/pair_bench.c: both meet the host in the same state).
 #   2. torch level (bench/torch_bench.py): GPT-2 training with variable
 #      sequence lengths, CUDA graph capture/replay, torch.empty + free. Then,
-#      once per run (part "turns"), native and cudapool (and both with
+#      once per run, the torch.empty loops of native and cudapool alternating
+#      rep by rep in one process (part "alt": torch_bench.py's alt section),
+#      and (part "turns") native and cudapool (and both with
 #      expandable segments) as two processes taking turns on one CPU
 #      (bench/turn_pair.sh: rep k of both runs back to back).
 #   3. FSDP2 training of a small GPT-2 on 2 GPUs under torchrun
@@ -54,7 +56,7 @@
 # BENCH_UPDATE_REPO=0 (leave bench/RESULTS.md and README.md alone: write the
 # results file and an updated copy of the README to $OUT only),
 # BENCH_REPEATS (3), BENCH_TRAIN_RUNS (5), BENCH_FSDP_RUNS (5),
-# BENCH_PARTS (the parts to run, default "c torch turns train floor fsdp"),
+# BENCH_PARTS (the parts to run, default "c torch alt turns train floor fsdp"),
 # BENCH_TURN_CPU (the CPU of the turn pairs, default 2; 0 where there are
 # 2 CPUs or fewer), BENCH_TURN_PIN (thread: the default, only the main
 # threads are pinned; process: every thread, which pairs tighter but makes
@@ -79,7 +81,7 @@ REPEATS=${BENCH_REPEATS:-3}
 FROM=${BENCH_REPEAT_FROM:-1} # first run number of this call (to split the runs over calls)
 TRAIN_RUNS=${BENCH_TRAIN_RUNS:-5}
 FSDP_RUNS=${BENCH_FSDP_RUNS:-5}
-PARTS=" ${BENCH_PARTS:-c torch turns train floor fsdp} "
+PARTS=" ${BENCH_PARTS:-c torch alt turns train floor fsdp} "
 part() { [[ $PARTS == *" $1 "* ]]; }
 
 mkdir -p "$RES" "$LOGS" "$BUILD"
@@ -372,6 +374,20 @@ if part turns; then
                 bash bench/turn_pair.sh "$tcpu" "$b/$t" "$rep" "$b" "$t" \
                 "$first" "$RES/$name.json" "${T_ARGS[@]}"
         done
+    done
+fi
+
+# The torch.empty rows paired within one process: PyTorch's allocator and
+# cudapool alternating rep by rep (torch_bench.py's alt section: cudapool's
+# class hands allocate() to the allocator it replaced), the main thread
+# pinned as in the turns; once per run.
+if part alt; then
+    ncpu=$(nproc 2>/dev/null || echo 1)
+    acpu=${BENCH_TURN_CPU:-$((ncpu > 2 ? 2 : 0))}
+    for rep in $(seq "$FROM" "$REPEATS"); do
+        name=$(run_name torch_alt "$rep")
+        run_step "$name" 180 "$RES/$name.json" env BENCH_TURNS_PIN="$acpu" \
+            "$PY" bench/torch_bench.py cudapool --sections alt "${T_ARGS[@]}"
     done
 fi
 

@@ -263,6 +263,24 @@ class TestReport(unittest.TestCase):
         self.assertIn("not paired: expandable/cudapool_exp 2: turns differ: 12 and 3", note[0])
         self.assertLess(note[0].index("native/cudapool (3"), note[0].index("expandable/cudapool_exp (1"))
 
+    def test_alt_note(self):
+        # Each process's alt line is a paired figure of its own: the note
+        # gives their median (min-max), and none reaches the table's rows.
+        for r, (small, mixed) in enumerate(((0.80, 1.02), (0.78, 0.93), (0.82, 1.04)), 1):
+            write_lines(os.path.join(self.dir, f"torch_alt_r{r}.json"), [
+                {"kind": "torch", "config": "cudapool", "section": "alt", "alt_small_ratio": small,
+                 "alt_small_ratio_reps": [small] * 9, "alt_mixed_ratio": mixed, "alt_mixed_ratio_reps": [mixed] * 9}])
+        write_lines(os.path.join(self.dir, "torch_alt_r4.json"), [
+            {"kind": "torch", "config": "cudapool", "section": "alt", "alt_error": "RuntimeError: no"}])
+        res = report.load(self.dir)
+        self.assertEqual(res.bad_lines, 0)
+        self.assertIsNone(res.record("torch", "cudapool"))
+        note = [n for n in report.build_rows(res)[1] if n.startswith("torch.empty with PyTorch's allocator")]
+        self.assertEqual(len(note), 1)
+        self.assertIn("3 processes of 9 pairs of reps", note[0])
+        self.assertIn("4 KiB 0.800x (0.780-0.820) (target <= 0.95x: met); "
+                      "mixed sizes 1.020x (0.930-1.040) (target <= 0.95x: NOT met)", note[0])
+
     def test_params_line_names_the_captures(self):
         write_lines(os.path.join(self.dir, "torch_native.json"), [
             {"kind": "torch", "config": "native", "section": "graph", "graph_capture_ms": 5.0, "graph_batch": 8,

@@ -9,12 +9,13 @@
 #   capture_end + instantiation; sync) with the allocator's and the driver's
 #   allocation counts (memory_stats):
 #     native/cudapool         ROUNDS pairs
-#     cudapool/cudapool       1 pair: the method's noise, per phase
-#     cudapool/cudapool_sched 1 pair: Go's sysmon kept awake (GODEBUG)
-#   empty section (4 KiB and mixed), with the driver calls of the mixed reps:
-#     native/cudapool         2 pairs
-#     cudapool_nofront/cudapool 2 pairs: does the front's cold mode cost?
-#     cudapool/cudapool_treap 2 pairs: the treap free set, fewer cache lines
+#     cudapool/cudapool       SAME pairs (1): the method's noise, per phase
+#     cudapool/cudapool_sched SCHED pairs (1): Go's sysmon kept awake (GODEBUG)
+#   empty section (4 KiB and mixed), with the driver calls of the mixed
+#   reps, EMPTY rounds (2) of:
+#     native/cudapool
+#     cudapool_nofront/cudapool: does the front's cold mode cost?
+#     cudapool/cudapool_treap: the treap free set, fewer cache lines
 # Prints every pair (bench/turns.py: phases paired like the rows, counts
 # side by side), then per kind and metric the median (min-max) of the pairs.
 # About 8 minutes on an H100 host (carry lib/):
@@ -24,6 +25,9 @@ cd "$(dirname "$0")/.." || exit 1
 ROUNDS=${ROUNDS:-3}
 CPU=${CPU:-2}
 GRAPH_CAPTURES=${GRAPH_CAPTURES:-12}
+SAME=${SAME:-1}   # cudapool/cudapool capture pairs
+SCHED=${SCHED:-1} # the cudapool/cudapool_sched capture pair (0: none)
+EMPTY=${EMPTY:-2} # rounds of the empty pairs (0: none)
 DEADLINE=${DEADLINE:-500} # seconds: no pair starts after this
 export TURN_PIN=${TURN_PIN:-thread}
 DIAG_BUILD_C=0
@@ -50,9 +54,13 @@ for r in $(seq 1 "$ROUNDS"); do
     [ $((r % 2)) = 0 ] && first=test
     pair capture.native/cudapool "$r" native cudapool $first "${G[@]}"
 done
-pair capture.cudapool/cudapool 1 cudapool cudapool base "${G[@]}"
-pair capture.cudapool/cudapool_sched 1 cudapool cudapool_sched base "${G[@]}"
-for r in 1 2; do
+for r in $(seq 1 "$SAME"); do
+    first=base
+    [ $((r % 2)) = 0 ] && first=test
+    pair capture.cudapool/cudapool "$r" cudapool cudapool $first "${G[@]}"
+done
+[ "$SCHED" = 1 ] && pair capture.cudapool/cudapool_sched 1 cudapool cudapool_sched base "${G[@]}"
+for r in $(seq 1 "$EMPTY"); do
     first=base
     [ "$r" = 2 ] && first=test
     pair empty.native/cudapool "$r" native cudapool $first "${E[@]}"
