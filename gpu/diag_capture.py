@@ -14,8 +14,9 @@ graph and private pool, timing the phases of torch.cuda.graph by hand:
   sync     torch.cuda.synchronize after it
 Medians over the captures of all processes, ms: the first capture of each
 process (one-off costs) in a table of its own, the later ones in another.
-Each capture starts after the previous graph was deleted (as bench/
-torch_bench.py's graph section does); DIAG_KEEP=1 keeps every graph instead.
+Each capture starts after the previous graph was deleted; DIAG_KEEP=1 keeps
+every graph instead (as bench/torch_bench.py's graph section does).
+DIAG_CONFIGS (a space-separated list) narrows the configurations.
 """
 import json
 import os
@@ -77,7 +78,7 @@ phases.update(first)
 print("RESULT " + json.dumps(phases))
 '''.replace("REPO", repr(REPO))
 
-CONFIGS = ["native", "cudapool", "expandable", "cudapool_exp"]
+CONFIGS = os.environ.get("DIAG_CONFIGS", "native cudapool expandable cudapool_exp").split()
 
 
 def main():
