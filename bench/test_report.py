@@ -281,6 +281,48 @@ class TestReport(unittest.TestCase):
         self.assertIn("4 KiB 0.800x (0.780-0.820) (target <= 0.95x: met); "
                       "mixed sizes 1.020x (0.930-1.040) (target <= 0.95x: NOT met)", note[0])
 
+    def test_alt_section_alternates_and_switches_back(self):
+        # torch_bench.py's alt section against a stand-in for torch and for
+        # cudapool._ext: each pair of reps runs both sides, who goes first
+        # alternating, and the switch ends on cudapool even after a failure.
+        import types
+        made = []
+        fake = types.SimpleNamespace(device=lambda *a: "cuda:0", uint8="u8",
+                                     empty=lambda n, dtype, device: made.append(n) or object())
+        calls = []
+
+        class Unavailable(Exception):
+            pass
+
+        ext = types.ModuleType("cudapool._ext")
+        ext.ExtensionUnavailable = Unavailable
+        ext.passthrough = calls.append
+        pkg = types.ModuleType("cudapool")
+        pkg._ext = ext
+        saved = {k: sys.modules.get(k) for k in ("cudapool", "cudapool._ext")}
+        sys.modules.update({"cudapool": pkg, "cudapool._ext": ext})
+        try:
+            args = torch_bench.parse_args(["cudapool", "--sections", "alt", "--reps", "3", "--empty-pairs", "10",
+                                           "--mixed-pairs", "10"])
+            out = torch_bench.bench_alt(fake, args)
+            self.assertEqual(len(out["alt_small_ratio_reps"]), 3)
+            self.assertEqual(len(out["alt_mixed_native_reps_us"]), 3)
+            # set-up (native, cudapool), then per loop: N C, C N, N C; then off.
+            self.assertEqual(calls, [True, False] + [True, False, False, True, True, False] * 2 + [False])
+            calls.clear()
+            fake.empty = lambda n, dtype, device: 1 / 0
+            with self.assertRaises(ZeroDivisionError):
+                torch_bench.bench_alt(fake, args)
+            self.assertEqual(calls, [True, False])
+            with self.assertRaises(RuntimeError):  # native has no passthrough
+                torch_bench.bench_alt(fake, torch_bench.parse_args(["native", "--sections", "alt"]))
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    sys.modules.pop(k, None)
+                else:
+                    sys.modules[k] = v
+
     def test_params_line_names_the_captures(self):
         write_lines(os.path.join(self.dir, "torch_native.json"), [
             {"kind": "torch", "config": "native", "section": "graph", "graph_capture_ms": 5.0, "graph_batch": 8,

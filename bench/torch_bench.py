@@ -448,11 +448,18 @@ def bench_graph(torch, args):
     return out
 
 
-def bench_empty(torch, args):
+def empty_loops(torch):
+    """The timed torch.empty loops of bench_empty and bench_alt: small(n),
+    n pairs of 4 KiB, and mixed(live, start, n), n pairs of the mixed
+    sequence from position start over the 256 tensors in live; each
+    returns us per pair; and fill(), the 256 tensors the mixed loop starts
+    from."""
     dev = torch.device("cuda", 0)
     u8 = torch.uint8
     empty = torch.empty
     size = workloads.HOT_SIZE
+    sizes, slots = workloads.mixed_sequence()
+    mask = workloads.SEQ - 1
 
     def small(n):
         t0 = time.perf_counter_ns()
@@ -460,6 +467,23 @@ def bench_empty(torch, args):
             empty(size, dtype=u8, device=dev)
         return (time.perf_counter_ns() - t0) / n / 1e3
 
+    def mixed(live, start, n):
+        t0 = time.perf_counter_ns()
+        for i in range(start, start + n):
+            j = i & mask
+            s = slots[j]
+            live[s] = None
+            live[s] = empty(sizes[j], dtype=u8, device=dev)
+        return (time.perf_counter_ns() - t0) / n / 1e3
+
+    def fill():
+        return [empty(sizes[s], dtype=u8, device=dev) for s in range(workloads.LIVE)]
+
+    return small, mixed, fill
+
+
+def bench_empty(torch, args):
+    small, mixed, fill = empty_loops(torch)
     small(10_000)
     reps = []
     for _ in range(args.reps):
@@ -470,27 +494,15 @@ def bench_empty(torch, args):
     if args.config == "floor":  # it caches by exact size: the mixed loop would exhaust memory
         return out
 
-    sizes, slots = workloads.mixed_sequence()
-    mask = workloads.SEQ - 1
-    live = [empty(sizes[s], dtype=u8, device=dev) for s in range(workloads.LIVE)]
-
-    def mixed(start, n):
-        t0 = time.perf_counter_ns()
-        for i in range(start, start + n):
-            j = i & mask
-            s = slots[j]
-            live[s] = None
-            live[s] = empty(sizes[j], dtype=u8, device=dev)
-        return (time.perf_counter_ns() - t0) / n / 1e3
-
+    live = fill()
     t0 = time.perf_counter()
-    mixed(0, workloads.SEQ)
+    mixed(live, 0, workloads.SEQ)
     out["empty_mixed_warmup_ms"] = (time.perf_counter() - t0) * 1e3
     start = workloads.SEQ
     mreps = []
     c0 = device_calls(torch)
     for _ in range(args.reps):
-        mreps.append(mixed(start, args.mixed_pairs))
+        mreps.append(mixed(live, start, args.mixed_pairs))
         TURNS.turn()
         start += args.mixed_pairs
     c1 = device_calls(torch)
@@ -517,35 +529,14 @@ def bench_alt(torch, args):
         raise RuntimeError("the alt section needs one of cudapool's configurations")
     from cudapool import _ext
 
-    dev = torch.device("cuda", 0)
-    u8 = torch.uint8
-    empty = torch.empty
-    size = workloads.HOT_SIZE
-    sizes, slots = workloads.mixed_sequence()
-    mask = workloads.SEQ - 1
-
-    def small(n):
-        t0 = time.perf_counter_ns()
-        for _ in range(n):
-            empty(size, dtype=u8, device=dev)
-        return (time.perf_counter_ns() - t0) / n / 1e3
-
-    def mixed(live, start, n):
-        t0 = time.perf_counter_ns()
-        for i in range(start, start + n):
-            j = i & mask
-            s = slots[j]
-            live[s] = None
-            live[s] = empty(sizes[j], dtype=u8, device=dev)
-        return (time.perf_counter_ns() - t0) / n / 1e3
-
+    small, mixed, fill = empty_loops(torch)
     sides = ("native", "cudapool")
     live = {}
     try:
         for side in sides:
             _ext.passthrough(side == "native")
             small(10_000)
-            live[side] = [empty(sizes[s], dtype=u8, device=dev) for s in range(workloads.LIVE)]
+            live[side] = fill()
             mixed(live[side], 0, workloads.SEQ)
         out = {}
         for loop, n in (("small", args.empty_pairs), ("mixed", args.mixed_pairs)):
