@@ -19,6 +19,8 @@ import math
 import statistics
 import sys
 
+from torch_bench import COUNTED  # (imports no torch at module level)
+
 # label, the JSON field holding the per-rep values (a list), the report's key
 METRICS = (
     ("training step", "train_block_ms_per_step", "train_ms_per_step"),
@@ -35,11 +37,10 @@ PHASES = (
     ("capture: exit", "graph_exit_reps_ms", None),
     ("capture: sync", "graph_sync_reps_ms", None),
 )
-# What the allocator did in the paired sections (memory_stats counters):
-# printed side by side, base then test.
-COUNTS = ("graph_allocation.all.allocated_reps", "graph_num_device_alloc_reps", "graph_num_device_free_reps",
-          "empty_mixed_allocation.all.allocated", "empty_mixed_num_device_alloc", "empty_mixed_num_device_free",
-          "empty_mixed_num_alloc_retries")
+# What the allocator did in the paired sections (torch_bench.py's memory_stats
+# counters, per capture and over the mixed reps): printed side by side, base
+# then test.
+COUNTS = tuple(f"graph_{k}_reps" for k in COUNTED) + tuple(f"empty_mixed_{k}" for k in COUNTED)
 
 
 def collect(objs, pairs=None):

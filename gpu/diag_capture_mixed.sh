@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # gpu/diag_capture_mixed.sh - where the two torch rows that are slower than
 # native when paired go (issue 11; docs/hot-path.md, section 10): graph
-# capture (1.13-1.20x paired) and torch.empty with mixed sizes (1.06-1.09x).
+# capture and torch.empty with mixed sizes (section 9: 1.13-1.20x and
+# 1.06-1.09x paired).
 # Pairs taking turns on CPU $CPU with only the main threads pinned
 # (bench/turn_pair.sh, TURN_PIN=thread), one at a time:
 #   graph section, GRAPH_CAPTURES captures per process, each capture timed
-#   in phases (enter: gc + empty_cache + capture_begin; the forward; exit:
+#   in phases (enter: synchronize, empty_cache, capture_begin; the forward; exit:
 #   capture_end + instantiation; sync) with the allocator's and the driver's
 #   allocation counts (memory_stats):
 #     native/cudapool         ROUNDS pairs

@@ -385,11 +385,10 @@ class Allocator final : public Base {
 	explicit Allocator(bool fast, CCA::CUDAAllocator *native) : Base(&cudapool_torch_malloc, &cudapool_torch_free), fast_(fast), native_(native) {}
 
 	c10::DataPtr allocate(size_t size) override {
-		if (C10_UNLIKELY(!fast_ || pass_.load(std::memory_order_relaxed))) {
-			if (pass_.load(std::memory_order_relaxed))
-				return native_->allocate(size);
+		if (C10_UNLIKELY(pass_.load(std::memory_order_relaxed)))
+			return native_->allocate(size);
+		if (!fast_)
 			return Base::allocate(size);
-		}
 		DeviceIndex device = current_device();
 		cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
 		void *p = malloc_on(size, device, stream);
