@@ -529,6 +529,58 @@ class TestTurns(unittest.TestCase):
             events = f.read().split("\n")[:-1]
         return events, oa, ob
 
+    def test_alt_timing_summarizes_each_side(self):
+        # --alt-timing: the samples taken after each rep belong to the side
+        # that ran it; the summary keeps them apart, counts every timed call,
+        # and leaves out what was taken before the timed reps.
+        import types
+        fake = types.SimpleNamespace(device=lambda *a: "cuda:0", uint8="u8",
+                                     empty=lambda n, dtype, device: object())
+        state = {"native": False, "timing": [], "takes": 0}
+
+        class Unavailable(Exception):
+            pass
+
+        def take():
+            state["takes"] += 1
+            side = "native" if state["native"] else "cudapool"
+            base = 100.0 if side == "native" else 60.0
+            out = {(s, c): ([], 0) for s, c in (("native", "alloc"), ("native", "free"), ("cudapool", "alloc"),
+                                                ("cudapool", "free"), ("cudapool", "alloc_lib"))}
+            out[(side, "alloc")] = ([base, base + 10, 1e6], 5)  # 5 calls, 3 kept
+            out[(side, "free")] = ([base / 2], 1)
+            return out
+
+        ext = types.ModuleType("cudapool._ext")
+        ext.ExtensionUnavailable = Unavailable
+        ext.passthrough = lambda on: state.update(native=on)
+        ext.timing = state["timing"].append
+        ext.timing_take = take
+        pkg = types.ModuleType("cudapool")
+        pkg._ext = ext
+        saved = {k: sys.modules.get(k) for k in ("cudapool", "cudapool._ext")}
+        sys.modules.update({"cudapool": pkg, "cudapool._ext": ext})
+        try:
+            args = torch_bench.parse_args(["cudapool", "--sections", "alt", "--reps", "3", "--empty-pairs", "10",
+                                           "--mixed-pairs", "10", "--alt-timing"])
+            out = torch_bench.bench_alt(fake, args)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    sys.modules.pop(k, None)
+                else:
+                    sys.modules[k] = v
+        self.assertEqual(state["timing"], [True, False])
+        self.assertEqual(state["takes"], 2 * (1 + 3 * 2))  # per loop: one discarded, one per rep
+        for loop in ("small", "mixed"):
+            self.assertEqual(out[f"alt_{loop}_native_alloc_median_ns"], 110.0)
+            self.assertEqual(out[f"alt_{loop}_cudapool_alloc_median_ns"], 70.0)
+            self.assertEqual(out[f"alt_{loop}_cudapool_free_median_ns"], 30.0)
+            self.assertEqual(out[f"alt_{loop}_native_alloc_calls"], 15)
+            self.assertEqual(out[f"alt_{loop}_cudapool_alloc_lib_calls"], 0)
+            self.assertNotIn(f"alt_{loop}_cudapool_alloc_lib_median_ns", out)
+            self.assertAlmostEqual(out[f"alt_{loop}_native_alloc_mean_ns"], (100 + 110 + 1e6) / 3)
+
     def test_strict_alternation(self):
         events, oa, ob = self.run_pair(3, 3)
         want = []

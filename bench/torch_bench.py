@@ -150,6 +150,9 @@ def parse_args(argv=None):
     p.add_argument("--empty-pairs", type=int, default=100_000, help="4 KiB pairs per rep")
     p.add_argument("--mixed-pairs", type=int, default=50_000, help="mixed pairs per rep")
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--alt-timing", action="store_true",
+                   help="alt section: also time each allocate() and deleter call of both allocators "
+                        "(cudapool._ext.timing; adds two clock reads per call)")
     p.add_argument("--model-layers", type=int, default=12, help="(for quick tests) GPT layers")
     args = p.parse_args(argv)
     secs = [s.strip() for s in args.sections.split(",") if s.strip()]
@@ -533,7 +536,10 @@ def bench_alt(torch, args):
     small, mixed, fill = empty_loops(torch)
     sides = ("native", "cudapool")
     live = {}
+    timed = getattr(args, "alt_timing", False)
     try:
+        if timed:
+            _ext.timing(True)
         for side in sides:
             _ext.passthrough(side == "native")
             small(10_000)
@@ -542,23 +548,50 @@ def bench_alt(torch, args):
         out = {}
         for loop, n in (("small", args.empty_pairs), ("mixed", args.mixed_pairs)):
             reps = {side: [] for side in sides}
+            calls = {}  # (allocator, call) -> ([ns], timed calls), over the loop's reps
+            if timed:
+                _ext.timing_take()  # the warm-up's and the last loop's stragglers
             start = workloads.SEQ
             for i in range(args.reps):
                 for side in (sides if i % 2 == 0 else sides[::-1]):
                     _ext.passthrough(side == "native")
                     reps[side].append(small(n) if loop == "small" else mixed(live[side], start, n))
+                    if timed:
+                        for key, (ns, c) in _ext.timing_take().items():
+                            acc = calls.setdefault(key, ([], [0]))
+                            acc[0].extend(ns)
+                            acc[1][0] += c
                 start += n
             ratios = [c / b for b, c in zip(reps["native"], reps["cudapool"])]
             out.update({f"alt_{loop}_ratio": statistics.median(ratios), f"alt_{loop}_ratio_reps": ratios,
                         f"alt_{loop}_native_reps_us": reps["native"], f"alt_{loop}_cudapool_reps_us": reps["cudapool"],
                         f"alt_{loop}_pairs": n})
+            if timed:
+                out.update(call_summary(f"alt_{loop}", calls))
         return out
     finally:
         live.clear()
         try:
             _ext.passthrough(False)
+            if timed:
+                _ext.timing(False)
         except _ext.ExtensionUnavailable:
             pass  # never switched: the error that brought us here is the one to see
+
+
+def call_summary(prefix, calls):
+    """Per (allocator, call) of the alt section's timing: the median, mean
+    and 90th percentile of the calls' ns and their number. The mean carries
+    the rare calls that reach the driver; the median is a typical call."""
+    out = {}
+    for (side, call), (ns, n) in sorted(calls.items()):
+        key = f"{prefix}_{side}_{call}"
+        out[f"{key}_calls"] = n[0]
+        if ns:
+            q = sorted(ns)
+            out.update({f"{key}_median_ns": statistics.median(q), f"{key}_mean_ns": statistics.fmean(q),
+                        f"{key}_p90_ns": q[int(0.9 * (len(q) - 1))]})
+    return out
 
 
 def main(argv=None):

@@ -6,7 +6,9 @@
 # CONFIGS, RUNS processes each, interleaved, the main thread pinned to CPU
 # $CPU (BENCH_TURNS_PIN). Prints each process's median per-pair ratio
 # cudapool/native for the 4 KiB and the mixed loop, with each side's
-# median. About 4 minutes on an H100 host (carry lib/):
+# median. TIMING=1 also times each allocate() and deleter call of both
+# allocators (--alt-timing) and prints their medians and means per loop.
+# About 4 minutes on an H100 host (carry lib/):
 #   bash gpu/diag_alt.sh
 set -u
 cd "$(dirname "$0")/.." || exit 1
@@ -14,12 +16,14 @@ RUNS=${RUNS:-3}
 CPU=${CPU:-2}
 CONFIGS=${CONFIGS:-"cudapool cudapool_nofront cudapool_treap"}
 DIAG_BUILD_C=0
+TIMED=
+[ "${TIMING:-0}" = 1 ] && TIMED=--alt-timing
 # shellcheck source=gpu/diag_setup.sh
 . gpu/diag_setup.sh
 echo "CPU $CPU (main thread), library $(cat lib/BUILD_COMMIT 2>/dev/null || echo ?)"
 for r in $(seq 1 "$RUNS"); do
     for c in $CONFIGS; do
-        BENCH_TURNS_PIN=$CPU timeout 300 $PY bench/torch_bench.py "$c" --sections alt --reps "${REPS:-9}" \
+        BENCH_TURNS_PIN=$CPU timeout 300 $PY bench/torch_bench.py "$c" --sections alt --reps "${REPS:-9}" $TIMED \
             >"$D/alt.$c.$r.json" 2>"$D/alt.$c.$r.log" || echo "$c run $r failed: $(tail -n 3 "$D/alt.$c.$r.log")"
         echo "$c run $r done at $(el)s"
     done
@@ -43,5 +47,11 @@ for p in sorted(glob.glob(os.path.join(sys.argv[1], "alt.*.json"))):
                          f"native {statistics.median(d[f'alt_{loop}_native_reps_us']):.3f} us, "
                          f"cudapool {statistics.median(d[f'alt_{loop}_cudapool_reps_us']):.3f} us)")
         print(f"{cfg:18} run {run}: " + "; ".join(cells))
+        for loop in ("small", "mixed"):
+            calls = [f"{side} {call} {d[k]:.0f}/{d[k.replace('median', 'mean')]:.0f}"
+                     for side in ("native", "cudapool") for call in ("alloc", "free", "alloc_lib")
+                     for k in [f"alt_{loop}_{side}_{call}_median_ns"] if k in d]
+            if calls:
+                print(f"{'':18}   {loop} calls, median/mean ns: " + ", ".join(calls))
 PYEOF
 echo "total $(el)s"

@@ -38,7 +38,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCE = "torch_allocator.cpp"
 # The version the C++ file reports (cudapool_torch_ext_version): a cached
 # build with another is stale.
-INTERFACE_VERSION = 2
+INTERFACE_VERSION = 3
 
 
 class ExtensionUnavailable(Exception):
@@ -285,6 +285,48 @@ def passthrough(on):
     if h is None or h.cudapool_torch_ext_passthrough(1 if on else 0) != 0:
         raise ExtensionUnavailable("passthrough needs cudapool's C++ class installed on its direct path, "
                                    "over PyTorch's own allocator")
+
+
+# cudapool_torch_ext_timing_take's kinds, in its order.
+TIMING_KINDS = (("native", "alloc"), ("native", "free"), ("cudapool", "alloc"), ("cudapool", "free"),
+                ("cudapool", "alloc_lib"))
+
+
+def timing(on):
+    """Turns call timing on (a new measurement) or off: the class then times
+    each allocate() and each deleter call of tensors made meanwhile, for
+    PyTorch's allocator (while passthrough is on) and for cudapool, and, for
+    cudapool, its call into the library alone (bench/torch_bench.py,
+    --alt-timing). Raises ExtensionUnavailable when the class is not
+    installed on its direct path."""
+    h = _state["handle"]
+    if h is None or h.cudapool_torch_ext_timing(1 if on else 0) != 0:
+        raise ExtensionUnavailable("timing needs cudapool's C++ class installed on its direct path")
+
+
+def timing_take(cap=1 << 17):
+    """The samples timed since the last take, in ns, and forgets them:
+    {(allocator, call): (samples, calls)} over TIMING_KINDS, where calls
+    counts every timed call (more than the samples when the class's buffer
+    of 2^17 per kind filled)."""
+    import ctypes
+
+    h = _state["handle"]
+    if h is None:
+        raise ExtensionUnavailable("timing needs cudapool's C++ class installed")
+    f = h.cudapool_torch_ext_timing_take
+    f.restype = ctypes.c_long
+    f.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_uint32), ctypes.c_size_t,
+                  ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_double)]
+    buf = (ctypes.c_uint32 * cap)()
+    out = {}
+    for k, key in enumerate(TIMING_KINDS):
+        calls, scale = ctypes.c_uint64(), ctypes.c_double()
+        n = f(k, buf, cap, ctypes.byref(calls), ctypes.byref(scale))
+        if n < 0:
+            raise ExtensionUnavailable(f"timing kind {k} refused: a stale build of the class")
+        out[key] = ([buf[i] * scale.value for i in range(n)], calls.value)
+    return out
 
 
 def fast_path():

@@ -54,6 +54,7 @@
 #include <torch/headeronly/version.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <memory>
@@ -66,6 +67,10 @@
 #include <vector>
 
 #include "cudapool.h"
+
+#if defined(__x86_64__)
+#include <x86intrin.h>
+#endif
 
 namespace cudapool_torch {
 namespace {
@@ -307,6 +312,65 @@ void free_ptr(void *p) {
 
 void deleter(void *p) { free_ptr(p); }
 
+// ---- call timing (measurement) ----------------------------------------------
+
+// Timing records the duration of each allocate() and each deleter call, per
+// allocator, while bench/torch_bench.py's alt section runs with --alt-timing:
+// where a torch.empty+free pair's time goes inside the process that runs it
+// (the interpreter around the calls evicts what the allocators keep warm, so
+// timings of the allocators on their own do not tell). It lives off the hot
+// path: allocate() branches to it on the same load that tests passthrough,
+// and a tensor made while timing gets a timing deleter. Samples are ticks of
+// the CPU's time-stamp counter, converted to ns by the clock read at both
+// ends of a measurement; one thread's calls are timed (the benchmark's), so
+// the counters are relaxed atomics written with plain loads and stores.
+namespace timing {
+
+enum Kind { kNativeAlloc, kNativeFree, kAlloc, kFree, kAllocLib, kKinds };
+constexpr uint32_t kCap = 1u << 17; // samples kept per kind between takes
+
+inline uint64_t ticks() {
+#if defined(__x86_64__)
+	return __rdtsc();
+#else
+	return static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
+#endif
+}
+
+inline int64_t now_ns() {
+	return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+uint32_t samples[kKinds][kCap];
+std::atomic<uint32_t> kept[kKinds];
+std::atomic<uint64_t> calls[kKinds]; // every timed call, kept or not
+std::atomic<int64_t> start_ns{0};
+std::atomic<uint64_t> start_ticks{0};
+std::atomic<c10::DeleterFnPtr> native_deleter{nullptr};
+
+void record(Kind k, uint64_t d) {
+	uint32_t i = kept[k].load(std::memory_order_relaxed);
+	if (i < kCap) {
+		samples[k][i] = d > UINT32_MAX ? UINT32_MAX : static_cast<uint32_t>(d);
+		kept[k].store(i + 1, std::memory_order_relaxed);
+	}
+	calls[k].store(calls[k].load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
+}
+
+void timed_deleter(void *p) {
+	uint64_t t0 = ticks();
+	free_ptr(p);
+	record(kFree, ticks() - t0);
+}
+
+void timed_native_deleter(void *p) {
+	uint64_t t0 = ticks();
+	native_deleter.load(std::memory_order_relaxed)(p);
+	record(kNativeFree, ticks() - t0);
+}
+
+} // namespace timing
+
 DeviceIndex current_device() {
 	DeviceIndex device = -1;
 	C10_CUDA_CHECK(c10::cuda::GetDevice(&device));
@@ -385,8 +449,9 @@ class Allocator final : public Base {
 	explicit Allocator(bool fast, CCA::CUDAAllocator *native) : Base(&cudapool_torch_malloc, &cudapool_torch_free), fast_(fast), native_(native) {}
 
 	c10::DataPtr allocate(size_t size) override {
-		if (C10_UNLIKELY(pass_.load(std::memory_order_relaxed)))
-			return native_->allocate(size);
+		uint8_t mode = mode_.load(std::memory_order_relaxed);
+		if (C10_UNLIKELY(mode != 0))
+			return allocate_measured(size, mode);
 		if (!fast_)
 			return Base::allocate(size);
 		DeviceIndex device = current_device();
@@ -496,7 +561,7 @@ class Allocator final : public Base {
 
 	void recordStream(const c10::DataPtr &p, c10::cuda::CUDAStream stream) override {
 		// As native: a DataPtr that is not ours (from_blob, IPC) is skipped.
-		if (p.get() == nullptr || p.get_deleter() != raw_deleter())
+		if (p.get() == nullptr || (p.get_deleter() != raw_deleter() && p.get_deleter() != &timing::timed_deleter))
 			return;
 		cudapool_clear_error();
 		cudapool_record_stream(p.get(), reinterpret_cast<cudapool_stream>(stream.stream()));
@@ -810,11 +875,62 @@ class Allocator final : public Base {
 			return false;
 		if (on && !native_->initialized())
 			native_->init(static_cast<int>(c10::cuda::device_count()));
-		pass_.store(on, std::memory_order_relaxed);
+		set_mode(kPass, on);
 		return true;
 	}
 
+	// set_timing turns call timing (namespace timing) on or off; turning
+	// it on starts a new measurement: samples and calibration.
+	void set_timing(bool on) {
+		if (on) {
+			for (int k = 0; k < timing::kKinds; k++) {
+				timing::kept[k].store(0, std::memory_order_relaxed);
+				timing::calls[k].store(0, std::memory_order_relaxed);
+			}
+			timing::start_ns.store(timing::now_ns(), std::memory_order_relaxed);
+			timing::start_ticks.store(timing::ticks(), std::memory_order_relaxed);
+		}
+		set_mode(kTime, on);
+	}
+
   private:
+	static constexpr uint8_t kPass = 1, kTime = 2; // mode_ bits
+
+	void set_mode(uint8_t bit, bool on) {
+		uint8_t m = mode_.load(std::memory_order_relaxed);
+		mode_.store(on ? (m | bit) : (m & ~bit), std::memory_order_relaxed);
+	}
+
+	// allocate_measured serves allocate() while a measurement switch is on:
+	// passthrough hands the request to PyTorch's allocator; timing times the
+	// call (for cudapool, also its call into the library alone) and gives
+	// the tensor a timing deleter.
+	C10_NOINLINE c10::DataPtr allocate_measured(size_t size, uint8_t mode) {
+		if (!(mode & kTime))
+			return native_->allocate(size);
+		using namespace timing;
+		uint64_t t0 = ticks();
+		if (mode & kPass) {
+			c10::DataPtr d = native_->allocate(size);
+			record(kNativeAlloc, ticks() - t0);
+			// Native's DataPtr holds the pointer as its context, so the
+			// timing deleter can hand it to native's deleter.
+			c10::DeleterFnPtr del = d.get_deleter(), none = nullptr;
+			if (d.get() != nullptr && d.get_context() == d.get() &&
+			    (native_deleter.compare_exchange_strong(none, del) || none == del))
+				d.compare_exchange_deleter(del, &timed_native_deleter);
+			return d;
+		}
+		DeviceIndex device = current_device();
+		cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
+		uint64_t t1 = ticks();
+		void *p = malloc_on(size, device, stream);
+		uint64_t t2 = ticks();
+		record(kAllocLib, t2 - t1);
+		record(kAlloc, t2 - t0);
+		return {p, p, &timed_deleter, c10::Device(c10::DeviceType::CUDA, device)};
+	}
+
 	static cudapool_snapshot *take_snapshot(const MempoolId_t *pool, bool traces) {
 		cudapool_clear_error();
 		cudapool_snapshot *s = pool ? cudapool_snapshot_take(1, pool->first, pool->second, traces ? 1 : 0)
@@ -825,7 +941,7 @@ class Allocator final : public Base {
 	}
 
 	const bool fast_;
-	std::atomic<bool> pass_{false}; // set_passthrough; beside fast_, read with it
+	std::atomic<uint8_t> mode_{0}; // kPass | kTime; beside fast_, read with it
 	CCA::CUDAAllocator *const native_;
 };
 
@@ -918,8 +1034,47 @@ __attribute__((visibility("default"))) int cudapool_torch_ext_passthrough(int on
 	}
 }
 
+// cudapool_torch_ext_timing turns call timing on (a new measurement) or
+// off (see namespace timing). 0 on success, -1 when not installed on the
+// direct path.
+__attribute__((visibility("default"))) int cudapool_torch_ext_timing(int on) {
+	using namespace cudapool_torch;
+	if (!installed || !installed->fast())
+		return -1;
+	installed->set_timing(on != 0);
+	return 0;
+}
+
+// cudapool_torch_ext_timing_take copies up to cap samples of one kind
+// (0 native allocate, 1 native deleter, 2 cudapool allocate, 3 cudapool
+// deleter, 4 cudapool's call into the library within its allocate), in
+// ticks, into buf, and forgets that kind's samples; *calls gets the number
+// of timed calls (more than the samples when the buffer filled) and
+// *ns_per_tick the calibration since timing was turned on. Returns the
+// number copied, or -1 for a bad kind.
+__attribute__((visibility("default"))) long cudapool_torch_ext_timing_take(int kind, uint32_t *buf, size_t cap,
+                                                                           uint64_t *calls, double *ns_per_tick) {
+	using namespace cudapool_torch::timing;
+	if (kind < 0 || kind >= kKinds)
+		return -1;
+	uint32_t n = kept[kind].load(std::memory_order_relaxed);
+	if (n > cap)
+		n = static_cast<uint32_t>(cap);
+	if (buf != nullptr)
+		memcpy(buf, samples[kind], n * sizeof *buf);
+	kept[kind].store(0, std::memory_order_relaxed);
+	if (calls != nullptr)
+		*calls = ::cudapool_torch::timing::calls[kind].exchange(0, std::memory_order_relaxed);
+	if (ns_per_tick != nullptr) {
+		uint64_t dt = ticks() - start_ticks.load(std::memory_order_relaxed);
+		int64_t dn = now_ns() - start_ns.load(std::memory_order_relaxed);
+		*ns_per_tick = dt > 0 ? static_cast<double>(dn) / static_cast<double>(dt) : 0;
+	}
+	return n;
+}
+
 // cudapool_torch_ext_version is the version of this file's interface with
 // cudapool._ext (a mismatch means a stale cached build).
-__attribute__((visibility("default"))) int cudapool_torch_ext_version(void) { return 2; }
+__attribute__((visibility("default"))) int cudapool_torch_ext_version(void) { return 3; }
 
 } // extern "C"
