@@ -546,7 +546,8 @@ class TestTurns(unittest.TestCase):
             side = "native" if state["native"] else "cudapool"
             base = 100.0 if side == "native" else 60.0
             out = {(s, c): ([], 0) for s, c in (("native", "alloc"), ("native", "free"), ("cudapool", "alloc"),
-                                                ("cudapool", "free"), ("cudapool", "alloc_lib"))}
+                                                ("cudapool", "free"), ("cudapool", "alloc_lib"),
+                                                ("native", "cross"))}
             out[(side, "alloc")] = ([base, base + 10, 1e6], 5)  # 5 calls, 3 kept
             out[(side, "free")] = ([base / 2], 1)
             return out
@@ -554,7 +555,7 @@ class TestTurns(unittest.TestCase):
         ext = types.ModuleType("cudapool._ext")
         ext.ExtensionUnavailable = Unavailable
         ext.passthrough = lambda on: state.update(native=on)
-        ext.timing = state["timing"].append
+        ext.timing = lambda on, cross=False: state["timing"].append((on, cross))
         ext.timing_take = take
         pkg = types.ModuleType("cudapool")
         pkg._ext = ext
@@ -570,7 +571,7 @@ class TestTurns(unittest.TestCase):
                     sys.modules.pop(k, None)
                 else:
                     sys.modules[k] = v
-        self.assertEqual(state["timing"], [True, False])
+        self.assertEqual(state["timing"], [(True, False), (False, False)])
         self.assertEqual(state["takes"], 2 * (1 + 3 * 2))  # per loop: one discarded, one per rep
         for loop in ("small", "mixed"):
             self.assertEqual(out[f"alt_{loop}_native_alloc_median_ns"], 110.0)

@@ -150,9 +150,10 @@ def parse_args(argv=None):
     p.add_argument("--empty-pairs", type=int, default=100_000, help="4 KiB pairs per rep")
     p.add_argument("--mixed-pairs", type=int, default=50_000, help="mixed pairs per rep")
     p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--alt-timing", action="store_true",
+    p.add_argument("--alt-timing", nargs="?", const="on", choices=("on", "cross"),
                    help="alt section: also time each allocate() and deleter call of both allocators "
-                        "(cudapool._ext.timing; adds two clock reads per call)")
+                        "(cudapool._ext.timing; adds two clock reads per call); cross: native's allocate() "
+                        "is followed by a near-empty call into cudapool's Go code")
     p.add_argument("--model-layers", type=int, default=12, help="(for quick tests) GPT layers")
     args = p.parse_args(argv)
     secs = [s.strip() for s in args.sections.split(",") if s.strip()]
@@ -539,7 +540,7 @@ def bench_alt(torch, args):
     timed = getattr(args, "alt_timing", False)
     try:
         if timed:
-            _ext.timing(True)
+            _ext.timing(True, cross=timed == "cross")
         for side in sides:
             _ext.passthrough(side == "native")
             small(10_000)

@@ -7,7 +7,9 @@
 # $CPU (BENCH_TURNS_PIN). Prints each process's median per-pair ratio
 # cudapool/native for the 4 KiB and the mixed loop, with each side's
 # median. TIMING=1 also times each allocate() and deleter call of both
-# allocators (--alt-timing) and prints their medians and means per loop.
+# allocators (--alt-timing) and prints their medians and means per loop;
+# TIMING=cross also follows each of native's allocate() calls with a
+# near-empty call into cudapool's Go code (--alt-timing cross).
 # About 4 minutes on an H100 host (carry lib/):
 #   bash gpu/diag_alt.sh
 set -u
@@ -18,6 +20,7 @@ CONFIGS=${CONFIGS:-"cudapool cudapool_nofront cudapool_treap"}
 DIAG_BUILD_C=0
 TIMED=
 [ "${TIMING:-0}" = 1 ] && TIMED=--alt-timing
+[ "${TIMING:-0}" = cross ] && TIMED="--alt-timing cross"
 # shellcheck source=gpu/diag_setup.sh
 . gpu/diag_setup.sh
 echo "CPU $CPU (main thread), library $(cat lib/BUILD_COMMIT 2>/dev/null || echo ?)"
@@ -49,9 +52,16 @@ for p in sorted(glob.glob(os.path.join(sys.argv[1], "alt.*.json"))):
         print(f"{cfg:18} run {run}: " + "; ".join(cells))
         for loop in ("small", "mixed"):
             calls = [f"{side} {call} {d[k]:.0f}/{d[k.replace('median', 'mean')]:.0f}"
-                     for side in ("native", "cudapool") for call in ("alloc", "free", "alloc_lib")
+                     for side in ("native", "cudapool") for call in ("alloc", "free", "alloc_lib", "cross")
                      for k in [f"alt_{loop}_{side}_{call}_median_ns"] if k in d]
             if calls:
                 print(f"{'':18}   {loop} calls, median/mean ns: " + ", ".join(calls))
+                # The pair's time outside the timed calls: the interpreter
+                # and torch around them (means, as the loop's time is one).
+                rest = []
+                for side in ("native", "cudapool"):
+                    inside = sum(d.get(f"alt_{loop}_{side}_{c}_mean_ns", 0) for c in ("alloc", "free", "cross"))
+                    rest.append(f"{side} {statistics.median(d[f'alt_{loop}_{side}_reps_us']) * 1e3 - inside:.0f}")
+                print(f"{'':18}   {loop} outside the calls, ns per pair: " + ", ".join(rest))
 PYEOF
 echo "total $(el)s"

@@ -326,7 +326,7 @@ void deleter(void *p) { free_ptr(p); }
 // the counters are relaxed atomics written with plain loads and stores.
 namespace timing {
 
-enum Kind { kNativeAlloc, kNativeFree, kAlloc, kFree, kAllocLib, kKinds };
+enum Kind { kNativeAlloc, kNativeFree, kAlloc, kFree, kAllocLib, kNativeCross, kKinds };
 constexpr uint32_t kCap = 1u << 17; // samples kept per kind between takes
 
 inline uint64_t ticks() {
@@ -347,6 +347,10 @@ std::atomic<uint64_t> calls[kKinds]; // every timed call, kept or not
 std::atomic<int64_t> start_ns{0};
 std::atomic<uint64_t> start_ticks{0};
 std::atomic<c10::DeleterFnPtr> native_deleter{nullptr};
+// cross: after each of native's timed allocate() calls, also make one call
+// into the library's Go code that does almost nothing (timed as
+// kNativeCross): whether the crossing itself slows what runs around it.
+std::atomic<bool> cross{false};
 
 void record(Kind k, uint64_t d) {
 	uint32_t i = kept[k].load(std::memory_order_relaxed);
@@ -881,7 +885,8 @@ class Allocator final : public Base {
 
 	// set_timing turns call timing (namespace timing) on or off; turning
 	// it on starts a new measurement: samples and calibration.
-	void set_timing(bool on) {
+	void set_timing(bool on, bool cross) {
+		timing::cross.store(on && cross, std::memory_order_relaxed);
 		if (on) {
 			for (int k = 0; k < timing::kKinds; k++) {
 				timing::kept[k].store(0, std::memory_order_relaxed);
@@ -912,7 +917,13 @@ class Allocator final : public Base {
 		uint64_t t0 = ticks();
 		if (mode & kPass) {
 			c10::DataPtr d = native_->allocate(size);
-			record(kNativeAlloc, ticks() - t0);
+			uint64_t t1 = ticks();
+			record(kNativeAlloc, t1 - t0);
+			if (cross.load(std::memory_order_relaxed)) {
+				t1 = ticks();
+				(void)cudapool_get_memory_fraction(0);
+				record(kNativeCross, ticks() - t1);
+			}
 			// Native's DataPtr holds the pointer as its context, so the
 			// timing deleter can hand it to native's deleter.
 			c10::DeleterFnPtr del = d.get_deleter(), none = nullptr;
@@ -1035,19 +1046,21 @@ __attribute__((visibility("default"))) int cudapool_torch_ext_passthrough(int on
 }
 
 // cudapool_torch_ext_timing turns call timing on (a new measurement) or
-// off (see namespace timing). 0 on success, -1 when not installed on the
-// direct path.
+// off (see namespace timing); on=2 also crosses into Go after each of
+// native's allocate() calls (timing::cross). 0 on success, -1 when not
+// installed on the direct path.
 __attribute__((visibility("default"))) int cudapool_torch_ext_timing(int on) {
 	using namespace cudapool_torch;
 	if (!installed || !installed->fast())
 		return -1;
-	installed->set_timing(on != 0);
+	installed->set_timing(on != 0, on == 2);
 	return 0;
 }
 
 // cudapool_torch_ext_timing_take copies up to cap samples of one kind
 // (0 native allocate, 1 native deleter, 2 cudapool allocate, 3 cudapool
-// deleter, 4 cudapool's call into the library within its allocate), in
+// deleter, 4 cudapool's call into the library within its allocate, 5 the
+// crossing after native's allocate), in
 // ticks, into buf, and forgets that kind's samples; *calls gets the number
 // of timed calls (more than the samples when the buffer filled) and
 // *ns_per_tick the calibration since timing was turned on. Returns the
