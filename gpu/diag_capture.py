@@ -17,6 +17,10 @@ process (one-off costs) in a table of its own, the later ones in another.
 Each capture starts after the previous graph was deleted; DIAG_KEEP=1 keeps
 every graph instead (as bench/torch_bench.py's graph section does).
 DIAG_CONFIGS (a space-separated list) narrows the configurations.
+DIAG_TIMING=1 times cudapool's calls in each capture (cudapool._ext.timing):
+its allocate() calls during the captured forward (their number, sum, median,
+and the median of their call into the library alone) and its
+begin/endAllocateToPool hooks, in a third table.
 """
 import json
 import os
@@ -26,7 +30,7 @@ import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHILD = r'''
-import gc, json, os, sys, time
+import gc, json, os, statistics, sys, time
 cfg, n = sys.argv[1], int(sys.argv[2])
 sys.path.insert(0, os.path.join(REPO, "bench"))
 if cfg.startswith("cudapool"):
@@ -47,8 +51,13 @@ phases = {k: [] for k in ("prep", "begin", "forward", "end", "sync", "total")}
 first = {}
 keep = os.environ.get("DIAG_KEEP") == "1"
 graphs = []
+timed = os.environ.get("DIAG_TIMING") == "1" and cfg.startswith("cudapool")
+if timed:
+    from cudapool import _ext
 with torch.no_grad():
     warm_forward(torch, model, x)
+    if timed:
+        _ext.timing(True)
     for i in range(n):
         if not keep:
             graphs.clear()
@@ -72,6 +81,17 @@ with torch.no_grad():
                 phases[k].append(v * 1e3)
             else:
                 first["first_" + k] = [v * 1e3]
+        if timed:
+            c = _ext.timing_take()
+            a, lib = c[("cudapool", "alloc")][0], c[("cudapool", "alloc_lib")][0]
+            t = {"allocs": [len(a)], "alloc_sum": [sum(a) / 1e6],
+                 "alloc_med_us": [statistics.median(a) / 1e3 if a else 0],
+                 "lib_med_us": [statistics.median(lib) / 1e3 if lib else 0],
+                 "begin_us": [sum(c[("cudapool", "begin_pool")][0]) / 1e3],
+                 "end_us": [sum(c[("cudapool", "end_pool")][0]) / 1e3]}
+            for k, v in t.items():
+                if i > 0:
+                    phases.setdefault("t_" + k, []).extend(v)
         graphs.append((g, y))  # deleted before the next capture unless DIAG_KEEP=1
         del g, y
 phases.update(first)
@@ -110,6 +130,16 @@ def main():
             for k in keys:
                 v = res[c].get(pre + k) or []
                 cells.append(f"{statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f})" if v else "-")
+            print(f"{c:14}" + "".join(f"{x:>20}" for x in cells))
+    tkeys = ("allocs", "alloc_sum", "alloc_med_us", "lib_med_us", "begin_us", "end_us")
+    if any(res[c].get("t_allocs") for c in CONFIGS):
+        print(f"\ncudapool's calls per later capture (DIAG_TIMING): median (min-max); alloc_sum in ms")
+        print(f"{'config':14}" + "".join(f"{k:>20}" for k in tkeys))
+        for c in CONFIGS:
+            if not res[c].get("t_allocs"):
+                continue
+            cells = [f"{statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f})" for k in tkeys
+                     for v in [res[c]["t_" + k]]]
             print(f"{c:14}" + "".join(f"{x:>20}" for x in cells))
 
 

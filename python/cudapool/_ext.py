@@ -289,15 +289,16 @@ def passthrough(on):
 
 # cudapool_torch_ext_timing_take's kinds, in its order.
 TIMING_KINDS = (("native", "alloc"), ("native", "free"), ("cudapool", "alloc"), ("cudapool", "free"),
-                ("cudapool", "alloc_lib"), ("native", "cross"))
+                ("cudapool", "alloc_lib"), ("native", "cross"), ("cudapool", "begin_pool"),
+                ("cudapool", "end_pool"))
 
 
 def timing(on, cross=False):
     """Turns call timing on (a new measurement) or off: the class then times
     each allocate() and each deleter call of tensors made meanwhile, for
     PyTorch's allocator (while passthrough is on) and for cudapool, and, for
-    cudapool, its call into the library alone (bench/torch_bench.py,
-    --alt-timing). cross: after each of native's allocate() calls, also make
+    cudapool, its call into the library alone and its begin/endAllocateToPool
+    (bench/torch_bench.py --alt-timing, gpu/diag_capture.py). cross: after each of native's allocate() calls, also make
     a call into cudapool's Go code that does almost nothing (timed as
     ("native", "cross")), to see what a crossing costs what runs around it.
     Raises ExtensionUnavailable when the class is not installed on its

@@ -326,7 +326,7 @@ void deleter(void *p) { free_ptr(p); }
 // the counters are relaxed atomics written with plain loads and stores.
 namespace timing {
 
-enum Kind { kNativeAlloc, kNativeFree, kAlloc, kFree, kAllocLib, kNativeCross, kKinds };
+enum Kind { kNativeAlloc, kNativeFree, kAlloc, kFree, kAllocLib, kNativeCross, kBeginPool, kEndPool, kKinds };
 constexpr uint32_t kCap = 1u << 17; // samples kept per kind between takes
 
 inline uint64_t ticks() {
@@ -688,14 +688,20 @@ class Allocator final : public Base {
 	}
 
 	void beginAllocateToPool(DeviceIndex device, MempoolId_t id, std::function<bool(cudaStream_t)> filter) override {
+		uint64_t t0 = timing::ticks();
 		cudapool_clear_error();
 		cudapool_torch_begin_allocate_to_pool(device, id, std::move(filter));
+		if (C10_UNLIKELY(mode_.load(std::memory_order_relaxed) & kTime))
+			timing::record(timing::kBeginPool, timing::ticks() - t0);
 		check();
 	}
 
 	void endAllocateToPool(DeviceIndex device, MempoolId_t id) override {
+		uint64_t t0 = timing::ticks();
 		cudapool_clear_error();
 		cudapool_torch_end_allocate_to_pool(device, id);
+		if (C10_UNLIKELY(mode_.load(std::memory_order_relaxed) & kTime))
+			timing::record(timing::kEndPool, timing::ticks() - t0);
 		check();
 	}
 
@@ -1060,7 +1066,8 @@ __attribute__((visibility("default"))) int cudapool_torch_ext_timing(int on) {
 // cudapool_torch_ext_timing_take copies up to cap samples of one kind
 // (0 native allocate, 1 native deleter, 2 cudapool allocate, 3 cudapool
 // deleter, 4 cudapool's call into the library within its allocate, 5 the
-// crossing after native's allocate), in
+// crossing after native's allocate, 6 beginAllocateToPool, 7
+// endAllocateToPool), in
 // ticks, into buf, and forgets that kind's samples; *calls gets the number
 // of timed calls (more than the samples when the buffer filled) and
 // *ns_per_tick the calibration since timing was turned on. Returns the
