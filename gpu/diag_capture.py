@@ -19,8 +19,9 @@ every graph instead (as bench/torch_bench.py's graph section does).
 DIAG_CONFIGS (a space-separated list) narrows the configurations.
 DIAG_TIMING=1 times cudapool's calls in each capture (cudapool._ext.timing):
 its allocate() calls during the captured forward (their number, sum, median,
-and the median of their call into the library alone) and its
-begin/endAllocateToPool hooks, in a third table.
+and the median of their call into the library alone), its
+begin/endAllocateToPool hooks and PyTorch's stream filter (calls, median),
+in a third table.
 """
 import json
 import os
@@ -88,7 +89,10 @@ with torch.no_grad():
                  "alloc_med_us": [statistics.median(a) / 1e3 if a else 0],
                  "lib_med_us": [statistics.median(lib) / 1e3 if lib else 0],
                  "begin_us": [sum(c[("cudapool", "begin_pool")][0]) / 1e3],
-                 "end_us": [sum(c[("cudapool", "end_pool")][0]) / 1e3]}
+                 "end_us": [sum(c[("cudapool", "end_pool")][0]) / 1e3],
+                 "filters": [len(c[("cudapool", "filter")][0])],
+                 "filter_med_us": [statistics.median(c[("cudapool", "filter")][0]) / 1e3
+                                   if c[("cudapool", "filter")][0] else 0]}
             for k, v in t.items():
                 if i > 0:
                     phases.setdefault("t_" + k, []).extend(v)
@@ -131,7 +135,7 @@ def main():
                 v = res[c].get(pre + k) or []
                 cells.append(f"{statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f})" if v else "-")
             print(f"{c:14}" + "".join(f"{x:>20}" for x in cells))
-    tkeys = ("allocs", "alloc_sum", "alloc_med_us", "lib_med_us", "begin_us", "end_us")
+    tkeys = ("allocs", "alloc_sum", "alloc_med_us", "lib_med_us", "begin_us", "end_us", "filters", "filter_med_us")
     if any(res[c].get("t_allocs") for c in CONFIGS):
         print(f"\ncudapool's calls per later capture (DIAG_TIMING): median (min-max); alloc_sum in ms")
         print(f"{'config':14}" + "".join(f"{k:>20}" for k in tkeys))

@@ -290,7 +290,7 @@ def passthrough(on):
 # cudapool_torch_ext_timing_take's kinds, in its order.
 TIMING_KINDS = (("native", "alloc"), ("native", "free"), ("cudapool", "alloc"), ("cudapool", "free"),
                 ("cudapool", "alloc_lib"), ("native", "cross"), ("cudapool", "begin_pool"),
-                ("cudapool", "end_pool"))
+                ("cudapool", "end_pool"), ("cudapool", "filter"))
 
 
 def timing(on, cross=False):

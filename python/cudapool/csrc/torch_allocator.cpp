@@ -326,7 +326,7 @@ void deleter(void *p) { free_ptr(p); }
 // the counters are relaxed atomics written with plain loads and stores.
 namespace timing {
 
-enum Kind { kNativeAlloc, kNativeFree, kAlloc, kFree, kAllocLib, kNativeCross, kBeginPool, kEndPool, kKinds };
+enum Kind { kNativeAlloc, kNativeFree, kAlloc, kFree, kAllocLib, kNativeCross, kBeginPool, kEndPool, kFilter, kKinds };
 constexpr uint32_t kCap = 1u << 17; // samples kept per kind between takes
 
 inline uint64_t ticks() {
@@ -689,6 +689,13 @@ class Allocator final : public Base {
 
 	void beginAllocateToPool(DeviceIndex device, MempoolId_t id, std::function<bool(cudaStream_t)> filter) override {
 		uint64_t t0 = timing::ticks();
+		if (C10_UNLIKELY(mode_.load(std::memory_order_relaxed) & kTime) && filter)
+			filter = [f = std::move(filter)](cudaStream_t s) {
+				uint64_t t = timing::ticks();
+				bool r = f(s);
+				timing::record(timing::kFilter, timing::ticks() - t);
+				return r;
+			};
 		cudapool_clear_error();
 		cudapool_torch_begin_allocate_to_pool(device, id, std::move(filter));
 		if (C10_UNLIKELY(mode_.load(std::memory_order_relaxed) & kTime))
@@ -1067,7 +1074,8 @@ __attribute__((visibility("default"))) int cudapool_torch_ext_timing(int on) {
 // (0 native allocate, 1 native deleter, 2 cudapool allocate, 3 cudapool
 // deleter, 4 cudapool's call into the library within its allocate, 5 the
 // crossing after native's allocate, 6 beginAllocateToPool, 7
-// endAllocateToPool), in
+// endAllocateToPool, 8 PyTorch's stream filter of a capture begun while
+// timing), in
 // ticks, into buf, and forgets that kind's samples; *calls gets the number
 // of timed calls (more than the samples when the buffer filled) and
 // *ns_per_tick the calibration since timing was turned on. Returns the
