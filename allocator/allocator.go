@@ -738,7 +738,8 @@ func (d *device) withThreadRelaxed(fn func() error) error {
 }
 
 // PendingFree is a free the caller deferred (the C ABI queues PyTorch's
-// frees and hands them over with the next call; see capi).
+// frees and hands them over with the next call; see capi). capi's C struct
+// cp_pending_free has the same layout: change both together.
 type PendingFree struct {
 	Dev   int // -1: unknown, the device that holds Ptr (FreeAny)
 	Ptr   cuda.Ptr

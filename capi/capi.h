@@ -19,13 +19,15 @@ extern "C" {
 #pragma GCC visibility push(hidden)
 
 /* A free PyTorch made that waits in the queue (cudapool.c), or an
- * operation of the front cache's log (front.c) as Go replays it. */
+ * operation of the front cache's log (front.c) as Go replays it. Laid out
+ * as allocator.PendingFree (Go reads it in place; main.go checks the layout
+ * at compile time). */
 typedef struct {
+	intptr_t device; /* -1: unknown, found by the allocator */
 	uintptr_t ptr;
 	size_t size;
-	int device; /* -1: unknown, found by the allocator */
-	int op;     /* CP_OP_*: allocator.FrontOp */
-	unsigned long long ctx; /* the free's context (memory history), 0: none */
+	unsigned long long ctx;   /* the free's context (memory history), 0: none */
+	unsigned char op;         /* CP_OP_*: allocator.FrontOp */
 	unsigned long long count; /* CP_OP_CYCLES: how many */
 } cp_pending_free;
 

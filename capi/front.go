@@ -29,7 +29,7 @@ func (cFront) Take(dev int, buf []allocator.PendingFree) []allocator.PendingFree
 	if n == 0 {
 		return buf
 	}
-	return convertFrees(buf, unsafe.Slice(&C.cp_front_out[dev][0], n))
+	return append(buf, pendingFrees(&C.cp_front_out[dev][0], C.size_t(n))...)
 }
 
 func (cFront) SetEnabled(on bool) {
