@@ -69,26 +69,34 @@ func (d *device) countCaptures() {
 // malloc is the allocation algorithm (see the package comment). d.mu is held.
 func (d *device) malloc(size uint64, s cuda.Stream, capture uint64) (cuda.Ptr, error) {
 	// capture != 0: the stream captures, though Route has not yet counted it.
-	capturing := capture != 0 || d.capturing()
+	capturing := capture != 0
+	switch {
+	case capturing:
+	case d.graphs.Idle() && d.counted == 0:
+		// d.capturing() when the device knows of no capture and has
+		// counted none: no driver query, nothing to publish (written out:
+		// over the inliner's budget).
+		capturing = d.underway.Load() > 0
+	default:
+		capturing = d.capturing()
+	}
 	switch {
 	case capturing:
 		if d.reuse.on {
 			d.reclaimInCapture(s)
 		}
-	case !d.ev.Idle() && d.enterUnsafe():
-		d.dropCaptureReuse()
-		if err := d.ev.Process(d.ret); err != nil {
-			// Not the malloc's failure: the blocks concerned stay queued.
-			d.warn(driverError("malloc", err, "querying the events of pending frees on device %d (the blocks concerned wait for new events)", d.id).Error())
-		}
-		d.leaveUnsafe()
+	case !d.ev.Idle():
+		d.processEvents()
 	}
 	small, large := d.cache.Small, d.cache.Large
 	d.routed = true // until a default-pool block is allocated
-	if p := d.graphs.Route(s, capture, d.newPools); p != nil {
-		small, large = p.Small, p.Large
-		capturing = true
-		d.countCaptures() // Route may have met a new unannounced capture
+	// With no capture known and none on s, Route returns nil.
+	if capture != 0 || !d.graphs.Idle() {
+		if p := d.graphs.Route(s, capture, d.newPools); p != nil {
+			small, large = p.Small, p.Large
+			capturing = true
+			d.countCaptures() // Route may have met a new unannounced capture
+		}
 	}
 	r := d.cache.NewRequest(size, s, small, large)
 	b := d.cache.TakeFree(&r)
@@ -104,6 +112,22 @@ func (d *device) malloc(size uint64, s cuda.Stream, capture uint64) (cuda.Ptr, e
 	b.Context = d.hist.op
 	d.record(actionAlloc, b.Ptr, b.Requested, s, b.Pool.ID, b.Context)
 	return b.Ptr, nil
+}
+
+// processEvents returns the blocks whose pending frees' events have
+// completed, when no capture is under way. d.mu is held.
+//
+//go:noinline
+func (d *device) processEvents() {
+	if !d.enterUnsafe() {
+		return
+	}
+	d.dropCaptureReuse()
+	if err := d.ev.Process(d.ret); err != nil {
+		// Not the malloc's failure: the blocks concerned stay queued.
+		d.warn(driverError("malloc", err, "querying the events of pending frees on device %d (the blocks concerned wait for new events)", d.id).Error())
+	}
+	d.leaveUnsafe()
 }
 
 // grow finds memory for r when no cached block fits: a new segment, after
@@ -349,14 +373,11 @@ func (d *device) releasePrivate(op string, pp *privatepool.Pool) error {
 	return nil
 }
 
-// free returns a user's block, or queues it behind its other streams' uses.
-func (d *device) free(b *pools.Block) error {
-	d.cache.Release(b)
-	d.record(actionFreeRequested, b.Ptr, b.Requested, b.Stream, b.Pool.ID, d.hist.ctxOr(b.Context))
-	if b.Uses.Empty() {
-		d.returnBlock(b)
-		return nil
-	}
+// freeUsed queues the released block b behind its other streams' uses
+// (freeBlock's uncommon case).
+//
+//go:noinline
+func (d *device) freeUsed(b *pools.Block) error {
 	if !d.enterUnsafe() {
 		// No event may be recorded for later query during a capture.
 		d.ev.Defer(b)
@@ -393,7 +414,7 @@ func (d *device) useCapturing(b *pools.Block) bool {
 }
 
 // returnBlock puts a block whose uses are over back in its pool; its
-// context goes.
+// context goes. (freeBlock has these lines written out.)
 func (d *device) returnBlock(b *pools.Block) {
 	d.record(actionFreeCompleted, b.Ptr, b.Requested, b.Stream, b.Pool.ID, d.hist.ctxOr(b.Context))
 	b.Context = 0
