@@ -174,13 +174,14 @@ func (c *Cache) Allowed() (uint64, bool) { return c.allowed, c.fractionSet }
 
 // NewRequest rounds size and picks the pool among small and large.
 func (c *Cache) NewRequest(size uint64, s cuda.Stream, small, large *BlockPool) Request {
-	r := Request{Requested: size, Size: c.cfg.RoundSize(size), Stream: s}
-	r.SegSize = c.cfg.SegmentSize(r.Size)
-	r.Pool = large
-	if IsSmall(r.Size) {
-		r.Pool = small
+	// One composite literal at the return: built in the result registers,
+	// with no zeroed copy on the stack.
+	rounded := c.cfg.RoundSize(size)
+	pool := large
+	if IsSmall(rounded) {
+		pool = small
 	}
-	return r
+	return Request{Requested: size, Size: rounded, SegSize: c.cfg.SegmentSize(rounded), Stream: s, Pool: pool}
 }
 
 func (c *Cache) gcEnabled() bool { return c.fractionSet && c.cfg.GCThreshold > 0 }
