@@ -388,9 +388,7 @@ func (c *Cache) Release(b *Block) {
 	}
 	c.active.del(b.Ptr)
 	b.Allocated = false
-	small := b.Pool.Small
-	c.hot.decrease(small, hAllocation, 1)
-	c.hot.decrease(small, hAllocatedBytes, int64(b.Size))
+	c.hot.released(b.Pool.Small, int64(b.Size))
 	if b.Size >= c.cfg.MaxSplitSize {
 		c.Stats.OversizeAllocations.Decrease(1)
 	}
@@ -404,11 +402,13 @@ func (c *Cache) Return(b *Block) {
 	}
 	size, requested := b.Size, b.Requested
 	var splitBlocks, splitBytes int64
-	for _, n := range [2]*Block{b.Prev, b.Next} {
-		if sub := c.tryMerge(b, n); sub > 0 {
-			splitBlocks--
-			splitBytes -= int64(sub)
-		}
+	if sub := c.tryMerge(b, b.Prev); sub > 0 {
+		splitBlocks--
+		splitBytes -= int64(sub)
+	}
+	if sub := c.tryMerge(b, b.Next); sub > 0 {
+		splitBlocks--
+		splitBytes -= int64(sub)
 	}
 	if b.IsSplit() {
 		splitBlocks++
@@ -417,14 +417,7 @@ func (c *Cache) Return(b *Block) {
 	// b.Requested stays: as in PyTorch, a free block shows the requested
 	// size of its last allocation in snapshots (memory tools read it).
 	c.insertFree(b)
-	small := b.Pool.Small
-	if !b.Seg.Expandable {
-		c.hot.add(small, hInactiveSplit, splitBlocks)
-		c.hot.add(small, hInactiveSplitBytes, splitBytes)
-	}
-	c.hot.decrease(small, hActive, 1)
-	c.hot.decrease(small, hActiveBytes, int64(size))
-	c.hot.decrease(small, hRequestedBytes, int64(requested))
+	c.hot.returned(b.Pool.Small, int64(size), int64(requested), !b.Seg.Expandable, splitBlocks, splitBytes)
 }
 
 // tryMerge absorbs the neighbour n into b if n is free and mapped alike,
