@@ -290,12 +290,17 @@ func (c *Cache) Allocate(r *Request, b *Block) *Block {
 	if s := b.Seg; s.Expandable && b.End() > s.UsedEnd {
 		s.UsedEnd = b.End()
 	}
-	c.countAllocated(b)
+	// c.countAllocated(b), written out (over the inliner's budget).
+	c.active.put(b.Ptr, b)
+	c.hot.allocated(small, int64(b.Size), int64(b.Requested))
+	if b.Size >= c.cfg.MaxSplitSize {
+		c.Stats.OversizeAllocations.Increase(1)
+	}
 	return b
 }
 
 // countAllocated indexes the newly allocated block b and counts it in the
-// statistics.
+// statistics. (Allocate has these lines written out.)
 func (c *Cache) countAllocated(b *Block) {
 	small := b.Pool.Small
 	c.active.put(b.Ptr, b)
