@@ -216,16 +216,16 @@ func (h *hotStats) returned(small bool, size, requested int64, split bool, split
 }
 
 // change changes quantity q of the pool p (h.small or h.large) and of
-// "all" by a signed amount, raising the peaks if it is an increase.
+// "all" by a signed amount, raising the peaks if it is an increase. Small
+// enough to be inlined (Return's two calls per free).
 func (h *hotStats) change(p *hotPool, q int, n int64) {
 	q &= nHotSlots - 1
+	p.cur[q] += n
+	h.all.cur[q] += n
 	if n > 0 {
-		up(&p.cur[q], &p.peak[q], n)
 		p.inc[q] += n
-		up(&h.all.cur[q], &h.all.peak[q], n)
-	} else {
-		p.cur[q] += n
-		h.all.cur[q] += n
+		p.peak[q] = max(p.peak[q], p.cur[q])
+		h.all.peak[q] = max(h.all.peak[q], h.all.cur[q])
 	}
 }
 
