@@ -118,10 +118,12 @@ type device struct {
 	graphs   graphs.Router // guarded by mu
 	hist     deviceHistory // guarded by mu (history.go)
 	// front is the allocator's Front (nil: none), set before use;
-	// frontBuf receives its log, guarded by mu (front.go).
-	front    Front
-	frontBuf []PendingFree
-	fc       *frontCtl // the allocator's
+	// frontBuf receives its log, guarded by mu (front.go). frontFlag, if
+	// not nil, is where front's Pending(id) reads (a FrontFlags).
+	front     Front
+	frontFlag *int32
+	frontBuf  []PendingFree
+	fc        *frontCtl // the allocator's
 	// routed: the last malloc's block is not the default pool's (or it
 	// failed); guarded by mu.
 	routed bool
