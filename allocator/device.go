@@ -68,35 +68,14 @@ func (d *device) countCaptures() {
 
 // malloc is the allocation algorithm (see the package comment). d.mu is held.
 func (d *device) malloc(size uint64, s cuda.Stream, capture uint64) (cuda.Ptr, error) {
-	// capture != 0: the stream captures, though Route has not yet counted it.
-	capturing := capture != 0
-	switch {
-	case capturing:
-	case d.graphs.Idle() && d.counted == 0:
-		// d.capturing() when the device knows of no capture and has
-		// counted none: no driver query, nothing to publish (written out:
-		// over the inliner's budget).
-		capturing = d.underway.Load() > 0
-	default:
-		capturing = d.capturing()
-	}
-	switch {
-	case capturing:
-		if d.reuse.on {
-			d.reclaimInCapture(s)
-		}
-	case !d.ev.Idle():
-		d.processEvents()
-	}
 	small, large := d.cache.Small, d.cache.Large
-	d.routed = true // until a default-pool block is allocated
-	// With no capture known and none on s, Route returns nil.
-	if capture != 0 || !d.graphs.Idle() {
-		if p := d.graphs.Route(s, capture, d.newPools); p != nil {
-			small, large = p.Small, p.Large
-			capturing = true
-			d.countCaptures() // Route may have met a new unannounced capture
-		}
+	capturing := false
+	if capture != 0 || !d.graphs.Idle() || d.counted != 0 || d.underway.Load() > 0 || !d.ev.Idle() {
+		small, large, capturing = d.mallocSetup(s, capture)
+	} else {
+		// No capture known or counted anywhere and no event pending:
+		// mallocSetup would find nothing to do and the default pools.
+		d.routed = true // until a default-pool block is allocated
 	}
 	r := d.cache.NewRequest(size, s, small, large)
 	b := d.cache.TakeFree(&r)
@@ -112,6 +91,33 @@ func (d *device) malloc(size uint64, s cuda.Stream, capture uint64) (cuda.Ptr, e
 	b.Context = d.hist.op
 	d.record(actionAlloc, b.Ptr, b.Requested, s, b.Pool.ID, b.Context)
 	return b.Ptr, nil
+}
+
+// mallocSetup is malloc's first part when a capture may be under way or
+// events are pending: it reclaims capture-reused blocks or returns the
+// blocks whose events completed, and routes the request. It returns the
+// pools to allocate from and whether a capture may be under way.
+//
+//go:noinline
+func (d *device) mallocSetup(s cuda.Stream, capture uint64) (small, large *pools.BlockPool, capturing bool) {
+	// capture != 0: the stream captures, though Route has not yet counted it.
+	capturing = capture != 0 || d.capturing()
+	switch {
+	case capturing:
+		if d.reuse.on {
+			d.reclaimInCapture(s)
+		}
+	case !d.ev.Idle():
+		d.processEvents()
+	}
+	small, large = d.cache.Small, d.cache.Large
+	d.routed = true // until a default-pool block is allocated
+	if p := d.graphs.Route(s, capture, d.newPools); p != nil {
+		small, large = p.Small, p.Large
+		capturing = true
+		d.countCaptures() // Route may have met a new unannounced capture
+	}
+	return small, large, capturing
 }
 
 // processEvents returns the blocks whose pending frees' events have
