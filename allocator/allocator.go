@@ -433,12 +433,12 @@ func (d *device) freeBlock(b *pools.Block, size uint64) error {
 		return sizeMismatch(b, size)
 	}
 	d.cache.Release(b)
-	d.record(actionFreeRequested, b.Ptr, b.Requested, b.Stream, b.Pool.ID, d.hist.ctxOr(b.Context))
+	d.recordBlock(actionFreeRequested, b)
 	if !b.Uses.Empty() {
 		return d.freeUsed(b)
 	}
 	// d.returnBlock(b), written out (over the inliner's budget).
-	d.record(actionFreeCompleted, b.Ptr, b.Requested, b.Stream, b.Pool.ID, d.hist.ctxOr(b.Context))
+	d.recordBlock(actionFreeCompleted, b)
 	b.Context = 0
 	d.cache.Return(b)
 	return nil

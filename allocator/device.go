@@ -89,7 +89,9 @@ func (d *device) malloc(size uint64, s cuda.Stream, capture uint64) (cuda.Ptr, e
 	// A block borrowed from a private pool under OOM (grow) is routed too.
 	d.routed = !b.Pool.ID.IsDefault()
 	b.Context = d.hist.op
-	d.record(actionAlloc, b.Ptr, b.Requested, s, b.Pool.ID, b.Context)
+	if d.hist.on {
+		d.recordAllocOn(b, s)
+	}
 	return b.Ptr, nil
 }
 
@@ -419,10 +421,32 @@ func (d *device) useCapturing(b *pools.Block) bool {
 	return capturing
 }
 
+// recordBlock is record of action act on block b (its address, requested
+// size, stream and pool; the operation's context, else b's): inlined into
+// the malloc and free paths as one test, the arguments gathered out of line.
+func (d *device) recordBlock(act action, b *pools.Block) {
+	if d.hist.on {
+		d.recordBlockOn(act, b)
+	}
+}
+
+//go:noinline
+func (d *device) recordBlockOn(act action, b *pools.Block) {
+	d.recordOn(act, b.Ptr, b.Requested, b.Stream, b.Pool.ID, d.hist.ctxOr(b.Context))
+}
+
+// recordAllocOn is malloc's record of b, allocated for stream s, while the
+// history is on (out of line: the arguments are gathered only then).
+//
+//go:noinline
+func (d *device) recordAllocOn(b *pools.Block, s cuda.Stream) {
+	d.recordOn(actionAlloc, b.Ptr, b.Requested, s, b.Pool.ID, b.Context)
+}
+
 // returnBlock puts a block whose uses are over back in its pool; its
 // context goes. (freeBlock has these lines written out.)
 func (d *device) returnBlock(b *pools.Block) {
-	d.record(actionFreeCompleted, b.Ptr, b.Requested, b.Stream, b.Pool.ID, d.hist.ctxOr(b.Context))
+	d.recordBlock(actionFreeCompleted, b)
 	b.Context = 0
 	d.cache.Return(b)
 }
