@@ -118,10 +118,12 @@ type device struct {
 	graphs   graphs.Router // guarded by mu
 	hist     deviceHistory // guarded by mu (history.go)
 	// front is the allocator's Front (nil: none), set before use;
-	// frontBuf receives its log, guarded by mu (front.go).
-	front    Front
-	frontBuf []PendingFree
-	fc       *frontCtl // the allocator's
+	// frontBuf receives its log, guarded by mu (front.go). frontFlag, if
+	// not nil, is where front's Pending(id) reads (a FrontFlags).
+	front     Front
+	frontFlag *int32
+	frontBuf  []PendingFree
+	fc        *frontCtl // the allocator's
 	// routed: the last malloc's block is not the default pool's (or it
 	// failed); guarded by mu.
 	routed bool
@@ -410,18 +412,41 @@ func (a *Allocator) explainFree(err error) error {
 func (d *device) freeLocked(p cuda.Ptr, size uint64) error {
 	b := d.cache.Lookup(p)
 	if b == nil {
-		return &Error{Op: "free", Kind: ErrUnknownPointer, Msg: "pointer not allocated on this device", Err: unknownAt{d.id, p}}
+		return d.notAllocated(p)
 	}
 	return d.freeBlock(b, size)
 }
 
+// notAllocated is freeLocked's error for a pointer d has not allocated.
+//
+//go:noinline
+func (d *device) notAllocated(p cuda.Ptr) error {
+	return &Error{Op: "free", Kind: ErrUnknownPointer, Msg: "pointer not allocated on this device", Err: unknownAt{d.id, p}}
+}
+
 // freeBlock frees the allocated block b, whose requested size must be size
-// unless size is 0. d.mu is held.
+// unless size is 0: it returns the block, or queues it behind its other
+// streams' uses. d.mu is held. The common case (no other stream used the
+// block) is straight-line code; the rest is out of line.
 func (d *device) freeBlock(b *pools.Block, size uint64) error {
 	if size != 0 && size != b.Requested {
-		return newError("free", ErrInvalidArgument, "pointer %#x was allocated with %d bytes, freed with %d; not freed", uintptr(b.Ptr), b.Requested, size)
+		return sizeMismatch(b, size)
 	}
-	return d.free(b)
+	d.cache.Release(b)
+	d.recordBlock(actionFreeRequested, b)
+	if !b.Uses.Empty() {
+		return d.freeUsed(b)
+	}
+	// d.returnBlock(b), written out (over the inliner's budget).
+	d.recordBlock(actionFreeCompleted, b)
+	b.Context = 0
+	d.cache.Return(b)
+	return nil
+}
+
+//go:noinline
+func sizeMismatch(b *pools.Block, size uint64) error {
+	return newError("free", ErrInvalidArgument, "pointer %#x was allocated with %d bytes, freed with %d; not freed", uintptr(b.Ptr), b.Requested, size)
 }
 
 // unknownAt carries the device and pointer of a free that found no block.
@@ -738,7 +763,8 @@ func (d *device) withThreadRelaxed(fn func() error) error {
 }
 
 // PendingFree is a free the caller deferred (the C ABI queues PyTorch's
-// frees and hands them over with the next call; see capi).
+// frees and hands them over with the next call; see capi). capi's C struct
+// cp_pending_free has the same layout: change both together.
 type PendingFree struct {
 	Dev   int // -1: unknown, the device that holds Ptr (FreeAny)
 	Ptr   cuda.Ptr
@@ -761,40 +787,42 @@ func (a *Allocator) MallocAfterFrees(dev int, size uint64, s cuda.Stream, ctx ui
 // MallocTracked is MallocAfterFrees that also reports whether the block may
 // be tracked by the allocator's Front (front.go): a default-pool block
 // allocated while the front may serve.
+//
+// It is the PyTorch class's path (a queued free or two, then a malloc), so
+// its common case is kept short: the rare cases (a request MallocCtx
+// refuses or sends to the driver, captures nobody announces, frees of other
+// devices, errors) leave it through functions of their own.
 func (a *Allocator) MallocTracked(dev int, size uint64, s cuda.Stream, ctx uint64, frees []PendingFree) (p cuda.Ptr, track bool, err, freeErr error) {
-	d, err := a.device("malloc", dev)
-	if err != nil || size == 0 || size >= pools.MaxRequest || a.cachingOff.Load() || a.uncN.Load() != 0 {
-		freeErr = a.FreeMany(frees)
-		p, err = a.MallocCtx(dev, size, s, ctx)
-		return p, false, err, freeErr
+	// size-1 >= MaxRequest-1: size is 0 or at least MaxRequest.
+	if uint(dev) >= uint(len(a.devs)) || size-1 >= pools.MaxRequest-1 || a.cachingOff.Load() || a.uncN.Load() != 0 {
+		return a.mallocTrackedElse(dev, size, s, ctx, frees)
 	}
-	capture, err := a.unannouncedCapture(dev, s)
-	if err != nil {
-		return 0, false, err, a.FreeMany(frees)
+	var capture uint64
+	if !a.announced.Load() {
+		if capture, err = a.unannouncedCapture(dev, s); err != nil {
+			return 0, false, err, a.FreeMany(frees)
+		}
 	}
+	d := a.devs[dev]
 	// done marks the frees of unknown device done under the lock (only the
 	// first 128 are tried on dev first: the C queue holds 65).
 	var done [2]uint64
-	isDone := func(i int) bool { return i < 128 && done[i/64]&(1<<(i%64)) != 0 }
 	others := 0
 	d.lock()
 	for i := range frees {
 		f := &frees[i]
-		var b *pools.Block
-		if f.Dev == -1 && i < 128 {
-			b = d.cache.Lookup(f.Ptr)
-		}
-		if f.Dev != dev && b == nil {
-			others++
+		if f.Dev != dev {
+			if d.freeUnknownDevice(f, i, &done, &freeErr) {
+				others++
+			}
 			continue
 		}
 		d.hist.begin(f.Ctx, HistoryAll)
 		var e error
-		if b != nil {
+		if b := d.cache.Lookup(f.Ptr); b != nil {
 			e = d.freeBlock(b, f.Size)
-			done[i/64] |= 1 << (i % 64)
 		} else {
-			e = d.freeLocked(f.Ptr, f.Size)
+			e = d.notAllocated(f.Ptr)
 		}
 		if e != nil && freeErr == nil {
 			freeErr = e
@@ -808,19 +836,64 @@ func (a *Allocator) MallocTracked(dev int, size uint64, s cuda.Stream, ctx uint6
 		d.mustCheck()
 	}
 	d.mu.Unlock()
-	if others > 0 {
-		for i := range frees {
-			if f := &frees[i]; f.Dev != dev && !isDone(i) {
-				if e := a.freePending(f); e != nil && freeErr == nil {
-					freeErr = e
-				}
+	if others > 0 || freeErr != nil {
+		freeErr = a.freeOthers(dev, frees, &done, freeErr)
+	}
+	return p, track, err, freeErr
+}
+
+// mallocTrackedElse is MallocTracked for a device that does not exist, a
+// size of 0 or 1 EiB or more, or while blocks go to the driver (uncached):
+// the frees, then MallocCtx.
+//
+//go:noinline
+func (a *Allocator) mallocTrackedElse(dev int, size uint64, s cuda.Stream, ctx uint64, frees []PendingFree) (p cuda.Ptr, track bool, err, freeErr error) {
+	freeErr = a.FreeMany(frees)
+	p, err = a.MallocCtx(dev, size, s, ctx)
+	return p, false, err, freeErr
+}
+
+// freeUnknownDevice performs, under MallocTracked's lock of d, the free f
+// (the i-th) of another device than d's or of unknown device (Dev -1): one
+// of the latter that d holds is done here and marked in done, its error
+// kept in *freeErr if that is the first. It reports whether f is left for
+// freeOthers.
+//
+//go:noinline
+func (d *device) freeUnknownDevice(f *PendingFree, i int, done *[2]uint64, freeErr *error) bool {
+	var b *pools.Block
+	if f.Dev == -1 && i < 128 {
+		b = d.cache.Lookup(f.Ptr)
+	}
+	if b == nil {
+		return true
+	}
+	d.hist.begin(f.Ctx, HistoryAll)
+	if e := d.freeBlock(b, f.Size); e != nil && *freeErr == nil {
+		*freeErr = e
+	}
+	done[i/64] |= 1 << (i % 64)
+	return false
+}
+
+// freeOthers ends MallocTracked after the lock hold: it performs the frees
+// of other devices (those not marked in done), and returns the first error
+// of all the frees (first, if not nil, is that of the lock hold's), made to
+// say what a pointer that was not found is.
+//
+//go:noinline
+func (a *Allocator) freeOthers(dev int, frees []PendingFree, done *[2]uint64, first error) error {
+	for i := range frees {
+		if f := &frees[i]; f.Dev != dev && (i >= 128 || done[i/64]&(1<<(i%64)) == 0) {
+			if e := a.freePending(f); e != nil && first == nil {
+				first = e
 			}
 		}
 	}
-	if freeErr != nil {
-		freeErr = a.explainFree(freeErr)
+	if first != nil {
+		first = a.explainFree(first)
 	}
-	return p, track, err, freeErr
+	return first
 }
 
 // FreeMany performs deferred frees and returns the first error.

@@ -68,27 +68,14 @@ func (d *device) countCaptures() {
 
 // malloc is the allocation algorithm (see the package comment). d.mu is held.
 func (d *device) malloc(size uint64, s cuda.Stream, capture uint64) (cuda.Ptr, error) {
-	// capture != 0: the stream captures, though Route has not yet counted it.
-	capturing := capture != 0 || d.capturing()
-	switch {
-	case capturing:
-		if d.reuse.on {
-			d.reclaimInCapture(s)
-		}
-	case !d.ev.Idle() && d.enterUnsafe():
-		d.dropCaptureReuse()
-		if err := d.ev.Process(d.ret); err != nil {
-			// Not the malloc's failure: the blocks concerned stay queued.
-			d.warn(driverError("malloc", err, "querying the events of pending frees on device %d (the blocks concerned wait for new events)", d.id).Error())
-		}
-		d.leaveUnsafe()
-	}
 	small, large := d.cache.Small, d.cache.Large
-	d.routed = true // until a default-pool block is allocated
-	if p := d.graphs.Route(s, capture, d.newPools); p != nil {
-		small, large = p.Small, p.Large
-		capturing = true
-		d.countCaptures() // Route may have met a new unannounced capture
+	capturing := false
+	if capture != 0 || !d.graphs.Idle() || d.counted != 0 || d.underway.Load() > 0 || !d.ev.Idle() {
+		small, large, capturing = d.mallocSetup(s, capture)
+	} else {
+		// No capture known or counted anywhere and no event pending:
+		// mallocSetup would find nothing to do and the default pools.
+		d.routed = true // until a default-pool block is allocated
 	}
 	r := d.cache.NewRequest(size, s, small, large)
 	b := d.cache.TakeFree(&r)
@@ -102,8 +89,53 @@ func (d *device) malloc(size uint64, s cuda.Stream, capture uint64) (cuda.Ptr, e
 	// A block borrowed from a private pool under OOM (grow) is routed too.
 	d.routed = !b.Pool.ID.IsDefault()
 	b.Context = d.hist.op
-	d.record(actionAlloc, b.Ptr, b.Requested, s, b.Pool.ID, b.Context)
+	if d.hist.on {
+		d.recordAllocOn(b, s)
+	}
 	return b.Ptr, nil
+}
+
+// mallocSetup is malloc's first part when a capture may be under way or
+// events are pending: it reclaims capture-reused blocks or returns the
+// blocks whose events completed, and routes the request. It returns the
+// pools to allocate from and whether a capture may be under way.
+//
+//go:noinline
+func (d *device) mallocSetup(s cuda.Stream, capture uint64) (small, large *pools.BlockPool, capturing bool) {
+	// capture != 0: the stream captures, though Route has not yet counted it.
+	capturing = capture != 0 || d.capturing()
+	switch {
+	case capturing:
+		if d.reuse.on {
+			d.reclaimInCapture(s)
+		}
+	case !d.ev.Idle():
+		d.processEvents()
+	}
+	small, large = d.cache.Small, d.cache.Large
+	d.routed = true // until a default-pool block is allocated
+	if p := d.graphs.Route(s, capture, d.newPools); p != nil {
+		small, large = p.Small, p.Large
+		capturing = true
+		d.countCaptures() // Route may have met a new unannounced capture
+	}
+	return small, large, capturing
+}
+
+// processEvents returns the blocks whose pending frees' events have
+// completed, when no capture is under way. d.mu is held.
+//
+//go:noinline
+func (d *device) processEvents() {
+	if !d.enterUnsafe() {
+		return
+	}
+	d.dropCaptureReuse()
+	if err := d.ev.Process(d.ret); err != nil {
+		// Not the malloc's failure: the blocks concerned stay queued.
+		d.warn(driverError("malloc", err, "querying the events of pending frees on device %d (the blocks concerned wait for new events)", d.id).Error())
+	}
+	d.leaveUnsafe()
 }
 
 // grow finds memory for r when no cached block fits: a new segment, after
@@ -349,14 +381,11 @@ func (d *device) releasePrivate(op string, pp *privatepool.Pool) error {
 	return nil
 }
 
-// free returns a user's block, or queues it behind its other streams' uses.
-func (d *device) free(b *pools.Block) error {
-	d.cache.Release(b)
-	d.record(actionFreeRequested, b.Ptr, b.Requested, b.Stream, b.Pool.ID, d.hist.ctxOr(b.Context))
-	if b.Uses.Empty() {
-		d.returnBlock(b)
-		return nil
-	}
+// freeUsed queues the released block b behind its other streams' uses
+// (freeBlock's uncommon case).
+//
+//go:noinline
+func (d *device) freeUsed(b *pools.Block) error {
 	if !d.enterUnsafe() {
 		// No event may be recorded for later query during a capture.
 		d.ev.Defer(b)
@@ -392,10 +421,32 @@ func (d *device) useCapturing(b *pools.Block) bool {
 	return capturing
 }
 
+// recordBlock is record of action act on block b (its address, requested
+// size, stream and pool; the operation's context, else b's): inlined into
+// the malloc and free paths as one test, the arguments gathered out of line.
+func (d *device) recordBlock(act action, b *pools.Block) {
+	if d.hist.on {
+		d.recordBlockOn(act, b)
+	}
+}
+
+//go:noinline
+func (d *device) recordBlockOn(act action, b *pools.Block) {
+	d.recordOn(act, b.Ptr, b.Requested, b.Stream, b.Pool.ID, d.hist.ctxOr(b.Context))
+}
+
+// recordAllocOn is malloc's record of b, allocated for stream s, while the
+// history is on (out of line: the arguments are gathered only then).
+//
+//go:noinline
+func (d *device) recordAllocOn(b *pools.Block, s cuda.Stream) {
+	d.recordOn(actionAlloc, b.Ptr, b.Requested, s, b.Pool.ID, b.Context)
+}
+
 // returnBlock puts a block whose uses are over back in its pool; its
-// context goes.
+// context goes. (freeBlock has these lines written out.)
 func (d *device) returnBlock(b *pools.Block) {
-	d.record(actionFreeCompleted, b.Ptr, b.Requested, b.Stream, b.Pool.ID, d.hist.ctxOr(b.Context))
+	d.recordBlock(actionFreeCompleted, b)
 	b.Context = 0
 	d.cache.Return(b)
 }

@@ -76,6 +76,16 @@ type Front interface {
 	Capacity() int
 }
 
+// FrontFlags is a Front whose Pending(dev) reads a word that is non-zero
+// while device dev's log holds operations: the device lock reads the word
+// itself, without a call (a Front need not be one).
+type FrontFlags interface {
+	Front
+	// PendingFlag returns the word Pending(dev) reads atomically, or nil
+	// if Pending(dev) is not such a read.
+	PendingFlag(dev int) *int32
+}
+
 // FrontOp says what a PendingFree replays.
 type FrontOp uint8
 
@@ -105,8 +115,12 @@ type frontCtl struct {
 // operation replays f's log first, and f is told when it may serve.
 func (a *Allocator) SetFront(f Front) {
 	a.front.f, a.front.a = f, a
+	ff, _ := f.(FrontFlags)
 	for _, d := range a.devs {
 		d.front = f
+		if ff != nil {
+			d.frontFlag = ff.PendingFlag(d.id)
+		}
 		d.frontBuf = make([]PendingFree, 0, f.Capacity())
 	}
 	a.front.sync()
@@ -136,7 +150,11 @@ func (fc *frontCtl) sync() {
 // lock takes the device lock and replays the front's log.
 func (d *device) lock() {
 	d.mu.Lock()
-	if d.front != nil && d.front.Pending(d.id) {
+	if f := d.frontFlag; f != nil {
+		if atomic.LoadInt32(f) != 0 {
+			d.replayFront()
+		}
+	} else if d.front != nil && d.front.Pending(d.id) {
 		d.replayFront()
 	}
 }

@@ -1,6 +1,7 @@
 package allocator_test
 
 import (
+	"sync/atomic"
 	"testing"
 
 	"github.com/cudapool/cudapool/allocator"
@@ -18,6 +19,40 @@ func (f *fakeFront) Take(dev int, buf []allocator.PendingFree) []allocator.Pendi
 }
 func (f *fakeFront) SetEnabled(on bool) {}
 func (f *fakeFront) Capacity() int      { return 64 }
+
+// flagFront is fakeFront with the word its Pending reads, offered as an
+// allocator.FrontFlags (as capi's C front does).
+type flagFront struct {
+	fakeFront
+	n int32 // non-zero while the log holds operations
+}
+
+func (f *flagFront) Pending(dev int) bool       { return atomic.LoadInt32(&f.n) != 0 }
+func (f *flagFront) PendingFlag(dev int) *int32 { return &f.n }
+func (f *flagFront) Take(dev int, buf []allocator.PendingFree) []allocator.PendingFree {
+	buf = f.fakeFront.Take(dev, buf)
+	atomic.StoreInt32(&f.n, 0)
+	return buf
+}
+
+// With a FrontFlags the device lock reads its word: a log is replayed once
+// the word says it holds operations.
+func TestFrontFlagsReplay(t *testing.T) {
+	a, _ := newAlloc(t, 1, 8*GiB, "")
+	f := &flagFront{}
+	a.SetFront(f)
+	a.ExpectAnnouncements()
+	p, track, err, _ := a.MallocTracked(0, 4096, 0, 0, nil)
+	require.NoError(t, err)
+	require.True(t, track)
+	f.log = append(f.log, allocator.PendingFree{Ptr: p, Op: allocator.OpFree})
+	st, _ := a.Stats(0)
+	require.EqualValues(t, 1, st.Allocation[0].Current, "the word is 0: nothing to replay")
+	atomic.StoreInt32(&f.n, 1)
+	st, _ = a.Stats(0)
+	require.EqualValues(t, 0, st.Allocation[0].Current, "the word is set: the free is replayed")
+	require.Empty(t, f.log)
+}
 
 // Replaying a log in the hot path allocates nothing.
 func TestFrontReplayAllocatesNothing(t *testing.T) {

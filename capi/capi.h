@@ -19,13 +19,15 @@ extern "C" {
 #pragma GCC visibility push(hidden)
 
 /* A free PyTorch made that waits in the queue (cudapool.c), or an
- * operation of the front cache's log (front.c) as Go replays it. */
+ * operation of the front cache's log (front.c) as Go replays it. Laid out
+ * as allocator.PendingFree (Go reads it in place; main.go checks the layout
+ * at compile time). */
 typedef struct {
+	intptr_t device; /* -1: unknown, found by the allocator */
 	uintptr_t ptr;
 	size_t size;
-	int device; /* -1: unknown, found by the allocator */
-	int op;     /* CP_OP_*: allocator.FrontOp */
-	unsigned long long ctx; /* the free's context (memory history), 0: none */
+	unsigned long long ctx;   /* the free's context (memory history), 0: none */
+	unsigned char op;         /* CP_OP_*: allocator.FrontOp */
 	unsigned long long count; /* CP_OP_CYCLES: how many */
 } cp_pending_free;
 
@@ -68,8 +70,15 @@ void cp_front_set_on(int on);
  * was descheduled keeps it. */
 #ifndef __cplusplus
 #include <stdatomic.h>
-void cp_spin_lock(atomic_int *w);
-void cp_spin_unlock(atomic_int *w);
+/* The waiting, when the lock is held (front.c). */
+void cp_spin_lock_wait(atomic_int *w);
+/* Inline: taking a free lock is one exchange, releasing it one store (each
+ * malloc and free of the class path takes two or three). */
+static inline void cp_spin_lock(atomic_int *w) {
+	if (__builtin_expect(atomic_exchange_explicit(w, 1, memory_order_acquire), 0))
+		cp_spin_lock_wait(w);
+}
+static inline void cp_spin_unlock(atomic_int *w) { atomic_store_explicit(w, 0, memory_order_release); }
 #endif
 
 /* The queue's capacity: the most frees one call hands to Go. */

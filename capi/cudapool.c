@@ -122,8 +122,15 @@ size_t cp_take_frees(cp_pending_free *out, size_t cap) {
 	size_t n = (size_t)cp_freeq_n;
 	if (n > cap)
 		n = cap;
-	memcpy(out, cp_freeq, n * sizeof *out);
-	memmove(cp_freeq, cp_freeq + n, ((size_t)cp_freeq_n - n) * sizeof *out);
+	/* Usually one free (the class path's previous tensor): copied here,
+	 * without calls to libc (through the PLT); the rest moves up only if
+	 * the caller took less than the whole queue. */
+	if (n == 1)
+		out[0] = cp_freeq[0];
+	else
+		memcpy(out, cp_freeq, n * sizeof *out);
+	if ((size_t)cp_freeq_n > n)
+		memmove(cp_freeq, cp_freeq + n, ((size_t)cp_freeq_n - n) * sizeof *out);
 	cp_freeq_n -= (int)n;
 	freeq_unlock();
 	return n;

@@ -15,7 +15,6 @@ import (
 	"strconv"
 	"sync"
 	"sync/atomic"
-	"unsafe"
 
 	"github.com/cudapool/cudapool/allocator"
 	"github.com/cudapool/cudapool/cuda"
@@ -25,45 +24,47 @@ import (
 
 //export cpgo_malloc
 func cpgo_malloc(size C.size_t, dev C.int, stream C.uintptr_t, track *C.int) C.uintptr_t {
-	defer guard("malloc")
+	defer guardMalloc()
 	st := load()
 	if st.err != nil {
 		setError(st.err.Error())
 		return 0
 	}
+	var frees []allocator.PendingFree
 	if C.cp_freeq_n != 0 {
 		var buf [C.CP_FREEQ_CAP]allocator.PendingFree
-		return mallocAfter(st.a, size, dev, stream, 0, takeFrees(&buf), track)
+		frees = takeFrees(&buf)
 	}
-	return mallocAfter(st.a, size, dev, stream, 0, nil, track)
+	p, tr, err, ferr := st.a.MallocTracked(int(dev), uint64(size), cuda.Stream(stream), 0, frees)
+	if err != nil || ferr != nil || track == nil {
+		return mallocEnd(p, tr, err, ferr, track)
+	}
+	if tr {
+		*track = 1
+	}
+	return C.uintptr_t(p)
 }
 
-// smallBatch is the most queued frees converted in a small stack buffer: a
-// malloc of the C++ class usually brings one (the previous tensor's), and
-// zeroing a buffer for the whole queue (2 KiB) cost more than the rest of
-// the conversion.
-const smallBatch = 4
+// The malloc exports call MallocTracked themselves (a call layer less) and
+// end as follows: *track is set when the front cache may track the block
+// (allocator/front.go); failures, and the NULL track of this package's
+// tests, are handled out of line by mallocEnd:
+//
+//	if err != nil || ferr != nil || track == nil {
+//		return mallocEnd(p, tr, err, ferr, track)
+//	}
+//	if tr {
+//		*track = 1
+//	}
+//	return C.uintptr_t(p)
+//
+// (A helper holding those lines is not inlined: over the inliner's budget.)
 
-// mallocAfterQueued converts the frees queued in C, then is mallocAfter.
-func mallocAfterQueued(a *allocator.Allocator, size C.size_t, dev C.int, stream C.uintptr_t, ctx C.ulonglong, src []C.cp_pending_free, track *C.int) C.uintptr_t {
-	if len(src) <= smallBatch {
-		var buf [smallBatch]allocator.PendingFree
-		return mallocAfter(a, size, dev, stream, ctx, convertFrees(buf[:0], src), track)
-	}
-	return mallocAfterMany(a, size, dev, stream, ctx, src, track)
-}
-
+// mallocEnd ends a malloc whose queued frees (ferr) or own allocation (err)
+// failed, or whose track is NULL.
+//
 //go:noinline
-func mallocAfterMany(a *allocator.Allocator, size C.size_t, dev C.int, stream C.uintptr_t, ctx C.ulonglong, src []C.cp_pending_free, track *C.int) C.uintptr_t {
-	var buf [C.CP_FREEQ_CAP]allocator.PendingFree
-	return mallocAfter(a, size, dev, stream, ctx, convertFrees(buf[:0], src), track)
-}
-
-// mallocAfter performs the queued frees and the malloc (whose context id is
-// ctx) in one lock hold, and sets *track when the front cache may track the
-// block (allocator/front.go).
-func mallocAfter(a *allocator.Allocator, size C.size_t, dev C.int, stream C.uintptr_t, ctx C.ulonglong, frees []allocator.PendingFree, track *C.int) C.uintptr_t {
-	p, tr, err, ferr := a.MallocTracked(int(dev), uint64(size), cuda.Stream(stream), uint64(ctx), frees)
+func mallocEnd(p cuda.Ptr, tr bool, err, ferr error, track *C.int) C.uintptr_t {
 	reportFreeError(ferr)
 	if err != nil {
 		failMalloc(err)
@@ -82,8 +83,7 @@ func cpgo_free_batch(frees *C.cp_pending_free, n C.size_t) {
 	if st.err != nil {
 		return
 	}
-	var buf [C.CP_FREEQ_CAP + 1]allocator.PendingFree
-	reportFreeError(st.a.FreeMany(convertFrees(buf[:0], unsafe.Slice(frees, int(n)))))
+	reportFreeError(st.a.FreeMany(pendingFrees(frees, n)))
 }
 
 // torchAnnounced is set once cudapool_torch_malloc has told the allocator
@@ -92,7 +92,7 @@ var torchAnnounced atomic.Bool
 
 //export cpgo_torch_malloc
 func cpgo_torch_malloc(size C.size_t, dev C.int, stream C.uintptr_t, frees *C.cp_pending_free, nfrees C.size_t, track *C.int) C.uintptr_t {
-	defer guard("malloc")
+	defer guardMalloc()
 	st := load()
 	if st.err != nil {
 		setError(st.err.Error())
@@ -103,7 +103,14 @@ func cpgo_torch_malloc(size C.size_t, dev C.int, stream C.uintptr_t, frees *C.cp
 		a.ExpectAnnouncements()
 		torchAnnounced.Store(true)
 	}
-	return mallocAfterQueued(a, size, dev, stream, 0, unsafe.Slice(frees, int(nfrees)), track)
+	p, tr, err, ferr := a.MallocTracked(int(dev), uint64(size), cuda.Stream(stream), 0, pendingFrees(frees, nfrees))
+	if err != nil || ferr != nil || track == nil {
+		return mallocEnd(p, tr, err, ferr, track)
+	}
+	if tr {
+		*track = 1
+	}
+	return C.uintptr_t(p)
 }
 
 //export cpgo_free

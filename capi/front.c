@@ -112,10 +112,8 @@ static inline void cpu_relax(void) {
 #endif
 }
 
-void cp_spin_lock(atomic_int *w) {
-	for (;;) {
-		if (!atomic_exchange_explicit(w, 1, memory_order_acquire))
-			return;
+void cp_spin_lock_wait(atomic_int *w) {
+	do {
 		for (int spins = 0; atomic_load_explicit(w, memory_order_relaxed);) {
 			if (++spins < 128) {
 				cpu_relax();
@@ -124,10 +122,8 @@ void cp_spin_lock(atomic_int *w) {
 				spins = 0;
 			}
 		}
-	}
+	} while (atomic_exchange_explicit(w, 1, memory_order_acquire));
 }
-
-void cp_spin_unlock(atomic_int *w) { atomic_store_explicit(w, 0, memory_order_release); }
 
 static void lock(void) { cp_spin_lock(&lock_word); }
 static void unlock(void) { cp_spin_unlock(&lock_word); }

@@ -20,8 +20,18 @@ import (
 
 type cFront struct{}
 
-func (cFront) Pending(dev int) bool {
-	return uint(dev) < C.CP_FRONT_MAXDEV && atomic.LoadInt32((*int32)(unsafe.Pointer(&C.cp_front_n[dev]))) != 0
+func (f cFront) Pending(dev int) bool {
+	p := f.PendingFlag(dev)
+	return p != nil && atomic.LoadInt32(p) != 0
+}
+
+// PendingFlag makes cFront an allocator.FrontFlags: the device lock reads
+// the log's length itself.
+func (cFront) PendingFlag(dev int) *int32 {
+	if uint(dev) >= C.CP_FRONT_MAXDEV {
+		return nil
+	}
+	return (*int32)(unsafe.Pointer(&C.cp_front_n[dev]))
 }
 
 func (cFront) Take(dev int, buf []allocator.PendingFree) []allocator.PendingFree {
@@ -29,7 +39,7 @@ func (cFront) Take(dev int, buf []allocator.PendingFree) []allocator.PendingFree
 	if n == 0 {
 		return buf
 	}
-	return convertFrees(buf, unsafe.Slice(&C.cp_front_out[dev][0], n))
+	return append(buf, pendingFrees(&C.cp_front_out[dev][0], C.size_t(n))...)
 }
 
 func (cFront) SetEnabled(on bool) {

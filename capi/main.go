@@ -63,9 +63,9 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"unsafe"
 
 	"github.com/cudapool/cudapool/allocator"
-	"github.com/cudapool/cudapool/cuda"
 	"github.com/cudapool/cudapool/cuda/driver"
 	"github.com/cudapool/cudapool/cuda/sim"
 )
@@ -86,11 +86,17 @@ var (
 	initOnce sync.Once
 )
 
-// load returns the state, initializing it on the first call.
+// load returns the state, initializing it on the first call. Inlined into
+// the exports: the first call's work is out of line.
 func load() *state {
 	if st := current.Load(); st != nil {
 		return st
 	}
+	return loadFirst()
+}
+
+//go:noinline
+func loadFirst() *state {
 	initOnce.Do(func() {
 		var st *state
 		func() {
@@ -126,20 +132,50 @@ func ready() *allocator.Allocator {
 	return st.a
 }
 
-// takeFrees moves the queued frees into buf and returns them.
-func takeFrees(buf *[C.CP_FREEQ_CAP]allocator.PendingFree) []allocator.PendingFree {
-	var raw [C.CP_FREEQ_CAP]C.cp_pending_free
-	n := int(C.cp_take_frees(&raw[0], C.CP_FREEQ_CAP))
-	return convertFrees(buf[:0], raw[:n])
+// failState records the state's error (initialization failed, or the
+// library is disabled) and returns 0: the mallocs' way out, kept out of
+// their code.
+//
+//go:noinline
+func failState(st *state) C.uintptr_t {
+	setError(st.err.Error())
+	return 0
 }
 
-func convertFrees(dst []allocator.PendingFree, src []C.cp_pending_free) []allocator.PendingFree {
-	for _, f := range src {
-		dst = append(dst, allocator.PendingFree{Dev: int(f.device), Ptr: cuda.Ptr(f.ptr), Size: uint64(f.size), Ctx: uint64(f.ctx),
-			Op: allocator.FrontOp(f.op), Count: uint64(f.count)})
-	}
-	return dst
+// takeFrees moves the queued frees into buf and returns them.
+func takeFrees(buf *[C.CP_FREEQ_CAP]allocator.PendingFree) []allocator.PendingFree {
+	n := int(C.cp_take_frees((*C.cp_pending_free)(unsafe.Pointer(&buf[0])), C.CP_FREEQ_CAP))
+	return buf[:n]
 }
+
+// pendingFrees returns the n frees at p as they are: cp_pending_free is laid
+// out as allocator.PendingFree (checked below), so nothing is copied.
+func pendingFrees(p *C.cp_pending_free, n C.size_t) []allocator.PendingFree {
+	return unsafe.Slice((*allocator.PendingFree)(unsafe.Pointer(p)), int(n))
+}
+
+// The layouts of cp_pending_free and allocator.PendingFree agree: each
+// constant below overflows, and the package does not compile, if not.
+var (
+	layoutC  C.cp_pending_free
+	layoutGo allocator.PendingFree
+)
+
+const (
+	_ = 0 - (unsafe.Sizeof(layoutC) ^ unsafe.Sizeof(layoutGo))
+	_ = 0 - (unsafe.Offsetof(layoutC.device) ^ unsafe.Offsetof(layoutGo.Dev))
+	_ = 0 - (unsafe.Sizeof(layoutC.device) ^ unsafe.Sizeof(layoutGo.Dev))
+	_ = 0 - (unsafe.Offsetof(layoutC.ptr) ^ unsafe.Offsetof(layoutGo.Ptr))
+	_ = 0 - (unsafe.Offsetof(layoutC.size) ^ unsafe.Offsetof(layoutGo.Size))
+	_ = 0 - (unsafe.Offsetof(layoutC.ctx) ^ unsafe.Offsetof(layoutGo.Ctx))
+	_ = 0 - (unsafe.Offsetof(layoutC.op) ^ unsafe.Offsetof(layoutGo.Op))
+	_ = 0 - (unsafe.Sizeof(layoutC.op) ^ unsafe.Sizeof(layoutGo.Op))
+	_ = 0 - (unsafe.Offsetof(layoutC.count) ^ unsafe.Offsetof(layoutGo.Count))
+	_ = 0 - (uint8(C.CP_OP_FREE) ^ uint8(allocator.OpFree))
+	_ = 0 - (uint8(C.CP_OP_FREE_STATS) ^ uint8(allocator.OpFreeStats))
+	_ = 0 - (uint8(C.CP_OP_REUSE) ^ uint8(allocator.OpReuse))
+	_ = 0 - (uint8(C.CP_OP_CYCLES) ^ uint8(allocator.OpCycles))
+)
 
 // reportFreeError reports a failed queued free: PyTorch ignores the result
 // of its free hook, so besides this thread's last error it goes to stderr.
@@ -253,10 +289,21 @@ func poison(err error) {
 // guard is deferred by every export: it turns a panic into an error and
 // disables the library (see the package comment).
 func guard(op string) {
-	r := recover()
-	if r == nil {
-		return
+	if r := recover(); r != nil {
+		panicked(op, r)
 	}
+}
+
+// guardMalloc is guard("malloc"), for the exports that malloc: deferred
+// with no argument it needs no wrapper function, a call less per malloc.
+func guardMalloc() {
+	if r := recover(); r != nil {
+		panicked("malloc", r)
+	}
+}
+
+// panicked handles the panic r that guard recovered in op.
+func panicked(op string, r any) {
 	err := fmt.Errorf("cudapool: %s: internal error (%v); cudapool is disabled for the rest of this process", op, r)
 	poison(err)
 	setError(err.Error())

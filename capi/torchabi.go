@@ -27,13 +27,29 @@ import (
 
 //export cpgo_malloc_ctx
 func cpgo_malloc_ctx(size C.size_t, dev C.int, stream C.uintptr_t, ctx C.ulonglong, frees *C.cp_pending_free, nfrees C.size_t, track *C.int) C.uintptr_t {
-	defer guard("malloc")
-	st := load()
-	if st.err != nil {
-		setError(st.err.Error())
-		return 0
+	defer guardMalloc()
+	st := current.Load()
+	if st == nil || st.err != nil {
+		// The process's first call (load initializes the state, and this
+		// function runs again), or a failed state; out of line.
+		return mallocCtxNoState(size, dev, stream, ctx, frees, nfrees, track)
 	}
-	return mallocAfterQueued(st.a, size, dev, stream, ctx, unsafe.Slice(frees, int(nfrees)), track)
+	p, tr, err, ferr := st.a.MallocTracked(int(dev), uint64(size), cuda.Stream(stream), uint64(ctx), pendingFrees(frees, nfrees))
+	if err != nil || ferr != nil || track == nil {
+		return mallocEnd(p, tr, err, ferr, track)
+	}
+	if tr {
+		*track = 1
+	}
+	return C.uintptr_t(p)
+}
+
+//go:noinline
+func mallocCtxNoState(size C.size_t, dev C.int, stream C.uintptr_t, ctx C.ulonglong, frees *C.cp_pending_free, nfrees C.size_t, track *C.int) C.uintptr_t {
+	if st := load(); st.err != nil {
+		return failState(st)
+	}
+	return cpgo_malloc_ctx(size, dev, stream, ctx, frees, nfrees, track)
 }
 
 // failMalloc records a failed malloc, and for out of memory the numbers

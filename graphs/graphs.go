@@ -179,6 +179,10 @@ func streamGone(err error) bool {
 		errors.Is(err, cuda.ErrInvalidValue)
 }
 
+// Idle reports that the router knows of no capture: Underway is false
+// without a query, and Route returns nil for a stream not capturing.
+func (r *Router) Idle() bool { return len(r.captures) == 0 && len(r.auto) == 0 }
+
 // Count is the number of captures the router believes under way.
 func (r *Router) Count() int { return len(r.captures) + len(r.auto) }
 

@@ -174,13 +174,14 @@ func (c *Cache) Allowed() (uint64, bool) { return c.allowed, c.fractionSet }
 
 // NewRequest rounds size and picks the pool among small and large.
 func (c *Cache) NewRequest(size uint64, s cuda.Stream, small, large *BlockPool) Request {
-	r := Request{Requested: size, Size: c.cfg.RoundSize(size), Stream: s}
-	r.SegSize = c.cfg.SegmentSize(r.Size)
-	r.Pool = large
-	if IsSmall(r.Size) {
-		r.Pool = small
+	// One composite literal at the return: built in the result registers,
+	// with no zeroed copy on the stack.
+	rounded := c.cfg.RoundSize(size)
+	pool := large
+	if IsSmall(rounded) {
+		pool = small
 	}
-	return r
+	return Request{Requested: size, Size: rounded, SegSize: c.cfg.SegmentSize(rounded), Stream: s, Pool: pool}
 }
 
 func (c *Cache) gcEnabled() bool { return c.fractionSet && c.cfg.GCThreshold > 0 }
@@ -289,12 +290,17 @@ func (c *Cache) Allocate(r *Request, b *Block) *Block {
 	if s := b.Seg; s.Expandable && b.End() > s.UsedEnd {
 		s.UsedEnd = b.End()
 	}
-	c.countAllocated(b)
+	// c.countAllocated(b), written out (over the inliner's budget).
+	c.active.put(b.Ptr, b)
+	c.hot.allocated(small, int64(b.Size), int64(b.Requested))
+	if b.Size >= c.cfg.MaxSplitSize {
+		c.Stats.OversizeAllocations.Increase(1)
+	}
 	return b
 }
 
 // countAllocated indexes the newly allocated block b and counts it in the
-// statistics.
+// statistics. (Allocate has these lines written out.)
 func (c *Cache) countAllocated(b *Block) {
 	small := b.Pool.Small
 	c.active.put(b.Ptr, b)
@@ -387,9 +393,7 @@ func (c *Cache) Release(b *Block) {
 	}
 	c.active.del(b.Ptr)
 	b.Allocated = false
-	small := b.Pool.Small
-	c.hot.decrease(small, hAllocation, 1)
-	c.hot.decrease(small, hAllocatedBytes, int64(b.Size))
+	c.hot.released(b.Pool.Small, int64(b.Size))
 	if b.Size >= c.cfg.MaxSplitSize {
 		c.Stats.OversizeAllocations.Decrease(1)
 	}
@@ -403,11 +407,13 @@ func (c *Cache) Return(b *Block) {
 	}
 	size, requested := b.Size, b.Requested
 	var splitBlocks, splitBytes int64
-	for _, n := range [2]*Block{b.Prev, b.Next} {
-		if sub := c.tryMerge(b, n); sub > 0 {
-			splitBlocks--
-			splitBytes -= int64(sub)
-		}
+	if sub := c.tryMerge(b, b.Prev); sub > 0 {
+		splitBlocks--
+		splitBytes -= int64(sub)
+	}
+	if sub := c.tryMerge(b, b.Next); sub > 0 {
+		splitBlocks--
+		splitBytes -= int64(sub)
 	}
 	if b.IsSplit() {
 		splitBlocks++
@@ -416,14 +422,7 @@ func (c *Cache) Return(b *Block) {
 	// b.Requested stays: as in PyTorch, a free block shows the requested
 	// size of its last allocation in snapshots (memory tools read it).
 	c.insertFree(b)
-	small := b.Pool.Small
-	if !b.Seg.Expandable {
-		c.hot.add(small, hInactiveSplit, splitBlocks)
-		c.hot.add(small, hInactiveSplitBytes, splitBytes)
-	}
-	c.hot.decrease(small, hActive, 1)
-	c.hot.decrease(small, hActiveBytes, int64(size))
-	c.hot.decrease(small, hRequestedBytes, int64(requested))
+	c.hot.returned(b.Pool.Small, int64(size), int64(requested), !b.Seg.Expandable, splitBlocks, splitBytes)
 }
 
 // tryMerge absorbs the neighbour n into b if n is free and mapped alike,

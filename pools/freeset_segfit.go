@@ -188,14 +188,19 @@ func (x *segfit) Insert(b *Block) {
 	if b.inSet {
 		panic("pools: block inserted into a free set twice")
 	}
-	t := x.setFor(b.Stream)
+	t := x.last // nearly every insert is for the last set found
+	if t == nil || t.s != b.Stream {
+		t = x.setFor(b.Stream)
+	}
 	b.left, b.right, b.inSet = nil, nil, true
 	b.prio = hashPtr(b.Ptr)
 	c := sizeClass(b.Size)
-	if t.bins[c] == nil {
+	if root := t.bins[c]; root == nil {
 		t.mark(c)
+		t.bins[c] = b // insert(nil, b), with no call: most bins hold one block
+	} else {
+		t.bins[c] = insert(root, b)
 	}
-	t.bins[c] = insert(t.bins[c], b)
 	t.n++
 	x.n++
 }

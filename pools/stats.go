@@ -186,6 +186,49 @@ func (h *hotStats) allocated(small bool, size, requested int64) {
 	up(&a.cur[hRequestedBytes], &a.peak[hRequestedBytes], requested)
 }
 
+// released counts the user's free of a block of size bytes (Cache.Release,
+// every free): allocation and allocated_bytes go down, the pool looked up
+// once.
+func (h *hotStats) released(small bool, size int64) {
+	p, a := h.pool(small), &h.all
+	p.cur[hAllocation]--
+	p.cur[hAllocatedBytes] -= size
+	a.cur[hAllocation]--
+	a.cur[hAllocatedBytes] -= size
+}
+
+// returned counts a released block of size bytes (requested asked for) back
+// in its pool (Cache.Return, every free): active, active_bytes and
+// requested_bytes go down; with split, inactive_split and its bytes change
+// by splitBlocks and splitBytes. The pool is looked up once.
+func (h *hotStats) returned(small bool, size, requested int64, split bool, splitBlocks, splitBytes int64) {
+	p, a := h.pool(small), &h.all
+	if split {
+		h.change(p, hInactiveSplit, splitBlocks)
+		h.change(p, hInactiveSplitBytes, splitBytes)
+	}
+	p.cur[hActive]--
+	p.cur[hActiveBytes] -= size
+	p.cur[hRequestedBytes] -= requested
+	a.cur[hActive]--
+	a.cur[hActiveBytes] -= size
+	a.cur[hRequestedBytes] -= requested
+}
+
+// change changes quantity q of the pool p (h.small or h.large) and of
+// "all" by a signed amount, raising the peaks if it is an increase. Small
+// enough to be inlined (Return's two calls per free).
+func (h *hotStats) change(p *hotPool, q int, n int64) {
+	q &= nHotSlots - 1
+	p.cur[q] += n
+	h.all.cur[q] += n
+	if n > 0 {
+		p.inc[q] += n
+		p.peak[q] = max(p.peak[q], p.cur[q])
+		h.all.peak[q] = max(h.all.peak[q], h.all.cur[q])
+	}
+}
+
 // freed undoes allocated: the five quantities go down (a block the user
 // freed that a front cache keeps for its next malloc, allocator/front.go).
 func (h *hotStats) freed(small bool, size, requested int64) {
@@ -220,13 +263,7 @@ func (h *hotStats) decrease(small bool, q int, n int64) {
 }
 
 // add changes quantity q by a signed amount.
-func (h *hotStats) add(small bool, q int, n int64) {
-	if n > 0 {
-		h.increase(small, q, n)
-	} else if n < 0 {
-		h.decrease(small, q, -n)
-	}
-}
+func (h *hotStats) add(small bool, q int, n int64) { h.change(h.pool(small), q, n) }
 
 func (h *hotStats) resetPeak() {
 	for _, p := range [2]*hotPool{&h.small, &h.large} {
