@@ -143,6 +143,18 @@ func split(n *Block, k key) (*Block, *Block) {
 	return l, n
 }
 
+// join is merge, inlined for the usual case of a bin's block: at most one
+// child, and no call.
+func join(l, r *Block) *Block {
+	if l == nil {
+		return r
+	}
+	if r == nil {
+		return l
+	}
+	return merge(l, r)
+}
+
 func merge(l, r *Block) *Block {
 	switch {
 	case l == nil:

@@ -227,7 +227,7 @@ func (x *segfit) Remove(b *Block) {
 			link = &n.right
 		}
 	}
-	*link = merge(b.left, b.right)
+	*link = join(b.left, b.right)
 	if t.bins[c] == nil {
 		t.unmark(c)
 	}
