@@ -9,8 +9,9 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 import unittest
-from contextlib import redirect_stderr, redirect_stdout
+from contextlib import contextmanager, redirect_stderr, redirect_stdout
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -53,6 +54,37 @@ def torch_rec(config, step_ms, pa, pr, pool, small=2.3, mixed=3.1):
          "graph_pool_source": "mem_get_info" if config == "async" else "reserved"},
         {"kind": "torch", "config": config, "section": "empty", "empty_small_us": small, "empty_mixed_us": mixed},
     ]
+
+
+class Unavailable(Exception):
+    """The stand-in cudapool._ext's ExtensionUnavailable."""
+
+
+def fake_torch(empty=lambda n, dtype, device: object()):
+    """What torch_bench's torch.empty loops use of torch."""
+    return types.SimpleNamespace(device=lambda *a: "cuda:0", uint8="u8", empty=empty)
+
+
+@contextmanager
+def fake_ext(**funcs):
+    """A stand-in for cudapool._ext with funcs, installed in sys.modules
+    (as cudapool and cudapool._ext) for the block's duration."""
+    ext = types.ModuleType("cudapool._ext")
+    ext.ExtensionUnavailable = Unavailable
+    for k, v in funcs.items():
+        setattr(ext, k, v)
+    pkg = types.ModuleType("cudapool")
+    pkg._ext = ext
+    saved = {k: sys.modules.get(k) for k in ("cudapool", "cudapool._ext")}
+    sys.modules.update({"cudapool": pkg, "cudapool._ext": ext})
+    try:
+        yield ext
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                sys.modules.pop(k, None)
+            else:
+                sys.modules[k] = v
 
 
 def row(rows, label_start):
@@ -285,23 +317,10 @@ class TestReport(unittest.TestCase):
         # torch_bench.py's alt section against a stand-in for torch and for
         # cudapool._ext: each pair of reps runs both sides, who goes first
         # alternating, and the switch ends on cudapool even after a failure.
-        import types
         made = []
-        fake = types.SimpleNamespace(device=lambda *a: "cuda:0", uint8="u8",
-                                     empty=lambda n, dtype, device: made.append(n) or object())
+        fake = fake_torch(empty=lambda n, dtype, device: made.append(n) or object())
         calls = []
-
-        class Unavailable(Exception):
-            pass
-
-        ext = types.ModuleType("cudapool._ext")
-        ext.ExtensionUnavailable = Unavailable
-        ext.passthrough = calls.append
-        pkg = types.ModuleType("cudapool")
-        pkg._ext = ext
-        saved = {k: sys.modules.get(k) for k in ("cudapool", "cudapool._ext")}
-        sys.modules.update({"cudapool": pkg, "cudapool._ext": ext})
-        try:
+        with fake_ext(passthrough=calls.append):
             args = torch_bench.parse_args(["cudapool", "--sections", "alt", "--reps", "3", "--empty-pairs", "10",
                                            "--mixed-pairs", "10"])
             out = torch_bench.bench_alt(fake, args)
@@ -316,12 +335,6 @@ class TestReport(unittest.TestCase):
             self.assertEqual(calls, [True, False])
             with self.assertRaises(RuntimeError):  # native has no passthrough
                 torch_bench.bench_alt(fake, torch_bench.parse_args(["native", "--sections", "alt"]))
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    sys.modules.pop(k, None)
-                else:
-                    sys.modules[k] = v
 
     def test_params_line_names_the_captures(self):
         write_lines(os.path.join(self.dir, "torch_native.json"), [
@@ -533,44 +546,23 @@ class TestTurns(unittest.TestCase):
         # --alt-timing: the samples taken after each rep belong to the side
         # that ran it; the summary keeps them apart, counts every timed call,
         # and leaves out what was taken before the timed reps.
-        import types
-        fake = types.SimpleNamespace(device=lambda *a: "cuda:0", uint8="u8",
-                                     empty=lambda n, dtype, device: object())
         state = {"native": False, "timing": [], "takes": 0}
-
-        class Unavailable(Exception):
-            pass
 
         def take():
             state["takes"] += 1
             side = "native" if state["native"] else "cudapool"
             base = 100.0 if side == "native" else 60.0
-            out = {(s, c): ([], 0) for s, c in (("native", "alloc"), ("native", "free"), ("cudapool", "alloc"),
-                                                ("cudapool", "free"), ("cudapool", "alloc_lib"),
-                                                ("native", "cross"))}
+            # Every kind is reported, most with no samples.
+            out = {(s, c): ([], 0) for s in ("native", "cudapool") for c in ("alloc", "free", "alloc_lib", "cross")}
             out[(side, "alloc")] = ([base, base + 10, 1e6], 5)  # 5 calls, 3 kept
             out[(side, "free")] = ([base / 2], 1)
             return out
 
-        ext = types.ModuleType("cudapool._ext")
-        ext.ExtensionUnavailable = Unavailable
-        ext.passthrough = lambda on: state.update(native=on)
-        ext.timing = lambda on, cross=False: state["timing"].append((on, cross))
-        ext.timing_take = take
-        pkg = types.ModuleType("cudapool")
-        pkg._ext = ext
-        saved = {k: sys.modules.get(k) for k in ("cudapool", "cudapool._ext")}
-        sys.modules.update({"cudapool": pkg, "cudapool._ext": ext})
-        try:
+        with fake_ext(passthrough=lambda on: state.update(native=on), timing_take=take,
+                      timing=lambda on, cross=False: state["timing"].append((on, cross))):
             args = torch_bench.parse_args(["cudapool", "--sections", "alt", "--reps", "3", "--empty-pairs", "10",
                                            "--mixed-pairs", "10", "--alt-timing"])
-            out = torch_bench.bench_alt(fake, args)
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    sys.modules.pop(k, None)
-                else:
-                    sys.modules[k] = v
+            out = torch_bench.bench_alt(fake_torch(), args)
         self.assertEqual(state["timing"], [(True, False), (False, False)])
         self.assertEqual(state["takes"], 2 * (1 + 3 * 2))  # per loop: one discarded, one per rep
         for loop in ("small", "mixed"):

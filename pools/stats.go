@@ -232,14 +232,8 @@ func (h *hotStats) change(p *hotPool, q int, n int64) {
 // freed undoes allocated: the five quantities go down (a block the user
 // freed that a front cache keeps for its next malloc, allocator/front.go).
 func (h *hotStats) freed(small bool, size, requested int64) {
-	p, a := h.pool(small), &h.all
-	for _, c := range [2]*[nHotSlots]int64{&p.cur, &a.cur} {
-		c[hAllocation]--
-		c[hAllocatedBytes] -= size
-		c[hActive]--
-		c[hActiveBytes] -= size
-		c[hRequestedBytes] -= requested
-	}
+	h.released(small, size)
+	h.returned(small, size, requested, false, 0, 0)
 }
 
 // cycled counts k frees of one block, each followed at once by its

@@ -688,8 +688,9 @@ class Allocator final : public Base {
 	}
 
 	void beginAllocateToPool(DeviceIndex device, MempoolId_t id, std::function<bool(cudaStream_t)> filter) override {
-		uint64_t t0 = timing::ticks();
-		if (C10_UNLIKELY(mode_.load(std::memory_order_relaxed) & kTime) && filter)
+		const bool timed = mode_.load(std::memory_order_relaxed) & kTime;
+		const uint64_t t0 = timed ? timing::ticks() : 0;
+		if (C10_UNLIKELY(timed) && filter)
 			filter = [f = std::move(filter)](cudaStream_t s) {
 				uint64_t t = timing::ticks();
 				bool r = f(s);
@@ -698,16 +699,17 @@ class Allocator final : public Base {
 			};
 		cudapool_clear_error();
 		cudapool_torch_begin_allocate_to_pool(device, id, std::move(filter));
-		if (C10_UNLIKELY(mode_.load(std::memory_order_relaxed) & kTime))
+		if (C10_UNLIKELY(timed))
 			timing::record(timing::kBeginPool, timing::ticks() - t0);
 		check();
 	}
 
 	void endAllocateToPool(DeviceIndex device, MempoolId_t id) override {
-		uint64_t t0 = timing::ticks();
+		const bool timed = mode_.load(std::memory_order_relaxed) & kTime;
+		const uint64_t t0 = timed ? timing::ticks() : 0;
 		cudapool_clear_error();
 		cudapool_torch_end_allocate_to_pool(device, id);
-		if (C10_UNLIKELY(mode_.load(std::memory_order_relaxed) & kTime))
+		if (C10_UNLIKELY(timed))
 			timing::record(timing::kEndPool, timing::ticks() - t0);
 		check();
 	}
@@ -1075,8 +1077,8 @@ __attribute__((visibility("default"))) int cudapool_torch_ext_timing(int on) {
 // deleter, 4 cudapool's call into the library within its allocate, 5 the
 // crossing after native's allocate, 6 beginAllocateToPool, 7
 // endAllocateToPool, 8 PyTorch's stream filter of a capture begun while
-// timing), in
-// ticks, into buf, and forgets that kind's samples; *calls gets the number
+// timing), in ticks, into buf, and forgets that kind's samples (those past
+// cap as well); *calls gets the number
 // of timed calls (more than the samples when the buffer filled) and
 // *ns_per_tick the calibration since timing was turned on. Returns the
 // number copied, or -1 for a bad kind.
