@@ -124,9 +124,19 @@ type device struct {
 	frontFlag *int32
 	frontBuf  []PendingFree
 	fc        *frontCtl // the allocator's
-	// routed: the last malloc's block is not the default pool's (or it
-	// failed); guarded by mu.
-	routed bool
+	// tag is the front tag of the last malloc's block (routing.go), set
+	// when it succeeds; routed: that malloc routed to the private pool
+	// routedTo (which only mallocSetup writes, so that the usual malloc
+	// stores no pointer). Guarded by mu.
+	tag      uint32
+	routed   bool
+	routedTo *privatepool.Pool
+	// routes are the device's allocate-to-pool phases as the front sees
+	// them, oldest first; routesOK: the front routes them all; blocked:
+	// counted in fc.blocked (routing.go). Guarded by mu.
+	routes   []FrontRoute
+	routesOK bool
+	blocked  bool
 
 	id        int
 	drv       Driver
@@ -635,6 +645,10 @@ func (a *Allocator) SetMemoryFraction(dev int, fraction float64) error {
 // BeginAllocateToPool routes the allocations on dev whose stream filter
 // accepts (nil: all streams) to the private pool id until EndAllocateToPool.
 func (a *Allocator) BeginAllocateToPool(dev int, id PoolID, filter func(cuda.Stream) bool) error {
+	return a.BeginAllocateToPoolRef(dev, id, filter, FilterRef{})
+}
+
+func (a *Allocator) beginAllocateToPool(dev int, id PoolID, filter func(cuda.Stream) bool, ref FilterRef) error {
 	d, err := a.device("begin_allocate_to_pool", dev)
 	if err != nil {
 		return err
@@ -644,6 +658,7 @@ func (a *Allocator) BeginAllocateToPool(dev int, id PoolID, filter func(cuda.Str
 	if err := d.graphs.Begin(id, filter, d.newPools); err != nil {
 		return poolError("begin_allocate_to_pool", err)
 	}
+	d.routeBegun(d.graphs.Pools.Get(id), ref)
 	a.announced.Store(true)
 	d.countCaptures()
 	// The capture is counted: wait for the unsafe sections of the other
@@ -665,6 +680,7 @@ func (a *Allocator) EndAllocateToPool(dev int, id PoolID) error {
 	if err := d.graphs.End(id); err != nil {
 		return poolError("end_allocate_to_pool", err)
 	}
+	d.routeEnded(d.graphs.Pools.Get(id))
 	d.countCaptures()
 	d.trimUnused(id)
 	return nil
@@ -792,7 +808,7 @@ func (a *Allocator) MallocAfterFrees(dev int, size uint64, s cuda.Stream, ctx ui
 // its common case is kept short: the rare cases (a request MallocCtx
 // refuses or sends to the driver, captures nobody announces, frees of other
 // devices, errors) leave it through functions of their own.
-func (a *Allocator) MallocTracked(dev int, size uint64, s cuda.Stream, ctx uint64, frees []PendingFree) (p cuda.Ptr, track bool, err, freeErr error) {
+func (a *Allocator) MallocTracked(dev int, size uint64, s cuda.Stream, ctx uint64, frees []PendingFree) (p cuda.Ptr, track uint32, err, freeErr error) {
 	// size-1 >= MaxRequest-1: size is 0 or at least MaxRequest.
 	if uint(dev) >= uint(len(a.devs)) || size-1 >= pools.MaxRequest-1 || a.cachingOff.Load() || a.uncN.Load() != 0 {
 		return a.mallocTrackedElse(dev, size, s, ctx, frees)
@@ -800,7 +816,7 @@ func (a *Allocator) MallocTracked(dev int, size uint64, s cuda.Stream, ctx uint6
 	var capture uint64
 	if !a.announced.Load() {
 		if capture, err = a.unannouncedCapture(dev, s); err != nil {
-			return 0, false, err, a.FreeMany(frees)
+			return 0, TagNone, err, a.FreeMany(frees)
 		}
 	}
 	d := a.devs[dev]
@@ -831,7 +847,9 @@ func (a *Allocator) MallocTracked(dev int, size uint64, s cuda.Stream, ctx uint6
 	d.hist.begin(ctx, HistoryState)
 	p, err = d.malloc(size, s, capture)
 	d.hist.end()
-	track = err == nil && !d.routed && d.front != nil && a.front.on.Load()
+	if err == nil && d.front != nil && a.front.on.Load() {
+		track = d.tag
+	}
 	if d.debug {
 		d.mustCheck()
 	}
@@ -847,10 +865,10 @@ func (a *Allocator) MallocTracked(dev int, size uint64, s cuda.Stream, ctx uint6
 // the frees, then MallocCtx.
 //
 //go:noinline
-func (a *Allocator) mallocTrackedElse(dev int, size uint64, s cuda.Stream, ctx uint64, frees []PendingFree) (p cuda.Ptr, track bool, err, freeErr error) {
+func (a *Allocator) mallocTrackedElse(dev int, size uint64, s cuda.Stream, ctx uint64, frees []PendingFree) (p cuda.Ptr, track uint32, err, freeErr error) {
 	freeErr = a.FreeMany(frees)
 	p, err = a.MallocCtx(dev, size, s, ctx)
-	return p, false, err, freeErr
+	return p, TagNone, err, freeErr
 }
 
 // freeUnknownDevice performs, under MallocTracked's lock of d, the free f

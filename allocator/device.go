@@ -62,6 +62,7 @@ func (d *device) countCaptures() {
 	if n := int64(d.graphs.Count()); n != d.counted {
 		d.underway.Add(n - d.counted)
 		d.counted = n
+		d.frontBlocked(n)
 		d.fc.sync()
 	}
 }
@@ -75,7 +76,7 @@ func (d *device) malloc(size uint64, s cuda.Stream, capture uint64) (cuda.Ptr, e
 	} else {
 		// No capture known or counted anywhere and no event pending:
 		// mallocSetup would find nothing to do and the default pools.
-		d.routed = true // until a default-pool block is allocated
+		d.routed = false
 	}
 	r := d.cache.NewRequest(size, s, small, large)
 	b := d.cache.TakeFree(&r)
@@ -86,8 +87,10 @@ func (d *device) malloc(size uint64, s cuda.Stream, capture uint64) (cuda.Ptr, e
 		}
 	}
 	b = d.cache.Allocate(&r, b)
-	// A block borrowed from a private pool under OOM (grow) is routed too.
-	d.routed = !b.Pool.ID.IsDefault()
+	// A block borrowed from a private pool under OOM (grow) is not tracked.
+	if d.tag = TagDefault; d.routed || !b.Pool.ID.IsDefault() {
+		d.tag = d.privateTag(b)
+	}
 	b.Context = d.hist.op
 	if d.hist.on {
 		d.recordAllocOn(b, s)
@@ -113,8 +116,9 @@ func (d *device) mallocSetup(s cuda.Stream, capture uint64) (small, large *pools
 		d.processEvents()
 	}
 	small, large = d.cache.Small, d.cache.Large
-	d.routed = true // until a default-pool block is allocated
-	if p := d.graphs.Route(s, capture, d.newPools); p != nil {
+	d.routedTo = d.graphs.Route(s, capture, d.newPools)
+	d.routed = d.routedTo != nil
+	if p := d.routedTo; p != nil {
 		small, large = p.Small, p.Large
 		capturing = true
 		d.countCaptures() // Route may have met a new unannounced capture

@@ -32,13 +32,22 @@ package allocator
 //     that reads state (statistics, snapshots, empty_cache, OOM retry, a
 //     miss) on a device takes that device's log first.
 //   - The front serves nothing while any rule it cannot see might apply:
-//     captures not announced (each malloc would have to ask the driver), a
-//     capture or allocate-to-pool under way on any device (allocations route
-//     to private pools, frees have capture rules), memory history (each
+//     captures not announced (each malloc would have to ask the driver), an
+//     unannounced capture still under way, an allocate-to-pool phase whose
+//     routing the front cannot repeat (below), memory history (each
 //     operation is a trace entry with a context), caching off or uncached
 //     allocations alive, or front_cache:False. sync recomputes this whenever
 //     one of them changes and tells the front. Blocks with other streams'
 //     uses never reach it: record_stream untracks the pointer first.
+//   - Captures and other allocate-to-pool phases (routing.go has the rules
+//     the front follows then): a FrontRouter is given each device's phases,
+//     with their stream filters in a form it can call without Go, and every
+//     block it tracks carries the tag of its pool. A malloc that finds a
+//     waiting block of its size and stream asks the filters, newest phase
+//     first, as graphs.Router.Route does, which pool it routes to, and takes
+//     the block only if it is that pool's. A capture's forward pass, whose
+//     freed activations are reused by the next layers, is then served in
+//     front as a loop outside a capture is.
 //
 // What differs from the same calls without the front is placement only: a
 // freed block is reused as it is, instead of merging with free neighbours
@@ -76,6 +85,53 @@ type Front interface {
 	Capacity() int
 }
 
+// FrontRouter is a Front that can route mallocs during allocate-to-pool
+// phases itself (routing.go).
+type FrontRouter interface {
+	Front
+	// SetRoutes replaces device dev's phases, oldest first, and reports
+	// whether the front can evaluate all of them; when it cannot, it must
+	// not serve while they are under way (the allocator turns it off).
+	// Called under the device lock; after it returns the front no longer
+	// calls a filter it was given before.
+	SetRoutes(dev int, routes []FrontRoute) bool
+}
+
+// FrontRoute is an allocate-to-pool phase as a FrontRouter sees it.
+type FrontRoute struct {
+	Tag    uint32    // the pool's tag (PoolTag)
+	Filter FilterRef // which of the phase's streams route to the pool
+}
+
+// FilterRef names a phase's stream filter so that a FrontRouter can call it
+// without Go: capi passes the C function and context, or the handle of
+// PyTorch's std::function, that the Go filter calls. Its kinds are the
+// front's, except for the two below.
+type FilterRef struct {
+	Kind uint8
+	A, B uintptr
+}
+
+// Filter kinds known here.
+const (
+	// FilterOpaque is a filter only Go can call: no front serves while its
+	// phase is under way.
+	FilterOpaque uint8 = 0
+	// FilterAll is a nil filter: every stream of the device routes.
+	FilterAll uint8 = 1
+)
+
+// Front tags: which pool a tracked block belongs to (MallocTracked).
+const (
+	// TagNone: the front must not track the block.
+	TagNone uint32 = 0
+	// TagDefault: the default pools.
+	TagDefault uint32 = 1
+)
+
+// PoolTag is the tag of the blocks of private pool serial (privatepool.Pool.Serial).
+func PoolTag(serial uint32) uint32 { return serial + 1 }
+
 // FrontFlags is a Front whose Pending(dev) reads a word that is non-zero
 // while device dev's log holds operations: the device lock reads the word
 // itself, without a call (a Front need not be one).
@@ -107,7 +163,10 @@ type frontCtl struct {
 	f  Front
 	a  *Allocator
 	on atomic.Bool // what the front was last told
-	mu sync.Mutex  // serializes sync's read of the conditions and its store
+	// blocked counts the devices with a capture the front cannot route:
+	// an unannounced one, or a phase with a filter it cannot call.
+	blocked atomic.Int64
+	mu      sync.Mutex // serializes sync's read of the conditions and its store
 }
 
 // SetFront installs f (once, before the allocator is shared). From then on
@@ -138,8 +197,7 @@ func (fc *frontCtl) sync() {
 	fc.mu.Lock()
 	defer fc.mu.Unlock()
 	a := fc.a
-	// underway counts every allocate-to-pool route too (MemPools).
-	on := a.announced.Load() && a.underway.Load() == 0 && !a.cachingOff.Load() &&
+	on := a.announced.Load() && fc.blocked.Load() == 0 && !a.cachingOff.Load() &&
 		a.uncN.Load() == 0 && !a.hist.enabled.Load() && a.cfg.Load().FrontCache
 	if on != fc.on.Load() {
 		fc.on.Store(on)

@@ -5,6 +5,7 @@ import (
 	"testing"
 
 	"github.com/cudapool/cudapool/allocator"
+	"github.com/cudapool/cudapool/cuda"
 	"github.com/stretchr/testify/require"
 )
 
@@ -44,7 +45,7 @@ func TestFrontFlagsReplay(t *testing.T) {
 	a.ExpectAnnouncements()
 	p, track, err, _ := a.MallocTracked(0, 4096, 0, 0, nil)
 	require.NoError(t, err)
-	require.True(t, track)
+	require.Equal(t, allocator.TagDefault, track)
 	f.log = append(f.log, allocator.PendingFree{Ptr: p, Op: allocator.OpFree})
 	st, _ := a.Stats(0)
 	require.EqualValues(t, 1, st.Allocation[0].Current, "the word is 0: nothing to replay")
@@ -64,7 +65,7 @@ func TestFrontReplayAllocatesNothing(t *testing.T) {
 	require.True(t, a.FrontEnabled())
 	p, track, err, _ := a.MallocTracked(0, 4096, 0, 0, nil)
 	require.NoError(t, err)
-	require.True(t, track)
+	require.Equal(t, allocator.TagDefault, track)
 	allocs := testing.AllocsPerRun(1000, func() {
 		f.log = append(f.log,
 			allocator.PendingFree{Ptr: p, Op: allocator.OpFreeStats},
@@ -94,5 +95,114 @@ func TestFrontTracksBorrowedBlock(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, cached, p)
 	require.True(t, inPool(t, a, pool, p), "a private pool's block")
-	require.False(t, track, "the front must not track a private pool's block")
+	require.Equal(t, allocator.TagNone, track, "the front must not track a private pool's block")
+}
+
+// routerFront is fakeFront as an allocator.FrontRouter: it keeps the routes
+// it is given.
+type routerFront struct {
+	fakeFront
+	routes [][]allocator.FrontRoute // per call of SetRoutes
+	on     bool
+	refuse bool // SetRoutes reports that it cannot route
+}
+
+func (f *routerFront) SetEnabled(on bool) { f.on = on }
+func (f *routerFront) SetRoutes(dev int, routes []allocator.FrontRoute) bool {
+	f.routes = append(f.routes, append([]allocator.FrontRoute(nil), routes...))
+	return !f.refuse
+}
+func (f *routerFront) last() []allocator.FrontRoute { return f.routes[len(f.routes)-1] }
+
+// During an allocate-to-pool phase whose filter the front can call, the
+// front keeps serving: it is given the phase, and a block is tracked with
+// the tag of the pool its malloc routed to.
+func TestFrontRoutesPhases(t *testing.T) {
+	lockThread(t)
+	a, _ := newAlloc(t, 1, 8*GiB, "")
+	f := &routerFront{}
+	a.SetFront(f)
+	a.ExpectAnnouncements()
+	require.True(t, f.on)
+
+	pool := allocator.PoolID{A: 3}
+	ref := allocator.FilterRef{Kind: 2, A: 0x1234, B: 0x5678}
+	require.NoError(t, a.BeginAllocateToPoolRef(0, pool, func(s cuda.Stream) bool { return s == 7 }, ref))
+	require.True(t, a.FrontEnabled(), "the front routes the phase")
+	require.True(t, f.on)
+	require.Len(t, f.last(), 1)
+	route := f.last()[0]
+	require.Equal(t, ref, route.Filter)
+	require.GreaterOrEqual(t, route.Tag, uint32(2), "a private pool's tag")
+
+	p, track, err, _ := a.MallocTracked(0, 4096, 7, 0, nil)
+	require.NoError(t, err)
+	require.True(t, inPool(t, a, pool, p))
+	require.Equal(t, route.Tag, track, "tracked with its pool's tag")
+	q, track, err, _ := a.MallocTracked(0, 4096, 8, 0, nil)
+	require.NoError(t, err)
+	require.False(t, inPool(t, a, pool, q))
+	require.Equal(t, allocator.TagDefault, track, "the filter refuses stream 8: the default pools")
+
+	// A second phase, with a nil filter: oldest first, kind FilterAll.
+	pool2 := allocator.PoolID{A: 4}
+	require.NoError(t, a.BeginAllocateToPoolRef(0, pool2, nil, allocator.FilterRef{}))
+	require.Len(t, f.last(), 2)
+	require.Equal(t, route, f.last()[0])
+	require.Equal(t, allocator.FilterAll, f.last()[1].Filter.Kind)
+	require.NotEqual(t, route.Tag, f.last()[1].Tag)
+	r, track, err, _ := a.MallocTracked(0, 4096, 7, 0, nil)
+	require.NoError(t, err)
+	require.True(t, inPool(t, a, pool2, r), "the newest phase wins")
+	require.Equal(t, f.last()[1].Tag, track)
+
+	second := f.last()[1]
+	require.NoError(t, a.EndAllocateToPool(0, pool))
+	require.Equal(t, []allocator.FrontRoute{second}, f.last())
+	require.NoError(t, a.EndAllocateToPool(0, pool2))
+	require.Empty(t, f.last())
+	require.True(t, a.FrontEnabled())
+	for _, x := range []cuda.Ptr{p, q, r} {
+		require.NoError(t, a.Free(0, x, 0))
+	}
+}
+
+// The front stops serving while a phase it cannot route is under way: a
+// filter only Go can call, a front that refuses the routes, or a front that
+// is no FrontRouter.
+func TestFrontBlockedByPhases(t *testing.T) {
+	lockThread(t)
+	filter := func(s cuda.Stream) bool { return true }
+	cases := []struct {
+		name  string
+		front allocator.Front
+		begin func(a *allocator.Allocator, id allocator.PoolID) error
+	}{
+		{"opaque filter", &routerFront{}, func(a *allocator.Allocator, id allocator.PoolID) error {
+			return a.BeginAllocateToPool(0, id, filter)
+		}},
+		{"refused routes", &routerFront{refuse: true}, func(a *allocator.Allocator, id allocator.PoolID) error {
+			return a.BeginAllocateToPoolRef(0, id, filter, allocator.FilterRef{Kind: 2})
+		}},
+		{"no router", &fakeFront{}, func(a *allocator.Allocator, id allocator.PoolID) error {
+			return a.BeginAllocateToPoolRef(0, id, nil, allocator.FilterRef{})
+		}},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			a, _ := newAlloc(t, 1, 8*GiB, "")
+			a.SetFront(c.front)
+			a.ExpectAnnouncements()
+			require.True(t, a.FrontEnabled())
+			id := allocator.PoolID{A: 9}
+			require.NoError(t, c.begin(a, id))
+			require.False(t, a.FrontEnabled(), "a phase the front cannot route")
+			p, track, err, _ := a.MallocTracked(0, 4096, 1, 0, nil)
+			require.NoError(t, err)
+			require.Equal(t, allocator.TagNone, track)
+			require.NoError(t, a.EndAllocateToPool(0, id))
+			require.True(t, a.FrontEnabled(), "serves again after the phase")
+			require.NoError(t, a.Free(0, p, 0))
+		})
+	}
 }

@@ -65,6 +65,22 @@ size_t cp_front_take(int dev);
 /* Go: whether the front may serve. */
 void cp_front_set_on(int on);
 
+/* Allocate-to-pool phases as the front routes them (allocator/routing.go):
+ * the pool's tag and the phase's stream filter. kind: CP_ROUTE_ALL (every
+ * stream; allocator.FilterAll), CP_ROUTE_C (a cudapool_stream_filter a and
+ * its context b), CP_ROUTE_STD (the std::function handle a of torch.cpp). */
+enum { CP_ROUTE_ALL = 1, CP_ROUTE_C = 2, CP_ROUTE_STD = 3 };
+#define CP_FRONT_MAXROUTES 8
+typedef struct {
+	uintptr_t a, b;
+	uint32_t tag;
+	uint32_t kind;
+} cp_route;
+/* Replaces device dev's phases (oldest first); 0 if the front cannot route
+ * them (too many, or a device it does not serve). Go calls it under the
+ * device lock. */
+int cp_front_set_routes(int dev, const cp_route *routes, int n);
+
 /* The spin lock of the front and of the free queue: short critical
  * sections, never held across a call into Go; yields while a holder that
  * was descheduled keeps it. */

@@ -39,8 +39,8 @@ func cpgo_malloc(size C.size_t, dev C.int, stream C.uintptr_t, track *C.int) C.u
 	if err != nil || ferr != nil || track == nil {
 		return mallocEnd(p, tr, err, ferr, track)
 	}
-	if tr {
-		*track = 1
+	if tr != 0 {
+		*track = C.int(tr)
 	}
 	return C.uintptr_t(p)
 }
@@ -53,8 +53,8 @@ func cpgo_malloc(size C.size_t, dev C.int, stream C.uintptr_t, track *C.int) C.u
 //	if err != nil || ferr != nil || track == nil {
 //		return mallocEnd(p, tr, err, ferr, track)
 //	}
-//	if tr {
-//		*track = 1
+//	if tr != 0 {
+//		*track = C.int(tr)
 //	}
 //	return C.uintptr_t(p)
 //
@@ -64,14 +64,14 @@ func cpgo_malloc(size C.size_t, dev C.int, stream C.uintptr_t, track *C.int) C.u
 // failed, or whose track is NULL.
 //
 //go:noinline
-func mallocEnd(p cuda.Ptr, tr bool, err, ferr error, track *C.int) C.uintptr_t {
+func mallocEnd(p cuda.Ptr, tr uint32, err, ferr error, track *C.int) C.uintptr_t {
 	reportFreeError(ferr)
 	if err != nil {
 		failMalloc(err)
 		return 0
 	}
-	if tr && track != nil {
-		*track = 1
+	if tr != 0 && track != nil {
+		*track = C.int(tr)
 	}
 	return C.uintptr_t(p)
 }
@@ -107,8 +107,8 @@ func cpgo_torch_malloc(size C.size_t, dev C.int, stream C.uintptr_t, frees *C.cp
 	if err != nil || ferr != nil || track == nil {
 		return mallocEnd(p, tr, err, ferr, track)
 	}
-	if tr {
-		*track = 1
+	if tr != 0 {
+		*track = C.int(tr)
 	}
 	return C.uintptr_t(p)
 }
@@ -223,7 +223,8 @@ func cpgo_begin_allocate_to_pool(dev C.int, a, b C.ulonglong, filter, ctx C.uint
 	k := key(dev, a, b)
 	stdFilters.mu.Lock()
 	defer stdFilters.mu.Unlock()
-	if err := al.BeginAllocateToPool(k.dev, k.id, cFilter(filter, ctx)); err != nil {
+	ref := allocator.FilterRef{Kind: C.CP_ROUTE_C, A: uintptr(filter), B: uintptr(ctx)}
+	if err := al.BeginAllocateToPoolRef(k.dev, k.id, cFilter(filter, ctx), ref); err != nil {
 		fail(err)
 	}
 }
@@ -244,7 +245,8 @@ func cpgo_torch_begin_allocate_to_pool(dev C.int, a, b C.ulonglong, handle C.uin
 	k := key(dev, a, b)
 	stdFilters.mu.Lock()
 	defer stdFilters.mu.Unlock()
-	if err := al.BeginAllocateToPool(k.dev, k.id, stdFilter(handle)); err != nil {
+	ref := allocator.FilterRef{Kind: C.CP_ROUTE_STD, A: uintptr(handle)}
+	if err := al.BeginAllocateToPoolRef(k.dev, k.id, stdFilter(handle), ref); err != nil {
 		fail(err)
 		return
 	}

@@ -16,6 +16,12 @@
  * full a block is simply not tracked. A device's waiting blocks are linked
  * in lists hashed by (size, stream), newest first.
  *
+ * During allocate-to-pool phases (captures) each tracked block carries the
+ * tag of its pool, and a malloc that finds a waiting block of its size and
+ * stream asks the phases' filters, newest first, which pool it routes to
+ * (allocator/routing.go): the filters run under the lock, at most once per
+ * malloc, and only when a block could be served.
+ *
  * The log of a device holds at most CP_FRONT_LOG records. A reuse that
  * follows the free of the same block is folded into that record (a cycle),
  * so a loop of malloc+free of one size never fills it. When it is full a
@@ -59,6 +65,7 @@ typedef struct {
 	int32_t dev;
 	int32_t next;      /* FREED: next in its reuse list; unused: next free entry (index + 1, 0: none) */
 	int32_t lastfree;  /* FREED: the index of its free in the log */
+	uint32_t tag;      /* its pool's (1: the default pools) */
 	uint8_t state;
 	uint8_t inlog;     /* a record of its device's log names it */
 } ent;
@@ -91,6 +98,8 @@ static slot slots[SLOTS];
 static int32_t free_ents;    /* head of the unused entries (index + 1) */
 static int32_t used_ents;    /* entries ever handed out: [used_ents, ENTS) never were */
 static devfront devs[CP_FRONT_MAXDEV];
+static cp_route routes[CP_FRONT_MAXDEV][CP_FRONT_MAXROUTES]; /* oldest first */
+static int nroutes[CP_FRONT_MAXDEV];
 static atomic_int lock_word;
 
 /* Log lengths, written under the lock and read by Go without it (a hint). */
@@ -224,7 +233,7 @@ void cp_front_track(uintptr_t p, size_t size, uintptr_t stream, int dev, int tra
 	while (slots[s].e != 0)
 		s = (s + 1) & (SLOTS - 1);
 	slots[s] = (slot){p, e};
-	ents[e - 1] = (ent){.ptr = p, .stream = stream, .size = size, .dev = dev, .state = LIVE};
+	ents[e - 1] = (ent){.ptr = p, .stream = stream, .size = size, .dev = dev, .tag = (uint32_t)track, .state = LIVE};
 	atomic_fetch_add_explicit(&tracked, 1, memory_order_relaxed);
 	unlock();
 }
@@ -269,6 +278,42 @@ int cp_front_free(uintptr_t p, size_t size, int dev, int any_dev) {
 	return 1;
 }
 
+int cp_front_set_routes(int dev, const cp_route *r, int n) {
+	if ((unsigned)dev >= CP_FRONT_MAXDEV)
+		return 0;
+	int ok = n >= 0 && n <= CP_FRONT_MAXROUTES;
+	if (!ok)
+		n = 0;
+	lock(); /* no filter of the old routes runs once this returns */
+	memcpy(routes[dev], r, (size_t)n * sizeof *r);
+	nroutes[dev] = n;
+	unlock();
+	return ok;
+}
+
+/* route_tag is the tag of the pool a malloc on stream routes to: the newest
+ * phase whose filter accepts it, else the default pools (graphs.Router.Route).
+ * The lock is held. */
+static uint32_t route_tag(int dev, uintptr_t stream) {
+	for (int i = nroutes[dev] - 1; i >= 0; i--) {
+		const cp_route *r = &routes[dev][i];
+		int yes;
+		switch (r->kind) {
+		case CP_ROUTE_ALL:
+			yes = 1;
+			break;
+		case CP_ROUTE_C:
+			yes = cp_call_c_filter(r->a, r->b, stream);
+			break;
+		default:
+			yes = cp_call_std_filter(r->a, stream);
+		}
+		if (yes)
+			return r->tag;
+	}
+	return 1;
+}
+
 void *cp_front_malloc(size_t size, int dev, uintptr_t stream) {
 	if (!atomic_load_explicit(&front_on, memory_order_relaxed) || (unsigned)dev >= CP_FRONT_MAXDEV ||
 	    cp_front_n[dev] == 0)
@@ -277,9 +322,16 @@ void *cp_front_malloc(size_t size, int dev, uintptr_t stream) {
 	devfront *d = &devs[dev];
 	int n = cp_front_n[dev];
 	int32_t *link = &d->bucket[bucket_of(size, stream)], e;
-	for (e = *link; e != 0; link = &ents[e - 1].next, e = *link)
-		if (ents[e - 1].size == size && ents[e - 1].stream == stream)
+	uint32_t want = 0; /* the routed pool's tag, asked at the first candidate */
+	for (e = *link; e != 0; link = &ents[e - 1].next, e = *link) {
+		ent *x = &ents[e - 1];
+		if (x->size != size || x->stream != stream)
+			continue;
+		if (want == 0)
+			want = nroutes[dev] == 0 ? 1 : route_tag(dev, stream);
+		if (x->tag == want)
 			break;
+	}
 	if (e == 0 || !atomic_load_explicit(&front_on, memory_order_relaxed)) {
 		unlock();
 		return NULL;

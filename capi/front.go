@@ -7,6 +7,8 @@ package main
 #cgo noescape cp_front_take
 #cgo nocallback cp_front_take
 #cgo nocallback cp_front_set_on
+#cgo noescape cp_front_set_routes
+#cgo nocallback cp_front_set_routes
 #include "capi.h"
 */
 import "C"
@@ -51,3 +53,17 @@ func (cFront) SetEnabled(on bool) {
 }
 
 func (cFront) Capacity() int { return C.CP_FRONT_LOG }
+
+// SetRoutes makes cFront an allocator.FrontRouter: the C front calls the
+// filters that capi's Go filters call (cp_call_c_filter, cp_call_std_filter).
+func (cFront) SetRoutes(dev int, routes []allocator.FrontRoute) bool {
+	if len(routes) > C.CP_FRONT_MAXROUTES {
+		C.cp_front_set_routes(C.int(dev), nil, 0)
+		return false
+	}
+	var rs [C.CP_FRONT_MAXROUTES]C.cp_route
+	for i, r := range routes {
+		rs[i] = C.cp_route{a: C.uintptr_t(r.Filter.A), b: C.uintptr_t(r.Filter.B), tag: C.uint32_t(r.Tag), kind: C.uint32_t(r.Filter.Kind)}
+	}
+	return C.cp_front_set_routes(C.int(dev), &rs[0], C.int(len(routes))) != 0
+}

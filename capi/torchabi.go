@@ -38,8 +38,8 @@ func cpgo_malloc_ctx(size C.size_t, dev C.int, stream C.uintptr_t, ctx C.ulonglo
 	if err != nil || ferr != nil || track == nil {
 		return mallocEnd(p, tr, err, ferr, track)
 	}
-	if tr {
-		*track = 1
+	if tr != 0 {
+		*track = C.int(tr)
 	}
 	return C.uintptr_t(p)
 }

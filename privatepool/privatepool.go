@@ -48,6 +48,9 @@ type Pool struct {
 	// take a cached block of this pool before anything is freed
 	// (MemPool(use_on_oom=True)).
 	UseOnOOM bool
+	// Serial is a number no other pool of the registry has had (from 1):
+	// it names this pool where a pointer cannot (the front cache's tags).
+	Serial uint32
 }
 
 // SetNoSplit makes the pool hand out whole blocks from now on.
@@ -64,7 +67,8 @@ func (p *Pool) Freeable() bool { return p.UseCount == 0 && !p.Auto }
 
 // Registry maps ids to a device's private pools.
 type Registry struct {
-	pools map[pools.PoolID]*Pool
+	pools  map[pools.PoolID]*Pool
+	serial uint32 // the last pool's Serial
 }
 
 // NewPools makes the two block pools of a new private pool.
@@ -85,7 +89,8 @@ func (r *Registry) Acquire(id pools.PoolID, mk NewPools) *Pool {
 		r.pools = make(map[pools.PoolID]*Pool)
 	}
 	small, large := mk(id)
-	p := &Pool{ID: id, UseCount: 1, Small: small, Large: large}
+	r.serial++
+	p := &Pool{ID: id, UseCount: 1, Small: small, Large: large, Serial: r.serial}
 	r.pools[id] = p
 	return p
 }

@@ -1,0 +1,125 @@
+package allocator
+
+// The front cache during allocate-to-pool phases.
+//
+// A capture announces itself (BeginAllocateToPool) with a stream filter;
+// while it runs, a malloc goes to the private pool of the newest phase whose
+// filter accepts the malloc's stream, and to the default pools otherwise
+// (graphs.Router.Route). Before this file the front served nothing while
+// any phase was under way, so each of a captured forward pass's mallocs
+// entered Go and called the filter from there (docs/hot-path.md section 11).
+//
+// Now a FrontRouter repeats the routing itself:
+//
+//   - Each device's phases are handed to the front (SetRoutes), oldest
+//     first, under the device lock, whenever they change, with each phase's
+//     pool tag (PoolTag of the pool's Serial; TagDefault for the default
+//     pools) and a FilterRef: the C function or std::function that the Go
+//     filter itself calls. A phase begun with a filter only Go can call
+//     (FilterOpaque), or more phases than the front keeps, blocks the front
+//     while they run, as before.
+//   - A block is tracked with the tag of the pool it came from, and only if
+//     that is the pool its malloc routed to: a block a default request
+//     borrowed from a private pool (use_on_oom) is not tracked.
+//   - A malloc in front that finds a waiting block of its size and stream
+//     evaluates the filters, newest first, and takes the block only if its
+//     tag is the routed pool's. The filters run under the front's lock, as
+//     PyTorch's run under its allocator's mutex; SetRoutes takes that lock,
+//     so once it returns no filter it replaced is running or will run (capi
+//     may then delete PyTorch's std::function).
+//   - Frees are unchanged: a tracked block's free is logged whatever its
+//     pool; the replay frees it into its own pool. A capture forbids
+//     driver frees, event queries and synchronization, which the front never
+//     does; its frees and reuses are replayed under the capture rules at the
+//     next call into Go, as before.
+//
+// What a served malloc skips is what a hit skips outside captures (front.go):
+// the best-fit search and merging, and, during a capture with
+// graph_capture_record_stream_reuse, the reclaim walk that a malloc through
+// Go makes first (a block waiting for it is reclaimed at the next one).
+
+import (
+	"github.com/cudapool/cudapool/cuda"
+	"github.com/cudapool/cudapool/pools"
+	"github.com/cudapool/cudapool/privatepool"
+)
+
+// BeginAllocateToPoolRef is BeginAllocateToPool with ref, the same filter in
+// a form the front cache can call (FilterOpaque: none).
+func (a *Allocator) BeginAllocateToPoolRef(dev int, id PoolID, filter func(cuda.Stream) bool, ref FilterRef) error {
+	if filter == nil {
+		ref = FilterRef{Kind: FilterAll}
+	}
+	return a.beginAllocateToPool(dev, id, filter, ref)
+}
+
+// routeBegun records the phase just begun for pool p (d.graphs.Begin
+// succeeded) and gives the device's phases to the front. d.mu is held.
+func (d *device) routeBegun(p *privatepool.Pool, ref FilterRef) {
+	d.routes = append(d.routes, FrontRoute{Tag: PoolTag(p.Serial), Filter: ref})
+	d.pushRoutes()
+}
+
+// routeEnded forgets the phase of pool p (d.graphs.End succeeded). d.mu is
+// held.
+func (d *device) routeEnded(p *privatepool.Pool) {
+	if p == nil {
+		return // End found it: cannot happen
+	}
+	tag := PoolTag(p.Serial)
+	for i, r := range d.routes {
+		if r.Tag == tag {
+			d.routes = append(d.routes[:i], d.routes[i+1:]...)
+			break
+		}
+	}
+	d.pushRoutes()
+}
+
+// pushRoutes gives the device's phases to the front and notes whether it
+// can route them. d.mu is held.
+func (d *device) pushRoutes() {
+	fr, _ := d.front.(FrontRouter)
+	if fr == nil {
+		d.routesOK = len(d.routes) == 0
+		return
+	}
+	ok := true
+	for _, r := range d.routes {
+		ok = ok && r.Filter.Kind != FilterOpaque
+	}
+	if !ok {
+		fr.SetRoutes(d.id, nil) // serves nothing meanwhile: blocked below
+		d.routesOK = false
+		return
+	}
+	d.routesOK = fr.SetRoutes(d.id, d.routes)
+}
+
+// frontBlocked recomputes whether the device has a capture the front
+// cannot route (countCaptures calls it when the count changes). d.mu is
+// held.
+func (d *device) frontBlocked(captures int64) {
+	b := captures != int64(len(d.routes)) || (len(d.routes) > 0 && !d.routesOK)
+	if b != d.blocked {
+		d.blocked = b
+		if b {
+			d.fc.blocked.Add(1)
+		} else {
+			d.fc.blocked.Add(-1)
+		}
+	}
+}
+
+// privateTag is the front tag of b, a block of a private pool: its pool's
+// tag if the malloc routed to that pool (not an automatic one) and the front
+// routes the device's phases, else TagNone. d.mu is held.
+//
+//go:noinline
+func (d *device) privateTag(b *pools.Block) uint32 {
+	p := d.routedTo
+	if !d.routed || p == nil || p.Auto || !d.routesOK || (b.Pool != p.Small && b.Pool != p.Large) {
+		return TagNone
+	}
+	return PoolTag(p.Serial)
+}
