@@ -55,6 +55,37 @@ def test_capture_and_replay():
             torch.testing.assert_close(y, model(new))
 
 
+def test_capture_reusing_freed_activations():
+    """A chain whose activations are freed and reallocated at the same size
+    inside the capture: cudapool's front cache serves those mallocs from the
+    capture's pool (allocator/routing.go). Each replay must compute what the
+    eager chain does, and every intermediate must have stayed in the pool."""
+    torch.manual_seed(0)
+    ws = [torch.randn(512, 512, device="cuda") / 16 for _ in range(12)]
+    x = torch.randn(256, 512, device="cuda")
+
+    def chain(v):
+        for w in ws:
+            v = torch.relu(v @ w) + 0.5  # v's previous value and the matmul's output are freed here
+        return v
+
+    with torch.no_grad():
+        warmup(chain, x)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            y = chain(x)
+        assert gpu_common.pool_of(y.data_ptr()) == tuple(g.pool())
+        # A tensor allocated on the capture's stream after it: the default pool.
+        other = torch.empty(256, 512, device="cuda")
+        assert gpu_common.pool_of(other.data_ptr()) != tuple(g.pool())
+        for _ in range(3):
+            new = torch.randn_like(x)
+            x.copy_(new)
+            g.replay()
+            torch.cuda.synchronize()
+            torch.testing.assert_close(y, chain(new))
+
+
 def test_output_freed_while_the_graph_lives_is_not_handed_out():
     model, x = mlp(d_out=4096), torch.randn(64, 256, device="cuda")
     with torch.no_grad():
