@@ -64,6 +64,8 @@ void cp_front_untrack(uintptr_t p);
 size_t cp_front_take(int dev);
 /* Go: whether the front may serve. */
 void cp_front_set_on(int on);
+/* cudapool_get_front_counters's four counters of device dev; 0 or -1. */
+int cp_front_counters(int dev, unsigned long long out[4]);
 
 /* Allocate-to-pool phases as the front routes them (allocator/routing.go):
  * the pool's tag and the phase's stream filter. kind: CP_ROUTE_ALL (every

@@ -349,6 +349,14 @@ volatile unsigned cp_gather_mask;
 
 unsigned cudapool_gather_mask(void) { return cp_gather_mask; }
 
+int cudapool_get_front_counters(int device, cudapool_front_counters *out) {
+	unsigned long long c[4];
+	if (out == NULL || cp_front_counters(device, c) != 0)
+		return -1;
+	*out = (cudapool_front_counters){c[0], c[1], c[2], c[3]};
+	return 0;
+}
+
 static __thread cudapool_oom_info cp_oom;
 static __thread int cp_oom_set;
 

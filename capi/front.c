@@ -83,6 +83,10 @@ typedef struct {
 	uint32_t reused, wasted; /* blocks reused, and freed for real, in this window */
 	uint32_t cold_streak;    /* cold verdicts in a row */
 	atomic_int cold;         /* blocks still to leave untracked (cold mode) */
+	/* cudapool_get_front_counters: hits, of which pool hits, and cold
+	 * verdicts (guarded by the lock); blocks cold mode left untracked. */
+	unsigned long long hits, pool_hits, cold_verdicts;
+	atomic_ullong cold_skipped;
 } devfront;
 
 /* A hash slot: the pointer is kept here too, so that probing reads only
@@ -205,6 +209,7 @@ void cp_front_track(uintptr_t p, size_t size, uintptr_t stream, int dev, int tra
 	if (atomic_load_explicit(cold, memory_order_relaxed) > 0) {
 		/* Cold: not tracked (a race on the count only moves the window). */
 		atomic_fetch_sub_explicit(cold, 1, memory_order_relaxed);
+		atomic_fetch_add_explicit(&devs[dev].cold_skipped, 1, memory_order_relaxed);
 		if (atomic_load_explicit(&tracked, memory_order_relaxed) != 0)
 			cp_front_untrack(p); /* a stale entry, should one be left */
 		return;
@@ -285,10 +290,32 @@ int cp_front_set_routes(int dev, const cp_route *r, int n) {
 	if (!ok)
 		n = 0;
 	lock(); /* no filter of the old routes runs once this returns */
+	if (n > 0 && nroutes[dev] == 0) {
+		/* Phases begin (a capture): a new pattern, which a cold verdict
+		 * on what came before (model set-up, weights converted and freed)
+		 * says nothing about. Sample it afresh: at most one window. */
+		devfront *d = &devs[dev];
+		atomic_store_explicit(&d->cold, 0, memory_order_relaxed);
+		d->cold_streak = 0;
+		d->reused = d->wasted = 0;
+	}
 	memcpy(routes[dev], r, (size_t)n * sizeof *r);
 	nroutes[dev] = n;
 	unlock();
 	return ok;
+}
+
+int cp_front_counters(int dev, unsigned long long out[4]) {
+	if ((unsigned)dev >= CP_FRONT_MAXDEV)
+		return -1;
+	lock();
+	devfront *d = &devs[dev];
+	out[0] = d->hits;
+	out[1] = d->pool_hits;
+	out[2] = atomic_load_explicit(&d->cold_skipped, memory_order_relaxed);
+	out[3] = d->cold_verdicts;
+	unlock();
+	return 0;
 }
 
 /* route_tag is the tag of the pool a malloc on stream routes to: the newest
@@ -355,6 +382,8 @@ void *cp_front_malloc(size_t size, int dev, uintptr_t stream) {
 	x->next = 0;
 	x->state = LIVE;
 	d->reused++;
+	d->hits++;
+	d->pool_hits += x->tag > 1;
 	__atomic_store_n(&cp_front_n[dev], n, __ATOMIC_RELEASE);
 	unlock();
 	return (void *)x->ptr;
@@ -405,6 +434,7 @@ size_t cp_front_take(int dev) {
 	if (d->reused + d->wasted >= COLD_WINDOW) {
 		if (d->wasted > 2 * d->reused) {
 			atomic_store_explicit(&d->cold, COLD_SKIP << d->cold_streak, memory_order_relaxed);
+			d->cold_verdicts++;
 			if (d->cold_streak < COLD_MAX_SHIFT)
 				d->cold_streak++;
 		} else {

@@ -17,6 +17,9 @@ process (one-off costs) in a table of its own, the later ones in another.
 Each capture starts after the previous graph was deleted; DIAG_KEEP=1 keeps
 every graph instead (as bench/torch_bench.py's graph section does).
 DIAG_CONFIGS (a space-separated list) narrows the configurations.
+For cudapool, a last table gives what its front cache did during each
+later capture (cudapool.front_counters: hits, of which in the capture's
+pool, blocks left untracked in cold mode, cold verdicts).
 DIAG_TIMING=1 times cudapool's calls in each capture (cudapool._ext.timing):
 its allocate() calls during the captured forward (their number, sum, median,
 and the median of their call into the library alone), its
@@ -65,6 +68,7 @@ with torch.no_grad():
         g = torch.cuda.CUDAGraph()
         s = torch.cuda.Stream()
         pc = time.perf_counter
+        f0 = cudapool.front_counters(0) if cfg.startswith("cudapool") else None
         t0 = pc()
         gc.collect(); torch.cuda.synchronize(); torch.cuda.empty_cache()
         t1 = pc()
@@ -77,6 +81,10 @@ with torch.no_grad():
             t4 = pc()
         torch.cuda.synchronize()
         t5 = pc()
+        if f0 is not None and i > 0:  # the front cache during the capture
+            f1 = cudapool.front_counters(0)
+            for k in f1:
+                phases.setdefault("f_" + k, []).append(f1[k] - f0[k])
         for k, v in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t5 - t0)):
             if i > 0:
                 phases[k].append(v * 1e3)
@@ -144,6 +152,16 @@ def main():
                 continue
             cells = [f"{statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f})" for k in tkeys
                      for v in [res[c]["t_" + k]]]
+            print(f"{c:14}" + "".join(f"{x:>20}" for x in cells))
+    fkeys = ("hits", "pool_hits", "cold_skipped", "cold_verdicts")
+    if any(res[c].get("f_hits") for c in CONFIGS):
+        print(f"\ncudapool's front cache per later capture: median (min-max)")
+        print(f"{'config':14}" + "".join(f"{k:>20}" for k in fkeys))
+        for c in CONFIGS:
+            if not res[c].get("f_hits"):
+                continue
+            cells = [f"{statistics.median(v):.0f} ({min(v):.0f}-{max(v):.0f})" for k in fkeys
+                     for v in [res[c]["f_" + k]]]
             print(f"{c:14}" + "".join(f"{x:>20}" for x in cells))
 
 

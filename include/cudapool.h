@@ -200,6 +200,20 @@ typedef struct {
 /* 0 on success, -1 on failure. */
 int cudapool_get_device_stats(int device, cudapool_device_stats *out);
 
+/* The front cache (a cache in C that serves a malloc of the size and stream
+ * of a block freed since the last call into Go, without entering Go;
+ * front_cache:False turns it off): what it did on a device since the
+ * process started. */
+typedef struct {
+	unsigned long long hits;          /* mallocs it served */
+	unsigned long long pool_hits;     /* of those, routed to a private pool (a graph capture, a MemPool) */
+	unsigned long long cold_skipped;  /* blocks it did not track, in cold mode (sizes that do not repeat) */
+	unsigned long long cold_verdicts; /* how often it went cold */
+} cudapool_front_counters;
+
+/* 0 and *out filled, or -1 for a device the front does not serve (16 or more). */
+int cudapool_get_front_counters(int device, cudapool_front_counters *out);
+
 /* The largest block cudapool could hand out on device without asking the
  * driver, PyTorch's cacheInfo: *largest is raised to the largest cached free
  * block; a *largest of 0 first becomes the device's free memory. */

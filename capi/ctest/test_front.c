@@ -410,6 +410,14 @@ static int do_free(int i, int path) {
 	return 1;
 }
 
+/* Device 0's front counters (cudapool_get_front_counters). */
+static cudapool_front_counters counters0(void) {
+	cudapool_front_counters c;
+	memset(&c, 0xff, sizeof c);
+	QCHECK(cudapool_get_front_counters(0, &c) == 0, "get_front_counters(0)");
+	return c;
+}
+
 static const char *stat_names[] = {"all", "small", "large"};
 
 static int stat_eq(cudapool_stat s, mstat m) {
@@ -636,6 +644,7 @@ static void set_routing(int d, int k, int on) {
 static void random_part(uint64_t seed, long nops, int capture_like) {
 	printf("-- random sequence%s: seed %llu, %ld operations, %d device(s)\n", capture_like ? ", capture-like" : "",
 	       (unsigned long long)seed, nops, ndev);
+	cudapool_front_counters k0 = counters0();
 	rng = seed * 0x9E3779B97F4A7C15ULL + 1;
 	for (long step = 0; step < nops; step++) {
 		/* Phases: pool 1's on for ~100 operations, off for ~700; pool 2's
@@ -786,6 +795,14 @@ static void random_part(uint64_t seed, long nops, int capture_like) {
 	       n_reuses, n_reuses_routed, atomic_load(&filter_calls));
 	if (front_expected)
 		CHECK(n_reuses > 0, "with the front on, mallocs reused freed blocks (%ld)", n_reuses);
+	cudapool_front_counters k1 = counters0();
+	printf("      device 0's front: %llu hits, %llu of them in a private pool; %llu blocks left untracked in cold mode, "
+	       "%llu cold verdicts\n", k1.hits - k0.hits, k1.pool_hits - k0.pool_hits, k1.cold_skipped - k0.cold_skipped,
+	       k1.cold_verdicts - k0.cold_verdicts);
+	if (capture_like)
+		CHECK(front_expected ? k1.pool_hits - k0.pool_hits >= 100 : k1.hits == k0.hits,
+		      "the front served the phases' pools %llu times (front %s)", k1.pool_hits - k0.pool_hits,
+		      front_expected ? "on: at least 100" : "off: never");
 }
 
 /* ------------------------------------------------------------------ */
@@ -794,15 +811,19 @@ static void random_part(uint64_t seed, long nops, int capture_like) {
  * lower one. Shows that the front, not the allocator, served them. */
 static void lifo_probe(void) {
 	printf("-- the front serves the block freed last\n");
+	cudapool_front_counters c0 = counters0();
 	cudapool_stream s = STREAM(0x9000);
 	void *a = cudapool_malloc(8192, 0, s), *b = cudapool_malloc(8192, 0, s);
 	cudapool_free(a, 8192, 0, s);
 	cudapool_free(b, 8192, 0, s);
 	void *c = cudapool_malloc(8192, 0, s), *d = cudapool_malloc(8192, 0, s);
+	cudapool_front_counters c1 = counters0();
 	if (front_expected)
 		CHECK(a && b && c == b && d == a, "freed a then b, malloc gives b then a (front on)");
 	else
 		CHECK(a && b && c && d && c != d, "two mallocs, two blocks (front off)");
+	CHECK(c1.hits - c0.hits == (front_expected ? 2u : 0u) && c1.pool_hits == c0.pool_hits,
+	      "the front counted %llu hits (expected %d), no pool hit", c1.hits - c0.hits, front_expected ? 2 : 0);
 	cudapool_free(c, 8192, 0, s);
 	cudapool_free(d, 8192, 0, s);
 	/* Counted in the model, so that its peaks and sums stay those of the
@@ -860,6 +881,7 @@ static void phase_probe(void) {
 	probe_free(a, n);
 	probe_free(b, n);
 	long calls0 = atomic_load(&filter_calls);
+	cudapool_front_counters k0 = counters0();
 	void *c = probe_malloc(n, s), *d = probe_malloc(n, s);
 	if (front_expected) {
 		CHECK(c == b && d == a, "freed a then b during the phase, malloc gives b then a (the front served)");
@@ -893,6 +915,10 @@ static void phase_probe(void) {
 	void *g = probe_malloc(n, s);
 	CHECK(g && g != e && base_of(g) != base_of(a), "after the phase: a default block, not the pool's");
 	CHECK(cudapool_last_error() == NULL, "no error in the probe (%s)", cudapool_last_error() ? cudapool_last_error() : "");
+	cudapool_front_counters k1 = counters0();
+	CHECK(k1.pool_hits - k0.pool_hits == (front_expected ? 3u : 0u) && k1.hits - k0.hits == k1.pool_hits - k0.pool_hits,
+	      "the front counted %llu pool hits of %llu (expected 3 of 3 with the front on)", k1.pool_hits - k0.pool_hits,
+	      k1.hits - k0.hits);
 
 	probe_free(c, n);
 	probe_free(d, n);

@@ -8,7 +8,9 @@
  *   - each further cold verdict in a row doubles the skip, up to
  *     COLD_SKIP << COLD_MAX_SHIFT;
  *   - a window with reuse resets the skip to COLD_SKIP;
- *   - another device is not affected.
+ *   - another device is not affected;
+ *   - allocate-to-pool phases beginning end a cold stretch;
+ *   - the counters of cudapool_get_front_counters.
  */
 #include <stdio.h>
 
@@ -116,6 +118,26 @@ int main(void) {
 	long got = cold_stretch(0, 4L * (COLD_SKIP << COLD_MAX_SHIFT));
 	CHECK(got == COLD_SKIP, "after a window with reuse, the next cold stretch is %d blocks again (got %ld)", COLD_SKIP,
 	      got);
+
+	/* Phases beginning (a capture) end a cold stretch: a new pattern. */
+	while (wasted_block(2))
+		;
+	CHECK(!wasted_block(2), "device 2 is cold");
+	cp_route all = {.tag = 2, .kind = CP_ROUTE_ALL};
+	CHECK(cp_front_set_routes(2, &all, 1), "a phase with a NULL filter can be routed");
+	CHECK(wasted_block(2), "phases began: device 2 tracks its blocks again");
+	CHECK(cp_front_set_routes(2, NULL, 0), "the phase ends");
+	cp_route many[CP_FRONT_MAXROUTES + 1] = {{0}};
+	CHECK(!cp_front_set_routes(2, many, CP_FRONT_MAXROUTES + 1), "more phases than the front keeps are refused");
+
+	/* The counters. Device 0: every hit above; cold verdicts 1 (the first
+	 * window) + COLD_MAX_SHIFT + 2 in a row + 1 after the reset. */
+	unsigned long long c[4];
+	CHECK(cp_front_counters(0, c) == 0, "device 0's counters");
+	CHECK(c[0] == (unsigned long long)hits && c[1] == 0, "hits %llu (expected %d), pool hits %llu (0)", c[0], hits, c[1]);
+	CHECK(c[3] == COLD_MAX_SHIFT + 4, "cold verdicts %llu (expected %d)", c[3], COLD_MAX_SHIFT + 4);
+	CHECK(c[2] > (unsigned long long)COLD_SKIP * (1ull << COLD_MAX_SHIFT), "blocks left untracked: %llu", c[2]);
+	CHECK(cp_front_counters(CP_FRONT_MAXDEV, c) == -1, "no counters for a device the front does not serve");
 
 	printf("%d passed, %d failed\n", passed, failed);
 	return failed != 0;

@@ -37,6 +37,7 @@ __all__ = [
     "configure",
     "memory_stats",
     "memory_stats_as_nested_dict",
+    "front_counters",
     "memory_allocated",
     "memory_reserved",
     "max_memory_allocated",
@@ -118,6 +119,15 @@ def memory_stats(device=None):
     """torch.cuda.memory_stats() for cudapool: an OrderedDict sorted by key."""
     stats = _lib.memory_stats(_device_index(device))
     return collections.OrderedDict(sorted(stats.items()))
+
+
+def front_counters(device=None):
+    """What cudapool's front cache did on device since the process started:
+    ``hits`` (mallocs it served without entering Go), ``pool_hits`` (of
+    those, in a graph capture's or MemPool's private pool), ``cold_skipped``
+    (blocks it did not track because sizes stopped repeating) and
+    ``cold_verdicts``. All 0 with ``front_cache:False``."""
+    return _lib.front_counters(_device_index(device))
 
 
 def memory_stats_as_nested_dict(device=None):

@@ -2,11 +2,14 @@
 allocations made."""
 
 import collections
+import json
 
 import pytest
 
 import cudapool
 from cudapool import _lib
+
+import helpers
 
 MiB = 1 << 20
 
@@ -136,3 +139,33 @@ def test_stats_of_each_device_are_separate(allocs):
     assert cudapool.memory_stats(1)["allocation.all.current"] == 1
     assert cudapool.memory_stats(0)["allocation.all.current"] == 0
     assert _lib.memory_stats(1)["reserved_bytes.all.current"] == 20 * MiB
+
+
+
+def test_front_counters_count_hits():
+    """A free then a malloc of the same size and stream is served by the front
+    cache and counted (in a fresh process: the front serves only once
+    captures are announced, which is for good); bad devices raise."""
+    out = helpers.run_code("""
+        import ctypes, json
+        import cudapool
+        from cudapool import _lib
+        ctypes.CDLL(cudapool.library_path()).cudapool_expect_announced_captures()
+        before = cudapool.front_counters(0)
+        p = _lib.malloc(8192)
+        _lib.free(p, 8192)
+        q = _lib.malloc(8192)
+        after = cudapool.front_counters(0)
+        _lib.free(q, 8192)
+        try:
+            _lib.front_counters(16)
+            bad = "no error"
+        except cudapool.CudapoolError as e:
+            bad = str(e)
+        print(json.dumps([sorted(before), p == q, after["hits"] - before["hits"], after["pool_hits"], bad]))
+    """)
+    assert out.returncode == 0, out.stderr
+    keys, same, hits, pool_hits, bad = json.loads(out.stdout.splitlines()[-1])
+    assert keys == ["cold_skipped", "cold_verdicts", "hits", "pool_hits"]
+    assert same and hits == 1 and pool_hits == 0
+    assert "devices 0-15" in bad

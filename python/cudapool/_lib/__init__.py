@@ -110,6 +110,7 @@ _SIGNATURES = {
     "cudapool_snapshot_json": (ctypes.c_void_p, []),
     "cudapool_string_free": (None, [ctypes.c_void_p]),
     "cudapool_reset_peak_stats": (None, [ctypes.c_int]),
+    "cudapool_get_front_counters": (ctypes.c_int, [ctypes.c_int, ctypes.c_void_p]),
     "cudapool_reset_accumulated_stats": (None, [ctypes.c_int]),
     "cudapool_configure": (ctypes.c_int, [ctypes.c_char_p]),
     "cudapool_last_error": (ctypes.c_char_p, []),
@@ -328,6 +329,20 @@ def _take_string(p, what):
         return ctypes.string_at(p).decode("utf-8")
     finally:
         _fn("cudapool_string_free")(p)
+
+
+class FrontCounters(ctypes.Structure):
+    """cudapool_front_counters (include/cudapool.h)."""
+
+    _fields_ = [(name, ctypes.c_ulonglong) for name in ("hits", "pool_hits", "cold_skipped", "cold_verdicts")]
+
+
+def front_counters(device=0):
+    """The front cache's counters of device as a dict (cudapool_get_front_counters)."""
+    c = FrontCounters()
+    if _fn("cudapool_get_front_counters")(device, ctypes.byref(c)) != 0:
+        raise CudapoolError(f"cudapool_get_front_counters({device}): the front cache serves devices 0-15 only")
+    return {name: getattr(c, name) for name, _ in FrontCounters._fields_}
 
 
 def memory_stats_json(device=0):
