@@ -122,6 +122,7 @@ type device struct {
 	// not nil, is where front's Pending(id) reads (a FrontFlags).
 	front     Front
 	frontFlag *int32
+	frontHeld *int32 // with frontFlag: where Holding(id) reads
 	frontBuf  []PendingFree
 	fc        *frontCtl // the allocator's
 	// tag is the front tag of the last malloc's block (routing.go), set
@@ -824,7 +825,7 @@ func (a *Allocator) MallocTracked(dev int, size uint64, s cuda.Stream, ctx uint6
 	// first 128 are tried on dev first: the C queue holds 65).
 	var done [2]uint64
 	others := 0
-	d.lock()
+	d.lockMalloc()
 	for i := range frees {
 		f := &frees[i]
 		if f.Dev != dev {

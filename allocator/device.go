@@ -81,9 +81,11 @@ func (d *device) malloc(size uint64, s cuda.Stream, capture uint64) (cuda.Ptr, e
 	r := d.cache.NewRequest(size, s, small, large)
 	b := d.cache.TakeFree(&r)
 	if b == nil {
-		var err error
-		if b, err = d.grow(&r, capturing); err != nil {
-			return 0, err
+		if b = d.heldFit(&r); b == nil {
+			var err error
+			if b, err = d.grow(&r, capturing); err != nil {
+				return 0, err
+			}
 		}
 	}
 	b = d.cache.Allocate(&r, b)

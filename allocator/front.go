@@ -67,6 +67,8 @@ import (
 	"fmt"
 	"sync"
 	"sync/atomic"
+
+	"github.com/cudapool/cudapool/pools"
 )
 
 // Front is a cache in front of the allocator whose operations it replays.
@@ -76,9 +78,15 @@ type Front interface {
 	// called under the device lock on every operation and must be cheap
 	// (an unlocked read; a stale answer is taken next time).
 	Pending(dev int) bool
+	// Holding reports whether the front may hold blocks of device dev
+	// across takes (cheap, like Pending).
+	Holding(dev int) bool
 	// Take moves device dev's logged operations into buf, oldest first, and
 	// returns them; the front forgets the blocks whose real free they hold.
-	Take(dev int, buf []PendingFree) []PendingFree
+	// With keep (a malloc's take), a block whose last free is in the log may
+	// stay held (OpHold; see the design note); without, every held block is
+	// released too (OpRelease).
+	Take(dev int, buf []PendingFree, keep bool) []PendingFree
 	// SetEnabled tells the front whether it may serve frees and mallocs.
 	SetEnabled(on bool)
 	// Capacity is the most operations one Take returns.
@@ -138,8 +146,9 @@ func PoolTag(serial uint32) uint32 { return serial + 1 }
 type FrontFlags interface {
 	Front
 	// PendingFlag returns the word Pending(dev) reads atomically, or nil
-	// if Pending(dev) is not such a read.
+	// if Pending(dev) is not such a read; HeldFlag the word of Holding(dev).
 	PendingFlag(dev int) *int32
+	HeldFlag(dev int) *int32
 }
 
 // FrontOp says what a PendingFree replays.
@@ -156,6 +165,12 @@ const (
 	// OpCycles is Count frees of a block, each followed at once by its
 	// reuse.
 	OpCycles
+	// OpRelease is the real free of a held block (OpHold).
+	OpRelease
+	// OpHold is the free of a block the front keeps across takes: counted
+	// at once, the block stays allocated here (pools.Block.Held) until
+	// its OpReuse or OpRelease.
+	OpHold
 )
 
 // frontCtl is the allocator's side of its Front.
@@ -178,7 +193,10 @@ func (a *Allocator) SetFront(f Front) {
 	for _, d := range a.devs {
 		d.front = f
 		if ff != nil {
-			d.frontFlag = ff.PendingFlag(d.id)
+			d.frontFlag, d.frontHeld = ff.PendingFlag(d.id), ff.HeldFlag(d.id)
+			if d.frontFlag == nil || d.frontHeld == nil {
+				d.frontFlag, d.frontHeld = nil, nil
+			}
 		}
 		d.frontBuf = make([]PendingFree, 0, f.Capacity())
 	}
@@ -205,21 +223,49 @@ func (fc *frontCtl) sync() {
 	}
 }
 
-// lock takes the device lock and replays the front's log.
+// lock takes the device lock and replays the front's log, releasing the
+// blocks it holds: every operation but a malloc sees the structures as they
+// would be without the front.
 func (d *device) lock() {
 	d.mu.Lock()
 	if f := d.frontFlag; f != nil {
-		if atomic.LoadInt32(f) != 0 {
-			d.replayFront()
+		if atomic.LoadInt32(f)|atomic.LoadInt32(d.frontHeld) != 0 {
+			d.replayFront(false)
 		}
-	} else if d.front != nil && d.front.Pending(d.id) {
-		d.replayFront()
+	} else if d.front != nil && (d.front.Pending(d.id) || d.front.Holding(d.id)) {
+		d.replayFront(false)
 	}
 }
 
+// lockMalloc is lock for a malloc: the front may keep holding blocks (a
+// malloc that finds no other block releases them before it grows: heldFit).
+func (d *device) lockMalloc() {
+	d.mu.Lock()
+	if f := d.frontFlag; f != nil {
+		if atomic.LoadInt32(f) != 0 {
+			d.replayFront(true)
+		}
+	} else if d.front != nil && d.front.Pending(d.id) {
+		d.replayFront(true)
+	}
+}
+
+// heldFit releases the blocks the front holds and searches again, for a
+// request that found no free block: held blocks never make a device grow.
+// d.mu is held.
+//
+//go:noinline
+func (d *device) heldFit(r *pools.Request) *pools.Block {
+	if d.front == nil || !d.front.Holding(d.id) {
+		return nil
+	}
+	d.replayFront(false)
+	return d.cache.TakeFree(r)
+}
+
 // replayFront performs the front's logged operations in order. d.mu is held.
-func (d *device) replayFront() {
-	ops := d.front.Take(d.id, d.frontBuf[:0])
+func (d *device) replayFront(keep bool) {
+	ops := d.front.Take(d.id, d.frontBuf[:0], keep)
 	for i := range ops {
 		op := &ops[i]
 		if op.Op == OpFree {
@@ -242,6 +288,10 @@ func (d *device) replayFront() {
 			d.cache.CountFrontReuse(b)
 		case OpCycles:
 			d.cache.CountFrontCycles(b, int64(op.Count))
+		case OpRelease:
+			d.cache.ReleaseWaiting(b)
+		case OpHold:
+			d.cache.CountFrontHold(b)
 		}
 	}
 }

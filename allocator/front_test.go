@@ -6,6 +6,7 @@ import (
 
 	"github.com/cudapool/cudapool/allocator"
 	"github.com/cudapool/cudapool/cuda"
+	"github.com/cudapool/cudapool/pools"
 	"github.com/stretchr/testify/require"
 )
 
@@ -13,7 +14,8 @@ import (
 type fakeFront struct{ log []allocator.PendingFree }
 
 func (f *fakeFront) Pending(dev int) bool { return len(f.log) != 0 }
-func (f *fakeFront) Take(dev int, buf []allocator.PendingFree) []allocator.PendingFree {
+func (f *fakeFront) Holding(dev int) bool { return false }
+func (f *fakeFront) Take(dev int, buf []allocator.PendingFree, keep bool) []allocator.PendingFree {
 	buf = append(buf, f.log...)
 	f.log = f.log[:0]
 	return buf
@@ -25,13 +27,15 @@ func (f *fakeFront) Capacity() int      { return 64 }
 // allocator.FrontFlags (as capi's C front does).
 type flagFront struct {
 	fakeFront
-	n int32 // non-zero while the log holds operations
+	n    int32 // non-zero while the log holds operations
+	held int32 // never set: no block is held
 }
 
 func (f *flagFront) Pending(dev int) bool       { return atomic.LoadInt32(&f.n) != 0 }
 func (f *flagFront) PendingFlag(dev int) *int32 { return &f.n }
-func (f *flagFront) Take(dev int, buf []allocator.PendingFree) []allocator.PendingFree {
-	buf = f.fakeFront.Take(dev, buf)
+func (f *flagFront) HeldFlag(dev int) *int32    { return &f.held }
+func (f *flagFront) Take(dev int, buf []allocator.PendingFree, keep bool) []allocator.PendingFree {
+	buf = f.fakeFront.Take(dev, buf, keep)
 	atomic.StoreInt32(&f.n, 0)
 	return buf
 }
@@ -205,4 +209,71 @@ func TestFrontBlockedByPhases(t *testing.T) {
 			require.NoError(t, a.Free(0, p, 0))
 		})
 	}
+}
+
+// holdFront is a Go front that holds blocks across takes as capi's does:
+// the test logs a free as statistics only and marks the block held; a take
+// without keep releases it.
+type holdFront struct {
+	log  []allocator.PendingFree
+	held []cuda.Ptr
+	keep []bool // what each Take was asked
+}
+
+func (f *holdFront) Pending(dev int) bool { return len(f.log) != 0 }
+func (f *holdFront) Holding(dev int) bool { return len(f.held) != 0 }
+func (f *holdFront) Take(dev int, buf []allocator.PendingFree, keep bool) []allocator.PendingFree {
+	f.keep = append(f.keep, keep)
+	buf = append(buf, f.log...)
+	f.log = f.log[:0]
+	if !keep {
+		for _, p := range f.held {
+			buf = append(buf, allocator.PendingFree{Ptr: p, Op: allocator.OpRelease})
+		}
+		f.held = f.held[:0]
+	}
+	return buf
+}
+func (f *holdFront) SetEnabled(on bool) {}
+func (f *holdFront) Capacity() int      { return 128 }
+
+// A held block: its free is counted at once, the block stays allocated
+// while mallocs run, a malloc that finds no other block releases it rather
+// than grow, and every other operation releases it first.
+func TestFrontHeldBlocks(t *testing.T) {
+	lockThread(t)
+	a, _ := newAlloc(t, 1, 8*GiB, "")
+	f := &holdFront{}
+	a.SetFront(f)
+	a.ExpectAnnouncements()
+
+	p, track, err, _ := a.MallocTracked(0, 60*MiB, 0, 0, nil)
+	require.NoError(t, err)
+	require.Equal(t, allocator.TagDefault, track)
+	f.log = append(f.log, allocator.PendingFree{Ptr: p, Op: allocator.OpHold})
+	f.held = append(f.held, p)
+
+	// A malloc keeps it held (its take has keep), then, finding no free
+	// block, releases it and splits it instead of growing.
+	q, _, err, _ := a.MallocTracked(0, 50*MiB, 0, 0, nil)
+	require.NoError(t, err)
+	require.Equal(t, []bool{true, false}, f.keep, "the malloc's take keeps, the release before growing does not")
+	require.Equal(t, p, q, "the held block's memory, split")
+	st, err := a.Stats(0)
+	require.NoError(t, err)
+	require.EqualValues(t, 1, st.NumDeviceAlloc, "no second segment")
+	require.Equal(t, pools.Stat{Current: 1, Peak: 1, Allocated: 2, Freed: 1}, st.Allocation[0],
+		"the held block's free counted once")
+	require.EqualValues(t, 50*MiB, st.AllocatedBytes[0].Current)
+
+	// Held again; a statistics read (any operation but a malloc) releases it.
+	f.log = append(f.log, allocator.PendingFree{Ptr: q, Op: allocator.OpHold})
+	f.held = append(f.held, q)
+	st, err = a.Stats(0)
+	require.NoError(t, err)
+	require.Empty(t, f.held)
+	require.Equal(t, pools.Stat{Current: 0, Peak: 1, Allocated: 2, Freed: 2}, st.Allocation[0])
+	require.Zero(t, st.Active[0].Current)
+	require.Zero(t, st.InactiveSplit[0].Current, "released and merged: no split block left")
+	require.Error(t, a.Free(0, q, 0), "the block is free: a second free is an error")
 }

@@ -32,7 +32,7 @@ typedef struct {
 } cp_pending_free;
 
 /* allocator.FrontOp's values (capi's tests check they agree). */
-enum { CP_OP_FREE = 0, CP_OP_FREE_STATS = 1, CP_OP_REUSE = 2, CP_OP_CYCLES = 3 };
+enum { CP_OP_FREE = 0, CP_OP_FREE_STATS = 1, CP_OP_REUSE = 2, CP_OP_CYCLES = 3, CP_OP_RELEASE = 4, CP_OP_HOLD = 5 };
 
 /* ---- The front cache (front.c; design in allocator/front.go). ---- */
 
@@ -40,11 +40,14 @@ enum { CP_OP_FREE = 0, CP_OP_FREE_STATS = 1, CP_OP_REUSE = 2, CP_OP_CYCLES = 3 }
  * device log. */
 #define CP_FRONT_MAXDEV 16
 #define CP_FRONT_LOG 64
+/* Blocks a device's front may hold across takes (allocator/front.go). */
+#define CP_FRONT_HOLD 64
 
-/* Log lengths, read by Go without the lock. */
+/* Log lengths, and how many blocks are held, read by Go without the lock. */
 extern volatile int cp_front_n[CP_FRONT_MAXDEV];
-/* Where cp_front_take writes a device's log. */
-extern cp_pending_free cp_front_out[CP_FRONT_MAXDEV][CP_FRONT_LOG];
+extern volatile int cp_front_held[CP_FRONT_MAXDEV];
+/* Where cp_front_take writes a device's log (and the releases of held blocks). */
+extern cp_pending_free cp_front_out[CP_FRONT_MAXDEV][CP_FRONT_LOG + CP_FRONT_HOLD];
 
 /* Serves a malloc from the blocks waiting in front, or returns NULL. */
 void *cp_front_malloc(size_t size, int dev, uintptr_t stream);
@@ -59,9 +62,11 @@ int cp_front_free(uintptr_t p, size_t size, int dev, int any_dev);
 void cp_front_track(uintptr_t p, size_t size, uintptr_t stream, int dev, int track);
 /* Stops tracking p (before record_stream, IPC and frees through Go). */
 void cp_front_untrack(uintptr_t p);
-/* Moves device dev's log to cp_front_out[dev]; returns its length. Called
- * by Go under the device lock. */
-size_t cp_front_take(int dev);
+/* Moves device dev's log to cp_front_out[dev]; returns its length. With
+ * keep (a malloc's take) the blocks whose last free is in the log stay in
+ * front, held, as long as the front is on and has room; without, every held
+ * block is released too. Called by Go under the device lock. */
+size_t cp_front_take(int dev, int keep);
 /* Go: whether the front may serve. */
 void cp_front_set_on(int on);
 /* cudapool_get_front_counters's four counters of device dev; 0 or -1. */

@@ -55,8 +55,11 @@
 #define COLD_MAX_SHIFT 6
 
 /* DEAD: forgotten while its device's log still names it; recycled by the
- * device's next take, so that a record never names another block. */
-enum { LIVE = 1, FREED = 2, DEAD = 3 };
+ * device's next take, so that a record never names another block. HELD: a
+ * waiting block whose free an earlier take handed to Go as statistics only
+ * (cp_front_take with keep); to Go it is still allocated. RELEASING: within
+ * a take, a waiting block Go frees for real. */
+enum { LIVE = 1, FREED = 2, DEAD = 3, HELD = 4, RELEASING = 5 };
 enum { R_FREE = 1, R_REUSE, R_CYCLE };
 
 typedef struct {
@@ -83,6 +86,7 @@ typedef struct {
 	uint32_t reused, wasted; /* blocks reused, and freed for real, in this window */
 	uint32_t cold_streak;    /* cold verdicts in a row */
 	atomic_int cold;         /* blocks still to leave untracked (cold mode) */
+	int32_t gone[CP_FRONT_LOG + CP_FRONT_HOLD]; /* a take's RELEASING entries */
 	/* cudapool_get_front_counters: hits, of which pool hits, and cold
 	 * verdicts (guarded by the lock); blocks cold mode left untracked. */
 	unsigned long long hits, pool_hits, cold_verdicts;
@@ -106,10 +110,12 @@ static cp_route routes[CP_FRONT_MAXDEV][CP_FRONT_MAXROUTES]; /* oldest first */
 static int nroutes[CP_FRONT_MAXDEV];
 static atomic_int lock_word;
 
-/* Log lengths, written under the lock and read by Go without it (a hint). */
+/* Log lengths and held blocks, written under the lock and read by Go without
+ * it (a hint). */
 volatile int cp_front_n[CP_FRONT_MAXDEV];
+volatile int cp_front_held[CP_FRONT_MAXDEV];
 /* Where cp_front_take writes a device's log for Go (guarded by Go's device lock). */
-cp_pending_free cp_front_out[CP_FRONT_MAXDEV][CP_FRONT_LOG];
+cp_pending_free cp_front_out[CP_FRONT_MAXDEV][CP_FRONT_LOG + CP_FRONT_HOLD];
 /* Whether the front may serve: written by Go (cp_front_set_on), read
  * without the lock as a hint and again under it. */
 static atomic_int front_on;
@@ -343,7 +349,7 @@ static uint32_t route_tag(int dev, uintptr_t stream) {
 
 void *cp_front_malloc(size_t size, int dev, uintptr_t stream) {
 	if (!atomic_load_explicit(&front_on, memory_order_relaxed) || (unsigned)dev >= CP_FRONT_MAXDEV ||
-	    cp_front_n[dev] == 0)
+	    (cp_front_n[dev] == 0 && cp_front_held[dev] == 0))
 		return NULL; /* no block waits on this device */
 	lock();
 	devfront *d = &devs[dev];
@@ -380,6 +386,9 @@ void *cp_front_malloc(size_t size, int dev, uintptr_t stream) {
 	ent *x = &ents[e - 1];
 	*link = x->next;
 	x->next = 0;
+	if (x->state == HELD)
+		__atomic_store_n(&cp_front_held[dev], cp_front_held[dev] - 1, __ATOMIC_RELAXED);
+	x->inlog = 1; /* a held block's free is not in the log: its reuse is the record that names it */
 	x->state = LIVE;
 	d->reused++;
 	d->hits++;
@@ -389,12 +398,14 @@ void *cp_front_malloc(size_t size, int dev, uintptr_t stream) {
 	return (void *)x->ptr;
 }
 
-size_t cp_front_take(int dev) {
+size_t cp_front_take(int dev, int keep) {
 	if ((unsigned)dev >= CP_FRONT_MAXDEV)
 		return 0;
 	lock();
 	devfront *d = &devs[dev];
-	int n = cp_front_n[dev];
+	int n = cp_front_n[dev], out_n = n, ngone = 0;
+	int held = cp_front_held[dev];
+	keep = keep && atomic_load_explicit(&front_on, memory_order_relaxed);
 	cp_pending_free *out = cp_front_out[dev];
 	for (int i = 0; i < n; i++) {
 		rec r = d->log[i];
@@ -404,11 +415,19 @@ size_t cp_front_take(int dev) {
 		switch (r.kind) {
 		case R_FREE:
 			if (x->state == FREED && x->lastfree == i) {
-				/* Its last free, and no reuse followed: a real free, and
-				 * the block leaves the front (no later record names it). */
-				f.op = CP_OP_FREE;
-				forget((uint32_t)find(x->ptr));
-				d->wasted++;
+				/* Its last free, and no reuse followed: the block stays
+				 * in front, held (Go counts the free and keeps the block
+				 * allocated), or Go frees it for real and it leaves. */
+				if (keep && held < CP_FRONT_HOLD) {
+					f.op = CP_OP_HOLD;
+					x->state = HELD;
+					held++;
+				} else {
+					f.op = CP_OP_FREE;
+					x->state = RELEASING;
+					d->gone[ngone++] = r.ent;
+					d->wasted++;
+				}
 			} else {
 				f.op = CP_OP_FREE_STATS;
 			}
@@ -422,8 +441,30 @@ size_t cp_front_take(int dev) {
 		}
 		out[i] = f;
 	}
-	/* Every waiting block of the device had its free in this log. */
-	memset(d->bucket, 0, sizeof d->bucket);
+	/* Every waiting block of the device is now HELD or RELEASING (a FREED
+	 * one had its free in this log): the reuse lists keep the held ones,
+	 * in order, and without keep these are released too. */
+	for (int b = 0; b < BUCKETS; b++) {
+		int32_t *link = &d->bucket[b];
+		for (int32_t e = *link; e != 0; e = *link) {
+			ent *x = &ents[e - 1];
+			if (x->state == HELD && keep) {
+				link = &x->next;
+				continue;
+			}
+			*link = x->next;
+			if (x->state == HELD) {
+				out[out_n++] = (cp_pending_free){.ptr = x->ptr, .device = dev, .op = CP_OP_RELEASE};
+				x->state = RELEASING;
+				d->gone[ngone++] = e;
+				held--;
+				d->wasted++;
+			}
+		}
+	}
+	/* The released blocks leave the table (forget reuses their links). */
+	for (int k = 0; k < ngone; k++)
+		forget((uint32_t)find(ents[d->gone[k] - 1].ptr));
 	while (d->dead != 0) {
 		int32_t e = d->dead;
 		d->dead = ents[e - 1].next;
@@ -442,7 +483,8 @@ size_t cp_front_take(int dev) {
 		}
 		d->reused = d->wasted = 0;
 	}
+	__atomic_store_n(&cp_front_held[dev], held, __ATOMIC_RELAXED);
 	__atomic_store_n(&cp_front_n[dev], 0, __ATOMIC_RELEASE);
 	unlock();
-	return (size_t)n;
+	return (size_t)out_n;
 }

@@ -36,8 +36,25 @@ func (cFront) PendingFlag(dev int) *int32 {
 	return (*int32)(unsafe.Pointer(&C.cp_front_n[dev]))
 }
 
-func (cFront) Take(dev int, buf []allocator.PendingFree) []allocator.PendingFree {
-	n := int(C.cp_front_take(C.int(dev)))
+// HeldFlag is the word Holding(dev) reads: the blocks held across takes.
+func (cFront) HeldFlag(dev int) *int32 {
+	if uint(dev) >= C.CP_FRONT_MAXDEV {
+		return nil
+	}
+	return (*int32)(unsafe.Pointer(&C.cp_front_held[dev]))
+}
+
+func (f cFront) Holding(dev int) bool {
+	p := f.HeldFlag(dev)
+	return p != nil && atomic.LoadInt32(p) != 0
+}
+
+func (cFront) Take(dev int, buf []allocator.PendingFree, keep bool) []allocator.PendingFree {
+	k := C.int(0)
+	if keep {
+		k = 1
+	}
+	n := int(C.cp_front_take(C.int(dev), k))
 	if n == 0 {
 		return buf
 	}
@@ -52,7 +69,7 @@ func (cFront) SetEnabled(on bool) {
 	C.cp_front_set_on(v)
 }
 
-func (cFront) Capacity() int { return C.CP_FRONT_LOG }
+func (cFront) Capacity() int { return C.CP_FRONT_LOG + C.CP_FRONT_HOLD }
 
 // SetRoutes makes cFront an allocator.FrontRouter: the C front calls the
 // filters that capi's Go filters call (cp_call_c_filter, cp_call_std_filter).

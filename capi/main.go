@@ -175,6 +175,8 @@ const (
 	_ = 0 - (uint8(C.CP_OP_FREE_STATS) ^ uint8(allocator.OpFreeStats))
 	_ = 0 - (uint8(C.CP_OP_REUSE) ^ uint8(allocator.OpReuse))
 	_ = 0 - (uint8(C.CP_OP_CYCLES) ^ uint8(allocator.OpCycles))
+	_ = 0 - (uint8(C.CP_OP_RELEASE) ^ uint8(allocator.OpRelease))
+	_ = 0 - (uint8(C.CP_OP_HOLD) ^ uint8(allocator.OpHold))
 	// The front's route kind and tag for a nil filter and the default pools.
 	_ = 0 - (uint8(C.CP_ROUTE_ALL) ^ allocator.FilterAll)
 	_ = 0 - (uint32(1) ^ allocator.TagDefault)

@@ -92,6 +92,10 @@ type Block struct {
 	inSet       bool
 
 	Allocated bool
+	// Held marks an allocated block that waits in a front cache across
+	// calls: the user freed it and the statistics count it free
+	// (CountFrontHold) until its reuse or release (ReleaseWaiting).
+	Held bool
 	// Unmapped marks a block of an expandable segment with no memory
 	// behind it: it is in its pool's Unmapped set, not in Blocks.
 	Unmapped bool

@@ -129,7 +129,7 @@ func (c *Cache) SetConfig(cfg Config) {
 func (c *Cache) countOversize() (allocs, segs int64) {
 	max := c.cfg.MaxSplitSize
 	c.active.each(func(b *Block) {
-		if b.Size >= max {
+		if b.Size >= max && !b.Held { // a held block's free was counted
 			allocs++
 		}
 	})
@@ -349,8 +349,17 @@ func (c *Cache) countWaiting(small bool, b *Block, start bool) {
 	}
 }
 
+// CountFrontHold is CountFrontFree for a block the front keeps across
+// calls: it stays allocated here, Held, until CountFrontReuse or
+// ReleaseWaiting.
+func (c *Cache) CountFrontHold(b *Block) {
+	c.CountFrontFree(b)
+	b.Held = true
+}
+
 // CountFrontReuse counts b's reallocation after CountFrontFree.
 func (c *Cache) CountFrontReuse(b *Block) {
+	b.Held = false
 	small := b.Pool.Small
 	c.hot.allocated(small, int64(b.Size), int64(b.Requested))
 	if b.Size >= c.cfg.MaxSplitSize {
@@ -379,6 +388,45 @@ func (c *Cache) CountFrontCycles(b *Block, k int64) {
 		p := c.hot.pool(small)
 		p.inc[hInactiveSplit] += k - 1
 		p.inc[hInactiveSplitBytes] += (k - 1) * int64(b.Size)
+	}
+}
+
+// ReleaseWaiting frees for real the allocated block b whose free
+// CountFrontFree counted already (a block a front cache held across calls):
+// it leaves the active set and returns to its pool, merged with its free
+// neighbours, and only the inactive-split statistics change: the waiting
+// split block's count ends and the merges count as Return counts them.
+// Written apart from Release and Return, whose statistics it must not
+// repeat, so that their hot path stays as it is.
+func (c *Cache) ReleaseWaiting(b *Block) {
+	if !b.Held || !b.Allocated || b.EventCount > 0 || !b.Uses.Empty() {
+		panic("pools: ReleaseWaiting of a block not held in front")
+	}
+	b.Held = false
+	small := b.Pool.Small
+	if waitsAsInactiveSplit(b) {
+		c.countWaiting(small, b, false)
+	}
+	c.active.del(b.Ptr)
+	b.Allocated = false
+	var splitBlocks, splitBytes int64
+	if sub := c.tryMerge(b, b.Prev); sub > 0 {
+		splitBlocks--
+		splitBytes -= int64(sub)
+	}
+	if sub := c.tryMerge(b, b.Next); sub > 0 {
+		splitBlocks--
+		splitBytes -= int64(sub)
+	}
+	if b.IsSplit() {
+		splitBlocks++
+		splitBytes += int64(b.Size)
+	}
+	c.insertFree(b)
+	if !b.Seg.Expandable {
+		p := c.hot.pool(small)
+		c.hot.change(p, hInactiveSplit, splitBlocks)
+		c.hot.change(p, hInactiveSplitBytes, splitBytes)
 	}
 }
 
@@ -644,6 +692,7 @@ func (c *Cache) putBlock(b *Block) {
 func (c *Cache) Check() error {
 	var alloc, active, split [3]int64
 	var allocB, activeB, splitB, reqB, resB, segs [3]int64
+	var held int64
 	inSets := map[*BlockPool]int{c.Small: 0, c.Large: 0}
 	unmapped := map[*BlockPool]int{c.Small: 0, c.Large: 0}
 	var reserved uint64
@@ -705,6 +754,19 @@ func (c *Cache) Check() error {
 			if free != b.inSet {
 				return fmt.Errorf("block %#x: free=%v but in free set=%v", b.Ptr, free, b.inSet)
 			}
+			if b.Held {
+				// Counted free (CountFrontHold), a split one as inactive
+				// split, though it stays allocated and indexed here.
+				if !b.Allocated || c.active.get(b.Ptr) != b {
+					return fmt.Errorf("block %#x: held in front but not allocated and indexed", b.Ptr)
+				}
+				held++
+				if b.IsSplit() && !s.Expandable {
+					split[t]++
+					splitB[t] += int64(b.Size)
+				}
+				continue
+			}
 			if free {
 				inSets[b.Pool]++
 				if b.Next != nil && !b.Next.Active() && !b.Next.Unmapped {
@@ -748,8 +810,8 @@ func (c *Cache) Check() error {
 			return fmt.Errorf("pool %v small=%v: unmapped set holds %d blocks, segments have %d unmapped", p.ID, p.Small, p.Unmapped.Len(), n)
 		}
 	}
-	if int(alloc[1]+alloc[2]) != c.active.n {
-		return fmt.Errorf("index holds %d blocks, %d allocated", c.active.n, alloc[1]+alloc[2])
+	if int(alloc[1]+alloc[2]+held) != c.active.n {
+		return fmt.Errorf("index holds %d blocks, %d allocated and %d held in front", c.active.n, alloc[1]+alloc[2], held)
 	}
 	if allocs, segs := c.countOversize(); allocs != c.Stats.OversizeAllocations.Current || segs != c.Stats.OversizeSegments.Current {
 		return fmt.Errorf("oversize stats %d allocations, %d segments; recount %d, %d",

@@ -10,6 +10,8 @@
  *   - a window with reuse resets the skip to COLD_SKIP;
  *   - another device is not affected;
  *   - allocate-to-pool phases beginning end a cold stretch;
+ *   - a malloc's take (keep) holds blocks, up to CP_FRONT_HOLD, which the
+ *     front serves later; a take without keep releases them;
  *   - the counters of cudapool_get_front_counters.
  */
 #include <stdio.h>
@@ -50,7 +52,7 @@ static int wasted_block(int dev) {
 	uintptr_t p = next_ptr += 4096;
 	cp_front_track(p, 4096, 0, dev, 1);
 	int logged = cp_front_free(p, 4096, dev, 0) == 1;
-	cp_front_take(dev);
+	cp_front_take(dev, 0);
 	return logged;
 }
 
@@ -62,7 +64,7 @@ static int reused_block(int dev) {
 		return 0;
 	int hit = (uintptr_t)cp_front_malloc(512, dev, 7) == p;
 	cp_front_free(p, 512, dev, 0);
-	cp_front_take(dev);
+	cp_front_take(dev, 0);
 	return hit;
 }
 
@@ -129,6 +131,52 @@ int main(void) {
 	CHECK(cp_front_set_routes(2, NULL, 0), "the phase ends");
 	cp_route many[CP_FRONT_MAXROUTES + 1] = {{0}};
 	CHECK(!cp_front_set_routes(2, many, CP_FRONT_MAXROUTES + 1), "more phases than the front keeps are refused");
+
+	/* Held blocks (device 3). */
+	uintptr_t h = next_ptr += 4096;
+	cp_front_track(h, 4096, 5, 3, 1);
+	CHECK(cp_front_free(h, 4096, 3, 0) == 1, "a tracked block's free is logged");
+	CHECK(cp_front_take(3, 1) == 1 && cp_front_out[3][0].op == CP_OP_HOLD && cp_front_held[3] == 1,
+	      "a take with keep: the block is held");
+	CHECK(cp_front_free(h, 4096, 3, 0) == CP_FRONT_TWICE, "a held block freed again is a double free");
+	CHECK((uintptr_t)cp_front_malloc(4096, 3, 5) == h && cp_front_held[3] == 0, "the front serves the held block");
+	CHECK(cp_front_take(3, 1) == 1 && cp_front_out[3][0].op == CP_OP_REUSE, "its reuse is logged");
+	cp_front_free(h, 4096, 3, 0);
+	cp_front_take(3, 1);
+	CHECK(cp_front_held[3] == 1, "held again");
+	CHECK(cp_front_take(3, 0) == 1 && cp_front_out[3][0].op == CP_OP_RELEASE && cp_front_out[3][0].ptr == h &&
+	          cp_front_held[3] == 0,
+	      "a take without keep releases it");
+	CHECK(cp_front_malloc(4096, 3, 5) == NULL, "and the front no longer has it");
+	/* Two takes, the second over the limit (a log holds CP_FRONT_LOG frees). */
+	size_t nt = 0;
+	int frees = 0;
+	for (int batch = 0; batch < 2; batch++) {
+		int nb = batch == 0 ? CP_FRONT_HOLD - 4 : 9;
+		for (int i = 0; i < nb; i++) {
+			uintptr_t q = next_ptr += 4096;
+			cp_front_track(q, 8192, 5, 3, 1);
+			cp_front_free(q, 8192, 3, 0);
+		}
+		nt = cp_front_take(3, 1);
+	}
+	for (size_t i = 0; i < nt; i++)
+		frees += cp_front_out[3][i].op == CP_OP_FREE;
+	CHECK(nt == 9 && frees == 5 && cp_front_held[3] == CP_FRONT_HOLD,
+	      "at most %d blocks held: %d held, %d of the last take's 9 freed for real", CP_FRONT_HOLD, cp_front_held[3],
+	      frees);
+	int served = 0;
+	while (cp_front_malloc(8192, 3, 5) != NULL)
+		served++;
+	CHECK(served == CP_FRONT_HOLD && cp_front_held[3] == 0, "the held blocks are served (%d)", served);
+	cp_front_set_on(0);
+	uintptr_t o = next_ptr += 4096;
+	cp_front_set_on(1);
+	cp_front_track(o, 512, 5, 3, 1);
+	cp_front_free(o, 512, 3, 0);
+	cp_front_set_on(0);
+	CHECK(cp_front_take(3, 1) >= 1 && cp_front_held[3] == 0, "with the front off, a take with keep holds nothing");
+	cp_front_set_on(1);
 
 	/* The counters. Device 0: every hit above; cold verdicts 1 (the first
 	 * window) + COLD_MAX_SHIFT + 2 in a row + 1 after the reset. */
