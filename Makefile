@@ -7,6 +7,8 @@
 #                 simulator, invariants checked after every batch
 #                 (SOAK_OPS=N sets the count; make test runs 10^5)
 #   make demo     replay demo/trace.txt through the library
+#   make pgo      regenerate capi/default.pgo, the profile for profile-guided
+#                 optimization (commit it; see the target)
 #   make clean
 
 GO      ?= go
@@ -18,6 +20,8 @@ BUILD   := build
 
 # Only the cudapool_* functions are exported (see capi/exports.map); the path
 # must be absolute because the Go linker runs the external linker elsewhere.
+# go build reads capi/default.pgo by itself (-pgo=auto: the main package's
+# default.pgo), here and wherever ./capi is built (install-lib, python/setup.py).
 LIB_GOFLAGS := -buildmode=c-shared -ldflags='-extldflags=-Wl,--version-script=$(CURDIR)/capi/exports.map'
 
 TEST_CFLAGS   := -O1 -g -Wall -Wextra -Werror -I include
@@ -30,7 +34,7 @@ RACE_PKGS := ./allocator/... ./cuda/sim/... ./events/... ./graphs/... ./pools/..
 
 section = @printf '\n==== %s ====\n' '$(1)'
 
-.PHONY: all lib test check-go test-go test-race test-c test-cxx check-lib test-python demo soak clean
+.PHONY: all lib test check-go test-go test-race test-c test-cxx check-lib test-python demo soak pgo clean
 
 all: lib
 
@@ -164,6 +168,21 @@ demo: lib $(BUILD)/replay
 	@if [ -e /dev/nvidia0 ] || nvidia-smi -L >/dev/null 2>&1; then backend=cuda; else backend=sim; fi; \
 	echo "backend: $$backend"; \
 	env CUDAPOOL_BACKEND=$$backend ./$(BUILD)/replay $(TRACE) $(REPEATS)
+
+# pgo: rewrites capi/default.pgo, the CPU profile go build uses for
+# profile-guided optimization of the library: hotter inlining along the
+# class path's malloc (cpgo_malloc_ctx, MallocTracked, the device's malloc
+# and free, the pools) and in the runtime's side of the crossing, about 6%
+# fewer instructions per mixed pair and no more instruction-cache lines
+# (docs/hot-path.md, section 13). The profile comes from committed
+# benchmarks (bench/pgo_profile.sh: bench/c_bench.c through a profiling
+# build of the library, and allocator's BenchmarkPGOCapture), on the
+# simulator, in about 20 s. Run it after changing the hot path and commit
+# the result: a stale profile still builds, but helps less and can cost
+# cache lines.
+pgo:
+	$(call section,pgo: profile the library on the simulator into capi/default.pgo)
+	GO='$(GO)' CC='$(CC)' bench/pgo_profile.sh capi/default.pgo $(BUILD)/pgo
 
 $(BUILD)/replay: capi/ctest/replay.c include/cudapool.h lib
 	@mkdir -p $(BUILD)
