@@ -52,9 +52,15 @@ package allocator
 // What differs from the same calls without the front is placement only: a
 // freed block is reused as it is, instead of merging with free neighbours
 // and being found again by best fit. It is the block best fit would often
-// pick anyway, and nothing can run short for it: the front holds a device's
-// blocks only until the next call into Go for that device, which takes
-// them back first. Two smaller differences: operations logged just before
+// pick anyway, and nothing can run short for it. A call into Go for the
+// device takes the log first; a malloc's take lets the front keep holding
+// the blocks still waiting (at most CP_FRONT_HOLD, 64, per device: OpHold;
+// to the structures they stay allocated, pools.Block.Held, while the
+// statistics count them free), so that a miss does not empty the front; a
+// malloc that then finds no free block releases them before it grows
+// (heldFit), and every other operation (free through Go, statistics,
+// snapshots, empty_cache, the pool hooks) releases them first (OpRelease).
+// Two smaller differences: operations logged just before
 // memory history starts are replayed after it has (their frees then appear
 // in the trace, their reuses do not), and a block waiting in front keeps
 // the size it was rounded to when a configuration change would round the
