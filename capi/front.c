@@ -16,6 +16,10 @@
  * full a block is simply not tracked. A device's waiting blocks are linked
  * in lists hashed by (size, stream), newest first.
  *
+ * A malloc's take (cp_front_take with keep) leaves the blocks still waiting
+ * in front, HELD, up to CP_FRONT_HOLD per device; any other take releases
+ * them (allocator/front.go says when Go takes which).
+ *
  * During allocate-to-pool phases (captures) each tracked block carries the
  * tag of its pool, and a malloc that finds a waiting block of its size and
  * stream asks the phases' filters, newest first, which pool it routes to
