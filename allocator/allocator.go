@@ -132,11 +132,11 @@ type device struct {
 	tag      uint32
 	routed   bool
 	routedTo *privatepool.Pool
-	// routes are the device's allocate-to-pool phases as the front sees
-	// them, oldest first; routesOK: the front routes them all; blocked:
-	// counted in fc.blocked (routing.go). Guarded by mu.
-	routes   []FrontRoute
+	// routesOK: the front routes the device's allocate-to-pool phases;
+	// routeBuf: pushRoutes's scratch; blocked: counted in fc.blocked
+	// (routing.go). Guarded by mu.
 	routesOK bool
+	routeBuf []FrontRoute
 	blocked  bool
 
 	id        int
@@ -656,10 +656,10 @@ func (a *Allocator) beginAllocateToPool(dev int, id PoolID, filter func(cuda.Str
 	}
 	d.lock()
 	defer d.mu.Unlock()
-	if err := d.graphs.Begin(id, filter, d.newPools); err != nil {
+	if err := d.graphs.BeginRef(id, filter, ref, d.newPools); err != nil {
 		return poolError("begin_allocate_to_pool", err)
 	}
-	d.routeBegun(d.graphs.Pools.Get(id), ref)
+	d.pushRoutes()
 	a.announced.Store(true)
 	d.countCaptures()
 	// The capture is counted: wait for the unsafe sections of the other
@@ -681,7 +681,7 @@ func (a *Allocator) EndAllocateToPool(dev int, id PoolID) error {
 	if err := d.graphs.End(id); err != nil {
 		return poolError("end_allocate_to_pool", err)
 	}
-	d.routeEnded(d.graphs.Pools.Get(id))
+	d.pushRoutes()
 	d.countCaptures()
 	d.trimUnused(id)
 	return nil

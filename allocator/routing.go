@@ -11,7 +11,8 @@ package allocator
 //
 // Now a FrontRouter repeats the routing itself:
 //
-//   - Each device's phases are handed to the front (SetRoutes), oldest
+//   - Each device's phases (graphs.Router.Phases: the router keeps each
+//     one's FilterRef) are handed to the front (SetRoutes), oldest
 //     first, under the device lock, whenever they change, with each phase's
 //     pool tag (PoolTag of the pool's Serial; TagDefault for the default
 //     pools) and a FilterRef: the C function or std::function that the Go
@@ -53,54 +54,35 @@ func (a *Allocator) BeginAllocateToPoolRef(dev int, id PoolID, filter func(cuda.
 	return a.beginAllocateToPool(dev, id, filter, ref)
 }
 
-// routeBegun records the phase just begun for pool p (d.graphs.Begin
-// succeeded) and gives the device's phases to the front. d.mu is held.
-func (d *device) routeBegun(p *privatepool.Pool, ref FilterRef) {
-	d.routes = append(d.routes, FrontRoute{Tag: PoolTag(p.Serial), Filter: ref})
-	d.pushRoutes()
-}
-
-// routeEnded forgets the phase of pool p (d.graphs.End succeeded). d.mu is
-// held.
-func (d *device) routeEnded(p *privatepool.Pool) {
-	if p == nil {
-		return // End found it: cannot happen
-	}
-	tag := PoolTag(p.Serial)
-	for i, r := range d.routes {
-		if r.Tag == tag {
-			d.routes = append(d.routes[:i], d.routes[i+1:]...)
-			break
-		}
-	}
-	d.pushRoutes()
-}
-
-// pushRoutes gives the device's phases to the front and notes whether it
-// can route them. d.mu is held.
+// pushRoutes gives the device's phases (d.graphs') to the front and notes
+// whether it can route them. d.mu is held.
 func (d *device) pushRoutes() {
 	fr, _ := d.front.(FrontRouter)
 	if fr == nil {
-		d.routesOK = len(d.routes) == 0
+		d.routesOK = d.graphs.Announced() == 0
 		return
 	}
 	ok := true
-	for _, r := range d.routes {
-		ok = ok && r.Filter.Kind != FilterOpaque
-	}
+	d.routeBuf = d.routeBuf[:0]
+	d.graphs.Phases(func(p *privatepool.Pool, ref any) {
+		f, _ := ref.(FilterRef) // a begin without one is FilterOpaque
+		ok = ok && f.Kind != FilterOpaque
+		d.routeBuf = append(d.routeBuf, FrontRoute{Tag: PoolTag(p.Serial), Filter: f})
+	})
 	if !ok {
 		fr.SetRoutes(d.id, nil) // serves nothing meanwhile: blocked below
 		d.routesOK = false
 		return
 	}
-	d.routesOK = fr.SetRoutes(d.id, d.routes)
+	d.routesOK = fr.SetRoutes(d.id, d.routeBuf)
 }
 
 // frontBlocked recomputes whether the device has a capture the front
 // cannot route (countCaptures calls it when the count changes). d.mu is
 // held.
 func (d *device) frontBlocked(captures int64) {
-	b := captures != int64(len(d.routes)) || (len(d.routes) > 0 && !d.routesOK)
+	announced := int64(d.graphs.Announced())
+	b := captures != announced || (announced > 0 && !d.routesOK)
 	if b != d.blocked {
 		d.blocked = b
 		if b {

@@ -144,26 +144,22 @@ def main():
                 cells.append(f"{statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f})" if v else "-")
             print(f"{c:14}" + "".join(f"{x:>20}" for x in cells))
     tkeys = ("allocs", "alloc_sum", "alloc_med_us", "lib_med_us", "begin_us", "end_us", "filters", "filter_med_us")
-    if any(res[c].get("t_allocs") for c in CONFIGS):
-        print(f"\ncudapool's calls per later capture (DIAG_TIMING): median (min-max); alloc_sum in ms")
-        print(f"{'config':14}" + "".join(f"{k:>20}" for k in tkeys))
-        for c in CONFIGS:
-            if not res[c].get("t_allocs"):
-                continue
-            cells = [f"{statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f})" for k in tkeys
-                     for v in [res[c]["t_" + k]]]
-            print(f"{c:14}" + "".join(f"{x:>20}" for x in cells))
-    fkeys = ("hits", "pool_hits", "cold_skipped", "cold_verdicts")
-    if any(res[c].get("f_hits") for c in CONFIGS):
-        print(f"\ncudapool's front cache per later capture: median (min-max)")
-        print(f"{'config':14}" + "".join(f"{k:>20}" for k in fkeys))
-        for c in CONFIGS:
-            if not res[c].get("f_hits"):
-                continue
-            cells = [f"{statistics.median(v):.0f} ({min(v):.0f}-{max(v):.0f})" for k in fkeys
-                     for v in [res[c]["f_" + k]]]
-            print(f"{c:14}" + "".join(f"{x:>20}" for x in cells))
+    cudapool_table(res, "cudapool's calls per later capture (DIAG_TIMING): median (min-max); alloc_sum in ms",
+                   "t_", tkeys, ".2f")
+    cudapool_table(res, "cudapool's front cache per later capture: median (min-max)", "f_",
+                   ("hits", "pool_hits", "cold_skipped", "cold_verdicts"), ".0f")
 
+
+def cudapool_table(res, title, pre, keys, fmt):
+    """Prints the per-capture values res[config][pre + key] of the configs that have them."""
+    configs = [c for c in CONFIGS if res[c].get(pre + keys[0])]
+    if not configs:
+        return
+    print(f"\n{title}")
+    print(f"{'config':14}" + "".join(f"{k:>20}" for k in keys))
+    for c in configs:
+        cells = [f"{statistics.median(v):{fmt}} ({min(v):{fmt}}-{max(v):{fmt}})" for v in (res[c][pre + k] for k in keys)]
+        print(f"{c:14}" + "".join(f"{x:>20}" for x in cells))
 
 if __name__ == "__main__":
     main()

@@ -29,6 +29,30 @@ func TestNewestCaptureFirst(t *testing.T) {
 	require.Equal(t, []pools.PoolID{g1}, r.Recording())
 }
 
+// Phases gives the announced captures in begin order with the refs given to
+// BeginRef (nil for Begin); an ended one leaves.
+func TestPhasesKeepRefs(t *testing.T) {
+	var r graphs.Router
+	g1, g2, g3 := pools.PoolID{A: 1}, pools.PoolID{A: 2}, pools.PoolID{A: 3}
+	require.NoError(t, r.BeginRef(g1, nil, "one", mk))
+	require.NoError(t, r.Begin(g2, nil, mk))
+	require.NoError(t, r.BeginRef(g3, nil, 3, mk))
+	phases := func() (ids []pools.PoolID, refs []any) {
+		r.Phases(func(p *privatepool.Pool, ref any) {
+			ids, refs = append(ids, p.ID), append(refs, ref)
+		})
+		return ids, refs
+	}
+	ids, refs := phases()
+	require.Equal(t, []pools.PoolID{g1, g2, g3}, ids)
+	require.Equal(t, []any{"one", nil, 3}, refs)
+	require.NoError(t, r.End(g2))
+	ids, refs = phases()
+	require.Equal(t, []pools.PoolID{g1, g3}, ids)
+	require.Equal(t, []any{"one", 3}, refs)
+	require.Equal(t, 2, r.Announced())
+}
+
 // One routing per pool at a time, as in PyTorch: a second begin of a pool
 // that is being allocated to (a nested use_mem_pool of the same pool, or a
 // second thread in it) is refused and leaves the use count alone; other
