@@ -275,6 +275,7 @@ def load(results_dir):
         except OSError:
             res.bad_lines += 1
             continue
+        objs = []
         for line in text.splitlines():
             try:
                 obj = turns.parse_line(line)
@@ -282,7 +283,15 @@ def load(results_dir):
                 res.bad_lines += 1
                 continue
             if obj is not None:
-                res.add(obj)
+                objs.append(obj)
+        # A process of torch_bench.py's alt section is a paired figure, not
+        # a run: its meta and done lines must not count as one of its
+        # configuration's runs (they would make "5-6 runs").
+        alt = any(o.get("kind") == "torch" and o.get("section") == "alt" for o in objs)
+        for obj in objs:
+            if alt and obj.get("kind") == "torch" and obj.get("section") != "alt":
+                continue
+            res.add(obj)
     return res
 
 

@@ -299,9 +299,13 @@ class TestReport(unittest.TestCase):
         # Each process's alt line is a paired figure of its own: the note
         # gives their median (min-max), and none reaches the table's rows.
         for r, (small, mixed) in enumerate(((0.80, 1.02), (0.78, 0.93), (0.82, 1.04)), 1):
+            # As torch_bench.py writes them: meta and done lines around the
+            # alt line, which must not count as runs of cudapool either.
             write_lines(os.path.join(self.dir, f"torch_alt_r{r}.json"), [
+                {"kind": "torch", "config": "cudapool", "section": "meta", "device_total_bytes": 80 << 30},
                 {"kind": "torch", "config": "cudapool", "section": "alt", "alt_small_ratio": small,
-                 "alt_small_ratio_reps": [small] * 9, "alt_mixed_ratio": mixed, "alt_mixed_ratio_reps": [mixed] * 9}])
+                 "alt_small_ratio_reps": [small] * 9, "alt_mixed_ratio": mixed, "alt_mixed_ratio_reps": [mixed] * 9},
+                {"kind": "torch", "config": "cudapool", "section": "done", "torch_total_s": 10.0}])
         write_lines(os.path.join(self.dir, "torch_alt_r4.json"), [
             {"kind": "torch", "config": "cudapool", "section": "alt", "alt_error": "RuntimeError: no"}])
         res = report.load(self.dir)
