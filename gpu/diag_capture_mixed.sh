@@ -10,6 +10,7 @@
 #   capture_end + instantiation; sync) with the allocator's and the driver's
 #   allocation counts (memory_stats):
 #     native/cudapool         ROUNDS pairs
+#     expandable/cudapool_exp XROUNDS pairs (0): both with expandable segments
 #     cudapool/cudapool       SAME pairs (1): the method's noise, per phase
 #     cudapool/cudapool_sched SCHED pairs (1): Go's sysmon kept awake (GODEBUG)
 #   empty section (4 KiB and mixed), with the driver calls of the mixed
@@ -26,6 +27,7 @@ cd "$(dirname "$0")/.." || exit 1
 ROUNDS=${ROUNDS:-3}
 CPU=${CPU:-2}
 GRAPH_CAPTURES=${GRAPH_CAPTURES:-12}
+XROUNDS=${XROUNDS:-0} # expandable/cudapool_exp capture pairs
 SAME=${SAME:-1}   # cudapool/cudapool capture pairs
 SCHED=${SCHED:-1} # the cudapool/cudapool_sched capture pair (0: none)
 EMPTY=${EMPTY:-2} # rounds of the empty pairs (0: none)
@@ -54,6 +56,11 @@ for r in $(seq 1 "$ROUNDS"); do
     first=base
     [ $((r % 2)) = 0 ] && first=test
     pair capture.native/cudapool "$r" native cudapool $first "${G[@]}"
+done
+for r in $(seq 1 "$XROUNDS"); do
+    first=base
+    [ $((r % 2)) = 0 ] && first=test
+    pair capture.expandable/cudapool_exp "$r" expandable cudapool_exp $first "${G[@]}"
 done
 for r in $(seq 1 "$SAME"); do
     first=base
