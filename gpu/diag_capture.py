@@ -8,6 +8,7 @@ small (bf16, eval), runs the forward eagerly on a side stream (cuBLAS and the
 caches warm), then captures the same forward CAPTURES times, each into a new
 graph and private pool, timing the phases of torch.cuda.graph by hand:
   prep     gc.collect + synchronize + empty_cache (what graph.__enter__ does)
+  empty    of which empty_cache alone
   begin    capture_begin (the allocator's beginAllocateToPool, cudaStreamBeginCapture)
   forward  the captured forward (allocations into the new pool)
   end      capture_end (cudaStreamEndCapture, instantiation, endAllocateToPool)
@@ -51,7 +52,7 @@ from torch_bench import warm_forward
 torch.manual_seed(0)
 model = GPT(layers=12).cuda().to(torch.bfloat16).eval()
 x = torch.randint(0, 16384, (8, 512), device="cuda")
-phases = {k: [] for k in ("prep", "begin", "forward", "end", "sync", "total")}
+phases = {k: [] for k in ("prep", "empty", "begin", "forward", "end", "sync", "total")}
 first = {}
 keep = os.environ.get("DIAG_KEEP") == "1"
 graphs = []
@@ -70,7 +71,9 @@ with torch.no_grad():
         pc = time.perf_counter
         f0 = cudapool.front_counters(0) if cfg.startswith("cudapool") else None
         t0 = pc()
-        gc.collect(); torch.cuda.synchronize(); torch.cuda.empty_cache()
+        gc.collect(); torch.cuda.synchronize()
+        te = pc()
+        torch.cuda.empty_cache()
         t1 = pc()
         with torch.cuda.stream(s):
             g.capture_begin()
@@ -85,7 +88,7 @@ with torch.no_grad():
             f1 = cudapool.front_counters(0)
             for k in f1:
                 phases.setdefault("f_" + k, []).append(f1[k] - f0[k])
-        for k, v in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t5 - t0)):
+        for k, v in zip(phases, (t1 - t0, t1 - te, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t5 - t0)):
             if i > 0:
                 phases[k].append(v * 1e3)
             else:
@@ -132,7 +135,7 @@ def main():
             for k, v in json.loads(line[0][7:]).items():
                 res[c].setdefault(k, []).extend(v)
             print(f"  run {r + 1} {c}: total " + " ".join(f"{v:.1f}" for v in res[c]["total"][-(n - 1):]), flush=True)
-    keys = ("prep", "begin", "forward", "end", "sync", "total")
+    keys = ("prep", "empty", "begin", "forward", "end", "sync", "total")
     for title, pre in ((f"first capture of each process, ms: median (min-max) over {reps} processes", "first_"),
                        (f"later captures, ms: median (min-max) over {reps} processes x {n - 1} captures", "")):
         print(f"\n{title}")
@@ -141,7 +144,8 @@ def main():
             cells = []
             for k in keys:
                 v = res[c].get(pre + k) or []
-                cells.append(f"{statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f})" if v else "-")
+                f = ".3f" if k in ("empty", "begin") else ".2f"  # tenths of a ms
+                cells.append(f"{statistics.median(v):{f}} ({min(v):{f}}-{max(v):{f}})" if v else "-")
             print(f"{c:14}" + "".join(f"{x:>20}" for x in cells))
     tkeys = ("allocs", "alloc_sum", "alloc_med_us", "lib_med_us", "begin_us", "end_us", "filters", "filter_med_us")
     cudapool_table(res, "cudapool's calls per later capture (DIAG_TIMING): median (min-max); alloc_sum in ms",
