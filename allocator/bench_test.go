@@ -3,6 +3,7 @@ package allocator_test
 import (
 	"math/rand"
 	"testing"
+	"time"
 
 	"github.com/cudapool/cudapool/allocator"
 	"github.com/cudapool/cudapool/cuda"
@@ -235,4 +236,73 @@ func BenchmarkTorchPair(b *testing.B) {
 		pend[0] = allocator.PendingFree{Dev: -1, Ptr: p}
 		frees = pend[:]
 	}
+}
+
+// BenchmarkCaptureEnterCold is the allocator's part of a capture's enter
+// phase (torch.cuda.graph: gc.collect, synchronize, empty_cache, then
+// beginAllocateToPool) with the host's caches evicted before each call, as
+// Python's gc.collect evicts them on the GPU host: 300 live and 300 freed
+// blocks in the default pools, 12 graphs' private pools kept (each with
+// live and free blocks). Each call is timed alone (ns/call): b.StopTimer
+// would stop the world on every iteration and disturb what it measures.
+// docs/hot-path.md, section 15.
+func BenchmarkCaptureEnterCold(b *testing.B) {
+	evict := make([]byte, 48<<20) // more than this box's last-level cache
+	setup := func(b *testing.B) *allocator.Allocator {
+		a, _ := newAlloc(b, 1, 80*GiB, "")
+		a.ExpectAnnouncements()
+		sizes, _ := benchSequence()
+		var live []cuda.Ptr
+		for i := 0; i < 600; i++ {
+			live = append(live, mustMalloc(b, a, 0, sizes[i]%(64*MiB)+512, 0))
+		}
+		for i := 0; i < 600; i += 2 {
+			require.NoError(b, a.Free(0, live[i], 0))
+		}
+		for k := uint64(1); k <= 12; k++ {
+			pool := allocator.PoolID{A: k}
+			require.NoError(b, a.BeginAllocateToPool(0, pool, onStream(7)))
+			var ps []cuda.Ptr
+			for i := 0; i < 200; i++ {
+				ps = append(ps, mustMalloc(b, a, 0, sizes[1000+i]%(16*MiB)+512, 7))
+			}
+			for i := 0; i < 200; i += 3 {
+				require.NoError(b, a.Free(0, ps[i], 0))
+			}
+			require.NoError(b, a.EndAllocateToPool(0, pool))
+		}
+		require.NoError(b, a.EmptyCache())
+		return a
+	}
+	// timed runs call(k) with cold caches, then after(k) (untimed).
+	timed := func(b *testing.B, call, after func(k uint64) error) {
+		var sum time.Duration
+		k := uint64(100)
+		for b.Loop() {
+			k++
+			for i := 0; i < len(evict); i += 64 {
+				evict[i]++
+			}
+			t := time.Now()
+			err := call(k)
+			sum += time.Since(t)
+			if err == nil && after != nil {
+				err = after(k)
+			}
+			if err != nil {
+				b.Fatal(err)
+			}
+		}
+		b.ReportMetric(float64(sum.Nanoseconds())/float64(b.N), "ns/call")
+	}
+	b.Run("empty_cache", func(b *testing.B) {
+		a := setup(b)
+		timed(b, func(uint64) error { return a.EmptyCache() }, nil)
+	})
+	b.Run("begin_allocate_to_pool", func(b *testing.B) {
+		a := setup(b)
+		pool := func(k uint64) allocator.PoolID { return allocator.PoolID{A: k} }
+		timed(b, func(k uint64) error { return a.BeginAllocateToPool(0, pool(k), onStream(7)) },
+			func(k uint64) error { return a.EndAllocateToPool(0, pool(k)) })
+	})
 }

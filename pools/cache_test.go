@@ -1,6 +1,7 @@
 package pools
 
 import (
+	"errors"
 	"testing"
 
 	"github.com/cudapool/cudapool/cuda"
@@ -231,6 +232,34 @@ func TestReleasePoolOnlyWholeSegments(t *testing.T) {
 	h.freeBlock(b)
 	require.NoError(t, h.c.ReleasePool(h.c.Small, h.free))
 	require.Zero(t, h.c.Reserved)
+	require.NoError(t, h.c.Check())
+}
+
+// ReleasePool walks the free set only while a whole free segment may be
+// there (BlockPool.wholeFree): cleared by a pass that released them all,
+// kept by one that failed, set again by the next free.
+func TestReleasePoolSkipsWhenNothingWhole(t *testing.T) {
+	h := newHarness(t, DefaultConfig())
+	a := h.malloc(4096, 0)
+	b := h.malloc(4096, 0)
+	h.freeBlock(a)
+	require.True(t, h.c.Small.WholeFree())
+	require.NoError(t, h.c.ReleasePool(h.c.Small, h.free))
+	require.False(t, h.c.Small.WholeFree(), "a split segment's free block is not whole")
+	require.NoError(t, h.c.Check())
+
+	// A free that makes the segment whole sets the flag; a failing release
+	// keeps it, so that the retry still gives the segment back.
+	h.freeBlock(b)
+	require.True(t, h.c.Small.WholeFree())
+	boom := errors.New("boom")
+	require.ErrorIs(t, h.c.ReleasePool(h.c.Small, func(cuda.Ptr, uint64) error { return boom }), boom)
+	require.True(t, h.c.Small.WholeFree())
+	require.NoError(t, h.c.Check())
+	require.NoError(t, h.c.ReleasePool(h.c.Small, h.free))
+	require.False(t, h.c.Small.WholeFree())
+	require.Zero(t, h.c.Reserved)
+	require.Len(t, h.freed, 1)
 	require.NoError(t, h.c.Check())
 }
 

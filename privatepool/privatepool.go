@@ -126,7 +126,9 @@ func (r *Registry) UseOnOOM() []*Pool {
 			out = append(out, p)
 		}
 	}
-	sortByID(out)
+	if len(out) > 1 { // sort.Slice costs a reflection and an allocation
+		sortByID(out)
+	}
 	return out
 }
 
@@ -151,7 +153,9 @@ func (r *Registry) Freeable() []*Pool {
 			out = append(out, p)
 		}
 	}
-	sortByID(out)
+	if len(out) > 1 { // sort.Slice costs a reflection and an allocation
+		sortByID(out)
+	}
 	return out
 }
 
