@@ -126,9 +126,7 @@ func (r *Registry) UseOnOOM() []*Pool {
 			out = append(out, p)
 		}
 	}
-	if len(out) > 1 { // sort.Slice costs a reflection and an allocation
-		sortByID(out)
-	}
+	sortByID(out)
 	return out
 }
 
@@ -153,13 +151,14 @@ func (r *Registry) Freeable() []*Pool {
 			out = append(out, p)
 		}
 	}
-	if len(out) > 1 { // sort.Slice costs a reflection and an allocation
-		sortByID(out)
-	}
+	sortByID(out)
 	return out
 }
 
 func sortByID(ps []*Pool) {
+	if len(ps) < 2 { // sort.Slice costs a reflection and an allocation (empty_cache calls Freeable)
+		return
+	}
 	sort.Slice(ps, func(i, j int) bool {
 		a, b := ps[i].ID, ps[j].ID
 		return a.A < b.A || (a.A == b.A && a.B < b.B)
