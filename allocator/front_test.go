@@ -61,11 +61,8 @@ func TestFrontFlagsReplay(t *testing.T) {
 
 // Replaying a log in the hot path allocates nothing.
 func TestFrontReplayAllocatesNothing(t *testing.T) {
-	lockThread(t)
-	a, _ := newAlloc(t, 1, 8*GiB, "")
 	f := &fakeFront{log: make([]allocator.PendingFree, 0, 64)}
-	a.SetFront(f)
-	a.ExpectAnnouncements()
+	a := frontAlloc(t, 8*GiB, f)
 	require.True(t, a.FrontEnabled())
 	p, track, err, _ := a.MallocTracked(0, 4096, 0, 0, nil)
 	require.NoError(t, err)
@@ -83,14 +80,21 @@ func TestFrontReplayAllocatesNothing(t *testing.T) {
 	require.EqualValues(t, 1, st.Allocation[0].Current)
 }
 
+// frontAlloc is a one-device allocator of mem bytes with front f, captures
+// announced, its test pinned to one thread (as the C front's callers are).
+func frontAlloc(t *testing.T, mem uint64, f allocator.Front) *allocator.Allocator {
+	lockThread(t)
+	a, _ := newAlloc(t, 1, mem, "")
+	a.SetFront(f)
+	a.ExpectAnnouncements()
+	return a
+}
+
 // A default-pool request that borrows a use_on_oom pool's block is not
 // trackable: the front would hold and re-serve a private-pool block.
 func TestFrontTracksBorrowedBlock(t *testing.T) {
-	lockThread(t)
-	a, _ := newAlloc(t, 1, 100*MiB, "")
 	f := &fakeFront{}
-	a.SetFront(f)
-	a.ExpectAnnouncements()
+	a := frontAlloc(t, 100*MiB, f)
 	pool := allocator.PoolID{B: 4}
 	cached := oomPoolBlock(t, a, pool)
 	require.True(t, a.FrontEnabled())
@@ -122,11 +126,8 @@ func (f *routerFront) last() []allocator.FrontRoute { return f.routes[len(f.rout
 // front keeps serving: it is given the phase, and a block is tracked with
 // the tag of the pool its malloc routed to.
 func TestFrontRoutesPhases(t *testing.T) {
-	lockThread(t)
-	a, _ := newAlloc(t, 1, 8*GiB, "")
 	f := &routerFront{}
-	a.SetFront(f)
-	a.ExpectAnnouncements()
+	a := frontAlloc(t, 8*GiB, f)
 	require.True(t, f.on)
 
 	pool := allocator.PoolID{A: 3}
@@ -241,11 +242,8 @@ func (f *holdFront) Capacity() int      { return 128 }
 // while mallocs run, a malloc that finds no other block releases it rather
 // than grow, and every other operation releases it first.
 func TestFrontHeldBlocks(t *testing.T) {
-	lockThread(t)
-	a, _ := newAlloc(t, 1, 8*GiB, "")
 	f := &holdFront{}
-	a.SetFront(f)
-	a.ExpectAnnouncements()
+	a := frontAlloc(t, 8*GiB, f)
 
 	p, track, err, _ := a.MallocTracked(0, 60*MiB, 0, 0, nil)
 	require.NoError(t, err)

@@ -34,6 +34,18 @@ def warmup(fn, *args):
     torch.cuda.current_stream().wait_stream(s)
 
 
+def assert_replays(x, y, eager, *graphs):
+    """Replays graphs (in order) three times on new inputs copied into x and
+    checks y against eager(new) each time."""
+    for _ in range(3):
+        new = torch.randn_like(x)
+        x.copy_(new)
+        for g in graphs:
+            g.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(y, eager(new))
+
+
 def mlp(d_in=256, hidden=1024, d_out=256):
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(d_in, hidden), nn.ReLU(), nn.Linear(hidden, d_out)).cuda()
@@ -47,12 +59,7 @@ def test_capture_and_replay():
         with torch.cuda.graph(g):
             y = model(x)  # the hidden activation is allocated and freed inside the capture
         assert gpu_common.pool_of(y.data_ptr()) == tuple(g.pool())
-        for _ in range(3):
-            new = torch.randn_like(x)
-            x.copy_(new)
-            g.replay()
-            torch.cuda.synchronize()
-            torch.testing.assert_close(y, model(new))
+        assert_replays(x, y, model, g)
 
 
 def test_capture_reusing_freed_activations():
@@ -78,12 +85,7 @@ def test_capture_reusing_freed_activations():
         # A tensor allocated on the capture's stream after it: the default pool.
         other = torch.empty(256, 512, device="cuda")
         assert gpu_common.pool_of(other.data_ptr()) != tuple(g.pool())
-        for _ in range(3):
-            new = torch.randn_like(x)
-            x.copy_(new)
-            g.replay()
-            torch.cuda.synchronize()
-            torch.testing.assert_close(y, chain(new))
+        assert_replays(x, y, chain, g)
 
 
 def test_output_freed_while_the_graph_lives_is_not_handed_out():
@@ -115,13 +117,7 @@ def test_two_graphs_share_a_pool():
         with torch.cuda.graph(g2, pool=g1.pool()):
             y2 = m2(y1)
         assert gpu_common.pool_of(y2.data_ptr()) == tuple(g1.pool())
-        for _ in range(3):
-            new = torch.randn_like(x)
-            x.copy_(new)
-            g1.replay()
-            g2.replay()
-            torch.cuda.synchronize()
-            torch.testing.assert_close(y2, m2(m1(new)))
+        assert_replays(x, y2, lambda a: m2(m1(a)), g1, g2)
 
 
 def test_memory_returns_after_the_graph_dies():
