@@ -78,7 +78,8 @@ func (d *device) malloc(size uint64, s cuda.Stream, capture uint64) (cuda.Ptr, e
 		// mallocSetup would find nothing to do and the default pools.
 		d.routed = false
 	}
-	r := d.cache.NewRequest(size, s, small, large)
+	var r pools.Request
+	d.cache.SetRequest(&r, size, s, small, large)
 	b := d.cache.TakeFree(&r)
 	if b == nil {
 		if b = d.heldFit(&r); b == nil {
