@@ -17,7 +17,10 @@ Medians over the captures of all processes, ms: the first capture of each
 process (one-off costs) in a table of its own, the later ones in another.
 Each capture starts after the previous graph was deleted; DIAG_KEEP=1 keeps
 every graph instead (as bench/torch_bench.py's graph section does).
-DIAG_CONFIGS (a space-separated list) narrows the configurations.
+DIAG_CONFIGS (a space-separated list) narrows the configurations, or adds
+cudapool_exp_nofront (expandable segments with the front cache off).
+A table gives what each later capture's private pool took (memory_stats:
+reserved MiB, driver allocations, allocations).
 For cudapool, a last table gives what its front cache did during each
 later capture (cudapool.front_counters: hits, of which in the capture's
 pool, blocks left untracked in cold mode, cold verdicts).
@@ -44,6 +47,8 @@ if cfg.startswith("cudapool"):
     cudapool.install()
     if cfg == "cudapool_exp":
         cudapool.configure("expandable_segments:True")
+    elif cfg == "cudapool_exp_nofront":
+        cudapool.configure("expandable_segments:True,front_cache:False")
 elif cfg == "expandable":
     os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
 import torch
@@ -70,6 +75,7 @@ with torch.no_grad():
         s = torch.cuda.Stream()
         pc = time.perf_counter
         f0 = cudapool.front_counters(0) if cfg.startswith("cudapool") else None
+        m0 = torch.cuda.memory_stats()
         t0 = pc()
         gc.collect(); torch.cuda.synchronize()
         te = pc()
@@ -84,6 +90,13 @@ with torch.no_grad():
             t4 = pc()
         torch.cuda.synchronize()
         t5 = pc()
+        m1 = torch.cuda.memory_stats()
+        if i > 0:  # what the capture's pool took: reserved MiB, driver allocations
+            phases.setdefault("m_pool_mib", []).append(
+                (m1["reserved_bytes.all.current"] - m0["reserved_bytes.all.current"]) / 2**20)
+            phases.setdefault("m_device_allocs", []).append(m1["num_device_alloc"] - m0["num_device_alloc"])
+            phases.setdefault("m_allocs", []).append(
+                m1["allocation.all.allocated"] - m0["allocation.all.allocated"])
         if f0 is not None and i > 0:  # the front cache during the capture
             f1 = cudapool.front_counters(0)
             for k in f1:
@@ -148,6 +161,8 @@ def main():
                 cells.append(f"{statistics.median(v):{f}} ({min(v):{f}}-{max(v):{f}})" if v else "-")
             print(f"{c:14}" + "".join(f"{x:>20}" for x in cells))
     tkeys = ("allocs", "alloc_sum", "alloc_med_us", "lib_med_us", "begin_us", "end_us", "filters", "filter_med_us")
+    cudapool_table(res, "what each later capture's pool took: median (min-max)", "m_",
+                   ("pool_mib", "device_allocs", "allocs"), ".0f")
     cudapool_table(res, "cudapool's calls per later capture (DIAG_TIMING): median (min-max); alloc_sum in ms",
                    "t_", tkeys, ".2f")
     cudapool_table(res, "cudapool's front cache per later capture: median (min-max)", "f_",
