@@ -172,6 +172,44 @@ func TestFrontRoutesPhases(t *testing.T) {
 	}
 }
 
+// With expandable segments, a private pool's blocks are left to Go (see
+// privateTag), while the default pools' are still tracked.
+func TestFrontLeavesExpandablePrivatePools(t *testing.T) {
+	for _, conf := range []string{"", "expandable_segments:True"} {
+		t.Run(conf, func(t *testing.T) {
+			lockThread(t)
+			f := &routerFront{}
+			a, _ := newAlloc(t, 1, 8*GiB, conf)
+			a.SetFront(f)
+			a.ExpectAnnouncements()
+			pool := allocator.PoolID{A: 3}
+			require.NoError(t, a.BeginAllocateToPoolRef(0, pool, func(s cuda.Stream) bool { return s == 7 },
+				allocator.FilterRef{Kind: 2, A: 0x1234, B: 0x5678}))
+			require.Len(t, f.last(), 1)
+			var ps, inpool []cuda.Ptr
+			for _, size := range []uint64{4096, 3 * MiB} { // the small and the large pool
+				p, track, err, _ := a.MallocTracked(0, size, 7, 0, nil)
+				require.NoError(t, err)
+				inpool = append(inpool, p)
+				require.True(t, inPool(t, a, pool, inpool...))
+				if conf == "" {
+					require.Equal(t, f.last()[0].Tag, track, "tracked with its pool's tag")
+				} else {
+					require.Equal(t, allocator.TagNone, track, "an expandable private pool's block is not tracked")
+				}
+				q, track, err, _ := a.MallocTracked(0, size, 8, 0, nil)
+				require.NoError(t, err)
+				require.Equal(t, allocator.TagDefault, track, "the default pools' blocks are tracked")
+				ps = append(ps, p, q)
+			}
+			require.NoError(t, a.EndAllocateToPool(0, pool))
+			for _, x := range ps {
+				require.NoError(t, a.Free(0, x, 0))
+			}
+		})
+	}
+}
+
 // The front stops serving while a phase it cannot route is under way: a
 // filter only Go can call, a front that refuses the routes, or a front that
 // is no FrontRouter.

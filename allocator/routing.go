@@ -94,13 +94,23 @@ func (d *device) frontBlocked(captures int64) {
 }
 
 // privateTag is the front tag of b, a block of a private pool: its pool's
-// tag if the malloc routed to that pool (not an automatic one) and the front
-// routes the device's phases, else TagNone. d.mu is held.
+// tag if the malloc routed to that pool (not an automatic one), the front
+// routes the device's phases and b is not in an expandable segment, else
+// TagNone. d.mu is held.
+//
+// Blocks of expandable segments in private pools are left to Go. The
+// front's reuse of a freed block as it is, and its holding of freed blocks
+// across calls, keep them from merging; in a pool that grows by mapping
+// pages at the end of its range, the mallocs meanwhile split the free tail
+// instead, and the capture maps more. A GPT-2 forward's capture on the H100
+// took 246 MiB with the front serving its pool and 204 without (native
+// expandable segments: 222), and its forward was no faster for the hits
+// (docs/hot-path.md section 16).
 //
 //go:noinline
 func (d *device) privateTag(b *pools.Block) uint32 {
 	p := d.routedTo
-	if !d.routed || p == nil || p.Auto || !d.routesOK || (b.Pool != p.Small && b.Pool != p.Large) {
+	if !d.routed || p == nil || p.Auto || !d.routesOK || (b.Pool != p.Small && b.Pool != p.Large) || b.Seg.Expandable {
 		return TagNone
 	}
 	return PoolTag(p.Serial)
