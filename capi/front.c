@@ -91,9 +91,9 @@ typedef struct {
 	uint32_t cold_streak;    /* cold verdicts in a row */
 	/* Blocks still to leave untracked (cold mode). Counted down without the
 	 * lock by a plain load and store, not a read-modify-write: every malloc
-	 * through Go of a cold device passes here, and a locked instruction
-	 * there cost about 3% of the C benchmark's mixed pair (development
-	 * box). Two mallocs racing may count one block, which lengthens the
+	 * through Go of a cold device passes here, and the two locked
+	 * instructions there took 4% of the C benchmark's mixed pair's samples
+	 * (1% now; development box, docs/hot-path.md section 16). Two mallocs racing may count one block, which lengthens the
 	 * stretch by one; a store racing with a reset or a verdict may revive
 	 * what is left of the old stretch. Either only changes which blocks
 	 * the front tracks (and the counter of untracked blocks by as much),
