@@ -178,15 +178,9 @@ func (c *Cache) Fraction() (float64, bool) { return c.fraction, c.fractionSet }
 // Allowed returns the memory-fraction limit and whether one is set.
 func (c *Cache) Allowed() (uint64, bool) { return c.allowed, c.fractionSet }
 
-// NewRequest rounds size and picks the pool among small and large.
-func (c *Cache) NewRequest(size uint64, s cuda.Stream, small, large *BlockPool) Request {
-	var r Request
-	c.SetRequest(&r, size, s, small, large)
-	return r
-}
-
-// SetRequest is NewRequest writing into *r: the allocator's malloc passes
-// its request by address to TakeFree and Allocate, so a returned Request
+// SetRequest rounds size, picks the pool among small and large, and writes
+// the request into *r. It takes r by address because the allocator's malloc
+// passes its request by address to TakeFree and Allocate: a returned Request
 // would be built in temporaries and copied into r, and that copy's 16-byte
 // loads of two 8-byte stores just made cannot take the stores' data
 // (store-to-load forwarding fails): about 18% of the malloc's own samples

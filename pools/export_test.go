@@ -20,3 +20,10 @@ func (m *ptrMap) Cap() int                { return len(m.slots) }
 // CorruptAllAllocatedBytes changes allocated_bytes.all.current behind the
 // cache's back, for a test that Check notices.
 func (c *Cache) CorruptAllAllocatedBytes(d int64) { c.hot.all.cur[hAllocatedBytes] += d }
+
+// NewRequest is SetRequest returning the request (tests only).
+func (c *Cache) NewRequest(size uint64, s cuda.Stream, small, large *BlockPool) Request {
+	var r Request
+	c.SetRequest(&r, size, s, small, large)
+	return r
+}
