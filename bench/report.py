@@ -261,6 +261,14 @@ class Results:
         return "not measured"
 
 
+def ring_runs(res):
+    """How many torch-level runs of every configuration took turns in a ring
+    (bench/turn_ring.py: their done lines count turns), 0 if any has none."""
+    counts = [len(((res.record("torch", c) or {}).get("_samples") or {}).get("turns") or [])
+              for c in CONFIGS if res.record("torch", c)]
+    return min(counts) if counts else 0
+
+
 def load(results_dir):
     res = Results()
     paths = []
@@ -446,10 +454,15 @@ def build_rows(res):
                          if k != "train_ms_per_step" and not k.startswith("fsdp_")})  # both counted in their own notes
         if counts and counts[-1] > 1:
             runs[kind] = "-".join(str(n) for n in (counts[0], counts[-1]) if n) if counts[0] != counts[-1] else str(counts[0])
+    ringed = ring_runs(res)
     if runs:
+        how = {k: f"{'C' if k == 'c' else 'torch'} level: {n} runs" for k, n in runs.items()}
+        if "torch" in how and ringed:
+            how["torch"] += (f" ({ringed} of them rings: one process per configuration, all taking turns rep by "
+                             "rep on one CPU, bench/turn_ring.py, so that rep k of every configuration meets the "
+                             "host in the same state)")
         note("a value with a range is the median (min-max) of the runs of its configuration, each in a fresh "
-             "process, the configurations interleaved (" + ", ".join(
-                 f"{'C' if k == 'c' else 'torch'} level: {n} runs" for k, n in runs.items()) +
+             "process, the configurations interleaved (" + ", ".join(how.values()) +
              "); ratios are of the medians, and a target is met only when the medians meet it")
     spans = []
     for m in METRICS:
@@ -473,7 +486,8 @@ def build_rows(res):
     train = {c: (res.record("torch", c) or {}).get("_train_samples") for c in CONFIGS}
     if any(train.values()):
         note("training ms/step: median of " + ", ".join(
-            f"{LABELS[c]} {len(v)}" for c, v in train.items() if v) + " runs, each in a fresh process, interleaved")
+            f"{LABELS[c]} {len(v)}" for c, v in train.items() if v) + " runs, each in a fresh process, interleaved"
+            + (f" ({ringed} in rings taking turns)" if ringed else ""))
     # FSDP2 on 2 GPUs (bench/fsdp2_bench.py): a note rather than a row, so
     # that a results table without it (one GPU) keeps its rows.
     fsdp = {c: FSDP.cell(res.record("torch", c)) for c in ("native", "cudapool")
@@ -654,6 +668,8 @@ Trace: `demo/trace.txt` (3 recorded GPT-2 training steps) replayed through each 
 Paired figures (notes): the host runs each process fast or up to 1.9x slower, so a ratio of per-process medians
 moves between runs; `bench/pair_bench.c` alternates the two allocators' C reps in one process, and
 `bench/turn_pair.sh` has two torch processes (or two FSDP2 launches) take turns on one CPU, rep by rep.
+Where the notes say so, the torch rows' runs take turns that way too: each run is a ring of one fresh process
+per configuration (`bench/turn_ring.py`).
 Ratios are cudapool / native (same run); for M pairs/s higher is better, elsewhere lower is better."""
 
 

@@ -14,7 +14,11 @@
 #      mixed loops of cudapool and native in one process, reps alternated
 #      (bench/pair_bench.c: both meet the host in the same state).
 #   2. torch level (bench/torch_bench.py): GPT-2 training with variable
-#      sequence lengths, CUDA graph capture/replay, torch.empty + free. Then,
+#      sequence lengths, CUDA graph capture/replay, torch.empty + free; each
+#      run a ring of one fresh process per configuration taking turns rep by
+#      rep on one CPU (bench/turn_ring.py; BENCH_TORCH_RING=0: the processes
+#      one after another instead), so that rep k of every configuration
+#      meets the host in the same state (docs/hot-path.md 17). Then,
 #      once per run, the torch.empty loops of native and cudapool alternating
 #      rep by rep in one process (part "alt": torch_bench.py's alt section),
 #      and (part "turns") native and cudapool (and both with
@@ -57,8 +61,9 @@
 # results file and an updated copy of the README to $OUT only),
 # BENCH_REPEATS (3), BENCH_TRAIN_RUNS (5), BENCH_FSDP_RUNS (5),
 # BENCH_PARTS (the parts to run, default "c torch alt turns train floor fsdp"),
-# BENCH_TURN_CPU (the CPU of the turn pairs, default 2; 0 where there are
-# 2 CPUs or fewer), BENCH_TURN_PIN (thread: the default, only the main
+# BENCH_TORCH_RING (1), BENCH_TURN_CPU (the CPU of the rings and turn
+# pairs, default 2; 0 where there are 2 CPUs or fewer), BENCH_TURN_PIN
+# (thread: the default, only the main
 # threads are pinned; process: every thread, which pairs tighter but makes
 # cudapool's other threads compete with its main one: docs/hot-path.md 9),
 # BENCH_KEEP=1 (keep the results already under $OUT: add to them),
@@ -83,6 +88,9 @@ TRAIN_RUNS=${BENCH_TRAIN_RUNS:-5}
 FSDP_RUNS=${BENCH_FSDP_RUNS:-5}
 PARTS=" ${BENCH_PARTS:-c torch alt turns train floor fsdp} "
 part() { [[ $PARTS == *" $1 "* ]]; }
+RING=${BENCH_TORCH_RING:-1}
+NCPU=$(nproc 2>/dev/null || echo 1)
+TURN_CPU=${BENCH_TURN_CPU:-$((NCPU > 2 ? 2 : 0))}
 
 mkdir -p "$RES" "$LOGS" "$BUILD"
 if [ "${BENCH_KEEP:-0}" != 1 ] && [ "$FROM" -le 1 ]; then # a later run number adds to the results
@@ -343,7 +351,18 @@ build_floor() { gcc -O2 -Wall -shared -fPIC bench/floor_alloc.c -o "$BUILD/libfl
 part floor && run_step build_floor 0 "" build_floor
 if part torch || part floor; then
     for rep in $(seq "$FROM" "$REPEATS"); do
-        if part torch; then
+        if part torch && [ "$RING" = 1 ]; then
+            # One process per config, taking turns rep by rep on one CPU
+            # (bench/turn_ring.py), the order rotated from run to run.
+            runs=()
+            for i in "${!CONFIGS[@]}"; do
+                cfg=${CONFIGS[$(((i + rep - 1) % ${#CONFIGS[@]}))]}
+                runs+=("$(run_name "torch_$cfg" "$rep")=$cfg")
+            done
+            name=$(run_name torch_ring "$rep")
+            run_step "$name" 400 "" "$PY" bench/turn_ring.py --cpu "$TURN_CPU" --pin "${BENCH_TURN_PIN:-thread}" \
+                --limit 390 --out-dir "$RES" --log-dir "$LOGS" "${runs[@]}" -- "${T_ARGS[@]}"
+        elif part torch; then
             for cfg in "${CONFIGS[@]}"; do
                 name=$(run_name "torch_$cfg" "$rep")
                 run_step "$name" 180 "$RES/$name.json" "$PY" bench/torch_bench.py "$cfg" "${T_ARGS[@]}"
@@ -362,8 +381,6 @@ fi
 # (bench/turn_pair.sh), so that rep k of both runs back to back; once per
 # run, who goes first alternating.
 if part turns; then
-    ncpu=$(nproc 2>/dev/null || echo 1)
-    tcpu=${BENCH_TURN_CPU:-$((ncpu > 2 ? 2 : 0))}
     for rep in $(seq "$FROM" "$REPEATS"); do
         first=base
         [ $((rep % 2)) = 0 ] && first=test
@@ -371,7 +388,7 @@ if part turns; then
             b=${kp%%:*} t=${kp#*:}
             name=$(run_name "turns_${b}_$t" "$rep")
             run_step "$name" 300 "" env TURN_LIMIT=290 TURN_PIN="${BENCH_TURN_PIN:-thread}" \
-                bash bench/turn_pair.sh "$tcpu" "$b/$t" "$rep" "$b" "$t" \
+                bash bench/turn_pair.sh "$TURN_CPU" "$b/$t" "$rep" "$b" "$t" \
                 "$first" "$RES/$name.json" "${T_ARGS[@]}"
         done
     done
@@ -382,11 +399,9 @@ fi
 # class hands allocate() to the allocator it replaced), the main thread
 # pinned as in the turns; once per run.
 if part alt; then
-    ncpu=$(nproc 2>/dev/null || echo 1)
-    acpu=${BENCH_TURN_CPU:-$((ncpu > 2 ? 2 : 0))}
     for rep in $(seq "$FROM" "$REPEATS"); do
         name=$(run_name torch_alt "$rep")
-        run_step "$name" 180 "$RES/$name.json" env BENCH_TURNS_PIN="$acpu" \
+        run_step "$name" 180 "$RES/$name.json" env BENCH_TURNS_PIN="$TURN_CPU" \
             "$PY" bench/torch_bench.py cudapool --sections alt "${T_ARGS[@]}"
     done
 fi

@@ -190,6 +190,26 @@ class TestReport(unittest.TestCase):
         self.assertEqual(row(rows, "C: 4 threads")[1]["native"], "4.00 (3.00-4.00)")  # a derived row with runs
         self.assertTrue(any("median (min-max) of the runs" in n and "C level: 1-3 runs" in n for n in notes), notes)
 
+    def test_ring_runs_are_named(self):
+        # Torch runs whose done lines count turns (bench/turn_ring.py) are
+        # said to be rings, in the runs note and the training note.
+        self.full_run()
+        res = report.load(self.dir)
+        self.assertEqual(report.ring_runs(res), 0)
+        for c in report.CONFIGS:
+            for r in ("", "_r2"):
+                write_lines(os.path.join(self.dir, f"torch_{c}{r}.json"),
+                            torch_rec(c, 36.0, 10 * GiB, 11 * GiB, 700 << 20) +
+                            [{"kind": "torch", "config": c, "section": "done", "turns": 9, "turns_partner_gone": ""}])
+        res = report.load(self.dir)
+        self.assertEqual(report.ring_runs(res), 2)
+        rows, notes = report.build_rows(res)
+        self.assertTrue(any("torch level: 2 runs (2 of them rings" in n for n in notes), notes)
+        self.assertTrue(any(n.startswith("training ms/step") and "(2 in rings taking turns)" in n for n in notes), notes)
+        # One configuration without turns: not all rings.
+        write_lines(os.path.join(self.dir, "torch_async_r2.json"), torch_rec("async", 36.0, 10 * GiB, 11 * GiB, 700 << 20))
+        self.assertEqual(report.ring_runs(report.load(self.dir)), 1)
+
     def test_fsdp_runs(self):
         for i, (n, c) in enumerate([(34.8, 33.0), (36.0, 34.1), (35.1, 33.5), (35.5, 33.9), (34.9, 33.2)]):
             suffix = "" if i == 0 else f"_r{i + 1}"
@@ -732,6 +752,103 @@ class TestTurns(unittest.TestCase):
                             out], capture_output=True, text=True)
         self.assertEqual(r.returncode, 2)
         self.assertIn("FIRST must be base or test", r.stderr)
+
+
+class TestTurnRing(unittest.TestCase):
+    """bench/turn_ring.py with RING_STUB standing in for torch_bench.py."""
+
+    def ring(self, runs, reps=3, extra=(), timeout=60):
+        d = tempfile.mkdtemp()
+        stub = os.path.join(d, "stub.py")
+        with open(stub, "w") as f:
+            f.write(RING_STUB.replace("HERE", repr(HERE)))
+        log = os.path.join(d, "events")
+        r = subprocess.run([sys.executable, os.path.join(HERE, "turn_ring.py"), "--cpu", "0", "--prog", stub,
+                            "--out-dir", os.path.join(d, "res"), "--log-dir", os.path.join(d, "logs"), *extra,
+                            *runs, "--", "--reps", str(reps)],
+                           env=dict(os.environ, RING_LOG=log), capture_output=True, text=True, timeout=timeout)
+        events = open(log).read().split("\n")[:-1] if os.path.exists(log) else []
+        out = {}
+        for name in (x.split("=")[0] for x in runs):
+            with open(os.path.join(d, "res", name + ".json")) as f:
+                out[name] = [json.loads(ln) for ln in f if ln.strip()]
+        return r, events, out
+
+    def test_round_robin(self):
+        # Rep k of every process runs in one round, in the order given, one
+        # at a time; each writes its own lines, as a lone process would.
+        r, events, out = self.ring(["c=cudapool", "a=native", "b=expandable"], reps=3)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        want = []
+        for k in range(3):
+            for name in ("cudapool", "native", "expandable"):
+                want += [f"{name} {k} start", f"{name} {k} end"]
+        self.assertEqual(events, want)
+        self.assertEqual([ln["config"] for ln in out["a"]], ["native", "native"])
+        self.assertEqual(out["a"][0]["kind"], "torch")
+        self.assertEqual(out["a"][1]["turns"], 3)
+        self.assertEqual(out["a"][1]["turns_partner_gone"], "")
+        self.assertEqual(out["c"][0]["pin"], "0")  # thread pinning: the program is told the CPU
+        self.assertIn("turn_ring: a (native): exit 0, 3 turns", r.stderr)
+
+    def test_members_leaving(self):
+        # One that fails at start, one that ends early: the rest go on in
+        # turns, at once, and the exit status is the failure's.
+        t0 = time.perf_counter()
+        r, events, out = self.ring(["a=native", "x=crash", "s=short", "b=cudapool"], reps=3)
+        self.assertLess(time.perf_counter() - t0, 20)
+        self.assertEqual(r.returncode, 3, r.stderr)
+        want = ["native 0 start", "native 0 end", "short 0 start", "short 0 end", "cudapool 0 start", "cudapool 0 end"]
+        for k in (1, 2):
+            want += [f"native {k} start", f"native {k} end", f"cudapool {k} start", f"cudapool {k} end"]
+        self.assertEqual(events, want)
+        self.assertEqual(out["x"], [])
+        self.assertIn("turn_ring: x (crash): exit 3, 0 turns, left the ring: ended before the first turn", r.stderr)
+
+    def test_silent_member_is_cut_off(self):
+        t0 = time.perf_counter()
+        r, events, out = self.ring(["a=native", "h=hang"], reps=3, extra=("--turn-timeout", "1"))
+        self.assertLess(time.perf_counter() - t0, 20)
+        self.assertEqual(r.returncode, 124, r.stderr)
+        self.assertEqual(events[:4], ["native 0 start", "native 0 end", "hang 0 start", "hang 0 end"])
+        self.assertEqual(events[4:], ["native 1 start", "native 1 end", "hang 1 start",
+                                      "native 2 start", "native 2 end"])
+        self.assertIn("left the ring: silent", r.stderr)
+
+    def test_bad_arguments(self):
+        for bad in (["native"], ["a=native", "a=cudapool"], ["a/b=native"]):
+            r = subprocess.run([sys.executable, os.path.join(HERE, "turn_ring.py"), "--out-dir", "/tmp", *bad],
+                               capture_output=True, text=True, timeout=30)
+            self.assertEqual(r.returncode, 2, bad)
+
+
+# Stands in for torch_bench.py in TestTurnRing: argv is [stub, CONFIG,
+# --reps, N]. crash fails before its first turn, short ends after one rep,
+# hang stops answering in its second rep.
+RING_STUB = """
+import os, sys, time
+sys.path.insert(0, HERE)
+import torch_bench as tb
+cfg, n = sys.argv[1], int(sys.argv[3])
+if cfg == "crash":
+    os._exit(3)
+t = tb.Turns(os.environ["BENCH_TURNS"])
+t.begin()
+def note(s):
+    fd = os.open(os.environ["RING_LOG"], os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    os.write(fd, s.encode())
+    os.close(fd)
+for k in range(1 if cfg == "short" else n):
+    note(f"{cfg} {k} start\\n")
+    if cfg == "hang" and k == 1:
+        time.sleep(30)
+    time.sleep(0.02)
+    note(f"{cfg} {k} end\\n")
+    t.turn()
+tb.emit(cfg, "empty", pin=os.environ.get("BENCH_TURNS_PIN", ""))
+t.end()
+tb.emit(cfg, "done", **t.summary())
+"""
 
 
 # Stands in for torch_bench.py in TestTurns.test_turn_pair_script: argv is
