@@ -25,6 +25,7 @@ import glob
 import statistics
 import os
 import random
+import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -175,6 +176,8 @@ class Results:
         self.pair_errors = []
         self.turns = {}  # (kind, round) -> {role: fields}: bench/turn_pair.sh's pairs
         self.alts = {}  # config -> [torch_bench.py's alt line per process]
+        self.by_run = {}  # (config, run) -> the numbers of torch_CONFIG[_rRUN].json
+        self.run = None  # the run of the file being loaded (load)
 
     def add(self, obj):
         if not isinstance(obj, dict):
@@ -209,6 +212,9 @@ class Results:
             if "alt_error" not in obj:
                 self.alts.setdefault(config, []).append(obj)
             return
+        if kind == "torch" and self.run is not None:
+            self.by_run.setdefault((config, self.run), {}).update(
+                {k: v for k, v in obj.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
         rec = self.records.setdefault((kind, config), {})
         errs = self.errors.setdefault((kind, config), {})
         section = obj.get("section") if isinstance(obj.get("section"), str) else "?"
@@ -296,10 +302,14 @@ def load(results_dir):
         # a run: its meta and done lines must not count as one of its
         # configuration's runs (they would make "5-6 runs").
         alt = any(o.get("kind") == "torch" and o.get("section") == "alt" for o in objs)
+        # torch_CONFIG.json is run 1, torch_CONFIG_rN.json run N (run_bench.sh).
+        m = re.fullmatch(r"torch_.+?(?:_r(\d+))?\.json", os.path.basename(path))
+        res.run = (int(m.group(1)) if m.group(1) else 1) if m and not alt else None
         for obj in objs:
             if alt and obj.get("kind") == "torch" and obj.get("section") != "alt":
                 continue
             res.add(obj)
+        res.run = None
     return res
 
 
@@ -378,6 +388,38 @@ def alt_note(res):
             f"class hands allocate() to the allocator it replaced during native's reps: torch_bench.py, section "
             f"alt; {len(lines)} processes of {'-'.join(map(str, reps))} pairs of reps; median of the processes' "
             f"median per-pair ratios, cudapool/native, with their min-max): " + "; ".join(parts))
+
+
+def ring_note(res):
+    """The torch rows' targeted ratios within each ring (bench/turn_ring.py),
+    or None: a ring's processes took turns rep by rep, so the ratio of its
+    cudapool process to its native one pairs them, where the table's ratio
+    of medians (the targets' measure) takes each median from whichever run
+    it falls in. Per metric, the median (min-max) of the rings' ratios."""
+    rings = sorted({r for (c, r), v in res.by_run.items() if c == "native" and "turns" in v})
+    if not rings:
+        return None
+    parts = []
+    for m in METRICS:
+        if m.kind != "torch" or m.target is None or not isinstance(m.key, str):
+            continue
+        for base, test, label in (("native", "cudapool", m.label), ("expandable", "cudapool_exp", None)):
+            if label is None:  # of the expandable pair, the capture row has a target (note on cudapool expandable)
+                if m.key != "graph_capture_ms":
+                    continue
+                label = m.label + ", cudapool expandable / native expandable"
+            rs = []
+            for r in rings:
+                b, t = res.by_run.get((base, r), {}), res.by_run.get((test, r), {})
+                if "turns" in b and "turns" in t and b.get(m.key, 0) > 0 and t.get(m.key, 0) > 0:
+                    rs.append(t[m.key] / b[m.key])
+            if rs:
+                parts.append(f"{label} {statistics.median(rs):.3f}x ({min(rs):.3f}-{max(rs):.3f}, {len(rs)} rings)")
+    if not parts:
+        return None
+    return ("torch rows within each ring (the ratio of a ring's cudapool process to its native one, which took turns "
+            "with it rep by rep; median (min-max) over the rings; the table's ratios, of the medians, are the targets' "
+            "measure): " + "; ".join(parts))
 
 
 def turns_note(res):
@@ -480,6 +522,9 @@ def build_rows(res):
     an = alt_note(res)
     if an:
         note(an)
+    rn = ring_note(res)
+    if rn:
+        note(rn)
     tn = turns_note(res)
     if tn:
         note(tn)

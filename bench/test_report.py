@@ -210,6 +210,26 @@ class TestReport(unittest.TestCase):
         write_lines(os.path.join(self.dir, "torch_async_r2.json"), torch_rec("async", 36.0, 10 * GiB, 11 * GiB, 700 << 20))
         self.assertEqual(report.ring_runs(report.load(self.dir)), 1)
 
+    def test_ring_note_pairs_each_ring(self):
+        # Per ring, cudapool's process against native's of the same run; a
+        # run without turns (not a ring) is left out of the note.
+        cap = {("native", 1): 5.0, ("native", 2): 8.0, ("native", 3): 6.0,
+               ("cudapool", 1): 4.5, ("cudapool", 2): 8.8, ("cudapool", 3): 3.0,
+               ("expandable", 1): 5.0, ("cudapool_exp", 1): 5.5}
+        for (c, r), v in cap.items():
+            lines = [{"kind": "torch", "config": c, "section": "graph", "graph_capture_ms": v}]
+            if r < 3:
+                lines.append({"kind": "torch", "config": c, "section": "done", "turns": 9})
+            write_lines(os.path.join(self.dir, f"torch_{c}{'' if r == 1 else f'_r{r}'}.json"), lines)
+        res = report.load(self.dir)
+        note = report.ring_note(res)
+        self.assertIn("CUDA graph capture (forward) 1.000x (0.900-1.100, 2 rings)", note)
+        self.assertIn("cudapool expandable / native expandable 1.100x (1.100-1.100, 1 rings)", note)
+        self.assertNotIn("training", note)
+        rows, notes = report.build_rows(res)
+        self.assertEqual(row(rows, "CUDA graph capture")[2], "0.750x")  # the table: 4.5 / 6.0, medians of 3 runs
+        self.assertIn(note, notes)
+
     def test_fsdp_runs(self):
         for i, (n, c) in enumerate([(34.8, 33.0), (36.0, 34.1), (35.1, 33.5), (35.5, 33.9), (34.9, 33.2)]):
             suffix = "" if i == 0 else f"_r{i + 1}"
