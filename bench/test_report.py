@@ -546,6 +546,21 @@ class TestTorchBenchArgs(unittest.TestCase):
         self.assertEqual(torch_bench.wait_start({"BENCH_START_AT": "1000"}, clock=lambda: 100.0, sleep=slept.append), 60.0)
         self.assertEqual(slept, [2.5, 60.0])
 
+    def test_sched_reexec(self):
+        # cudapool_sched execs itself once with the GODEBUG setting added to
+        # what was there; other configurations, and the exec'd process, do not.
+        calls = []
+        exe = lambda path, args, env: calls.append((path, args, env))
+        torch_bench.sched_reexec("cudapool", {"GODEBUG": ""}, ["tb.py", "cudapool"], exe)
+        self.assertEqual(calls, [])
+        torch_bench.sched_reexec("cudapool_sched", {"GODEBUG": "gctrace=0", "HOME": "/"}, ["tb.py", "cudapool_sched"], exe)
+        self.assertEqual(calls, [(sys.executable, [sys.executable, "tb.py", "cudapool_sched"],
+                                  {"GODEBUG": "gctrace=0," + torch_bench.SCHED_GODEBUG, "HOME": "/"})])
+        torch_bench.sched_reexec("cudapool_sched", calls[0][2], ["tb.py", "cudapool_sched"], exe)
+        self.assertEqual(len(calls), 1)
+        torch_bench.sched_reexec("cudapool_sched", {}, ["tb.py", "cudapool_sched"], exe)
+        self.assertEqual(calls[1][2], {"GODEBUG": torch_bench.SCHED_GODEBUG})
+
 
 # A process taking turns (run by TestTurns through python3 -c): it appends
 # "NAME k" to LOG in each of its N turns, sleeping a little inside the turn.

@@ -78,8 +78,8 @@ CONFIGS = {
     # cudapool without its front cache (allocator/front.go): for diagnostics.
     "cudapool_nofront": None,
     # cudapool with the treap free set (free_set:treap), and with the Go
-    # runtime's sysmon kept out of its deep sleep (GODEBUG=schedtrace set
-    # before the library loads; docs/hot-path.md, section 3): diagnostics.
+    # runtime's sysmon kept out of its deep sleep (GODEBUG=schedtrace in the
+    # environment the process starts with: sched_reexec): diagnostics.
     "cudapool_treap": None,
     "cudapool_sched": None,
     # A trivial C pluggable allocator (bench/floor_alloc.c): what PyTorch's
@@ -595,9 +595,28 @@ def call_summary(prefix, calls):
     return out
 
 
+SCHED_GODEBUG = "schedtrace=2147483647"
+
+
+def sched_reexec(cfg, environ=None, argv=None, execve=os.execve):
+    """cudapool_sched keeps the Go runtime's sysmon out of its deep sleep
+    (GODEBUG schedtrace; docs/hot-path.md, sections 3 and 18). A c-shared Go
+    runtime reads the environment the process started with, not os.environ,
+    so the setting must be there at exec: the process execs itself once with
+    it (same pid, so turn_pair/turn_ring keep track of it)."""
+    environ = os.environ if environ is None else environ
+    if cfg != "cudapool_sched" or "schedtrace=" in environ.get("GODEBUG", ""):
+        return
+    env = dict(environ)
+    env["GODEBUG"] = ",".join(filter(None, (env.get("GODEBUG"), SCHED_GODEBUG)))
+    argv = sys.argv if argv is None else argv
+    execve(sys.executable, [sys.executable] + list(argv), env)
+
+
 def main(argv=None):
     args = parse_args(argv)
     cfg = args.config
+    sched_reexec(cfg)
     global TAG, TURNS
     try:
         TAG = turns_tag()
@@ -615,10 +634,7 @@ def main(argv=None):
             import cudapool
 
             if cfg == "cudapool_sched":
-                # A period of 10^9 ms: sysmon never sleeps deeply, and no
-                # trace line is due for 11.6 days of the host's clock.
-                os.environ["GODEBUG"] = ",".join(filter(None, (os.environ.get("GODEBUG"), "schedtrace=1000000000")))
-                meta["alloc_conf"] = "cudapool GODEBUG=" + os.environ["GODEBUG"]
+                meta["alloc_conf"] = "cudapool GODEBUG=" + os.environ.get("GODEBUG", "")
             cudapool.install()
             if CUDAPOOL_CONFS[cfg]:
                 cudapool.configure(CUDAPOOL_CONFS[cfg])

@@ -6,15 +6,18 @@ By turns the enter phase of torch.cuda.graph (synchronize, gc.collect,
 empty_cache, capture_begin) takes cudapool 1.22-1.28x native's 0.25-0.30 ms:
 empty_cache and the beginAllocateToPool hook run with the caches cold.
 This times those calls, and capture_end, alone in a loop, per configuration
-(DIAG_CONFIGS, default "native cudapool"; cudapool_nofront: front_cache:False),
+(DIAG_CONFIGS, default "native cudapool"; cudapool_nofront: front_cache:False;
+cudapool_sched: GODEBUG=schedtrace in the child's first environment, which
+keeps the Go runtime's sysmon out of its deep sleep),
 in REPS fresh processes each, interleaved. MODE:
   gpt   each iteration captures bench/model.py's GPT-2 forward (batch 8 x 512)
         into a new graph after gc.collect + synchronize, as the benchmark's
-        graph section does; the last 6 graphs are kept (older ones released,
-        so empty_cache frees their pools, for every allocator alike).
+        graph section does; the last DIAG_KEEP graphs are kept (default 6:
+        older ones are released, so empty_cache frees their pools, for every
+        allocator alike; 0: all, as the benchmark does).
   tiny  each iteration captures two small ops instead, after evicting the
         caches by writing a byte of every line of 64 MiB (no gc.collect: with
-        torch loaded it takes tens of ms); the last 6 graphs are kept. For a
+        torch loaded it takes tens of ms); the last DIAG_KEEP graphs are kept. For a
         CPU profile of the library (a build with -tags cudapool_cpuprofile
         and CUDAPOOL_CPUPROFILE=FILE). Not yet run to its end: a first try
         with gc.collect in every iteration ran past 6 minutes at 3,000.
@@ -67,7 +70,7 @@ else:
 torch.cuda.synchronize()
 pc = time.perf_counter_ns
 res = {"empty": [], "begin": [], "end": [], "hook_begin": [], "hook_end": []}
-keep = collections.deque(maxlen=6)
+keep = collections.deque(maxlen=int(os.environ.get("DIAG_KEEP", "6")) or None)
 s = torch.cuda.Stream()
 if timed:
     _ext.timing(True)
@@ -116,6 +119,8 @@ def main():
     for r in range(reps):
         for c in CONFIGS:
             e = dict(env)
+            if c == "cudapool_sched":  # read at the library's load, from the process's first environment
+                e["GODEBUG"] = ",".join(filter(None, (e.get("GODEBUG"), "schedtrace=2147483647")))
             if c != "native" and os.environ.get("DIAG_PROFILE_DIR"):  # one profile per process
                 e["CUDAPOOL_CPUPROFILE"] = os.path.join(os.environ["DIAG_PROFILE_DIR"], f"enter_{mode}_{c}_{r + 1}.prof")
             out = subprocess.run([sys.executable, "-c", CHILD, c, mode, str(n)], env=e, capture_output=True,

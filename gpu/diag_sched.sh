@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# gpu/diag_sched.sh - what keeping the Go runtime's sysmon out of its deep
+# sleep is worth on the GPU host (issue 11; docs/hot-path.md 3 and 18).
+#   bash gpu/diag_sched.sh          (carry lib; output to $OUT or build/diag)
+# When every P of the library's Go runtime has been idle for ~10 ms, sysmon
+# sleeps until woken, and the next call into Go wakes it (a futex) on the
+# caller's thread: the capture's enter phase (empty_cache after gc.collect)
+# pays that. GODEBUG=schedtrace keeps sysmon polling instead; it must be in
+# the environment the process starts with (cudapool_sched configurations).
+# 1. gpu/diag_cold_call.py after 30 ms idle, without and with the setting;
+# 2. RINGS rings (bench/turn_ring.py) of native, cudapool, cudapool_sched:
+#    training, GRAPH_CAPTURES captures, torch.empty; gpu/ring_phases.py;
+# 3. gpu/diag_enter.py gpt with every graph kept (DIAG_KEEP=0).
+set -u
+cd "$(dirname "$0")/.." || exit 1
+PY=${PYTHON:-python3}
+P=${OUT:-$PWD/build/diag}
+mkdir -p "$P/ring"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/python CUDAPOOL_LIBRARY=$PWD/lib/libcudapool.so
+unset PYTORCH_CUDA_ALLOC_CONF PYTORCH_ALLOC_CONF CUDAPOOL_CONF CUDAPOOL_BACKEND GODEBUG
+T0=$(date +%s)
+echo "library $(tr '\n' ' ' <lib/BUILD_COMMIT 2>/dev/null)"
+for g in "" "schedtrace=2147483647"; do
+    echo "== cold calls after 30 ms idle, GODEBUG='$g'"
+    GODEBUG=$g IDLE_S=0.03 timeout 120 $PY gpu/diag_cold_call.py "${COLD_N:-100}" >"$P/cold_${g:-plain}.txt" 2>&1
+    tail -10 "$P/cold_${g:-plain}.txt"
+done
+echo "cold calls done at $(($(date +%s) - T0))s"
+CFGS=(native cudapool cudapool_sched)
+for k in $(seq 1 "${RINGS:-3}"); do
+    runs=()
+    for i in "${!CFGS[@]}"; do
+        c=${CFGS[$(((i + k - 1) % ${#CFGS[@]}))]}
+        runs+=("${c}_r$k=$c")
+    done
+    timeout 300 $PY bench/turn_ring.py --cpu 2 --limit 280 --out-dir "$P/ring" "${runs[@]}" -- \
+        --sections "${SECTIONS:-train,graph,empty}" --graph-captures "${GRAPH_CAPTURES:-10}" >"$P/ring_$k.log" 2>&1
+    echo "ring $k (${runs[*]}) rc=$? at $(($(date +%s) - T0))s"
+done
+$PY gpu/ring_phases.py "$P/ring" native cudapool cudapool_sched | tee "$P/ring_phases.txt"
+$PY gpu/ring_phases.py "$P/ring" cudapool cudapool_sched | tee -a "$P/ring_phases.txt"
+echo "rings done at $(($(date +%s) - T0))s"
+if [ "${ENTER_REPS:-2}" -gt 0 ]; then
+    DIAG_KEEP=0 DIAG_TIMING=1 DIAG_CONFIGS="native cudapool cudapool_sched" \
+        timeout 200 $PY gpu/diag_enter.py gpt "${ENTER_REPS:-2}" "${ENTER_N:-20}" >"$P/enter_gpt.txt" 2>&1
+    tail -6 "$P/enter_gpt.txt"
+fi
+echo "done at $(($(date +%s) - T0))s"
