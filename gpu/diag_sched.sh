@@ -20,6 +20,8 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/python CUDAPOOL_LIBRARY=$PWD/lib/libcu
 unset PYTORCH_CUDA_ALLOC_CONF PYTORCH_ALLOC_CONF CUDAPOOL_CONF CUDAPOOL_BACKEND GODEBUG
 T0=$(date +%s)
 echo "library $(tr '\n' ' ' <lib/BUILD_COMMIT 2>/dev/null)"
+# The C++ extension is built on first use (and cached): not inside a timing.
+$PY -c 'import cudapool; cudapool.install(); import torch; torch.empty(1, device="cuda"); print("extension ready")' 2>&1 | tail -2
 for g in "" "schedtrace=2147483647"; do
     echo "== cold calls after 30 ms idle, GODEBUG='$g'"
     GODEBUG=$g IDLE_S=0.03 timeout 120 $PY gpu/diag_cold_call.py "${COLD_N:-100}" >"$P/cold_${g:-plain}.txt" 2>&1
