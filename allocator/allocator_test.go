@@ -274,6 +274,20 @@ func TestConfigParse(t *testing.T) {
 	round, _, err := allocator.ParseConfig(cfg.String())
 	require.NoError(t, err)
 	require.Equal(t, cfg.Pools, round.Pools, "String() parses back to the same policy")
+
+	// cudapool's warm_runtime: on by default, off by key, printed when off.
+	require.True(t, cfg.WarmRuntime)
+	cold, warn, err := allocator.ParseConfig("warm_runtime:False")
+	require.NoError(t, err)
+	require.Empty(t, warn)
+	require.False(t, cold.WarmRuntime)
+	require.Contains(t, cold.String(), "warm_runtime:False")
+	back, _, err := allocator.ParseConfig(cold.String())
+	require.NoError(t, err)
+	require.False(t, back.WarmRuntime)
+	require.NotContains(t, cfg.String(), "warm_runtime")
+	_, _, err = allocator.ParseConfig("warm_runtime:sometimes")
+	require.ErrorIs(t, err, allocator.ErrInvalidConfig)
 }
 
 func TestRoundupDivisionsApply(t *testing.T) {

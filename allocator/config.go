@@ -54,11 +54,17 @@ type Config struct {
 	// call into the allocator, without entering Go. cudapool's own key:
 	// front_cache (default True; False for comparisons).
 	FrontCache bool
+	// WarmRuntime keeps the library's Go runtime ready for calls from C
+	// while they come (capi/warm: a goroutine napping in a system call, so
+	// that sysmon does not sleep deeply; it parks after a second without
+	// calls). Not used by the allocator itself; capi applies it. cudapool's
+	// own key: warm_runtime (default True).
+	WarmRuntime bool
 }
 
 // DefaultConfig is PyTorch's default configuration.
 func DefaultConfig() Config {
-	return Config{Pools: pools.DefaultConfig(), ExpandableMapUnit: DefaultMapUnit, FrontCache: true}
+	return Config{Pools: pools.DefaultConfig(), ExpandableMapUnit: DefaultMapUnit, FrontCache: true, WarmRuntime: true}
 }
 
 // DefaultMapUnit is expandable_map_unit_mb's default, in bytes.
@@ -228,6 +234,12 @@ func (c *Config) set(key, val string) (warning string, err error) {
 			return "", err
 		}
 		c.FrontCache = b
+	case "warm_runtime":
+		b, err := parseBool(key, val)
+		if err != nil {
+			return "", err
+		}
+		c.WarmRuntime = b
 	case "debug_checks":
 		b, err := parseBool(key, val)
 		if err != nil {
@@ -384,6 +396,9 @@ func (c Config) String() string {
 	}
 	if !c.FrontCache {
 		parts = append(parts, "front_cache:False")
+	}
+	if !c.WarmRuntime {
+		parts = append(parts, "warm_runtime:False")
 	}
 	return strings.Join(parts, ",")
 }

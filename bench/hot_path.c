@@ -6,8 +6,9 @@
  * cudapool_free_deferred), the pair as a C program makes it
  * (cudapool_malloc, cudapool_free), and the PyTorch-class pair after other
  * memory was touched (as the Python interpreter does between allocations),
- * and a call into Go after the thread slept in C for 1 and 10 ms (a Python
- * step that allocates nothing for that long). The pairs are served by the
+ * and a call into Go after the thread slept in C for 1, 10 and 30 ms (a
+ * Python step that allocates nothing for that long; at 30 ms also with
+ * warm_runtime:False, capi/warm's keeper off). The pairs are served by the
  * front cache (allocator/front.go: no call into Go); the "front off" rows
  * are the same pairs with front_cache:False, through Go (the class path's
  * free is queued and performed by the next malloc: one call into Go; the C
@@ -176,6 +177,8 @@ enum {
 	R_GO_SECOND,
 	R_GO_GAP1,
 	R_GO_GAP10,
+	R_GO_GAP30,
+	R_GO_GAP30_COLD,
 	R_PAIR_TORCH,
 	R_PAIR_C,
 	R_TOUCH_S,
@@ -193,6 +196,8 @@ static const char *row_names[NROWS] = {
     "call into Go, second on that thread",
     "call into Go after 1 ms asleep in C",
     "call into Go after 10 ms asleep in C",
+    "call into Go after 30 ms asleep in C",
+    "after 30 ms asleep, warm_runtime:False",
     "pair, PyTorch class path",
     "pair, C API",
     "class-path pair after 2 MiB touched",
@@ -201,8 +206,14 @@ static const char *row_names[NROWS] = {
     "pair, C API, front off (2 Go calls)",
     "class pair, 2 MiB touched, front off",
 };
-static const char *row_units[NROWS] = {"cpu", "cpu", "cpu", "wall", "wall", "wall", "wall",
+static const char *row_units[NROWS] = {"cpu", "cpu", "cpu", "wall", "wall", "wall", "wall", "wall", "wall",
                                        "cpu", "cpu", "wall", "wall", "cpu", "cpu", "wall"};
+
+/* warm switches capi/warm's keeper on or off: off, a call after more than
+ * 10 ms in C wakes the Go runtime's sysmon (docs/hot-path.md 18). */
+static int warm(int on) {
+	return cudapool_configure_update(on ? "warm_runtime:True" : "warm_runtime:False");
+}
 
 /* front switches the front cache on or off (a live configuration update). */
 static int front(int on) {
@@ -254,6 +265,16 @@ int main(int argc, char **argv) {
 		}
 		res[R_GO_GAP1][k] = after_gap(1000000, 50);
 		res[R_GO_GAP10][k] = after_gap(10000000, 15);
+		res[R_GO_GAP30][k] = after_gap(30000000, 9);
+		if (warm(0) != 0) {
+			fprintf(stderr, "hot_path: %s\n", cudapool_last_error());
+			return 2;
+		}
+		res[R_GO_GAP30_COLD][k] = after_gap(30000000, 9);
+		if (warm(1) != 0) {
+			fprintf(stderr, "hot_path: %s\n", cudapool_last_error());
+			return 2;
+		}
 		double first[THREADS], second[THREADS];
 		for (int i = 0; i < THREADS; i++) {
 			struct first_call fc;

@@ -82,6 +82,8 @@ CONFIGS = {
     # environment the process starts with: sched_reexec): diagnostics.
     "cudapool_treap": None,
     "cudapool_sched": None,
+    # cudapool with capi/warm's keeper off (warm_runtime:False): diagnostics.
+    "cudapool_cold": None,
     # A trivial C pluggable allocator (bench/floor_alloc.c): what PyTorch's
     # CUDAPluggableAllocator path costs by itself. Only the 4 KiB loop.
     "floor": None,
@@ -95,6 +97,7 @@ CUDAPOOL_CONFS = {
     "cudapool_nofront": "front_cache:False",
     "cudapool_treap": "free_set:treap",
     "cudapool_sched": "",
+    "cudapool_cold": "warm_runtime:False",
 }
 SECTIONS = ("train", "graph", "empty", "alt")
 # "alt" (cudapool's configurations only) alternates native and cudapool

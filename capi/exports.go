@@ -30,6 +30,7 @@ func cpgo_malloc(size C.size_t, dev C.int, stream C.uintptr_t, track *C.int) C.u
 		setError(st.err.Error())
 		return 0
 	}
+	keeper.Touch()
 	var frees []allocator.PendingFree
 	if C.cp_freeq_n != 0 {
 		var buf [C.CP_FREEQ_CAP]allocator.PendingFree
@@ -83,6 +84,7 @@ func cpgo_free_batch(frees *C.cp_pending_free, n C.size_t) {
 	if st.err != nil {
 		return
 	}
+	keeper.Touch()
 	reportFreeError(st.a.FreeMany(pendingFrees(frees, n)))
 }
 
@@ -98,6 +100,7 @@ func cpgo_torch_malloc(size C.size_t, dev C.int, stream C.uintptr_t, frees *C.cp
 		setError(st.err.Error())
 		return 0
 	}
+	keeper.Touch()
 	a := st.a
 	if !torchAnnounced.Load() {
 		a.ExpectAnnouncements()
@@ -387,6 +390,7 @@ func configure(conf *C.char, parse func(allocator.Config, string) (allocator.Con
 		return -1
 	}
 	a.Configure(cfg)
+	keeper.SetEnabled(cfg.WarmRuntime)
 	return 0
 }
 

@@ -66,6 +66,7 @@ import (
 	"unsafe"
 
 	"github.com/cudapool/cudapool/allocator"
+	"github.com/cudapool/cudapool/capi/warm"
 	"github.com/cudapool/cudapool/cuda/driver"
 	"github.com/cudapool/cudapool/cuda/sim"
 )
@@ -84,6 +85,11 @@ type state struct {
 var (
 	current  atomic.Pointer[state]
 	initOnce sync.Once
+	// keeper keeps the runtime warm while calls come (capi/warm): every
+	// export that gets a working state touches it (ready, and the malloc
+	// and free exports after their own check: load stays inlinable). Set
+	// by the configuration's warm_runtime (newState, configure).
+	keeper warm.Keeper
 )
 
 // load returns the state, initializing it on the first call. Inlined into
@@ -125,6 +131,7 @@ func ready() *allocator.Allocator {
 		setError(st.err.Error())
 		return nil
 	}
+	keeper.Touch()
 	if C.cp_freeq_n != 0 {
 		var buf [C.CP_FREEQ_CAP]allocator.PendingFree
 		reportFreeError(st.a.FreeMany(takeFrees(&buf)))
@@ -238,6 +245,7 @@ func newState(lookup func(string) (string, bool)) *state {
 	}
 	a.SetWarningHandler(warnOnce)
 	a.SetFront(cFront{})
+	keeper.SetEnabled(cfg.WarmRuntime)
 	st.a = a
 	return st
 }

@@ -34,6 +34,7 @@ func cpgo_malloc_ctx(size C.size_t, dev C.int, stream C.uintptr_t, ctx C.ulonglo
 		// function runs again), or a failed state; out of line.
 		return mallocCtxNoState(size, dev, stream, ctx, frees, nfrees, track)
 	}
+	keeper.Touch()
 	p, tr, err, ferr := st.a.MallocTracked(int(dev), uint64(size), cuda.Stream(stream), uint64(ctx), pendingFrees(frees, nfrees))
 	if err != nil || ferr != nil || track == nil {
 		return mallocEnd(p, tr, err, ferr, track)

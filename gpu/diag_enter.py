@@ -7,6 +7,7 @@ empty_cache, capture_begin) takes cudapool 1.22-1.28x native's 0.25-0.30 ms:
 empty_cache and the beginAllocateToPool hook run with the caches cold.
 This times those calls, and capture_end, alone in a loop, per configuration
 (DIAG_CONFIGS, default "native cudapool"; cudapool_nofront: front_cache:False;
+cudapool_cold: warm_runtime:False, capi/warm's keeper off;
 cudapool_sched: GODEBUG=schedtrace in the child's first environment, which
 keeps the Go runtime's sysmon out of its deep sleep),
 in REPS fresh processes each, interleaved. MODE:
@@ -41,8 +42,9 @@ if cfg.startswith("cudapool"):
     sys.path.insert(0, os.path.join(REPO, "python"))
     import cudapool
     cudapool.install()
-    if cfg == "cudapool_nofront":
-        cudapool.configure("front_cache:False")
+    conf = {"cudapool_nofront": "front_cache:False", "cudapool_cold": "warm_runtime:False"}.get(cfg)
+    if conf:
+        cudapool.configure(conf)
 import torch
 timed = os.environ.get("DIAG_TIMING") == "1" and cfg.startswith("cudapool")
 if timed:

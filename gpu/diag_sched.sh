@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # gpu/diag_sched.sh - what keeping the Go runtime's sysmon out of its deep
 # sleep is worth on the GPU host (issue 11; docs/hot-path.md 3 and 18).
+# CFGS (default "native cudapool cudapool_sched"): the ring's and
+# diag_enter's configurations; cudapool_cold is capi/warm's keeper off.
+# COLD_CONFS: the cold-call runs' settings (GODEBUG=... or CUDAPOOL_CONF=...).
 #   bash gpu/diag_sched.sh          (carry lib; output to $OUT or build/diag)
 # When every P of the library's Go runtime has been idle for ~10 ms, sysmon
 # sleeps until woken, and the next call into Go wakes it (a futex) on the
@@ -22,13 +25,15 @@ T0=$(date +%s)
 echo "library $(tr '\n' ' ' <lib/BUILD_COMMIT 2>/dev/null)"
 # The C++ extension is built on first use (and cached): not inside a timing.
 $PY -c 'import cudapool; cudapool.install(); import torch; torch.empty(1, device="cuda"); print("extension ready")' 2>&1 | tail -2
-for g in "" "schedtrace=2147483647"; do
-    echo "== cold calls after 30 ms idle, GODEBUG='$g'"
-    GODEBUG=$g IDLE_S=0.03 timeout 120 $PY gpu/diag_cold_call.py "${COLD_N:-100}" >"$P/cold_${g:-plain}.txt" 2>&1
-    tail -10 "$P/cold_${g:-plain}.txt"
+k=0
+for g in ${COLD_CONFS:-"GODEBUG=" "GODEBUG=schedtrace=2147483647"}; do
+    k=$((k + 1))
+    echo "== cold calls after 30 ms idle, $g"
+    env "$g" IDLE_S=0.03 timeout 120 $PY gpu/diag_cold_call.py "${COLD_N:-100}" >"$P/cold_$k.txt" 2>&1
+    tail -10 "$P/cold_$k.txt"
 done
 echo "cold calls done at $(($(date +%s) - T0))s"
-CFGS=(native cudapool cudapool_sched)
+read -r -a CFGS <<<"${CFGS:-native cudapool cudapool_sched}"
 for k in $(seq 1 "${RINGS:-3}"); do
     runs=()
     for i in "${!CFGS[@]}"; do
@@ -39,12 +44,13 @@ for k in $(seq 1 "${RINGS:-3}"); do
         --sections "${SECTIONS:-train,graph,empty}" --graph-captures "${GRAPH_CAPTURES:-10}" >"$P/ring_$k.log" 2>&1
     echo "ring $k (${runs[*]}) rc=$? at $(($(date +%s) - T0))s"
 done
-$PY gpu/ring_phases.py "$P/ring" native cudapool cudapool_sched | tee "$P/ring_phases.txt"
-$PY gpu/ring_phases.py "$P/ring" cudapool cudapool_sched | tee -a "$P/ring_phases.txt"
+$PY gpu/ring_phases.py "$P/ring" "${CFGS[@]}" | tee "$P/ring_phases.txt"
+$PY gpu/ring_phases.py "$P/ring" "${CFGS[@]:1}" | tee -a "$P/ring_phases.txt"
 echo "rings done at $(($(date +%s) - T0))s"
 if [ "${ENTER_REPS:-2}" -gt 0 ]; then
-    DIAG_KEEP=0 DIAG_TIMING=1 DIAG_CONFIGS="native cudapool cudapool_sched" \
+    DIAG_KEEP=0 DIAG_TIMING=1 DIAG_CONFIGS="${CFGS[*]}" \
         timeout 200 $PY gpu/diag_enter.py gpt "${ENTER_REPS:-2}" "${ENTER_N:-20}" >"$P/enter_gpt.txt" 2>&1
     tail -6 "$P/enter_gpt.txt"
 fi
 echo "done at $(($(date +%s) - T0))s"
+tar czf "$P/ring.tgz" -C "$P" ring && rm -rf "$P/ring" # one file back from the device

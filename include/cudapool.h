@@ -138,7 +138,8 @@ void cudapool_reset_accumulated_stats(int device);
  * large_segment_size_mb, expandable_segments, release_lock_on_cudamalloc,
  * per_process_memory_fraction, graph_capture_record_stream_reuse; cudapool's
  * own record_history:N, debug_checks:True, free_set:segfit|treap|sorted,
- * expandable_map_unit_mb:N, stitch:True).
+ * expandable_map_unit_mb:N, stitch:True, front_cache:False,
+ * warm_runtime:False).
  * Unknown keys are reported once on stderr and ignored. Returns 0 on success,
  * -1 on an invalid value (the configuration is then unchanged) or when
  * cudapool could not initialize (the last error says why). */
