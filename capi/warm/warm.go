@@ -14,7 +14,8 @@
 // after 30 ms idle a near-empty call cost 48 us on the H100 host and 37 us
 // with sysmon kept awake (docs/hot-path.md 18). GODEBUG=schedtrace keeps
 // sysmon awake too, but it must be in the environment the process starts
-// with and it prints a trace line once the host has been up 24.8 days.
+// with, and a process started on a host up more than 24.8 days prints a
+// trace line at once (the longest period schedtrace takes).
 //
 // So while calls come, one goroutine, the keeper, naps in a system call in
 // a loop: its P is never idle, so sysmon never sleeps deeply; the P's
@@ -22,7 +23,7 @@
 // runtime.Gosched between naps moves its schedule tick, since a P on one
 // tick for 10 ms is taken back as well. (With GOMAXPROCS 1 it stays off:
 // it would hold the only P.) The keeper asks every check period
-// whether a call came (Touch) and parks after idleChecks periods without
+// whether a call came (Touch) and parks after IdleChecks periods without
 // one, so an idle process gets no wake-ups from it; the next call wakes it.
 //
 // Touch costs a call one atomic load; the first call after each of the
@@ -47,9 +48,9 @@ const (
 // Defaults: a 5 ms nap, a check every 50 naps (about 250 ms), parked after
 // 4 checks without a call (about a second).
 const (
-	DefaultNap         = 5_000_000 // ns
-	defaultNapsPerTick = 50
-	defaultIdleChecks  = 4
+	DefaultNap          = 5_000_000 // ns
+	defaultNapsPerCheck = 50
+	defaultIdleChecks   = 4
 )
 
 // A Keeper keeps the runtime warm while Touch is called. The zero Keeper
@@ -132,7 +133,7 @@ func (k *Keeper) launch() {
 		k.Nap = func() { _ = syscall.Nanosleep(&ts, nil) } // a Syscall: its P stays in syscall state
 	}
 	if k.NapsPerCheck <= 0 {
-		k.NapsPerCheck = defaultNapsPerTick
+		k.NapsPerCheck = defaultNapsPerCheck
 	}
 	if k.IdleChecks <= 0 {
 		k.IdleChecks = defaultIdleChecks
