@@ -22,9 +22,10 @@
 package privatepool
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
-	"sort"
+	"slices"
 
 	"github.com/cudapool/cudapool/pools"
 )
@@ -155,13 +156,11 @@ func (r *Registry) Freeable() []*Pool {
 	return out
 }
 
+// sortByID sorts ps by pool id. slices.SortFunc, unlike sort.Slice, needs no
+// reflection and no allocation (empty_cache calls Freeable).
 func sortByID(ps []*Pool) {
-	if len(ps) < 2 { // sort.Slice costs a reflection and an allocation (empty_cache calls Freeable)
-		return
-	}
-	sort.Slice(ps, func(i, j int) bool {
-		a, b := ps[i].ID, ps[j].ID
-		return a.A < b.A || (a.A == b.A && a.B < b.B)
+	slices.SortFunc(ps, func(a, b *Pool) int {
+		return cmp.Or(cmp.Compare(a.ID.A, b.ID.A), cmp.Compare(a.ID.B, b.ID.B))
 	})
 }
 

@@ -36,7 +36,7 @@ func TestLifecycle(t *testing.T) {
 
 func TestFreeableOrdered(t *testing.T) {
 	var r privatepool.Registry
-	for _, id := range []pools.PoolID{{A: 3}, {B: 1}, {A: 1}} {
+	for _, id := range []pools.PoolID{{A: 3}, {A: 1, B: 2}, {B: 1}, {A: 1}} {
 		r.Acquire(id, mk)
 		require.NoError(t, r.Release(id))
 	}
@@ -44,7 +44,7 @@ func TestFreeableOrdered(t *testing.T) {
 	for _, p := range r.Freeable() {
 		ids = append(ids, p.ID)
 	}
-	require.Equal(t, []pools.PoolID{{B: 1}, {A: 1}, {A: 3}}, ids)
+	require.Equal(t, []pools.PoolID{{B: 1}, {A: 1}, {A: 1, B: 2}, {A: 3}}, ids)
 }
 
 func TestReacquireRevives(t *testing.T) {
