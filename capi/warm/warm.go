@@ -11,8 +11,8 @@
 // and the next call from C wakes it: a futex wake on the caller's thread.
 // Every allocator call after a pause of 10 ms or more pays that, e.g. the
 // empty_cache and the beginAllocateToPool of every CUDA graph capture:
-// after 30 ms idle a near-empty call cost 48 us on the H100 host and 37 us
-// with sysmon kept awake (docs/hot-path.md 18). GODEBUG=schedtrace keeps
+// after 30 ms idle a near-empty call through ctypes cost 48 us on the H100
+// host and 37 us with sysmon kept awake (docs/hot-path.md 18). GODEBUG=schedtrace keeps
 // sysmon awake too, but it must be in the environment the process starts
 // with, and a process started on a host up more than 24.8 days prints a
 // trace line at once (the longest period schedtrace takes).
@@ -23,7 +23,7 @@
 // runtime.Gosched between naps moves its schedule tick, since a P on one
 // tick for 10 ms is taken back as well. (With GOMAXPROCS 1 it stays off:
 // it would hold the only P.) The keeper asks every check period
-// whether a call came (Touch) and parks after IdleChecks periods without
+// whether a call came (Touch) and parks after idleChecks periods without
 // one, so an idle process gets no wake-ups from it; the next call wakes it.
 //
 // Touch costs a call one atomic load; the first call after each of the
@@ -48,7 +48,7 @@ const (
 // Defaults: a 5 ms nap, a check every 50 naps (about 250 ms), parked after
 // 4 checks without a call (about a second).
 const (
-	DefaultNap          = 5_000_000 // ns
+	defaultNap          = 5_000_000 // ns
 	defaultNapsPerCheck = 50
 	defaultIdleChecks   = 4
 )
@@ -58,17 +58,17 @@ const (
 type Keeper struct {
 	state atomic.Int32
 
-	// Set before the goroutine starts (tests), else the defaults.
-	Nap          func() // one nap in a system call
-	NapsPerCheck int
-	IdleChecks   int
+	// Set by tests before the first Touch; zero: the defaults.
+	nap          func() // one nap in a system call
+	napsPerCheck int
+	idleChecks   int
 
 	start  sync.Once
 	wake   chan struct{} // made by start; a send restarts a parked keeper
 	single atomic.Bool   // GOMAXPROCS was 1 at start: the keeper stays off
 
-	// Counters, for tests and diagnostics.
-	Parks, Wakes atomic.Int64
+	// What the keeper did, for the tests.
+	parks, wakes atomic.Int64
 }
 
 // Touch reports a call from C. Inlined: a load and a branch, unless the
@@ -92,7 +92,7 @@ func (k *Keeper) touchSlow() {
 			}
 		case parked:
 			if k.state.CompareAndSwap(parked, seen) {
-				k.Wakes.Add(1)
+				k.wakes.Add(1)
 				select {
 				case k.wake <- struct{}{}:
 				default: // a wake is pending already
@@ -103,8 +103,8 @@ func (k *Keeper) touchSlow() {
 	}
 }
 
-// SetEnabled turns the keeper on or off. Off, it parks at its next check
-// and Touch does nothing.
+// SetEnabled turns the keeper on or off. Off, it stops after its current
+// nap and Touch does nothing.
 func (k *Keeper) SetEnabled(on bool) {
 	if !on || k.single.Load() {
 		k.state.Store(off)
@@ -113,8 +113,8 @@ func (k *Keeper) SetEnabled(on bool) {
 	k.state.CompareAndSwap(off, parked) // the next Touch wakes it
 }
 
-// Running reports whether the keeper is awake (not parked or off).
-func (k *Keeper) Running() bool {
+// running reports whether the keeper is awake (not parked or off).
+func (k *Keeper) running() bool {
 	s := k.state.Load()
 	return s == asking || s == seen
 }
@@ -128,15 +128,15 @@ func (k *Keeper) launch() {
 		k.state.Store(off)
 		return
 	}
-	if k.Nap == nil {
-		ts := syscall.Timespec{Nsec: DefaultNap}
-		k.Nap = func() { _ = syscall.Nanosleep(&ts, nil) } // a Syscall: its P stays in syscall state
+	if k.nap == nil {
+		ts := syscall.Timespec{Nsec: defaultNap}
+		k.nap = func() { _ = syscall.Nanosleep(&ts, nil) } // a Syscall: its P stays in syscall state
 	}
-	if k.NapsPerCheck <= 0 {
-		k.NapsPerCheck = defaultNapsPerCheck
+	if k.napsPerCheck <= 0 {
+		k.napsPerCheck = defaultNapsPerCheck
 	}
-	if k.IdleChecks <= 0 {
-		k.IdleChecks = defaultIdleChecks
+	if k.idleChecks <= 0 {
+		k.idleChecks = defaultIdleChecks
 	}
 	go k.run()
 }
@@ -148,13 +148,13 @@ func (k *Keeper) run() {
 	}
 }
 
-// keep naps until IdleChecks checks in a row have seen no call, then
+// keep naps until idleChecks checks in a row have seen no call, then
 // parks; or until it finds the keeper disabled (after any nap). A CAS that
 // fails met a Touch or SetEnabled, which the next check sees.
 func (k *Keeper) keep() {
 	for idle := 0; ; {
-		for i := 0; i < k.NapsPerCheck; i++ {
-			k.Nap()
+		for i := 0; i < k.napsPerCheck; i++ {
+			k.nap()
 			runtime.Gosched()
 			if s := k.state.Load(); s == off || s == parked {
 				return // disabled: stop within a nap
@@ -166,8 +166,8 @@ func (k *Keeper) keep() {
 				idle = 0
 			}
 		case asking:
-			if idle++; idle >= k.IdleChecks && k.state.CompareAndSwap(asking, parked) {
-				k.Parks.Add(1)
+			if idle++; idle >= k.idleChecks && k.state.CompareAndSwap(asking, parked) {
+				k.parks.Add(1)
 				return
 			}
 		default: // off, or parked by SetEnabled(true) after an off: the next Touch wakes it

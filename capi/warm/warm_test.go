@@ -16,7 +16,7 @@ type driver struct{ napping, steps chan struct{} }
 
 func newKeeper(idleChecks int) (*Keeper, *driver) {
 	d := &driver{napping: make(chan struct{}), steps: make(chan struct{})}
-	k := &Keeper{Nap: func() { d.napping <- struct{}{}; <-d.steps }, NapsPerCheck: 1, IdleChecks: idleChecks}
+	k := &Keeper{nap: func() { d.napping <- struct{}{}; <-d.steps }, napsPerCheck: 1, idleChecks: idleChecks}
 	return k, d
 }
 
@@ -29,7 +29,7 @@ func (d *driver) waitNap(k *Keeper) bool {
 			return true
 		default:
 		}
-		if !k.Running() {
+		if !k.running() {
 			// It stopped, or is about to nap after a Touch that raced this
 			// check: look once more.
 			select {
@@ -43,7 +43,7 @@ func (d *driver) waitNap(k *Keeper) bool {
 	}
 }
 
-// step ends the nap under way (one check follows, NapsPerCheck being 1) and
+// step ends the nap under way (one check follows, napsPerCheck being 1) and
 // reports whether the keeper naps again.
 func (d *driver) step(k *Keeper) bool {
 	d.steps <- struct{}{}
@@ -52,24 +52,24 @@ func (d *driver) step(k *Keeper) bool {
 
 func TestKeeperStartsOnTouchAndParksWhenIdle(t *testing.T) {
 	k, d := newKeeper(2)
-	require.False(t, k.Running(), "the zero keeper is parked")
+	require.False(t, k.running(), "the zero keeper is parked")
 	k.Touch()
 	require.True(t, d.waitNap(k))
-	require.True(t, k.Running())
-	require.EqualValues(t, 1, k.Wakes.Load())
+	require.True(t, k.running())
+	require.EqualValues(t, 1, k.wakes.Load())
 	require.True(t, d.step(k), "check 1 saw the Touch")
 	require.True(t, d.step(k), "check 2: one idle check of 2")
 	require.False(t, d.step(k), "check 3: two idle checks: parked")
-	require.False(t, k.Running())
-	require.EqualValues(t, 1, k.Parks.Load())
+	require.False(t, k.running())
+	require.EqualValues(t, 1, k.parks.Load())
 
 	k.Touch() // wakes it again
 	require.True(t, d.waitNap(k))
-	require.EqualValues(t, 2, k.Wakes.Load())
+	require.EqualValues(t, 2, k.wakes.Load())
 	require.True(t, d.step(k))
 	require.True(t, d.step(k))
 	require.False(t, d.step(k))
-	require.EqualValues(t, 2, k.Parks.Load())
+	require.EqualValues(t, 2, k.parks.Load())
 }
 
 func TestKeeperRunsWhileTouched(t *testing.T) {
@@ -80,8 +80,8 @@ func TestKeeperRunsWhileTouched(t *testing.T) {
 		k.Touch()
 		require.True(t, d.step(k), "check %d followed a Touch", i)
 	}
-	require.EqualValues(t, 0, k.Parks.Load())
-	require.EqualValues(t, 1, k.Wakes.Load(), "touches of a running keeper do not wake it")
+	require.EqualValues(t, 0, k.parks.Load())
+	require.EqualValues(t, 1, k.wakes.Load(), "touches of a running keeper do not wake it")
 	require.True(t, d.step(k), "idle check 1 of 2")
 	require.False(t, d.step(k), "idle check 2: parked")
 }
@@ -91,18 +91,18 @@ func TestKeeperDisabled(t *testing.T) {
 	k.Touch()
 	require.True(t, d.waitNap(k))
 	k.SetEnabled(false)
-	require.False(t, k.Running())
+	require.False(t, k.running())
 	k.Touch()
 	require.False(t, d.step(k), "a disabled keeper stops at its next check")
 	k.Touch()
 	require.False(t, d.waitNap(k), "Touch does not wake a disabled keeper")
-	require.EqualValues(t, 1, k.Wakes.Load())
+	require.EqualValues(t, 1, k.wakes.Load())
 
 	k.SetEnabled(true)
-	require.False(t, k.Running(), "enabled again, it waits for a call")
+	require.False(t, k.running(), "enabled again, it waits for a call")
 	k.Touch()
 	require.True(t, d.waitNap(k))
-	require.EqualValues(t, 2, k.Wakes.Load())
+	require.EqualValues(t, 2, k.wakes.Load())
 
 	// Off and on again while it naps: it stops at its check, and the next
 	// Touch starts it again.
@@ -131,7 +131,7 @@ func TestTouchAllocatesNothing(t *testing.T) {
 // blocks, and the keeper parks once the calls stop (run with -race).
 func TestKeeperConcurrent(t *testing.T) {
 	ts := syscall.Timespec{Nsec: 50_000}
-	k := &Keeper{Nap: func() { _ = syscall.Nanosleep(&ts, nil) }, NapsPerCheck: 4, IdleChecks: 3}
+	k := &Keeper{nap: func() { _ = syscall.Nanosleep(&ts, nil) }, napsPerCheck: 4, idleChecks: 3}
 	var wg sync.WaitGroup
 	for g := 0; g < 8; g++ {
 		wg.Add(1)
@@ -148,9 +148,9 @@ func TestKeeperConcurrent(t *testing.T) {
 	wg.Wait()
 	k.SetEnabled(true)
 	k.Touch()
-	require.True(t, k.Running())
-	require.Eventually(t, func() bool { return !k.Running() }, 5*time.Second, time.Millisecond)
-	require.GreaterOrEqual(t, k.Parks.Load(), int64(1))
+	require.True(t, k.running())
+	require.Eventually(t, func() bool { return !k.running() }, 5*time.Second, time.Millisecond)
+	require.GreaterOrEqual(t, k.parks.Load(), int64(1))
 }
 
 // The default keeper naps in nanosleep: started by a Touch, it parks about a
@@ -161,9 +161,9 @@ func TestDefaultKeeperParks(t *testing.T) {
 	}
 	var k Keeper
 	k.Touch()
-	require.True(t, k.Running())
-	require.Eventually(t, func() bool { return !k.Running() }, 10*time.Second, 10*time.Millisecond)
-	require.EqualValues(t, 1, k.Parks.Load())
+	require.True(t, k.running())
+	require.Eventually(t, func() bool { return !k.running() }, 10*time.Second, 10*time.Millisecond)
+	require.EqualValues(t, 1, k.parks.Load())
 }
 
 // With one P the keeper would take it from the callers: it stays off.
@@ -172,9 +172,9 @@ func TestKeeperOffWithOneP(t *testing.T) {
 	k, d := newKeeper(2)
 	k.Touch()
 	require.False(t, d.waitNap(k))
-	require.False(t, k.Running())
+	require.False(t, k.running())
 	k.SetEnabled(true)
 	k.Touch()
-	require.False(t, k.Running(), "still off")
-	require.Zero(t, k.Wakes.Load())
+	require.False(t, k.running(), "still off")
+	require.Zero(t, k.wakes.Load())
 }
