@@ -619,7 +619,7 @@ def sched_reexec(cfg, environ=None, argv=None, execve=os.execve):
 def main(argv=None):
     args = parse_args(argv)
     cfg = args.config
-    sched_reexec(cfg)
+    sched_reexec(cfg, argv=None if argv is None else [sys.argv[0]] + list(argv))
     global TAG, TURNS
     try:
         TAG = turns_tag()

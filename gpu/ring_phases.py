@@ -73,7 +73,7 @@ def main(argv):
             if v:
                 print(f"  {n:12} " + " ".join(f"{x:.3f}" for x in v)
                       + f"   median {statistics.median(v):.3f} ({min(v):.3f}-{max(v):.3f}, {len(v)} rings)")
-    print(f"\nmedians of each process's captures (ms), per ring: " + ", ".join(
+    print("\nmedians of each process's captures (ms), per ring: " + ", ".join(
         f"{c}: " + " ".join(f"{statistics.median(runs[(c, k)]['graph_capture_reps_ms'][1:]):.2f}"
                             for k in rings if (c, k) in runs and runs[(c, k)].get('graph_capture_reps_ms'))
         for c in [base] + tests))
