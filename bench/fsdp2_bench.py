@@ -15,7 +15,8 @@ spread 31.7-56.4 ms per step, hid anything under ~30%):
   recorded before the forward, end after the optimizer step), read after
   the last step, so a timing never synchronizes inside the loop;
 - a step's time is the slower rank's, the result the median over the timed
-  steps (after warm-up steps that also compile nothing: no torch.compile);
+  steps (after warm-up steps that also compile nothing: no torch.compile;
+  the warm-up includes a step at every timed length, workloads.warmup_lens);
 - run_bench.sh runs each configuration in several fresh launches,
   interleaved, and the report gives the median and min-max of the launches.
 Sequence lengths vary per step as in the training benchmark (same list for
@@ -86,6 +87,7 @@ def main():
 
     sys.path.insert(0, HERE)
     import model as gpt
+    import workloads
     import torch_bench  # Turns and the turns tag (it imports no torch itself)
 
     tag = torch_bench.turns_tag()
@@ -100,8 +102,12 @@ def main():
         fully_shard(blk)
     fully_shard(net)
     opt = torch.optim.AdamW(net.parameters(), lr=1e-4)
-    total = args.warmup + args.steps
-    lens = gpt.seq_lens(total, seed=1, lo=128, hi=1024)
+    all_lens = gpt.seq_lens(args.warmup + args.steps, seed=1, lo=128, hi=1024)
+    # Every timed length is seen once in the warm-up (a new length's first
+    # step is 5-8x an ordinary one, for every allocator).
+    warm = workloads.warmup_lens(all_lens, args.warmup)
+    lens = warm + all_lens[args.warmup:]
+    total = len(lens)
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(total)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(total)]
     turns.begin()
@@ -127,7 +133,7 @@ def main():
     torch.cuda.synchronize()
     turns.end()
     wall = (time.perf_counter() - t0) / total * 1e3
-    mine = torch.tensor([starts[i].elapsed_time(ends[i]) for i in range(args.warmup, total)], device="cuda")
+    mine = torch.tensor([starts[i].elapsed_time(ends[i]) for i in range(len(warm), total)], device="cuda")
     slowest = mine.clone()
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     steps = [float(v) for v in slowest.cpu()]
@@ -141,7 +147,7 @@ def main():
         rec = {"kind": "torch_turns" if tag else "torch", "config": args.config, "section": "fsdp", **tag,
                **turns.summary(),
                "fsdp_ms_per_step": statistics.median(steps), "fsdp_world": world,
-               "fsdp_device": torch.cuda.get_device_name(), "fsdp_steps": args.steps, "fsdp_batch": args.batch, "fsdp_layers": args.layers,
+               "fsdp_device": torch.cuda.get_device_name(), "fsdp_steps": args.steps, "fsdp_warmup_steps": len(warm), "fsdp_batch": args.batch, "fsdp_layers": args.layers,
                "fsdp_wall_ms_per_step": wall, "fsdp_pinned_rank0": pinned,
                "fsdp_peak_allocated": torch.cuda.max_memory_allocated(),
                "fsdp_step_ms": [round(v, 3) for v in steps]}

@@ -690,7 +690,8 @@ def params_line(res):
     if c.get("thread_secs"):
         parts.append(f"threads: {c['thread_secs']} s x {c.get('thread_reps', '?')} reps")
     if t.get("train_steps"):
-        parts.append(f"training: {t.get('train_warmup_steps', '?')} warm-up + {t['train_steps']} timed steps, batch {t.get('train_batch', '?')}")
+        every = " (one at every timed sequence length)" if t.get("train_warmup_every_len") else ""
+        parts.append(f"training: {t.get('train_warmup_steps', '?')} warm-up{every} + {t['train_steps']} timed steps, batch {t.get('train_batch', '?')}")
     if t.get("graph_seq"):
         caps = t.get("graph_captures")
         parts.append(f"graph: batch {t.get('graph_batch', '?')} x seq {t['graph_seq']}, "

@@ -108,6 +108,16 @@ class TestWorkloads(unittest.TestCase):
         self.assertLess(max(sizes), 144 << 20)
         self.assertTrue(all(0 <= s < workloads.LIVE for s in slots))
 
+    def test_warmup_lens_sees_every_timed_length(self):
+        lens = [512, 128, 512, 256, 1024, 128, 256, 640, 1024]
+        warm = workloads.warmup_lens(lens, 2)
+        # The first two steps as they were, then each new timed length once,
+        # in order of first use.
+        self.assertEqual(warm, [512, 128, 256, 1024, 640])
+        self.assertTrue(set(lens[2:]) <= set(warm))
+        self.assertEqual(workloads.warmup_lens(lens, 0), [512, 128, 256, 1024, 640])
+        self.assertEqual(workloads.warmup_lens([64, 64], 5), [64, 64])
+
 
 class TestReport(unittest.TestCase):
     def setUp(self):

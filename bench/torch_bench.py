@@ -15,7 +15,9 @@ Run each config in a fresh process (bench/run_bench.sh does).
 Sections, in this order (the same for every config):
   train  GPT-2 small (bench/model.py), bf16 autocast, AdamW, batch 8,
          variable sequence lengths from model.seq_lens (seed 1): warm-up
-         steps, then timed steps (synchronized wall time, mean ms/step).
+         steps, then one step at each timed length not yet seen
+         (workloads.warmup_lens), then timed steps (synchronized wall time,
+         mean ms/step).
          Peak allocated / reserved over the whole section, which runs first
          in a fresh process (torch.cuda.max_memory_allocated/reserved;
          cudapool.install() routes these to cudapool).
@@ -140,7 +142,7 @@ def parse_args(argv=None):
     p.add_argument("config", choices=sorted(CONFIGS))
     p.add_argument("--sections", default=",".join(DEFAULT_SECTIONS),
                    help="comma-separated subset of " + ",".join(SECTIONS))
-    p.add_argument("--warmup", type=int, default=5, help="training warm-up steps")
+    p.add_argument("--warmup", type=int, default=5, help="training warm-up steps (then one more at each timed length not yet seen)")
     p.add_argument("--steps", type=int, default=60, help="timed training steps")
     p.add_argument("--train-blocks", type=int, default=6,
                    help="timed training steps run in this many synchronized blocks (one turn each; "
@@ -287,9 +289,12 @@ def bench_train(torch, args):
     model_bytes = torch.cuda.memory_allocated()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
     lens = seq_lens(args.warmup + args.steps, seed=1)
+    # Every length the timed steps use is seen once in the warm-up: a new
+    # length's first step is 5-8x an ordinary one, for every allocator.
+    warm = workloads.warmup_lens(lens, args.warmup)
 
-    def step(i):
-        x, y = batch(lens[i], args.batch, VOCAB, "cuda", seed=i)
+    def step(n, seed):
+        x, y = batch(n, args.batch, VOCAB, "cuda", seed=seed)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = model(x, y)
         loss.backward()
@@ -298,8 +303,8 @@ def bench_train(torch, args):
         return loss
 
     t0 = time.perf_counter()
-    for i in range(args.warmup):
-        step(i)
+    for j, n in enumerate(warm):
+        step(n, j if j < args.warmup else 100_000 + j)
     torch.cuda.synchronize()
     warm_s = time.perf_counter() - t0
     # The timed steps in synchronized blocks, a turn after each (the waits
@@ -310,7 +315,7 @@ def bench_train(torch, args):
     for lo, hi in zip(bounds, bounds[1:]):
         t0 = time.perf_counter()
         for i in range(lo, hi):
-            loss = step(i)
+            loss = step(lens[i], i)
         torch.cuda.synchronize()
         blocks.append(((time.perf_counter() - t0) * 1e3, hi - lo))
         TURNS.turn()
@@ -320,7 +325,8 @@ def bench_train(torch, args):
         "train_ms_per_step": dt * 1e3 / args.steps,
         "train_block_ms_per_step": [ms / n for ms, n in blocks],
         "train_steps": args.steps,
-        "train_warmup_steps": args.warmup,
+        "train_warmup_steps": len(warm),
+        "train_warmup_every_len": True,
         "train_warmup_s": warm_s,
         "train_batch": args.batch,
         "train_tokens_timed": args.batch * sum(lens[args.warmup:]),

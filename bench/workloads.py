@@ -1,4 +1,5 @@
-"""Python twin of bench/workloads.h's size generator (no torch needed).
+"""Python twin of bench/workloads.h's size generator (no torch needed), and the
+training benchmarks' warm-up lengths (warmup_lens).
 
 torch_bench.py's mixed torch.empty workload uses the same sizes and slots as
 the C programs' mixed workload: 256 live blocks, sizes 512 B - 144 MiB (an
@@ -41,3 +42,19 @@ def mixed_sequence(n=SEQ):
         st, r = _splitmix64(st)
         slots.append(r % LIVE)
     return sizes, slots
+
+
+def warmup_lens(lens, warmup):
+    """The warm-up steps' lengths for timed steps lens[warmup:]: the first
+    warmup of lens, then every timed length not among them, in order of first
+    use. A length's first step costs every allocator 100-200 ms outside the
+    allocator (plans and kernels for the new shapes; no driver allocation:
+    gpu/diag_train_steps.py), over half of what 60 timed steps took when only
+    5 warm-up steps ran; the timed steps then measured that, not training."""
+    warm = list(lens[:warmup])
+    seen = set(warm)
+    for n in lens[warmup:]:
+        if n not in seen:
+            seen.add(n)
+            warm.append(n)
+    return warm

@@ -10,8 +10,10 @@ one at a time, each synchronized, and prints one JSON line per process with,
 per step: its sequence length, whether the process has seen that length
 before, the step's ms and the driver allocations and frees the allocator made
 in it. Then 30 more steps whose lengths have all been seen (the steady state),
-and the driver's own cuMemAlloc / cuMemFree times by size, called through
-ctypes next to the allocator, so that a step's allocations can be priced.
+the driver's own cuMemAlloc / cuMemFree times by size, called through
+ctypes next to the allocator, so that a step's allocations can be priced;
+and 4 unsynchronized blocks of steps, the loop's (CPU's) time per step
+against the block's, to tell whether the step is bound by the CPU.
 """
 import ctypes
 import json
@@ -100,7 +102,30 @@ def main():
     steady = sorted(seen) * 2
     for j, n in enumerate(steady):
         step(n, 1000 + j)
-    rec = {"config": cfg, "driver_us": {str(k): v for k, v in drv.items()}, "steps": steps,
+    # Unsynchronized blocks, as torch_bench.py times them: the loop's own
+    # time (the CPU's: launches, allocator, Python) against the block's
+    # after the synchronize. Equal: the step is bound by the CPU.
+    order = sorted(seen)
+    pipe = []
+    for b in range(4):
+        torch.cuda.synchronize()
+        n0 = int(torch.cuda.memory_stats(0).get("allocation.all.allocated", 0))
+        t0 = time.perf_counter()
+        for j, n in enumerate(order):
+            x, y = batch(n, 8, torch_bench.VOCAB, "cuda", seed=2000 + j)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        n1 = int(torch.cuda.memory_stats(0).get("allocation.all.allocated", 0))
+        k = len(order)
+        pipe.append({"cpu_ms": round((t1 - t0) * 1e3 / k, 3), "total_ms": round((t2 - t0) * 1e3 / k, 3),
+                     "allocs_per_step": (n1 - n0) / k})
+    rec = {"config": cfg, "pipeline": pipe, "driver_us": {str(k): v for k, v in drv.items()}, "steps": steps,
            "module_loading": os.environ.get("CUDA_MODULE_LOADING", ""),
            "peak_reserved": int(torch.cuda.max_memory_reserved())}
     print(json.dumps(rec), flush=True)

@@ -40,6 +40,11 @@ def main(path):
         s = summary(r)
         name = r["config"] + (" EAGER" if r.get("module_loading") == "EAGER" else "")
         print(f"| {name} | " + " | ".join(f"{v:.2f}" if isinstance(v, float) else str(v) for v in s.values()) + " |")
+    if recs and "pipeline" in recs[0]:
+        print("\nunsynchronized blocks (every length once per block), per step: CPU loop ms / block ms; allocations")
+        for r in recs:
+            print(" ", r["config"], "; ".join(f"{b['cpu_ms']:.1f}/{b['total_ms']:.1f}" for b in r["pipeline"]),
+                  f"; {r['pipeline'][-1]['allocs_per_step']:.0f} allocations per step")
     if recs:
         print("\ndriver us (median of 8), alloc / free, per size MiB, per process:")
         for r in recs:

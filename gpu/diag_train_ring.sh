@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# gpu/diag_train_ring.sh - the training row with every timed length warmed
+# (issue 11; bench/workloads.warmup_lens): the step-by-step diagnosis of two
+# processes (gpu/diag_train_steps.sh, with the CPU-bound test), then RINGS
+# rings of CFGS taking turns (bench/turn_ring.py, torch_bench.py's train
+# section as the full run has it) and each ring's ratios (gpu/ring_phases.py).
+#   bash gpu/diag_train_ring.sh      (carry lib; output to $OUT or build/diag)
+set -u
+cd "$(dirname "$0")/.." || exit 1
+PY=${PYTHON:-python3}
+P=${OUT:-$PWD/build/diag}
+mkdir -p "$P/ring"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/python CUDAPOOL_LIBRARY=$PWD/lib/libcudapool.so
+unset PYTORCH_CUDA_ALLOC_CONF PYTORCH_ALLOC_CONF CUDAPOOL_CONF CUDAPOOL_BACKEND GODEBUG
+T0=$(date +%s)
+$PY -c 'import cudapool; cudapool.install(); import torch; torch.empty(1, device="cuda"); print("extension ready")' 2>&1 | tail -1
+CONFIGS=${STEP_CONFIGS-native cudapool} EAGER_CONFIGS="" bash gpu/diag_train_steps.sh 2>&1 | tail -16
+echo "steps done at $(($(date +%s) - T0))s"
+read -r -a CFGS <<<"${CFGS:-native cudapool expandable cudapool_exp}"
+for k in $(seq 1 "${RINGS:-4}"); do
+    runs=()
+    for i in "${!CFGS[@]}"; do
+        c=${CFGS[$(((i + k - 1) % ${#CFGS[@]}))]}
+        runs+=("${c}_r$k=$c")
+    done
+    timeout 300 $PY bench/turn_ring.py --cpu 2 --limit 280 --out-dir "$P/ring" "${runs[@]}" -- \
+        --sections "${SECTIONS:-train}" >"$P/ring_$k.log" 2>&1
+    echo "ring $k (${runs[*]}) rc=$? at $(($(date +%s) - T0))s"
+done
+$PY gpu/ring_phases.py "$P/ring" native cudapool | tee "$P/ring_phases.txt"
+$PY gpu/ring_phases.py "$P/ring" expandable cudapool_exp | tee -a "$P/ring_phases.txt"
+$PY - "$P/ring" <<'PYEOF'
+import glob, json, os, statistics, sys
+print("\nper process: train ms/step, blocks (ms/step)")
+for f in sorted(glob.glob(os.path.join(sys.argv[1], "*.json"))):
+    d = {}
+    for ln in open(f):
+        if ln.startswith("{"):
+            d.update(json.loads(ln))
+    if "train_ms_per_step" in d:
+        print(f"  {os.path.basename(f)[:-5]:18} {d['train_ms_per_step']:7.2f}  warm-up {d.get('train_warmup_steps')}  "
+              + " ".join(f"{b:.1f}" for b in d["train_block_ms_per_step"]))
+PYEOF
+echo "done at $(($(date +%s) - T0))s"
+tar czf "$P/ring.tgz" -C "$P" ring && rm -rf "$P/ring"
