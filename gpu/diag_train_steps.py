@@ -107,6 +107,10 @@ def main():
     # after the synchronize. Equal: the step is bound by the CPU.
     order = sorted(seen)
     pipe = []
+    front = None
+    if cfg in torch_bench.CUDAPOOL_CONFS:
+        front = cudapool.front_counters
+    h0 = front(0)["hits"] if front else 0
     for b in range(4):
         torch.cuda.synchronize()
         n0 = int(torch.cuda.memory_stats(0).get("allocation.all.allocated", 0))
@@ -125,6 +129,8 @@ def main():
         k = len(order)
         pipe.append({"cpu_ms": round((t1 - t0) * 1e3 / k, 3), "total_ms": round((t2 - t0) * 1e3 / k, 3),
                      "allocs_per_step": (n1 - n0) / k})
+    if front:  # mallocs the front served without entering Go, per step
+        pipe[-1]["front_hits_per_step"] = (front(0)["hits"] - h0) / (4 * len(order))
     rec = {"config": cfg, "pipeline": pipe, "driver_us": {str(k): v for k, v in drv.items()}, "steps": steps,
            "module_loading": os.environ.get("CUDA_MODULE_LOADING", ""),
            "peak_reserved": int(torch.cuda.max_memory_reserved())}

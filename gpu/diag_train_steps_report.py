@@ -44,7 +44,9 @@ def main(path):
         print("\nunsynchronized blocks (every length once per block), per step: CPU loop ms / block ms; allocations")
         for r in recs:
             print(" ", r["config"], "; ".join(f"{b['cpu_ms']:.1f}/{b['total_ms']:.1f}" for b in r["pipeline"]),
-                  f"; {r['pipeline'][-1]['allocs_per_step']:.0f} allocations per step")
+                  f"; {r['pipeline'][-1]['allocs_per_step']:.0f} allocations per step"
+                  + (f", {r['pipeline'][-1]['front_hits_per_step']:.0f} served by the front"
+                     if "front_hits_per_step" in r["pipeline"][-1] else ""))
     if recs:
         print("\ndriver us (median of 8), alloc / free, per size MiB, per process:")
         for r in recs:
