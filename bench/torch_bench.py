@@ -86,6 +86,9 @@ CONFIGS = {
     "cudapool_sched": None,
     # cudapool with capi/warm's keeper off (warm_runtime:False): diagnostics.
     "cudapool_cold": None,
+    # cudapool from the library $CUDAPOOL_LIBRARY_B names (another build, for
+    # an A/B in one ring): diagnostics.
+    "cudapool_b": None,
     # A trivial C pluggable allocator (bench/floor_alloc.c): what PyTorch's
     # CUDAPluggableAllocator path costs by itself. Only the 4 KiB loop.
     "floor": None,
@@ -99,6 +102,7 @@ CUDAPOOL_CONFS = {
     "cudapool_nofront": "front_cache:False",
     "cudapool_treap": "free_set:treap",
     "cudapool_sched": "",
+    "cudapool_b": "",
     "cudapool_cold": "warm_runtime:False",
 }
 SECTIONS = ("train", "graph", "empty", "alt")
@@ -642,6 +646,8 @@ def main(argv=None):
             sys.path.insert(0, os.path.join(REPO, "python"))
             import cudapool
 
+            if cfg == "cudapool_b":
+                os.environ["CUDAPOOL_LIBRARY"] = os.environ["CUDAPOOL_LIBRARY_B"]
             if cfg == "cudapool_sched":
                 meta["alloc_conf"] = "cudapool GODEBUG=" + os.environ.get("GODEBUG", "")
             cudapool.install()

@@ -4,6 +4,9 @@
 # processes (gpu/diag_train_steps.sh, with the CPU-bound test), then RINGS
 # rings of CFGS taking turns (bench/turn_ring.py, torch_bench.py's train
 # section as the full run has it) and each ring's ratios (gpu/ring_phases.py).
+# STEP_CONFIGS (empty: skip the step-by-step part), CFGS, RINGS, SECTIONS,
+# RING_ARGS (more torch_bench.py arguments); CFGS with cudapool_b compares
+# two builds (CUDAPOOL_LIBRARY_B, torch_bench.py's cudapool_b).
 #   bash gpu/diag_train_ring.sh      (carry lib; output to $OUT or build/diag)
 set -u
 cd "$(dirname "$0")/.." || exit 1
@@ -14,8 +17,10 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/python CUDAPOOL_LIBRARY=$PWD/lib/libcu
 unset PYTORCH_CUDA_ALLOC_CONF PYTORCH_ALLOC_CONF CUDAPOOL_CONF CUDAPOOL_BACKEND GODEBUG
 T0=$(date +%s)
 $PY -c 'import cudapool; cudapool.install(); import torch; torch.empty(1, device="cuda"); print("extension ready")' 2>&1 | tail -1
-CONFIGS=${STEP_CONFIGS-native cudapool} EAGER_CONFIGS="" bash gpu/diag_train_steps.sh 2>&1 | tail -16
-echo "steps done at $(($(date +%s) - T0))s"
+if [ -n "${STEP_CONFIGS-native cudapool}" ]; then
+    CONFIGS=${STEP_CONFIGS-native cudapool} EAGER_CONFIGS="" bash gpu/diag_train_steps.sh 2>&1 | tail -16
+    echo "steps done at $(($(date +%s) - T0))s"
+fi
 read -r -a CFGS <<<"${CFGS:-native cudapool expandable cudapool_exp}"
 for k in $(seq 1 "${RINGS:-4}"); do
     runs=()
@@ -24,11 +29,19 @@ for k in $(seq 1 "${RINGS:-4}"); do
         runs+=("${c}_r$k=$c")
     done
     timeout 300 $PY bench/turn_ring.py --cpu 2 --limit 280 --out-dir "$P/ring" "${runs[@]}" -- \
-        --sections "${SECTIONS:-train}" >"$P/ring_$k.log" 2>&1
+        --sections "${SECTIONS:-train}" ${RING_ARGS:-} >"$P/ring_$k.log" 2>&1
     echo "ring $k (${runs[*]}) rc=$? at $(($(date +%s) - T0))s"
 done
-$PY gpu/ring_phases.py "$P/ring" native cudapool | tee "$P/ring_phases.txt"
-$PY gpu/ring_phases.py "$P/ring" expandable cudapool_exp | tee -a "$P/ring_phases.txt"
+# The first configuration is the base; with expandable and cudapool_exp,
+# those two as a pair too; with cudapool_b (a second build, from
+# $CUDAPOOL_LIBRARY_B), cudapool against it.
+$PY gpu/ring_phases.py "$P/ring" "${CFGS[@]}" | tee "$P/ring_phases.txt"
+case " ${CFGS[*]} " in *" expandable "*" cudapool_exp "*|*" cudapool_exp "*" expandable "*)
+    $PY gpu/ring_phases.py "$P/ring" expandable cudapool_exp | tee -a "$P/ring_phases.txt" ;;
+esac
+case " ${CFGS[*]} " in *" cudapool_b "*)
+    $PY gpu/ring_phases.py "$P/ring" cudapool_b cudapool | tee -a "$P/ring_phases.txt" ;;
+esac
 $PY - "$P/ring" <<'PYEOF'
 import glob, json, os, statistics, sys
 print("\nper process: train ms/step, blocks (ms/step)")
