@@ -54,8 +54,7 @@ package allocator
 // and being found again by best fit. It is the block best fit would often
 // pick anyway, and nothing can run short for it. A call into Go for the
 // device takes the log first; a malloc's take lets the front keep holding
-// the blocks still waiting (at most CP_FRONT_HOLD, 64, per device, the most
-// recently freed: OpHold, and OpRelease for older ones over the limit;
+// the blocks still waiting (at most CP_FRONT_HOLD, 64, per device: OpHold;
 // to the structures they stay allocated, pools.Block.Held, while the
 // statistics count them free), so that a miss does not empty the front; a
 // malloc that then finds no free block releases them before it grows

@@ -40,13 +40,8 @@ enum { CP_OP_FREE = 0, CP_OP_FREE_STATS = 1, CP_OP_REUSE = 2, CP_OP_CYCLES = 3, 
  * device log. */
 #define CP_FRONT_MAXDEV 16
 #define CP_FRONT_LOG 64
-/* Blocks a device's front may hold across takes, the most recently freed
- * (allocator/front.go). At least CP_FRONT_LOG: a take's own frees are then
- * never released by the same take. */
+/* Blocks a device's front may hold across takes (allocator/front.go). */
 #define CP_FRONT_HOLD 64
-#if CP_FRONT_HOLD < CP_FRONT_LOG
-#error "CP_FRONT_HOLD must be at least CP_FRONT_LOG"
-#endif
 
 /* Log lengths, and how many blocks are held, read by Go without the lock. */
 extern volatile int cp_front_n[CP_FRONT_MAXDEV];
