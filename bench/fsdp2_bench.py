@@ -104,7 +104,7 @@ def main():
     opt = torch.optim.AdamW(net.parameters(), lr=1e-4)
     all_lens = gpt.seq_lens(args.warmup + args.steps, seed=1, lo=128, hi=1024)
     # Every timed length is seen once in the warm-up (a new length's first
-    # step is 5-8x an ordinary one, for every allocator).
+    # step is 4-9x an ordinary one, for every allocator).
     warm = workloads.warmup_lens(all_lens, args.warmup)
     lens = warm + all_lens[args.warmup:]
     total = len(lens)

@@ -294,7 +294,7 @@ def bench_train(torch, args):
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
     lens = seq_lens(args.warmup + args.steps, seed=1)
     # Every length the timed steps use is seen once in the warm-up: a new
-    # length's first step is 5-8x an ordinary one, for every allocator.
+    # length's first step is 4-9x an ordinary one, for every allocator.
     warm = workloads.warmup_lens(lens, args.warmup)
 
     def step(n, seed):
