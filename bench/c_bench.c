@@ -184,12 +184,15 @@ static void bk_trace_extras(char *buf, size_t len) {
 	char *snap = cudapool_snapshot_json();
 	const char *r = snap ? strstr(snap, "\"stitch_remaps\":[") : NULL;
 	long long remaps = r ? strtoll(r + strlen("\"stitch_remaps\":["), NULL, 10) : -1;
-	/* Mallocs the front served without entering Go, over every pass. */
+	/* Over every pass: mallocs the front served without entering Go, and
+	 * blocks it left untracked in cold mode (-1: no counters). */
 	cudapool_front_counters fc = {0};
-	long long hits = cudapool_get_front_counters(0, &fc) == 0 ? (long long)fc.hits : -1;
-	fprintf(stderr, "front: hits %llu cold_skipped %llu cold_verdicts %llu\n", fc.hits, fc.cold_skipped, fc.cold_verdicts);
-	snprintf(buf, len, "\"trace_device_allocs\":%lld,\"trace_alloc_retries\":%lld,\"trace_stitch_remaps\":%lld,\"trace_front_hits\":%lld",
-	         stat_of(js, "num_device_alloc"), stat_of(js, "num_alloc_retries"), remaps, hits);
+	int ok = cudapool_get_front_counters(0, &fc) == 0;
+	snprintf(buf, len,
+	         "\"trace_device_allocs\":%lld,\"trace_alloc_retries\":%lld,\"trace_stitch_remaps\":%lld,"
+	         "\"trace_front_hits\":%lld,\"trace_front_cold_skipped\":%lld",
+	         stat_of(js, "num_device_alloc"), stat_of(js, "num_alloc_retries"), remaps, ok ? (long long)fc.hits : -1,
+	         ok ? (long long)fc.cold_skipped : -1);
 	cudapool_string_free(snap);
 	cudapool_string_free(js);
 }

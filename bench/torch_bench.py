@@ -647,6 +647,8 @@ def main(argv=None):
             import cudapool
 
             if cfg == "cudapool_b":
+                if not os.environ.get("CUDAPOOL_LIBRARY_B"):
+                    raise RuntimeError("cudapool_b loads the library $CUDAPOOL_LIBRARY_B names, and it is not set")
                 os.environ["CUDAPOOL_LIBRARY"] = os.environ["CUDAPOOL_LIBRARY_B"]
             if cfg == "cudapool_sched":
                 meta["alloc_conf"] = "cudapool GODEBUG=" + os.environ.get("GODEBUG", "")

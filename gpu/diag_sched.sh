@@ -34,16 +34,9 @@ for g in ${COLD_CONFS:-"GODEBUG=" "GODEBUG=schedtrace=2147483647"}; do
 done
 echo "cold calls done at $(($(date +%s) - T0))s"
 read -r -a CFGS <<<"${CFGS:-native cudapool cudapool_sched}"
-for k in $(seq 1 "${RINGS:-3}"); do
-    runs=()
-    for i in "${!CFGS[@]}"; do
-        c=${CFGS[$(((i + k - 1) % ${#CFGS[@]}))]}
-        runs+=("${c}_r$k=$c")
-    done
-    timeout 300 $PY bench/turn_ring.py --cpu 2 --limit 280 --out-dir "$P/ring" "${runs[@]}" -- \
-        --sections "${SECTIONS:-train,graph,empty}" --graph-captures "${GRAPH_CAPTURES:-10}" >"$P/ring_$k.log" 2>&1
-    echo "ring $k (${runs[*]}) rc=$? at $(($(date +%s) - T0))s"
-done
+# shellcheck source=gpu/rings.sh
+. gpu/rings.sh
+run_rings "$P" "${RINGS:-3}" --sections "${SECTIONS:-train,graph,empty}" --graph-captures "${GRAPH_CAPTURES:-10}"
 $PY gpu/ring_phases.py "$P/ring" "${CFGS[@]}" | tee "$P/ring_phases.txt"
 $PY gpu/ring_phases.py "$P/ring" "${CFGS[@]:1}" | tee -a "$P/ring_phases.txt"
 echo "rings done at $(($(date +%s) - T0))s"

@@ -22,16 +22,10 @@ if [ -n "${STEP_CONFIGS-native cudapool}" ]; then
     echo "steps done at $(($(date +%s) - T0))s"
 fi
 read -r -a CFGS <<<"${CFGS:-native cudapool expandable cudapool_exp}"
-for k in $(seq 1 "${RINGS:-4}"); do
-    runs=()
-    for i in "${!CFGS[@]}"; do
-        c=${CFGS[$(((i + k - 1) % ${#CFGS[@]}))]}
-        runs+=("${c}_r$k=$c")
-    done
-    timeout 300 $PY bench/turn_ring.py --cpu 2 --limit 280 --out-dir "$P/ring" "${runs[@]}" -- \
-        --sections "${SECTIONS:-train}" ${RING_ARGS:-} >"$P/ring_$k.log" 2>&1
-    echo "ring $k (${runs[*]}) rc=$? at $(($(date +%s) - T0))s"
-done
+# shellcheck source=gpu/rings.sh
+. gpu/rings.sh
+# shellcheck disable=SC2086  # RING_ARGS: words
+run_rings "$P" "${RINGS:-4}" --sections "${SECTIONS:-train}" ${RING_ARGS:-}
 # The first configuration is the base; with expandable and cudapool_exp,
 # those two as a pair too; with cudapool_b (a second build, from
 # $CUDAPOOL_LIBRARY_B), cudapool against it.

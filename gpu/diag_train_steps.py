@@ -2,10 +2,11 @@
 
     python3 gpu/diag_train_steps.py CONFIG      (native, expandable, cudapool, cudapool_exp)
 
-bench/torch_bench.py times 60 GPT-2 steps after 5 warm-up steps; its blocks
-of 10 steps take 3-6x longer at the start of the timed steps than at the end
-for every allocator (50-130 ms against 17-30 ms per step in the fourteenth
-session's run). This child runs the same steps (same model, lengths, batches)
+bench/torch_bench.py timed 60 GPT-2 steps after 5 warm-up steps (until the
+fifteenth session, which warms every timed length: bench/workloads.py); its blocks
+of 10 steps spread 3-7x, slowest to fastest, in every process of the
+fourteenth session's run (50-130 ms against 17-30 ms per step, every
+allocator alike). This child runs the same steps (same model, lengths, batches)
 one at a time, each synchronized, and prints one JSON line per process with,
 per step: its sequence length, whether the process has seen that length
 before, the step's ms and the driver allocations and frees the allocator made
@@ -81,15 +82,19 @@ def main():
 
     steps = []
 
-    def step(n, i):
-        x, y = batch(n, 8, torch_bench.VOCAB, "cuda", seed=i)
-        a0, f0 = calls()
-        t0 = time.perf_counter()
+    def train(n, seed):
+        """One training step as torch_bench.py's, not synchronized."""
+        x, y = batch(n, 8, torch_bench.VOCAB, "cuda", seed=seed)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = model(x, y)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+
+    def step(n, i):
+        a0, f0 = calls()
+        t0 = time.perf_counter()
+        train(n, i)
         torch.cuda.synchronize()
         ms = (time.perf_counter() - t0) * 1e3
         a1, f1 = calls()
@@ -107,21 +112,14 @@ def main():
     # after the synchronize. Equal: the step is bound by the CPU.
     order = sorted(seen)
     pipe = []
-    front = None
-    if cfg in torch_bench.CUDAPOOL_CONFS:
-        front = cudapool.front_counters
+    front = cudapool.front_counters if cfg in torch_bench.CUDAPOOL_CONFS else None
     h0 = front(0)["hits"] if front else 0
     for b in range(4):
         torch.cuda.synchronize()
         n0 = int(torch.cuda.memory_stats(0).get("allocation.all.allocated", 0))
         t0 = time.perf_counter()
         for j, n in enumerate(order):
-            x, y = batch(n, 8, torch_bench.VOCAB, "cuda", seed=2000 + j)
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = model(x, y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            train(n, 2000 + j)
         t1 = time.perf_counter()
         torch.cuda.synchronize()
         t2 = time.perf_counter()
