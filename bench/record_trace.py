@@ -4,7 +4,14 @@ native allocator, in the replay format of demo/trace.txt:
     a <id> <size> <stream>    allocate
     f <id>                    free
 
-Run on the GPU machine: python3 bench/record_trace.py OUT_FILE [steps]
+Run on the GPU machine: python3 bench/record_trace.py OUT_FILE [steps | bench]
+
+With "bench", the steps are those of torch_bench.py's training row with its
+defaults: the warm-up (workloads.warmup_lens: 5 steps, then one at every
+timed length not yet seen) and the 60 timed steps, so that a replay sees the
+lengths vary as the benchmark's 75 steps do (a front or fit policy that
+fragments over many lengths shows only over many steps: docs/hot-path.md,
+section 19).
 """
 import sys
 
@@ -12,16 +19,30 @@ import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from model import GPT, batch, seq_lens  # noqa: E402
+import workloads  # noqa: E402
+
+# torch_bench.py's defaults for the training row.
+BENCH_WARMUP, BENCH_STEPS = 5, 60
+
+
+def step_lens(arg):
+    """The sequence lengths to record: n steps of seq_lens, or with "bench"
+    the training row's warm-up lengths followed by its timed ones."""
+    if arg == "bench":
+        lens = seq_lens(BENCH_WARMUP + BENCH_STEPS, seed=1)
+        return workloads.warmup_lens(lens, BENCH_WARMUP) + lens[BENCH_WARMUP:]
+    return seq_lens(int(arg), seed=1)
 
 
 def main():
     out = sys.argv[1]
-    steps = int(sys.argv[2]) if len(sys.argv) > 2 else 3
+    lens = step_lens(sys.argv[2] if len(sys.argv) > 2 else "3")
+    steps = len(lens)
     torch.manual_seed(0)
     model = GPT().cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
-    torch.cuda.memory._record_memory_history(max_entries=1_000_000)
-    for i, t in enumerate(seq_lens(steps, seed=1)):
+    torch.cuda.memory._record_memory_history(max_entries=4_000_000)
+    for i, t in enumerate(lens):
         x, y = batch(t, 8, 16384, "cuda", seed=i)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = model(x, y)
