@@ -11,7 +11,8 @@ defaults: the warm-up (workloads.warmup_lens: 5 steps, then one at every
 timed length not yet seen) and the 60 timed steps, so that a replay sees the
 lengths vary as the benchmark's 75 steps do (a front or fit policy that
 fragments over many lengths shows only over many steps: docs/hot-path.md,
-section 19).
+section 19); the recording then starts before the model is made, so the
+weights are in the trace as in the benchmark's process.
 """
 import sys
 
@@ -36,12 +37,19 @@ def step_lens(arg):
 
 def main():
     out = sys.argv[1]
-    lens = step_lens(sys.argv[2] if len(sys.argv) > 2 else "3")
+    arg = sys.argv[2] if len(sys.argv) > 2 else "3"
+    bench = arg == "bench"
+    lens = step_lens(arg)
     steps = len(lens)
     torch.manual_seed(0)
+    if bench:
+        # From the start, as torch_bench.py's process: the weights are the
+        # first segments, and the steps' blocks are placed around them.
+        torch.cuda.memory._record_memory_history(max_entries=4_000_000)
     model = GPT().cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
-    torch.cuda.memory._record_memory_history(max_entries=4_000_000)
+    if not bench:
+        torch.cuda.memory._record_memory_history(max_entries=4_000_000)
     for i, t in enumerate(lens):
         x, y = batch(t, 8, 16384, "cuda", seed=i)
         with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -67,7 +75,8 @@ def main():
         f.write(f"# Recorded from {steps} GPT-2-small training steps (bf16 autocast, AdamW, batch 8,\n")
         f.write(f"# variable sequence length) with PyTorch {torch.__version__}'s native allocator on\n")
         f.write(f"# {torch.cuda.get_device_name()} by bench/record_trace.py. {len(lines)} operations;\n")
-        f.write("# blocks still live at the end (weights, optimizer state) are freed by the replayer.\n")
+        f.write("# The recording starts %s the model is made; blocks still live at the end\n" % ("before" if bench else "after"))
+        f.write("# (weights, optimizer state) are freed by the replayer.\n")
         f.write("\n".join(lines) + "\n")
     print(f"recorded {len(lines)} operations, {next_id} allocations, {len(streams)} streams -> {out}")
 
