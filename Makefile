@@ -93,7 +93,7 @@ $(BUILD)/test_front_cold: capi/ctest/test_front_cold.c capi/front.c capi/capi.h
 # the two runs' must be identical.
 FRONT_CONF := debug_checks:True,max_split_size_mb:40
 
-test-c: $(BUILD)/test_cudapool $(BUILD)/test_torchabi $(BUILD)/test_interop $(BUILD)/test_front $(BUILD)/test_front_cold
+test-c: $(BUILD)/test_cudapool $(BUILD)/test_torchabi $(BUILD)/test_interop $(BUILD)/test_front $(BUILD)/test_front_cold $(BUILD)/c_bench
 	$(call section,C ABI test (simulator))
 	$(SIM_ENV) ./$(BUILD)/test_cudapool
 	$(call section,C ABI for the PyTorch allocator class (simulator))
@@ -117,6 +117,14 @@ test-c: $(BUILD)/test_cudapool $(BUILD)/test_torchabi $(BUILD)/test_interop $(BU
 		diff $(BUILD)/test_front.on.cmp $(BUILD)/test_front.off.cmp | head -20; rc=1; \
 	fi; \
 	exit $$rc
+
+	$(call section,front cache: a recorded training run (fragmentation and hits; simulator))
+	capi/ctest/front_trace.sh ./$(BUILD)/c_bench demo/train75.txt.gz
+
+# bench/c_bench.c, for the front's trace test (test-c).
+$(BUILD)/c_bench: bench/c_bench.c bench/workloads.h include/cudapool.h lib
+	@mkdir -p $(BUILD)
+	$(CC) -std=c11 -O2 -Wall -I include -I bench -o $@ $< $(TEST_LDFLAGS) -ldl -pthread
 
 test-cxx: $(BUILD)/test_cudapool_cpp
 	$(call section,C++ ABI test (simulator))

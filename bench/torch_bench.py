@@ -315,6 +315,8 @@ def bench_train(torch, args):
     # are not timed).
     loss = None
     blocks = []
+    h0 = front_hits()
+    n0 = device_calls(torch)["allocation.all.allocated"]
     bounds = [args.warmup + args.steps * b // args.train_blocks for b in range(args.train_blocks + 1)]
     for lo, hi in zip(bounds, bounds[1:]):
         t0 = time.perf_counter()
@@ -324,6 +326,8 @@ def bench_train(torch, args):
         blocks.append(((time.perf_counter() - t0) * 1e3, hi - lo))
         TURNS.turn()
     dt = sum(ms for ms, _ in blocks) / 1e3
+    h1 = front_hits()
+    n1 = device_calls(torch)["allocation.all.allocated"]
     final_loss = float(loss.detach())
     out = {
         "train_ms_per_step": dt * 1e3 / args.steps,
@@ -338,7 +342,10 @@ def bench_train(torch, args):
         "train_peak_reserved": int(torch.cuda.max_memory_reserved()),
         "train_model_bytes": int(model_bytes),
         "train_final_loss": final_loss,
+        "train_allocs_per_step": (n1 - n0) / args.steps,
     }
+    if h0 is not None and h1 is not None:
+        out["train_front_hits_per_step"] = (h1 - h0) / args.steps
     del model, opt, loss
     return out
 
@@ -359,6 +366,18 @@ def warm_forward(torch, model, x, n=3):
 # memory_stats counters read around the graph captures and the mixed
 # torch.empty reps: the allocations, and the driver's allocations and frees.
 COUNTED = ("allocation.all.allocated", "num_device_alloc", "num_device_free", "num_alloc_retries")
+
+
+def front_hits():
+    """cudapool's front cache hits on device 0 so far (mallocs served
+    without entering Go), or None for another allocator."""
+    mod = sys.modules.get("cudapool")
+    if mod is None:
+        return None
+    try:
+        return int(mod.front_counters(0)["hits"])
+    except Exception:  # noqa: BLE001  (an older library without the counters)
+        return None
 
 
 def device_calls(torch):
@@ -392,6 +411,7 @@ def bench_graph(torch, args):
         caps = []
         phases = {k: [] for k in ("enter", "forward", "exit", "sync")}
         counts = {k: [] for k in COUNTED}
+        hits = []  # cudapool's front hits per capture
         kept = []
         # PyTorch 2.11's cudaMallocAsync backend aborts (CUDA "invalid
         # argument" in its free_impl) in this loop: it captures once, as this
@@ -404,6 +424,7 @@ def bench_graph(torch, args):
                 free0 = torch.cuda.mem_get_info()[0]
             g = torch.cuda.CUDAGraph()
             c0 = device_calls(torch)
+            h0 = front_hits()
             t0 = time.perf_counter()
             with torch.cuda.graph(g):
                 t1 = time.perf_counter()
@@ -423,6 +444,8 @@ def bench_graph(torch, args):
             c1 = device_calls(torch)
             for k in COUNTED:
                 counts[k].append(c1[k] - c0[k])
+            if h0 is not None:
+                hits.append(front_hits() - h0)
             kept.append((g, y))
             if i == 0:
                 reserved1 = torch.cuda.memory_reserved()
@@ -440,6 +463,8 @@ def bench_graph(torch, args):
             out[f"graph_{k}_reps_ms"] = v
         for k, v in counts.items():
             out[f"graph_{k}_reps"] = v
+        if hits:
+            out["graph_front_hits_reps"] = hits
         g.replay()
         torch.cuda.synchronize()
         out["graph_max_abs_diff"] = float((y.float() - ref.float()).abs().max())

@@ -77,6 +77,20 @@ def main(argv):
         f"{c}: " + " ".join(f"{statistics.median(runs[(c, k)]['graph_capture_reps_ms'][1:]):.2f}"
                             for k in rings if (c, k) in runs and runs[(c, k)].get('graph_capture_reps_ms'))
         for c in [base] + tests))
+    # What each process's allocator did: the training's peak reserved (a
+    # placement change shows there first) and cudapool's front hits.
+    print("\nper process: train peak reserved GiB, front hits per step / allocations per step, front hits per capture (median)")
+    for c in [base] + tests:
+        for k in rings:
+            f = runs.get((c, k))
+            if not f:
+                continue
+            pr = f.get("train_peak_reserved")
+            hs, al = f.get("train_front_hits_per_step"), f.get("train_allocs_per_step")
+            gh = f.get("graph_front_hits_reps")
+            print(f"  {c}_r{k:<3} " + (f"{pr / 2**30:.3f}" if pr else "-")
+                  + (f"  {hs:.0f}/{al:.0f}" if hs is not None and al else "  -")
+                  + (f"  {statistics.median(gh[1:] or gh):.0f}" if gh else "  -"))
 
 
 if __name__ == "__main__":
