@@ -118,7 +118,7 @@ test-c: $(BUILD)/test_cudapool $(BUILD)/test_torchabi $(BUILD)/test_interop $(BU
 	fi; \
 	exit $$rc
 
-	$(call section,front cache: a recorded training run (fragmentation and hits; simulator))
+	$(call section,front cache: a recorded training run (fragmentation; simulator))
 	capi/ctest/front_trace.sh ./$(BUILD)/c_bench demo/train75.txt.gz
 
 # bench/c_bench.c, for the front's trace test (test-c).

@@ -124,10 +124,6 @@ type device struct {
 	frontFlag *int32
 	frontHeld *int32 // with frontFlag: where Holding(id) reads
 	frontBuf  []PendingFree
-	// replaying is set while replayFront runs, and heldCheck collects the
-	// held blocks to claim back once it has (claimHeld), guarded by mu.
-	replaying bool
-	heldCheck []*pools.Block
 	fc        *frontCtl // the allocator's
 	// tag is the front tag of the last malloc's block (routing.go), set
 	// when it succeeds; routed: that malloc routed to the private pool

@@ -54,18 +54,14 @@ package allocator
 // and being found again by best fit. It is the block best fit would often
 // pick anyway, and nothing can run short for it. A call into Go for the
 // device takes the log first; a malloc's take lets the front keep holding
-// the blocks still waiting (at most CP_FRONT_HOLD, 64, per device, the most
-// recently freed: OpHold, and OpRelease for older ones over the limit;
+// the blocks still waiting (at most CP_FRONT_HOLD, 64, per device, and in the
+// default pools small ones only, which cannot fragment the large pools:
+// capi/front.c; OpHold;
 // to the structures they stay allocated, pools.Block.Held, while the
-// statistics count them free), so that a miss does not empty the front.
-// Held blocks must not move anything else, or over many steps the segments
-// fragment (pools/held.go): one is not held next to a free block, a free
-// next to one claims it back (Front.Claim) and merges with it, and best fit
-// claims one that fits better than every free block; claims wait for the
-// end of a replay (claimHeld). A malloc that finds no free block in a pool
-// with held blocks releases them all before it grows (heldFit), and every
-// other operation (free through Go, statistics, snapshots, empty_cache, the
-// pool hooks) releases them first (OpRelease).
+// statistics count them free), so that a miss does not empty the front; a
+// malloc that then finds no free block releases them before it grows
+// (heldFit), and every other operation (free through Go, statistics,
+// snapshots, empty_cache, the pool hooks) releases them first (OpRelease).
 // Two smaller differences: operations logged just before
 // memory history starts are replayed after it has (their frees then appear
 // in the trace, their reuses do not), and a block waiting in front keeps
@@ -80,7 +76,6 @@ import (
 	"sync"
 	"sync/atomic"
 
-	"github.com/cudapool/cudapool/cuda"
 	"github.com/cudapool/cudapool/pools"
 )
 
@@ -100,10 +95,6 @@ type Front interface {
 	// stay held (OpHold; see the design note); without, every held block is
 	// released too (OpRelease).
 	Take(dev int, buf []PendingFree, keep bool) []PendingFree
-	// Claim takes the held block at p out of the front, for a real free
-	// here (called under the device lock); false if the front has handed
-	// it out again since its take (the reuse is in the next log).
-	Claim(dev int, p cuda.Ptr) bool
 	// SetEnabled tells the front whether it may serve frees and mallocs.
 	SetEnabled(on bool)
 	// Capacity is the most operations one Take returns.
@@ -216,8 +207,6 @@ func (a *Allocator) SetFront(f Front) {
 			}
 		}
 		d.frontBuf = make([]PendingFree, 0, f.Capacity())
-		d.heldCheck = make([]*pools.Block, 0, 2*f.Capacity())
-		d.cache.Claim = d.claimHeld
 	}
 	a.front.sync()
 }
@@ -270,58 +259,21 @@ func (d *device) lockMalloc() {
 }
 
 // heldFit releases the blocks the front holds and searches again, for a
-// request that found no free block in a pool where blocks are held: held
-// blocks never make a device grow. Best fit saw the held blocks one by one
-// (pools/held.go); released together they may also merge. d.mu is held.
+// request that found no free block: held blocks never make a device grow.
+// d.mu is held.
 //
 //go:noinline
 func (d *device) heldFit(r *pools.Request) *pools.Block {
-	if d.front == nil || r.Pool.Held() == 0 || !d.front.Holding(d.id) {
+	if d.front == nil || !d.front.Holding(d.id) {
 		return nil
 	}
 	d.replayFront(false)
 	return d.cache.TakeFree(r)
 }
 
-// claimHeld is the cache's Claim: the front gives a held block back for a
-// real free. d.mu is held.
-//
-// Not while a log is replayed: a block still Held here from an earlier
-// hold may, in the front, have been handed out, freed and held again by
-// the take being replayed, with its reuse yet to be replayed; claiming it
-// then would free it under that reuse. Such claims wait in heldCheck for
-// the end of the replay, when the two sides agree again (checkHeld).
-func (d *device) claimHeld(b *pools.Block) bool {
-	if d.replaying {
-		if len(d.heldCheck) < cap(d.heldCheck) {
-			d.heldCheck = append(d.heldCheck, b)
-		}
-		return false
-	}
-	return d.front.Claim(d.id, b.Ptr)
-}
-
-// checkHeld claims back, after a replay, the held blocks it left next to a
-// free or held block (see pools/held.go), which then merge. d.mu is held.
-//
-//go:noinline
-func (d *device) checkHeld() {
-	for i, b := range d.heldCheck {
-		d.heldCheck[i] = nil
-		// b may have been merged away and its struct reused since:
-		// whatever block it is now, claiming it is right if it is held
-		// next to a free one.
-		if b.Held && d.cache.FreeNeighbour(b) && d.front.Claim(d.id, b.Ptr) {
-			d.cache.ReleaseWaiting(b)
-		}
-	}
-	d.heldCheck = d.heldCheck[:0]
-}
-
 // replayFront performs the front's logged operations in order. d.mu is held.
 func (d *device) replayFront(keep bool) {
 	ops := d.front.Take(d.id, d.frontBuf[:0], keep)
-	d.replaying = true
 	for i := range ops {
 		op := &ops[i]
 		if op.Op == OpFree {
@@ -348,15 +300,6 @@ func (d *device) replayFront(keep bool) {
 			d.cache.ReleaseWaiting(b)
 		case OpHold:
 			d.cache.CountFrontHold(b)
-			// Next to a free block it would merge with: freed for real,
-			// once the log is replayed.
-			if d.cache.FreeNeighbour(b) {
-				d.claimHeld(b)
-			}
 		}
-	}
-	d.replaying = false
-	if len(d.heldCheck) != 0 {
-		d.checkHeld()
 	}
 }

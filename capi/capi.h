@@ -40,13 +40,8 @@ enum { CP_OP_FREE = 0, CP_OP_FREE_STATS = 1, CP_OP_REUSE = 2, CP_OP_CYCLES = 3, 
  * device log. */
 #define CP_FRONT_MAXDEV 16
 #define CP_FRONT_LOG 64
-/* Blocks a device's front may hold across takes, the most recently freed
- * (allocator/front.go). At least CP_FRONT_LOG: a take's own frees are then
- * never released by the same take. */
+/* Blocks a device's front may hold across takes (allocator/front.go). */
 #define CP_FRONT_HOLD 64
-#if CP_FRONT_HOLD < CP_FRONT_LOG
-#error "CP_FRONT_HOLD must be at least CP_FRONT_LOG"
-#endif
 
 /* Log lengths, and how many blocks are held, read by Go without the lock. */
 extern volatile int cp_front_n[CP_FRONT_MAXDEV];
@@ -72,11 +67,6 @@ void cp_front_untrack(uintptr_t p);
  * front, held, as long as the front is on and has room; without, every held
  * block is released too. Called by Go under the device lock. */
 size_t cp_front_take(int dev, int keep);
-/* Go, under the device lock: takes the held block at p of device dev out of
- * the front (1), so that Go can free it for real: merge it with a neighbour
- * or hand it to best fit; 0 if p is not held (a malloc took it again since:
- * its reuse is in the log). */
-int cp_front_claim(uintptr_t p, int dev);
 /* Go: whether the front may serve. */
 void cp_front_set_on(int on);
 /* cudapool_get_front_counters's four counters of device dev; 0 or -1. */

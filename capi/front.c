@@ -17,15 +17,21 @@
  * in lists hashed by (size, stream), newest first.
  *
  * A malloc's take (cp_front_take with keep) leaves the blocks still waiting
- * in front, HELD, up to CP_FRONT_HOLD per device, the most recently freed:
- * each device links its waiting blocks in the order of their frees, and a
- * take over the limit releases the oldest (a training step's blocks come
- * back within a few hundred frees; keeping the first blocks held instead,
- * and freeing the newer ones for real, served 7% of the mallocs of
- * demo/trace.txt). Any other take releases them all (allocator/front.go
- * says when Go takes which). Go may also claim one back (cp_front_claim),
- * to merge it with a freed neighbour or hand it to best fit
- * (pools/held.go), unless a malloc here took it first.
+ * in front, HELD, up to CP_FRONT_HOLD per device; any other take releases
+ * them (allocator/front.go says when Go takes which). In the default pools
+ * only small blocks are held (HOLD_MAX): a held block is neither merged
+ * with its free neighbours nor seen by best fit, and in the large pools
+ * that fragments the segments over many steps of varying sizes. Replaying
+ * the 75-step recorded training run (demo/train75.txt.gz) on the
+ * simulator, the peak reserved memory was 6.195 GiB holding any size (the
+ * first 64 held), 6.266 holding the 64 most recently freed, and 6.160
+ * without the front or holding small blocks only (the GPU run it was
+ * recorded from, PyTorch's allocator: 6.160). Rules that made held large
+ * blocks neutral instead (claimed back for merges and for best fit) kept
+ * 6.160 with twice the hits but cost 50% more per operation
+ * (docs/hot-path.md, section 20). A private pool's blocks are held at any
+ * size: a capture's forward reuses its freed activations, and its pool
+ * stays the size of PyTorch's (the CUDA graph private pool row).
  *
  * During allocate-to-pool phases (captures) each tracked block carries the
  * tag of its pool, and a malloc that finds a waiting block of its size and
@@ -48,22 +54,16 @@
 #define ENTS (1 << 13)  /* tracked blocks, all devices together */
 #define SLOTS (1 << 14) /* hash slots: at most half full */
 #define BUCKETS 64      /* reuse lists per device */
+/* The largest default-pool block held across takes: the small pool's
+ * requests (PyTorch's kSmallSize). */
+#define HOLD_MAX ((size_t)1 << 20)
 
 /* Cold mode: when, over the last COLD_WINDOW blocks a device's front took
- * or gave back, more than COLD_RATIO times as many were freed for real
- * (never reused) as were reused, the next COLD_SKIP blocks of that device
- * are not tracked. A workload whose sizes rarely repeat (the C benchmark's
- * mixed sizes: under 0.1% would be served) then pays for the front only in
- * the windows where it samples again. A hit saves a call into Go (0.5-1 us
- * on the GPU host), tracking a block costs a lock hold and a lookup (tens of
- * ns), so a workload served one time in ten gains: the ratio was 2, which
- * sent a GPT-2 training step (30-40% served) cold. The window spans about
- * a training step's mallocs: the step's phases differ (a forward's blocks
- * come back more than a backward's), and with a window of 256 the phases
- * served least sent the 75-step recorded trace (demo/train75.txt.gz) cold
- * often enough to halve its hits. */
-#define COLD_WINDOW 1024
-#define COLD_RATIO 8
+ * or gave back, more than twice as many were freed for real (never reused)
+ * as were reused, the next COLD_SKIP blocks of that device are not tracked.
+ * A workload whose sizes rarely repeat (the C benchmark's mixed sizes) then
+ * pays for the front only in the windows where it samples again. */
+#define COLD_WINDOW 256
 #define COLD_SKIP 4096
 /* Each further cold verdict in a row doubles the skip, up to
  * COLD_SKIP << COLD_MAX_SHIFT (262,144 blocks, a fraction of a second of
@@ -88,7 +88,6 @@ typedef struct {
 	int32_t dev;
 	int32_t next;      /* FREED: next in its reuse list; unused: next free entry (index + 1, 0: none) */
 	int32_t lastfree;  /* FREED: the index of its free in the log */
-	int32_t older, newer; /* FREED, HELD: its neighbours in its device's order of frees (index + 1, 0: none) */
 	uint32_t tag;      /* its pool's (1: the default pools) */
 	uint8_t state;
 	uint8_t inlog;     /* a record of its device's log names it */
@@ -104,7 +103,6 @@ typedef struct {
 	rec log[CP_FRONT_LOG];
 	int32_t bucket[BUCKETS]; /* heads of the reuse lists (index + 1, 0: empty) */
 	int32_t dead;            /* DEAD entries (index + 1), linked by next */
-	int32_t oldest, newest;  /* the waiting (FREED, HELD) entries in the order of their frees (index + 1) */
 	uint32_t reused, wasted; /* blocks reused, and freed for real, in this window */
 	uint32_t cold_streak;    /* cold verdicts in a row */
 	/* Blocks still to leave untracked (cold mode). Counted down without the
@@ -185,42 +183,6 @@ static inline uint32_t slot_of(uintptr_t p) {
 
 static inline uint32_t bucket_of(size_t size, uintptr_t stream) {
 	return (uint32_t)((((uint64_t)size ^ ((uint64_t)stream << 7)) * 0x9E3779B97F4A7C15ull) >> 58) & (BUCKETS - 1);
-}
-
-/* wait_push appends waiting entry e to its device's order of frees. */
-static void wait_push(devfront *d, int32_t e) {
-	ent *x = &ents[e - 1];
-	x->older = d->newest;
-	x->newer = 0;
-	if (d->newest != 0)
-		ents[d->newest - 1].newer = e;
-	else
-		d->oldest = e;
-	d->newest = e;
-}
-
-/* wait_unlink removes entry e from its device's order of frees. */
-static void wait_unlink(devfront *d, int32_t e) {
-	ent *x = &ents[e - 1];
-	if (x->older != 0)
-		ents[x->older - 1].newer = x->newer;
-	else
-		d->oldest = x->newer;
-	if (x->newer != 0)
-		ents[x->newer - 1].older = x->older;
-	else
-		d->newest = x->older;
-	x->older = x->newer = 0;
-}
-
-/* bucket_unlink removes waiting entry e from its reuse list. */
-static void bucket_unlink(devfront *d, int32_t e) {
-	ent *x = &ents[e - 1];
-	int32_t *link = &d->bucket[bucket_of(x->size, x->stream)];
-	while (*link != e)
-		link = &ents[*link - 1].next;
-	*link = x->next;
-	x->next = 0;
 }
 
 /* find returns the slot holding p, or -1. */
@@ -352,7 +314,6 @@ int cp_front_free(uintptr_t p, size_t size, int dev, int any_dev) {
 	int32_t *head = &d->bucket[bucket_of(x->size, x->stream)];
 	x->next = *head;
 	*head = e;
-	wait_push(d, e);
 	__atomic_store_n(&cp_front_n[x->dev], n + 1, __ATOMIC_RELEASE);
 	unlock();
 	return 1;
@@ -456,7 +417,6 @@ void *cp_front_malloc(size_t size, int dev, uintptr_t stream) {
 	ent *x = &ents[e - 1];
 	*link = x->next;
 	x->next = 0;
-	wait_unlink(d, e);
 	if (x->state == HELD)
 		__atomic_store_n(&cp_front_held[dev], cp_front_held[dev] - 1, __ATOMIC_RELAXED);
 	x->inlog = 1; /* a held block's free is not in the log: its reuse is the record that names it */
@@ -467,27 +427,6 @@ void *cp_front_malloc(size_t size, int dev, uintptr_t stream) {
 	__atomic_store_n(&cp_front_n[dev], n, __ATOMIC_RELEASE);
 	unlock();
 	return (void *)x->ptr;
-}
-
-int cp_front_claim(uintptr_t p, int dev) {
-	if ((unsigned)dev >= CP_FRONT_MAXDEV)
-		return 0;
-	lock();
-	int32_t i = find(p);
-	if (i < 0 || ents[slots[i].e - 1].state != HELD || ents[slots[i].e - 1].dev != dev) {
-		/* Served again since (its reuse is logged), or not held. */
-		unlock();
-		return 0;
-	}
-	int32_t e = slots[i].e;
-	devfront *d = &devs[dev];
-	wait_unlink(d, e);
-	bucket_unlink(d, e);
-	d->wasted++;
-	__atomic_store_n(&cp_front_held[dev], cp_front_held[dev] - 1, __ATOMIC_RELAXED);
-	forget((uint32_t)i); /* a held entry is named by no log record */
-	unlock();
-	return 1;
 }
 
 size_t cp_front_take(int dev, int keep) {
@@ -510,7 +449,7 @@ size_t cp_front_take(int dev, int keep) {
 				/* Its last free, and no reuse followed: the block stays
 				 * in front, held (Go counts the free and keeps the block
 				 * allocated), or Go frees it for real and it leaves. */
-				if (keep) {
+				if (keep && held < CP_FRONT_HOLD && (x->tag != 1 || x->size <= HOLD_MAX)) {
 					f.op = CP_OP_HOLD;
 					x->state = HELD;
 					held++;
@@ -533,47 +472,26 @@ size_t cp_front_take(int dev, int keep) {
 		}
 		out[i] = f;
 	}
-	if (keep) {
-		/* Every waiting block is HELD now. Over the limit, the oldest go:
-		 * they were held by earlier takes (this log's frees, at most
-		 * CP_FRONT_LOG <= CP_FRONT_HOLD, are the newest), so Go gets
-		 * their releases after this log's records. */
-		while (held > CP_FRONT_HOLD) {
-			int32_t e = d->oldest;
+	/* Every waiting block of the device is now HELD or RELEASING (a FREED
+	 * one had its free in this log): the reuse lists keep the held ones,
+	 * in order, and without keep these are released too. */
+	for (int b = 0; b < BUCKETS; b++) {
+		int32_t *link = &d->bucket[b];
+		for (int32_t e = *link; e != 0; e = *link) {
 			ent *x = &ents[e - 1];
-			wait_unlink(d, e);
-			bucket_unlink(d, e);
-			out[out_n++] = (cp_pending_free){.ptr = x->ptr, .device = dev, .op = CP_OP_RELEASE};
-			x->state = RELEASING;
-			d->gone[ngone++] = e;
-			held--;
-			d->wasted++;
-		}
-	} else {
-		/* Every waiting block is HELD or RELEASING (a FREED one had its
-		 * free in this log): all leave, the held ones released. */
-		for (int b = 0; b < BUCKETS; b++) {
-			for (int32_t e = d->bucket[b]; e != 0;) {
-				ent *x = &ents[e - 1];
-				int32_t next = x->next;
-				x->next = 0;
-				if (x->state == HELD) {
-					out[out_n++] = (cp_pending_free){.ptr = x->ptr, .device = dev, .op = CP_OP_RELEASE};
-					x->state = RELEASING;
-					d->gone[ngone++] = e;
-					held--;
-					d->wasted++;
-				}
-				e = next;
+			if (x->state == HELD && keep) {
+				link = &x->next;
+				continue;
 			}
-			d->bucket[b] = 0;
+			*link = x->next;
+			if (x->state == HELD) {
+				out[out_n++] = (cp_pending_free){.ptr = x->ptr, .device = dev, .op = CP_OP_RELEASE};
+				x->state = RELEASING;
+				d->gone[ngone++] = e;
+				held--;
+				d->wasted++;
+			}
 		}
-		for (int32_t e = d->oldest; e != 0;) {
-			int32_t next = ents[e - 1].newer;
-			ents[e - 1].older = ents[e - 1].newer = 0;
-			e = next;
-		}
-		d->oldest = d->newest = 0;
 	}
 	/* The released blocks leave the table (forget reuses their links). */
 	for (int k = 0; k < ngone; k++)
@@ -586,7 +504,7 @@ size_t cp_front_take(int dev, int keep) {
 		free_ents = e;
 	}
 	if (d->reused + d->wasted >= COLD_WINDOW) {
-		if (d->wasted > COLD_RATIO * d->reused) {
+		if (d->wasted > 2 * d->reused) {
 			/* (What a stretch still under way had left is cancelled.) */
 			int skip = COLD_SKIP << d->cold_streak;
 			d->cold_granted -= (unsigned)atomic_exchange_explicit(&d->cold, skip, memory_order_relaxed);

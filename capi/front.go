@@ -7,7 +7,6 @@ package main
 #cgo noescape cp_front_take
 #cgo nocallback cp_front_take
 #cgo nocallback cp_front_set_on
-#cgo nocallback cp_front_claim
 #cgo noescape cp_front_set_routes
 #cgo nocallback cp_front_set_routes
 #include "capi.h"
@@ -19,7 +18,6 @@ import (
 	"unsafe"
 
 	"github.com/cudapool/cudapool/allocator"
-	"github.com/cudapool/cudapool/cuda"
 )
 
 type cFront struct{}
@@ -61,10 +59,6 @@ func (cFront) Take(dev int, buf []allocator.PendingFree, keep bool) []allocator.
 		return buf
 	}
 	return append(buf, pendingFrees(&C.cp_front_out[dev][0], C.size_t(n))...)
-}
-
-func (cFront) Claim(dev int, p cuda.Ptr) bool {
-	return C.cp_front_claim(C.uintptr_t(p), C.int(dev)) != 0
 }
 
 func (cFront) SetEnabled(on bool) {

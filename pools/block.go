@@ -96,8 +96,6 @@ type Block struct {
 	// calls: the user freed it and the statistics count it free
 	// (CountFrontHold) until its reuse or release (ReleaseWaiting).
 	Held bool
-	// inHeld: in its pool's index of held blocks (held.go).
-	inHeld bool
 	// Unmapped marks a block of an expandable segment with no memory
 	// behind it: it is in its pool's Unmapped set, not in Blocks.
 	Unmapped bool

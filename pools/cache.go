@@ -32,8 +32,6 @@ type BlockPool struct {
 	// empty_cache with nothing to give back skips the walk over every free
 	// block, which on a cold cache cost more than the rest of the call.
 	wholeFree bool
-	// held indexes the pool's blocks held in a front cache (held.go).
-	held heldIndex
 }
 
 // FreeFunc gives a whole segment back to the driver.
@@ -83,12 +81,6 @@ type Cache struct {
 	fraction float64
 
 	segments map[cuda.Ptr]*Segment // live segments by base address
-
-	// Claim, set by the owner when a front cache may hold blocks (Held),
-	// takes the held block b back from the front so that it can be freed
-	// for real; false if the front has handed it out again since (its
-	// reuse is yet to be counted). nil: nothing is claimed.
-	Claim func(b *Block) bool
 }
 
 // ReadStats returns the statistics: ColdStats and the per-allocation
@@ -213,9 +205,6 @@ func (c *Cache) TakeFree(r *Request) *Block {
 	p := r.Pool
 	if c.gcEnabled() {
 		p.freeCalls++
-	}
-	if len(p.held.s) != 0 {
-		c.claimBetterHeld(r)
 	}
 	b := p.Blocks.LowerBound(r.Stream, r.Size)
 	if b == nil || b.Stream != r.Stream {
@@ -376,13 +365,11 @@ func (c *Cache) countWaiting(small bool, b *Block, start bool) {
 func (c *Cache) CountFrontHold(b *Block) {
 	c.CountFrontFree(b)
 	b.Held = true
-	b.Pool.held.insert(b)
 }
 
 // CountFrontReuse counts b's reallocation after CountFrontFree.
 func (c *Cache) CountFrontReuse(b *Block) {
 	b.Held = false
-	b.Pool.held.remove(b)
 	small := b.Pool.Small
 	c.hot.allocated(small, int64(b.Size), int64(b.Requested))
 	if b.Size >= c.cfg.MaxSplitSize {
@@ -429,7 +416,6 @@ func (c *Cache) ReleaseWaiting(b *Block) {
 		panic("pools: ReleaseWaiting of a block not held in front")
 	}
 	b.Held = false
-	b.Pool.held.remove(b)
 	small := b.Pool.Small
 	if waitsAsInactiveSplit(b) {
 		c.countWaiting(small, b, false)
@@ -437,11 +423,11 @@ func (c *Cache) ReleaseWaiting(b *Block) {
 	c.active.del(b.Ptr)
 	b.Allocated = false
 	var splitBlocks, splitBytes int64
-	if sub := c.mergeFreeing(b, b.Prev); sub > 0 {
+	if sub := c.tryMerge(b, b.Prev); sub > 0 {
 		splitBlocks--
 		splitBytes -= int64(sub)
 	}
-	if sub := c.mergeFreeing(b, b.Next); sub > 0 {
+	if sub := c.tryMerge(b, b.Next); sub > 0 {
 		splitBlocks--
 		splitBytes -= int64(sub)
 	}
@@ -482,11 +468,11 @@ func (c *Cache) Return(b *Block) {
 	}
 	size, requested := b.Size, b.Requested
 	var splitBlocks, splitBytes int64
-	if sub := c.mergeFreeing(b, b.Prev); sub > 0 {
+	if sub := c.tryMerge(b, b.Prev); sub > 0 {
 		splitBlocks--
 		splitBytes -= int64(sub)
 	}
-	if sub := c.mergeFreeing(b, b.Next); sub > 0 {
+	if sub := c.tryMerge(b, b.Next); sub > 0 {
 		splitBlocks--
 		splitBytes -= int64(sub)
 	}
@@ -498,42 +484,6 @@ func (c *Cache) Return(b *Block) {
 	// size of its last allocation in snapshots (memory tools read it).
 	c.insertFree(b)
 	c.hot.returned(b.Pool.Small, int64(size), int64(requested), !b.Seg.Expandable, splitBlocks, splitBytes)
-}
-
-// mergeFreeing is tryMerge for a block being freed (Return, ReleaseWaiting):
-// a neighbour held in front is claimed back first (claimHeld), so that a
-// held block never keeps apart two blocks that would be one free block
-// without the front.
-func (c *Cache) mergeFreeing(b, n *Block) uint64 {
-	if n != nil && n.Held && !n.inSet && !c.claimHeld(n) {
-		return 0
-	}
-	return c.tryMerge(b, n)
-}
-
-// claimHeld frees for real the held block n if the front gives it back
-// (Claim): ReleaseWaiting, whose statistics count the merges only, the
-// free having been counted when n was held.
-//
-//go:noinline
-func (c *Cache) claimHeld(n *Block) bool {
-	if c.Claim == nil || !c.Claim(n) {
-		return false
-	}
-	c.ReleaseWaiting(n)
-	return true
-}
-
-// FreeNeighbour reports whether a neighbour of the allocated block b is
-// free or held in front, mapped alike: a block the front holds must not
-// keep it apart from b's memory (see mergeFreeing).
-func (c *Cache) FreeNeighbour(b *Block) bool {
-	for _, n := range [2]*Block{b.Prev, b.Next} {
-		if n != nil && (n.inSet || n.Held) && n.Unmapped == b.Unmapped {
-			return true
-		}
-	}
-	return false
 }
 
 // tryMerge absorbs the neighbour n into b if n is free and mapped alike,
@@ -766,7 +716,6 @@ func (c *Cache) Check() error {
 	var alloc, active, split [3]int64
 	var allocB, activeB, splitB, reqB, resB, segs [3]int64
 	var held int64
-	inHeld := map[*BlockPool]int{}
 	inSets := map[*BlockPool]int{c.Small: 0, c.Large: 0}
 	unmapped := map[*BlockPool]int{c.Small: 0, c.Large: 0}
 	var reserved uint64
@@ -828,9 +777,6 @@ func (c *Cache) Check() error {
 			if free != b.inSet {
 				return fmt.Errorf("block %#x: free=%v but in free set=%v", b.Ptr, free, b.inSet)
 			}
-			if b.inHeld && !b.Held {
-				return fmt.Errorf("block %#x: in its pool's index of held blocks but not held", b.Ptr)
-			}
 			if b.Held {
 				// Counted free (CountFrontHold), a split one as inactive
 				// split, though it stays allocated and indexed here.
@@ -838,9 +784,6 @@ func (c *Cache) Check() error {
 					return fmt.Errorf("block %#x: held in front but not allocated and indexed", b.Ptr)
 				}
 				held++
-				if b.inHeld {
-					inHeld[b.Pool]++
-				}
 				if b.IsSplit() && !s.Expandable {
 					split[t]++
 					splitB[t] += int64(b.Size)
@@ -886,11 +829,6 @@ func (c *Cache) Check() error {
 	for p, n := range inSets {
 		if p.Blocks.Len() != n {
 			return fmt.Errorf("pool %v small=%v: free set holds %d blocks, segments have %d free", p.ID, p.Small, p.Blocks.Len(), n)
-		}
-	}
-	for p := range inSets {
-		if err := p.held.check(p, inHeld[p]); err != nil {
-			return err
 		}
 	}
 	for p, n := range unmapped {
