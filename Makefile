@@ -117,7 +117,6 @@ test-c: $(BUILD)/test_cudapool $(BUILD)/test_torchabi $(BUILD)/test_interop $(BU
 		diff $(BUILD)/test_front.on.cmp $(BUILD)/test_front.off.cmp | head -20; rc=1; \
 	fi; \
 	exit $$rc
-
 	$(call section,front cache: a recorded training run (fragmentation; simulator))
 	capi/ctest/front_trace.sh ./$(BUILD)/c_bench demo/train75.txt.gz
 
