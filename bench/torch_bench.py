@@ -89,6 +89,7 @@ CONFIGS = {
     # cudapool from the library $CUDAPOOL_LIBRARY_B names (another build, for
     # an A/B in one ring): diagnostics.
     "cudapool_b": None,
+    "cudapool_exp_b": None,  # the same with expandable_segments:True
     # A trivial C pluggable allocator (bench/floor_alloc.c): what PyTorch's
     # CUDAPluggableAllocator path costs by itself. Only the 4 KiB loop.
     "floor": None,
@@ -103,6 +104,7 @@ CUDAPOOL_CONFS = {
     "cudapool_treap": "free_set:treap",
     "cudapool_sched": "",
     "cudapool_b": "",
+    "cudapool_exp_b": "expandable_segments:True",
     "cudapool_cold": "warm_runtime:False",
 }
 SECTIONS = ("train", "graph", "empty", "alt")
@@ -671,9 +673,9 @@ def main(argv=None):
             sys.path.insert(0, os.path.join(REPO, "python"))
             import cudapool
 
-            if cfg == "cudapool_b":
+            if cfg in ("cudapool_b", "cudapool_exp_b"):
                 if not os.environ.get("CUDAPOOL_LIBRARY_B"):
-                    raise RuntimeError("cudapool_b loads the library $CUDAPOOL_LIBRARY_B names, and it is not set")
+                    raise RuntimeError(f"{cfg} loads the library $CUDAPOOL_LIBRARY_B names, and it is not set")
                 os.environ["CUDAPOOL_LIBRARY"] = os.environ["CUDAPOOL_LIBRARY_B"]
             if cfg == "cudapool_sched":
                 meta["alloc_conf"] = "cudapool GODEBUG=" + os.environ.get("GODEBUG", "")

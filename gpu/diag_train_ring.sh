@@ -5,8 +5,9 @@
 # rings of CFGS taking turns (bench/turn_ring.py, torch_bench.py's train
 # section as the full run has it) and each ring's ratios (gpu/ring_phases.py).
 # STEP_CONFIGS (empty: skip the step-by-step part), CFGS, RINGS, SECTIONS,
-# RING_ARGS (more torch_bench.py arguments); CFGS with cudapool_b compares
-# two builds (CUDAPOOL_LIBRARY_B, torch_bench.py's cudapool_b).
+# RING_ARGS (more torch_bench.py arguments); CFGS with cudapool_b (or
+# cudapool_exp_b, with expandable segments) compares two builds
+# (CUDAPOOL_LIBRARY_B, torch_bench.py's cudapool_b).
 #   bash gpu/diag_train_ring.sh      (carry lib; output to $OUT or build/diag)
 set -u
 cd "$(dirname "$0")/.." || exit 1
@@ -35,6 +36,9 @@ case " ${CFGS[*]} " in *" expandable "*" cudapool_exp "*|*" cudapool_exp "*" exp
 esac
 case " ${CFGS[*]} " in *" cudapool_b "*)
     $PY gpu/ring_phases.py "$P/ring" cudapool_b cudapool | tee -a "$P/ring_phases.txt" ;;
+esac
+case " ${CFGS[*]} " in *" cudapool_exp_b "*)
+    $PY gpu/ring_phases.py "$P/ring" cudapool_exp_b cudapool_exp | tee -a "$P/ring_phases.txt" ;;
 esac
 $PY - "$P/ring" <<'PYEOF'
 import glob, json, os, statistics, sys
