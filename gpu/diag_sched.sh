@@ -16,15 +16,9 @@
 # 3. gpu/diag_enter.py gpt with every graph kept (DIAG_KEEP=0).
 set -u
 cd "$(dirname "$0")/.." || exit 1
-PY=${PYTHON:-python3}
-P=${OUT:-$PWD/build/diag}
-mkdir -p "$P/ring"
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/python CUDAPOOL_LIBRARY=$PWD/lib/libcudapool.so
-unset PYTORCH_CUDA_ALLOC_CONF PYTORCH_ALLOC_CONF CUDAPOOL_CONF CUDAPOOL_BACKEND GODEBUG
-T0=$(date +%s)
-echo "library $(tr '\n' ' ' <lib/BUILD_COMMIT 2>/dev/null)"
-# The C++ extension is built on first use (and cached): not inside a timing.
-$PY -c 'import cudapool; cudapool.install(); import torch; torch.empty(1, device="cuda"); print("extension ready")' 2>&1 | tail -2
+# shellcheck source=gpu/rings.sh
+. gpu/rings.sh
+ring_setup
 k=0
 for g in ${COLD_CONFS:-"GODEBUG=" "GODEBUG=schedtrace=2147483647"}; do
     k=$((k + 1))
@@ -34,8 +28,6 @@ for g in ${COLD_CONFS:-"GODEBUG=" "GODEBUG=schedtrace=2147483647"}; do
 done
 echo "cold calls done at $(($(date +%s) - T0))s"
 read -r -a CFGS <<<"${CFGS:-native cudapool cudapool_sched}"
-# shellcheck source=gpu/rings.sh
-. gpu/rings.sh
 run_rings "$P" "${RINGS:-3}" --sections "${SECTIONS:-train,graph,empty}" --graph-captures "${GRAPH_CAPTURES:-10}"
 $PY gpu/ring_phases.py "$P/ring" "${CFGS[@]}" | tee "$P/ring_phases.txt"
 $PY gpu/ring_phases.py "$P/ring" "${CFGS[@]:1}" | tee -a "$P/ring_phases.txt"

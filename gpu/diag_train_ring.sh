@@ -11,20 +11,14 @@
 #   bash gpu/diag_train_ring.sh      (carry lib; output to $OUT or build/diag)
 set -u
 cd "$(dirname "$0")/.." || exit 1
-PY=${PYTHON:-python3}
-P=${OUT:-$PWD/build/diag}
-mkdir -p "$P/ring"
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/python CUDAPOOL_LIBRARY=$PWD/lib/libcudapool.so
-unset PYTORCH_CUDA_ALLOC_CONF PYTORCH_ALLOC_CONF CUDAPOOL_CONF CUDAPOOL_BACKEND GODEBUG
-T0=$(date +%s)
-$PY -c 'import cudapool; cudapool.install(); import torch; torch.empty(1, device="cuda"); print("extension ready")' 2>&1 | tail -1
+# shellcheck source=gpu/rings.sh
+. gpu/rings.sh
+ring_setup
 if [ -n "${STEP_CONFIGS-native cudapool}" ]; then
     CONFIGS=${STEP_CONFIGS-native cudapool} EAGER_CONFIGS="" bash gpu/diag_train_steps.sh 2>&1 | tail -16
     echo "steps done at $(($(date +%s) - T0))s"
 fi
 read -r -a CFGS <<<"${CFGS:-native cudapool expandable cudapool_exp}"
-# shellcheck source=gpu/rings.sh
-. gpu/rings.sh
 # shellcheck disable=SC2086  # RING_ARGS: words
 run_rings "$P" "${RINGS:-4}" --sections "${SECTIONS:-train}" ${RING_ARGS:-}
 # The first configuration is the base; with expandable and cudapool_exp,
