@@ -62,6 +62,22 @@ def rank_cpus(rank, world, cpus):
     return cpus[rank * n:(rank + 1) * n]
 
 
+# memory_stats counters of the timed steps (per step in the result): the
+# allocations, the driver's allocations and frees, syncs and retries, and
+# cudapool's front hits.
+COUNTED = ("allocation.all.allocated", "num_device_alloc", "num_device_free",
+           "num_sync_all_streams", "num_alloc_retries")
+
+
+def counters(torch):
+    st = torch.cuda.memory_stats()
+    out = {k.split(".")[0]: float(st.get(k, 0)) for k in COUNTED}
+    mod = sys.modules.get("cudapool")
+    if mod is not None and hasattr(mod, "front_counters"):
+        out["front_hits"] = float(mod.front_counters(torch.cuda.current_device())["hits"])
+    return out
+
+
 def main():
     args = parse_args()
     rank, world = int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
@@ -110,9 +126,13 @@ def main():
     total = len(lens)
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(total)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(total)]
+    cpu = [0.0] * total  # host time to issue each step (its enqueue)
+    counted = None
     turns.begin()
     t0 = time.perf_counter()
     for i in range(total):
+        if i == len(warm):
+            counted = counters(torch)
         x, y = gpt.batch(lens[i], args.batch, VOCAB, "cuda", 1000 * i + rank)
         if turns.on:
             # Both ranks of this launch hold their turn before the step
@@ -120,6 +140,7 @@ def main():
             # the other rank's first collective.
             dist.barrier()
             torch.cuda.synchronize()
+        c0 = time.perf_counter()
         starts[i].record()
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = net(x, y)
@@ -127,11 +148,13 @@ def main():
         opt.step()
         opt.zero_grad(set_to_none=True)
         ends[i].record()
+        cpu[i] = (time.perf_counter() - c0) * 1e3
         if turns.on:  # the GPUs are the partner's only once this step is done
             torch.cuda.synchronize()
             turns.turn()
     torch.cuda.synchronize()
     turns.end()
+    counted = {k: (v - counted[k]) / args.steps for k, v in counters(torch).items()}
     wall = (time.perf_counter() - t0) / total * 1e3
     mine = torch.tensor([starts[i].elapsed_time(ends[i]) for i in range(len(warm), total)], device="cuda")
     slowest = mine.clone()
@@ -148,7 +171,12 @@ def main():
                **turns.summary(),
                "fsdp_ms_per_step": statistics.median(steps), "fsdp_world": world,
                "fsdp_device": torch.cuda.get_device_name(), "fsdp_steps": args.steps, "fsdp_warmup_steps": len(warm), "fsdp_batch": args.batch, "fsdp_layers": args.layers,
-               "fsdp_wall_ms_per_step": wall, "fsdp_pinned_rank0": pinned,
+               "fsdp_wall_ms_per_step": wall,
+               # Rank 0's host time to issue a step, median: near the step's
+               # GPU time when the host is what the step waits for (with
+               # turns every step starts on idle GPUs).
+               "fsdp_cpu_ms_per_step": statistics.median(cpu[len(warm):]),
+               **{f"fsdp_{k}_per_step": v for k, v in counted.items()}, "fsdp_pinned_rank0": pinned,
                "fsdp_peak_allocated": torch.cuda.max_memory_allocated(),
                "fsdp_step_ms": [round(v, 3) for v in steps]}
         print(json.dumps(rec), flush=True)

@@ -5,8 +5,10 @@
 # synchronized), ROUNDS pairs, who goes first alternating, then SAME pairs
 # of cudapool against itself: the method's noise. Prints every pair's
 # median per-step ratio and, per kind, the median (min-max) over pairs
-# (bench/turns.py). Needs 2 GPUs (nvidia-h200-x2); about 3 minutes a pair
-# (carry lib/):
+# (bench/turns.py), then each launch's host time to issue a step and its
+# allocator counters per step. Needs NPROC GPUs (default 2:
+# nvidia-h200-x2; NPROC=1 runs FSDP2 on one GPU, a proxy for the
+# allocator's share of the step); about 35 s a pair (carry lib/):
 #   ROUNDS=3 SAME=1 bash gpu/diag_fsdp_turns.sh
 set -u
 cd "$(dirname "$0")/.." || exit 1
@@ -16,8 +18,10 @@ DEADLINE=${DEADLINE:-420} # seconds: no pair starts after this
 DIAG_BUILD_C=0
 # shellcheck source=gpu/diag_setup.sh
 . gpu/diag_setup.sh
+NPROC=${NPROC:-2}
 ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
-[ "${ngpu:-0}" -ge 2 ] || { echo "needs 2 GPUs (found ${ngpu:-0})"; exit 1; }
+[ "${ngpu:-0}" -ge "$NPROC" ] || { echo "needs $NPROC GPUs (found ${ngpu:-0})"; exit 1; }
+gpus=$(seq -s, 0 $((NPROC - 1)))
 cpus=$(taskset -pc $$ 2>/dev/null | sed 's/.*: *//')
 echo "GPUs $ngpu, CPUs $cpus, library $(cat lib/BUILD_COMMIT 2>/dev/null || echo ?)"
 
@@ -27,8 +31,8 @@ pair() {
         echo "skipped $1 $2: past ${DEADLINE}s"
         return
     fi
-    env CUDA_VISIBLE_DEVICES=0,1 TURN_RANKS=2 TURN_LIMIT=230 \
-        TURN_PROG="-m torch.distributed.run --standalone --nproc_per_node=2 bench/fsdp2_bench.py" \
+    env CUDA_VISIBLE_DEVICES="$gpus" TURN_RANKS="$NPROC" TURN_LIMIT=230 \
+        TURN_PROG="-m torch.distributed.run --standalone --nproc_per_node=$NPROC bench/fsdp2_bench.py" \
         bash bench/turn_pair.sh "${cpus:--}" "$@" "$D/fsdp-${1//\//_}.$2.json" ${FSDP_ARGS:-} ||
         echo "pair $1 $2 failed: $D/fsdp-${1//\//_}.$2.json.log"
     echo "pair $1 $2 ($5 first) done at $(el)s"
@@ -43,4 +47,6 @@ done
 grep -h "Error" "$D"/*.json.log 2>/dev/null | head -n 5
 echo
 $PY bench/turns.py "$D"/*.json
+echo
+$PY gpu/fsdp_counters.py "$D"/*.json
 echo "total $(el)s"
