@@ -49,6 +49,8 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--batch", type=int, default=8, help="per rank")
     p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--record-trace", metavar="OUT", help="rank 0 records its allocations from before the model "
+                   "is made to the end (native allocator: the replay format of bench/record_trace.py)")
     p.add_argument("--no-pin", action="store_true", help="do not pin each rank to its own CPUs")
     return p.parse_args(argv)
 
@@ -112,6 +114,8 @@ def main():
 
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
+    if args.record_trace and rank == 0:
+        torch.cuda.memory._record_memory_history(max_entries=4_000_000)
     torch.manual_seed(0)
     net = gpt.GPT(layers=args.layers).cuda()
     for blk in net.blocks:
@@ -166,6 +170,17 @@ def main():
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         if not bad and (int(t[2]) or int(t[0]) != -int(t[1])):
             turns.partner_gone = "another rank's turns broke, or the ranks' turns differ"
+    if args.record_trace and rank == 0:
+        import record_trace
+
+        ops, nallocs, nstreams = record_trace.snapshot_ops(record_trace.finish_recording(torch))
+        record_trace.write_trace(args.record_trace, ops, [
+            f"Recorded from {total} FSDP2 steps of GPT-2 small on {world} GPU(s), rank 0 ({len(warm)} warm-up, batch",
+            f"{args.batch} per rank, {args.layers} layers) with PyTorch {torch.__version__}'s {args.config} allocator",
+            f"on {torch.cuda.get_device_name()} by bench/fsdp2_bench.py --record-trace. {len(ops)} operations,",
+            f"{nallocs} allocations, {nstreams} streams; the recording starts before the model is made."])
+        print(f"recorded {len(ops)} operations, {nallocs} allocations, {nstreams} streams -> {args.record_trace}",
+              file=sys.stderr)
     if rank == 0:
         rec = {"kind": "torch_turns" if tag else "torch", "config": args.config, "section": "fsdp", **tag,
                **turns.summary(),

@@ -58,12 +58,31 @@ def main():
         opt.step()
         opt.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
+    lines, nallocs, nstreams = snapshot_ops(finish_recording(torch))
+    write_trace(out, lines, [
+        f"Recorded from {steps} GPT-2-small training steps (bf16 autocast, AdamW, batch 8,",
+        f"variable sequence length) with PyTorch {torch.__version__}'s native allocator on",
+        f"{torch.cuda.get_device_name()} by bench/record_trace.py. {len(lines)} operations;",
+        "The recording starts %s the model is made; blocks still live at the end" % ("before" if bench else "after"),
+        "(weights, optimizer state) are freed by the replayer."])
+    print(f"recorded {len(lines)} operations, {nallocs} allocations, {nstreams} streams -> {out}")
+
+
+def finish_recording(torch):
+    """The snapshot of the memory history recorded so far; stops recording."""
+    torch.cuda.synchronize()
     snap = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
-    trace = snap["device_traces"][0]
-    live, next_id, lines = {}, 0, []
-    streams = {}
-    for e in trace:
+    return snap
+
+
+def snapshot_ops(snap, device=0):
+    """A snapshot's trace of device as replay lines ("a ID SIZE STREAM",
+    "f ID"; streams numbered in order of first use), with the number of
+    allocations and of streams. A free counts when it is requested, as the
+    caller frees it: the replayer's allocator does its own stream waiting."""
+    live, next_id, lines, streams = {}, 0, [], {}
+    for e in snap["device_traces"][device]:
         if e["action"] == "alloc":
             live[e["addr"]] = next_id
             s = streams.setdefault(e["stream"], len(streams))
@@ -71,14 +90,14 @@ def main():
             next_id += 1
         elif e["action"] == "free_requested" and e["addr"] in live:
             lines.append(f"f {live.pop(e['addr'])}")
+    return lines, next_id, len(streams)
+
+
+def write_trace(out, lines, header):
+    """Writes a replay trace: header as "# " comment lines, then lines."""
     with open(out, "w") as f:
-        f.write(f"# Recorded from {steps} GPT-2-small training steps (bf16 autocast, AdamW, batch 8,\n")
-        f.write(f"# variable sequence length) with PyTorch {torch.__version__}'s native allocator on\n")
-        f.write(f"# {torch.cuda.get_device_name()} by bench/record_trace.py. {len(lines)} operations;\n")
-        f.write("# The recording starts %s the model is made; blocks still live at the end\n" % ("before" if bench else "after"))
-        f.write("# (weights, optimizer state) are freed by the replayer.\n")
+        f.write("".join(f"# {h}\n" for h in header))
         f.write("\n".join(lines) + "\n")
-    print(f"recorded {len(lines)} operations, {next_id} allocations, {len(streams)} streams -> {out}")
 
 
 if __name__ == "__main__":
