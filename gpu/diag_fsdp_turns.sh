@@ -22,7 +22,9 @@ NPROC=${NPROC:-2}
 ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 [ "${ngpu:-0}" -ge "$NPROC" ] || { echo "needs $NPROC GPUs (found ${ngpu:-0})"; exit 1; }
 gpus=$(seq -s, 0 $((NPROC - 1)))
-cpus=$(taskset -pc $$ 2>/dev/null | sed 's/.*: *//')
+# CPUS: the list both launches run on, split among the ranks (default all
+# this script may use; "3,11" gives rank 0 CPU 3 and rank 1 CPU 11).
+cpus=${CPUS:-$(taskset -pc $$ 2>/dev/null | sed 's/.*: *//')}
 echo "GPUs $ngpu, CPUs $cpus, library $(cat lib/BUILD_COMMIT 2>/dev/null || echo ?)"
 
 # pair KIND ROUND BASE TEST FIRST (as bench/run_bench.sh's FSDP2 turns).
