@@ -80,6 +80,43 @@ def counters(torch):
     return out
 
 
+def thread_times():
+    """This process's threads: tid -> (name, CPU seconds, voluntary and
+    involuntary context switches), from /proc (empty where it is absent)."""
+    out = {}
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    base = "/proc/self/task"
+    for tid in os.listdir(base) if os.path.isdir(base) else ():
+        try:
+            with open(f"{base}/{tid}/stat") as f:
+                st = f.read()
+            name = st[st.index("(") + 1:st.rindex(")")]
+            fields = st[st.rindex(")") + 2:].split()
+            cpu = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+            sw = {}
+            with open(f"{base}/{tid}/status") as f:
+                for line in f:
+                    k, _, v = line.partition(":")
+                    if k in ("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches"):
+                        sw[k] = int(v)
+            out[int(tid)] = (name, cpu, sw.get("voluntary_ctxt_switches", 0), sw.get("nonvoluntary_ctxt_switches", 0))
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
+def thread_deltas(before, after, steps):
+    """Per thread active over the timed steps: [name, is main, CPU ms, voluntary and involuntary switches],
+    each per step, busiest first."""
+    rows = []
+    for tid, (name, cpu, vol, inv) in after.items():
+        _, cpu0, vol0, inv0 = before.get(tid, (name, 0.0, 0, 0))
+        d = [(cpu - cpu0) * 1e3 / steps, (vol - vol0) / steps, (inv - inv0) / steps]
+        if any(d):
+            rows.append([name, tid == os.getpid()] + [round(v, 2) for v in d])
+    return sorted(rows, key=lambda r: -r[2])
+
+
 def main():
     args = parse_args()
     rank, world = int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
@@ -137,6 +174,7 @@ def main():
     for i in range(total):
         if i == len(warm):
             counted = counters(torch)
+            threads0 = thread_times()
         x, y = gpt.batch(lens[i], args.batch, VOCAB, "cuda", 1000 * i + rank)
         if turns.on:
             # Both ranks of this launch hold their turn before the step
@@ -159,6 +197,7 @@ def main():
     torch.cuda.synchronize()
     turns.end()
     counted = {k: (v - counted[k]) / args.steps for k, v in counters(torch).items()}
+    threads = thread_deltas(threads0, thread_times(), args.steps)
     wall = (time.perf_counter() - t0) / total * 1e3
     mine = torch.tensor([starts[i].elapsed_time(ends[i]) for i in range(len(warm), total)], device="cuda")
     slowest = mine.clone()
@@ -191,7 +230,9 @@ def main():
                # GPU time when the host is what the step waits for (with
                # turns every step starts on idle GPUs).
                "fsdp_cpu_ms_per_step": statistics.median(cpu[len(warm):]),
-               **{f"fsdp_{k}_per_step": v for k, v in counted.items()}, "fsdp_pinned_rank0": pinned,
+               **{f"fsdp_{k}_per_step": v for k, v in counted.items()},
+               # rank 0's threads over the timed steps, per step: name, main?, CPU ms, switches
+               "fsdp_threads": threads, "fsdp_pinned_rank0": pinned,
                "fsdp_peak_allocated": torch.cuda.max_memory_allocated(),
                "fsdp_step_ms": [round(v, 3) for v in steps]}
         print(json.dumps(rec), flush=True)

@@ -31,6 +31,17 @@ def main(paths):
         tag = f"{tag} {r['config']}".strip()
         cells = " ".join(f"{r.get(f'fsdp_{k}_per_step', nan):10.1f}" for k in KEYS)
         print(f"{tag:36s} {r['fsdp_ms_per_step']:7.2f} {r.get('fsdp_cpu_ms_per_step', nan):7.2f} {cells}")
+        th = r.get("fsdp_threads")
+        if th:
+            # per step: CPU ms of the main thread and of the others, their
+            # switches; then the busiest other threads
+            main = [t for t in th if t[1]]
+            rest = [t for t in th if not t[1]]
+            m = main[0] if main else ["?", True, nan, nan, nan]
+            print(f"    threads per step: main {m[2]:.2f} ms cpu, {m[3]:.1f}+{m[4]:.1f} switches; "
+                  f"{len(rest)} others {sum(t[2] for t in rest):.2f} ms cpu, "
+                  f"{sum(t[3] for t in rest):.1f}+{sum(t[4] for t in rest):.1f} switches; busiest: "
+                  + ", ".join(f"{t[0]} {t[2]:.2f}/{t[3]:.0f}+{t[4]:.0f}" for t in rest[:5]))
 
 
 if __name__ == "__main__":
