@@ -8,7 +8,10 @@
  * memory was touched (as the Python interpreter does between allocations),
  * and a call into Go after the thread slept in C for 1, 10 and 30 ms (a
  * Python step that allocates nothing for that long; at 30 ms also with
- * warm_runtime:False, capi/warm's keeper off). The pairs are served by the
+ * warm_runtime:False, capi/warm's keeper off). Last, what the Go runtime's
+ * own threads do while a caller allocates at a Python-like pace (a malloc
+ * through Go every 50 us of busy work, 1 s): their wake-ups and CPU time per
+ * second, and the caller's involuntary switches (docs/hot-path.md 21). The pairs are served by the
  * front cache (allocator/front.go: no call into Go); the "front off" rows
  * are the same pairs with front_cache:False, through Go (the class path's
  * free is queued and performed by the next malloc: one call into Go; the C
@@ -22,13 +25,16 @@
  * CLOCK_MONOTONIC, less the clock's own cost, and show the median.
  */
 #define _GNU_SOURCE
+#include <dirent.h>
 #include <dlfcn.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/syscall.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "cudapool.h"
 
@@ -211,6 +217,85 @@ static const char *row_units[NROWS] = {"cpu", "cpu", "cpu", "wall", "wall", "wal
 
 /* warm switches capi/warm's keeper on or off: off, a call after more than
  * 10 ms in C wakes the Go runtime's sysmon (docs/hot-path.md 18). */
+/* ---- the runtime's threads under a paced caller ---- */
+
+/* The process's threads other than the caller: their voluntary context
+ * switches (wake-ups) and CPU seconds, summed; the caller's involuntary
+ * switches. In this program every other thread is the Go runtime's. */
+struct threads {
+	long wakeups, caller_preempted;
+	double cpu_s;
+};
+
+static struct threads thread_totals(pid_t caller) {
+	struct threads t = {0, 0, 0};
+	DIR *d = opendir("/proc/self/task");
+	long tick = sysconf(_SC_CLK_TCK);
+	struct dirent *e;
+	while (d != NULL && (e = readdir(d)) != NULL) {
+		if (e->d_name[0] == '.')
+			continue;
+		char path[300], line[512];
+		long vol = 0, invol = 0;
+		unsigned long ut = 0, st = 0;
+		snprintf(path, sizeof path, "/proc/self/task/%s/status", e->d_name);
+		FILE *f = fopen(path, "r");
+		if (f == NULL)
+			continue;
+		while (fgets(line, sizeof line, f) != NULL) {
+			sscanf(line, "voluntary_ctxt_switches: %ld", &vol);
+			sscanf(line, "nonvoluntary_ctxt_switches: %ld", &invol);
+		}
+		fclose(f);
+		snprintf(path, sizeof path, "/proc/self/task/%s/stat", e->d_name);
+		if ((f = fopen(path, "r")) != NULL) {
+			if (fgets(line, sizeof line, f) != NULL) {
+				char *p = strrchr(line, ')'); /* fields after the name: utime and stime are 12th and 13th */
+				if (p == NULL || sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %lu %lu", &ut, &st) != 2)
+					ut = st = 0;
+			}
+			fclose(f);
+		}
+		if ((pid_t)atoi(e->d_name) == caller) {
+			t.caller_preempted = invol;
+		} else {
+			t.wakeups += vol;
+			t.cpu_s += (double)(ut + st) / (double)tick;
+		}
+	}
+	if (d != NULL)
+		closedir(d);
+	return t;
+}
+
+static void busy_ns(int64_t ns) {
+	int64_t end = now_ns(CLOCK_MONOTONIC) + ns;
+	while (now_ns(CLOCK_MONOTONIC) < end)
+		;
+}
+
+/* paced_caller allocates through Go (sizes the front does not hold, freed
+ * by the next malloc, as the class path frees) every gap_ns of busy work
+ * for secs seconds and returns the runtime threads' activity per second. */
+static struct threads paced_caller(int64_t gap_ns, double secs) {
+	pid_t self = (pid_t)syscall(SYS_gettid);
+	struct threads a = thread_totals(self);
+	int64_t t0 = now_ns(CLOCK_MONOTONIC), end = t0 + (int64_t)(secs * 1e9);
+	void *prev = NULL;
+	for (unsigned i = 0; now_ns(CLOCK_MONOTONIC) < end; i++) {
+		if (prev != NULL)
+			cudapool_free_deferred(prev, 0, -1, 0);
+		prev = cudapool_malloc_ctx((size_t)(2u + i % 7) << 20, 0, NULL, 0);
+		busy_ns(gap_ns);
+	}
+	if (prev != NULL)
+		cudapool_free_deferred(prev, 0, -1, 0);
+	double el = (double)(now_ns(CLOCK_MONOTONIC) - t0) / 1e9;
+	struct threads b = thread_totals(self);
+	return (struct threads){(long)((double)(b.wakeups - a.wakeups) / el),
+	                        (long)((double)(b.caller_preempted - a.caller_preempted) / el), (b.cpu_s - a.cpu_s) / el};
+}
+
 static int warm(int on) {
 	return cudapool_configure_update(on ? "warm_runtime:True" : "warm_runtime:False");
 }
@@ -303,5 +388,13 @@ int main(int argc, char **argv) {
 		snprintf(cell, sizeof cell, "%.1f (%.1f-%.1f)", median(res[r], rounds), mn, mx);
 		printf("%-40s %5s %22s\n", row_names[r], row_units[r], cell);
 	}
+	struct threads pt = paced_caller(50000, 1.0);
+	if (cudapool_last_error() != NULL) {
+		fprintf(stderr, "hot_path: %s\n", cudapool_last_error());
+		return 2;
+	}
+	printf("Go runtime's threads while a caller allocates through Go every 50 us (1 s): %ld wake-ups/s, "
+	       "%.1f%% of a CPU; the caller preempted %ld times/s\n",
+	       pt.wakeups, pt.cpu_s * 100, pt.caller_preempted);
 	return 0;
 }
