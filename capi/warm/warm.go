@@ -31,12 +31,10 @@
 package warm
 
 import (
-	"os"
 	"runtime"
 	"sync"
 	"sync/atomic"
 	"syscall"
-	"time"
 )
 
 // The keeper's states (Keeper.state).
@@ -133,9 +131,6 @@ func (k *Keeper) launch() {
 	if k.nap == nil {
 		ts := syscall.Timespec{Nsec: defaultNap}
 		k.nap = func() { _ = syscall.Nanosleep(&ts, nil) } // a Syscall: its P stays in syscall state
-		if d, err := time.ParseDuration(os.Getenv("XNAP")); err == nil {
-			k.nap = func() { time.Sleep(d) }
-		}
 	}
 	if k.napsPerCheck <= 0 {
 		k.napsPerCheck = defaultNapsPerCheck
