@@ -156,7 +156,7 @@ test-python: lib
 		cd python && python3 -m pytest -q tests; \
 	else echo "python/tests does not exist: skipped"; fi
 	$(call section,benchmark report generator tests)
-	python3 -m pytest -q bench/test_report.py bench/test_kvcache.py
+	python3 -m pytest -q bench/test_report.py bench/test_kvcache.py bench/test_fsdp_tools.py
 	$(call section,PyTorch test report generator tests)
 	python3 -m pytest -q -p no:cacheprovider gpu/pytorch_tests/test_report.py
 

@@ -16,10 +16,7 @@ weights are in the trace as in the benchmark's process.
 """
 import sys
 
-import torch
-
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from model import GPT, batch, seq_lens  # noqa: E402
 import workloads  # noqa: E402
 
 # torch_bench.py's defaults for the training row.
@@ -29,6 +26,8 @@ BENCH_WARMUP, BENCH_STEPS = 5, 60
 def step_lens(arg):
     """The sequence lengths to record: n steps of seq_lens, or with "bench"
     the training row's warm-up lengths followed by its timed ones."""
+    from model import seq_lens  # model imports torch: only when recording
+
     if arg == "bench":
         lens = seq_lens(BENCH_WARMUP + BENCH_STEPS, seed=1)
         return workloads.warmup_lens(lens, BENCH_WARMUP) + lens[BENCH_WARMUP:]
@@ -36,6 +35,9 @@ def step_lens(arg):
 
 
 def main():
+    import torch
+    from model import GPT, batch  # torch here, so that the converter below imports without it
+
     out = sys.argv[1]
     arg = sys.argv[2] if len(sys.argv) > 2 else "3"
     bench = arg == "bench"
