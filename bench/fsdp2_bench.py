@@ -37,6 +37,8 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import torch_bench  # noqa: E402  (Turns, the turns tag, the allocator counters; it imports no torch itself)
 REPO = os.path.dirname(HERE)
 CONFIGS = ("native", "expandable", "cudapool", "cudapool_exp")
 VOCAB = 16384  # the model's default vocabulary
@@ -64,19 +66,14 @@ def rank_cpus(rank, world, cpus):
     return cpus[rank * n:(rank + 1) * n]
 
 
-# memory_stats counters of the timed steps (per step in the result): the
-# allocations, the driver's allocations and frees, syncs and retries, and
-# cudapool's front hits.
-COUNTED = ("allocation.all.allocated", "num_device_alloc", "num_device_free",
-           "num_sync_all_streams", "num_alloc_retries")
-
-
-def counters(torch):
-    st = torch.cuda.memory_stats()
-    out = {k.split(".")[0]: float(st.get(k, 0)) for k in COUNTED}
-    mod = sys.modules.get("cudapool")
-    if mod is not None and hasattr(mod, "front_counters"):
-        out["front_hits"] = float(mod.front_counters(torch.cuda.current_device())["hits"])
+def counters(torch, dev):
+    """The allocator counters of device dev now, by short name (allocation,
+    num_device_alloc, num_device_free, num_alloc_retries: torch_bench.COUNTED)
+    and, under cudapool, front_hits."""
+    out = {k.split(".")[0]: float(v) for k, v in torch_bench.device_calls(torch, dev).items()}
+    hits = torch_bench.front_hits(dev)
+    if hits is not None:
+        out["front_hits"] = float(hits)
     return out
 
 
@@ -140,10 +137,8 @@ def main():
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    sys.path.insert(0, HERE)
     import model as gpt
     import workloads
-    import torch_bench  # Turns and the turns tag (it imports no torch itself)
 
     tag = torch_bench.turns_tag()
     turns = torch_bench.Turns(os.environ.get("BENCH_TURNS", ""))
@@ -173,7 +168,7 @@ def main():
     t0 = time.perf_counter()
     for i in range(total):
         if i == len(warm):
-            counted = counters(torch)
+            counted = counters(torch, rank)
             threads0 = thread_times()
         x, y = gpt.batch(lens[i], args.batch, VOCAB, "cuda", 1000 * i + rank)
         if turns.on:
@@ -196,7 +191,7 @@ def main():
             turns.turn()
     torch.cuda.synchronize()
     turns.end()
-    counted = {k: (v - counted[k]) / args.steps for k, v in counters(torch).items()}
+    counted = {k: (v - counted[k]) / args.steps for k, v in counters(torch, rank).items()}
     threads = thread_deltas(threads0, thread_times(), args.steps)
     wall = (time.perf_counter() - t0) / total * 1e3
     mine = torch.tensor([starts[i].elapsed_time(ends[i]) for i in range(len(warm), total)], device="cuda")

@@ -370,21 +370,21 @@ def warm_forward(torch, model, x, n=3):
 COUNTED = ("allocation.all.allocated", "num_device_alloc", "num_device_free", "num_alloc_retries")
 
 
-def front_hits():
-    """cudapool's front cache hits on device 0 so far (mallocs served
+def front_hits(dev=0):
+    """cudapool's front cache hits on device dev so far (mallocs served
     without entering Go), or None for another allocator."""
     mod = sys.modules.get("cudapool")
     if mod is None:
         return None
     try:
-        return int(mod.front_counters(0)["hits"])
+        return int(mod.front_counters(dev)["hits"])
     except Exception:  # noqa: BLE001  (an older library without the counters)
         return None
 
 
-def device_calls(torch):
-    """The COUNTED counters of device 0 now (0 where an allocator lacks one)."""
-    st = torch.cuda.memory_stats(0)
+def device_calls(torch, dev=0):
+    """The COUNTED counters of device dev now (0 where an allocator lacks one)."""
+    st = torch.cuda.memory_stats(dev)
     return {k: int(st.get(k, 0)) for k in COUNTED}
 
 

@@ -46,6 +46,10 @@ enum { CP_OP_FREE = 0, CP_OP_FREE_STATS = 1, CP_OP_REUSE = 2, CP_OP_CYCLES = 3, 
 /* Log lengths, and how many blocks are held, read by Go without the lock. */
 extern volatile int cp_front_n[CP_FRONT_MAXDEV];
 extern volatile int cp_front_held[CP_FRONT_MAXDEV];
+/* The largest default-pool block held across takes: set by Go when the
+ * library loads (capi/front.go: the small pool's limit, pools.SmallSize);
+ * until then none is held. */
+extern size_t cp_front_hold_max;
 /* Where cp_front_take writes a device's log (and the releases of held blocks). */
 extern cp_pending_free cp_front_out[CP_FRONT_MAXDEV][CP_FRONT_LOG + CP_FRONT_HOLD];
 

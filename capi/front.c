@@ -19,7 +19,8 @@
  * A malloc's take (cp_front_take with keep) leaves the blocks still waiting
  * in front, HELD, up to CP_FRONT_HOLD per device; any other take releases
  * them (allocator/front.go says when Go takes which). In the default pools
- * only small blocks are held (HOLD_MAX): a held block is neither merged
+ * only small blocks are held (cp_front_hold_max, the small pool's limit
+ * that Go sets): a held block is neither merged
  * with its free neighbours nor seen by best fit, and in the large pools
  * that fragments the segments over many steps of varying sizes. Replaying
  * the 75-step recorded training run (demo/train75.txt.gz) on the
@@ -54,9 +55,6 @@
 #define ENTS (1 << 13)  /* tracked blocks, all devices together */
 #define SLOTS (1 << 14) /* hash slots: at most half full */
 #define BUCKETS 64      /* reuse lists per device */
-/* The largest default-pool block held across takes: the small pool's
- * requests (PyTorch's kSmallSize). */
-#define HOLD_MAX ((size_t)1 << 20)
 
 /* Cold mode: when, over the last COLD_WINDOW blocks a device's front took
  * or gave back, more than twice as many were freed for real (never reused)
@@ -144,6 +142,7 @@ static atomic_int lock_word;
  * it (a hint). */
 volatile int cp_front_n[CP_FRONT_MAXDEV];
 volatile int cp_front_held[CP_FRONT_MAXDEV];
+size_t cp_front_hold_max;
 /* Where cp_front_take writes a device's log for Go (guarded by Go's device lock). */
 cp_pending_free cp_front_out[CP_FRONT_MAXDEV][CP_FRONT_LOG + CP_FRONT_HOLD];
 /* Whether the front may serve: written by Go (cp_front_set_on), read
@@ -449,7 +448,7 @@ size_t cp_front_take(int dev, int keep) {
 				/* Its last free, and no reuse followed: the block stays
 				 * in front, held (Go counts the free and keeps the block
 				 * allocated), or Go frees it for real and it leaves. */
-				if (keep && held < CP_FRONT_HOLD && (x->tag != 1 || x->size <= HOLD_MAX)) {
+				if (keep && held < CP_FRONT_HOLD && (x->tag != 1 || x->size <= cp_front_hold_max)) {
 					f.op = CP_OP_HOLD;
 					x->state = HELD;
 					held++;

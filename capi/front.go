@@ -18,7 +18,16 @@ import (
 	"unsafe"
 
 	"github.com/cudapool/cudapool/allocator"
+	"github.com/cudapool/cudapool/pools"
 )
+
+// The front holds default-pool blocks across takes only up to the small
+// pool's limit: larger held blocks, neither merged nor seen by best fit,
+// fragment the large pools (front.c; docs/hot-path.md section 20).
+func init() { C.cp_front_hold_max = C.size_t(pools.SmallSize) }
+
+// frontHoldMax is what the front was told (for the tests).
+func frontHoldMax() uint64 { return uint64(C.cp_front_hold_max) }
 
 type cFront struct{}
 

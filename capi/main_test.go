@@ -111,3 +111,11 @@ func TestGuardDisablesAfterPanic(t *testing.T) {
 		t.Error("ready() still returns an allocator after a panic")
 	}
 }
+
+// The front holds default-pool blocks across takes up to the small pool's
+// limit, told by Go when the library loads (0 would hold none).
+func TestFrontHoldMaxIsTheSmallPoolLimit(t *testing.T) {
+	if got := frontHoldMax(); got != pools.SmallSize {
+		t.Fatalf("front hold limit %d, want pools.SmallSize %d", got, uint64(pools.SmallSize))
+	}
+}

@@ -1,15 +1,14 @@
 """Per FSDP2 launch (bench/fsdp2_bench.py result lines in the files named):
 the GPU step and rank 0's host time to issue it (ms, medians over the timed
 steps), and per step the allocations, the driver's allocations and frees,
-syncs, retries and cudapool's front hits.
+retries and cudapool's front hits.
 
     python3 gpu/fsdp_counters.py RESULT.json...
 """
 import json
 import sys
 
-KEYS = ("allocation", "num_device_alloc", "num_device_free", "num_sync_all_streams", "num_alloc_retries",
-        "front_hits")
+KEYS = ("allocation", "num_device_alloc", "num_device_free", "num_alloc_retries", "front_hits")
 
 
 def rows(paths):

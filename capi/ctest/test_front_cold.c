@@ -12,7 +12,7 @@
  *   - allocate-to-pool phases beginning end a cold stretch;
  *   - a malloc's take (keep) holds blocks, up to CP_FRONT_HOLD, which the
  *     front serves later; a take without keep releases them; in the
- *     default pools small blocks only (HOLD_MAX);
+ *     default pools blocks up to cp_front_hold_max only;
  *   - the counters of cudapool_get_front_counters.
  */
 #include <stdio.h>
@@ -83,7 +83,12 @@ static long cold_stretch(int dev, long limit) {
 	return skipped;
 }
 
+/* The small pool's limit, which Go tells the front when the library loads
+ * (capi/front.go); the test stands in for Go. */
+enum { HOLD_MAX = 1 << 20 };
+
 int main(void) {
+	cp_front_hold_max = HOLD_MAX;
 	cp_front_set_on(1);
 
 	/* A first window: tracked until COLD_WINDOW blocks were freed for real. */
@@ -178,8 +183,8 @@ int main(void) {
 	while (cp_front_malloc(8192, 3, 5) != NULL)
 		served++;
 	CHECK(served == CP_FRONT_HOLD && cp_front_held[3] == 0, "the held blocks are served (%d)", served);
-	/* In the default pools only small blocks are held (HOLD_MAX); a private
-	 * pool's are held at any size. After a take of the reuses above. */
+	/* In the default pools only blocks up to cp_front_hold_max are held; a
+	 * private pool's are held at any size. After a take of the reuses above. */
 	cp_front_take(3, 1);
 	uintptr_t big = next_ptr += 4096, pbig = next_ptr += 4096;
 	cp_front_track(big, HOLD_MAX + 512, 5, 3, 1);
