@@ -8,7 +8,7 @@
 # (bench/turns.py), then each launch's host time to issue a step and its
 # allocator counters per step. Needs NPROC GPUs (default 2:
 # nvidia-h200-x2; NPROC=1 runs FSDP2 on one GPU, a proxy for the
-# allocator's share of the step); about 35 s a pair (carry lib/):
+# allocator's share of the step); 35-65 s a pair (carry lib/):
 #   ROUNDS=3 SAME=1 bash gpu/diag_fsdp_turns.sh
 set -u
 cd "$(dirname "$0")/.." || exit 1
