@@ -34,7 +34,7 @@ RACE_PKGS := ./allocator/... ./cuda/sim/... ./events/... ./graphs/... ./pools/..
 
 section = @printf '\n==== %s ====\n' '$(1)'
 
-.PHONY: all lib test check-go test-go test-race test-c test-cxx check-lib test-python demo soak pgo clean
+.PHONY: all lib lib-tick test check-go test-go test-race test-c test-cxx check-lib test-python demo soak pgo clean
 
 all: lib
 
@@ -46,6 +46,16 @@ lib:
 	@# no git checkout travels along (bench/run_bench.sh reads it).
 	@{ git rev-parse --short HEAD 2>/dev/null || echo unknown; } >$(LIBDIR)/BUILD_COMMIT
 	@git diff --quiet HEAD -- . 2>/dev/null || echo dirty >>$(LIBDIR)/BUILD_COMMIT
+
+# lib-tick: the same library built with a runtime whose cgo callbacks count
+# as schedule ticks (capi/runtime_tick.sh; docs/hot-path.md 22), for A/B runs
+# on the GPU machine (gpu/diag_runtime_tick.sh).
+lib-tick:
+	bash capi/runtime_tick.sh $(BUILD)/runtime_tick
+	$(GO) build $(LIB_GOFLAGS) -overlay=$(BUILD)/runtime_tick/overlay.json -o $(BUILD)/lib_tick/libcudapool.so ./capi
+	@rm -f $(BUILD)/lib_tick/libcudapool.h
+	@{ git rev-parse --short HEAD 2>/dev/null || echo unknown; echo runtime-tick; } >$(BUILD)/lib_tick/BUILD_COMMIT
+	@git diff --quiet HEAD -- . 2>/dev/null || echo dirty >>$(BUILD)/lib_tick/BUILD_COMMIT
 
 test: check-go test-go test-race test-c test-cxx check-lib test-python test-install test-charts
 	@printf '\n==== make test: all passed ====\n'

@@ -2,7 +2,9 @@
 
     python3 -m torch.distributed.run --standalone --nproc_per_node=2 bench/fsdp2_bench.py CONFIG [--steps N]
 
-CONFIG: native, expandable, cudapool or cudapool_exp (as bench/torch_bench.py).
+CONFIG: native, expandable, cudapool, cudapool_exp or cudapool_b (as
+bench/torch_bench.py: cudapool from the library $CUDAPOOL_LIBRARY_B names,
+another build, for comparing two builds).
 Rank 0 prints one result line {"kind": "torch", "config": CONFIG, "section":
 "fsdp", "fsdp_ms_per_step": ..., ...} (bench/report.py reads it).
 
@@ -40,7 +42,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import torch_bench  # noqa: E402  (Turns, the turns tag, the allocator counters; it imports no torch itself)
 REPO = os.path.dirname(HERE)
-CONFIGS = ("native", "expandable", "cudapool", "cudapool_exp")
+CONFIGS = ("native", "expandable", "cudapool", "cudapool_exp", "cudapool_b")
 VOCAB = 16384  # the model's default vocabulary
 
 
@@ -130,6 +132,10 @@ def main():
         sys.path.insert(0, os.path.join(REPO, "python"))
         import cudapool
 
+        if args.config == "cudapool_b":
+            if not os.environ.get("CUDAPOOL_LIBRARY_B"):
+                raise RuntimeError("cudapool_b loads the library $CUDAPOOL_LIBRARY_B names, and it is not set")
+            os.environ["CUDAPOOL_LIBRARY"] = os.environ["CUDAPOOL_LIBRARY_B"]
         cudapool.install()
         if args.config == "cudapool_exp":
             cudapool.configure("expandable_segments:True")

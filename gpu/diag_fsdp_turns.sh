@@ -6,7 +6,9 @@
 # of cudapool against itself: the method's noise. Prints every pair's
 # median per-step ratio and, per kind, the median (min-max) over pairs
 # (bench/turns.py), then each launch's host time to issue a step and its
-# allocator counters per step. Needs NPROC GPUs (default 2:
+# allocator counters per step. PAIRS="BASE/TEST ..." replaces both kinds
+# (e.g. "cudapool/cudapool_b": two builds, CUDAPOOL_LIBRARY_B naming the
+# second; ROUNDS pairs of each). Needs NPROC GPUs (default 2:
 # nvidia-h200-x2; NPROC=1 runs FSDP2 on one GPU, a proxy for the
 # allocator's share of the step); 35-65 s a pair (carry lib/):
 #   ROUNDS=3 SAME=1 bash gpu/diag_fsdp_turns.sh
@@ -43,6 +45,10 @@ pair() {
 for r in $(seq 1 "$ROUNDS"); do
     first=base
     [ $((r % 2)) = 0 ] && first=test
+    if [ -n "${PAIRS:-}" ]; then
+        for p in $PAIRS; do pair "fsdp-$p" "$r" "${p%/*}" "${p#*/}" $first; done
+        continue
+    fi
     pair fsdp-native/cudapool "$r" native cudapool $first
     [ "$r" -le "$SAME" ] && pair fsdp-cudapool/cudapool "$r" cudapool cudapool $first
 done
