@@ -1,5 +1,19 @@
+/*
+ * gpu/runtime_threads.c - the process's threads one by one while this thread
+ * allocates through Go at a Python-like pace (docs/hot-path.md 22): a
+ * class-path pair (cudapool_malloc_ctx of 2-8 MiB, which the front does not
+ * hold, and the previous block's deferred free) every GAP_NS of busy work
+ * for SECS seconds. Per thread that did anything: its name, wake-ups
+ * (voluntary switches), preemptions (involuntary ones) and CPU per second;
+ * then the totals of the threads other than the caller and the caller's mean
+ * call (wall). On the simulator (CUDAPOOL_BACKEND=sim) every other thread is
+ * the Go runtime's; on the real driver CUDA's threads show too, by name.
+ *
+ *   runtime_threads [SECS [GAP_NS]]
+ */
 #define _GNU_SOURCE
 #include <dirent.h>
+#include <dlfcn.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -7,43 +21,130 @@
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
+
 #include "cudapool.h"
-/* gpu/runtime_threads.c - per thread of the process, wake-ups (voluntary
- * switches), preemptions and CPU per second while this thread allocates
- * through Go (class-path pairs of 2-8 MiB, not held by the front) every GAP
- * ns of busy work for SECS seconds; then the threads' totals and the mean
- * call. Under CUDAPOOL_BACKEND=sim every other thread is the Go runtime's
- * (docs/hot-path.md 22).
- *   runtime_threads [SECS [GAP_NS]]
- */
-static int64_t now_ns(void){struct timespec t;clock_gettime(CLOCK_MONOTONIC,&t);return t.tv_sec*1000000000LL+t.tv_nsec;}
-#define MAXT 256
-static int tids[MAXT]; static long vol[MAXT], inv[MAXT]; static double cpu[MAXT]; static int nt;
-static void snap(int *tid, long *v, long *iv, double *c, int *n){
-  DIR *d=opendir("/proc/self/task"); struct dirent *e; *n=0; long tick=sysconf(_SC_CLK_TCK);
-  while((e=readdir(d))){ if(e->d_name[0]=='.')continue; char p[300],l[512]; long a=0,b=0; unsigned long ut=0,st=0;
-    snprintf(p,sizeof p,"/proc/self/task/%s/status",e->d_name); FILE*f=fopen(p,"r"); if(!f)continue;
-    while(fgets(l,sizeof l,f)){sscanf(l,"voluntary_ctxt_switches: %ld",&a);sscanf(l,"nonvoluntary_ctxt_switches: %ld",&b);} fclose(f);
-    snprintf(p,sizeof p,"/proc/self/task/%s/stat",e->d_name); f=fopen(p,"r"); if(f){ if(fgets(l,sizeof l,f)){char*q=strrchr(l,')'); sscanf(q+2,"%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %lu %lu",&ut,&st);} fclose(f);}
-    tid[*n]=atoi(e->d_name); v[*n]=a; iv[*n]=b; c[*n]=(double)(ut+st)/tick; (*n)++; }
-  closedir(d);
+
+#define MAXT 512
+
+struct thread {
+	int tid;
+	char name[32];
+	long vol, invol;
+	double cpu_s;
+};
+
+static int64_t now_ns(void) {
+	struct timespec t;
+	clock_gettime(CLOCK_MONOTONIC, &t);
+	return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
 }
-int main(int argc,char**argv){
-  double secs = argc>1?atof(argv[1]):2; long gap = argc>2?atol(argv[2]):50000;
-  void *w = cudapool_malloc_ctx(1<<20,0,NULL,0); cudapool_free_deferred(w,0,-1,0);
-  int me=(int)syscall(SYS_gettid);
-  int t2[MAXT],n2; long v2[MAXT],i2[MAXT]; double c2[MAXT];
-  snap(tids,vol,inv,cpu,&nt);
-  int64_t t0=now_ns(), end=t0+(int64_t)(secs*1e9); void*prev=NULL; long calls=0; int64_t callns=0;
-  for(unsigned i=0; now_ns()<end; i++){ int64_t a=now_ns(); if(prev)cudapool_free_deferred(prev,0,-1,0); prev=cudapool_malloc_ctx((size_t)(2u+i%7)<<20,0,NULL,0); callns+=now_ns()-a; calls++;
-    int64_t e2=now_ns()+gap; while(now_ns()<e2); }
-  double el=(now_ns()-t0)/1e9;
-  snap(t2,v2,i2,c2,&n2);
-  long tw=0; double tc=0;
-  for(int j=0;j<n2;j++){ long v0=0,i0=0; double c0=0; for(int k=0;k<nt;k++) if(tids[k]==t2[j]){v0=vol[k];i0=inv[k];c0=cpu[k];}
-    long dv=v2[j]-v0, di=i2[j]-i0; double dc=c2[j]-c0;
-    if(t2[j]!=me){tw+=dv;tc+=dc;}
-    if(dv||di) printf("  tid %d%s: %.0f wake/s, %.0f preempt/s, %.1f%% cpu\n",t2[j],t2[j]==me?" (caller)":"",dv/el,di/el,dc/el*100);}
-  printf("total runtime: %.0f wake-ups/s, %.1f%% cpu; mean call %.0f ns\n",tw/el,tc/el*100,(double)callns/calls);
-  return 0;
+
+/* The real driver needs a current context on this thread (as hot_path.c). */
+static int setup_cuda(void) {
+	const char *backend = getenv("CUDAPOOL_BACKEND");
+	if (backend != NULL && strcmp(backend, "sim") == 0)
+		return 0;
+	void *h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
+	if (h == NULL) {
+		fprintf(stderr, "runtime_threads: no libcuda.so.1; set CUDAPOOL_BACKEND=sim\n");
+		return -1;
+	}
+	int (*init)(unsigned) = (int (*)(unsigned))dlsym(h, "cuInit");
+	int (*device_get)(int *, int) = (int (*)(int *, int))dlsym(h, "cuDeviceGet");
+	int (*retain)(void **, int) = (int (*)(void **, int))dlsym(h, "cuDevicePrimaryCtxRetain");
+	int (*set_current)(void *) = (int (*)(void *))dlsym(h, "cuCtxSetCurrent");
+	void *ctx;
+	int dev;
+	if (!init || !device_get || !retain || !set_current || init(0) || device_get(&dev, 0) || retain(&ctx, dev) ||
+	    set_current(ctx)) {
+		fprintf(stderr, "runtime_threads: CUDA driver setup failed\n");
+		return -1;
+	}
+	return 0;
+}
+
+static int snapshot(struct thread *t) {
+	DIR *d = opendir("/proc/self/task");
+	long tick = sysconf(_SC_CLK_TCK);
+	struct dirent *e;
+	int n = 0;
+	while (d != NULL && n < MAXT && (e = readdir(d)) != NULL) {
+		if (e->d_name[0] == '.')
+			continue;
+		char path[300], line[512];
+		struct thread *x = &t[n];
+		memset(x, 0, sizeof *x);
+		x->tid = atoi(e->d_name);
+		snprintf(path, sizeof path, "/proc/self/task/%s/status", e->d_name);
+		FILE *f = fopen(path, "r");
+		if (f == NULL)
+			continue;
+		while (fgets(line, sizeof line, f) != NULL) {
+			sscanf(line, "Name: %31s", x->name);
+			sscanf(line, "voluntary_ctxt_switches: %ld", &x->vol);
+			sscanf(line, "nonvoluntary_ctxt_switches: %ld", &x->invol);
+		}
+		fclose(f);
+		snprintf(path, sizeof path, "/proc/self/task/%s/stat", e->d_name);
+		if ((f = fopen(path, "r")) != NULL) {
+			unsigned long ut = 0, st = 0;
+			char *p = fgets(line, sizeof line, f) != NULL ? strrchr(line, ')') : NULL;
+			/* after the name: utime and stime are the 12th and 13th fields */
+			if (p != NULL && sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %lu %lu", &ut, &st) == 2)
+				x->cpu_s = (double)(ut + st) / (double)tick;
+			fclose(f);
+		}
+		n++;
+	}
+	if (d != NULL)
+		closedir(d);
+	return n;
+}
+
+int main(int argc, char **argv) {
+	double secs = argc > 1 ? atof(argv[1]) : 2;
+	int64_t gap = argc > 2 ? atoll(argv[2]) : 50000;
+	if (setup_cuda() != 0)
+		return 2;
+	void *warm = cudapool_malloc_ctx(1 << 20, 0, NULL, 0);
+	cudapool_free_deferred(warm, 0, -1, 0);
+	int self = (int)syscall(SYS_gettid);
+	static struct thread before[MAXT], after[MAXT];
+	int nb = snapshot(before);
+	int64_t t0 = now_ns(), end = t0 + (int64_t)(secs * 1e9), in_calls = 0, calls = 0;
+	void *prev = NULL;
+	for (unsigned i = 0; now_ns() < end; i++) {
+		int64_t c0 = now_ns();
+		if (prev != NULL)
+			cudapool_free_deferred(prev, 0, -1, 0);
+		prev = cudapool_malloc_ctx((size_t)(2u + i % 7) << 20, 0, NULL, 0);
+		in_calls += now_ns() - c0, calls++;
+		int64_t until = now_ns() + gap;
+		while (now_ns() < until)
+			;
+	}
+	double el = (double)(now_ns() - t0) / 1e9;
+	if (prev != NULL)
+		cudapool_free_deferred(prev, 0, -1, 0);
+	int na = snapshot(after);
+	long wakes = 0;
+	double cpu = 0;
+	for (int j = 0; j < na; j++) {
+		struct thread z = {0};
+		for (int k = 0; k < nb; k++)
+			if (before[k].tid == after[j].tid)
+				z = before[k];
+		long dv = after[j].vol - z.vol, di = after[j].invol - z.invol;
+		double dc = after[j].cpu_s - z.cpu_s;
+		if (after[j].tid != self)
+			wakes += dv, cpu += dc;
+		if (dv != 0 || di != 0)
+			printf("  tid %d %-16s%s: %6.0f wake-ups/s, %5.0f preempted/s, %5.1f%% CPU\n", after[j].tid,
+			       after[j].name, after[j].tid == self ? " (caller)" : "", (double)dv / el, (double)di / el,
+			       dc / el * 100);
+	}
+	printf("others: %.0f wake-ups/s, %.1f%% of a CPU; the caller's call %.0f ns (mean of %lld)%s\n",
+	       (double)wakes / el, cpu / el * 100, (double)in_calls / (double)calls, (long long)calls,
+	       cudapool_last_error() != NULL ? "; error" : "");
+	return cudapool_last_error() != NULL;
 }
