@@ -4,7 +4,7 @@
 # simulator so that every other thread is Go's; BACKEND=real: the driver,
 # CUDA's threads named): lib/ against
 # build/lib_tick (make lib-tick), the keeper on and off, GOMAXPROCS as the
-# host gives it and 2 (GMS="" for the first only; docs/hot-path.md 22).
+# host gives it and 2 (GMS=default for the first only; docs/hot-path.md 22).
 # Carry lib and build/lib_tick:   BACKEND=real SECS=2 bash gpu/diag_runtime_threads.sh
 set -u
 cd "$(dirname "$0")/.." || exit 1
@@ -15,7 +15,8 @@ unset PYTORCH_CUDA_ALLOC_CONF PYTORCH_ALLOC_CONF CUDAPOOL_CONF GODEBUG CUDAPOOL_
 be=CUDAPOOL_BACKEND=sim
 [ "${BACKEND:-sim}" = real ] && be=CUDAPOOL_BACKEND_IS=real
 echo "host: $(nproc) CPUs; A: lib $(tr '\n' ' ' <lib/BUILD_COMMIT); B: build/lib_tick"
-for gm in ${GMS-"" 2}; do
+for gm in ${GMS:-default 2}; do
+    [ "$gm" = default ] && gm=""
     for keeper in True False; do
         for lib in lib build/lib_tick; do
             echo "== $lib keeper=$keeper GOMAXPROCS=${gm:-default}"
