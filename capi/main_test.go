@@ -119,3 +119,30 @@ func TestFrontHoldMaxIsTheSmallPoolLimit(t *testing.T) {
 		t.Fatalf("front hold limit %d, want pools.SmallSize %d", got, uint64(pools.SmallSize))
 	}
 }
+
+// raiseProcs lifts GOMAXPROCS to minProcs, leaves a larger one alone, and
+// never overrides a GOMAXPROCS the process was started with.
+func TestRaiseProcs(t *testing.T) {
+	cases := []struct {
+		name      string
+		env       []string
+		have      int
+		want, set int // set: the value passed to gomaxprocs, 0 if not called to change it
+	}{
+		{"one CPU", nil, 1, minProcs, minProcs},
+		{"enough", nil, minProcs + 4, minProcs + 4, 0},
+		{"set by the user", []string{"GOMAXPROCS", "1"}, 1, 1, 0},
+	}
+	for _, c := range cases {
+		set := 0
+		got := raiseProcs(env(c.env...), func(n int) int {
+			if n > 0 {
+				set = n
+			}
+			return c.have
+		})
+		if got != c.want || set != c.set {
+			t.Errorf("%s: raiseProcs = %d (set %d), want %d (set %d)", c.name, got, set, c.want, c.set)
+		}
+	}
+}

@@ -21,11 +21,11 @@ gcc -std=c11 -O2 -Wall -I include bench/hot_path.c -o build/bench/hot_path -L li
 unset PYTORCH_CUDA_ALLOC_CONF PYTORCH_ALLOC_CONF CUDAPOOL_CONF CUDAPOOL_BACKEND GODEBUG
 T0=$(date +%s)
 hp() { # hp LABEL [taskset args...]: one hot_path run (the RUNPATH is lib/; LD_LIBRARY_PATH wins over it)
-    local label=$1 lib=lib
+    local label=$1 lib=$PWD/lib
     shift
-    case $label in B*) lib=$B_DIR ;; esac
+    case $label in B*) lib=$(cd "$B_DIR" && pwd) ;; esac
     echo "== $label"
-    LD_LIBRARY_PATH=$PWD/$lib "$@" ./build/bench/hot_path "${ROUNDS:-3}" | grep -E "Go after|class path|C API|wake-ups|caller's call"
+    LD_LIBRARY_PATH=$lib "$@" ./build/bench/hot_path "${ROUNDS:-3}" | grep -E "Go after|class path|C API|wake-ups|caller's call"
 }
 for r in 1 2; do
     hp "A unpinned"
