@@ -18,11 +18,11 @@ LIBDIR  := lib
 LIB     := $(LIBDIR)/libcudapool.so
 BUILD   := build
 
-# Only the cudapool_* functions are exported (see capi/exports.map); the path
-# must be absolute because the Go linker runs the external linker elsewhere.
+# The library is built by capi/build_lib.sh (here and in python/setup.py):
+# only the cudapool_* functions are exported (capi/exports.map), and the Go
+# runtime counts a call from C as a schedule tick (docs/hot-path.md 22).
 # go build reads capi/default.pgo by itself (-pgo=auto: the main package's
-# default.pgo), here and wherever ./capi is built (install-lib, python/setup.py).
-LIB_GOFLAGS := -buildmode=c-shared -ldflags='-extldflags=-Wl,--version-script=$(CURDIR)/capi/exports.map'
+# default.pgo).
 
 TEST_CFLAGS   := -O1 -g -Wall -Wextra -Werror -I include
 TEST_LDFLAGS  := -L $(LIBDIR) -lcudapool -Wl,-rpath,$(CURDIR)/$(LIBDIR) -pthread
@@ -34,28 +34,31 @@ RACE_PKGS := ./allocator/... ./cuda/sim/... ./events/... ./graphs/... ./pools/..
 
 section = @printf '\n==== %s ====\n' '$(1)'
 
-.PHONY: all lib lib-tick test check-go test-go test-race test-c test-cxx check-lib test-python demo soak pgo clean
+.PHONY: all lib lib-stock test check-go test-go test-race test-c test-cxx check-lib test-python demo soak pgo clean
 
 all: lib
 
 lib:
-	$(GO) build $(LIB_GOFLAGS) -o $(LIB) ./capi
-	@rm -f $(LIBDIR)/libcudapool.h  # cgo's header names the internal functions
+	@mkdir -p $(LIBDIR)
+	@# capi/build_lib.sh: the one recipe (python/setup.py uses it too); its
+	@# last line says which Go runtime the library has, kept in BUILD_COMMIT.
+	GO='$(GO)' bash capi/build_lib.sh $(LIB) >$(LIBDIR)/.runtime || { cat $(LIBDIR)/.runtime; exit 1; }
+	@cat $(LIBDIR)/.runtime
 	cp include/cudapool.h $(LIBDIR)/cudapool.h
 	@# The commit the library was built from, for benchmark reports made where
 	@# no git checkout travels along (bench/run_bench.sh reads it).
 	@{ git rev-parse --short HEAD 2>/dev/null || echo unknown; } >$(LIBDIR)/BUILD_COMMIT
 	@git diff --quiet HEAD -- . 2>/dev/null || echo dirty >>$(LIBDIR)/BUILD_COMMIT
+	@tail -n 1 $(LIBDIR)/.runtime >>$(LIBDIR)/BUILD_COMMIT && rm -f $(LIBDIR)/.runtime
 
-# lib-tick: the same library built with a runtime whose cgo callbacks count
-# as schedule ticks (capi/runtime_tick.sh; docs/hot-path.md 22), for A/B runs
-# on the GPU machine (gpu/diag_runtime_tick.sh).
-lib-tick:
-	bash capi/runtime_tick.sh $(BUILD)/runtime_tick
-	$(GO) build $(LIB_GOFLAGS) -overlay=$(BUILD)/runtime_tick/overlay.json -o $(BUILD)/lib_tick/libcudapool.so ./capi
-	@rm -f $(BUILD)/lib_tick/libcudapool.h
-	@{ git rev-parse --short HEAD 2>/dev/null || echo unknown; echo runtime-tick; } >$(BUILD)/lib_tick/BUILD_COMMIT
-	@git diff --quiet HEAD -- . 2>/dev/null || echo dirty >>$(BUILD)/lib_tick/BUILD_COMMIT
+# lib-stock: the same library with the stock Go runtime (no callback tick,
+# capi/build_lib.sh), for A/B runs on the GPU machine
+# (gpu/diag_runtime_tick.sh: CUDAPOOL_LIBRARY_B=build/lib_stock/libcudapool.so).
+lib-stock:
+	GO='$(GO)' CUDAPOOL_RUNTIME_TICK=0 bash capi/build_lib.sh $(BUILD)/lib_stock/libcudapool.so
+	@{ git rev-parse --short HEAD 2>/dev/null || echo unknown; } >$(BUILD)/lib_stock/BUILD_COMMIT
+	@git diff --quiet HEAD -- . 2>/dev/null || echo dirty >>$(BUILD)/lib_stock/BUILD_COMMIT
+	@echo "runtime: stock" >>$(BUILD)/lib_stock/BUILD_COMMIT
 
 test: check-go test-go test-race test-c test-cxx check-lib test-python test-install test-charts
 	@printf '\n==== make test: all passed ====\n'
@@ -145,9 +148,18 @@ $(BUILD)/hot_path: bench/hot_path.c include/cudapool.h lib
 	@mkdir -p $(BUILD)
 	$(CC) -std=c11 -O2 -Wall -Wextra -Werror -I include -o $@ $< $(TEST_LDFLAGS) -ldl
 
-check-lib: lib $(BUILD)/hot_path
+# capi/ctest/runtime_tick.c: calls from C, then the Go runtime's schedtrace
+# (check-lib: the library has the callback tick, the stock build has not).
+$(BUILD)/runtime_tick: capi/ctest/runtime_tick.c include/cudapool.h lib
+	@mkdir -p $(BUILD)
+	$(CC) -std=c11 -O2 -Wall -Wextra -Werror -I include -o $@ $< $(TEST_LDFLAGS)
+
+check-lib: lib lib-stock $(BUILD)/hot_path $(BUILD)/runtime_tick
 	$(call section,hot-path breakdown runs (simulator; one round))
 	$(SIM_ENV) ./$(BUILD)/hot_path 1
+	$(call section,the Go runtime counts calls from C as schedule ticks (capi/build_lib.sh))
+	capi/ctest/runtime_tick.sh ./$(BUILD)/runtime_tick $(LIBDIR)
+	capi/ctest/runtime_tick.sh ./$(BUILD)/runtime_tick $(BUILD)/lib_stock
 	$(call section,library symbols and loading)
 	@if nm -D --undefined-only $(LIB) | grep -Ei ' (cu|nvml)[A-Za-z_]' ; then \
 		echo "FAIL: $(LIB) leaves CUDA/NVML symbols undefined"; exit 1; fi
@@ -239,10 +251,7 @@ PIP_WHEEL_FLAGS ?=
 
 install-lib:
 	@mkdir -p $(INSTALL_BUILD)
-	$(GO) build -buildmode=c-shared \
-		-ldflags='-extldflags=-Wl,--version-script=$(CURDIR)/capi/exports.map,-soname,$(SONAME)' \
-		-o $(INSTALL_BUILD)/$(REALNAME) ./capi
-	@rm -f $(INSTALL_BUILD)/libcudapool.h
+	GO='$(GO)' CUDAPOOL_SONAME=$(SONAME) bash capi/build_lib.sh $(INSTALL_BUILD)/$(REALNAME)
 
 install: install-lib
 	install -d $(DESTDIR)$(INSTALL_LIBDIR) $(DESTDIR)$(INSTALL_INCDIR) $(DESTDIR)$(INSTALL_PCDIR)

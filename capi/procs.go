@@ -13,7 +13,7 @@ import (
 // Why it matters (docs/hot-path.md 22): a C thread keeps the P its call took
 // (the runtime parks it "in a system call" when the call returns). The
 // library is built with a runtime in which a call from C counts as a
-// schedule tick of that P (capi/runtime_tick.sh), so sysmon leaves it with
+// schedule tick of that P (capi/build_lib.sh), so sysmon leaves it with
 // the caller instead of taking it back at every round, but only while some
 // P is idle: with none idle, a thread may be waiting for a P, and sysmon's
 // retakes are what give it one. GOMAXPROCS defaults to the CPUs the process

@@ -2,10 +2,10 @@
 # gpu/diag_runtime_threads.sh - the Go runtime's threads, one by one, under a
 # C caller allocating through Go every 50 us (gpu/runtime_threads.c, on the
 # simulator so that every other thread is Go's; BACKEND=real: the driver,
-# CUDA's threads named): lib/ against
-# build/lib_tick (make lib-tick), the keeper on and off, GOMAXPROCS as the
+# CUDA's threads named): lib/ (the runtime's callback tick) against
+# build/lib_stock (make lib-stock: the stock runtime), the keeper on and off, GOMAXPROCS as the
 # host gives it and 2 (GMS=default for the first only; docs/hot-path.md 22).
-# Carry lib and build/lib_tick:   BACKEND=real SECS=2 bash gpu/diag_runtime_threads.sh
+# Carry lib and build/lib_stock:   BACKEND=real SECS=2 bash gpu/diag_runtime_threads.sh
 set -u
 cd "$(dirname "$0")/.." || exit 1
 mkdir -p build/bench
@@ -14,11 +14,11 @@ gcc -O2 -Wall -I include gpu/runtime_threads.c -o build/bench/runtime_threads -L
 unset PYTORCH_CUDA_ALLOC_CONF PYTORCH_ALLOC_CONF CUDAPOOL_CONF GODEBUG CUDAPOOL_BACKEND
 be=CUDAPOOL_BACKEND=sim
 [ "${BACKEND:-sim}" = real ] && be=CUDAPOOL_BACKEND_IS=real
-echo "host: $(nproc) CPUs; A: lib $(tr '\n' ' ' <lib/BUILD_COMMIT); B: build/lib_tick"
+echo "host: $(nproc) CPUs; A: lib $(tr '\n' ' ' <lib/BUILD_COMMIT); B: build/lib_stock"
 for gm in ${GMS:-default 2}; do
     [ "$gm" = default ] && gm=""
     for keeper in True False; do
-        for lib in lib build/lib_tick; do
+        for lib in lib build/lib_stock; do
             echo "== $lib keeper=$keeper GOMAXPROCS=${gm:-default}"
             env ${gm:+GOMAXPROCS=$gm} LD_LIBRARY_PATH=$PWD/$lib $be \
                 CUDAPOOL_CONF=warm_runtime:$keeper ./build/bench/runtime_threads "${SECS:-2}" 50000

@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
-# gpu/diag_runtime_tick.sh - what the Go runtime's retakes of a C caller's P
-# cost (docs/hot-path.md 22): the library as built (lib/) against the same
-# sources built with a runtime that counts a callback's entry as a schedule
-# tick ($CUDAPOOL_LIBRARY_B, default build/lib_tick/libcudapool.so, made by
-# `make lib-tick`). 1. bench/hot_path.c, ROUNDS rounds per library, A B A B,
-# unpinned and with the whole process on one CPU; 2. RINGS training rings of
-# native, cudapool and cudapool_b (gpu/diag_train_ring.sh: main threads
-# taking turns on one CPU). Carry lib and build/lib_tick:
+# gpu/diag_runtime_tick.sh - what the Go runtime's takes of a C caller's P
+# cost (docs/hot-path.md 22): A, the library as built (lib/: a call from C
+# counts as a schedule tick, capi/build_lib.sh), against B, the same
+# sources with the stock runtime ($CUDAPOOL_LIBRARY_B, default
+# build/lib_stock/libcudapool.so, `make lib-stock`), or any other build.
+# 1. bench/hot_path.c, ROUNDS rounds per library, A B A B, unpinned, then
+# the whole process on one CPU; 2. RINGS training rings of native, cudapool
+# and cudapool_b (gpu/diag_train_ring.sh: main threads taking turns on one
+# CPU). Carry lib and build/lib_stock:
 #   ROUNDS=3 RINGS=5 bash gpu/diag_runtime_tick.sh
 set -u
 cd "$(dirname "$0")/.." || exit 1
-export CUDAPOOL_LIBRARY_B=${CUDAPOOL_LIBRARY_B:-$PWD/build/lib_tick/libcudapool.so}
+export CUDAPOOL_LIBRARY_B=${CUDAPOOL_LIBRARY_B:-$PWD/build/lib_stock/libcudapool.so}
 B_DIR=$(dirname "$CUDAPOOL_LIBRARY_B")
 [ -f lib/libcudapool.so ] && [ -f "$CUDAPOOL_LIBRARY_B" ] || { echo "carry lib and $B_DIR"; exit 1; }
 echo "A: lib $(tr '\n' ' ' <lib/BUILD_COMMIT); B: $B_DIR $(tr '\n' ' ' <"$B_DIR/BUILD_COMMIT" 2>/dev/null)"

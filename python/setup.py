@@ -3,8 +3,10 @@ package (cudapool/_lib/libcudapool.so). Metadata lives in pyproject.toml.
 
 Where the library comes from, first that works:
   1. $CUDAPOOL_LIBRARY (a built libcudapool.so), copied;
-  2. `go build -buildmode=c-shared -o ... ./capi` in the repository that holds
-     this directory, when Go is on PATH;
+  2. built in the repository that holds this directory, when Go is on PATH:
+     capi/build_lib.sh (the Makefile's recipe: cudapool_* exports only, the Go
+     runtime's callback tick), or a plain `go build -buildmode=c-shared` of
+     ./capi where bash is missing;
   3. the repository's lib/libcudapool.so (built with `make`), copied;
   4. a libcudapool.so already in cudapool/_lib/ of this source tree.
 Otherwise the build fails and says what it tried; CUDAPOOL_ALLOW_NO_LIBRARY=1
@@ -48,12 +50,17 @@ def provide_library(dest):
 
     if os.path.isfile(os.path.join(REPO, "go.mod")) and os.path.isdir(os.path.join(REPO, "capi")):
         go = shutil.which("go")
-        if go:
+        script = os.path.join(REPO, "capi", "build_lib.sh")
+        bash = shutil.which("bash")
+        if go and bash and os.path.isfile(script):
+            cmd = [bash, script, dest]
+        elif go:
             cmd = [go, "build", "-buildmode=c-shared"]
             exports = os.path.join(REPO, "capi", "exports.map")
             if os.path.isfile(exports):  # export only cudapool_*, as the Makefile does
                 cmd.append(f"-ldflags=-extldflags=-Wl,--version-script={exports}")
             cmd += ["-o", dest, "./capi"]
+        if go:
             if os.path.exists(dest):
                 os.remove(dest)
             proc = subprocess.run(cmd, cwd=REPO)
