@@ -11,6 +11,8 @@
 #   native/cudapool            ROUNDS pairs (who goes first alternates)
 #   expandable/cudapool_exp    ROUNDS-1 pairs
 #   cudapool/cudapool          2 pairs: equals, the noise of the method
+#   cudapool_b/cudapool        ROUNDS pairs, with KINDS naming b: another
+#                              build ($CUDAPOOL_LIBRARY_B) against this one
 # Prints every pair's per-metric figure (median of the per-rep ratios) and,
 # per kind, the median (min-max) over pairs and the spread of their logs
 # (bench/turns.py). First, what sparing the C API's free its crossing is
@@ -71,6 +73,7 @@ for r in $(seq 1 "$ROUNDS"); do
     has native && pair native/cudapool "$r" native cudapool $first
     has expandable && [ "$r" -lt "$ROUNDS" ] && pair expandable/cudapool_exp "$r" expandable cudapool_exp $first
     has same && [ "$r" -le 2 ] && pair cudapool/cudapool "$r" cudapool cudapool $first
+    has b && pair cudapool_b/cudapool "$r" cudapool_b cudapool $first
 done
 grep -h "Error" "$D"/*.json.log | head -n 5
 echo
