@@ -26,6 +26,9 @@
  *                         suffix K, M, G or T (powers of 1024) is allowed.
  *   CUDAPOOL_CONF, else PYTORCH_CUDA_ALLOC_CONF: the configuration, in
  *                         PYTORCH_CUDA_ALLOC_CONF syntax (see cudapool_configure).
+ *   GOMAXPROCS            read by the library's Go runtime when it loads; unset,
+ *                         the library runs it with at least 8 Ps, so that each
+ *                         thread calling in keeps one (docs/hot-path.md 22).
  * If initialization fails (no driver, invalid configuration), every call
  * fails with the reason, which is also printed once on stderr.
  */
