@@ -144,7 +144,7 @@ test-cxx: $(BUILD)/test_cudapool_cpp
 
 # bench/hot_path.c (docs/hot-path.md), built and run once by check-lib: the
 # library's hot path works from a C program (it exits non-zero on an error).
-$(BUILD)/hot_path: bench/hot_path.c include/cudapool.h lib
+$(BUILD)/hot_path: bench/hot_path.c bench/cuda_ctx.h include/cudapool.h lib
 	@mkdir -p $(BUILD)
 	$(CC) -std=c11 -O2 -Wall -Wextra -Werror -I include -o $@ $< $(TEST_LDFLAGS) -ldl
 

@@ -27,7 +27,6 @@
  */
 #define _GNU_SOURCE
 #include <dirent.h>
-#include <dlfcn.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -39,32 +38,7 @@
 
 #include "cudapool.h"
 
-typedef int CUresult;
-typedef struct CUctx_st *CUcontext;
-static CUcontext g_ctx;
-static CUresult (*p_ctxSetCurrent)(CUcontext);
-
-static int setup_cuda(void) {
-	const char *backend = getenv("CUDAPOOL_BACKEND");
-	if (backend != NULL && strcmp(backend, "sim") == 0)
-		return 0;
-	void *h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
-	if (h == NULL) {
-		fprintf(stderr, "hot_path: no libcuda.so.1 (%s); set CUDAPOOL_BACKEND=sim to use the simulator\n", dlerror());
-		return -1;
-	}
-	CUresult (*init)(unsigned) = (CUresult(*)(unsigned))dlsym(h, "cuInit");
-	CUresult (*deviceGet)(int *, int) = (CUresult(*)(int *, int))dlsym(h, "cuDeviceGet");
-	CUresult (*retain)(CUcontext *, int) = (CUresult(*)(CUcontext *, int))dlsym(h, "cuDevicePrimaryCtxRetain");
-	p_ctxSetCurrent = (CUresult(*)(CUcontext))dlsym(h, "cuCtxSetCurrent");
-	int dev;
-	if (!init || !deviceGet || !retain || !p_ctxSetCurrent || init(0) || deviceGet(&dev, 0) || retain(&g_ctx, dev) ||
-	    p_ctxSetCurrent(g_ctx)) {
-		fprintf(stderr, "hot_path: CUDA driver setup failed\n");
-		return -1;
-	}
-	return 0;
-}
+#include "cuda_ctx.h"
 
 static int64_t now_ns(clockid_t c) {
 	struct timespec ts;
@@ -163,8 +137,7 @@ struct first_call {
 
 static void *first_call_thread(void *arg) {
 	struct first_call *fc = arg;
-	if (p_ctxSetCurrent)
-		p_ctxSetCurrent(g_ctx);
+	cuda_ctx_enter();
 	int64_t t0 = now_ns(CLOCK_MONOTONIC);
 	int64_t t1 = now_ns(CLOCK_MONOTONIC);
 	op_go_nop();
@@ -315,7 +288,7 @@ int main(int argc, char **argv) {
 	int rounds = argc > 1 ? atoi(argv[1]) : 7;
 	if (rounds < 1)
 		rounds = 1;
-	if (setup_cuda() != 0)
+	if (cuda_ctx_setup("hot_path") != 0)
 		return 2;
 	cudapool_init(-1);
 	if (cudapool_last_error() != NULL) {

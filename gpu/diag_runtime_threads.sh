@@ -9,7 +9,7 @@
 set -u
 cd "$(dirname "$0")/.." || exit 1
 mkdir -p build/bench
-gcc -O2 -Wall -I include gpu/runtime_threads.c -o build/bench/runtime_threads -L lib -lcudapool \
+gcc -O2 -Wall -I include -I bench gpu/runtime_threads.c -o build/bench/runtime_threads -L lib -lcudapool \
     -Wl,-rpath,"$PWD/lib" -ldl || exit 1
 unset PYTORCH_CUDA_ALLOC_CONF PYTORCH_ALLOC_CONF CUDAPOOL_CONF GODEBUG CUDAPOOL_BACKEND
 be=CUDAPOOL_BACKEND=sim

@@ -13,7 +13,6 @@
  */
 #define _GNU_SOURCE
 #include <dirent.h>
-#include <dlfcn.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -22,6 +21,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "cuda_ctx.h"
 #include "cudapool.h"
 
 #define MAXT 512
@@ -37,30 +37,6 @@ static int64_t now_ns(void) {
 	struct timespec t;
 	clock_gettime(CLOCK_MONOTONIC, &t);
 	return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
-}
-
-/* The real driver needs a current context on this thread (as hot_path.c). */
-static int setup_cuda(void) {
-	const char *backend = getenv("CUDAPOOL_BACKEND");
-	if (backend != NULL && strcmp(backend, "sim") == 0)
-		return 0;
-	void *h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
-	if (h == NULL) {
-		fprintf(stderr, "runtime_threads: no libcuda.so.1; set CUDAPOOL_BACKEND=sim\n");
-		return -1;
-	}
-	int (*init)(unsigned) = (int (*)(unsigned))dlsym(h, "cuInit");
-	int (*device_get)(int *, int) = (int (*)(int *, int))dlsym(h, "cuDeviceGet");
-	int (*retain)(void **, int) = (int (*)(void **, int))dlsym(h, "cuDevicePrimaryCtxRetain");
-	int (*set_current)(void *) = (int (*)(void *))dlsym(h, "cuCtxSetCurrent");
-	void *ctx;
-	int dev;
-	if (!init || !device_get || !retain || !set_current || init(0) || device_get(&dev, 0) || retain(&ctx, dev) ||
-	    set_current(ctx)) {
-		fprintf(stderr, "runtime_threads: CUDA driver setup failed\n");
-		return -1;
-	}
-	return 0;
 }
 
 static int snapshot(struct thread *t) {
@@ -104,7 +80,7 @@ static int snapshot(struct thread *t) {
 int main(int argc, char **argv) {
 	double secs = argc > 1 ? atof(argv[1]) : 2;
 	int64_t gap = argc > 2 ? atoll(argv[2]) : 50000;
-	if (setup_cuda() != 0)
+	if (cuda_ctx_setup("runtime_threads") != 0)
 		return 2;
 	void *warm = cudapool_malloc_ctx(1 << 20, 0, NULL, 0);
 	cudapool_free_deferred(warm, 0, -1, 0);
