@@ -24,7 +24,8 @@
 #
 # The copy is made from the installed toolchain's own file, so it matches
 # that Go release. CUDAPOOL_RUNTIME_TICK=0 builds with the stock runtime, as
-# does a toolchain whose file lacks the anchor line (said on stderr).
+# does a toolchain whose file lacks the anchor line or whose runtime the
+# copy does not compile with (said on stderr).
 set -eu
 mkdir -p "$(dirname "$1")"
 out=$(cd "$(dirname "$1")" && pwd)/$(basename "$1")
@@ -67,9 +68,20 @@ else
     echo "capi/build_lib.sh: building with the stock Go runtime: $why" >&2
     runtime="stock ($why)"
 fi
-rm -f "$out"
-(cd "$root" && "$go" build -buildmode=c-shared \
-    -ldflags="-extldflags=-Wl,--version-script=$root/capi/exports.map${CUDAPOOL_SONAME:+,-soname,$CUDAPOOL_SONAME}" ${flags[@]+"${flags[@]}"} "$@" \
-    -o "$out" ./capi)
+build() {
+    rm -f "$out"
+    (cd "$root" && "$go" build -buildmode=c-shared \
+        -ldflags="-extldflags=-Wl,--version-script=$root/capi/exports.map${CUDAPOOL_SONAME:+,-soname,$CUDAPOOL_SONAME}" \
+        "$@" -o "$out" ./capi)
+}
+if [ ${#flags[@]} -gt 0 ] && ! build "${flags[@]}" "$@"; then
+    # A release whose runtime kept the anchor line but renamed what the
+    # added lines use: the stock runtime rather than no library.
+    why="the runtime copy did not compile with $("$go" env GOVERSION)"
+    echo "capi/build_lib.sh: building with the stock Go runtime: $why" >&2
+    runtime="stock ($why)"
+    flags=()
+fi
+[ ${#flags[@]} -gt 0 ] || build "$@"
 rm -f "${out%.so}.h" # cgo's header names the internal functions
 echo "runtime: $runtime"
