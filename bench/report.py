@@ -660,7 +660,8 @@ def machine_lines(res):
         f"- PyTorch {torch_v}" + (f" (CUDA {cuda_v})" if cuda_v else ""),
     ]
     if meta.get("git_commit"):
-        lines.append(f"- cudapool: commit {meta['git_commit']}" + (" (with local changes)" if meta.get("git_dirty") else ""))
+        lines.append(f"- cudapool: commit {meta['git_commit']}" + (" (with local changes)" if meta.get("git_dirty") else "")
+                     + (f"; Go runtime: {meta['go_runtime']}" if meta.get("go_runtime") else ""))
     if meta.get("host_cpu"):
         lines.append(f"- CPU: {meta['host_cpu']}")
     backends = []

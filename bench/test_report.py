@@ -397,6 +397,13 @@ class TestReport(unittest.TestCase):
         line = report.params_line(report.load(self.dir))
         self.assertIn("graph: batch 8 x seq 512, capture time the median of 6 captures per process", line)
 
+    def test_header_names_the_go_runtime(self):
+        res = report.Results()
+        res.meta = {"git_commit": "abc1234", "git_dirty": False, "go_runtime": "tick"}
+        self.assertIn("- cudapool: commit abc1234; Go runtime: tick", report.machine_lines(res))
+        res.meta = {"git_commit": "abc1234", "git_dirty": True}  # a run from before the field
+        self.assertIn("- cudapool: commit abc1234 (with local changes)", report.machine_lines(res))
+
     def test_failed_repeat_is_explained(self):
         write_lines(os.path.join(self.dir, "c_native.json"), c_rec("native", 480.0, 830.0))
         write_lines(os.path.join(self.dir, "steps.jsonl"), [
