@@ -11,8 +11,8 @@
  * warm_runtime:False, capi/warm's keeper off). Last, what the Go runtime's
  * own threads do while a caller allocates at a Python-like pace (a malloc
  * through Go every 50 us of busy work, 0.5 s a round): their wake-ups and
- * CPU time per second, and the caller's involuntary switches
- * (docs/hot-path.md 21). The pairs are served by the
+ * CPU time per second, the caller's involuntary switches and its mean call
+ * (docs/hot-path.md 21 and 22). The pairs are served by the
  * front cache (allocator/front.go: no call into Go); the "front off" rows
  * are the same pairs with front_cache:False, through Go (the class path's
  * free is queued and performed by the next malloc: one call into Go; the C
