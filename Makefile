@@ -38,27 +38,28 @@ section = @printf '\n==== %s ====\n' '$(1)'
 
 all: lib
 
-lib:
-	@mkdir -p $(LIBDIR)
-	@# capi/build_lib.sh: the one recipe (python/setup.py uses it too); its
-	@# last line says which Go runtime the library has, kept in BUILD_COMMIT.
-	GO='$(GO)' bash capi/build_lib.sh $(LIB) >$(LIBDIR)/.runtime || { cat $(LIBDIR)/.runtime; exit 1; }
-	@cat $(LIBDIR)/.runtime
-	cp include/cudapool.h $(LIBDIR)/cudapool.h
-	@# The commit the library was built from, for benchmark reports made where
-	@# no git checkout travels along (bench/run_bench.sh reads it).
-	@{ git rev-parse --short HEAD 2>/dev/null || echo unknown; } >$(LIBDIR)/BUILD_COMMIT
-	@git diff --quiet HEAD -- . 2>/dev/null || echo dirty >>$(LIBDIR)/BUILD_COMMIT
-	@tail -n 1 $(LIBDIR)/.runtime >>$(LIBDIR)/BUILD_COMMIT && rm -f $(LIBDIR)/.runtime
+# $(call build_lib,DIR,ENV): libcudapool.so in DIR by capi/build_lib.sh (ENV:
+# variables for it), and DIR/BUILD_COMMIT, the record bench/run_bench.sh reads
+# where no git checkout travels along: the commit, "dirty" if the tree
+# differs from it, and the script's last line (which Go runtime).
+define build_lib
+	@mkdir -p $(1)
+	$(2) GO='$(GO)' bash capi/build_lib.sh $(1)/libcudapool.so >$(1)/.runtime || { cat $(1)/.runtime; exit 1; }
+	@cat $(1)/.runtime
+	@{ git rev-parse --short HEAD 2>/dev/null || echo unknown; \
+	   git diff --quiet HEAD -- . 2>/dev/null || echo dirty; tail -n 1 $(1)/.runtime; } >$(1)/BUILD_COMMIT
+	@rm -f $(1)/.runtime
+endef
 
-# lib-stock: the same library with the stock Go runtime (no callback tick,
-# capi/build_lib.sh), for A/B runs on the GPU machine
-# (gpu/diag_runtime_tick.sh: CUDAPOOL_LIBRARY_B=build/lib_stock/libcudapool.so).
+lib:
+	$(call build_lib,$(LIBDIR))
+	cp include/cudapool.h $(LIBDIR)/cudapool.h
+
+# lib-stock: the same library with the stock Go runtime (no callback tick),
+# for A/B runs on the GPU machine (gpu/diag_runtime_tick.sh:
+# CUDAPOOL_LIBRARY_B=build/lib_stock/libcudapool.so) and check-lib.
 lib-stock:
-	GO='$(GO)' CUDAPOOL_RUNTIME_TICK=0 bash capi/build_lib.sh $(BUILD)/lib_stock/libcudapool.so
-	@{ git rev-parse --short HEAD 2>/dev/null || echo unknown; } >$(BUILD)/lib_stock/BUILD_COMMIT
-	@git diff --quiet HEAD -- . 2>/dev/null || echo dirty >>$(BUILD)/lib_stock/BUILD_COMMIT
-	@echo "runtime: stock" >>$(BUILD)/lib_stock/BUILD_COMMIT
+	$(call build_lib,$(BUILD)/lib_stock,CUDAPOOL_RUNTIME_TICK=0)
 
 test: check-go test-go test-race test-c test-cxx check-lib test-python test-install test-charts
 	@printf '\n==== make test: all passed ====\n'
@@ -144,7 +145,7 @@ test-cxx: $(BUILD)/test_cudapool_cpp
 
 # bench/hot_path.c (docs/hot-path.md), built and run once by check-lib: the
 # library's hot path works from a C program (it exits non-zero on an error).
-$(BUILD)/hot_path: bench/hot_path.c bench/cuda_ctx.h include/cudapool.h lib
+$(BUILD)/hot_path: bench/hot_path.c include/cudapool.h lib
 	@mkdir -p $(BUILD)
 	$(CC) -std=c11 -O2 -Wall -Wextra -Werror -I include -o $@ $< $(TEST_LDFLAGS) -ldl
 

@@ -132,10 +132,7 @@ def main():
         sys.path.insert(0, os.path.join(REPO, "python"))
         import cudapool
 
-        if args.config == "cudapool_b":
-            if not os.environ.get("CUDAPOOL_LIBRARY_B"):
-                raise RuntimeError("cudapool_b loads the library $CUDAPOOL_LIBRARY_B names, and it is not set")
-            os.environ["CUDAPOOL_LIBRARY"] = os.environ["CUDAPOOL_LIBRARY_B"]
+        torch_bench.use_library_b(args.config)
         cudapool.install()
         if args.config == "cudapool_exp":
             cudapool.configure("expandable_segments:True")

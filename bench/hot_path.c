@@ -19,6 +19,10 @@
  * API's: two).
  *
  *   hot_path [ROUNDS]      (CUDAPOOL_BACKEND=sim: the simulator, no GPU)
+ *   hot_path --threads [SECS]   one paced run of SECS s (default 2), the
+ *                          process's threads listed by name: on the
+ *                          simulator every other thread is the Go runtime's,
+ *                          on the driver CUDA's show too
  *
  * Loop rows are thread CPU time per operation; the rounds are interleaved
  * and the table shows the median and min-max over rounds. Rows of single
@@ -27,6 +31,7 @@
  */
 #define _GNU_SOURCE
 #include <dirent.h>
+#include <dlfcn.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -38,7 +43,42 @@
 
 #include "cudapool.h"
 
-#include "cuda_ctx.h"
+typedef int CUresult;
+typedef struct CUctx_st *CUcontext;
+static CUcontext cuda_ctx;
+static CUresult (*cuda_ctx_set_current)(CUcontext);
+
+/* cuda_ctx_setup retains device 0's primary context and makes it current,
+ * as PyTorch has it (nothing under CUDAPOOL_BACKEND=sim); 0, or -1 after
+ * saying why on stderr (prog names the program). cuda_ctx_enter makes it
+ * current on another thread. */
+static int cuda_ctx_setup(const char *prog) {
+	const char *backend = getenv("CUDAPOOL_BACKEND");
+	if (backend != NULL && strcmp(backend, "sim") == 0)
+		return 0;
+	void *h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
+	if (h == NULL) {
+		fprintf(stderr, "%s: no libcuda.so.1 (%s); set CUDAPOOL_BACKEND=sim to use the simulator\n", prog,
+		        dlerror());
+		return -1;
+	}
+	CUresult (*init)(unsigned) = (CUresult(*)(unsigned))dlsym(h, "cuInit");
+	CUresult (*device_get)(int *, int) = (CUresult(*)(int *, int))dlsym(h, "cuDeviceGet");
+	CUresult (*retain)(CUcontext *, int) = (CUresult(*)(CUcontext *, int))dlsym(h, "cuDevicePrimaryCtxRetain");
+	cuda_ctx_set_current = (CUresult(*)(CUcontext))dlsym(h, "cuCtxSetCurrent");
+	int dev;
+	if (!init || !device_get || !retain || !cuda_ctx_set_current || init(0) || device_get(&dev, 0) ||
+	    retain(&cuda_ctx, dev) || cuda_ctx_set_current(cuda_ctx)) {
+		fprintf(stderr, "%s: CUDA driver setup failed\n", prog);
+		return -1;
+	}
+	return 0;
+}
+
+static void cuda_ctx_enter(void) {
+	if (cuda_ctx_set_current != NULL)
+		cuda_ctx_set_current(cuda_ctx);
+}
 
 static int64_t now_ns(clockid_t c) {
 	struct timespec ts;
@@ -193,53 +233,89 @@ static const char *row_units[NROWS] = {"cpu", "cpu", "cpu", "wall", "wall", "wal
  * 10 ms in C wakes the Go runtime's sysmon (docs/hot-path.md 18). */
 /* ---- the runtime's threads under a paced caller ---- */
 
-/* The process's threads other than the caller: their voluntary context
- * switches (wake-ups) and CPU seconds, summed; the caller's involuntary
- * switches. In this program every other thread is the Go runtime's. */
-struct threads {
-	long wakeups, caller_preempted;
+/* One thread of this process as /proc tells it: switches and CPU so far. */
+struct proc_thread {
+	int tid;
+	char name[32];
+	long vol, invol; /* voluntary switches (wake-ups), involuntary (preempted) */
 	double cpu_s;
-	double call_ns; /* paced_caller: the mean wall time of its calls (a malloc with the previous block's free) */
 };
+enum { MAXT = 512 };
 
-static struct threads thread_totals(pid_t caller) {
-	struct threads t = {0, 0, 0, 0};
+/* read_threads fills t with the process's threads (at most MAXT); returns how many. */
+static int read_threads(struct proc_thread *t) {
 	DIR *d = opendir("/proc/self/task");
 	long tick = sysconf(_SC_CLK_TCK);
 	struct dirent *e;
-	while (d != NULL && (e = readdir(d)) != NULL) {
+	int n = 0;
+	while (d != NULL && n < MAXT && (e = readdir(d)) != NULL) {
 		if (e->d_name[0] == '.')
 			continue;
 		char path[300], line[512];
-		long vol = 0, invol = 0;
-		unsigned long ut = 0, st = 0;
+		struct proc_thread *x = &t[n];
+		memset(x, 0, sizeof *x);
+		x->tid = atoi(e->d_name);
 		snprintf(path, sizeof path, "/proc/self/task/%s/status", e->d_name);
 		FILE *f = fopen(path, "r");
 		if (f == NULL)
 			continue;
 		while (fgets(line, sizeof line, f) != NULL) {
-			sscanf(line, "voluntary_ctxt_switches: %ld", &vol);
-			sscanf(line, "nonvoluntary_ctxt_switches: %ld", &invol);
+			sscanf(line, "Name: %31s", x->name);
+			sscanf(line, "voluntary_ctxt_switches: %ld", &x->vol);
+			sscanf(line, "nonvoluntary_ctxt_switches: %ld", &x->invol);
 		}
 		fclose(f);
 		snprintf(path, sizeof path, "/proc/self/task/%s/stat", e->d_name);
 		if ((f = fopen(path, "r")) != NULL) {
-			if (fgets(line, sizeof line, f) != NULL) {
-				char *p = strrchr(line, ')'); /* fields after the name: utime and stime are 12th and 13th */
-				if (p == NULL || sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %lu %lu", &ut, &st) != 2)
-					ut = st = 0;
-			}
+			unsigned long ut = 0, st = 0;
+			char *p = fgets(line, sizeof line, f) != NULL ? strrchr(line, ')') : NULL;
+			/* after the name: utime and stime are the 12th and 13th fields */
+			if (p != NULL && sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %lu %lu", &ut, &st) == 2)
+				x->cpu_s = (double)(ut + st) / (double)tick;
 			fclose(f);
 		}
-		if ((pid_t)atoi(e->d_name) == caller) {
-			t.caller_preempted = invol;
-		} else {
-			t.wakeups += vol;
-			t.cpu_s += (double)(ut + st) / (double)tick;
-		}
+		n++;
 	}
 	if (d != NULL)
 		closedir(d);
+	return n;
+}
+
+/* A paced caller's run: the process's threads before and after, per second
+ * of it, and the caller's mean call. */
+struct paced {
+	struct proc_thread before[MAXT], after[MAXT];
+	int nb, na, self;
+	double secs, call_ns; /* call_ns: a malloc with the previous block's free, wall */
+};
+
+/* delta is thread j of p->after less its state before (zero if it is new). */
+static struct proc_thread delta(const struct paced *p, int j) {
+	struct proc_thread d = p->after[j];
+	for (int k = 0; k < p->nb; k++)
+		if (p->before[k].tid == d.tid) {
+			d.vol -= p->before[k].vol, d.invol -= p->before[k].invol, d.cpu_s -= p->before[k].cpu_s;
+			break;
+		}
+	return d;
+}
+
+/* The threads other than the caller, summed, per second: wake-ups and CPU;
+ * and the caller's preemptions per second. In this program every other
+ * thread is the Go runtime's (and, on the driver, CUDA's). */
+struct threads {
+	double wakeups, cpu_s, caller_preempted;
+};
+
+static struct threads totals(const struct paced *p) {
+	struct threads t = {0, 0, 0};
+	for (int j = 0; j < p->na; j++) {
+		struct proc_thread d = delta(p, j);
+		if (d.tid == p->self)
+			t.caller_preempted += (double)d.invol / p->secs;
+		else
+			t.wakeups += (double)d.vol / p->secs, t.cpu_s += d.cpu_s / p->secs;
+	}
 	return t;
 }
 
@@ -251,10 +327,10 @@ static void busy_ns(int64_t ns) {
 
 /* paced_caller allocates through Go (sizes the front does not hold, freed
  * by the next malloc, as the class path frees) every gap_ns of busy work
- * for secs seconds and returns the runtime threads' activity per second. */
-static struct threads paced_caller(int64_t gap_ns, double secs) {
-	pid_t self = (pid_t)syscall(SYS_gettid);
-	struct threads a = thread_totals(self);
+ * for secs seconds, recording the threads before and after into p. */
+static void paced_caller(int64_t gap_ns, double secs, struct paced *p) {
+	p->self = (int)syscall(SYS_gettid);
+	p->nb = read_threads(p->before);
 	int64_t t0 = now_ns(CLOCK_MONOTONIC), end = t0 + (int64_t)(secs * 1e9);
 	void *prev = NULL;
 	int64_t in_calls = 0, calls = 0;
@@ -268,11 +344,33 @@ static struct threads paced_caller(int64_t gap_ns, double secs) {
 	}
 	if (prev != NULL)
 		cudapool_free_deferred(prev, 0, -1, 0);
-	double el = (double)(now_ns(CLOCK_MONOTONIC) - t0) / 1e9;
-	struct threads b = thread_totals(self);
-	return (struct threads){(long)((double)(b.wakeups - a.wakeups) / el),
-	                        (long)((double)(b.caller_preempted - a.caller_preempted) / el), (b.cpu_s - a.cpu_s) / el,
-	                        calls > 0 ? (double)in_calls / (double)calls : 0};
+	p->secs = (double)(now_ns(CLOCK_MONOTONIC) - t0) / 1e9;
+	p->call_ns = calls > 0 ? (double)in_calls / (double)calls : 0;
+	p->na = read_threads(p->after);
+}
+
+/* threads_mode (hot_path --threads [SECS]): one paced run of SECS seconds
+ * (default 2), every thread that did anything listed by name. */
+static int threads_mode(double secs) {
+	static struct paced p;
+	void *w = cudapool_malloc_ctx(1 << 20, 0, NULL, 0); /* the runtime and the device started */
+	cudapool_free_deferred(w, 0, -1, 0);
+	paced_caller(50000, secs, &p);
+	for (int j = 0; j < p.na; j++) {
+		struct proc_thread d = delta(&p, j);
+		if (d.vol != 0 || d.invol != 0)
+			printf("  tid %d %-16s%s: %6.0f wake-ups/s, %5.0f preempted/s, %5.1f%% CPU\n", d.tid, d.name,
+			       d.tid == p.self ? " (caller)" : "", (double)d.vol / p.secs, (double)d.invol / p.secs,
+			       d.cpu_s / p.secs * 100);
+	}
+	struct threads t = totals(&p);
+	printf("others: %.0f wake-ups/s, %.1f%% of a CPU; the caller's call %.0f ns\n", t.wakeups, t.cpu_s * 100,
+	       p.call_ns);
+	if (cudapool_last_error() != NULL) {
+		fprintf(stderr, "hot_path: %s\n", cudapool_last_error());
+		return 2;
+	}
+	return 0;
 }
 
 static int warm(int on) {
@@ -285,11 +383,13 @@ static int front(int on) {
 }
 
 int main(int argc, char **argv) {
+	if (cuda_ctx_setup("hot_path") != 0)
+		return 2;
+	if (argc > 1 && strcmp(argv[1], "--threads") == 0)
+		return threads_mode(argc > 2 ? atof(argv[2]) : 2);
 	int rounds = argc > 1 ? atoi(argv[1]) : 7;
 	if (rounds < 1)
 		rounds = 1;
-	if (cuda_ctx_setup("hot_path") != 0)
-		return 2;
 	cudapool_init(-1);
 	if (cudapool_last_error() != NULL) {
 		fprintf(stderr, "hot_path: %s\n", cudapool_last_error());
@@ -352,9 +452,11 @@ int main(int argc, char **argv) {
 		}
 		res[R_GO_FIRST][k] = median(first, THREADS);
 		res[R_GO_SECOND][k] = median(second, THREADS);
-		struct threads pt = paced_caller(50000, 0.5);
-		wakeups[k] = (double)pt.wakeups, cpu[k] = pt.cpu_s * 100, preempted[k] = (double)pt.caller_preempted;
-		paced[k] = pt.call_ns;
+		static struct paced pc;
+		paced_caller(50000, 0.5, &pc);
+		struct threads pt = totals(&pc);
+		wakeups[k] = pt.wakeups, cpu[k] = pt.cpu_s * 100, preempted[k] = pt.caller_preempted;
+		paced[k] = pc.call_ns;
 	}
 	if (cudapool_last_error() != NULL) {
 		fprintf(stderr, "hot_path: %s\n", cudapool_last_error());

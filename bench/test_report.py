@@ -397,6 +397,25 @@ class TestReport(unittest.TestCase):
         line = report.params_line(report.load(self.dir))
         self.assertIn("graph: batch 8 x seq 512, capture time the median of 6 captures per process", line)
 
+    def test_library_b(self):
+        saved = {k: os.environ.get(k) for k in ("CUDAPOOL_LIBRARY", "CUDAPOOL_LIBRARY_B")}
+        try:
+            os.environ["CUDAPOOL_LIBRARY"] = "/a/libcudapool.so"
+            os.environ.pop("CUDAPOOL_LIBRARY_B", None)
+            torch_bench.use_library_b("cudapool")  # not a second build: nothing changes
+            self.assertEqual(os.environ["CUDAPOOL_LIBRARY"], "/a/libcudapool.so")
+            with self.assertRaises(RuntimeError):
+                torch_bench.use_library_b("cudapool_b")
+            os.environ["CUDAPOOL_LIBRARY_B"] = "/b/libcudapool.so"
+            torch_bench.use_library_b("cudapool_exp_b")
+            self.assertEqual(os.environ["CUDAPOOL_LIBRARY"], "/b/libcudapool.so")
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
     def test_header_names_the_go_runtime(self):
         res = report.Results()
         res.meta = {"git_commit": "abc1234", "git_dirty": False, "go_runtime": "tick"}

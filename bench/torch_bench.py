@@ -382,6 +382,17 @@ def front_hits(dev=0):
         return None
 
 
+def use_library_b(cfg):
+    """For the configurations ending in _b (a second build, to compare two):
+    point $CUDAPOOL_LIBRARY at the library $CUDAPOOL_LIBRARY_B names, before
+    cudapool loads it."""
+    if not cfg.endswith("_b"):
+        return
+    if not os.environ.get("CUDAPOOL_LIBRARY_B"):
+        raise RuntimeError(f"{cfg} loads the library $CUDAPOOL_LIBRARY_B names, and it is not set")
+    os.environ["CUDAPOOL_LIBRARY"] = os.environ["CUDAPOOL_LIBRARY_B"]
+
+
 def device_calls(torch, dev=0):
     """The COUNTED counters of device dev now (0 where an allocator lacks one)."""
     st = torch.cuda.memory_stats(dev)
@@ -673,10 +684,7 @@ def main(argv=None):
             sys.path.insert(0, os.path.join(REPO, "python"))
             import cudapool
 
-            if cfg in ("cudapool_b", "cudapool_exp_b"):
-                if not os.environ.get("CUDAPOOL_LIBRARY_B"):
-                    raise RuntimeError(f"{cfg} loads the library $CUDAPOOL_LIBRARY_B names, and it is not set")
-                os.environ["CUDAPOOL_LIBRARY"] = os.environ["CUDAPOOL_LIBRARY_B"]
+            use_library_b(cfg)
             if cfg == "cudapool_sched":
                 meta["alloc_conf"] = "cudapool GODEBUG=" + os.environ.get("GODEBUG", "")
             cudapool.install()

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # gpu/diag_runtime_threads.sh - the Go runtime's threads, one by one, under a
-# C caller allocating through Go every 50 us (gpu/runtime_threads.c, on the
+# C caller allocating through Go every 50 us (bench/hot_path.c --threads, on the
 # simulator so that every other thread is Go's; BACKEND=real: the driver,
 # CUDA's threads named): lib/ (the runtime's callback tick) against
 # build/lib_stock (make lib-stock: the stock runtime), the keeper on and off, GOMAXPROCS as the
@@ -9,8 +9,8 @@
 set -u
 cd "$(dirname "$0")/.." || exit 1
 mkdir -p build/bench
-gcc -O2 -Wall -I include -I bench gpu/runtime_threads.c -o build/bench/runtime_threads -L lib -lcudapool \
-    -Wl,-rpath,"$PWD/lib" -ldl || exit 1
+gcc -std=c11 -O2 -Wall -I include bench/hot_path.c -o build/bench/hot_path -L lib -lcudapool -ldl -pthread \
+    -Wl,-rpath,"$PWD/lib" || exit 1
 unset PYTORCH_CUDA_ALLOC_CONF PYTORCH_ALLOC_CONF CUDAPOOL_CONF GODEBUG CUDAPOOL_BACKEND
 be=CUDAPOOL_BACKEND=sim
 [ "${BACKEND:-sim}" = real ] && be=CUDAPOOL_BACKEND_IS=real
@@ -21,7 +21,7 @@ for gm in ${GMS:-default 2}; do
         for lib in lib build/lib_stock; do
             echo "== $lib keeper=$keeper GOMAXPROCS=${gm:-default}"
             env ${gm:+GOMAXPROCS=$gm} LD_LIBRARY_PATH=$PWD/$lib $be \
-                CUDAPOOL_CONF=warm_runtime:$keeper ./build/bench/runtime_threads "${SECS:-2}" 50000
+                CUDAPOOL_CONF=warm_runtime:$keeper ./build/bench/hot_path --threads "${SECS:-2}"
         done
     done
 done

@@ -3,10 +3,9 @@ package (cudapool/_lib/libcudapool.so). Metadata lives in pyproject.toml.
 
 Where the library comes from, first that works:
   1. $CUDAPOOL_LIBRARY (a built libcudapool.so), copied;
-  2. built in the repository that holds this directory, when Go is on PATH:
-     capi/build_lib.sh (the Makefile's recipe: cudapool_* exports only, the Go
-     runtime's callback tick), or a plain `go build -buildmode=c-shared` of
-     ./capi where bash is missing;
+  2. built in the repository that holds this directory, when Go and bash are
+     on PATH: capi/build_lib.sh (the Makefile's recipe: cudapool_* exports
+     only, the Go runtime's callback tick);
   3. the repository's lib/libcudapool.so (built with `make`), copied;
   4. a libcudapool.so already in cudapool/_lib/ of this source tree.
 Otherwise the build fails and says what it tried; CUDAPOOL_ALLOW_NO_LIBRARY=1
@@ -49,29 +48,15 @@ def provide_library(dest):
         tried.append(f"$CUDAPOOL_LIBRARY={explicit}: no such file")
 
     if os.path.isfile(os.path.join(REPO, "go.mod")) and os.path.isdir(os.path.join(REPO, "capi")):
-        go = shutil.which("go")
-        script = os.path.join(REPO, "capi", "build_lib.sh")
-        bash = shutil.which("bash")
-        if go and bash and os.path.isfile(script):
-            cmd = [bash, script, dest]
-        elif go:
-            cmd = [go, "build", "-buildmode=c-shared"]
-            exports = os.path.join(REPO, "capi", "exports.map")
-            if os.path.isfile(exports):  # export only cudapool_*, as the Makefile does
-                cmd.append(f"-ldflags=-extldflags=-Wl,--version-script={exports}")
-            cmd += ["-o", dest, "./capi"]
-        if go:
-            if os.path.exists(dest):
-                os.remove(dest)
+        go, bash = shutil.which("go"), shutil.which("bash")
+        if go and bash:
+            cmd = [bash, os.path.join(REPO, "capi", "build_lib.sh"), dest]
             proc = subprocess.run(cmd, cwd=REPO)
-            header = dest[: -len(".so")] + ".h"  # c-shared writes one beside the library
-            if os.path.exists(header):
-                os.remove(header)
             if proc.returncode == 0 and os.path.isfile(dest):
                 return f"built with {' '.join(cmd)} in {REPO}"
             tried.append(f"`{' '.join(cmd)}` in {REPO} failed (exit {proc.returncode})")
         else:
-            tried.append("go is not on PATH, so the library could not be built")
+            tried.append("go or bash is not on PATH, so the library could not be built")
     else:
         tried.append(f"no Go sources (go.mod, capi/) at {REPO}")
 
