@@ -348,6 +348,7 @@ func (d *device) releaseCached(op string) error {
 		if err := d.unmapFree(p); err != nil {
 			return driverError(op, err, "unmapping the free pages of expandable segments on device %d", d.id)
 		}
+		d.cache.MarkReleased(p)
 	}
 	for _, pp := range d.graphs.Pools.Freeable() {
 		if err := d.releasePrivate(op, pp); err != nil {
@@ -355,6 +356,21 @@ func (d *device) releaseCached(op string) error {
 		}
 	}
 	return nil
+}
+
+// nothingToRelease reports whether releaseCached would find nothing to do:
+// no event alive (pending or pooled) and no deferred free, no free marker
+// of graph_capture_record_stream_reuse, no physical memory of expandable
+// segments or stitching waiting, nothing to give back in the default pools
+// (BlockPool.Releasable) and no released private pool. Each test reads a
+// field. torch.cuda.graph calls empty_cache before every capture, after
+// the interpreter has made the caches cold, and the full path's dozen
+// functions then cost about 10 us on the development box (docs/hot-path.md
+// section 23). d.mu is held.
+func (d *device) nothingToRelease() bool {
+	return d.ev.Empty() && len(d.reuse.markers)+len(d.reuse.seen) == 0 &&
+		len(d.spare)+len(d.orphans) == 0 && len(d.stitch.lent)+len(d.stitch.markers) == 0 &&
+		!d.cache.Large.Releasable() && !d.cache.Small.Releasable() && d.graphs.Pools.Released() == 0
 }
 
 // syncAll waits for the events of every pending free and returns those
@@ -380,6 +396,7 @@ func (d *device) releasePrivate(op string, pp *privatepool.Pool) error {
 		if err := d.unmapFree(p); err != nil {
 			return driverError(op, err, "unmapping the pages of released pool {%d,%d} on device %d", pp.ID.A, pp.ID.B, d.id)
 		}
+		d.cache.MarkReleased(p)
 	}
 	if pp.Segments() == 0 {
 		d.graphs.Pools.Drop(pp)
@@ -544,6 +561,9 @@ func FormatSize(n uint64) string {
 // neither free nor allocated.
 func (d *device) check() error {
 	if err := d.cache.Check(); err != nil {
+		return fmt.Errorf("device %d: %w", d.id, err)
+	}
+	if err := d.graphs.Pools.Check(); err != nil {
 		return fmt.Errorf("device %d: %w", d.id, err)
 	}
 	for id := range d.sources {

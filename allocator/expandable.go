@@ -199,7 +199,7 @@ func (d *device) trimUnused(id PoolID) {
 // cuMemFree, cuMemUnmap does not wait for work still using the memory
 // (PyTorch synchronizes too). Never during a capture. d.mu is held.
 func (d *device) unmapFree(p *pools.BlockPool) error {
-	if d.vmmState != 1 {
+	if d.vmmState != 1 || !p.Releasable() {
 		return nil
 	}
 	if d.cache.HasUnmappable(p) {

@@ -53,3 +53,33 @@ func CaptureReuseState(a *Allocator, dev int) (markers, walks int) {
 	defer d.mu.Unlock()
 	return len(d.reuse.markers), len(d.reuse.seen)
 }
+
+// EmptyCacheFull makes empty_cache take its full path even when the device
+// has nothing to release (on) and returns the previous setting.
+func EmptyCacheFull(on bool) bool {
+	v := int64(0)
+	if on {
+		v = 1
+	}
+	return emptyCacheFull.Swap(v) != 0
+}
+
+// CountEmptyCacheSkips starts counting the empty_cache calls that found
+// nothing to release; the returned function stops and returns the count.
+func CountEmptyCacheSkips() func() int64 {
+	emptyCacheSkips.Store(0)
+	emptyCacheCount.Store(1)
+	return func() int64 {
+		emptyCacheCount.Store(0)
+		return emptyCacheSkips.Load()
+	}
+}
+
+// NothingToRelease reports whether empty_cache would find nothing to do on
+// dev.
+func NothingToRelease(a *Allocator, dev int) bool {
+	d := a.devs[dev]
+	d.lock()
+	defer d.mu.Unlock()
+	return d.nothingToRelease()
+}

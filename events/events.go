@@ -62,6 +62,10 @@ func New(drv Driver, dev int) *Tracker {
 // hot path makes before calling Process.
 func (t *Tracker) Idle() bool { return t.pending == 0 && len(t.deferred) == 0 }
 
+// Empty reports whether no event is alive (pending, pooled or broken) and
+// no free is deferred: nothing for Synchronize or DestroySpare to do.
+func (t *Tracker) Empty() bool { return t.created == 0 && len(t.deferred) == 0 }
+
 // Pending returns the number of outstanding events and deferred blocks.
 func (t *Tracker) Pending() (events, deferred int) { return t.pending, len(t.deferred) }
 

@@ -26,13 +26,26 @@ type BlockPool struct {
 	// freeCalls counts best-fit searches, the clock by which garbage
 	// collection measures a cached block's age.
 	freeCalls uint64
-	// wholeFree is false only when Blocks holds no whole free ordinary
-	// segment: ReleasePool clears it after releasing every one, and every
-	// insert sets it (the only way a whole free block enters the set), so
-	// empty_cache with nothing to give back skips the walk over every free
-	// block, which on a cold cache cost more than the rest of the call.
-	wholeFree bool
+	// releasable is false only when the pool holds nothing that
+	// ReleasePool and UnmapFree give back: no whole free ordinary segment
+	// and no free block of an expandable segment with a whole physical
+	// allocation inside (in Blocks), no segment left with nothing mapped
+	// (in Unmapped). Every insert into either set sets it (the only way
+	// such a block gets there); MarkReleased clears it once both have run.
+	// So empty_cache with nothing to give back skips the walks over every
+	// free block, which on a cold cache cost more than the rest of the
+	// call, and the allocator can tell at a glance (Releasable) that it
+	// has nothing to do. Check verifies it.
+	releasable bool
 }
+
+// Releasable reports whether p may hold something ReleasePool or
+// UnmapFree would give back (false: certainly nothing).
+func (p *BlockPool) Releasable() bool { return p.releasable }
+
+// MarkReleased notes that ReleasePool and UnmapFree have both given back
+// everything p held (the caller's release succeeded).
+func (c *Cache) MarkReleased(p *BlockPool) { p.releasable = false }
 
 // FreeFunc gives a whole segment back to the driver.
 type FreeFunc func(base cuda.Ptr, size uint64) error
@@ -81,6 +94,11 @@ type Cache struct {
 	fraction float64
 
 	segments map[cuda.Ptr]*Segment // live segments by base address
+
+	// newPools are empty block pools made ahead, of free sets of kind
+	// newPoolsKind (NewPool).
+	newPools     []*BlockPool
+	newPoolsKind FreeSetKind
 }
 
 // ReadStats returns the statistics: ColdStats and the per-allocation
@@ -156,9 +174,36 @@ func adjust(st *Stat, want int64) {
 	}
 }
 
+// poolBatch is how many block pools NewPool makes at a time. A capture's
+// begin hook makes two, after the interpreter has made the caches cold, and
+// Go's allocator then costs about a microsecond per object on the
+// development box (six objects: 7 us of the hook's 15); from a batch the
+// hook takes two pointers off a slice (docs/hot-path.md section 23).
+const poolBatch = 16
+
 // NewPool returns an empty block pool for a private pool.
 func (c *Cache) NewPool(small bool, id PoolID) *BlockPool {
-	return &BlockPool{Blocks: NewFreeSet(c.cfg.FreeSet), Unmapped: NewFreeSet(c.cfg.FreeSet), Small: small, ID: id}
+	if len(c.newPools) == 0 || c.newPoolsKind != c.cfg.FreeSet {
+		c.makePools()
+	}
+	n := len(c.newPools) - 1
+	p := c.newPools[n]
+	c.newPools[n] = nil
+	c.newPools = c.newPools[:n]
+	p.Small, p.ID = small, id
+	return p
+}
+
+// makePools makes the next batch of empty block pools.
+func (c *Cache) makePools() {
+	ps := make([]BlockPool, poolBatch)
+	sets := newFreeSets(c.cfg.FreeSet, 2*poolBatch)
+	c.newPools = c.newPools[:0]
+	for i := range ps {
+		ps[i].Blocks, ps[i].Unmapped = sets[2*i], sets[2*i+1]
+		c.newPools = append(c.newPools, &ps[i])
+	}
+	c.newPoolsKind = c.cfg.FreeSet
 }
 
 // SetFraction limits Reserved to fraction × total. Fraction must be in
@@ -524,7 +569,7 @@ func (c *Cache) tryMerge(b, n *Block) uint64 {
 func (c *Cache) insertFree(b *Block) {
 	p := b.Pool
 	b.gcBase = p.freeCalls
-	p.wholeFree = true // on the line just read: cheaper than testing b
+	p.releasable = true // on the line just read: cheaper than testing b
 	b.FreedAt = c.clock
 	p.Blocks.Insert(b)
 }
@@ -589,9 +634,9 @@ func (c *Cache) ReleaseAvailable(r *Request, free FreeFunc) (bool, error) {
 }
 
 // ReleasePool frees every whole free ordinary segment cached in p (see
-// UnmapFree for expandable segments).
+// UnmapFree for expandable segments; MarkReleased once both have run).
 func (c *Cache) ReleasePool(p *BlockPool, free FreeFunc) error {
-	if !p.wholeFree {
+	if !p.releasable {
 		return nil
 	}
 	var whole []*Block
@@ -603,10 +648,9 @@ func (c *Cache) ReleasePool(p *BlockPool, free FreeFunc) error {
 	})
 	for _, b := range whole {
 		if err := c.releaseSegment(b, free); err != nil {
-			return err // wholeFree stays set: the rest are still there
+			return err // releasable stays set: the rest are still there
 		}
 	}
-	p.wholeFree = false
 	return nil
 }
 
@@ -769,6 +813,9 @@ func (c *Cache) Check() error {
 				}
 				if !b.Lent {
 					unmapped[b.Pool]++
+					if !b.IsSplit() && !b.Pool.releasable {
+						return fmt.Errorf("segment %#x: nothing mapped, and its pool does not flag it (releasable)", s.Base)
+					}
 				}
 				continue
 			}
@@ -792,8 +839,13 @@ func (c *Cache) Check() error {
 			}
 			if free {
 				inSets[b.Pool]++
-				if !b.Pool.wholeFree && !b.IsSplit() && !s.Expandable {
-					return fmt.Errorf("block %#x: a whole free segment its pool does not flag (wholeFree)", b.Ptr)
+				if !b.Pool.releasable && !b.IsSplit() && !s.Expandable {
+					return fmt.Errorf("block %#x: a whole free segment its pool does not flag (releasable)", b.Ptr)
+				}
+				if s.Expandable && !b.Pool.releasable {
+					if lo, hi := wholePages(b); hi > lo {
+						return fmt.Errorf("block %#x: free whole pages its pool does not flag (releasable)", b.Ptr)
+					}
 				}
 				if b.Next != nil && !b.Next.Active() && !b.Next.Unmapped {
 					return fmt.Errorf("blocks %#x and %#x: adjacent free blocks not merged", b.Ptr, b.Next.Ptr)

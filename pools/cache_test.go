@@ -235,29 +235,39 @@ func TestReleasePoolOnlyWholeSegments(t *testing.T) {
 	require.NoError(t, h.c.Check())
 }
 
-// ReleasePool walks the free set only while a whole free segment may be
-// there (BlockPool.wholeFree): cleared by a pass that released them all,
-// kept by one that failed, set again by the next free.
-func TestReleasePoolSkipsWhenNothingWhole(t *testing.T) {
+// ReleasePool walks the free set only while the pool may hold something to
+// give back (BlockPool.Releasable): set by every insert, cleared by
+// MarkReleased after a release that gave everything back; a failed release
+// leaves it set, and Check catches a flag cleared too early.
+func TestReleasableFlag(t *testing.T) {
 	h := newHarness(t, DefaultConfig())
 	a := h.malloc(4096, 0)
 	b := h.malloc(4096, 0)
 	h.freeBlock(a)
-	require.True(t, h.c.Small.WholeFree())
+	require.True(t, h.c.Small.Releasable())
 	require.NoError(t, h.c.ReleasePool(h.c.Small, h.free))
-	require.False(t, h.c.Small.WholeFree(), "a split segment's free block is not whole")
-	require.NoError(t, h.c.Check())
+	require.True(t, h.c.Small.Releasable(), "only MarkReleased clears it")
+	h.c.MarkReleased(h.c.Small)
+	require.False(t, h.c.Small.Releasable())
+	require.NoError(t, h.c.Check(), "a split segment's free block is not whole")
 
 	// A free that makes the segment whole sets the flag; a failing release
 	// keeps it, so that the retry still gives the segment back.
 	h.freeBlock(b)
-	require.True(t, h.c.Small.WholeFree())
+	require.True(t, h.c.Small.Releasable())
 	boom := errors.New("boom")
 	require.ErrorIs(t, h.c.ReleasePool(h.c.Small, func(cuda.Ptr, uint64) error { return boom }), boom)
-	require.True(t, h.c.Small.WholeFree())
+	require.True(t, h.c.Small.Releasable())
 	require.NoError(t, h.c.Check())
+
+	// Cleared while the whole segment is still cached: Check says so.
+	h.c.MarkReleased(h.c.Small)
+	require.ErrorContains(t, h.c.Check(), "releasable")
 	require.NoError(t, h.c.ReleasePool(h.c.Small, h.free))
-	require.False(t, h.c.Small.WholeFree())
+	require.NotZero(t, h.c.Reserved, "a pool not flagged is not walked")
+	h.c.Small.SetReleasable()
+	require.NoError(t, h.c.ReleasePool(h.c.Small, h.free))
+	h.c.MarkReleased(h.c.Small)
 	require.Zero(t, h.c.Reserved)
 	require.Len(t, h.freed, 1)
 	require.NoError(t, h.c.Check())

@@ -100,6 +100,7 @@ func (c *Cache) AddExpandable(r *Request, base cuda.Ptr, size, page, chunk uint6
 	c.segments[base] = seg
 	r.Pool.Segments++
 	r.Pool.Unmapped.Insert(b)
+	r.Pool.releasable = true
 	return b
 }
 
@@ -240,6 +241,7 @@ func (c *Cache) recordMapped(u *Block, size uint64) *Block {
 		u.Next = rest
 		u.Size = size
 		p.Unmapped.Insert(rest)
+		p.releasable = true
 	}
 	u.Unmapped = false
 	// Fresh pages carry no work: the merged block has been free since its
@@ -467,6 +469,7 @@ func (c *Cache) unmapRange(b *Block, lo, hi uint64, m Mapper, lend bool) error {
 	c.tryMerge(b, b.Prev)
 	c.tryMerge(b, b.Next)
 	p.Unmapped.Insert(b)
+	p.releasable = true
 	c.Stats.NumDeviceFree++
 	return err
 }

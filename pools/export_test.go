@@ -9,7 +9,7 @@ type cudaPtr = cuda.Ptr
 func (b *Block) InSet() bool              { return b.inSet }
 func (c *Cache) SpareBlocks() int         { return c.nSpare }
 func (p *BlockPool) FreeCalls() uint64    { return p.freeCalls }
-func (p *BlockPool) WholeFree() bool      { return p.wholeFree }
+func (p *BlockPool) SetReleasable()       { p.releasable = true }
 func NewPtrMapForTest(n int) *ptrMap      { m := newPtrMap(n); return &m }
 func (m *ptrMap) Get(p uintptr) *Block    { return m.get(cudaPtr(p)) }
 func (m *ptrMap) Put(p uintptr, b *Block) { m.put(cudaPtr(p), b) }

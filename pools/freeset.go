@@ -63,6 +63,30 @@ func NewFreeSet(k FreeSetKind) FreeSet {
 	return &treap{}
 }
 
+// newFreeSets returns n empty sets of the given kind, made in one
+// allocation.
+func newFreeSets(k FreeSetKind, n int) []FreeSet {
+	out := make([]FreeSet, n)
+	switch k {
+	case FreeSetSorted:
+		xs := make([]sortedSet, n)
+		for i := range out {
+			out[i] = &xs[i]
+		}
+	case FreeSetSegFit:
+		xs := make([]segfit, n)
+		for i := range out {
+			out[i] = &xs[i]
+		}
+	default:
+		xs := make([]treap, n)
+		for i := range out {
+			out[i] = &xs[i]
+		}
+	}
+	return out
+}
+
 // key is a position in the (stream, size, address) order.
 type key struct {
 	s  cuda.Stream

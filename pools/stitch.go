@@ -118,5 +118,6 @@ func (c *Cache) Unlend(b *Block) {
 	c.tryMerge(b, b.Prev)
 	c.tryMerge(b, b.Next)
 	b.Pool.Unmapped.Insert(b)
+	b.Pool.releasable = true
 	c.Stats.NumDeviceFree++
 }

@@ -70,6 +70,10 @@ func (p *Pool) Freeable() bool { return p.UseCount == 0 && !p.Auto }
 type Registry struct {
 	pools  map[pools.PoolID]*Pool
 	serial uint32 // the last pool's Serial
+	// released counts the pools at use count 0 (Freeable), so that
+	// empty_cache with none skips a walk over every pool.
+	released int
+	made     []Pool // made ahead, for the next pools
 }
 
 // NewPools makes the two block pools of a new private pool.
@@ -83,6 +87,9 @@ func (r *Registry) Get(id pools.PoolID) *Pool { return r.pools[id] }
 // freeable pool that is acquired again becomes live again.
 func (r *Registry) Acquire(id pools.PoolID, mk NewPools) *Pool {
 	if p := r.pools[id]; p != nil {
+		if p.UseCount == 0 {
+			r.released--
+		}
 		p.UseCount++
 		return p
 	}
@@ -91,10 +98,20 @@ func (r *Registry) Acquire(id pools.PoolID, mk NewPools) *Pool {
 	}
 	small, large := mk(id)
 	r.serial++
-	p := &Pool{ID: id, UseCount: 1, Small: small, Large: large, Serial: r.serial}
+	if len(r.made) == 0 {
+		r.made = make([]Pool, poolBatch)
+	}
+	p := &r.made[0]
+	r.made = r.made[1:]
+	*p = Pool{ID: id, UseCount: 1, Small: small, Large: large, Serial: r.serial}
 	r.pools[id] = p
 	return p
 }
+
+// poolBatch is how many Pools Acquire makes at a time: a capture's begin
+// hook runs with cold caches, where each object from Go's allocator costs
+// about a microsecond (pools.Cache.NewPool says more).
+const poolBatch = 8
 
 // Incref is Acquire for a caller that names the pool (a capture, a
 // MemPool): it refuses the default pool and the automatic pools of
@@ -141,11 +158,17 @@ func (r *Registry) Release(id pools.PoolID) error {
 		return fmt.Errorf("%w {%d,%d}: already released by all its users", ErrUnknownPool, id.A, id.B)
 	}
 	p.UseCount--
+	if p.UseCount == 0 {
+		r.released++
+	}
 	return nil
 }
 
 // Freeable returns the pools no one holds, ordered by id.
 func (r *Registry) Freeable() []*Pool {
+	if r.released == 0 {
+		return nil
+	}
 	var out []*Pool
 	for _, p := range r.pools {
 		if p.Freeable() {
@@ -170,7 +193,25 @@ func (r *Registry) Drop(p *Pool) {
 		panic("privatepool: dropping a pool that is held or holds memory")
 	}
 	delete(r.pools, p.ID)
+	r.released--
 }
+
+// Check verifies the count of released pools against the pools.
+func (r *Registry) Check() error {
+	n := 0
+	for _, p := range r.pools {
+		if p.Freeable() {
+			n++
+		}
+	}
+	if n != r.released {
+		return fmt.Errorf("privatepool: %d pools released, %d counted", n, r.released)
+	}
+	return nil
+}
+
+// Released is the number of pools every holder has released (Freeable).
+func (r *Registry) Released() int { return r.released }
 
 // Len is the number of pools, live or freeable.
 func (r *Registry) Len() int { return len(r.pools) }

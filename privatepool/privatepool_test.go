@@ -1,6 +1,7 @@
 package privatepool_test
 
 import (
+	"math/rand/v2"
 	"testing"
 
 	"github.com/cudapool/cudapool/pools"
@@ -98,4 +99,24 @@ func TestPoolFlags(t *testing.T) {
 	require.False(t, a.Small.NoSplit || a.Large.NoSplit)
 	a.SetNoSplit()
 	require.True(t, a.NoSplit && a.Small.NoSplit && a.Large.NoSplit)
+}
+
+// Released counts the freeable pools through any sequence of acquires,
+// releases and drops (empty_cache skips the walk over the pools when it
+// is zero).
+func TestReleasedCount(t *testing.T) {
+	var r privatepool.Registry
+	rng := rand.New(rand.NewPCG(3, 4))
+	for i := 0; i < 5000; i++ {
+		id := pools.PoolID{A: uint64(rng.IntN(8))}
+		switch p := r.Get(id); {
+		case rng.IntN(3) == 0:
+			r.Acquire(id, mk)
+		case p != nil && p.Freeable():
+			r.Drop(p)
+		case p != nil:
+			require.NoError(t, r.Release(id))
+		}
+		require.Equal(t, len(r.Freeable()), r.Released(), "step %d", i)
+	}
 }

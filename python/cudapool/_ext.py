@@ -38,7 +38,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCE = "torch_allocator.cpp"
 # The version the C++ file reports (cudapool_torch_ext_version): a cached
 # build with another is stale.
-INTERFACE_VERSION = 3
+INTERFACE_VERSION = 4
 
 
 class ExtensionUnavailable(Exception):
@@ -277,8 +277,10 @@ def install(fast=True):
 def passthrough(on):
     """Hands torch's allocations to PyTorch's own allocator (True) or back to
     cudapool (False): a measurement switch, so that a benchmark can alternate
-    the two within one process (bench/torch_bench.py, section alt). Tensors
-    keep the deleter of the allocator that made them. Raises
+    the two within one process (bench/torch_bench.py, section alt;
+    gpu/diag_capture_alt.py). empty_cache and the captures begun meanwhile
+    (their private pools, to their release) are PyTorch's too. Tensors keep
+    the deleter of the allocator that made them. Raises
     ExtensionUnavailable when the class is not installed on its direct path
     or PyTorch's allocator is not at hand."""
     h = _state["handle"]
@@ -290,7 +292,8 @@ def passthrough(on):
 # cudapool_torch_ext_timing_take's kinds, in its order.
 TIMING_KINDS = (("native", "alloc"), ("native", "free"), ("cudapool", "alloc"), ("cudapool", "free"),
                 ("cudapool", "alloc_lib"), ("native", "cross"), ("cudapool", "begin_pool"),
-                ("cudapool", "end_pool"), ("cudapool", "filter"))
+                ("cudapool", "end_pool"), ("cudapool", "filter"), ("cudapool", "empty_cache"),
+                ("native", "empty_cache"), ("native", "begin_pool"), ("native", "end_pool"))
 
 
 def timing(on, cross=False):

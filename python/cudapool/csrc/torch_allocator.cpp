@@ -326,7 +326,22 @@ void deleter(void *p) { free_ptr(p); }
 // the counters are relaxed atomics written with plain loads and stores.
 namespace timing {
 
-enum Kind { kNativeAlloc, kNativeFree, kAlloc, kFree, kAllocLib, kNativeCross, kBeginPool, kEndPool, kFilter, kKinds };
+enum Kind {
+	kNativeAlloc,
+	kNativeFree,
+	kAlloc,
+	kFree,
+	kAllocLib,
+	kNativeCross,
+	kBeginPool,
+	kEndPool,
+	kFilter,
+	kEmpty,           // cudapool's emptyCache
+	kNativeEmpty,     // native's, while passthrough is on
+	kNativeBeginPool, // native's begin/endAllocateToPool, while passthrough is on
+	kNativeEndPool,
+	kKinds
+};
 constexpr uint32_t kCap = 1u << 17; // samples kept per kind between takes
 
 inline uint64_t ticks() {
@@ -540,14 +555,12 @@ class Allocator final : public Base {
 	}
 
 	void emptyCache(MempoolId_t id) override {
-		cudapool_clear_error();
-		if (id.first == 0 && id.second == 0) {
-			InFlight r;
-			cudapool_empty_cache_ctx(gather(CUDAPOOL_GATHER_RELEASE));
-		} else {
-			cudapool_empty_pool(-1, id.first, id.second);
+		const uint8_t mode = mode_.load(std::memory_order_relaxed);
+		if (C10_UNLIKELY(mode != 0)) {
+			emptyCache_measured(id, mode);
+			return;
 		}
-		check();
+		empty_cache(id);
 	}
 
 	void cacheInfo(DeviceIndex device, size_t *largest) override {
@@ -688,8 +701,22 @@ class Allocator final : public Base {
 	}
 
 	void beginAllocateToPool(DeviceIndex device, MempoolId_t id, std::function<bool(cudaStream_t)> filter) override {
-		const bool timed = mode_.load(std::memory_order_relaxed) & kTime;
+		const uint8_t mode = mode_.load(std::memory_order_relaxed);
+		const bool timed = mode & kTime;
 		const uint64_t t0 = timed ? timing::ticks() : 0;
+		if (C10_UNLIKELY(mode & kPass)) {
+			// A capture begun while passthrough is on is native's, to its
+			// end and its graph's release (gpu/diag_capture_alt.py).
+			native_->beginAllocateToPool(device, id, std::move(filter));
+			{
+				std::lock_guard<std::mutex> g(pass_mu_);
+				pass_pools_.push_back(id);
+				pass_count_.store(pass_pools_.size(), std::memory_order_release);
+			}
+			if (timed)
+				timing::record(timing::kNativeBeginPool, timing::ticks() - t0);
+			return;
+		}
 		if (C10_UNLIKELY(timed) && filter)
 			filter = [f = std::move(filter)](cudaStream_t s) {
 				uint64_t t = timing::ticks();
@@ -707,6 +734,12 @@ class Allocator final : public Base {
 	void endAllocateToPool(DeviceIndex device, MempoolId_t id) override {
 		const bool timed = mode_.load(std::memory_order_relaxed) & kTime;
 		const uint64_t t0 = timed ? timing::ticks() : 0;
+		if (C10_UNLIKELY(passed(id, false))) {
+			native_->endAllocateToPool(device, id);
+			if (timed)
+				timing::record(timing::kNativeEndPool, timing::ticks() - t0);
+			return;
+		}
 		cudapool_clear_error();
 		cudapool_torch_end_allocate_to_pool(device, id);
 		if (C10_UNLIKELY(timed))
@@ -715,6 +748,10 @@ class Allocator final : public Base {
 	}
 
 	void releasePool(DeviceIndex device, MempoolId_t id) override {
+		if (C10_UNLIKELY(passed(id, true))) {
+			native_->releasePool(device, id);
+			return;
+		}
 		cudapool_clear_error();
 		cudapool_torch_release_pool(device, id);
 		check();
@@ -886,8 +923,10 @@ class Allocator final : public Base {
 	// set_passthrough hands allocate() to PyTorch's own allocator (the one
 	// cudapool replaced) or takes it back: a measurement switch, so that a
 	// benchmark can alternate the two allocators within one process
-	// (bench/torch_bench.py, section alt). Only allocate() (torch.empty and
-	// every tensor PyTorch makes) is handed over; the tensors keep their
+	// (bench/torch_bench.py, section alt; gpu/diag_capture_alt.py). What is
+	// handed over: allocate() (torch.empty and every tensor PyTorch makes),
+	// emptyCache, and the captures begun meanwhile (begin/endAllocateToPool
+	// and their pools' release, whenever it comes); the tensors keep their
 	// allocator's deleter. Returns false when there is no such allocator.
 	bool set_passthrough(bool on) {
 		if (on && native_ == nullptr)
@@ -915,6 +954,48 @@ class Allocator final : public Base {
 
   private:
 	static constexpr uint8_t kPass = 1, kTime = 2; // mode_ bits
+
+	void empty_cache(MempoolId_t id) {
+		cudapool_clear_error();
+		if (id.first == 0 && id.second == 0) {
+			InFlight r;
+			cudapool_empty_cache_ctx(gather(CUDAPOOL_GATHER_RELEASE));
+		} else {
+			cudapool_empty_pool(-1, id.first, id.second);
+		}
+		check();
+	}
+
+	// emptyCache_measured: passthrough empties native's cache instead of
+	// cudapool's (torch.cuda.graph's enter phase, as native runs it);
+	// timing times either.
+	C10_NOINLINE void emptyCache_measured(MempoolId_t id, uint8_t mode) {
+		const uint64_t t0 = timing::ticks();
+		if (mode & kPass)
+			native_->emptyCache(id);
+		else
+			empty_cache(id);
+		if (mode & kTime)
+			timing::record((mode & kPass) ? timing::kNativeEmpty : timing::kEmpty, timing::ticks() - t0);
+	}
+
+	// passed reports whether pool id was begun while passthrough was on
+	// (native's), and with forget drops it. An empty list costs a load.
+	bool passed(MempoolId_t id, bool forget) {
+		if (pass_count_.load(std::memory_order_acquire) == 0)
+			return false;
+		std::lock_guard<std::mutex> g(pass_mu_);
+		for (size_t i = 0; i < pass_pools_.size(); i++) {
+			if (pass_pools_[i] == id) {
+				if (forget) {
+					pass_pools_.erase(pass_pools_.begin() + static_cast<std::ptrdiff_t>(i));
+					pass_count_.store(pass_pools_.size(), std::memory_order_release);
+				}
+				return true;
+			}
+		}
+		return false;
+	}
 
 	void set_mode(uint8_t bit, bool on) {
 		uint8_t m = mode_.load(std::memory_order_relaxed);
@@ -969,6 +1050,11 @@ class Allocator final : public Base {
 	const bool fast_;
 	std::atomic<uint8_t> mode_{0}; // kPass | kTime; beside fast_, read with it
 	CCA::CUDAAllocator *const native_;
+	// The private pools of captures begun while passthrough was on: native's
+	// until their release. Guarded by pass_mu_; pass_count_ mirrors the size.
+	std::mutex pass_mu_;
+	std::vector<MempoolId_t> pass_pools_;
+	std::atomic<size_t> pass_count_{0};
 };
 
 bool is_cudapool(const std::shared_ptr<CCA::CUDAAllocator> &a) {
@@ -1077,7 +1163,8 @@ __attribute__((visibility("default"))) int cudapool_torch_ext_timing(int on) {
 // deleter, 4 cudapool's call into the library within its allocate, 5 the
 // crossing after native's allocate, 6 beginAllocateToPool, 7
 // endAllocateToPool, 8 PyTorch's stream filter of a capture begun while
-// timing), in ticks, into buf, and forgets that kind's samples (those past
+// timing, 9 cudapool's emptyCache, 10 native's, 11 and 12 native's
+// begin/endAllocateToPool), in ticks, into buf, and forgets that kind's samples (those past
 // cap as well); *calls gets the number
 // of timed calls (more than the samples when the buffer filled) and
 // *ns_per_tick the calibration since timing was turned on. Returns the
@@ -1105,6 +1192,6 @@ __attribute__((visibility("default"))) long cudapool_torch_ext_timing_take(int k
 
 // cudapool_torch_ext_version is the version of this file's interface with
 // cudapool._ext (a mismatch means a stale cached build).
-__attribute__((visibility("default"))) int cudapool_torch_ext_version(void) { return 3; }
+__attribute__((visibility("default"))) int cudapool_torch_ext_version(void) { return 4; }
 
 } // extern "C"

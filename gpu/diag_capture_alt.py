@@ -1,0 +1,189 @@
+"""CUDA graph captures by PyTorch's allocator and by cudapool, alternating in
+one process (issue 11; docs/hot-path.md section 23).
+
+    PYTHONPATH=python CUDAPOOL_LIBRARY=lib/libcudapool.so python3 gpu/diag_capture_alt.py [PROCS] [PAIRS]
+
+The graph row of bench/torch_bench.py compares processes, which meet the host
+in different states (docs/hot-path.md, sections 7 and 17). Here one process
+captures the same forward (bench/model.py's GPT-2 small, bf16, batch 8 x seq
+512, as the graph row) by both allocators in turn: cudapool's C++ class,
+with passthrough on (cudapool._ext.passthrough), hands torch.empty's
+allocations, empty_cache and the capture's private pool to PyTorch's
+allocator it replaced. Captures go native, cudapool, cudapool, native, ...
+(PAIRS pairs after one discarded capture of each), every graph kept, each
+capture into a new pool, as in the graph row.
+
+With DIAG_TIMING=1 (the default) both sides' calls are timed in place
+(cudapool._ext.timing): allocate() and the deleter during the captured
+forward, empty_cache and begin/endAllocateToPool; "outside" is the forward's
+time less its allocate() and deleter calls, what PyTorch itself took around
+them. DIAG_TIMING=0 times the phases only (the calls then carry no timing
+code). DIAG_LABEL names the library in the output.
+
+Prints per pair the ratio cudapool/native of each phase (enter: synchronize,
+empty_cache, capture_begin; forward; exit: capture_end and instantiation;
+sync; total), the median over each process's pairs, and a last table of the
+medians (min-max) over the processes' medians.
+"""
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CHILD = r'''
+import gc, json, os, sys, time
+pairs = int(sys.argv[1])
+sys.path.insert(0, os.path.join(REPO, "bench"))
+sys.path.insert(0, os.path.join(REPO, "python"))
+import cudapool
+cudapool.install()
+from cudapool import _ext
+import torch
+from model import GPT
+from torch_bench import warm_forward
+timed = os.environ.get("DIAG_TIMING", "1") == "1"
+torch.manual_seed(0)
+model = GPT(layers=12).cuda().to(torch.bfloat16).eval()
+x = torch.randint(0, 16384, (8, 512), device="cuda")
+kept = []
+rows = []
+pc = time.perf_counter
+with torch.no_grad():
+    for native in (True, False):  # both allocators warm (cuBLAS's workspaces, each cache)
+        _ext.passthrough(native)
+        warm_forward(torch, model, x)
+    order = [True, False]  # one discarded capture each
+    for p in range(pairs):
+        order += [True, False] if p % 2 else [False, True]
+    if timed:
+        _ext.timing(True)
+    for i, native in enumerate(order):
+        _ext.passthrough(native)
+        gc.collect()
+        torch.cuda.empty_cache()
+        if timed:
+            _ext.timing_take()
+        g = torch.cuda.CUDAGraph()
+        t0 = pc()
+        with torch.cuda.graph(g):
+            t1 = pc()
+            y = model(x)
+            t2 = pc()
+        t3 = pc()
+        torch.cuda.synchronize()
+        t4 = pc()
+        row = {"native": native, "enter": t1 - t0, "forward": t2 - t1, "exit": t3 - t2, "sync": t4 - t3,
+               "total": t4 - t0}
+        if timed:
+            c = _ext.timing_take()
+            side = "native" if native else "cudapool"
+            a, f = c[(side, "alloc")][0], c[(side, "free")][0]
+            row.update(allocs=len(a), alloc_sum=sum(a) / 1e9, frees=len(f), free_sum=sum(f) / 1e9,
+                       empty_cache=sum(c[(side, "empty_cache")][0]) / 1e9,
+                       begin_pool=sum(c[(side, "begin_pool")][0]) / 1e9,
+                       end_pool=sum(c[(side, "end_pool")][0]) / 1e9)
+            row["outside"] = row["forward"] - row["alloc_sum"] - row["free_sum"]
+        if i >= 2:
+            rows.append(row)
+        kept.append((g, y))
+        del g, y
+    if timed:
+        _ext.timing(False)
+    _ext.passthrough(False)
+    torch.cuda.synchronize()
+    del kept[:]
+print("RESULT " + json.dumps(rows))
+'''.replace("REPO", repr(REPO))
+
+PHASES = ("enter", "forward", "exit", "sync", "total")
+CALLS = ("empty_cache", "begin_pool", "alloc_sum", "free_sum", "outside", "end_pool")
+
+
+def med(v):
+    return statistics.median(v) if v else float("nan")
+
+
+def pair_up(rows):
+    """Pairs the captures in order: (native row, cudapool row) per pair."""
+    out = []
+    for a, b in zip(rows[0::2], rows[1::2]):
+        n, c = (a, b) if a["native"] else (b, a)
+        if n["native"] and not c["native"]:
+            out.append((n, c))
+    return out
+
+
+def run_proc(env, pairs):
+    """One process's pairs, or None (its stderr printed)."""
+    out = subprocess.run([sys.executable, "-c", CHILD, str(pairs)], env=env, capture_output=True, text=True,
+                         timeout=300)
+    line = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
+    if not line:
+        print(f"{env.get('CUDAPOOL_LIBRARY')}: a process failed\n{out.stderr[-3000:]}", flush=True)
+        return None
+    return pair_up(json.loads(line[0][7:]))
+
+
+def summarize(ps):
+    """A process's medians over its pairs: per-phase ratios, per-side times."""
+    m = {}
+    for k in PHASES:
+        m[k] = med([c[k] / n[k] for n, c in ps])
+    for k in PHASES + CALLS:
+        if k in ps[0][0]:
+            m["native_" + k] = med([n[k] * 1e3 for n, _ in ps])
+            m["cudapool_" + k] = med([c[k] * 1e3 for _, c in ps])
+    if "allocs" in ps[0][0]:
+        m["native_allocs"] = med([n["allocs"] for n, _ in ps])
+        m["cudapool_allocs"] = med([c["allocs"] for _, c in ps])
+    return m
+
+
+def report(label, per_proc):
+    print(f"\n{label}: {len(per_proc)} processes; per process the median over its pairs, then the median "
+          f"(min-max) over the processes")
+    print(f"{'':24}{'cudapool/native':>22}")
+    for k in PHASES:
+        v = [m[k] for m in per_proc]
+        print(f"{k:24}{med(v):>10.3f} ({min(v):.3f}-{max(v):.3f})")
+    keys = [k for k in PHASES + CALLS if "native_" + k in per_proc[0]]
+    print(f"\n{'ms per capture':24}{'native':>24}{'cudapool':>24}{'difference':>12}")
+    for k in keys:
+        nv = [m["native_" + k] for m in per_proc]
+        cv = [m["cudapool_" + k] for m in per_proc]
+        cell = lambda v: f"{med(v):.3f} ({min(v):.3f}-{max(v):.3f})"
+        print(f"{k:24}{cell(nv):>24}{cell(cv):>24}{med(cv) - med(nv):>+12.3f}")
+    if "native_allocs" in per_proc[0]:
+        print(f"allocate() calls per captured forward: native {med([m['native_allocs'] for m in per_proc]):.0f}, "
+              f"cudapool {med([m['cudapool_allocs'] for m in per_proc]):.0f}")
+
+
+def main():
+    procs = int(sys.argv[1]) if len(sys.argv) > 1 else 3
+    pairs = int(sys.argv[2]) if len(sys.argv) > 2 else 8
+    # DIAG_LIBS: several builds of the library, their processes interleaved.
+    libs = os.environ.get("DIAG_LIBS", "").split() or [os.environ.get("CUDAPOOL_LIBRARY", "lib/libcudapool.so")]
+    env = dict(os.environ)
+    for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "CUDAPOOL_CONF"):
+        env.pop(k, None)
+    per_lib = {lib: [] for lib in libs}
+    for r in range(procs):
+        for lib in libs:
+            ps = run_proc(dict(env, CUDAPOOL_LIBRARY=lib), pairs)
+            if not ps:
+                continue
+            m = summarize(ps)
+            per_lib[lib].append(m)
+            print(f"{lib} process {r + 1}, {len(ps)} pairs, cudapool/native (median of per-pair ratios): " +
+                  " ".join(f"{k} {m[k]:.3f}" for k in PHASES), flush=True)
+    if not any(per_lib.values()):
+        sys.exit(1)
+    for lib, per_proc in per_lib.items():
+        if per_proc:
+            report(lib, per_proc)
+
+
+if __name__ == "__main__":
+    main()
