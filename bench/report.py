@@ -384,10 +384,19 @@ def alt_note(res):
         t = targets[key]
         parts.append(f"{label} {r:.3f}x{spread} (target <= {t:g}x: {'met' if r <= t + 1e-12 else 'NOT met'})")
     reps = sorted({len(x.get("alt_small_ratio_reps") or []) for x in lines})
-    return (f"torch.empty with PyTorch's allocator and cudapool alternating rep by rep in one process (cudapool's "
+    note = (f"torch.empty with PyTorch's allocator and cudapool alternating rep by rep in one process (cudapool's "
             f"class hands allocate() to the allocator it replaced during native's reps: torch_bench.py, section "
             f"alt; {len(lines)} processes of {'-'.join(map(str, reps))} pairs of reps; median of the processes' "
             f"median per-pair ratios, cudapool/native, with their min-max): " + "; ".join(parts))
+    per = [float(x["alt_capture_ratio"]) for x in lines if isinstance(x.get("alt_capture_ratio"), (int, float))]
+    if per:
+        r, t = statistics.median(per), targets["graph_capture_ms"]
+        spread = f" ({min(per):.3f}-{max(per):.3f})" if len(per) > 1 else ""
+        pairs = sorted({int(x.get("alt_capture_pairs") or 0) for x in lines if "alt_capture_ratio" in x})
+        note += (f". CUDA graph capture (forward), the two alternating capture by capture in the same processes "
+                 f"(the capture, its empty_cache and its pool handed over too; {'-'.join(map(str, pairs))} pairs "
+                 f"each): {r:.3f}x{spread} (target <= {t:g}x: {'met' if r <= t + 1e-12 else 'NOT met'})")
+    return note
 
 
 def ring_note(res):

@@ -19,8 +19,9 @@
 #      rep on one CPU (bench/turn_ring.py; BENCH_TORCH_RING=0: the processes
 #      one after another instead), so that rep k of every configuration
 #      meets the host in the same state (docs/hot-path.md 17). Then,
-#      once per run, the torch.empty loops of native and cudapool alternating
-#      rep by rep in one process (part "alt": torch_bench.py's alt section),
+#      once per run, the torch.empty loops and the graph captures of native
+#      and cudapool alternating rep by rep in one process (part "alt":
+#      torch_bench.py's alt section),
 #      and (part "turns") native and cudapool (and both with
 #      expandable segments) as two processes taking turns on one CPU
 #      (bench/turn_pair.sh: rep k of both runs back to back).
@@ -396,10 +397,11 @@ if part turns; then
     done
 fi
 
-# The torch.empty rows paired within one process: PyTorch's allocator and
-# cudapool alternating rep by rep (torch_bench.py's alt section: cudapool's
-# class hands allocate() to the allocator it replaced), the main thread
-# pinned as in the turns; once per run.
+# The torch.empty and capture rows paired within one process: PyTorch's
+# allocator and cudapool alternating rep by rep (torch_bench.py's alt
+# section: cudapool's class hands allocate(), and each native capture, to
+# the allocator it replaced), the main thread pinned as in the turns; once
+# per run.
 if part alt; then
     for rep in $(seq "$FROM" "$REPEATS"); do
         name=$(run_name torch_alt "$rep")

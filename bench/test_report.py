@@ -354,7 +354,8 @@ class TestReport(unittest.TestCase):
             write_lines(os.path.join(self.dir, f"torch_alt_r{r}.json"), [
                 {"kind": "torch", "config": "cudapool", "section": "meta", "device_total_bytes": 80 << 30},
                 {"kind": "torch", "config": "cudapool", "section": "alt", "alt_small_ratio": small,
-                 "alt_small_ratio_reps": [small] * 9, "alt_mixed_ratio": mixed, "alt_mixed_ratio_reps": [mixed] * 9},
+                 "alt_small_ratio_reps": [small] * 9, "alt_mixed_ratio": mixed, "alt_mixed_ratio_reps": [mixed] * 9,
+                 "alt_capture_ratio": 0.96 + 0.02 * r, "alt_capture_pairs": 6},
                 {"kind": "torch", "config": "cudapool", "section": "done", "torch_total_s": 10.0}])
         write_lines(os.path.join(self.dir, "torch_alt_r4.json"), [
             {"kind": "torch", "config": "cudapool", "section": "alt", "alt_error": "RuntimeError: no"}])
@@ -366,6 +367,7 @@ class TestReport(unittest.TestCase):
         self.assertIn("3 processes of 9 pairs of reps", note[0])
         self.assertIn("4 KiB 0.800x (0.780-0.820) (target <= 0.95x: met); "
                       "mixed sizes 1.020x (0.930-1.040) (target <= 0.95x: NOT met)", note[0])
+        self.assertIn("6 pairs each): 1.000x (0.980-1.020) (target <= 1x: met)", note[0])
 
     def test_alt_section_alternates_and_switches_back(self):
         # torch_bench.py's alt section against a stand-in for torch and for
@@ -376,7 +378,7 @@ class TestReport(unittest.TestCase):
         calls = []
         with fake_ext(passthrough=calls.append):
             args = torch_bench.parse_args(["cudapool", "--sections", "alt", "--reps", "3", "--empty-pairs", "10",
-                                           "--mixed-pairs", "10"])
+                                           "--mixed-pairs", "10", "--alt-captures", "0"])
             out = torch_bench.bench_alt(fake, args)
             self.assertEqual(len(out["alt_small_ratio_reps"]), 3)
             self.assertEqual(len(out["alt_mixed_native_reps_us"]), 3)
@@ -389,6 +391,50 @@ class TestReport(unittest.TestCase):
             self.assertEqual(calls, [True, False])
             with self.assertRaises(RuntimeError):  # native has no passthrough
                 torch_bench.bench_alt(fake, torch_bench.parse_args(["native", "--sections", "alt"]))
+
+    def test_alt_captures_alternate_and_pair(self):
+        # The alt section's captures: one discarded capture per side, then
+        # pairs whose first side alternates; every capture meets its side's
+        # allocator, the switch ends on cudapool, and the ratios pair the
+        # captures in order.
+        state = {"native": False, "log": [], "graphs": 0}
+        clock = [0.0]
+
+        class Graph:
+            def __init__(self):
+                state["graphs"] += 1
+
+            def __del__(self):
+                state["graphs"] -= 1
+
+        @contextmanager
+        def graph(g):
+            # native's captures take 5 ms, cudapool's 4 (a pair in order).
+            state["log"].append("native" if state["native"] else "cudapool")
+            clock[0] += 5e-3 if state["native"] else 4e-3
+            yield
+
+        fake = types.SimpleNamespace(
+            no_grad=contextmanager(lambda: (yield)),
+            cuda=types.SimpleNamespace(CUDAGraph=Graph, graph=graph, synchronize=lambda: None,
+                                       empty_cache=lambda: None))
+        saved = (torch_bench.graph_model, torch_bench.warm_forward, torch_bench.time.perf_counter)
+        torch_bench.graph_model = lambda torch, args: (lambda x: object(), None)
+        torch_bench.warm_forward = lambda torch, model, x: None
+        torch_bench.time.perf_counter = lambda: clock[0]
+        try:
+            with fake_ext(passthrough=lambda on: state.update(native=on)):
+                args = torch_bench.parse_args(["cudapool", "--sections", "alt", "--alt-captures", "3"])
+                out = torch_bench.alt_captures(fake, args, sys.modules["cudapool._ext"])
+        finally:
+            torch_bench.graph_model, torch_bench.warm_forward, torch_bench.time.perf_counter = saved
+        self.assertEqual(state["log"], ["native", "cudapool", "cudapool", "native", "native", "cudapool",
+                                        "cudapool", "native"])
+        self.assertFalse(state["native"])
+        self.assertEqual(state["graphs"], 0, "every graph deleted")
+        self.assertEqual(out["alt_capture_pairs"], 3)
+        self.assertEqual([round(r, 6) for r in out["alt_capture_ratio_reps"]], [0.8, 0.8, 0.8])
+        self.assertEqual([round(v, 6) for v in out["alt_capture_native_reps_ms"]], [5.0, 5.0, 5.0])
 
     def test_params_line_names_the_captures(self):
         write_lines(os.path.join(self.dir, "torch_native.json"), [
@@ -656,7 +702,7 @@ class TestTurns(unittest.TestCase):
         with fake_ext(passthrough=lambda on: state.update(native=on), timing_take=take,
                       timing=lambda on, cross=False: state["timing"].append((on, cross))):
             args = torch_bench.parse_args(["cudapool", "--sections", "alt", "--reps", "3", "--empty-pairs", "10",
-                                           "--mixed-pairs", "10", "--alt-timing"])
+                                           "--mixed-pairs", "10", "--alt-timing", "--alt-captures", "0"])
             out = torch_bench.bench_alt(fake_torch(), args)
         self.assertEqual(state["timing"], [(True, False), (False, False)])
         self.assertEqual(state["takes"], 2 * (1 + 3 * 2))  # per loop: one discarded, one per rep

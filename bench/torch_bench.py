@@ -38,6 +38,11 @@ Sections, in this order (the same for every config):
   empty  torch.empty + free: 4 KiB (median us/pair of reps), and the C
          benchmark's mixed sequence (bench/workloads.py: 256 live tensors,
          512 B - 144 MiB) after one warm-up cycle.
+  alt    (cudapool's configurations) the empty section's loops, and with
+         --alt-captures the graph section's captures, PyTorch's allocator
+         and cudapool alternating rep by rep (capture by capture) in this
+         process: cudapool's class hands the native reps to the allocator it
+         replaced (cudapool._ext.passthrough). Per-pair ratios.
 
 BENCH_TURNS=IN:OUT:first|second (two FIFOs) makes two processes on one CPU
 take turns (bench/turn_pair.sh starts such a pair, tagging its lines with
@@ -165,6 +170,9 @@ def parse_args(argv=None):
                    help="alt section: also time each allocate() and deleter call of both allocators "
                         "(cudapool._ext.timing; adds two clock reads per call); cross: native's allocate() "
                         "is followed by a near-empty call into cudapool's Go code")
+    p.add_argument("--alt-captures", type=int, default=6,
+                   help="alt section: pairs of graph captures (the graph section's forward), native and "
+                        "cudapool alternating in this process after one discarded capture each (0: none)")
     p.add_argument("--model-layers", type=int, default=12, help="(for quick tests) GPT layers")
     args = p.parse_args(argv)
     secs = [s.strip() for s in args.sections.split(",") if s.strip()]
@@ -399,13 +407,20 @@ def device_calls(torch, dev=0):
     return {k: int(st.get(k, 0)) for k in COUNTED}
 
 
-def bench_graph(torch, args):
+def graph_model(torch, args):
+    """The graph section's model (GPT-2 small, bf16 weights, eval) and its
+    input (batch x graph_seq tokens)."""
     from model import GPT
 
     torch.manual_seed(0)
     model = GPT(layers=args.model_layers).cuda().to(torch.bfloat16).eval()
     gen = torch.Generator(device="cuda").manual_seed(1234)
     x = torch.randint(0, VOCAB, (args.batch, args.graph_seq), device="cuda", generator=gen)
+    return model, x
+
+
+def bench_graph(torch, args):
+    model, x = graph_model(torch, args)
     out = {"graph_batch": args.batch, "graph_seq": args.graph_seq, "graph_replays": args.graph_replays}
     with torch.no_grad():
         warm_forward(torch, model, x)
@@ -580,7 +595,8 @@ def bench_alt(torch, args):
     Both reps of a pair meet the host in the same state; what the switch
     itself costs (one predictable branch in the class) falls on native's
     side. Per loop: each side's per-rep us, the per-pair ratios
-    cudapool/native and their median."""
+    cudapool/native and their median. Then, with --alt-captures, the graph
+    section's captures alternating the same way (alt_captures)."""
     if args.config not in CUDAPOOL_CONFS:
         raise RuntimeError("the alt section needs one of cudapool's configurations")
     from cudapool import _ext
@@ -620,6 +636,8 @@ def bench_alt(torch, args):
                         f"alt_{loop}_pairs": n})
             if timed:
                 out.update(call_summary(f"alt_{loop}", calls))
+        if args.alt_captures:
+            out.update(alt_captures(torch, args, _ext))
         return out
     finally:
         live.clear()
@@ -629,6 +647,52 @@ def bench_alt(torch, args):
                 _ext.timing(False)
         except _ext.ExtensionUnavailable:
             pass  # never switched: the error that brought us here is the one to see
+
+
+def alt_captures(torch, args, _ext):
+    """The graph section's capture (torch.cuda.graph of the forward, each
+    into a new private pool, every graph kept), PyTorch's allocator and
+    cudapool alternating capture by capture in this process (N C, C N, ...)
+    after one discarded capture each: while passthrough is on, cudapool's
+    class hands the capture (its allocations, empty_cache, the pool hooks
+    and the pool's release) to the allocator it replaced. Both captures of a
+    pair meet the host in the same state, which the graph row's processes
+    do not (docs/hot-path.md section 23). Per side each capture's ms, the
+    per-pair ratios cudapool/native and their median."""
+    sides = ("native", "cudapool")
+    _ext.passthrough(False)
+    model, x = graph_model(torch, args)
+    caps = {side: [] for side in sides}
+    kept = []
+    order = list(sides)
+    for k in range(args.alt_captures):
+        order += sides if k % 2 else sides[::-1]
+    try:
+        with torch.no_grad():
+            for side in sides:  # each allocator's cache and cuBLAS's workspaces made outside a graph
+                _ext.passthrough(side == "native")
+                warm_forward(torch, model, x)
+            for i, side in enumerate(order):
+                _ext.passthrough(side == "native")
+                cleanup(torch)
+                g = torch.cuda.CUDAGraph()
+                t0 = time.perf_counter()
+                with torch.cuda.graph(g):
+                    y = model(x)
+                torch.cuda.synchronize()
+                ms = (time.perf_counter() - t0) * 1e3
+                if i >= len(sides):
+                    caps[side].append(ms)
+                kept.append((g, y))
+    finally:
+        _ext.passthrough(False)
+        graphs = [k[0] for k in kept]
+        kept.clear()  # the outputs before their graphs
+        graphs.clear()  # a graph of native's releases its pool to native whatever the switch says
+    ratios = [c / n for n, c in zip(caps["native"], caps["cudapool"])]
+    return {"alt_capture_ratio": statistics.median(ratios), "alt_capture_ratio_reps": ratios,
+            "alt_capture_native_reps_ms": caps["native"], "alt_capture_cudapool_reps_ms": caps["cudapool"],
+            "alt_capture_pairs": len(ratios)}
 
 
 def call_summary(prefix, calls):

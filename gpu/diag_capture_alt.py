@@ -80,6 +80,13 @@ with torch.no_grad():
             c = _ext.timing_take()
             side = "native" if native else "cudapool"
             a, f = c[(side, "alloc")][0], c[(side, "free")][0]
+            # allocate() in bands: under 1 us (a cache hit), 1-20 us (a
+            # miss served from cached memory), over 20 us (a driver
+            # allocation): count and sum of each.
+            bands = ((0, 1e3), (1e3, 20e3), (20e3, float("inf")))
+            for (lo, hi), name in zip(bands, ("hit", "miss", "driver")):
+                v = [x for x in a if lo <= x < hi]
+                row[name + "_n"], row[name + "_sum"] = len(v), sum(v) / 1e9
             row.update(allocs=len(a), alloc_sum=sum(a) / 1e9, frees=len(f), free_sum=sum(f) / 1e9,
                        empty_cache=sum(c[(side, "empty_cache")][0]) / 1e9,
                        begin_pool=sum(c[(side, "begin_pool")][0]) / 1e9,
@@ -98,7 +105,9 @@ print("RESULT " + json.dumps(rows))
 '''.replace("REPO", repr(REPO))
 
 PHASES = ("enter", "forward", "exit", "sync", "total")
-CALLS = ("empty_cache", "begin_pool", "alloc_sum", "free_sum", "outside", "end_pool")
+CALLS = ("empty_cache", "begin_pool", "alloc_sum", "hit_sum", "miss_sum", "driver_sum", "free_sum", "outside",
+         "end_pool")
+COUNTS = ("allocs", "hit_n", "miss_n", "driver_n")
 
 
 def med(v):
@@ -135,9 +144,10 @@ def summarize(ps):
         if k in ps[0][0]:
             m["native_" + k] = med([n[k] * 1e3 for n, _ in ps])
             m["cudapool_" + k] = med([c[k] * 1e3 for _, c in ps])
-    if "allocs" in ps[0][0]:
-        m["native_allocs"] = med([n["allocs"] for n, _ in ps])
-        m["cudapool_allocs"] = med([c["allocs"] for _, c in ps])
+    for k in COUNTS:
+        if k in ps[0][0]:
+            m["native_" + k] = med([n[k] for n, _ in ps])
+            m["cudapool_" + k] = med([c[k] for _, c in ps])
     return m
 
 
@@ -156,8 +166,9 @@ def report(label, per_proc):
         cell = lambda v: f"{med(v):.3f} ({min(v):.3f}-{max(v):.3f})"
         print(f"{k:24}{cell(nv):>24}{cell(cv):>24}{med(cv) - med(nv):>+12.3f}")
     if "native_allocs" in per_proc[0]:
-        print(f"allocate() calls per captured forward: native {med([m['native_allocs'] for m in per_proc]):.0f}, "
-              f"cudapool {med([m['cudapool_allocs'] for m in per_proc]):.0f}")
+        print("allocate() calls per captured forward (all; under 1 us; 1-20 us; over 20 us): " + ", ".join(
+            f"{side} " + " / ".join(f"{med([m[side + '_' + k] for m in per_proc]):.0f}" for k in COUNTS)
+            for side in ("native", "cudapool")))
 
 
 def main():
