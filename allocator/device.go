@@ -399,7 +399,10 @@ func (d *device) releasePrivate(op string, pp *privatepool.Pool) error {
 		d.cache.MarkReleased(p)
 	}
 	if pp.Segments() == 0 {
+		small, large := pp.Small, pp.Large
 		d.graphs.Pools.Drop(pp)
+		d.cache.DropPool(small)
+		d.cache.DropPool(large)
 		delete(d.sources, pp.ID)
 	}
 	return nil

@@ -436,6 +436,20 @@ class TestReport(unittest.TestCase):
         self.assertEqual([round(r, 6) for r in out["alt_capture_ratio_reps"]], [0.8, 0.8, 0.8])
         self.assertEqual([round(v, 6) for v in out["alt_capture_native_reps_ms"]], [5.0, 5.0, 5.0])
 
+    def test_alt_captures_failing_keeps_the_loops(self):
+        # A capture that fails leaves the loops' results in the alt line.
+        saved = torch_bench.graph_model
+        torch_bench.graph_model = lambda torch, args: 1 / 0
+        try:
+            with fake_ext(passthrough=lambda on: None):
+                args = torch_bench.parse_args(["cudapool", "--sections", "alt", "--reps", "1", "--empty-pairs", "10",
+                                               "--mixed-pairs", "10", "--alt-captures", "2"])
+                out = torch_bench.bench_alt(fake_torch(), args)
+        finally:
+            torch_bench.graph_model = saved
+        self.assertIn("alt_small_ratio", out)
+        self.assertIn("ZeroDivisionError", out["alt_capture_error"])
+
     def test_params_line_names_the_captures(self):
         write_lines(os.path.join(self.dir, "torch_native.json"), [
             {"kind": "torch", "config": "native", "section": "graph", "graph_capture_ms": 5.0, "graph_batch": 8,

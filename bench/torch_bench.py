@@ -637,7 +637,11 @@ def bench_alt(torch, args):
             if timed:
                 out.update(call_summary(f"alt_{loop}", calls))
         if args.alt_captures:
-            out.update(alt_captures(torch, args, _ext))
+            try:
+                out.update(alt_captures(torch, args, _ext))
+            except Exception as e:  # noqa: BLE001  (the loops' results stand)
+                traceback.print_exc()
+                out["alt_capture_error"] = short_error(e)
         return out
     finally:
         live.clear()
@@ -684,6 +688,7 @@ def alt_captures(torch, args, _ext):
                 if i >= len(sides):
                     caps[side].append(ms)
                 kept.append((g, y))
+                del g, y
     finally:
         _ext.passthrough(False)
         graphs = [k[0] for k in kept]

@@ -6,8 +6,10 @@
 # one recipe): go build -buildmode=c-shared of ./capi, exporting only
 # cudapool_* (capi/exports.map), with the toolchain's runtime/cgocall.go
 # replaced for this build by a copy in which a call from C counts as a
-# schedule tick of the P it takes (go build -overlay). Prints
-# "runtime: tick" or "runtime: stock (why)" last.
+# schedule tick of the P it takes (go build -overlay), and where the file
+# allows, a callback stops receiving from main_init_done once one has
+# (initonce below). Prints "runtime: tick, init-once", "runtime: tick" or
+# "runtime: stock (why)" last.
 #
 # Why the tick (docs/hot-path.md 22). A C thread that calls into Go keeps
 # the P its call took, parked "in a system call" while it runs C. sysmon
@@ -57,13 +59,52 @@ overlay() {
         print "\t\tpp.schedtick++"
         print "\t}"
     }' "$src" >"$tmp/cgocall.go"
+    initonce "$tmp/cgocall.go"
     printf '{"Replace": {"%s": "%s"}}\n' "$src" "$tmp/cgocall.go" >"$tmp/overlay.json"
+}
+
+# initonce FILE: in the runtime copy, a callback from a thread running no
+# Go receives from main_init_done (closed once the library's packages are
+# initialized) only until one such receive has returned: a receive from the
+# closed channel takes its lock, two atomic writes to one line that every
+# calling thread shares, and chanrecv's and lock2's code, at every call from
+# C (docs/hot-path.md 23). Skipped, the tick kept, where the line is not
+# there exactly once; notes "init-once" for the build record.
+initonce() {
+    local f=$1 anchor='		<-main_init_done'
+    [ "$(grep -cxF "$anchor" "$f" || true)" = 1 ] || return 0
+    awk -v a="$anchor" '
+        $0 == "import (" && !imp { print; print "\t\"internal/runtime/atomic\""; imp = 1; next }
+        $0 == a {
+            print "\t\t// cudapool (capi/build_lib.sh): received once, main_init_done is"
+            print "\t\t// closed for good; later callbacks need not take its lock."
+            print "\t\tif !cgoInitDone.Load() {"
+            print "\t" a
+            print "\t\t\tcgoInitDone.Store(true)"
+            print "\t\t}"
+            next
+        }
+        { print }
+        END {
+            print ""
+            print "// cgoInitDone: some callback has received from main_init_done (cudapool)."
+            print "var cgoInitDone atomic.Bool"
+        }' "$f" >"$f.new"
+    # The toolchain's file importing the package already: the added line
+    # would be a second import; leave the receive as it is.
+    if grep -qxF '	"internal/runtime/atomic"' "$f"; then
+        rm -f "$f.new"
+        return 0
+    fi
+    mv "$f.new" "$f"
+    touch "$tmp/initonce"
 }
 
 flags=()
 if why=$(overlay); then
     flags=(-overlay="$tmp/overlay.json")
     runtime="tick"
+    [ -e "$tmp/initonce" ] && runtime="tick, init-once"
 else
     echo "capi/build_lib.sh: building with the stock Go runtime: $why" >&2
     runtime="stock ($why)"

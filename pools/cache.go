@@ -194,6 +194,16 @@ func (c *Cache) NewPool(small bool, id PoolID) *BlockPool {
 	return p
 }
 
+// DropPool lets go of the free sets of p, a private pool's block pool with
+// no segment left that its owner forgets: p lives on while any pool of its
+// batch does, and an emptied segregated fit keeps its per-stream arrays.
+func (c *Cache) DropPool(p *BlockPool) {
+	if p.Segments != 0 || p.Blocks.Len() != 0 || p.Unmapped.Len() != 0 {
+		panic("pools: dropping a block pool that holds memory")
+	}
+	p.Blocks, p.Unmapped = nil, nil
+}
+
 // makePools makes the next batch of empty block pools.
 func (c *Cache) makePools() {
 	ps := make([]BlockPool, poolBatch)

@@ -194,6 +194,8 @@ func (r *Registry) Drop(p *Pool) {
 	}
 	delete(r.pools, p.ID)
 	r.released--
+	// From a batch (Acquire): lets its block pools go with it.
+	p.Small, p.Large = nil, nil
 }
 
 // Check verifies the count of released pools against the pools.

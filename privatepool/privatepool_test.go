@@ -118,5 +118,6 @@ func TestReleasedCount(t *testing.T) {
 			require.NoError(t, r.Release(id))
 		}
 		require.Equal(t, len(r.Freeable()), r.Released(), "step %d", i)
+		require.NoError(t, r.Check(), "step %d", i)
 	}
 }

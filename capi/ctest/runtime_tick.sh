@@ -4,7 +4,8 @@
 # the runtime's own trace: after 3,000 calls from C, some P must have
 # counted at least 1,500 schedule ticks if LIBDIR/BUILD_COMMIT says
 # "runtime: tick", and none more than 1,500 if it says "runtime: stock" (a
-# call from C then counts none; the keeper's few hundred a second do).
+# call from C then counts none; the keeper's few hundred a second do); and
+# the runtime's init-once flag must be there exactly when it says so.
 set -eu
 prog=$1 libdir=$2
 calls=3000
@@ -27,3 +28,14 @@ esac
 [ $ok = 1 ] && v="ok   " || v="FAIL "
 echo "$v $libdir (runtime: $want): the busiest P counted $max schedule ticks over $calls calls from C"
 [ $ok = 1 ]
+
+# init-once (capi/build_lib.sh): the patched runtime's flag is in the
+# library exactly when the build record says so.
+if grep -q '^runtime: .*init-once' "$libdir/BUILD_COMMIT"; then
+	nm "$libdir/libcudapool.so" | grep -q ' runtime\.cgoInitDone$' ||
+		{ echo "FAIL  $libdir says init-once, and its runtime has no cgoInitDone"; exit 1; }
+	echo "ok    $libdir: the runtime receives from main_init_done once (init-once)"
+elif nm "$libdir/libcudapool.so" | grep -q ' runtime\.cgoInitDone$'; then
+	echo "FAIL  $libdir has cgoInitDone, and its build record does not say init-once"
+	exit 1
+fi

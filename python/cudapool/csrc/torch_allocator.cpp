@@ -556,7 +556,7 @@ class Allocator final : public Base {
 
 	void emptyCache(MempoolId_t id) override {
 		const uint8_t mode = mode_.load(std::memory_order_relaxed);
-		if (C10_UNLIKELY(mode != 0)) {
+		if (C10_UNLIKELY(mode != 0 || ((id.first != 0 || id.second != 0) && passed(id, false)))) {
 			emptyCache_measured(id, mode);
 			return;
 		}
@@ -704,11 +704,17 @@ class Allocator final : public Base {
 		const uint8_t mode = mode_.load(std::memory_order_relaxed);
 		const bool timed = mode & kTime;
 		const uint64_t t0 = timed ? timing::ticks() : 0;
-		if (C10_UNLIKELY(mode & kPass)) {
+		const bool known = passed(id, false);
+		if (C10_UNLIKELY((mode & kPass) || known)) {
 			// A capture begun while passthrough is on is native's, to its
-			// end and its graph's release (gpu/diag_capture_alt.py).
+			// end and its graph's release (gpu/diag_capture_alt.py), and so
+			// is its pool when a later capture shares it, switch or not.
+			// Passthrough is a measurement switch: cudapool is not told of
+			// native's captures, so nothing may free cudapool's tensors
+			// during one (the benchmark's captured forward frees only its
+			// own), and a pool of cudapool's is not shared with one.
 			native_->beginAllocateToPool(device, id, std::move(filter));
-			{
+			if (!known) {
 				std::lock_guard<std::mutex> g(pass_mu_);
 				pass_pools_.push_back(id);
 				pass_count_.store(pass_pools_.size(), std::memory_order_release);
@@ -733,8 +739,9 @@ class Allocator final : public Base {
 
 	void endAllocateToPool(DeviceIndex device, MempoolId_t id) override {
 		const bool timed = mode_.load(std::memory_order_relaxed) & kTime;
+		const bool native = passed(id, false); // before the clock: not cudapool's time
 		const uint64_t t0 = timed ? timing::ticks() : 0;
-		if (C10_UNLIKELY(passed(id, false))) {
+		if (C10_UNLIKELY(native)) {
 			native_->endAllocateToPool(device, id);
 			if (timed)
 				timing::record(timing::kNativeEndPool, timing::ticks() - t0);
@@ -758,6 +765,8 @@ class Allocator final : public Base {
 	}
 
 	int getPoolUseCount(DeviceIndex device, MempoolId_t id) override {
+		if (C10_UNLIKELY(passed(id, false)))
+			return native_->getPoolUseCount(device, id);
 		cudapool_clear_error();
 		int n = cudapool_pool_use_count(device, id.first, id.second);
 		check();
@@ -967,16 +976,17 @@ class Allocator final : public Base {
 	}
 
 	// emptyCache_measured: passthrough empties native's cache instead of
-	// cudapool's (torch.cuda.graph's enter phase, as native runs it);
-	// timing times either.
+	// cudapool's (torch.cuda.graph's enter phase, as native runs it), as
+	// does emptying a pool of native's; timing times either.
 	C10_NOINLINE void emptyCache_measured(MempoolId_t id, uint8_t mode) {
+		const bool native = (mode & kPass) || ((id.first != 0 || id.second != 0) && passed(id, false));
 		const uint64_t t0 = timing::ticks();
-		if (mode & kPass)
+		if (native)
 			native_->emptyCache(id);
 		else
 			empty_cache(id);
 		if (mode & kTime)
-			timing::record((mode & kPass) ? timing::kNativeEmpty : timing::kEmpty, timing::ticks() - t0);
+			timing::record(native ? timing::kNativeEmpty : timing::kEmpty, timing::ticks() - t0);
 	}
 
 	// passed reports whether pool id was begun while passthrough was on
