@@ -36,4 +36,4 @@ for (cfg, k), v in sorted(rows.items()):
 PY
 echo "host: $(grep -m 1 'model name' /proc/cpuinfo | sed 's/.*: *//'), $(nproc) CPUs; $(date -u '+%Y-%m-%d %H:%M UTC')"
 echo "A: lib $(tr '\n' ' ' < lib/BUILD_COMMIT); B: $(tr '\n' ' ' < "$(dirname "$CUDAPOOL_LIBRARY_B")/BUILD_COMMIT")"
-grep -E 'cudapool_b/cudapool|median|^kind|turns' "$O/turns.txt" | tail -n 20
+tail -n 22 "$O/turns.txt"
