@@ -20,7 +20,8 @@ BUILD   := build
 
 # The library is built by capi/build_lib.sh (here and in python/setup.py):
 # only the cudapool_* functions are exported (capi/exports.map), and the Go
-# runtime counts a call from C as a schedule tick (docs/hot-path.md 22).
+# runtime counts a call from C as a schedule tick and waits for the
+# package initialization only once (docs/hot-path.md 22, 24).
 # go build reads capi/default.pgo by itself (-pgo=auto: the main package's
 # default.pgo).
 

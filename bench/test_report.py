@@ -80,11 +80,16 @@ def fake_ext(**funcs):
     try:
         yield ext
     finally:
-        for k, v in saved.items():
-            if v is None:
-                sys.modules.pop(k, None)
-            else:
-                sys.modules[k] = v
+        restore(sys.modules, saved)
+
+
+def restore(mapping, saved):
+    """Puts back saved's entries in mapping (None: absent before)."""
+    for k, v in saved.items():
+        if v is None:
+            mapping.pop(k, None)
+        else:
+            mapping[k] = v
 
 
 def row(rows, label_start):
@@ -470,11 +475,7 @@ class TestReport(unittest.TestCase):
             torch_bench.use_library_b("cudapool_exp_b")
             self.assertEqual(os.environ["CUDAPOOL_LIBRARY"], "/b/libcudapool.so")
         finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+            restore(os.environ, saved)
 
     def test_header_names_the_go_runtime(self):
         res = report.Results()

@@ -653,7 +653,7 @@ def bench_alt(torch, args):
             pass  # never switched: the error that brought us here is the one to see
 
 
-def alt_captures(torch, args, _ext):
+def alt_captures(torch, args, _ext, before=None, after=None):
     """The graph section's capture (torch.cuda.graph of the forward, each
     into a new private pool, every graph kept), PyTorch's allocator and
     cudapool alternating capture by capture in this process (N C, C N, ...)
@@ -662,15 +662,23 @@ def alt_captures(torch, args, _ext):
     and the pool's release) to the allocator it replaced. Both captures of a
     pair meet the host in the same state, which the graph row's processes
     do not (docs/hot-path.md section 23). Per side each capture's ms, the
-    per-pair ratios cudapool/native and their median."""
+    per-pair ratios cudapool/native and their median.
+
+    gpu/diag_capture_alt.py looks inside: before(side) runs just before a
+    capture's clock starts, after(side, row) just after it stops, with row
+    the capture's phases in ms (enter: synchronize, empty_cache and
+    capture_begin; forward; exit: capture_end and instantiation; sync;
+    total), which it may add to; with after, the rows of the captures that
+    count are returned too (alt_capture_rows)."""
     sides = ("native", "cudapool")
     _ext.passthrough(False)
     model, x = graph_model(torch, args)
-    caps = {side: [] for side in sides}
+    rows = []
     kept = []
     order = list(sides)
     for k in range(args.alt_captures):
         order += sides if k % 2 else sides[::-1]
+    pc = time.perf_counter
     try:
         with torch.no_grad():
             for side in sides:  # each allocator's cache and cuBLAS's workspaces made outside a graph
@@ -679,14 +687,23 @@ def alt_captures(torch, args, _ext):
             for i, side in enumerate(order):
                 _ext.passthrough(side == "native")
                 cleanup(torch)
+                if before:
+                    before(side)
                 g = torch.cuda.CUDAGraph()
-                t0 = time.perf_counter()
+                t0 = pc()
                 with torch.cuda.graph(g):
+                    t1 = pc()
                     y = model(x)
+                    t2 = pc()
+                t3 = pc()
                 torch.cuda.synchronize()
-                ms = (time.perf_counter() - t0) * 1e3
+                t4 = pc()
+                row = {"side": side, "enter": (t1 - t0) * 1e3, "forward": (t2 - t1) * 1e3,
+                       "exit": (t3 - t2) * 1e3, "sync": (t4 - t3) * 1e3, "total": (t4 - t0) * 1e3}
+                if after:
+                    after(side, row)
                 if i >= len(sides):
-                    caps[side].append(ms)
+                    rows.append(row)
                 kept.append((g, y))
                 del g, y
     finally:
@@ -694,10 +711,14 @@ def alt_captures(torch, args, _ext):
         graphs = [k[0] for k in kept]
         kept.clear()  # the outputs before their graphs
         graphs.clear()  # a graph of native's releases its pool to native whatever the switch says
+    caps = {side: [r["total"] for r in rows if r["side"] == side] for side in sides}
     ratios = [c / n for n, c in zip(caps["native"], caps["cudapool"])]
-    return {"alt_capture_ratio": statistics.median(ratios), "alt_capture_ratio_reps": ratios,
-            "alt_capture_native_reps_ms": caps["native"], "alt_capture_cudapool_reps_ms": caps["cudapool"],
-            "alt_capture_pairs": len(ratios)}
+    out = {"alt_capture_ratio": statistics.median(ratios), "alt_capture_ratio_reps": ratios,
+           "alt_capture_native_reps_ms": caps["native"], "alt_capture_cudapool_reps_ms": caps["cudapool"],
+           "alt_capture_pairs": len(ratios)}
+    if after:
+        out["alt_capture_rows"] = rows
+    return out
 
 
 def call_summary(prefix, calls):

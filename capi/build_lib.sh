@@ -73,6 +73,8 @@ overlay() {
 initonce() {
     local f=$1 anchor='		<-main_init_done'
     [ "$(grep -cxF "$anchor" "$f" || true)" = 1 ] || return 0
+    # A file that imports the package already would get a second import.
+    ! grep -qxF '	"internal/runtime/atomic"' "$f" || return 0
     awk -v a="$anchor" '
         $0 == "import (" && !imp { print; print "\t\"internal/runtime/atomic\""; imp = 1; next }
         $0 == a {
@@ -90,12 +92,6 @@ initonce() {
             print "// cgoInitDone: some callback has received from main_init_done (cudapool)."
             print "var cgoInitDone atomic.Bool"
         }' "$f" >"$f.new"
-    # The toolchain's file importing the package already: the added line
-    # would be a second import; leave the receive as it is.
-    if grep -qxF '	"internal/runtime/atomic"' "$f"; then
-        rm -f "$f.new"
-        return 0
-    fi
     mv "$f.new" "$f"
     touch "$tmp/initonce"
 }

@@ -9,16 +9,18 @@ captures the same forward (bench/model.py's GPT-2 small, bf16, batch 8 x seq
 512, as the graph row) by both allocators in turn: cudapool's C++ class,
 with passthrough on (cudapool._ext.passthrough), hands torch.empty's
 allocations, empty_cache and the capture's private pool to PyTorch's
-allocator it replaced. Captures go native, cudapool, cudapool, native, ...
-(PAIRS pairs after one discarded capture of each), every graph kept, each
-capture into a new pool, as in the graph row.
+allocator it replaced. The captures are those of the benchmark's alt section
+(bench/torch_bench.py's alt_captures: PAIRS pairs after one discarded capture
+of each, who goes first alternating, every graph kept, each capture into a
+new pool, as in the graph row); this script looks inside each one.
 
 With DIAG_TIMING=1 (the default) both sides' calls are timed in place
 (cudapool._ext.timing): allocate() and the deleter during the captured
 forward, empty_cache and begin/endAllocateToPool; "outside" is the forward's
 time less its allocate() and deleter calls, what PyTorch itself took around
 them. DIAG_TIMING=0 times the phases only (the calls then carry no timing
-code). DIAG_LABEL names the library in the output.
+code). DIAG_LIBS (space-separated paths of libcudapool.so) compares builds:
+their processes take turns, one table each.
 
 Prints per pair the ratio cudapool/native of each phase (enter: synchronize,
 empty_cache, capture_begin; forward; exit: capture_end and instantiation;
@@ -33,7 +35,7 @@ import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHILD = r'''
-import gc, json, os, sys, time
+import json, os, sys
 pairs = int(sys.argv[1])
 sys.path.insert(0, os.path.join(REPO, "bench"))
 sys.path.insert(0, os.path.join(REPO, "python"))
@@ -41,67 +43,40 @@ import cudapool
 cudapool.install()
 from cudapool import _ext
 import torch
-from model import GPT
-from torch_bench import warm_forward
+import torch_bench
 timed = os.environ.get("DIAG_TIMING", "1") == "1"
-torch.manual_seed(0)
-model = GPT(layers=12).cuda().to(torch.bfloat16).eval()
-x = torch.randint(0, 16384, (8, 512), device="cuda")
-kept = []
-rows = []
-pc = time.perf_counter
-with torch.no_grad():
-    for native in (True, False):  # both allocators warm (cuBLAS's workspaces, each cache)
-        _ext.passthrough(native)
-        warm_forward(torch, model, x)
-    order = [True, False]  # one discarded capture each
-    for p in range(pairs):
-        order += [True, False] if p % 2 else [False, True]
+
+
+def before(side):
     if timed:
-        _ext.timing(True)
-    for i, native in enumerate(order):
-        _ext.passthrough(native)
-        gc.collect()
-        torch.cuda.empty_cache()
-        if timed:
-            _ext.timing_take()
-        g = torch.cuda.CUDAGraph()
-        t0 = pc()
-        with torch.cuda.graph(g):
-            t1 = pc()
-            y = model(x)
-            t2 = pc()
-        t3 = pc()
-        torch.cuda.synchronize()
-        t4 = pc()
-        row = {"native": native, "enter": t1 - t0, "forward": t2 - t1, "exit": t3 - t2, "sync": t4 - t3,
-               "total": t4 - t0}
-        if timed:
-            c = _ext.timing_take()
-            side = "native" if native else "cudapool"
-            a, f = c[(side, "alloc")][0], c[(side, "free")][0]
-            # allocate() in bands: under 1 us (a cache hit), 1-20 us (a
-            # miss served from cached memory), over 20 us (a driver
-            # allocation): count and sum of each.
-            bands = ((0, 1e3), (1e3, 20e3), (20e3, float("inf")))
-            for (lo, hi), name in zip(bands, ("hit", "miss", "driver")):
-                v = [x for x in a if lo <= x < hi]
-                row[name + "_n"], row[name + "_sum"] = len(v), sum(v) / 1e9
-            row.update(allocs=len(a), alloc_sum=sum(a) / 1e9, frees=len(f), free_sum=sum(f) / 1e9,
-                       empty_cache=sum(c[(side, "empty_cache")][0]) / 1e9,
-                       begin_pool=sum(c[(side, "begin_pool")][0]) / 1e9,
-                       end_pool=sum(c[(side, "end_pool")][0]) / 1e9)
-            row["outside"] = row["forward"] - row["alloc_sum"] - row["free_sum"]
-        if i >= 2:
-            rows.append(row)
-        kept.append((g, y))
-        del g, y
-    if timed:
-        _ext.timing(False)
-    _ext.passthrough(False)
-    torch.cuda.synchronize()
-    del kept[:]
-print("RESULT " + json.dumps(rows))
+        _ext.timing_take()  # what came before the capture's clock
+
+
+def after(side, row):
+    if not timed:
+        return
+    c = _ext.timing_take()
+    a, f = c[(side, "alloc")][0], c[(side, "free")][0]
+    # allocate() in bands: under 1 us (a cache hit), 1-20 us (a miss served
+    # from cached memory), over 20 us (a driver allocation): count and sum.
+    bands = ((0, 1e3), (1e3, 20e3), (20e3, float("inf")))
+    for (lo, hi), name in zip(bands, ("hit", "miss", "driver")):
+        v = [x for x in a if lo <= x < hi]
+        row[name + "_n"], row[name + "_sum"] = len(v), sum(v) / 1e6
+    row.update(allocs=len(a), alloc_sum=sum(a) / 1e6, frees=len(f), free_sum=sum(f) / 1e6,
+               empty_cache=sum(c[(side, "empty_cache")][0]) / 1e6,
+               begin_pool=sum(c[(side, "begin_pool")][0]) / 1e6,
+               end_pool=sum(c[(side, "end_pool")][0]) / 1e6)
+    row["outside"] = row["forward"] - row["alloc_sum"] - row["free_sum"]
+
+
+args = torch_bench.parse_args(["cudapool", "--sections", "alt", "--alt-captures", str(pairs)])
+if timed:
+    _ext.timing(True)
+out = torch_bench.alt_captures(torch, args, _ext, before=before, after=after)
+if timed:
+    _ext.timing(False)
+print("RESULT " + json.dumps(out["alt_capture_rows"]))
 '''.replace("REPO", repr(REPO))
 
 PHASES = ("enter", "forward", "exit", "sync", "total")
@@ -118,8 +93,8 @@ def pair_up(rows):
     """Pairs the captures in order: (native row, cudapool row) per pair."""
     out = []
     for a, b in zip(rows[0::2], rows[1::2]):
-        n, c = (a, b) if a["native"] else (b, a)
-        if n["native"] and not c["native"]:
+        n, c = (a, b) if a["side"] == "native" else (b, a)
+        if (n["side"], c["side"]) == ("native", "cudapool"):
             out.append((n, c))
     return out
 
@@ -142,8 +117,8 @@ def summarize(ps):
         m[k] = med([c[k] / n[k] for n, c in ps])
     for k in PHASES + CALLS:
         if k in ps[0][0]:
-            m["native_" + k] = med([n[k] * 1e3 for n, _ in ps])
-            m["cudapool_" + k] = med([c[k] * 1e3 for _, c in ps])
+            m["native_" + k] = med([n[k] for n, _ in ps])
+            m["cudapool_" + k] = med([c[k] for _, c in ps])
     for k in COUNTS:
         if k in ps[0][0]:
             m["native_" + k] = med([n[k] for n, _ in ps])

@@ -375,3 +375,26 @@ func TestCheckCatchesCorruption(t *testing.T) {
 	b.Size -= 512
 	require.NoError(t, h.c.Check())
 }
+
+// NewPool's batches hold sets of the configured kind, and a new kind
+// starts a new batch; no pool is handed out twice.
+func TestNewPoolBatches(t *testing.T) {
+	cfg := DefaultConfig()
+	cfg.FreeSet = FreeSetTreap
+	c := NewCache(cfg)
+	seen := map[*BlockPool]bool{c.Small: true, c.Large: true}
+	for i := 0; i < 3*poolBatch; i++ {
+		p := c.NewPool(i%2 == 0, PoolID{A: uint64(i + 1)})
+		require.False(t, seen[p], "pool %d handed out twice", i)
+		seen[p] = true
+		require.IsType(t, &treap{}, p.Blocks)
+		require.IsType(t, &treap{}, p.Unmapped)
+		require.Equal(t, PoolID{A: uint64(i + 1)}, p.ID)
+		require.Equal(t, i%2 == 0, p.Small)
+	}
+	cfg.FreeSet = FreeSetSorted
+	c.SetConfig(cfg)
+	p := c.NewPool(false, PoolID{A: 99})
+	require.IsType(t, &sortedSet{}, p.Blocks)
+	require.NotSame(t, p.Blocks, p.Unmapped)
+}

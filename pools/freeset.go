@@ -64,25 +64,24 @@ func NewFreeSet(k FreeSetKind) FreeSet {
 }
 
 // newFreeSets returns n empty sets of the given kind, made in one
-// allocation.
+// allocation (the kinds as NewFreeSet chooses them).
 func newFreeSets(k FreeSetKind, n int) []FreeSet {
-	out := make([]FreeSet, n)
 	switch k {
 	case FreeSetSorted:
-		xs := make([]sortedSet, n)
-		for i := range out {
-			out[i] = &xs[i]
-		}
+		return setsOf[sortedSet](n)
 	case FreeSetSegFit:
-		xs := make([]segfit, n)
-		for i := range out {
-			out[i] = &xs[i]
-		}
-	default:
-		xs := make([]treap, n)
-		for i := range out {
-			out[i] = &xs[i]
-		}
+		return setsOf[segfit](n)
+	}
+	return setsOf[treap](n)
+}
+
+func setsOf[T any, PT interface {
+	*T
+	FreeSet
+}](n int) []FreeSet {
+	xs, out := make([]T, n), make([]FreeSet, n)
+	for i := range xs {
+		out[i] = PT(&xs[i])
 	}
 	return out
 }
