@@ -94,6 +94,24 @@ func TestExpandableEmptyCacheUnmaps(t *testing.T) {
 	require.NoError(t, a.CheckInvariants())
 }
 
+// Segments released by empty_cache and made again, many more times than
+// the device's address range holds reservations of their size (the
+// simulator's 16 TiB; 90 GiB each here): every release frees its
+// reservation, and the driver reuses the address space.
+func TestExpandableMadeAgainAfterEmptyCache(t *testing.T) {
+	lockThread(t)
+	a, drv := newAlloc(t, 1, 80*GiB, expandable)
+	for i := 0; i < 400; i++ {
+		p, err := a.Malloc(0, 2*MiB, 0)
+		require.NoError(t, err, "round %d", i)
+		require.NoError(t, a.Free(0, p, 2*MiB))
+		require.NoError(t, a.EmptyCache())
+		n, _ := drv.Reservations(0)
+		require.Zero(t, n, "round %d: every reservation freed", i)
+	}
+	require.NoError(t, a.CheckInvariants())
+}
+
 // Out of memory: the free pages of other streams' ranges are unmapped, then
 // the mapping is retried.
 func TestExpandableOOMUnmapsThenRetries(t *testing.T) {

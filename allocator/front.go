@@ -55,8 +55,9 @@ package allocator
 // pick anyway, and nothing can run short for it. A call into Go for the
 // device takes the log first; a malloc's take lets the front keep holding
 // the blocks still waiting (at most CP_FRONT_HOLD, 64, per device, and in the
-// default pools small ones only, which cannot fragment the large pools:
-// capi/front.c; OpHold;
+// default pools and expandable segments' private pools small ones only
+// (TagHoldSmall), which cannot fragment the large pools or make an
+// expandable range map further: capi/front.c; OpHold;
 // to the structures they stay allocated, pools.Block.Held, while the
 // statistics count them free), so that a miss does not empty the front; a
 // malloc that then finds no free block releases them before it grows
@@ -143,6 +144,11 @@ const (
 	TagNone uint32 = 0
 	// TagDefault: the default pools.
 	TagDefault uint32 = 1
+	// TagHoldSmall, or'ed into a private pool's tag: the front may hold the
+	// block across takes only if it is small (up to the small pool's limit,
+	// as the default pools' blocks), not at any size. Go sets it for blocks
+	// of expandable segments (privateTag); capi's CP_TAG_HOLD_SMALL.
+	TagHoldSmall uint32 = 1 << 30
 )
 
 // PoolTag is the tag of the blocks of private pool serial (privatepool.Pool.Serial).

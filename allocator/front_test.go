@@ -172,9 +172,10 @@ func TestFrontRoutesPhases(t *testing.T) {
 	}
 }
 
-// With expandable segments, a private pool's blocks are left to Go (see
-// privateTag), while the default pools' are still tracked.
-func TestFrontLeavesExpandablePrivatePools(t *testing.T) {
+// A private pool's blocks are tracked with its pool's tag; with expandable
+// segments the tag carries TagHoldSmall, so that the front holds only small
+// ones across takes (see privateTag). The default pools' are tracked either way.
+func TestFrontTagsExpandablePrivatePools(t *testing.T) {
 	for _, conf := range []string{"", "expandable_segments:True"} {
 		t.Run(conf, func(t *testing.T) {
 			lockThread(t)
@@ -195,7 +196,8 @@ func TestFrontLeavesExpandablePrivatePools(t *testing.T) {
 				if conf == "" {
 					require.Equal(t, f.last()[0].Tag, track, "tracked with its pool's tag")
 				} else {
-					require.Equal(t, allocator.TagNone, track, "an expandable private pool's block is not tracked")
+					require.Equal(t, f.last()[0].Tag|allocator.TagHoldSmall, track,
+						"an expandable private pool's block is tracked with its pool's tag, held only if small")
 				}
 				q, track, err, _ := a.MallocTracked(0, size, 8, 0, nil)
 				require.NoError(t, err)

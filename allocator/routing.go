@@ -94,24 +94,29 @@ func (d *device) frontBlocked(captures int64) {
 }
 
 // privateTag is the front tag of b, a block of a private pool: its pool's
-// tag if the malloc routed to that pool (not an automatic one), the front
-// routes the device's phases and b is not in an expandable segment, else
-// TagNone. d.mu is held.
+// tag if the malloc routed to that pool (not an automatic one) and the
+// front routes the device's phases, else TagNone. d.mu is held.
 //
-// Blocks of expandable segments in private pools are left to Go. The
-// front's reuse of a freed block as it is, and its holding of freed blocks
-// across calls, keep them from merging; in a pool that grows by mapping
-// pages at the end of its range, the mallocs meanwhile split the free tail
-// instead, and the capture maps more. A GPT-2 forward's capture on the H100
-// took 246 MiB with the front serving its pool and 204 without (native
-// expandable segments: 222), and its forward was no faster for the hits
-// (docs/hot-path.md section 16).
+// Blocks of expandable segments carry TagHoldSmall: the front serves them,
+// but across takes it holds only small ones. A held block stays allocated
+// to Go, so it neither merges with its free neighbours nor serves a malloc
+// of another size; in a pool that grows by mapping pages at the end of its
+// range, the mallocs meanwhile split the free tail instead, and the capture
+// maps more. A GPT-2 forward's capture on the H100 took 246 MiB with the
+// front holding its blocks at any size and 204 with the front off (native
+// expandable segments: 222; docs/hot-path.md section 16). Left to Go
+// entirely, though, 168 of its 215 mallocs crossed into Go, against 41 with
+// ordinary segments, and the captured forward took 1.042x native's in one
+// process (section 25).
 //
 //go:noinline
 func (d *device) privateTag(b *pools.Block) uint32 {
 	p := d.routedTo
-	if !d.routed || p == nil || p.Auto || !d.routesOK || (b.Pool != p.Small && b.Pool != p.Large) || b.Seg.Expandable {
+	if !d.routed || p == nil || p.Auto || !d.routesOK || (b.Pool != p.Small && b.Pool != p.Large) {
 		return TagNone
+	}
+	if b.Seg.Expandable {
+		return PoolTag(p.Serial) | TagHoldSmall
 	}
 	return PoolTag(p.Serial)
 }

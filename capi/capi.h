@@ -46,9 +46,9 @@ enum { CP_OP_FREE = 0, CP_OP_FREE_STATS = 1, CP_OP_REUSE = 2, CP_OP_CYCLES = 3, 
 /* Log lengths, and how many blocks are held, read by Go without the lock. */
 extern volatile int cp_front_n[CP_FRONT_MAXDEV];
 extern volatile int cp_front_held[CP_FRONT_MAXDEV];
-/* The largest default-pool block held across takes: set by Go when the
- * library loads (capi/front.go: the small pool's limit, pools.SmallSize);
- * until then none is held. */
+/* The largest default-pool block (or block tagged CP_TAG_HOLD_SMALL) held
+ * across takes: set by Go when the library loads (capi/front.go: the small
+ * pool's limit, pools.SmallSize); until then none is held. */
 extern size_t cp_front_hold_max;
 /* Where cp_front_take writes a device's log (and the releases of held blocks). */
 extern cp_pending_free cp_front_out[CP_FRONT_MAXDEV][CP_FRONT_LOG + CP_FRONT_HOLD];
@@ -61,8 +61,11 @@ void *cp_front_malloc(size_t size, int dev, uintptr_t stream);
  * any_dev. */
 #define CP_FRONT_TWICE 2
 int cp_front_free(uintptr_t p, size_t size, int dev, int any_dev);
-/* After a malloc through Go: tracks the block at p if Go says so (track),
- * else drops any stale entry for p. */
+/* After a malloc through Go: tracks the block at p if Go says so (track:
+ * its pool's tag, with CP_TAG_HOLD_SMALL when it may be held across takes
+ * only up to cp_front_hold_max, as the default pools' blocks are), else
+ * drops any stale entry for p. allocator/front.go's TagHoldSmall. */
+#define CP_TAG_HOLD_SMALL (1 << 30)
 void cp_front_track(uintptr_t p, size_t size, uintptr_t stream, int dev, int track);
 /* Stops tracking p (before record_stream, IPC and frees through Go). */
 void cp_front_untrack(uintptr_t p);

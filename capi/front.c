@@ -32,7 +32,10 @@
  * 6.160 with twice the hits but cost 50% more per operation
  * (docs/hot-path.md, section 20). A private pool's blocks are held at any
  * size: a capture's forward reuses its freed activations, and its pool
- * stays the size of PyTorch's (the CUDA graph private pool row).
+ * stays the size of PyTorch's (the CUDA graph private pool row); except in
+ * expandable segments, whose blocks Go tags CP_TAG_HOLD_SMALL: there a held
+ * block keeps the mallocs that miss from reusing its range, they map the
+ * free tail instead, and the pool grows (allocator/routing.go, privateTag).
  *
  * During allocate-to-pool phases (captures) each tracked block carries the
  * tag of its pool, and a malloc that finds a waiting block of its size and
@@ -89,6 +92,7 @@ typedef struct {
 	uint32_t tag;      /* its pool's (1: the default pools) */
 	uint8_t state;
 	uint8_t inlog;     /* a record of its device's log names it */
+	uint8_t holdsmall; /* held across takes only up to cp_front_hold_max (CP_TAG_HOLD_SMALL) */
 } ent;
 
 typedef struct {
@@ -273,7 +277,9 @@ void cp_front_track(uintptr_t p, size_t size, uintptr_t stream, int dev, int tra
 	while (slots[s].e != 0)
 		s = (s + 1) & (SLOTS - 1);
 	slots[s] = (slot){p, e};
-	ents[e - 1] = (ent){.ptr = p, .stream = stream, .size = size, .dev = dev, .tag = (uint32_t)track, .state = LIVE};
+	ents[e - 1] = (ent){.ptr = p, .stream = stream, .size = size, .dev = dev,
+	                    .tag = (uint32_t)(track & ~CP_TAG_HOLD_SMALL),
+	                    .holdsmall = (track & CP_TAG_HOLD_SMALL) != 0, .state = LIVE};
 	atomic_fetch_add_explicit(&tracked, 1, memory_order_relaxed);
 	unlock();
 }
@@ -448,7 +454,7 @@ size_t cp_front_take(int dev, int keep) {
 				/* Its last free, and no reuse followed: the block stays
 				 * in front, held (Go counts the free and keeps the block
 				 * allocated), or Go frees it for real and it leaves. */
-				if (keep && held < CP_FRONT_HOLD && (x->tag != 1 || x->size <= cp_front_hold_max)) {
+				if (keep && held < CP_FRONT_HOLD && ((x->tag != 1 && !x->holdsmall) || x->size <= cp_front_hold_max)) {
 					f.op = CP_OP_HOLD;
 					x->state = HELD;
 					held++;

@@ -187,6 +187,7 @@ const (
 	// The front's route kind and tag for a nil filter and the default pools.
 	_ = 0 - (uint8(C.CP_ROUTE_ALL) ^ allocator.FilterAll)
 	_ = 0 - (uint32(1) ^ allocator.TagDefault)
+	_ = 0 - (uint32(C.CP_TAG_HOLD_SMALL) ^ allocator.TagHoldSmall)
 )
 
 // reportFreeError reports a failed queued free: PyTorch ignores the result

@@ -20,7 +20,9 @@ forward, empty_cache and begin/endAllocateToPool; "outside" is the forward's
 time less its allocate() and deleter calls, what PyTorch itself took around
 them. DIAG_TIMING=0 times the phases only (the calls then carry no timing
 code). DIAG_LIBS (space-separated paths of libcudapool.so) compares builds:
-their processes take turns, one table each.
+their processes take turns, one table each. DIAG_CONF gives both allocators
+the same settings (PYTORCH_CUDA_ALLOC_CONF syntax), e.g.
+expandable_segments:True for the expandable capture row.
 
 Prints per pair the ratio cudapool/native of each phase (enter: synchronize,
 empty_cache, capture_begin; forward; exit: capture_end and instantiation;
@@ -154,6 +156,12 @@ def main():
     env = dict(os.environ)
     for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "CUDAPOOL_CONF"):
         env.pop(k, None)
+    # DIAG_CONF: settings for both allocators (PyTorch's reads them at its
+    # first use, cudapool at install), e.g. expandable_segments:True.
+    conf = os.environ.get("DIAG_CONF", "")
+    if conf:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = conf
+        print(f"both allocators: PYTORCH_CUDA_ALLOC_CONF={conf}", flush=True)
     per_lib = {lib: [] for lib in libs}
     for r in range(procs):
         for lib in libs:

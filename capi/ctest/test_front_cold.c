@@ -12,7 +12,8 @@
  *   - allocate-to-pool phases beginning end a cold stretch;
  *   - a malloc's take (keep) holds blocks, up to CP_FRONT_HOLD, which the
  *     front serves later; a take without keep releases them; in the
- *     default pools blocks up to cp_front_hold_max only;
+ *     default pools, and in a private pool's blocks tagged CP_TAG_HOLD_SMALL
+ *     (expandable segments), blocks up to cp_front_hold_max only;
  *   - the counters of cudapool_get_front_counters.
  */
 #include <stdio.h>
@@ -194,6 +195,30 @@ int main(void) {
 	CHECK(cp_front_take(3, 1) == 2 && cp_front_out[3][0].op == CP_OP_FREE && cp_front_out[3][1].op == CP_OP_HOLD &&
 	          cp_front_held[3] == 1,
 	      "a large default-pool block is freed for real at a take with keep, a private pool's is held");
+	cp_front_take(3, 0);
+	/* A private pool's blocks tagged CP_TAG_HOLD_SMALL (expandable
+	 * segments) are held up to cp_front_hold_max only, and the flag is not
+	 * part of the pool's tag: a malloc routed to the pool is served. */
+	cp_route pool7 = {.tag = 7, .kind = CP_ROUTE_ALL};
+	CHECK(cp_front_set_routes(3, &pool7, 1), "a phase of pool 7 on device 3");
+	uintptr_t xs = next_ptr += 4096, xb = next_ptr += 4096;
+	cp_front_track(xs, 4096, 5, 3, 7 | CP_TAG_HOLD_SMALL);
+	cp_front_track(xb, HOLD_MAX + 512, 5, 3, 7 | CP_TAG_HOLD_SMALL);
+	cp_front_free(xb, HOLD_MAX + 512, 3, 0);
+	CHECK((uintptr_t)cp_front_malloc(HOLD_MAX + 512, 3, 5) == xb, "a block tagged hold-small is served within a log");
+	cp_front_free(xs, 4096, 3, 0);
+	cp_front_free(xb, HOLD_MAX + 512, 3, 0);
+	nt = cp_front_take(3, 1);
+	int held_small = 0, freed_big = 0;
+	for (size_t i = 0; i < nt; i++) {
+		held_small += cp_front_out[3][i].ptr == xs && cp_front_out[3][i].op == CP_OP_HOLD;
+		freed_big += cp_front_out[3][i].ptr == xb && cp_front_out[3][i].op == CP_OP_FREE;
+	}
+	CHECK(held_small == 1 && freed_big == 1 && cp_front_held[3] == 1,
+	      "at a take with keep the small one is held, the large one freed for real (held %d, freed %d)", held_small,
+	      freed_big);
+	CHECK((uintptr_t)cp_front_malloc(4096, 3, 5) == xs, "the held small block is served to the pool's phase");
+	CHECK(cp_front_set_routes(3, NULL, 0), "the phase ends");
 	cp_front_take(3, 0);
 
 	cp_front_set_on(0);

@@ -2,6 +2,7 @@ package sim
 
 import (
 	"fmt"
+	"sort"
 	"syscall"
 
 	"github.com/cudapool/cudapool/cuda"
@@ -14,7 +15,11 @@ import (
 //
 // The model keeps, per device:
 //   - reservations: address ranges from cuMemAddressReserve, taken from the
-//     same bump pointer as MemAlloc (so they never overlap an allocation);
+//     same bump pointer as MemAlloc (so they never overlap an allocation),
+//     or from ranges an earlier MemAddressFree gave back: the driver reuses
+//     freed address space, and a process whose expandable segments are
+//     released and made again (empty_cache in a loop) reserves far more
+//     than the device's 16 TiB range over its life;
 //   - handles: physical allocations from cuMemCreate. Their bytes count in
 //     the device's used memory (MemGetInfo, Used) from creation until they are
 //     both released and unmapped everywhere, as in CUDA, where a released
@@ -42,6 +47,7 @@ const Granularity = 2 << 20
 
 type vmmState struct {
 	reservations map[cuda.Ptr]uint64            // base -> size
+	freeVA       []vaRange                      // freed reservations, by address, coalesced
 	byReserve    map[cuda.Ptr]map[cuda.Ptr]bool // reservation -> its mapped addresses
 	handles      map[cuda.MemHandle]*physical   // live (not released) handles
 	released     map[cuda.MemHandle]*physical   // released but still mapped
@@ -50,6 +56,46 @@ type vmmState struct {
 	maps         int64                          // successful MemMap calls
 	unmaps       int64                          // successful MemUnmap calls
 	uses         []use                          // work touching memory, maybe pending
+}
+
+// vaRange is a range of address space a freed reservation gave back.
+type vaRange struct {
+	base cuda.Ptr
+	size uint64
+}
+
+// takeVA returns the start of the first freed range of at least size bytes,
+// taking size bytes from it, or false.
+func (v *vmmState) takeVA(size uint64) (cuda.Ptr, bool) {
+	for i, r := range v.freeVA {
+		if r.size < size {
+			continue
+		}
+		if r.size == size {
+			v.freeVA = append(v.freeVA[:i], v.freeVA[i+1:]...)
+		} else {
+			v.freeVA[i] = vaRange{r.base + cuda.Ptr(size), r.size - size}
+		}
+		return r.base, true
+	}
+	return 0, false
+}
+
+// giveVA returns [p, p+size) to the freed ranges, merging it with its
+// neighbours.
+func (v *vmmState) giveVA(p cuda.Ptr, size uint64) {
+	i := sort.Search(len(v.freeVA), func(i int) bool { return v.freeVA[i].base > p })
+	v.freeVA = append(v.freeVA, vaRange{})
+	copy(v.freeVA[i+1:], v.freeVA[i:])
+	v.freeVA[i] = vaRange{p, size}
+	if i+1 < len(v.freeVA) && v.freeVA[i].base+cuda.Ptr(v.freeVA[i].size) == v.freeVA[i+1].base {
+		v.freeVA[i].size += v.freeVA[i+1].size
+		v.freeVA = append(v.freeVA[:i+1], v.freeVA[i+2:]...)
+	}
+	if i > 0 && v.freeVA[i-1].base+cuda.Ptr(v.freeVA[i-1].size) == v.freeVA[i].base {
+		v.freeVA[i-1].size += v.freeVA[i].size
+		v.freeVA = append(v.freeVA[:i], v.freeVA[i+1:]...)
+	}
 }
 
 // use is work submitted on a stream (its seq-th unit) that touches
@@ -113,11 +159,14 @@ func (d *Driver) MemAddressReserve(dev int, size uint64) (cuda.Ptr, error) {
 	if err := d.checkUnsafe(tid, fmt.Sprintf("MemAddressReserve(dev=%d, size=%d)", dev, size)); err != nil {
 		return 0, err
 	}
-	if size > dv.limit-dv.next {
-		return 0, cuda.ErrOutOfMemory
+	p, ok := dv.vmm.takeVA(size)
+	if !ok {
+		if size > dv.limit-dv.next {
+			return 0, cuda.ErrOutOfMemory
+		}
+		p = cuda.Ptr(dv.next)
+		dv.next += size
 	}
-	p := cuda.Ptr(dv.next)
-	dv.next += size
 	dv.vmm.reservations[p] = size
 	dv.vmm.byReserve[p] = make(map[cuda.Ptr]bool)
 	return p, nil
@@ -142,6 +191,7 @@ func (d *Driver) MemAddressFree(dev int, p cuda.Ptr, size uint64) error {
 	}
 	delete(dv.vmm.reservations, p)
 	delete(dv.vmm.byReserve, p)
+	dv.vmm.giveVA(p, size)
 	return nil
 }
 

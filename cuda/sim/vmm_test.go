@@ -225,3 +225,45 @@ func TestVMMUnmapPendingWork(t *testing.T) {
 	require.Zero(t, d.Violations(), "%v", d.ViolationLog())
 	require.NoError(t, d.EventDestroy(0, ev))
 }
+
+// A freed reservation's address space is reused, as the driver reuses it:
+// first fit, split, and freed neighbours merged; reserving and freeing a
+// large range many more times than the device's address range holds works.
+func TestVMMReusesFreedAddressSpace(t *testing.T) {
+	d := sim.New(sim.Options{Memory: 64 * mib})
+	a, err := d.MemAddressReserve(0, 8*gran)
+	require.NoError(t, err)
+	b, err := d.MemAddressReserve(0, 8*gran)
+	require.NoError(t, err)
+	c, err := d.MemAddressReserve(0, 8*gran)
+	require.NoError(t, err)
+	require.NoError(t, d.MemAddressFree(0, b, 8*gran))
+	b1, err := d.MemAddressReserve(0, 2*gran)
+	require.NoError(t, err)
+	assert.Equal(t, b, b1, "first fit: the freed range's start")
+	b2, err := d.MemAddressReserve(0, 6*gran)
+	require.NoError(t, err)
+	assert.Equal(t, b+cuda.Ptr(2*gran), b2, "the rest of it")
+	d3, err := d.MemAddressReserve(0, 2*gran)
+	require.NoError(t, err)
+	assert.Greater(t, d3, c, "nothing freed left: new address space")
+	for _, r := range []struct {
+		p    cuda.Ptr
+		size uint64
+	}{{a, 8 * gran}, {b2, 6 * gran}, {b1, 2 * gran}} {
+		require.NoError(t, d.MemAddressFree(0, r.p, r.size))
+	}
+	big, err := d.MemAddressReserve(0, 16*gran)
+	require.NoError(t, err)
+	assert.Equal(t, a, big, "freed neighbours merge into one range")
+	require.NoError(t, d.MemAddressFree(0, big, 16*gran))
+
+	const huge = 1 << 40 // 1 TiB: the device's range holds 16
+	for i := 0; i < 100; i++ {
+		p, err := d.MemAddressReserve(0, huge)
+		require.NoError(t, err, "reservation %d", i)
+		require.NoError(t, d.MemAddressFree(0, p, huge))
+	}
+	n, _ := d.Reservations(0)
+	assert.Equal(t, 2, n, "c and d3, nothing else")
+}
