@@ -107,7 +107,8 @@ func (d *device) frontBlocked(captures int64) {
 // expandable segments: 222; docs/hot-path.md section 16). Left to Go
 // entirely, though, 168 of its 215 mallocs crossed into Go, against 41 with
 // ordinary segments, and the captured forward took 1.042x native's in one
-// process (section 25).
+// process. Held small only, the pool took 212 MiB and the front served 139
+// of the mallocs (section 25).
 //
 //go:noinline
 func (d *device) privateTag(b *pools.Block) uint32 {
