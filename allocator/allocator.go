@@ -579,10 +579,13 @@ func (a *Allocator) BaseAllocation(p cuda.Ptr) (cuda.Ptr, uint64, error) {
 	return 0, 0, newError("base_allocation", ErrUnknownPointer, "pointer %#x is not in any cudapool segment", uintptr(p))
 }
 
-// Test switches (export_test.go): emptyCacheFull makes empty_cache take
-// its full path even with nothing to release; while emptyCacheCount is
-// set, emptyCacheSkips counts the calls that did not.
-var emptyCacheFull, emptyCacheCount, emptyCacheSkips atomic.Int64
+// For tests (export_test.go): emptyCacheFull makes empty_cache take its
+// full path even with nothing to release; emptyCacheSkips counts the calls
+// that did not.
+var (
+	emptyCacheFull  atomic.Bool
+	emptyCacheSkips atomic.Int64
+)
 
 // EmptyCache returns every cached whole segment, and the memory of released
 // private pools, to the driver. A device with a capture under way is left
@@ -604,11 +607,9 @@ func (a *Allocator) EmptyCacheCtx(ctx uint64) error {
 		var err error
 		if !d.enterUnsafe() {
 			err = newError("empty_cache", ErrCaptureUnderway, "device %d: a CUDA graph capture is under way; its cache is kept", d.id)
-		} else if emptyCacheFull.Load() == 0 && d.nothingToRelease() {
+		} else if !emptyCacheFull.Load() && d.nothingToRelease() {
 			d.cache.Stats.NumSyncAllStreams++ // as syncAll counts
-			if emptyCacheCount.Load() != 0 {
-				emptyCacheSkips.Add(1)
-			}
+			emptyCacheSkips.Add(1)
 			d.leaveUnsafe()
 		} else {
 			d.hist.begin(ctx, HistoryAll)

@@ -56,23 +56,13 @@ func CaptureReuseState(a *Allocator, dev int) (markers, walks int) {
 
 // EmptyCacheFull makes empty_cache take its full path even when the device
 // has nothing to release (on) and returns the previous setting.
-func EmptyCacheFull(on bool) bool {
-	v := int64(0)
-	if on {
-		v = 1
-	}
-	return emptyCacheFull.Swap(v) != 0
-}
+func EmptyCacheFull(on bool) bool { return emptyCacheFull.Swap(on) }
 
 // CountEmptyCacheSkips starts counting the empty_cache calls that found
-// nothing to release; the returned function stops and returns the count.
+// nothing to release; the returned function returns the count since.
 func CountEmptyCacheSkips() func() int64 {
-	emptyCacheSkips.Store(0)
-	emptyCacheCount.Store(1)
-	return func() int64 {
-		emptyCacheCount.Store(0)
-		return emptyCacheSkips.Load()
-	}
+	start := emptyCacheSkips.Load()
+	return func() int64 { return emptyCacheSkips.Load() - start }
 }
 
 // NothingToRelease reports whether empty_cache would find nothing to do on
