@@ -419,6 +419,27 @@ def graph_model(torch, args):
     return model, x
 
 
+def timed_capture(torch, model, x):
+    """One capture of the graph rows: torch.cuda.graph of model(x) into a
+    new graph (and private pool), timed in phases, ms: enter
+    (graph.__enter__: synchronize, empty_cache, capture_begin), forward
+    (the captured forward), exit (__exit__: capture_end and instantiation),
+    sync (the synchronize after it) and total. Returns the graph, its output
+    and the phases."""
+    g = torch.cuda.CUDAGraph()
+    pc = time.perf_counter
+    t0 = pc()
+    with torch.cuda.graph(g):
+        t1 = pc()
+        y = model(x)
+        t2 = pc()
+    t3 = pc()
+    torch.cuda.synchronize()
+    t4 = pc()
+    return g, y, {"enter": (t1 - t0) * 1e3, "forward": (t2 - t1) * 1e3, "exit": (t3 - t2) * 1e3,
+                  "sync": (t4 - t3) * 1e3, "total": (t4 - t0) * 1e3}
+
+
 def bench_graph(torch, args):
     model, x = graph_model(torch, args)
     out = {"graph_batch": args.batch, "graph_seq": args.graph_seq, "graph_replays": args.graph_replays}
@@ -450,25 +471,15 @@ def bench_graph(torch, args):
             if i == 0:
                 reserved0 = torch.cuda.memory_reserved()
                 free0 = torch.cuda.mem_get_info()[0]
-            g = torch.cuda.CUDAGraph()
             c0 = device_calls(torch)
             h0 = front_hits()
-            t0 = time.perf_counter()
-            with torch.cuda.graph(g):
-                t1 = time.perf_counter()
-                y = model(x)
-                t2 = time.perf_counter()
-            t3 = time.perf_counter()
-            torch.cuda.synchronize()
-            t4 = time.perf_counter()
-            caps.append((t4 - t0) * 1e3)
-            # Where the capture's time went (graph.__enter__: synchronize,
-            # empty_cache, capture_begin, about 0.3 ms, so no full
-            # gc.collect; the captured forward; __exit__: capture_end and
-            # instantiation; the synchronize), and what the allocator did:
-            # read after the timing, so that nothing is added to it.
-            for k, a, b in (("enter", t0, t1), ("forward", t1, t2), ("exit", t2, t3), ("sync", t3, t4)):
-                phases[k].append((b - a) * 1e3)
+            g, y, ph = timed_capture(torch, model, x)
+            caps.append(ph["total"])
+            # Where the capture's time went (its enter phase is about 0.3
+            # ms, so no full gc.collect), and what the allocator did: read
+            # after the timing, so that nothing is added to it.
+            for k in phases:
+                phases[k].append(ph[k])
             c1 = device_calls(torch)
             for k in COUNTED:
                 counts[k].append(c1[k] - c0[k])
@@ -678,7 +689,6 @@ def alt_captures(torch, args, _ext, before=None, after=None):
     order = list(sides)
     for k in range(args.alt_captures):
         order += sides if k % 2 else sides[::-1]
-    pc = time.perf_counter
     try:
         with torch.no_grad():
             for side in sides:  # each allocator's cache and cuBLAS's workspaces made outside a graph
@@ -689,17 +699,8 @@ def alt_captures(torch, args, _ext, before=None, after=None):
                 cleanup(torch)
                 if before:
                     before(side)
-                g = torch.cuda.CUDAGraph()
-                t0 = pc()
-                with torch.cuda.graph(g):
-                    t1 = pc()
-                    y = model(x)
-                    t2 = pc()
-                t3 = pc()
-                torch.cuda.synchronize()
-                t4 = pc()
-                row = {"side": side, "enter": (t1 - t0) * 1e3, "forward": (t2 - t1) * 1e3,
-                       "exit": (t3 - t2) * 1e3, "sync": (t4 - t3) * 1e3, "total": (t4 - t0) * 1e3}
+                g, y, ph = timed_capture(torch, model, x)
+                row = {"side": side, **ph}
                 if after:
                     after(side, row)
                 if i >= len(sides):
