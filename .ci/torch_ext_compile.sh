@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Compiles cudapool's C++ allocator class (python/cudapool/csrc) against
+# Compiles cudapool's C++ allocator class (python/cudapool/csrc), and the
+# benchmark's build of it (bench/torch_allocator_bench.cpp), against
 # PyTorch 2.11.0 and against the newest torch on the package index, on a
 # machine without a GPU: the torch wheels are downloaded (no dependencies),
 # only their headers and the four libraries the class links are unpacked,
@@ -42,16 +43,24 @@ PYEOF
     rm -f "$whl"
     got=$(sed -n "s/^__version__ = '\(.*\)'/\1/p" "$d/x/torch/version.py")
     echo "== torch $got ($spec)"
-    if (cd python && python3 -c "import sys; from cudapool._ext import main; sys.exit(main(sys.argv[1:]))" --torch-dir "$d/x/torch" --cuda-include "$CUDA_INC" \
-            --library "$ROOT/lib/libcudapool.so" --out "$d/cudapool_torch.so"); then
-        # Every cudapool_* the class calls must exist in libcudapool.so.
-        missing=$(comm -23 <(nm -D --undefined-only "$d/cudapool_torch.so" | awk '{print $2}' | grep '^cudapool_' | sort) \
-                           <(nm -D --defined-only lib/libcudapool.so | awk '{print $3}' | sort))
-        if [ -n "$missing" ]; then echo "FAIL: symbols missing from libcudapool.so: $missing"; status=1; else
-            echo "ok    compiled against torch $got; every cudapool_* it calls is exported"; fi
-    else
-        echo "FAIL: the C++ allocator class does not compile against torch $got"; status=1
-    fi
+    # The shipped class, then the benchmark's build of it (bench/bench_ext.py).
+    for build in shipped bench; do
+        so="$d/cudapool_torch_$build.so"
+        if [ $build = shipped ]; then
+            cmd=(python3 -c "import sys; sys.path.insert(0, 'python'); from cudapool._ext import main; sys.exit(main(sys.argv[1:]))")
+        else
+            cmd=(python3 bench/bench_ext.py)
+        fi
+        if "${cmd[@]}" --torch-dir "$d/x/torch" --cuda-include "$CUDA_INC" --library "$ROOT/lib/libcudapool.so" --out "$so"; then
+            # Every cudapool_* the class calls must exist in libcudapool.so.
+            missing=$(comm -23 <(nm -D --undefined-only "$so" | awk '{print $2}' | grep '^cudapool_' | sort) \
+                               <(nm -D --defined-only lib/libcudapool.so | awk '{print $3}' | sort))
+            if [ -n "$missing" ]; then echo "FAIL: symbols missing from libcudapool.so: $missing"; status=1; else
+                echo "ok    $build class compiled against torch $got; every cudapool_* it calls is exported"; fi
+        else
+            echo "FAIL: the $build C++ allocator class does not compile against torch $got"; status=1
+        fi
+    done
     rm -rf "$d"
 done
 exit $status

@@ -57,7 +57,7 @@ def torch_rec(config, step_ms, pa, pr, pool, small=2.3, mixed=3.1):
 
 
 class Unavailable(Exception):
-    """The stand-in cudapool._ext's ExtensionUnavailable."""
+    """The stand-in bench_ext's ExtensionUnavailable."""
 
 
 def fake_torch(empty=lambda n, dtype, device: object()):
@@ -67,16 +67,14 @@ def fake_torch(empty=lambda n, dtype, device: object()):
 
 @contextmanager
 def fake_ext(**funcs):
-    """A stand-in for cudapool._ext with funcs, installed in sys.modules
-    (as cudapool and cudapool._ext) for the block's duration."""
-    ext = types.ModuleType("cudapool._ext")
+    """A stand-in for bench_ext (the benchmark's build of the C++ class)
+    with funcs, installed in sys.modules for the block's duration."""
+    ext = types.ModuleType("bench_ext")
     ext.ExtensionUnavailable = Unavailable
     for k, v in funcs.items():
         setattr(ext, k, v)
-    pkg = types.ModuleType("cudapool")
-    pkg._ext = ext
-    saved = {k: sys.modules.get(k) for k in ("cudapool", "cudapool._ext")}
-    sys.modules.update({"cudapool": pkg, "cudapool._ext": ext})
+    saved = {"bench_ext": sys.modules.get("bench_ext")}
+    sys.modules["bench_ext"] = ext
     try:
         yield ext
     finally:
@@ -376,7 +374,7 @@ class TestReport(unittest.TestCase):
 
     def test_alt_section_alternates_and_switches_back(self):
         # torch_bench.py's alt section against a stand-in for torch and for
-        # cudapool._ext: each pair of reps runs both sides, who goes first
+        # bench_ext: each pair of reps runs both sides, who goes first
         # alternating, and the switch ends on cudapool even after a failure.
         made = []
         fake = fake_torch(empty=lambda n, dtype, device: made.append(n) or object())
@@ -430,7 +428,7 @@ class TestReport(unittest.TestCase):
         try:
             with fake_ext(passthrough=lambda on: state.update(native=on)):
                 args = torch_bench.parse_args(["cudapool", "--sections", "alt", "--alt-captures", "3"])
-                out = torch_bench.alt_captures(fake, args, sys.modules["cudapool._ext"])
+                out = torch_bench.alt_captures(fake, args, sys.modules["bench_ext"])
         finally:
             torch_bench.graph_model, torch_bench.warm_forward, torch_bench.time.perf_counter = saved
         self.assertEqual(state["log"], ["native", "cudapool", "cudapool", "native", "native", "cudapool",
@@ -1017,6 +1015,78 @@ class TestScript(unittest.TestCase):
     def test_run_bench_sh_parses(self):
         r = subprocess.run(["bash", "-n", os.path.join(HERE, "run_bench.sh")], capture_output=True, text=True)
         self.assertEqual(r.returncode, 0, r.stderr)
+
+
+class TestBenchExt(unittest.TestCase):
+    """The benchmark's build of the C++ class (bench_ext), without torch: a
+    stand-in compiler and torch tree."""
+
+    def setUp(self):
+        import bench_ext
+
+        self.bench_ext = bench_ext
+        self._ext = bench_ext._cudapool()[0]
+        self.tmp = tempfile.mkdtemp()
+        self.saved = {"CUDAPOOL_CACHE": os.environ.get("CUDAPOOL_CACHE")}
+        os.environ["CUDAPOOL_CACHE"] = os.path.join(self.tmp, "cache")
+
+    def tearDown(self):
+        restore(os.environ, self.saved)
+        subprocess.run(["rm", "-rf", self.tmp], check=True)
+
+    def touch(self, *parts, text=""):
+        path = os.path.join(self.tmp, *parts)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            f.write(text)
+        return path
+
+    def test_build_is_the_shipped_source_and_cached_apart(self):
+        log = os.path.join(self.tmp, "cxx.log")
+        cxx = self.touch("cxx", text='#!/bin/sh\necho "$@" >> "%s"\n'
+                                     'while [ $# -gt 0 ]; do [ "$1" = -o ] && : > "$2"; shift; done\n' % log)
+        os.chmod(cxx, 0o755)
+        self.touch("torch", "version.py", text="__version__ = '9.9.9'\n")
+        kw = dict(torch_dir=os.path.join(self.tmp, "torch"), cuda_include=[os.path.dirname(
+            self.touch("cuda", "cuda_runtime_api.h"))], abi=1, library=self.touch("lib", "libcudapool.so"), cxx=cxx)
+        bench = self.bench_ext.build(**kw)
+        shipped = self._ext.build(**kw)
+        self.assertTrue(os.path.basename(bench).startswith("cudapool_torch_bench_"), bench)
+        self.assertNotEqual(bench, shipped)
+        self.assertEqual(self.bench_ext.build(**kw), bench)  # cached
+        with open(log) as f:
+            calls = f.read().splitlines()
+        self.assertEqual(len(calls), 2)
+        product = self._ext.source_path()
+        self.assertIn(self.bench_ext.SOURCE, calls[0].split())
+        self.assertIn("-I " + os.path.dirname(product), calls[0])
+        # The benchmark's source includes the shipped class's, by name.
+        with open(self.bench_ext.SOURCE) as f:
+            self.assertIn('#include "%s"' % os.path.basename(product), f.read())
+
+    def test_timing_kinds_match_the_build(self):
+        with open(self.bench_ext.SOURCE) as f:
+            src = f.read()
+        enum = src[src.index("enum Kind {"):src.index("kKinds")]
+        kinds = [ln.strip().split(",")[0] for ln in enum.splitlines()[1:] if ln.strip().startswith("k")]
+        self.assertEqual(len(kinds), len(self.bench_ext.TIMING_KINDS), kinds)
+
+    def test_switches_need_the_bench_build(self):
+        for call in (lambda: self.bench_ext.passthrough(True), lambda: self.bench_ext.timing(True),
+                     self.bench_ext.timing_take):
+            with self.assertRaisesRegex(self._ext.ExtensionUnavailable, r"bench_ext\.install\(\)"):
+                call()
+
+    def test_install_hands_its_build_to_cudapool_install(self):
+        # bench_ext.install() sets cudapool._ext's state to its build, so that
+        # cudapool.install() loads it instead of building the shipped class.
+        saved = dict(self._ext._state)
+        try:
+            self._ext._state.update(path="/bench/build.so", why=None)
+            self.assertEqual(self._ext.ensure(), ("/bench/build.so", None))
+        finally:
+            self._ext._state.clear()
+            self._ext._state.update(saved)
 
 
 if __name__ == "__main__":

@@ -42,7 +42,9 @@ Sections, in this order (the same for every config):
          --alt-captures the graph section's captures, PyTorch's allocator
          and cudapool alternating rep by rep (capture by capture) in this
          process: cudapool's class hands the native reps to the allocator it
-         replaced (cudapool._ext.passthrough). Per-pair ratios.
+         replaced (passthrough, a switch of the benchmark's build of the
+         class: bench/bench_ext.py, installed instead of cudapool.install()
+         when this section runs). Per-pair ratios.
 
 BENCH_TURNS=IN:OUT:first|second (two FIFOs) makes two processes on one CPU
 take turns (bench/turn_pair.sh starts such a pair, tagging its lines with
@@ -168,7 +170,7 @@ def parse_args(argv=None):
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--alt-timing", nargs="?", const="on", choices=("on", "cross"),
                    help="alt section: also time each allocate() and deleter call of both allocators "
-                        "(cudapool._ext.timing; adds two clock reads per call); cross: native's allocate() "
+                        "(bench_ext.timing; adds two clock reads per call); cross: native's allocate() "
                         "is followed by a near-empty call into cudapool's Go code")
     p.add_argument("--alt-captures", type=int, default=6,
                    help="alt section: pairs of graph captures (the graph section's forward), native and "
@@ -602,7 +604,7 @@ def bench_alt(torch, args):
     """The torch.empty loops of bench_empty, PyTorch's allocator and cudapool
     alternating rep by rep within this process (A B, B A, ...), as
     bench/pair_bench.c does in C: cudapool's C++ class hands allocate() to
-    the allocator it replaced while a native rep runs (_ext.passthrough).
+    the allocator it replaced while a native rep runs (bench_ext.passthrough).
     Both reps of a pair meet the host in the same state; what the switch
     itself costs (one predictable branch in the class) falls on native's
     side. Per loop: each side's per-rep us, the per-pair ratios
@@ -610,7 +612,7 @@ def bench_alt(torch, args):
     section's captures alternating the same way (alt_captures)."""
     if args.config not in CUDAPOOL_CONFS:
         raise RuntimeError("the alt section needs one of cudapool's configurations")
-    from cudapool import _ext
+    import bench_ext as ext
 
     small, mixed, fill = empty_loops(torch)
     sides = ("native", "cudapool")
@@ -618,9 +620,9 @@ def bench_alt(torch, args):
     timed = getattr(args, "alt_timing", False)
     try:
         if timed:
-            _ext.timing(True, cross=timed == "cross")
+            ext.timing(True, cross=timed == "cross")
         for side in sides:
-            _ext.passthrough(side == "native")
+            ext.passthrough(side == "native")
             small(10_000)
             live[side] = fill()
             mixed(live[side], 0, workloads.SEQ)
@@ -629,14 +631,14 @@ def bench_alt(torch, args):
             reps = {side: [] for side in sides}
             calls = {}  # (allocator, call) -> ([ns], timed calls), over the loop's reps
             if timed:
-                _ext.timing_take()  # the warm-up's and the last loop's stragglers
+                ext.timing_take()  # the warm-up's and the last loop's stragglers
             start = workloads.SEQ
             for i in range(args.reps):
                 for side in (sides if i % 2 == 0 else sides[::-1]):
-                    _ext.passthrough(side == "native")
+                    ext.passthrough(side == "native")
                     reps[side].append(small(n) if loop == "small" else mixed(live[side], start, n))
                     if timed:
-                        for key, (ns, c) in _ext.timing_take().items():
+                        for key, (ns, c) in ext.timing_take().items():
                             acc = calls.setdefault(key, ([], [0]))
                             acc[0].extend(ns)
                             acc[1][0] += c
@@ -649,7 +651,7 @@ def bench_alt(torch, args):
                 out.update(call_summary(f"alt_{loop}", calls))
         if args.alt_captures:
             try:
-                out.update(alt_captures(torch, args, _ext))
+                out.update(alt_captures(torch, args, ext))
             except Exception as e:  # noqa: BLE001  (the loops' results stand)
                 traceback.print_exc()
                 out["alt_capture_error"] = short_error(e)
@@ -657,14 +659,14 @@ def bench_alt(torch, args):
     finally:
         live.clear()
         try:
-            _ext.passthrough(False)
+            ext.passthrough(False)
             if timed:
-                _ext.timing(False)
-        except _ext.ExtensionUnavailable:
+                ext.timing(False)
+        except ext.ExtensionUnavailable:
             pass  # never switched: the error that brought us here is the one to see
 
 
-def alt_captures(torch, args, _ext, before=None, after=None):
+def alt_captures(torch, args, ext, before=None, after=None):
     """The graph section's capture (torch.cuda.graph of the forward, each
     into a new private pool, every graph kept), PyTorch's allocator and
     cudapool alternating capture by capture in this process (N C, C N, ...)
@@ -682,7 +684,7 @@ def alt_captures(torch, args, _ext, before=None, after=None):
     total), which it may add to; with after, the rows of the captures that
     count are returned too (alt_capture_rows)."""
     sides = ("native", "cudapool")
-    _ext.passthrough(False)
+    ext.passthrough(False)
     model, x = graph_model(torch, args)
     rows = []
     kept = []
@@ -692,10 +694,10 @@ def alt_captures(torch, args, _ext, before=None, after=None):
     try:
         with torch.no_grad():
             for side in sides:  # each allocator's cache and cuBLAS's workspaces made outside a graph
-                _ext.passthrough(side == "native")
+                ext.passthrough(side == "native")
                 warm_forward(torch, model, x)
             for i, side in enumerate(order):
-                _ext.passthrough(side == "native")
+                ext.passthrough(side == "native")
                 cleanup(torch)
                 if before:
                     before(side)
@@ -708,7 +710,7 @@ def alt_captures(torch, args, _ext, before=None, after=None):
                 kept.append((g, y))
                 del g, y
     finally:
-        _ext.passthrough(False)
+        ext.passthrough(False)
         graphs = [k[0] for k in kept]
         kept.clear()  # the outputs before their graphs
         graphs.clear()  # a graph of native's releases its pool to native whatever the switch says
@@ -778,7 +780,15 @@ def main(argv=None):
             use_library_b(cfg)
             if cfg == "cudapool_sched":
                 meta["alloc_conf"] = "cudapool GODEBUG=" + os.environ.get("GODEBUG", "")
-            cudapool.install()
+            if "alt" in args.sections:
+                # The alt section's switches are the benchmark's build's:
+                # installed instead of the shipped class, for the whole process.
+                import bench_ext
+
+                bench_ext.install()
+                meta["cudapool_class"] = "benchmark build"
+            else:
+                cudapool.install()
             if CUDAPOOL_CONFS[cfg]:
                 cudapool.configure(CUDAPOOL_CONFS[cfg])
                 meta["alloc_conf"] = "cudapool " + CUDAPOOL_CONFS[cfg]

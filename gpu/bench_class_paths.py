@@ -1,8 +1,10 @@
 """torch.empty + free per allocator path, each in a fresh process, interleaved,
 repeated: the C++ class's direct path, the same class on the pluggable base's
-malloc/free path, the CUDAPluggableAllocator fallback (no class), the floor
-(a trivial C allocator behind CUDAPluggableAllocator: PyTorch's own cost of
-the pluggable path, bench/floor_alloc.c), and PyTorch's native allocator.
+malloc/free path (and, with --modes, the benchmark's build of the class with
+frees made at once, bench/bench_ext.py), the CUDAPluggableAllocator fallback
+(no class), the floor (a trivial C allocator behind CUDAPluggableAllocator:
+PyTorch's own cost of the pluggable path, bench/floor_alloc.c), and
+PyTorch's native allocator.
 Prints medians and the spread (min-max) of the repeats, in us per pair.
 
 Columns: 4 KiB pairs in a tight loop; mixed sizes 512 B-16 MiB; a 4 KiB pair
@@ -40,6 +42,12 @@ import torch
 if mode == "floor":
     a = torch.cuda.memory.CUDAPluggableAllocator(os.environ["FLOOR_LIB"], "floor_malloc", "floor_free")
     torch.cuda.memory.change_current_allocator(a)
+elif mode == "bench":
+    # The benchmark's build of the class (bench/bench_ext.py), for its
+    # frees made at once (CUDAPOOL_TORCH_EXT_FAST=2).
+    sys.path.insert(0, os.environ["BENCH_DIR"])
+    import bench_ext
+    bench_ext.install()
 elif mode != "native":
     import cudapool
     cudapool.install(cpp_class=(mode != "pluggable"))
@@ -82,11 +90,12 @@ if not os.environ.get("BENCH_HOT_ONLY"):
 print("RESULT " + json.dumps(out))
 '''
 
+BENCH_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
 MODES = [("class", {}), ("class, pluggable base path", {"CUDAPOOL_TORCH_EXT_FAST": "0"}),
          ("class, frees not queued", {"CUDAPOOL_TORCH_EXT_FAST": "2"}),
          ("class, GODEBUG=schedtrace", {"GODEBUG": "schedtrace=1000000000"}),
          ("pluggable (no class)", {}), ("floor (trivial C allocator)", {}), ("native", {})]
-ARG = {"class": "class", "class, pluggable base path": "class", "class, frees not queued": "class",
+ARG = {"class": "class", "class, pluggable base path": "class", "class, frees not queued": "bench",
        "class, GODEBUG=schedtrace": "class", "pluggable (no class)": "pluggable",
        "floor (trivial C allocator)": "floor", "native": "native"}
 # The default set (gpu/diag_hot_path.sh's table); --modes picks others.
@@ -116,7 +125,7 @@ def main():
     res = {m: {k: [] for k, _ in COLS} for m, _ in modes}
     for r in range(reps):
         for m, env in modes:
-            e = dict(os.environ, **env)
+            e = dict(os.environ, BENCH_DIR=BENCH_DIR, **env)
             if pin:
                 e["BENCH_PIN"] = pin
             if hot_only:

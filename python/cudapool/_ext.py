@@ -38,7 +38,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCE = "torch_allocator.cpp"
 # The version the C++ file reports (cudapool_torch_ext_version): a cached
 # build with another is stale.
-INTERFACE_VERSION = 4
+INTERFACE_VERSION = 5
 
 
 class ExtensionUnavailable(Exception):
@@ -142,13 +142,18 @@ def _key(parts):
 
 
 def build(torch_dir=None, out=None, cuda_include=None, abi=None, library=None, cxx=None, verbose=False, announce=False,
-          rpath=None):
+          rpath=None, source=None, name="cudapool_torch", include=(), depends=()):
     """Compile the class; returns the path of the shared library.
 
     Without torch_dir, the importable torch is used. library is the
     libcudapool.so to link against (default: the one cudapool loads).
     Raises ExtensionUnavailable with the reason when it cannot be built.
     rpath: where the loader finds libcudapool.so (default: its directory).
+    source, include and depends compile another translation unit than the
+    class's own (a build of it with more code, such as the benchmark's, which
+    includes the class's source): its path, more include directories, and
+    the files it includes whose contents key the cache; name prefixes the
+    cached library's file name.
     """
     version, cuda_home = None, None
     if torch_dir is None:
@@ -168,19 +173,21 @@ def build(torch_dir=None, out=None, cuda_include=None, abi=None, library=None, c
     if not cxx:
         raise ExtensionUnavailable("no C++ compiler: install g++ (or set CXX)")
     library = os.path.abspath(library or _lib.library_path())
-    src, hdir = source_path(), header_dir()
-    with open(src, "rb") as f:
-        src_bytes = f.read()
+    src, hdir = os.path.abspath(source or source_path()), header_dir()
+    src_bytes = []
+    for path in [src] + list(depends):
+        with open(path, "rb") as f:
+            src_bytes.append(f.read())
     with open(os.path.join(hdir, "cudapool.h"), "rb") as f:
         hdr_bytes = f.read()
     libdir = os.path.dirname(library)
     # Where the loader looks for libcudapool.so: its directory, or "$ORIGIN"
     # for a build that ships next to it (setup.py).
     rpath = rpath or libdir
-    key = _key([src_bytes, hdr_bytes, torch_dir, version, abi, library, cxx, rpath, INTERFACE_VERSION] + list(inc))
+    key = _key(src_bytes + [hdr_bytes, torch_dir, version, abi, library, cxx, rpath, INTERFACE_VERSION] + list(inc))
     if out is None:
         # The cache: the name is a hash of everything the build depends on.
-        out = os.path.join(cache_dir(), f"cudapool_torch_{key}.so")
+        out = os.path.join(cache_dir(), f"{name}_{key}.so")
         if os.path.isfile(out):
             return out
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
@@ -189,7 +196,7 @@ def build(torch_dir=None, out=None, cuda_include=None, abi=None, library=None, c
            "-I", os.path.join(torch_dir, "include"),
            "-I", os.path.join(torch_dir, "include", "torch", "csrc", "api", "include"),
            "-I", hdir]
-    for d in inc:
+    for d in list(include) + list(inc):
         cmd += ["-I", d]
     # Link libcudapool.so by path with an rpath to its directory: the loader
     # then reuses the copy cudapool already loaded (one Go runtime).
@@ -207,7 +214,8 @@ def build(torch_dir=None, out=None, cuda_include=None, abi=None, library=None, c
         os.unlink(tmp.name)
         err = (proc.stderr or proc.stdout).strip().splitlines()
         first = [l for l in err if "error" in l][:5] or err[-5:]
-        raise ExtensionUnavailable(f"compiling {SOURCE} against torch {version} failed:\n  " + "\n  ".join(first))
+        raise ExtensionUnavailable(f"compiling {os.path.basename(src)} against torch {version} failed:\n  "
+                                   + "\n  ".join(first))
     os.replace(tmp.name, out)  # atomic: concurrent builders race harmlessly
     return out
 
@@ -252,8 +260,7 @@ def _prebuilt():
 def install(fast=True):
     """Make the class PyTorch's CUDA allocator. Raises ExtensionUnavailable.
 
-    fast: True (1), the direct path; False (0), the pluggable base's; 2, the
-    direct path with frees made at once instead of queued (measurement)."""
+    fast: True, the direct path; False, the pluggable base's (for comparison)."""
     import ctypes
 
     path, why = ensure()
@@ -268,72 +275,10 @@ def install(fast=True):
         raise ExtensionUnavailable(f"{path} is a stale build (interface {h.cudapool_torch_ext_version()})")
     buf = ctypes.create_string_buffer(4096)
     h.cudapool_torch_ext_install.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]
-    if h.cudapool_torch_ext_install(2 if fast == 2 else (1 if fast else 0), buf, len(buf)) != 0:
+    if h.cudapool_torch_ext_install(1 if fast else 0, buf, len(buf)) != 0:
         raise ExtensionUnavailable(buf.value.decode(errors="replace"))
     _state["handle"] = h
     return h
-
-
-def passthrough(on):
-    """Hands torch's allocations to PyTorch's own allocator (True) or back to
-    cudapool (False): a measurement switch, so that a benchmark can alternate
-    the two within one process (bench/torch_bench.py, section alt;
-    gpu/diag_capture_alt.py). empty_cache and the captures begun meanwhile
-    (their private pools, to their release) are PyTorch's too. Tensors keep
-    the deleter of the allocator that made them. Raises
-    ExtensionUnavailable when the class is not installed on its direct path
-    or PyTorch's allocator is not at hand."""
-    h = _state["handle"]
-    if h is None or h.cudapool_torch_ext_passthrough(1 if on else 0) != 0:
-        raise ExtensionUnavailable("passthrough needs cudapool's C++ class installed on its direct path, "
-                                   "over PyTorch's own allocator")
-
-
-# cudapool_torch_ext_timing_take's kinds, in its order.
-TIMING_KINDS = (("native", "alloc"), ("native", "free"), ("cudapool", "alloc"), ("cudapool", "free"),
-                ("cudapool", "alloc_lib"), ("native", "cross"), ("cudapool", "begin_pool"),
-                ("cudapool", "end_pool"), ("cudapool", "filter"), ("cudapool", "empty_cache"),
-                ("native", "empty_cache"), ("native", "begin_pool"), ("native", "end_pool"))
-
-
-def timing(on, cross=False):
-    """Turns call timing on (a new measurement) or off: the class then times
-    each allocate() and each deleter call of tensors made meanwhile, for
-    PyTorch's allocator (while passthrough is on) and for cudapool, and, for
-    cudapool, its call into the library alone and its begin/endAllocateToPool
-    (bench/torch_bench.py --alt-timing, gpu/diag_capture.py). cross: after each of native's allocate() calls, also make
-    a call into cudapool's Go code that does almost nothing (timed as
-    ("native", "cross")), to see what a crossing costs what runs around it.
-    Raises ExtensionUnavailable when the class is not installed on its
-    direct path."""
-    h = _state["handle"]
-    if h is None or h.cudapool_torch_ext_timing((2 if cross else 1) if on else 0) != 0:
-        raise ExtensionUnavailable("timing needs cudapool's C++ class installed on its direct path")
-
-
-def timing_take(cap=1 << 17):
-    """The samples timed since the last take, in ns, and forgets them:
-    {(allocator, call): (samples, calls)} over TIMING_KINDS, where calls
-    counts every timed call (more than the samples when the class's buffer
-    of 2^17 per kind filled)."""
-    import ctypes
-
-    h = _state["handle"]
-    if h is None:
-        raise ExtensionUnavailable("timing needs cudapool's C++ class installed")
-    f = h.cudapool_torch_ext_timing_take
-    f.restype = ctypes.c_long
-    f.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_uint32), ctypes.c_size_t,
-                  ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_double)]
-    buf = (ctypes.c_uint32 * cap)()
-    out = {}
-    for k, key in enumerate(TIMING_KINDS):
-        calls, scale = ctypes.c_uint64(), ctypes.c_double()
-        n = f(k, buf, cap, ctypes.byref(calls), ctypes.byref(scale))
-        if n < 0:
-            raise ExtensionUnavailable(f"timing kind {k} refused: a stale build of the class")
-        out[key] = ([buf[i] * scale.value for i in range(n)], calls.value)
-    return out
 
 
 def fast_path():

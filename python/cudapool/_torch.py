@@ -95,7 +95,7 @@ def install(patch_torch=True, cpp_class=None):
                 )
             if cpp_class is not False:
                 try:
-                    _ext.install(fast={"0": 0, "2": 2}.get(os.environ.get("CUDAPOOL_TORCH_EXT_FAST", "1").strip(), 1))
+                    _ext.install(fast=os.environ.get("CUDAPOOL_TORCH_EXT_FAST", "1").strip() != "0")
                     _installed = torch.cuda.memory._get_current_allocator()
                     _mode = "class"
                 except _ext.ExtensionUnavailable as e:

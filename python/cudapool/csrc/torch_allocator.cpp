@@ -26,7 +26,9 @@
 // pair costs one call into Go. The pluggable base's own path (std::function
 // calls, a mutex and an unordered_map insert per allocation) stays
 // available for comparison (install(fast=False)); see the README for both
-// measured.
+// measured. The benchmark's build of this class
+// (bench/torch_allocator_bench.cpp) compiles this file and adds its
+// switches in a subclass: the shipped class carries no benchmark code.
 //
 // Contexts. PyTorch's memory history hands the allocator a function that
 // captures the current Python/C++ stack. Only C++ can call it, so when Go
@@ -54,9 +56,7 @@
 #include <torch/headeronly/version.h>
 
 #include <atomic>
-#include <chrono>
 #include <cstdio>
-#include <cstring>
 #include <memory>
 #include <mutex>
 #include <shared_mutex>
@@ -67,10 +67,6 @@
 #include <vector>
 
 #include "cudapool.h"
-
-#if defined(__x86_64__)
-#include <x86intrin.h>
-#endif
 
 namespace cudapool_torch {
 namespace {
@@ -275,11 +271,6 @@ void *malloc_on(size_t size, DeviceIndex device, cudaStream_t stream) {
 	return p;
 }
 
-// free_now makes the deleter free at once (a call into Go per free) instead
-// of queueing: a measurement switch (install mode 2,
-// CUDAPOOL_TORCH_EXT_FAST=2) that isolates the queue's share of a pair.
-bool free_now = false;
-
 // free_ptr queues the free of p; the device and size are found by cudapool.
 void free_ptr(void *p) {
 	if (p == nullptr)
@@ -300,95 +291,10 @@ void free_ptr(void *p) {
 		contexts.maybe_sweep();
 		return;
 	}
-	if (C10_UNLIKELY(free_now)) {
-		if (cudapool_free_ctx(p, 0, -1, 0) != 0) { // a deleter cannot throw
-			fprintf(stderr, "%s\n", last_error("cudapool: free failed").c_str());
-			cudapool_clear_error();
-		}
-		return;
-	}
 	cudapool_free_deferred(p, 0, -1, 0);
 }
 
 void deleter(void *p) { free_ptr(p); }
-
-// ---- call timing (measurement) ----------------------------------------------
-
-// Timing records the duration of each allocate() and each deleter call, per
-// allocator, while bench/torch_bench.py's alt section runs with --alt-timing:
-// where a torch.empty+free pair's time goes inside the process that runs it
-// (the interpreter around the calls evicts what the allocators keep warm, so
-// timings of the allocators on their own do not tell). It lives off the hot
-// path: allocate() branches to it on the same load that tests passthrough,
-// and a tensor made while timing gets a timing deleter. Samples are ticks of
-// the CPU's time-stamp counter, converted to ns by the clock read at both
-// ends of a measurement; one thread's calls are timed (the benchmark's), so
-// the counters are relaxed atomics written with plain loads and stores.
-namespace timing {
-
-enum Kind {
-	kNativeAlloc,
-	kNativeFree,
-	kAlloc,
-	kFree,
-	kAllocLib,
-	kNativeCross,
-	kBeginPool,
-	kEndPool,
-	kFilter,
-	kEmpty,           // cudapool's emptyCache
-	kNativeEmpty,     // native's, while passthrough is on
-	kNativeBeginPool, // native's begin/endAllocateToPool, while passthrough is on
-	kNativeEndPool,
-	kKinds
-};
-constexpr uint32_t kCap = 1u << 17; // samples kept per kind between takes
-
-inline uint64_t ticks() {
-#if defined(__x86_64__)
-	return __rdtsc();
-#else
-	return static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
-#endif
-}
-
-inline int64_t now_ns() {
-	return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-
-uint32_t samples[kKinds][kCap];
-std::atomic<uint32_t> kept[kKinds];
-std::atomic<uint64_t> calls[kKinds]; // every timed call, kept or not
-std::atomic<int64_t> start_ns{0};
-std::atomic<uint64_t> start_ticks{0};
-std::atomic<c10::DeleterFnPtr> native_deleter{nullptr};
-// cross: after each of native's timed allocate() calls, also make one call
-// into the library's Go code that does almost nothing (timed as
-// kNativeCross): whether the crossing itself slows what runs around it.
-std::atomic<bool> cross{false};
-
-void record(Kind k, uint64_t d) {
-	uint32_t i = kept[k].load(std::memory_order_relaxed);
-	if (i < kCap) {
-		samples[k][i] = d > UINT32_MAX ? UINT32_MAX : static_cast<uint32_t>(d);
-		kept[k].store(i + 1, std::memory_order_relaxed);
-	}
-	calls[k].store(calls[k].load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
-}
-
-void timed_deleter(void *p) {
-	uint64_t t0 = ticks();
-	free_ptr(p);
-	record(kFree, ticks() - t0);
-}
-
-void timed_native_deleter(void *p) {
-	uint64_t t0 = ticks();
-	native_deleter.load(std::memory_order_relaxed)(p);
-	record(kNativeFree, ticks() - t0);
-}
-
-} // namespace timing
 
 DeviceIndex current_device() {
 	DeviceIndex device = -1;
@@ -463,14 +369,12 @@ constexpr size_t kIpcHandleSize = 64;
 
 // ---- the allocator ---------------------------------------------------------
 
-class Allocator final : public Base {
+// Not final: the benchmark's build derives from it (see the design note).
+class Allocator : public Base {
   public:
-	explicit Allocator(bool fast, CCA::CUDAAllocator *native) : Base(&cudapool_torch_malloc, &cudapool_torch_free), fast_(fast), native_(native) {}
+	explicit Allocator(bool fast) : Base(&cudapool_torch_malloc, &cudapool_torch_free), fast_(fast) {}
 
 	c10::DataPtr allocate(size_t size) override {
-		uint8_t mode = mode_.load(std::memory_order_relaxed);
-		if (C10_UNLIKELY(mode != 0))
-			return allocate_measured(size, mode);
 		if (!fast_)
 			return Base::allocate(size);
 		DeviceIndex device = current_device();
@@ -555,12 +459,14 @@ class Allocator final : public Base {
 	}
 
 	void emptyCache(MempoolId_t id) override {
-		const uint8_t mode = mode_.load(std::memory_order_relaxed);
-		if (C10_UNLIKELY(mode != 0 || ((id.first != 0 || id.second != 0) && passed(id, false)))) {
-			emptyCache_measured(id, mode);
-			return;
+		cudapool_clear_error();
+		if (id.first == 0 && id.second == 0) {
+			InFlight r;
+			cudapool_empty_cache_ctx(gather(CUDAPOOL_GATHER_RELEASE));
+		} else {
+			cudapool_empty_pool(-1, id.first, id.second);
 		}
-		empty_cache(id);
+		check();
 	}
 
 	void cacheInfo(DeviceIndex device, size_t *largest) override {
@@ -578,7 +484,7 @@ class Allocator final : public Base {
 
 	void recordStream(const c10::DataPtr &p, c10::cuda::CUDAStream stream) override {
 		// As native: a DataPtr that is not ours (from_blob, IPC) is skipped.
-		if (p.get() == nullptr || (p.get_deleter() != raw_deleter() && p.get_deleter() != &timing::timed_deleter))
+		if (p.get() == nullptr || p.get_deleter() != raw_deleter())
 			return;
 		cudapool_clear_error();
 		cudapool_record_stream(p.get(), reinterpret_cast<cudapool_stream>(stream.stream()));
@@ -701,72 +607,24 @@ class Allocator final : public Base {
 	}
 
 	void beginAllocateToPool(DeviceIndex device, MempoolId_t id, std::function<bool(cudaStream_t)> filter) override {
-		const uint8_t mode = mode_.load(std::memory_order_relaxed);
-		const bool timed = mode & kTime;
-		const uint64_t t0 = timed ? timing::ticks() : 0;
-		const bool known = passed(id, false);
-		if (C10_UNLIKELY((mode & kPass) || known)) {
-			// A capture begun while passthrough is on is native's, to its
-			// end and its graph's release (gpu/diag_capture_alt.py), and so
-			// is its pool when a later capture shares it, switch or not.
-			// Passthrough is a measurement switch: cudapool is not told of
-			// native's captures, so nothing may free cudapool's tensors
-			// during one (the benchmark's captured forward frees only its
-			// own), and a pool of cudapool's is not shared with one.
-			native_->beginAllocateToPool(device, id, std::move(filter));
-			if (!known) {
-				std::lock_guard<std::mutex> g(pass_mu_);
-				pass_pools_.push_back(id);
-				pass_count_.store(pass_pools_.size(), std::memory_order_release);
-			}
-			if (timed)
-				timing::record(timing::kNativeBeginPool, timing::ticks() - t0);
-			return;
-		}
-		if (C10_UNLIKELY(timed) && filter)
-			filter = [f = std::move(filter)](cudaStream_t s) {
-				uint64_t t = timing::ticks();
-				bool r = f(s);
-				timing::record(timing::kFilter, timing::ticks() - t);
-				return r;
-			};
 		cudapool_clear_error();
 		cudapool_torch_begin_allocate_to_pool(device, id, std::move(filter));
-		if (C10_UNLIKELY(timed))
-			timing::record(timing::kBeginPool, timing::ticks() - t0);
 		check();
 	}
 
 	void endAllocateToPool(DeviceIndex device, MempoolId_t id) override {
-		const bool timed = mode_.load(std::memory_order_relaxed) & kTime;
-		const bool native = passed(id, false); // before the clock: not cudapool's time
-		const uint64_t t0 = timed ? timing::ticks() : 0;
-		if (C10_UNLIKELY(native)) {
-			native_->endAllocateToPool(device, id);
-			if (timed)
-				timing::record(timing::kNativeEndPool, timing::ticks() - t0);
-			return;
-		}
 		cudapool_clear_error();
 		cudapool_torch_end_allocate_to_pool(device, id);
-		if (C10_UNLIKELY(timed))
-			timing::record(timing::kEndPool, timing::ticks() - t0);
 		check();
 	}
 
 	void releasePool(DeviceIndex device, MempoolId_t id) override {
-		if (C10_UNLIKELY(passed(id, true))) {
-			native_->releasePool(device, id);
-			return;
-		}
 		cudapool_clear_error();
 		cudapool_torch_release_pool(device, id);
 		check();
 	}
 
 	int getPoolUseCount(DeviceIndex device, MempoolId_t id) override {
-		if (C10_UNLIKELY(passed(id, false)))
-			return native_->getPoolUseCount(device, id);
 		cudapool_clear_error();
 		int n = cudapool_pool_use_count(device, id.first, id.second);
 		check();
@@ -929,125 +787,7 @@ class Allocator final : public Base {
 
 	bool fast() const { return fast_; }
 
-	// set_passthrough hands allocate() to PyTorch's own allocator (the one
-	// cudapool replaced) or takes it back: a measurement switch, so that a
-	// benchmark can alternate the two allocators within one process
-	// (bench/torch_bench.py, section alt; gpu/diag_capture_alt.py). What is
-	// handed over: allocate() (torch.empty and every tensor PyTorch makes),
-	// emptyCache, and the captures begun meanwhile (begin/endAllocateToPool
-	// and their pools' release, whenever it comes); the tensors keep their
-	// allocator's deleter. Returns false when there is no such allocator.
-	bool set_passthrough(bool on) {
-		if (on && native_ == nullptr)
-			return false;
-		if (on && !native_->initialized())
-			native_->init(static_cast<int>(c10::cuda::device_count()));
-		set_mode(kPass, on);
-		return true;
-	}
-
-	// set_timing turns call timing (namespace timing) on or off; turning
-	// it on starts a new measurement: samples and calibration.
-	void set_timing(bool on, bool cross) {
-		timing::cross.store(on && cross, std::memory_order_relaxed);
-		if (on) {
-			for (int k = 0; k < timing::kKinds; k++) {
-				timing::kept[k].store(0, std::memory_order_relaxed);
-				timing::calls[k].store(0, std::memory_order_relaxed);
-			}
-			timing::start_ns.store(timing::now_ns(), std::memory_order_relaxed);
-			timing::start_ticks.store(timing::ticks(), std::memory_order_relaxed);
-		}
-		set_mode(kTime, on);
-	}
-
   private:
-	static constexpr uint8_t kPass = 1, kTime = 2; // mode_ bits
-
-	void empty_cache(MempoolId_t id) {
-		cudapool_clear_error();
-		if (id.first == 0 && id.second == 0) {
-			InFlight r;
-			cudapool_empty_cache_ctx(gather(CUDAPOOL_GATHER_RELEASE));
-		} else {
-			cudapool_empty_pool(-1, id.first, id.second);
-		}
-		check();
-	}
-
-	// emptyCache_measured: passthrough empties native's cache instead of
-	// cudapool's (torch.cuda.graph's enter phase, as native runs it), as
-	// does emptying a pool of native's; timing times either.
-	C10_NOINLINE void emptyCache_measured(MempoolId_t id, uint8_t mode) {
-		const bool native = (mode & kPass) || ((id.first != 0 || id.second != 0) && passed(id, false));
-		const uint64_t t0 = timing::ticks();
-		if (native)
-			native_->emptyCache(id);
-		else
-			empty_cache(id);
-		if (mode & kTime)
-			timing::record(native ? timing::kNativeEmpty : timing::kEmpty, timing::ticks() - t0);
-	}
-
-	// passed reports whether pool id was begun while passthrough was on
-	// (native's), and with forget drops it. An empty list costs a load.
-	bool passed(MempoolId_t id, bool forget) {
-		if (pass_count_.load(std::memory_order_acquire) == 0)
-			return false;
-		std::lock_guard<std::mutex> g(pass_mu_);
-		for (size_t i = 0; i < pass_pools_.size(); i++) {
-			if (pass_pools_[i] == id) {
-				if (forget) {
-					pass_pools_.erase(pass_pools_.begin() + static_cast<std::ptrdiff_t>(i));
-					pass_count_.store(pass_pools_.size(), std::memory_order_release);
-				}
-				return true;
-			}
-		}
-		return false;
-	}
-
-	void set_mode(uint8_t bit, bool on) {
-		uint8_t m = mode_.load(std::memory_order_relaxed);
-		mode_.store(on ? (m | bit) : (m & ~bit), std::memory_order_relaxed);
-	}
-
-	// allocate_measured serves allocate() while a measurement switch is on:
-	// passthrough hands the request to PyTorch's allocator; timing times the
-	// call (for cudapool, also its call into the library alone) and gives
-	// the tensor a timing deleter.
-	C10_NOINLINE c10::DataPtr allocate_measured(size_t size, uint8_t mode) {
-		if (!(mode & kTime))
-			return native_->allocate(size);
-		using namespace timing;
-		uint64_t t0 = ticks();
-		if (mode & kPass) {
-			c10::DataPtr d = native_->allocate(size);
-			uint64_t t1 = ticks();
-			record(kNativeAlloc, t1 - t0);
-			if (cross.load(std::memory_order_relaxed)) {
-				t1 = ticks();
-				(void)cudapool_get_memory_fraction(0);
-				record(kNativeCross, ticks() - t1);
-			}
-			// Native's DataPtr holds the pointer as its context, so the
-			// timing deleter can hand it to native's deleter.
-			c10::DeleterFnPtr del = d.get_deleter(), none = nullptr;
-			if (d.get() != nullptr && d.get_context() == d.get() &&
-			    (native_deleter.compare_exchange_strong(none, del) || none == del))
-				d.compare_exchange_deleter(del, &timed_native_deleter);
-			return d;
-		}
-		DeviceIndex device = current_device();
-		cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
-		uint64_t t1 = ticks();
-		void *p = malloc_on(size, device, stream);
-		uint64_t t2 = ticks();
-		record(kAllocLib, t2 - t1);
-		record(kAlloc, t2 - t0);
-		return {p, p, &timed_deleter, c10::Device(c10::DeviceType::CUDA, device)};
-	}
-
 	static cudapool_snapshot *take_snapshot(const MempoolId_t *pool, bool traces) {
 		cudapool_clear_error();
 		cudapool_snapshot *s = pool ? cudapool_snapshot_take(1, pool->first, pool->second, traces ? 1 : 0)
@@ -1058,13 +798,6 @@ class Allocator final : public Base {
 	}
 
 	const bool fast_;
-	std::atomic<uint8_t> mode_{0}; // kPass | kTime; beside fast_, read with it
-	CCA::CUDAAllocator *const native_;
-	// The private pools of captures begun while passthrough was on: native's
-	// until their release. Guarded by pass_mu_; pass_count_ mirrors the size.
-	std::mutex pass_mu_;
-	std::vector<MempoolId_t> pass_pools_;
-	std::atomic<size_t> pass_count_{0};
 };
 
 bool is_cudapool(const std::shared_ptr<CCA::CUDAAllocator> &a) {
@@ -1084,6 +817,34 @@ bool is_cudapool(const std::shared_ptr<CCA::CUDAAllocator> &a) {
 
 std::shared_ptr<Allocator> installed;
 
+// install makes allocator a PyTorch's CUDA allocator: the current CUDAAllocator, c10's
+// allocator for the CUDA device type (what torch.accelerator reads), and a
+// listener of torch.cuda.memory._set_allocator_settings. Once per process:
+// a later call keeps the first allocator.
+void install(std::shared_ptr<Allocator> a) {
+	if (installed)
+		return;
+	torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(a);
+	c10::SetAllocator(c10::DeviceType::CUDA, a.get(), UINT8_MAX);
+	// torch.cuda.memory._set_allocator_settings reaches the CUDA allocator
+	// through this hook: native's parser runs first (its checks and
+	// errors), then cudapool applies the same keys.
+	auto &hook = c10::CachingAllocator::AcceleratorAllocatorConfig::getConfigParserHook();
+	auto prev = hook;
+	hook = [prev](const std::string &env) {
+		if (prev)
+			prev(env);
+		cudapool_clear_error();
+		if (cudapool_configure_update(env.c_str()) != 0) {
+			std::string msg = last_error("cudapool: configure failed");
+			cudapool_clear_error();
+			TORCH_CHECK(false, msg);
+		}
+	};
+	cudapool_expect_announced_captures();
+	installed = std::move(a);
+}
+
 } // namespace
 } // namespace cudapool_torch
 
@@ -1091,44 +852,15 @@ std::shared_ptr<Allocator> installed;
 
 extern "C" {
 
-// cudapool_torch_ext_install makes cudapool PyTorch's CUDA allocator: the
-// current CUDAAllocator, c10's allocator for the CUDA device type (what
-// torch.accelerator reads), and a listener of
-// torch.cuda.memory._set_allocator_settings. fast=0 keeps the pluggable
-// base's malloc/free path and fast=2 the direct path with frees made at
-// once, not queued (both for measurement). Returns 0, or -1 with the reason
-// in err.
+// cudapool_torch_ext_install makes cudapool PyTorch's CUDA allocator (see
+// install). fast=0 keeps the pluggable base's malloc/free path, for
+// comparison; any other value takes the direct path. Returns 0, or -1 with
+// the reason in err.
 __attribute__((visibility("default"))) int cudapool_torch_ext_install(int fast, char *err, size_t errlen) {
 	using namespace cudapool_torch;
 	try {
-		if (!installed) {
-			free_now = fast == 2;
-			// PyTorch's own allocator, kept for set_passthrough (unless
-			// another pluggable allocator was installed before).
-			CCA::CUDAAllocator *native = CCA::get();
-			if (dynamic_cast<Base *>(native) != nullptr)
-				native = nullptr;
-			auto a = std::make_shared<Allocator>(fast != 0, native);
-			torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(a);
-			c10::SetAllocator(c10::DeviceType::CUDA, a.get(), UINT8_MAX);
-			// torch.cuda.memory._set_allocator_settings reaches the CUDA
-			// allocator through this hook: native's parser runs first (its
-			// checks and errors), then cudapool applies the same keys.
-			auto &hook = c10::CachingAllocator::AcceleratorAllocatorConfig::getConfigParserHook();
-			auto prev = hook;
-			hook = [prev](const std::string &env) {
-				if (prev)
-					prev(env);
-				cudapool_clear_error();
-				if (cudapool_configure_update(env.c_str()) != 0) {
-					std::string msg = last_error("cudapool: configure failed");
-					cudapool_clear_error();
-					TORCH_CHECK(false, msg);
-				}
-			};
-			cudapool_expect_announced_captures();
-			installed = std::move(a);
-		}
+		if (!installed)
+			install(std::make_shared<Allocator>(fast != 0));
 		return 0;
 	} catch (const std::exception &e) {
 		snprintf(err, errlen, "%s", e.what());
@@ -1142,66 +874,8 @@ __attribute__((visibility("default"))) int cudapool_torch_ext_fast(void) {
 	return cudapool_torch::installed ? (cudapool_torch::installed->fast() ? 1 : 0) : -1;
 }
 
-// cudapool_torch_ext_passthrough hands torch's allocations to PyTorch's own
-// allocator (on=1) or back to cudapool (on=0): a measurement switch (see
-// Allocator::set_passthrough). 0 on success, -1 when not installed or
-// when PyTorch's allocator is not at hand.
-__attribute__((visibility("default"))) int cudapool_torch_ext_passthrough(int on) {
-	using namespace cudapool_torch;
-	try {
-		return installed && installed->fast() && installed->set_passthrough(on != 0) ? 0 : -1;
-	} catch (const std::exception &e) {
-		fprintf(stderr, "cudapool: passthrough: %s\n", e.what());
-		return -1;
-	}
-}
-
-// cudapool_torch_ext_timing turns call timing on (a new measurement) or
-// off (see namespace timing); on=2 also crosses into Go after each of
-// native's allocate() calls (timing::cross). 0 on success, -1 when not
-// installed on the direct path.
-__attribute__((visibility("default"))) int cudapool_torch_ext_timing(int on) {
-	using namespace cudapool_torch;
-	if (!installed || !installed->fast())
-		return -1;
-	installed->set_timing(on != 0, on == 2);
-	return 0;
-}
-
-// cudapool_torch_ext_timing_take copies up to cap samples of one kind
-// (0 native allocate, 1 native deleter, 2 cudapool allocate, 3 cudapool
-// deleter, 4 cudapool's call into the library within its allocate, 5 the
-// crossing after native's allocate, 6 beginAllocateToPool, 7
-// endAllocateToPool, 8 PyTorch's stream filter of a capture begun while
-// timing, 9 cudapool's emptyCache, 10 native's, 11 and 12 native's
-// begin/endAllocateToPool), in ticks, into buf, and forgets that kind's samples (those past
-// cap as well); *calls gets the number
-// of timed calls (more than the samples when the buffer filled) and
-// *ns_per_tick the calibration since timing was turned on. Returns the
-// number copied, or -1 for a bad kind.
-__attribute__((visibility("default"))) long cudapool_torch_ext_timing_take(int kind, uint32_t *buf, size_t cap,
-                                                                           uint64_t *calls, double *ns_per_tick) {
-	using namespace cudapool_torch::timing;
-	if (kind < 0 || kind >= kKinds)
-		return -1;
-	uint32_t n = kept[kind].load(std::memory_order_relaxed);
-	if (n > cap)
-		n = static_cast<uint32_t>(cap);
-	if (buf != nullptr)
-		memcpy(buf, samples[kind], n * sizeof *buf);
-	kept[kind].store(0, std::memory_order_relaxed);
-	if (calls != nullptr)
-		*calls = ::cudapool_torch::timing::calls[kind].exchange(0, std::memory_order_relaxed);
-	if (ns_per_tick != nullptr) {
-		uint64_t dt = ticks() - start_ticks.load(std::memory_order_relaxed);
-		int64_t dn = now_ns() - start_ns.load(std::memory_order_relaxed);
-		*ns_per_tick = dt > 0 ? static_cast<double>(dn) / static_cast<double>(dt) : 0;
-	}
-	return n;
-}
-
 // cudapool_torch_ext_version is the version of this file's interface with
 // cudapool._ext (a mismatch means a stale cached build).
-__attribute__((visibility("default"))) int cudapool_torch_ext_version(void) { return 4; }
+__attribute__((visibility("default"))) int cudapool_torch_ext_version(void) { return 5; }
 
 } // extern "C"
