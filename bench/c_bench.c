@@ -23,6 +23,7 @@
 #include <string.h>
 
 #include "cudapool.h"
+#include "cudapool_testing.h"
 #include "workloads.h"
 
 typedef int CUresult;

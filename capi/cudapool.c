@@ -21,6 +21,7 @@
 
 #include "capi.h"
 #include "cudapool.h"
+#include "cudapool_testing.h"
 
 /* ---- thread-local last error ----
  *

@@ -204,19 +204,8 @@ typedef struct {
 /* 0 on success, -1 on failure. */
 int cudapool_get_device_stats(int device, cudapool_device_stats *out);
 
-/* The front cache (a cache in C that serves a malloc of the size and stream
- * of a block freed since the last call into Go, without entering Go;
- * front_cache:False turns it off): what it did on a device since the
- * process started. */
-typedef struct {
-	unsigned long long hits;          /* mallocs it served */
-	unsigned long long pool_hits;     /* of those, routed to a private pool (a graph capture, a MemPool) */
-	unsigned long long cold_skipped;  /* blocks it did not track, in cold mode (sizes that do not repeat) */
-	unsigned long long cold_verdicts; /* how often it went cold */
-} cudapool_front_counters;
-
-/* 0 and *out filled, or -1 for a device the front does not serve (16 or more). */
-int cudapool_get_front_counters(int device, cudapool_front_counters *out);
+/* The front cache's counters and the simulated device's controls are in
+ * cudapool_testing.h: for tests and benchmarks, not part of the stable ABI. */
 
 /* The largest block cudapool could hand out on device without asking the
  * driver, PyTorch's cacheInfo: *largest is raised to the largest cached free
@@ -392,30 +381,6 @@ int cudapool_ipc_handle(void *ptr, unsigned char handle[64], size_t *offset, int
 void *cudapool_ipc_open(int device, const unsigned char handle[64]);
 /* Drops one cudapool_ipc_open of ptr; the last closes the mapping. */
 int cudapool_ipc_close(void *ptr);
-
-/* ---- Simulator controls (CUDAPOOL_BACKEND=sim only; otherwise they fail
- * with an error and return -1 or do nothing). ---- */
-
-/* Begins capturing stream (not NULL) on behalf of the calling thread, as
- * cudaStreamBeginCapture; mode 0 global, 1 thread-local, 2 relaxed.
- * 0 on success, -1 on failure. */
-int cudapool_sim_begin_capture(cudapool_stream s, int mode);
-
-/* Ends the capture of s (cudaStreamEndCapture); -1 if s was not capturing,
- * the capture was invalidated by an illegal call, or another thread began it. */
-int cudapool_sim_end_capture(cudapool_stream s);
-
-/* Enqueues one unit of work on s (as a kernel launch would); it stays pending
- * until cudapool_sim_complete_all. */
-void cudapool_sim_submit(cudapool_stream s);
-
-/* Completes all pending work on every stream. */
-void cudapool_sim_complete_all(void);
-
-/* The number of calls the allocator made that CUDA forbids under the stream
- * capture rules (each would have broken a CUDA graph capture); -1 when the
- * backend is not the simulator. */
-long long cudapool_sim_violations(void);
 
 /* ---- Other libraries' allocator interfaces (CuPy, any caller that cannot
  * pass a C callback cheaply) ---- */

@@ -22,6 +22,7 @@
 #include <unistd.h>
 
 #include "cudapool.h"
+#include "cudapool_testing.h"
 
 namespace {
 

@@ -46,6 +46,7 @@
 #include <unistd.h>
 
 #include "cudapool.h"
+#include "cudapool_testing.h"
 
 #include "check.h"
 

@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "cudapool.h"
+#include "cudapool_testing.h"
 
 #include "check.h"
 

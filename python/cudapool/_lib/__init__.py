@@ -116,7 +116,7 @@ _SIGNATURES = {
     "cudapool_last_error": (ctypes.c_char_p, []),
     "cudapool_version": (ctypes.c_char_p, []),
     "cudapool_abi_version": (ctypes.c_int, []),
-    # Simulator controls (meaningful with CUDAPOOL_BACKEND=sim).
+    # Simulator controls (include/cudapool_testing.h; meaningful with CUDAPOOL_BACKEND=sim).
     "cudapool_sim_begin_capture": (ctypes.c_int, [stream_t, ctypes.c_int]),
     "cudapool_sim_end_capture": (ctypes.c_int, [stream_t]),
     "cudapool_sim_submit": (None, [stream_t]),
@@ -332,7 +332,7 @@ def _take_string(p, what):
 
 
 class FrontCounters(ctypes.Structure):
-    """cudapool_front_counters (include/cudapool.h)."""
+    """cudapool_front_counters (include/cudapool_testing.h)."""
 
     _fields_ = [(name, ctypes.c_ulonglong) for name in ("hits", "pool_hits", "cold_skipped", "cold_verdicts")]
 

@@ -1,0 +1,62 @@
+/*
+ * cudapool_testing.h - libcudapool.so's testing and diagnostic interface:
+ * the simulated device's controls and the front cache's counters.
+ *
+ * Not part of the stable ABI: these functions may change or go in any
+ * release, and CUDAPOOL_ABI_VERSION does not count them. They are what
+ * cudapool's own tests and benchmarks use; `make install` installs only
+ * cudapool.h. Errors are reported as by every cudapool function
+ * (cudapool_last_error).
+ */
+#ifndef CUDAPOOL_TESTING_H
+#define CUDAPOOL_TESTING_H
+
+#include "cudapool.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* The front cache (a cache in C that serves a malloc of the size and stream
+ * of a block freed since the last call into Go, without entering Go;
+ * front_cache:False turns it off): what it did on a device since the
+ * process started. */
+typedef struct {
+	unsigned long long hits;          /* mallocs it served */
+	unsigned long long pool_hits;     /* of those, routed to a private pool (a graph capture, a MemPool) */
+	unsigned long long cold_skipped;  /* blocks it did not track, in cold mode (sizes that do not repeat) */
+	unsigned long long cold_verdicts; /* how often it went cold */
+} cudapool_front_counters;
+
+/* 0 and *out filled, or -1 for a device the front does not serve (16 or more). */
+int cudapool_get_front_counters(int device, cudapool_front_counters *out);
+
+/* ---- Simulator controls (CUDAPOOL_BACKEND=sim only; otherwise they fail
+ * with an error and return -1 or do nothing). ---- */
+
+/* Begins capturing stream (not NULL) on behalf of the calling thread, as
+ * cudaStreamBeginCapture; mode 0 global, 1 thread-local, 2 relaxed.
+ * 0 on success, -1 on failure. */
+int cudapool_sim_begin_capture(cudapool_stream s, int mode);
+
+/* Ends the capture of s (cudaStreamEndCapture); -1 if s was not capturing,
+ * the capture was invalidated by an illegal call, or another thread began it. */
+int cudapool_sim_end_capture(cudapool_stream s);
+
+/* Enqueues one unit of work on s (as a kernel launch would); it stays pending
+ * until cudapool_sim_complete_all. */
+void cudapool_sim_submit(cudapool_stream s);
+
+/* Completes all pending work on every stream. */
+void cudapool_sim_complete_all(void);
+
+/* The number of calls the allocator made that CUDA forbids under the stream
+ * capture rules (each would have broken a CUDA graph capture); -1 when the
+ * backend is not the simulator. */
+long long cudapool_sim_violations(void);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* CUDAPOOL_TESTING_H */
