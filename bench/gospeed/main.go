@@ -1,0 +1,328 @@
+// Command gospeed measures the allocator package's own work on the
+// simulator, one thread, no GPU: the free-set comparison and the hot-path
+// breakdown of docs/hot-path.md.
+//
+//	go run ./bench/gospeed [-rounds 7]
+//
+// prints a table of the free sets side by side. Go's benchmarks report wall
+// time, which on a shared machine measures the neighbours as much as the
+// code. This measures the thread's CPU time (CLOCK_THREAD_CPUTIME_ID: time
+// while descheduled does not count), repeats every configuration in
+// interleaved rounds, and reports the median with the min-max. The cold rows
+// time single pairs (wall clock, the clock's own cost subtracted) after
+// touching other memory, as the Python interpreter does between two
+// allocations, and report the median pair.
+//
+//	go build -o /tmp/gospeed ./bench/gospeed
+//	valgrind --tool=cachegrind --cache-sim=yes /tmp/gospeed -cold 1000 [-nopair] [-conf CONF]
+//
+// -cold N runs N hot 4 KiB pairs, each after touching 2 MiB, and nothing
+// else: for counting cache misses per pair under cachegrind (run again with
+// -nopair, which only touches the memory, and subtract).
+package main
+
+import (
+	"flag"
+	"fmt"
+	"math/rand"
+	"os"
+	"runtime"
+	"sort"
+	"strings"
+	"syscall"
+	"time"
+	"unsafe"
+
+	"github.com/cudapool/cudapool/allocator"
+	"github.com/cudapool/cudapool/cuda"
+	"github.com/cudapool/cudapool/cuda/sim"
+	"github.com/cudapool/cudapool/pools"
+)
+
+const (
+	kiB = 1 << 10
+	miB = 1 << 20
+	giB = 1 << 30
+)
+
+func main() {
+	rounds := flag.Int("rounds", 7, "interleaved rounds of every configuration")
+	cold := flag.Int("cold", 0, "run this many cold pairs and nothing else (for cachegrind)")
+	nopair := flag.Bool("nopair", false, "with -cold: touch the memory only, no pair")
+	conf := flag.String("conf", "", "with -cold: the allocator's configuration")
+	flag.Parse()
+	var err error
+	switch {
+	case *cold > 0:
+		err = coldPairs(*cold, *conf, !*nopair)
+	case *rounds > 0:
+		err = speed(*rounds)
+	default:
+		err = fmt.Errorf("-rounds must be positive")
+	}
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "gospeed:", err)
+		os.Exit(1)
+	}
+}
+
+// newAlloc is an allocator on one simulated device of mem bytes, told that
+// every capture is announced (as the C++ class and CuPy do), so that a
+// malloc does not ask the driver about capture.
+func newAlloc(mem uint64, conf string) (*allocator.Allocator, error) {
+	cfg, warnings, err := allocator.ParseConfig(conf)
+	if err != nil {
+		return nil, err
+	}
+	if len(warnings) > 0 { // a measurement of another configuration than asked for
+		return nil, fmt.Errorf("configuration %q: %s", conf, strings.Join(warnings, "; "))
+	}
+	a, err := allocator.New(sim.New(sim.Options{Devices: 1, Memory: mem}), cfg)
+	if err != nil {
+		return nil, err
+	}
+	a.ExpectAnnouncements()
+	return a, nil
+}
+
+// warmPair makes and frees one 4 KiB block: the segment the hot pairs reuse.
+func warmPair(a *allocator.Allocator) error {
+	p, err := a.Malloc(0, 4096, 0)
+	if err != nil {
+		return err
+	}
+	return a.Free(0, p, 0)
+}
+
+func coldPairs(n int, conf string, pair bool) error {
+	a, err := newAlloc(8*giB, conf)
+	if err != nil {
+		return err
+	}
+	if err := warmPair(a); err != nil {
+		return err
+	}
+	evict := make([]byte, 2<<20)
+	for i := 0; i < n; i++ {
+		for j := 0; j < len(evict); j += 64 {
+			evict[j]++
+		}
+		if pair {
+			p, _ := a.Malloc(0, 4096, 0)
+			_ = a.Free(0, p, 0)
+		}
+	}
+	sink += evict[0]
+	return nil
+}
+
+func threadCPU() int64 {
+	var ts syscall.Timespec
+	const clockThreadCPUTime = 3
+	if _, _, e := syscall.Syscall(syscall.SYS_CLOCK_GETTIME, clockThreadCPUTime, uintptr(unsafe.Pointer(&ts)), 0); e != 0 {
+		panic(e)
+	}
+	return ts.Nano()
+}
+
+// cpuPerOp runs fn n times and returns the thread CPU ns per call.
+func cpuPerOp(n int, fn func()) float64 {
+	t0 := threadCPU()
+	for i := 0; i < n; i++ {
+		fn()
+	}
+	return float64(threadCPU()-t0) / float64(n)
+}
+
+var sink byte
+
+// coldPair returns the median wall time of one malloc+free after touching
+// evict bytes of other memory, less the median cost of reading the clock.
+func coldPair(a *allocator.Allocator, size uint64, evict []byte, n int) float64 {
+	clock := make([]int64, n)
+	pair := make([]int64, n)
+	for i := 0; i < n; i++ {
+		for j := 0; j < len(evict); j += 64 {
+			evict[j]++
+		}
+		t0 := time.Now()
+		t1 := time.Now()
+		p, _ := a.Malloc(0, size, 0)
+		_ = a.Free(0, p, 0)
+		t2 := time.Now()
+		clock[i], pair[i] = int64(t1.Sub(t0)), int64(t2.Sub(t1))
+	}
+	sink += evict[0]
+	return median64(pair) - median64(clock)
+}
+
+func median64(v []int64) float64 {
+	s := append([]int64(nil), v...)
+	sort.Slice(s, func(i, j int) bool { return s[i] < s[j] })
+	return float64(s[len(s)/2])
+}
+
+func medianF(v []float64) float64 {
+	s := append([]float64(nil), v...)
+	sort.Float64s(s)
+	if len(s)%2 == 1 {
+		return s[len(s)/2]
+	}
+	return (s[len(s)/2-1] + s[len(s)/2]) / 2
+}
+
+// mixed keeps n live blocks of sizes from 512 B to 144 MiB (the facts
+// document's reference mix) and replaces one per step; the allocator
+// package's BenchmarkMixedPairs runs the same.
+type mixed struct {
+	a     *allocator.Allocator
+	live  []cuda.Ptr
+	sizes []uint64
+	i     int
+}
+
+func newMixed(a *allocator.Allocator, n int) *mixed {
+	rng := rand.New(rand.NewSource(1))
+	m := &mixed{a: a, live: make([]cuda.Ptr, n)}
+	for i := 0; i < 4096; i++ {
+		var s uint64
+		switch r := rng.Intn(100); {
+		case r < 70:
+			s = uint64(rng.Intn(64*kiB) + 512)
+		case r < 95:
+			s = uint64(rng.Intn(8*miB) + 1)
+		default:
+			s = uint64(rng.Intn(144*miB) + 1)
+		}
+		m.sizes = append(m.sizes, s)
+	}
+	return m
+}
+
+func (m *mixed) run(n int) {
+	for k := 0; k < n; k++ {
+		slot := m.i % len(m.live)
+		if p := m.live[slot]; p != 0 {
+			_ = m.a.Free(0, p, 0)
+		}
+		m.live[slot], _ = m.a.Malloc(0, m.sizes[m.i%len(m.sizes)], 0)
+		m.i++
+	}
+}
+
+// benchSequence is bench/workloads.h's mixed workload (sizes log-uniform in
+// 512 B-144 MiB, 256 live slots, splitmix64 from the same seed), so that the
+// Go figures match what the GPU benchmark measures through the C ABI.
+func benchSequence() (sizes []uint64, slots []int) {
+	st := uint64(0x5EED0001)
+	next := func() uint64 {
+		st += 0x9E3779B97F4A7C15
+		z := st
+		z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9
+		z = (z ^ (z >> 27)) * 0x94D049BB133111EB
+		return z ^ (z >> 31)
+	}
+	for i := 0; i < 65536; i++ {
+		e := 9 + next()%19
+		lo := uint64(1) << e
+		span := lo
+		if e == 27 {
+			span = 16 << 20
+		}
+		sizes = append(sizes, lo+next()%span)
+		slots = append(slots, int(next()%256))
+	}
+	return sizes, slots
+}
+
+func speed(rounds int) error {
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	kinds := []pools.FreeSetKind{pools.FreeSetTreap, pools.FreeSetSegFit}
+	rows := []string{"hot 4 KiB pair (CPU ns)", "mixed 512 B-144 MiB, 256 live (CPU ns)",
+		"mixedPairs, 256 live (CPU ns)", "hot pair after 2 MiB touched (wall ns)", "hot pair after 8 MiB touched (wall ns)",
+		"hot pair, one lock (MallocAfterFrees) (CPU ns)", "mixedPairs, expandable segments (CPU ns)"}
+	res := map[string]map[pools.FreeSetKind][]float64{}
+	for _, r := range rows {
+		res[r] = map[pools.FreeSetKind][]float64{}
+	}
+	evictS, evictL := make([]byte, 2<<20), make([]byte, 8<<20)
+	for round := 0; round < rounds; round++ {
+		for i := range kinds {
+			k := kinds[(i+round)%len(kinds)] // alternate which goes first
+			conf := "free_set:" + k.String()
+			a, err := newAlloc(140*giB, conf)
+			if err != nil {
+				return err
+			}
+			if err := warmPair(a); err != nil {
+				return err
+			}
+			res[rows[0]][k] = append(res[rows[0]][k], cpuPerOp(300000, func() {
+				p, _ := a.Malloc(0, 4096, 0)
+				_ = a.Free(0, p, 0)
+			}))
+			res[rows[3]][k] = append(res[rows[3]][k], coldPair(a, 4096, evictS, 4000))
+			res[rows[4]][k] = append(res[rows[4]][k], coldPair(a, 4096, evictL, 1000))
+			// The C++ class's path: the previous pair's free rides with the
+			// next malloc, one lock hold for both.
+			var pend [1]allocator.PendingFree
+			var frees []allocator.PendingFree
+			res[rows[5]][k] = append(res[rows[5]][k], cpuPerOp(300000, func() {
+				p, _, _ := a.MallocAfterFrees(0, 4096, 0, 0, frees)
+				pend[0] = allocator.PendingFree{Dev: -1, Ptr: p}
+				frees = pend[:]
+			}))
+			if err := a.FreeMany(frees); err != nil {
+				return err
+			}
+
+			if a, err = newAlloc(140*giB, conf); err != nil {
+				return err
+			}
+			sizes, slots := benchSequence()
+			live := make([]cuda.Ptr, 256)
+			j := 0
+			step := func() {
+				x := j & 65535
+				if p := live[slots[x]]; p != 0 {
+					_ = a.Free(0, p, 0)
+				}
+				live[slots[x]], _ = a.Malloc(0, sizes[x], 0)
+				j++
+			}
+			cpuPerOp(65536, step)
+			res[rows[1]][k] = append(res[rows[1]][k], cpuPerOp(200000, step))
+
+			if a, err = newAlloc(80*giB, conf); err != nil {
+				return err
+			}
+			m := newMixed(a, 256)
+			m.run(20000)
+			res[rows[2]][k] = append(res[rows[2]][k], cpuPerOp(200000, func() { m.run(1) }))
+
+			if a, err = newAlloc(80*giB, conf+",expandable_segments:True"); err != nil {
+				return err
+			}
+			m = newMixed(a, 256)
+			m.run(20000)
+			res[rows[6]][k] = append(res[rows[6]][k], cpuPerOp(200000, func() { m.run(1) }))
+		}
+	}
+	out := fmt.Sprintf("allocator package, one thread, %d interleaved rounds: median (min-max)\n%-48s", rounds, "")
+	for _, k := range kinds {
+		out += fmt.Sprintf(" %24s", "free_set:"+k.String())
+	}
+	out += "\n"
+	for _, r := range rows {
+		out += fmt.Sprintf("%-48s", r)
+		for _, k := range kinds {
+			v := res[r][k]
+			sort.Float64s(v)
+			out += fmt.Sprintf(" %24s", fmt.Sprintf("%.0f (%.0f-%.0f)", medianF(v), v[0], v[len(v)-1]))
+		}
+		out += "\n"
+	}
+	fmt.Print(out)
+	return nil
+}
