@@ -461,7 +461,7 @@ def turns_note(res):
         parts.append("not paired: " + "; ".join(f"{k} {r}: {why}" for k, r, why in bad))
     return ("torch level with two processes on one CPU taking turns, handing it over after every timed "
             "rep, so that rep k of both runs back to back, to meet the host in one state (bench/turn_pair.sh; "
-            "gpu/diag_turns.sh checks that it does; per pair the median of the per-rep ratios, then their median "
+            "a pair of cudapool against itself checks that it does; per pair the median of the per-rep ratios, then their median "
             "(min-max) over the pairs, test/base): " + "; ".join(parts))
 
 
@@ -502,7 +502,8 @@ def build_rows(res):
     runs = {}
     for kind in ("c", "torch"):
         counts = sorted({len(v) for c in CONFIGS for k, v in ((res.record(kind, c) or {}).get("_samples") or {}).items()
-                         if k != "train_ms_per_step" and not k.startswith("fsdp_")})  # both counted in their own notes
+                         if k != "train_ms_per_step" and not k.startswith(("fsdp_", "trace_series"))})
+        # training and FSDP2 runs are counted in their own notes; a trace series may be kept for one run only
         if counts and counts[-1] > 1:
             runs[kind] = "-".join(str(n) for n in (counts[0], counts[-1]) if n) if counts[0] != counts[-1] else str(counts[0])
     ringed = ring_runs(res)

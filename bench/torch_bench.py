@@ -190,7 +190,7 @@ def parse_args(argv=None):
 def wait_start(environ=None, clock=time.time, sleep=time.sleep):
     """BENCH_START_AT (Unix time in seconds): the sections start then, not
     before (at most 60 s from now), so that two processes started together
-    time the same seconds of the host (gpu/diag_pairing.sh). Returns the
+    time the same seconds of the host. Returns the
     seconds waited (negative: how late the sections began)."""
     v = (os.environ if environ is None else environ).get("BENCH_START_AT", "")
     if not v:
@@ -675,7 +675,7 @@ def alt_captures(torch, args, _ext, before=None, after=None):
     do not (docs/hot-path.md section 23). Per side each capture's ms, the
     per-pair ratios cudapool/native and their median.
 
-    gpu/diag_capture_alt.py looks inside: before(side) runs just before a
+    A caller may look inside: before(side) runs just before a
     capture's clock starts, after(side, row) just after it stops, with row
     the capture's phases in ms (enter: synchronize, empty_cache and
     capture_begin; forward; exit: capture_end and instantiation; sync;

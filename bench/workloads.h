@@ -767,7 +767,7 @@ static int wl_parse_threads(struct wl_opts *o, const char *s) {
 
 /* BENCH_START_AT (Unix time in seconds): the sections start then, not
  * before (at most 60 s from now), so that two processes started together
- * time the same seconds of the host (gpu/diag_pairing.sh). */
+ * time the same seconds of the host. */
 static void wl_wait_start(void) {
 	const char *v = getenv("BENCH_START_AT");
 	if (v == NULL || *v == 0)

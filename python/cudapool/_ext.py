@@ -277,8 +277,7 @@ def install(fast=True):
 def passthrough(on):
     """Hands torch's allocations to PyTorch's own allocator (True) or back to
     cudapool (False): a measurement switch, so that a benchmark can alternate
-    the two within one process (bench/torch_bench.py, section alt;
-    gpu/diag_capture_alt.py). empty_cache and the captures begun meanwhile
+    the two within one process (bench/torch_bench.py, section alt). empty_cache and the captures begun meanwhile
     (their private pools, to their release) are PyTorch's too. Tensors keep
     the deleter of the allocator that made them. Raises
     ExtensionUnavailable when the class is not installed on its direct path
@@ -301,7 +300,7 @@ def timing(on, cross=False):
     each allocate() and each deleter call of tensors made meanwhile, for
     PyTorch's allocator (while passthrough is on) and for cudapool, and, for
     cudapool, its call into the library alone and its begin/endAllocateToPool
-    (bench/torch_bench.py --alt-timing, gpu/diag_capture.py). cross: after each of native's allocate() calls, also make
+    (bench/torch_bench.py --alt-timing). cross: after each of native's allocate() calls, also make
     a call into cudapool's Go code that does almost nothing (timed as
     ("native", "cross")), to see what a crossing costs what runs around it.
     Raises ExtensionUnavailable when the class is not installed on its
