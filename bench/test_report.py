@@ -483,6 +483,10 @@ class TestReport(unittest.TestCase):
         self.assertIn("- cudapool: commit abc1234; Go runtime: tick", report.machine_lines(res))
         res.meta = {"git_commit": "abc1234", "git_dirty": True}  # a run from before the field
         self.assertIn("- cudapool: commit abc1234 (with local changes)", report.machine_lines(res))
+        # The README's one-line header names them too.
+        res.meta = {"git_commit": "abc1234", "go_runtime": "tick", "gpu": "NVIDIA H100"}
+        self.assertIn("NVIDIA H100, PyTorch unknown, cudapool commit abc1234 (Go runtime: tick).",
+                      report.render_readme(res, []))
 
     def test_failed_repeat_is_explained(self):
         write_lines(os.path.join(self.dir, "c_native.json"), c_rec("native", 480.0, 830.0))
