@@ -1,6 +1,6 @@
 /*
  * pair_bench.c - cudapool and PyTorch's native allocator in one process,
- * their C-level reps alternated (issue 11).
+ * their C-level reps alternated (docs/benchmarks.md, "The measures").
  *
  * The benchmark's GPU host runs each process (or a few seconds of one) either
  * fast or 1.5-1.9x slower, per core and at random; two processes started

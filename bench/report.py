@@ -559,8 +559,8 @@ def build_rows(res):
         if nat and cp:
             r = cp / nat
             text += f"; cudapool/native {r:.3f}x (target <= 1x: {'met' if r <= 1 + 1e-12 else 'NOT met'})"
-            # Issue 11 asks the comparison to be resolved to 5%: the ratio's
-            # bootstrap interval no wider than 0.95-1.05 around it.
+            # Resolved to 5%: the ratio's bootstrap interval no wider than
+            # 0.95-1.05 around it.
             iv = ratio_interval(samples(res.record("torch", "native"), FSDP.key),
                                 samples(res.record("torch", "cudapool"), FSDP.key))
             if iv:
@@ -580,11 +580,11 @@ def build_rows(res):
             text += f"; cudapool adds {1e3 * (cp - floor):.0f} ns to that floor"
         elif cp:
             # A floor above cudapool means the floor's runs met the host in a
-            # slower state than cudapool's (docs/hot-path.md, section 7).
+            # slower state than cudapool's (docs/benchmarks.md, "The host").
             text += (f"; cudapool's median is {1e3 * (floor - cp):,.0f} ns below the floor's: the floor's runs met "
                      f"the host in a slower state, so this run cannot split cudapool's cost from the floor's")
         note(text)
-    # Expandable segments: cudapool's against PyTorch's own (issue 7's goal:
+    # Expandable segments: cudapool's against PyTorch's own (the targets:
     # reserved/allocated at or below native expandable, step time within 2%
     # of native).
     ce, ne = res.record("torch", "cudapool_exp") or {}, res.record("torch", "expandable") or {}
@@ -904,7 +904,7 @@ def main(argv=None):
     p.add_argument("--results", required=True, help="directory with the JSON result files")
     p.add_argument("--md", default=None, help="write the markdown results here (e.g. bench/RESULTS.md)")
     p.add_argument("--readme", default=None, help="README whose perf section to replace")
-    p.add_argument("--charts", default=None, help="draw bench/charts.py's SVG charts here (default: docs/charts "
+    p.add_argument("--charts", default=None, help="write bench/charts.py's SVG charts here (default: docs/charts "
                    "beside --readme; needs matplotlib)")
     args = p.parse_args(argv)
 
@@ -933,7 +933,7 @@ def main(argv=None):
     charts_dir = args.charts or (args.readme and os.path.join(os.path.dirname(os.path.abspath(args.readme)), "docs",
                                                               "charts"))
     if charts_dir:
-        import charts  # bench/charts.py; draws nothing, and says why, without matplotlib
+        import charts  # bench/charts.py; writes nothing, and says why, without matplotlib
 
         msgs.append(charts.draw_results(res, charts_dir))
     for m in msgs:

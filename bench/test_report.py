@@ -167,7 +167,7 @@ class TestReport(unittest.TestCase):
         self.assertEqual(step[4], "NO")  # > 1.0
         self.assertEqual(row(rows, "training peak reserved")[4], "yes")
         self.assertEqual(row(rows, "CUDA graph private pool")[4], "yes")  # equal is met
-        self.assertEqual(row(rows, "CUDA graph capture")[3], "<= 1x")  # issue 11: capture no slower than native
+        self.assertEqual(row(rows, "CUDA graph capture")[3], "<= 1x")  # capture no slower than native
         self.assertEqual(row(rows, "training reserved / allocated")[1]["native"], "1.200")
         self.assertEqual(row(rows, "C: 4 threads")[1]["cudapool"], "8.00")
         self.assertEqual(row(rows, "C: 4 threads")[2], "2.000x")
