@@ -46,7 +46,7 @@ static int g_sim;
  * the next cudapool_malloc_ctx in its own call into Go (one crossing per
  * pair, as PyTorch's class path; the C API's free reports a bad pointer at
  * the call and so cannot wait). For measuring what a crossing costs
- * (docs/hot-path.md, section 9). */
+ * (docs/hot-path.md, "Why it is built this way"). */
 static int g_deferred;
 static uintptr_t g_fake_stream = 0x5000;
 static __thread char g_err[512];

@@ -12,7 +12,7 @@
  * own threads do while a caller allocates at a Python-like pace (a malloc
  * through Go every 50 us of busy work, 0.5 s a round): their wake-ups and
  * CPU time per second, the caller's involuntary switches and its mean call
- * (docs/hot-path.md 21 and 22). The pairs are served by the
+ * (docs/hot-path.md, "The Go runtime between calls"). The pairs are served by the
  * front cache (allocator/front.go: no call into Go); the "front off" rows
  * are the same pairs with front_cache:False, through Go (the class path's
  * free is queued and performed by the next malloc: one call into Go; the C
@@ -230,7 +230,8 @@ static const char *row_units[NROWS] = {"cpu", "cpu", "cpu", "wall", "wall", "wal
                                        "cpu", "cpu", "wall", "wall", "cpu", "cpu", "wall"};
 
 /* warm switches capi/warm's keeper on or off: off, a call after more than
- * 10 ms in C wakes the Go runtime's sysmon (docs/hot-path.md 18). */
+ * 10 ms in C wakes the Go runtime's sysmon (docs/hot-path.md, "The Go
+ * runtime between calls"). */
 /* ---- the runtime's threads under a paced caller ---- */
 
 /* One thread of this process as /proc tells it: switches and CPU so far. */

@@ -1,10 +1,10 @@
 /*
  * pair_bench.c - cudapool and PyTorch's native allocator in one process,
- * their C-level reps alternated (issue 11).
+ * their C-level reps alternated (docs/benchmarks.md, "The measures").
  *
  * The benchmark's GPU host runs each process (or a few seconds of one) either
  * fast or 1.5-1.9x slower, per core and at random; two processes started
- * together on different cores do not share the state (gpu/diag_pairing.sh).
+ * together on different cores do not share the state.
  * A ratio of medians over a handful of separate processes therefore moves by
  * tens of percent between runs. Here both allocators live in one process on
  * one thread and their reps alternate (A B B A A B ...), each rep about

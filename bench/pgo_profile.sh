@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # pgo_profile.sh OUT [DIR]: writes OUT (normally capi/default.pgo), the CPU
 # profile that go build uses for profile-guided optimization of
-# libcudapool.so (docs/hot-path.md, section 13). Run by make pgo.
+# libcudapool.so (docs/hot-path.md, "Profile-guided optimization"). Run by
+# make pgo.
 #
 # Most of it is the library itself, built with -tags cudapool_cpuprofile
 # (capi/cpuprofile.go) and driven by bench/c_bench.c on the simulator: the

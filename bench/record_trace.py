@@ -11,7 +11,7 @@ defaults: the warm-up (workloads.warmup_lens: 5 steps, then one at every
 timed length not yet seen) and the 60 timed steps, so that a replay sees the
 lengths vary as the benchmark's 75 steps do (a front or fit policy that
 fragments over many lengths shows only over many steps: docs/hot-path.md,
-section 19); the recording then starts before the model is made, so the
+"Holding blocks across calls"); the recording then starts before the model is made, so the
 weights are in the trace as in the benchmark's process.
 """
 import sys

@@ -461,7 +461,7 @@ def turns_note(res):
         parts.append("not paired: " + "; ".join(f"{k} {r}: {why}" for k, r, why in bad))
     return ("torch level with two processes on one CPU taking turns, handing it over after every timed "
             "rep, so that rep k of both runs back to back, to meet the host in one state (bench/turn_pair.sh; "
-            "gpu/diag_turns.sh checks that it does; per pair the median of the per-rep ratios, then their median "
+            "a pair of cudapool against itself checks that it does; per pair the median of the per-rep ratios, then their median "
             "(min-max) over the pairs, test/base): " + "; ".join(parts))
 
 
@@ -502,7 +502,8 @@ def build_rows(res):
     runs = {}
     for kind in ("c", "torch"):
         counts = sorted({len(v) for c in CONFIGS for k, v in ((res.record(kind, c) or {}).get("_samples") or {}).items()
-                         if k != "train_ms_per_step" and not k.startswith("fsdp_")})  # both counted in their own notes
+                         if k != "train_ms_per_step" and not k.startswith(("fsdp_", "trace_series"))})
+        # training and FSDP2 runs are counted in their own notes; a trace series may be kept for one run only
         if counts and counts[-1] > 1:
             runs[kind] = "-".join(str(n) for n in (counts[0], counts[-1]) if n) if counts[0] != counts[-1] else str(counts[0])
     ringed = ring_runs(res)
@@ -558,8 +559,8 @@ def build_rows(res):
         if nat and cp:
             r = cp / nat
             text += f"; cudapool/native {r:.3f}x (target <= 1x: {'met' if r <= 1 + 1e-12 else 'NOT met'})"
-            # Issue 11 asks the comparison to be resolved to 5%: the ratio's
-            # bootstrap interval no wider than 0.95-1.05 around it.
+            # Resolved to 5%: the ratio's bootstrap interval no wider than
+            # 0.95-1.05 around it.
             iv = ratio_interval(samples(res.record("torch", "native"), FSDP.key),
                                 samples(res.record("torch", "cudapool"), FSDP.key))
             if iv:
@@ -579,11 +580,11 @@ def build_rows(res):
             text += f"; cudapool adds {1e3 * (cp - floor):.0f} ns to that floor"
         elif cp:
             # A floor above cudapool means the floor's runs met the host in a
-            # slower state than cudapool's (docs/hot-path.md, section 7).
+            # slower state than cudapool's (docs/benchmarks.md, "The host").
             text += (f"; cudapool's median is {1e3 * (floor - cp):,.0f} ns below the floor's: the floor's runs met "
                      f"the host in a slower state, so this run cannot split cudapool's cost from the floor's")
         note(text)
-    # Expandable segments: cudapool's against PyTorch's own (issue 7's goal:
+    # Expandable segments: cudapool's against PyTorch's own (the targets:
     # reserved/allocated at or below native expandable, step time within 2%
     # of native).
     ce, ne = res.record("torch", "cudapool_exp") or {}, res.record("torch", "expandable") or {}
@@ -746,6 +747,138 @@ def render_markdown(res, rows, notes, title=True):
     return "\n".join(out) + "\n"
 
 
+# ---------------------------------------------------------------------------
+# The README's section: a speed table and a memory table of the same run,
+# compact; bench/RESULTS.md (render_markdown) has every row and note.
+
+README_SPEED = [
+    "C: malloc+free, 4 KiB hot loop",
+    "C: malloc+free, mixed 512 B-144 MiB, 256 live",
+    "C: 8 threads, own streams, 4 KiB pairs",
+    "torch.empty + free, 4 KiB",
+    "torch.empty + free, mixed sizes",
+    "GPT-2 training step, variable seq len",
+    "CUDA graph capture (forward)",
+    "CUDA graph replay",
+]
+# (metric label, the row's name in the README)
+README_MEMORY = [
+    ("training reserved / allocated", "GPT-2 training: peak reserved / peak allocated"),
+    ("trace replay: reserved / allocated", "trace replay (C): peak reserved / peak allocated"),
+    ("CUDA graph private pool", "CUDA graph private pool, MiB"),
+]
+# How each paired figure was taken, for the line under the speed table.
+PAIRED_HOW = {
+    "pair": "C rows: both allocators in one process, reps alternated (bench/pair_bench.c)",
+    "alt": "torch.empty and graph capture: PyTorch's allocator and cudapool alternating in one process "
+           "(torch_bench.py, section alt)",
+    "ring": "training step: fresh processes taking turns rep by rep on one CPU (bench/turn_ring.py)",
+}
+
+
+def paired_ratios(res):
+    """{metric label: (how, [per-process or per-ring ratios cudapool/native])}
+    of the paired measures in res: pair_bench.c's processes, torch_bench.py's
+    alt processes and the rings' training step."""
+    out = {}
+    for sec, label in (("hot", README_SPEED[0]), ("mixed", README_SPEED[1])):
+        per = [float(x["ratio"]) for x in res.pairs.get(sec) or []]
+        if per:
+            out[label] = ("pair", per)
+    alts = res.alts.get("cudapool") or []
+    for key, label in (("alt_small_ratio", "torch.empty + free, 4 KiB"),
+                       ("alt_mixed_ratio", "torch.empty + free, mixed sizes"),
+                       ("alt_capture_ratio", "CUDA graph capture (forward)")):
+        per = [float(x[key]) for x in alts if isinstance(x.get(key), (int, float))]
+        if per:
+            out[label] = ("alt", per)
+    rings = sorted({r for (c, r), v in res.by_run.items() if c == "native" and "turns" in v})
+    per = []
+    for r in rings:
+        b, t = res.by_run.get(("native", r), {}), res.by_run.get(("cudapool", r), {})
+        if "turns" in t and b.get("train_ms_per_step", 0) > 0 and t.get("train_ms_per_step", 0) > 0:
+            per.append(t["train_ms_per_step"] / b["train_ms_per_step"])
+    if per:
+        out["GPT-2 training step, variable seq len"] = ("ring", per)
+    return out
+
+
+def _runs_line(res):
+    """"N fresh processes per allocator" (the C and torch levels' counts)."""
+    counts = sorted({len(v) for kind in ("c", "torch") for c in CONFIGS
+                     for k, v in ((res.record(kind, c) or {}).get("_samples") or {}).items()
+                     if not k.startswith(("fsdp_", "trace_series"))})
+    if not counts:
+        return ""
+    n = str(counts[-1]) if counts[0] == counts[-1] else f"{counts[0]}-{counts[-1]}"
+    return f"; the median (min-max) of {n} fresh processes per allocator"
+
+
+def render_readme(res, rows):
+    """The README's performance section: one line on the machine, a speed
+    table (native and cudapool, the ratio of the medians and the paired
+    ratio) and a memory table (every configuration)."""
+    by_label = {r[0].label: r for r in rows}
+    meta = dict(res.meta)
+    torch_meta = {}
+    for cfg in CONFIGS:
+        rec = res.record("torch", cfg) or {}
+        for k in ("torch_version", "torch_cuda", "device_name"):
+            torch_meta.setdefault(k, rec.get(k))
+    gpu = meta.get("gpu") or torch_meta.get("device_name") or "unknown GPU"
+    if meta.get("driver"):
+        gpu += f" (driver {meta['driver']})"
+    torch_v = meta.get("torch_version") or torch_meta.get("torch_version") or "unknown"
+    cuda_v = meta.get("torch_cuda") or torch_meta.get("torch_cuda")
+    where = f"{gpu}, PyTorch {torch_v}" + (f" (CUDA {cuda_v})" if cuda_v else "")
+    if meta.get("git_commit"):
+        where += f", cudapool commit {meta['git_commit']}" + (" with local changes" if meta.get("git_dirty") else "")
+    if meta.get("go_runtime"):
+        where += f" (Go runtime: {meta['go_runtime']})"
+    if meta.get("date_utc"):
+        where += f", {meta['date_utc']}"
+    out = [f"Generated by `bench/report.py` from a `bench/run_bench.sh` run; do not edit by hand. {where}"
+           f"{_runs_line(res)}. Every row and note: [bench/RESULTS.md](bench/RESULTS.md); how to rerun and what "
+           "the measures mean: [docs/benchmarks.md](docs/benchmarks.md).", ""]
+    paired = paired_ratios(res)
+    out += ["| operation | unit | native | cudapool | cudapool / native | paired |",
+            "|---|---|---:|---:|---:|---:|"]
+    used = []
+    for label in README_SPEED:
+        r = by_label.get(label)
+        if r is None:
+            continue
+        m, cells, ratio, _, _ = r
+        p = paired.get(label)
+        pc = "-"
+        if p:
+            how, per = p
+            med = statistics.median(per)
+            pc = f"{med:.3f}x" + (f" ({min(per):.3f}-{max(per):.3f})" if len(per) > 1 else "")
+            if how not in used:
+                used.append(how)
+        out.append(f"| {_md_escape(m.label)} | {m.unit} | {_md_escape(cells['native'])} | "
+                   f"{_md_escape(cells['cudapool'])} | {ratio} | {pc} |")
+    out.append("")
+    line = ("Lower is better except for M pairs/s. The host runs a process fast or up to 1.9x slower at random, "
+            "so the ratio of medians moves from run to run; the paired ratio, cudapool's reps against native's "
+            "in the same state of the host, is the steadier measure.")
+    if used:
+        line += (" Paired: " + "; ".join(PAIRED_HOW[h] for h in used)
+                 + "; each the median (min-max) over the processes or rings.")
+    out += [line, ""]
+    out += ["| memory | " + " | ".join(LABELS[c] for c in CONFIGS) + " |",
+            "|---|" + "---:|" * len(CONFIGS)]
+    for label, name in README_MEMORY:
+        r = by_label.get(label)
+        if r is None:
+            continue
+        cells = r[1]
+        out.append(f"| {name} | " + " | ".join(_md_escape(re.sub(r" \[\d+\]", "", cells[c])) for c in CONFIGS)
+                   + " |")
+    return "\n".join(out) + "\n"
+
+
 def update_readme(path, section_md):
     """Replaces the text between the markers. Returns a message."""
     if not path:
@@ -771,7 +904,7 @@ def main(argv=None):
     p.add_argument("--results", required=True, help="directory with the JSON result files")
     p.add_argument("--md", default=None, help="write the markdown results here (e.g. bench/RESULTS.md)")
     p.add_argument("--readme", default=None, help="README whose perf section to replace")
-    p.add_argument("--charts", default=None, help="draw bench/charts.py's SVG charts here (default: docs/charts "
+    p.add_argument("--charts", default=None, help="write bench/charts.py's SVG charts here (default: docs/charts "
                    "beside --readme; needs matplotlib)")
     args = p.parse_args(argv)
 
@@ -794,13 +927,13 @@ def main(argv=None):
             msgs.append(f"could not write {args.md}: {e}")
     if args.readme:
         try:
-            msgs.append(update_readme(args.readme, render_markdown(res, rows, notes, title=False)))
+            msgs.append(update_readme(args.readme, render_readme(res, rows)))
         except OSError as e:
             msgs.append(f"README: {e}")
     charts_dir = args.charts or (args.readme and os.path.join(os.path.dirname(os.path.abspath(args.readme)), "docs",
                                                               "charts"))
     if charts_dir:
-        import charts  # bench/charts.py; draws nothing, and says why, without matplotlib
+        import charts  # bench/charts.py; writes nothing, and says why, without matplotlib
 
         msgs.append(charts.draw_results(res, charts_dir))
     for m in msgs:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# run_bench.sh - cudapool's benchmark suite, in one call on the GPU machine.
+# run_bench.sh - cudapool's benchmark suite, on a GPU machine (docs/benchmarks.md).
 #
 #   bash bench/run_bench.sh            (from anywhere; QUICK=1 for a short run)
 #
@@ -18,7 +18,7 @@
 #      run a ring of one fresh process per configuration taking turns rep by
 #      rep on one CPU (bench/turn_ring.py; BENCH_TORCH_RING=0: the processes
 #      one after another instead), so that rep k of every configuration
-#      meets the host in the same state (docs/hot-path.md 17). Then,
+#      meets the host in the same state (docs/benchmarks.md). Then,
 #      once per run, the torch.empty loops and the graph captures of native
 #      and cudapool alternating rep by rep in one process (part "alt":
 #      torch_bench.py's alt section),
@@ -37,18 +37,19 @@
 # bench/RESULTS.md and the README's performance section (between
 # <!-- perf:start --> and <!-- perf:end -->).
 #
-# A full run takes longer than one 10-minute device command: run it in
-# parts that add to the same results, e.g. (OUT must then survive between
-# the calls: a path in the checkout such as build/bench-out)
+# A full run takes more than 10 minutes; it can run in parts that add to
+# the same results, e.g. (OUT must then survive between the parts: a path
+# in the checkout such as build/bench-out)
 #   OUT=build/bench-out BENCH_PARTS=c bash bench/run_bench.sh
 #   OUT=build/bench-out BENCH_PARTS=torch BENCH_KEEP=1 bash bench/run_bench.sh
 #   OUT=build/bench-out BENCH_PARTS="train floor fsdp" BENCH_KEEP=1 bash bench/run_bench.sh
-# and BENCH_REPEAT_FROM=N makes a call start at run N (BENCH_REPEATS=2, then
-# BENCH_REPEAT_FROM=3 BENCH_REPEATS=3, splits the 3 runs of a part over two
-# calls). Each call reports on everything under OUT so far.
+# and BENCH_REPEAT_FROM=N makes a part start at run N (BENCH_REPEATS=2, then
+# BENCH_REPEAT_FROM=3 BENCH_REPEATS=3, splits the 3 runs of a part in two).
+# Each invocation reports on everything under OUT so far.
 #
-# Needs: lib/libcudapool.so built beforehand (`make`, where Go is) and carried
-# along; python3 with CUDA PyTorch; gcc, g++. No network.
+# Needs: lib/libcudapool.so built beforehand (`make`, where Go is; copy lib/
+# to the GPU machine if it has no Go); python3 with CUDA PyTorch; gcc, g++.
+# No network.
 # Everything lands in $OUT (default /tmp/cudapool-bench-out): results/*.json
 # (the raw result lines), logs/*.log, report.txt, RESULTS.md, README.md.
 # The table is printed last.
@@ -66,9 +67,9 @@
 # pairs, default 2; 0 where there are 2 CPUs or fewer), BENCH_TURN_PIN
 # (thread: the default, only the main
 # threads are pinned; process: every thread, which pairs tighter but makes
-# cudapool's other threads compete with its main one: docs/hot-path.md 9),
+# cudapool's other threads compete with its main one),
 # BENCH_KEEP=1 (keep the results already under $OUT: add to them),
-# BENCH_REPEAT_FROM (1: the first run number of this call).
+# BENCH_REPEAT_FROM (1: the first run number of this invocation).
 # shellcheck disable=SC2317  # the step functions are called through run_step
 set -u
 cd "$(dirname "$0")/.." || exit 1
@@ -84,7 +85,7 @@ HARD=${BENCH_HARD_S:-560}
 QUICK=${QUICK:-0}
 CONFIGS=(native expandable async cudapool cudapool_exp)
 REPEATS=${BENCH_REPEATS:-3}
-FROM=${BENCH_REPEAT_FROM:-1} # first run number of this call (to split the runs over calls)
+FROM=${BENCH_REPEAT_FROM:-1} # first run number of this invocation (to split the runs)
 TRAIN_RUNS=${BENCH_TRAIN_RUNS:-5}
 FSDP_RUNS=${BENCH_FSDP_RUNS:-5}
 PARTS=" ${BENCH_PARTS:-c torch alt turns train floor fsdp} "
@@ -234,7 +235,7 @@ run_step meta 0 "" collect_meta
 
 build_c() {
     if [ ! -f lib/libcudapool.so ]; then
-        echo "lib/libcudapool.so is missing: run make where Go is, and carry lib/"
+        echo "lib/libcudapool.so is missing: run make where Go is, and copy lib/ here"
         return 1
     fi
     gcc -std=c11 -O2 -Wall -I include -I bench bench/c_bench.c -o "$BUILD/c_bench" \

@@ -1,4 +1,4 @@
-"""Tests of the FSDP2 diagnostics' pure parts: the trace converter of
+"""Tests of the FSDP2 tools' pure parts: the trace converter of
 bench/record_trace.py, the thread accounting of bench/fsdp2_bench.py and
 gpu/fsdp_counters.py's table. None needs torch or a GPU."""
 import importlib.util
@@ -78,20 +78,3 @@ def test_fsdp_counters_prints_each_launch_and_its_threads(tmp_path, capsys):
     assert "66.44" in out[1] and "1387.4" in out[1] and "60.3" in out[1]
     assert "main 33.00 ms cpu, 2.0+46.2 switches; 2 others 35.25 ms cpu, 107.0+141.0 switches" in out[2]
 
-
-capture_alt = load(os.path.join(HERE, "..", "gpu", "diag_capture_alt.py"), "diag_capture_alt")
-
-
-def test_capture_alt_pairs_each_native_capture_with_its_partner():
-    def row(native, total):
-        return {"side": "native" if native else "cudapool", "enter": 0.2, "forward": total - 0.3, "exit": 0.1,
-                "sync": 1e-3, "total": total}
-    # native, cudapool | cudapool, native | native, cudapool
-    rows = [row(True, 5.0), row(False, 5.5), row(False, 4.0), row(True, 4.4), row(True, 6.0), row(False, 6.0)]
-    ps = capture_alt.pair_up(rows)
-    assert [(n["total"], c["total"]) for n, c in ps] == [(5.0, 5.5), (4.4, 4.0), (6.0, 6.0)]
-    m = capture_alt.summarize(ps)
-    assert abs(m["total"] - 1.0) < 1e-9  # ratios 1.1, 0.909, 1.0: the median
-    assert m["native_total"] == 5.0 and m["cudapool_total"] == 5.5
-    # A pair of two captures by one allocator (a failed switch) is dropped.
-    assert capture_alt.pair_up([row(True, 1.0), row(True, 1.0)]) == []

@@ -165,7 +165,7 @@ class TestReport(unittest.TestCase):
         self.assertEqual(step[4], "NO")  # > 1.0
         self.assertEqual(row(rows, "training peak reserved")[4], "yes")
         self.assertEqual(row(rows, "CUDA graph private pool")[4], "yes")  # equal is met
-        self.assertEqual(row(rows, "CUDA graph capture")[3], "<= 1x")  # issue 11: capture no slower than native
+        self.assertEqual(row(rows, "CUDA graph capture")[3], "<= 1x")  # capture no slower than native
         self.assertEqual(row(rows, "training reserved / allocated")[1]["native"], "1.200")
         self.assertEqual(row(rows, "C: 4 threads")[1]["cudapool"], "8.00")
         self.assertEqual(row(rows, "C: 4 threads")[2], "2.000x")
@@ -481,6 +481,10 @@ class TestReport(unittest.TestCase):
         self.assertIn("- cudapool: commit abc1234; Go runtime: tick", report.machine_lines(res))
         res.meta = {"git_commit": "abc1234", "git_dirty": True}  # a run from before the field
         self.assertIn("- cudapool: commit abc1234 (with local changes)", report.machine_lines(res))
+        # The README's one-line header names them too.
+        res.meta = {"git_commit": "abc1234", "go_runtime": "tick", "gpu": "NVIDIA H100"}
+        self.assertIn("NVIDIA H100, PyTorch unknown, cudapool commit abc1234 (Go runtime: tick).",
+                      report.render_readme(res, []))
 
     def test_failed_repeat_is_explained(self):
         write_lines(os.path.join(self.dir, "c_native.json"), c_rec("native", 480.0, 830.0))
@@ -557,13 +561,52 @@ class TestReport(unittest.TestCase):
         self.assertNotIn("old table", text)
         self.assertTrue(text.startswith("# cudapool\n\nintro\n\n## Performance\n\n<!-- perf:start -->\n"))
         self.assertTrue(text.endswith("<!-- perf:end -->\n\nrest\n"))
-        self.assertIn("| GPT-2 training step, variable seq len | ms/step | 36.10 |", text)
+        # The README gets the compact tables: native and cudapool with their
+        # ratio (no paired figure in this run), and memory for every
+        # configuration; RESULTS.md keeps every column and note.
+        self.assertIn("| GPT-2 training step, variable seq len | ms/step | 36.10 | 37.00 | 1.025x | - |", text)
+        self.assertIn("| GPT-2 training: peak reserved / peak allocated | 1.200 | 1.100 | 1.100 | 1.100 | 1.050 |",
+                      text)
+        self.assertIn("| CUDA graph private pool, MiB | 800.0 | 700.0 | 600.0 | 800.0 | 700.0 |", text)
+        self.assertIn("NVIDIA H200 (driver 580.1), PyTorch 2.11.0+cu130 (CUDA 13.0), 2026-11-22 10:00 UTC", text)
+        self.assertNotIn("trace replay: peak allocated", text)  # RESULTS.md's row, not the README's
+        self.assertNotIn("| met? |", text)
+        self.assertIn("| GPT-2 training step, variable seq len | ms/step | 36.10 | 35.00 | 38.60 | 37.00 | 36.50 | "
+                      "1.025x | <= 1x | NO |", results)
         self.assertNotIn("# cudapool benchmark results", text)
         # a second run leaves it as it is
         with redirect_stdout(io.StringIO()):
             report.main(["--results", self.dir, "--readme", readme])
         with open(readme) as f:
             self.assertEqual(f.read(), text)
+
+    def test_readme_paired_column(self):
+        # The README's paired column: pair_bench.c's processes for the C
+        # rows, the alt processes for torch.empty and the capture, the rings
+        # for the training step; a row without a paired measure shows "-".
+        self.full_run()
+        for i, h in enumerate((0.08, 0.06, 0.07)):
+            write_lines(os.path.join(self.dir, f"pair_{i}.json"), [
+                {"kind": "pair", "section": "hot", "ratio": h, "cudapool_ns": 40.0, "native_ns": 500.0}])
+        write_lines(os.path.join(self.dir, "torch_alt.json"), [
+            {"kind": "torch", "config": "cudapool", "section": "alt", "alt_small_ratio": 0.8,
+             "alt_mixed_ratio": 0.9, "alt_capture_ratio": 1.01}])
+        for r, (n, c) in enumerate(((30.0, 27.0), (32.0, 32.0)), 2):
+            for cfg, v in (("native", n), ("cudapool", c)):
+                write_lines(os.path.join(self.dir, f"torch_{cfg}_r{r}.json"), [
+                    {"kind": "torch", "config": cfg, "section": "train", "train_ms_per_step": v},
+                    {"kind": "torch", "config": cfg, "section": "done", "turns": 9}])
+        res = report.load(self.dir)
+        text = report.render_readme(res, report.build_rows(res)[0])
+        self.assertIn("| C: malloc+free, 4 KiB hot loop | ns/pair | 480 | 400 | 0.833x | 0.070x (0.060-0.080) |", text)
+        self.assertIn("| torch.empty + free, 4 KiB | us/pair | 2.30 | 2.50 | 1.087x | 0.800x |", text)
+        self.assertIn("| CUDA graph capture (forward) | ms | 100.0 | 100.0 | 1.000x | 1.010x |", text)
+        # rings 2 and 3: 27/30 and 32/32
+        self.assertIn("| 0.950x (0.900-1.000) |", text.split("GPT-2 training step")[1].split("\n")[0] + "|")
+        self.assertIn("| C: malloc+free, mixed 512 B-144 MiB, 256 live | ns/pair | 830 | 600 | 0.723x | - |", text)
+        self.assertIn("Paired: C rows", text)
+        self.assertIn("training step: fresh processes taking turns", text)
+        self.assertIn("of 1-3 fresh processes per allocator", text)
 
     def test_readme_without_markers_is_left_alone(self):
         readme = os.path.join(self.dir, "README.md")

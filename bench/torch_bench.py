@@ -51,8 +51,8 @@ take turns (bench/turn_pair.sh starts such a pair, tagging its lines with
 BENCH_TURNS_TAG, and pins them or, with BENCH_TURNS_PIN=CPUS, has this
 script pin its main thread): only one main thread runs at a time, and each
 passes the turn after every timed rep (training block, capture, empty rep),
-so rep k of the two processes runs back to back (docs/hot-path.md,
-section 9). The times exclude the waits.
+so rep k of the two processes runs back to back (docs/benchmarks.md, "The
+measures"). The times exclude the waits.
 
 Output: one JSON line per section on stdout ("kind":"torch"); a failing
 section prints its "<section>_error" and the next one still runs.
@@ -80,7 +80,7 @@ CONFIGS = {
     "cudapool": None,
     # cudapool with expandable_segments:True (set through cudapool.configure).
     "cudapool_exp": None,
-    # The same mapping page by page (the mapping unit before issue 12), and
+    # The same mapping page by page (expandable_map_unit_mb:2), and
     # with stitching (docs/fragmentation.md): gpu/bench_stitch_train.sh.
     "cudapool_exp2": None,
     "cudapool_stitch": None,
@@ -192,7 +192,7 @@ def parse_args(argv=None):
 def wait_start(environ=None, clock=time.time, sleep=time.sleep):
     """BENCH_START_AT (Unix time in seconds): the sections start then, not
     before (at most 60 s from now), so that two processes started together
-    time the same seconds of the host (gpu/diag_pairing.sh). Returns the
+    time the same seconds of the host. Returns the
     seconds waited (negative: how late the sections began)."""
     v = (os.environ if environ is None else environ).get("BENCH_START_AT", "")
     if not v:
@@ -458,7 +458,7 @@ def bench_graph(torch, args):
         # and its output stay alive until the end, so each capture takes new
         # segments for its new private pool, as the first does. One capture
         # per process would time the process's one-off costs and little else
-        # (docs/hot-path.md, section 7).
+        # (docs/benchmarks.md, "The host").
         caps = []
         phases = {k: [] for k in ("enter", "forward", "exit", "sync")}
         counts = {k: [] for k in COUNTED}
@@ -674,10 +674,10 @@ def alt_captures(torch, args, ext, before=None, after=None):
     class hands the capture (its allocations, empty_cache, the pool hooks
     and the pool's release) to the allocator it replaced. Both captures of a
     pair meet the host in the same state, which the graph row's processes
-    do not (docs/hot-path.md section 23). Per side each capture's ms, the
+    do not (docs/benchmarks.md, "The measures"). Per side each capture's ms, the
     per-pair ratios cudapool/native and their median.
 
-    gpu/diag_capture_alt.py looks inside: before(side) runs just before a
+    A caller may look inside: before(side) runs just before a
     capture's clock starts, after(side, row) just after it stops, with row
     the capture's phases in ms (enter: synchronize, empty_cache and
     capture_begin; forward; exit: capture_end and instantiation; sync;
@@ -744,7 +744,7 @@ SCHED_GODEBUG = "schedtrace=2147483647"
 
 def sched_reexec(cfg, environ=None, argv=None, execve=os.execve):
     """cudapool_sched keeps the Go runtime's sysmon out of its deep sleep
-    (GODEBUG schedtrace; docs/hot-path.md, sections 3 and 18). A c-shared Go
+    (GODEBUG schedtrace; docs/hot-path.md, "The Go runtime between calls"). A c-shared Go
     runtime reads the environment the process started with, not os.environ,
     so the setting must be there at exec: the process execs itself once with
     it (same pid, so turn_pair/turn_ring keep track of it)."""

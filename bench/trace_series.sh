@@ -2,7 +2,7 @@
 # trace_series.sh - reserved and allocated bytes over the trace replay
 # (demo/trace.txt, 5 passes as in the benchmark), sampled about SERIES_N
 # times, for native, native expandable, cudapool and cudapool expandable;
-# then bench/charts.py draws the charts with them.
+# then bench/charts.py plots the charts with them.
 #
 #   bash bench/run_bench.sh && bash bench/trace_series.sh
 #

@@ -13,7 +13,7 @@ script hands the turn to one process, which runs one timed rep (a training
 block, a capture, a torch.empty rep: torch_bench.py's Turns) and hands it
 back; then the next process gets it. So rep k of every configuration runs
 within one round of turns, and all meet the host in the same state
-(docs/hot-path.md sections 7-9 and 17: this host runs a process fast or up
+(docs/benchmarks.md, "The host": it runs a process fast or up
 to 1.9x slower, per few seconds, so processes run one after another do
 not). A process that ends, fails or stays silent past --turn-timeout
 leaves the ring and the others go on; --limit cuts everything off.

@@ -29,7 +29,7 @@
  *           It runs first, on a fresh allocator, so the peaks are its own.
  *           --trace-series N also samples current allocated and reserved
  *           bytes about N times over all passes (one more JSON line,
- *           section "trace_series"; bench/charts.py draws it). The time
+ *           section "trace_series"; bench/charts.py plots it). The time
  *           spent sampling is left out of the pass times; for replay times
  *           untouched by it, bench/trace_series.sh records the series in a
  *           run of its own.
@@ -240,7 +240,7 @@ static void wl_section_hot(const struct wl_opts *o) {
  *
  * In PyTorch's mixed torch.empty loop the interpreter and the dispatcher run
  * between the tensor's free and the next malloc, and evict much of the
- * allocator's working set (docs/hot-path.md, section 3). WL_EVICT_KB=N
+ * allocator's working set (docs/hot-path.md, "Why it is built this way"). WL_EVICT_KB=N
  * makes the mixed loop touch N KiB of its own buffer there (a read and a
  * write per 64-byte line), and WL_EVICT_CODE=1 also runs 40 KiB of
  * straight-line code (more than a core's L1 instruction cache), so that
@@ -767,7 +767,7 @@ static int wl_parse_threads(struct wl_opts *o, const char *s) {
 
 /* BENCH_START_AT (Unix time in seconds): the sections start then, not
  * before (at most 60 s from now), so that two processes started together
- * time the same seconds of the host (gpu/diag_pairing.sh). */
+ * time the same seconds of the host. */
 static void wl_wait_start(void) {
 	const char *v = getenv("BENCH_START_AT");
 	if (v == NULL || *v == 0)

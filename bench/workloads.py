@@ -48,8 +48,8 @@ def warmup_lens(lens, warmup):
     """The warm-up steps' lengths for timed steps lens[warmup:]: the first
     warmup of lens, then every timed length not among them, in order of first
     use. A length's first step costs every allocator 118-216 ms outside the
-    allocator (plans and kernels for the new shapes; no driver allocation:
-    gpu/diag_train_steps.py), over half of what 60 timed steps took when only
+    allocator (plans and kernels for the new shapes; no driver allocation),
+    over half of what 60 timed steps took when only
     5 warm-up steps ran; the timed steps then measured that, not training."""
     warm = list(lens[:warmup])
     seen = set(warm)

@@ -30,7 +30,7 @@
  * recorded from, PyTorch's allocator: 6.160). Rules that made held large
  * blocks neutral instead (claimed back for merges and for best fit) kept
  * 6.160 with twice the hits but cost 50% more per operation
- * (docs/hot-path.md, section 20). A private pool's blocks are held at any
+ * (docs/hot-path.md, "Holding blocks across calls"). A private pool's blocks are held at any
  * size: a capture's forward reuses its freed activations, and its pool
  * stays the size of PyTorch's (the CUDA graph private pool row); except in
  * expandable segments, whose blocks Go tags CP_TAG_HOLD_SMALL: there a held
@@ -111,7 +111,7 @@ typedef struct {
 	 * lock by a plain load and store, not a read-modify-write: every malloc
 	 * through Go of a cold device passes here, and the two locked
 	 * instructions there took 4% of the C benchmark's mixed pair's samples
-	 * (1% now; development box, docs/hot-path.md section 16). Two mallocs racing may count one block, which lengthens the
+	 * (1% now, on a development machine). Two mallocs racing may count one block, which lengthens the
 	 * stretch by one; a store racing with a reset or a verdict may revive
 	 * what is left of the old stretch. Either only changes which blocks
 	 * the front tracks (and the counter of untracked blocks by as much),

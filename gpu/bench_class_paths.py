@@ -98,7 +98,7 @@ MODES = [("class", {}), ("class, pluggable base path", {"CUDAPOOL_TORCH_EXT_FAST
 ARG = {"class": "class", "class, pluggable base path": "class", "class, frees not queued": "bench",
        "class, GODEBUG=schedtrace": "class", "pluggable (no class)": "pluggable",
        "floor (trivial C allocator)": "floor", "native": "native"}
-# The default set (gpu/diag_hot_path.sh's table); --modes picks others.
+# The default set; --modes picks others.
 DEFAULT = ["class", "class, pluggable base path", "pluggable (no class)", "floor (trivial C allocator)", "native"]
 COLS = [("hot", "4 KiB loop"), ("mixed", "mixed 512 B-16 MiB"), ("touched", "4 KiB, 2 MiB touched"),
         ("asleep", "4 KiB after 10 ms")]

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # bench_fragmentation.sh - peak reserved / peak allocated of every allocator on
-# two allocation traces, on the GPU, in one command (issue 12):
+# two allocation traces, on the GPU, in one command (docs/fragmentation.md):
 #
 #   bash gpu/bench_fragmentation.sh          (from anywhere; REPEATS=3)
 #
@@ -14,7 +14,7 @@
 # lib/libcudapool.so). The replays launch no kernels: they measure memory
 # and the allocator's host time per operation.
 #
-# Needs lib/libcudapool.so (built where Go is; carry lib/), python3 with CUDA
+# Needs lib/libcudapool.so (built where Go is; copy lib/), python3 with CUDA
 # PyTorch, gcc, g++. No network. Writes $OUT (default
 # /tmp/cudapool-frag-out): results.jsonl, logs/, table.md; the table is
 # printed last. BENCH_SIM=1 runs the cudapool rows on the simulator (to test
@@ -42,7 +42,7 @@ KV2=$BUILD/kvcache_2streams.txt
 TRACES=(demo/trace.txt "$KV" "$KV2")
 
 if [ ! -f lib/libcudapool.so ]; then
-    echo "lib/libcudapool.so is missing: run make where Go is, and carry lib/"
+    echo "lib/libcudapool.so is missing: run make where Go is, and copy lib/ here"
     exit 1
 fi
 gcc -std=c11 -O2 -Wall -I include -I bench bench/c_bench.c -o "$BUILD/c_bench" \

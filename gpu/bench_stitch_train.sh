@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
 # bench_stitch_train.sh - GPT-2 training and CUDA graph capture with
-# stitching (issue 12), in one command on the GPU machine:
+# stitching (docs/fragmentation.md), in one command on the GPU machine:
 #
 #   bash gpu/bench_stitch_train.sh        (REPS=3 interleaved rounds)
 #
 # Each round runs bench/torch_bench.py --sections train,graph in a fresh
 # process for: native expandable_segments:True (PyTorch), cudapool expandable
-# mapping page by page (the mapping unit before issue 12), cudapool
+# mapping page by page (expandable_map_unit_mb:2), cudapool
 # expandable (20 MiB unit), cudapool stitch:True. The configurations are
 # interleaved so that drifts of the machine hit them alike; the table (medians
 # over the rounds) is printed last: ms/step, peak reserved / peak allocated,
 # graph capture ms, graph private pool MiB.
 #
-# Needs lib/libcudapool.so (carry lib/), python3 with CUDA PyTorch. Logs and
+# Needs lib/libcudapool.so (built with make; copy lib/), python3 with CUDA PyTorch. Logs and
 # the raw JSON lines go to $OUT (default /tmp/cudapool-stitch-train-out).
 set -u
 cd "$(dirname "$0")/.." || exit 1
@@ -25,7 +25,7 @@ mkdir -p "$OUT"
 RES=$OUT/results.jsonl
 : >"$RES"
 export CUDAPOOL_LIBRARY=$PWD/lib/libcudapool.so PYTHONUNBUFFERED=1
-[ -f lib/libcudapool.so ] || { echo "lib/libcudapool.so is missing: run make where Go is, and carry lib/"; exit 1; }
+[ -f lib/libcudapool.so ] || { echo "lib/libcudapool.so is missing: run make where Go is, and copy lib/ here"; exit 1; }
 for rep in $(seq 1 "$REPS"); do
     for cfg in "${CONFIGS[@]}"; do
         echo "=== round $rep: $cfg"

@@ -1,4 +1,4 @@
-"""The capture-time record_stream race, as small as it can be (issue 16).
+"""The capture-time record_stream race, as small as it can be (docs/reliability.md).
 
 One thread captures a CUDA graph in thread-local mode. Meanwhile, on another
 thread, a tensor x is handed to a side stream whose kernel first sleeps, then

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# CuPy and Numba on cudapool, on a GPU machine, in one command (issue 18):
+# CuPy and Numba on cudapool, on a GPU machine, in one command (docs/interop.md):
 #   1. python/tests/gpu/test_gpu_interop.py through python/gpu/run_gpu_tests.sh
 #      (PyTorch on cudapool, CuPy and Numba adapters, a fresh process),
 #   2. bench/interop_bench.py (fresh processes per measurement).
-# Needs lib/libcudapool.so built where Go is (`make`), carried along. Logs in
+# Needs lib/libcudapool.so built where Go is (`make`; copy lib/). Logs in
 # $OUT (default /tmp/cudapool-interop-out). Ends with the test summary line
 # and the benchmark's tables.
 set -u
@@ -11,7 +11,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/cudapool-interop-out}
 mkdir -p "$OUT"
 export CUDAPOOL_LIBRARY=$PWD/lib/libcudapool.so
-[ -f "$CUDAPOOL_LIBRARY" ] || { echo "FATAL: lib/libcudapool.so missing: run make where Go is and carry lib"; exit 1; }
+[ -f "$CUDAPOOL_LIBRARY" ] || { echo "FATAL: lib/libcudapool.so missing: run make where Go is and copy lib/ here"; exit 1; }
 PY=${PYTHON:-python3}
 "$PY" -c 'import cupy, numba.cuda, torch; print("cupy", cupy.__version__, "| numba-cuda", getattr(numba.cuda, "__version__", "?"), "| torch", torch.__version__)' 2>&1 | tail -1
 

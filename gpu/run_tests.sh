@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Every GPU test of cudapool in one go, for one call on the GPU machine:
+# Every GPU test of cudapool in one go, on a GPU machine:
 #   1. the C ABI test program (gpu/test_gpu.c, built here with gcc; kernels
 #      compiled to PTX by nvcc),
 #   2. the PyTorch tests (python/gpu/run_gpu_tests.sh),
 #   3. optionally (SOAK_S=seconds) the soak, gpu/soak.sh,
 #   4. optionally (RECORD_TRACE=1) a fresh allocation trace for the demo.
-# Needs lib/libcudapool.so built on the development machine (`make`), carried
+# Needs lib/libcudapool.so built where Go is (`make`; copy lib/ to the GPU machine)
 # along. Logs go to $OUT (default /tmp/cudapool-gpu-out); a table ends it.
 set -u
 cd "$(dirname "$0")/.."
@@ -30,7 +30,7 @@ step() { # step NAME CMD...: run, log to $OUT/NAME.log, remember the outcome
 }
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-[ -f lib/libcudapool.so ] || { echo "FATAL: lib/libcudapool.so missing: run make where Go is and carry lib"; exit 1; }
+[ -f lib/libcudapool.so ] || { echo "FATAL: lib/libcudapool.so missing: run make where Go is and copy lib/ here"; exit 1; }
 
 build_c() {
     "$CUDA_HOME/bin/nvcc" -ptx -arch=sm_90 gpu/kernels.cu -o build/gpu/kernels.ptx &&
@@ -49,7 +49,7 @@ fi
 if [ "${STITCH:-0}" = 1 ]; then
     step torch_stitch env CUDAPOOL_CONF=stitch:True bash python/gpu/run_gpu_tests.sh
 fi
-# The soak of issue 16 (native beside cudapool, the C twin, the record_stream
+# The GPU soak (docs/reliability.md: native beside cudapool, the C twin, the record_stream
 # race) when SOAK_S is set; SEGMENTS picks the segment kinds (gpu/soak.sh).
 if [ -n "${SOAK_S:-}" ]; then
     step soak env OUT="$OUT/soak" bash gpu/soak.sh

@@ -1,4 +1,4 @@
-"""A GPU soak of one allocator (issue 16): PyTorch's native one or cudapool.
+"""A GPU soak of one allocator (docs/reliability.md): PyTorch's native one or cudapool.
 
     python gpu/soak.py --allocator cudapool          # SOAK_S seconds (default 60)
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python gpu/soak.py --allocator native

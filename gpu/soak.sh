@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU soak of issue 16, in one call on the GPU machine: gpu/soak.py with
+# The GPU soak (docs/reliability.md), in one command on a GPU machine: gpu/soak.py with
 # PyTorch's native allocator and with cudapool, side by side (two processes
 # on one GPU, SOAK_S seconds each, at the same time), plus the C twin
 # (gpu/soak_c.c, cudapool through its C ABI) as a third process, for each
@@ -15,7 +15,7 @@
 # WATCHDOG_S: a thread without progress for this long is a hang (default 60).
 # A run takes SOAK_S + about 40 s; a hung one is killed by SOAK_S +
 # WATCHDOG_S + 40 s (its own watchdog normally reports it before).
-# Needs lib/libcudapool.so (carried from where Go is), torch for the Python
+# Needs lib/libcudapool.so (built with make where Go is), torch for the Python
 # soak (skipped with its reason otherwise), nvcc and gcc for the C twin.
 # Logs go to $OUT (default /tmp/cudapool-soak). Exit status 0 only if every
 # cudapool run passed and native ran without errors or hangs (native's bad
@@ -43,7 +43,7 @@ LIMIT=$((${SOAK_S%.*} + ${WATCHDOG_S%.*} + 40))
 failed=0
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
-[ -f lib/libcudapool.so ] || { echo "FATAL: lib/libcudapool.so missing: run make where Go is and carry lib"; exit 1; }
+[ -f lib/libcudapool.so ] || { echo "FATAL: lib/libcudapool.so missing: run make where Go is and copy lib/ here"; exit 1; }
 
 have_torch=1
 "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null || have_torch=0
@@ -139,7 +139,7 @@ for kind in ("off", "on"):
         errors = res["errors"] if isinstance(res["errors"], int) else len(res["errors"])
         status = "PASS" if res["ok"] else f"FAIL rc={rc}"
         if name == "native":
-            # native's bad delayed reads are what the issue reports: not a failure of this run
+            # native's bad delayed reads are the race the soak shows: not a failure of this run
             clean = (errors == 0 and not res.get("hang") and res.get("corrupted_elems") == 0 and res.get("leak_bytes") == 0
                      and res.get("bad_replays") == 0 and res.get("ipc_bad", 0) == 0)
             status = ("ok" if clean else f"FAIL rc={rc}") + (" (bad delayed reads: PyTorch's race)" if res["bad_delayed_reads"] else "")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # wheel_check.sh - the wheel alone, on the GPU machine (no Go, no network):
 #
-#   bash gpu/wheel_check.sh            (carry dist/; build it with `make wheel`)
+#   bash gpu/wheel_check.sh            (needs dist/: build it with `make wheel`)
 #
 #   1. a fresh venv with --system-site-packages (torch is preinstalled there),
 #   2. pip install dist/cudapool-<VERSION>-*.whl --no-deps --no-index,
@@ -14,7 +14,7 @@
 #      outside the checkout and run there by python/gpu/run_gpu_tests.sh
 #      with the venv's python, so they import the installed package.
 # Everything runs from $WORK (outside the checkout); a table ends it; with
-# $OUT set (the device tool's), the three logs are copied there.
+# $OUT set, the three logs are copied there.
 #
 # Environment: PYTHON (python3, the interpreter with torch), WORK (default
 # a new /tmp/cudapool-wheel.XXXXXX), GPU_TESTS (the run_gpu_tests.sh filter;
@@ -37,7 +37,7 @@ row() { rows+=("$1|$2|$3"); [ "$2" = PASS ] || [ "$2" = SKIP ] || failed=1; }
 shopt -s nullglob
 wheels=("$REPO"/dist/cudapool-"$VERSION"-*.whl)
 if [ ${#wheels[@]} -ne 1 ]; then
-    echo "FATAL: want exactly one dist/cudapool-$VERSION-*.whl, found ${#wheels[@]}: run make wheel where Go is, carry dist/"
+    echo "FATAL: want exactly one dist/cudapool-$VERSION-*.whl, found ${#wheels[@]}: run make wheel where Go is, copy dist/ here"
     exit 1
 fi
 WHEEL=${wheels[0]}
@@ -134,7 +134,7 @@ for r in "${rows[@]}"; do
 done
 echo "library used by the GPU tests: ${lib:-?}"
 echo "torch in the venv: $tv"
-# The device tool's $OUT comes back to the caller: the logs, not the venv.
+# $OUT gets the logs, not the venv.
 if [ -n "${OUT:-}" ] && [ -d "$OUT" ] && [ "$OUT" != "$WORK" ]; then
     cp "$WORK"/smoke.log "$WORK"/mcp.log "$WORK"/gpu_tests.log "$OUT"/ 2>/dev/null
 fi

@@ -262,7 +262,7 @@ int main(int argc, char **argv) {
 	printf("  %-28s %s (%.3f x peak allocated)\n", "peak reserved", human(peak_res, b2, sizeof b2),
 	       peak_alloc > 0 ? (double)peak_res / (double)peak_alloc : 0.0);
 	printf("  %-28s %lld\n", "segments (peak)", peak_segs);
-	printf("  %-28s %lld allocs, %lld frees, %lld retries, %lld OOMs\n", "device calls", dev_allocs, dev_frees,
+	printf("  %-28s %lld allocs, %lld frees, %lld retries, %lld OOMs\n", "driver calls", dev_allocs, dev_frees,
 	       retries, ooms);
 	printf("  %-28s %.3f ms, %.0f ns per operation (allocating the segments)\n", "time, first pass",
 	       first_ns / 1e6, nops ? first_ns / (double)nops : 0.0);

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Markdown report of PyTorch's own tests run natively and with cudapool.
 
-    python3 gpu/pytorch_tests/report.py OUT_DIR [OUT_DIR ...] [-o docs/pytorch-tests.md]
+    python3 gpu/pytorch_tests/report.py OUT_DIR [OUT_DIR ...] [-o REPORT.md]
                                         [--reasons gpu/pytorch_tests/reasons.txt]
 
 Reads the JUnit XML files run.sh leaves in OUT_DIR: NAME.native.xml and

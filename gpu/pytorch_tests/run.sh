@@ -27,13 +27,15 @@
 # NAME.selection (the node ids run), NAME.unmatched (selection lines that
 # matched no collected test), NAME.env (torch, GPU).
 #
-# The test files are at /work/main/.ref/pytorch-tests/ (git-ignored: on the
-# GPU machine they must be carried). PyTorch's tests need pytest, expecttest,
+# The test files come from a checkout of PyTorch's test/ directory (for
+# example in .ref/pytorch-tests/, which select_tests.py reads by default;
+# not part of this repository). PyTorch's tests need pytest, expecttest,
 # numpy and (test_cuda.py) psutil; without network, bring them with
 # `pip download` elsewhere and `pip install --no-index --find-links`, or put them
 # in python/gpu/.pydeps (added to PYTHONPATH when present).
 #
-# Then:  python3 gpu/pytorch_tests/report.py OUT_DIR -o docs/pytorch-tests.md
+# Then:  python3 gpu/pytorch_tests/report.py OUT_DIR -o REPORT.md (the full
+# report; docs/pytorch-tests.md summarizes it)
 set -u
 HERE=$(cd "$(dirname "$0")" && pwd)
 REPO=$(cd "$HERE/../.." && pwd)

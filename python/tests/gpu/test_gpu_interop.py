@@ -236,7 +236,7 @@ def test_memory_moves_between_libraries(cupy, numba):
 
 
 def test_cupy_then_torch_peak(cupy):
-    """The issue's scenario at small scale: CuPy allocates, computes and
+    """The shared pool's scenario at small scale: CuPy allocates, computes and
     frees 8 x 64 MiB; then PyTorch allocates 8 x 64 MiB: one pool holds
     the peak at 512 MiB."""
     settle()

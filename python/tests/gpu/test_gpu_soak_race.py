@@ -1,4 +1,4 @@
-"""The capture-time record_stream race (issue 16), on the GPU: with cudapool
+"""The capture-time record_stream race (docs/reliability.md), on the GPU: with cudapool
 a tensor freed with a record_stream use during another thread's
 thread-local capture is never reused while the reading kernel runs.
 gpu/race_record_stream.py does the work in fresh processes (cudapool must be

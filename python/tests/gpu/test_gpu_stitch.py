@@ -1,6 +1,6 @@
-"""Data integrity across stitching (stitch:True, issue 12): kernels write a
+"""Data integrity across stitching (stitch:True, docs/fragmentation.md): kernels write a
 known pattern into every live block, pages move between ranges while the
-GPU is still running queued work (lent pages of the allocating stream) and
+GPU is still running queued work (loaned pages of the allocating stream) and
 after a side stream's work has finished (pages unmapped and mapped again),
 and every live block's pattern is read back. The work runs in a fresh
 process with CUDAPOOL_CONF=stitch:True (the configuration is read when
@@ -74,7 +74,7 @@ for rnd in range(6):
     verify()
     # Free about half the big blocks: in even rounds of both streams, while
     # the GPU is busy on the main stream and writes to the freed main-stream
-    # blocks are still queued (their pages can only be lent, and a page
+    # blocks are still queued (their pages can only be loaned, and a page
     # written late by the old owner would show in the new owner's pattern);
     # in odd rounds of the side stream only, whose work has finished (its
     # pages are unmapped and mapped again).
@@ -94,15 +94,15 @@ for rnd in range(6):
     after = stitch_counts()
     phases.append([after[0] - before[0], after[1] - before[1]])
     verify()
-    # Now and then empty_cache: it unmaps the lent pages' old mappings.
+    # Now and then empty_cache: it unmaps the loaned pages' old mappings.
     if rnd % 3 == 2:
         for seed in [k for k in live if rng.random() < 0.3]:
             free(seed)
         torch.cuda.empty_cache()
         verify()
-remaps, lent = stitch_counts()
+remaps, loaned = stitch_counts()
 verify()
-print(json.dumps({"remaps": remaps, "lent": lent, "phases": phases, "checked": checked, "corrupt": corrupt,
+print(json.dumps({"remaps": remaps, "loaned": loaned, "phases": phases, "checked": checked, "corrupt": corrupt,
                   "conf": cudapool.snapshot()["allocator_settings"]["PYTORCH_CUDA_ALLOC_CONF"]}))
 '''
 
@@ -116,5 +116,5 @@ def test_patterns_survive_stitching(tmp_path):
     assert res["checked"] > 100
     assert res["corrupt"] == 0, proc.stderr[-4000:]
     assert res["remaps"] > 0, "no page moved: the test did not exercise stitching"
-    assert res["lent"] > 0, "no page was lent: the GPU was never behind when pages moved"
-    assert res["remaps"] > res["lent"], "no page was unmapped and moved (the side stream's holes)"
+    assert res["loaned"] > 0, "no page was loaned: the GPU was never behind when pages moved"
+    assert res["remaps"] > res["loaned"], "no page was unmapped and moved (the side stream's holes)"
