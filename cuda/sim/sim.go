@@ -115,21 +115,21 @@ type Driver struct {
 	streams map[cuda.Stream]*stream // guarded by mu; created on first use
 	events  map[cuda.Event]*event   // guarded by mu; live events only
 
-	lastEvent     cuda.Event     // guarded by mu; handles are never reused
-	lastHandle    cuda.MemHandle // guarded by mu; handles are never reused
-	lastIpcGen    uint64         // guarded by mu; IPC handle generations (ipc.go)
-	instance      uint64         // this Driver's number, in its IPC handles
-	pid           int            // this "process"'s id (share.go)
+	lastEvent  cuda.Event     // guarded by mu; handles are never reused
+	lastHandle cuda.MemHandle // guarded by mu; handles are never reused
+	lastIpcGen uint64         // guarded by mu; IPC handle generations (ipc.go)
+	instance   uint64         // this Driver's number, in its IPC handles
+	pid        int            // this "process"'s id (share.go)
 
 	// shareKinds are the handle kinds physical memory may be created
 	// shareable with (SetShareableKinds); guarded by mu.
 	shareKinds cuda.ShareableKind
 	// fds is this process's descriptor table and pidfdErrs the pidfd
 	// failures a test injected (share.go); both guarded by machine.mu.
-	fds       map[int]*fdEntry
-	pidfdErrs [2]syscall.Errno
-	eventsCreated int64          // guarded by mu
-	eventsGone    int64          // guarded by mu
+	fds           map[int]*fdEntry
+	pidfdErrs     [2]syscall.Errno
+	eventsCreated int64 // guarded by mu
+	eventsGone    int64 // guarded by mu
 
 	// captures holds the capture sequences begun and not yet ended, active or
 	// invalidated, by stream.
