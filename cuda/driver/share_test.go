@@ -12,7 +12,12 @@ import (
 	"testing"
 
 	"github.com/cudapool/cudapool/cuda"
+	"github.com/cudapool/cudapool/cuda/driver"
+	"github.com/cudapool/cudapool/vmem"
 )
+
+// The import cache runs over the real driver.
+var _ vmem.ImportDriver = (*driver.Driver)(nil)
 
 // The driver offers what an importer of shared physical memory needs.
 var _ interface {
@@ -260,5 +265,67 @@ func TestPidfdErrors(t *testing.T) {
 	}
 	if err := f.CloseFD(-1); err == nil {
 		t.Error("CloseFD(-1) succeeded")
+	}
+}
+
+// PyTorch's handle, through the import cache, over the real driver's code
+// and the real system calls: this process exports two allocations as
+// descriptors, encodes the handle, and imports it as another process
+// would (pidfd_getfd works on oneself); the mapping and everything the
+// import took go with the release.
+func TestFakeImportCacheEndToEnd(t *testing.T) {
+	f := openFake(t)
+	skipWithoutPidfd(t, f)
+	const gran = 2 << 20
+	handles, reserves, mapped := f.liveHandles(), f.liveReserves(), f.mappedBytes()
+	s := vmem.SegmentShare{PID: int32(os.Getpid()), SegmentSize: gran, Kind: cuda.ShareablePOSIXFD}
+	var hs []cuda.MemHandle
+	for range 2 {
+		h, err := f.MemCreateShareable(0, gran, cuda.ShareablePOSIXFD)
+		if err != nil {
+			t.Fatal(err)
+		}
+		sh, err := f.MemExportShareable(0, h, cuda.ShareablePOSIXFD)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer f.CloseFD(sh.FD)
+		hs = append(hs, h)
+		s.FDs = append(s.FDs, int32(sh.FD))
+	}
+	b, err := vmem.EncodeSegment(s)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sent, err := vmem.ParseStorageHandle(b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := vmem.NewImportCache(f.Driver)
+	base, err := c.Open(1, sent.Segment)
+	if err != nil {
+		t.Fatalf("Open: %v", err)
+	}
+	if f.liveHandles()-handles != 4 || f.mappedBytes()-mapped != 2*gran || f.liveReserves()-reserves != 1 {
+		t.Errorf("after the import: %d handles, %d bytes mapped, %d reservations", f.liveHandles()-handles, f.mappedBytes()-mapped, f.liveReserves()-reserves)
+	}
+	if again, err := c.Open(1, sent.Segment); err != nil || again != base {
+		t.Fatalf("second Open = %#x, %v", again, err)
+	}
+	for range 2 {
+		if err := c.Release(base); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, h := range hs {
+		if err := f.MemRelease(0, h); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if f.liveHandles() != handles || f.mappedBytes() != mapped || f.liveReserves() != reserves {
+		t.Errorf("left behind: %d handles, %d bytes mapped, %d reservations", f.liveHandles()-handles, f.mappedBytes()-mapped, f.liveReserves()-reserves)
+	}
+	if got := f.depth(); got != 0 {
+		t.Errorf("context stack depth %d", got)
 	}
 }
