@@ -214,7 +214,7 @@ func TestImportCacheFailures(t *testing.T) {
 		"second descriptor closed": {func(_ *sim.Driver, s *SegmentShare) {
 			s.FDs = []int32{s.FDs[0], 999}
 		}, syscall.EBADF, "file descriptor 999 is not open in process"},
-		"misaligned": {func(_ *sim.Driver, s *SegmentShare) { s.SegmentSize = gran / 2 }, ErrBadHandle, "not a multiple of device 0's granularity"},
+		"misaligned":   {func(_ *sim.Driver, s *SegmentShare) { s.SegmentSize = gran / 2 }, ErrBadHandle, "not a multiple of device 0's granularity"},
 		"not a handle": {func(_ *sim.Driver, s *SegmentShare) { s.FDs = nil }, ErrBadHandle, "lists 0 physical allocations"},
 	} {
 		t.Run(name, func(t *testing.T) {
