@@ -217,7 +217,7 @@ func (e *PidfdError) Error() string {
 		return fmt.Sprintf("%s: process %d has exited", e.Call, e.PID)
 	case syscall.EBADF:
 		if e.Call == "pidfd_getfd" {
-			return fmt.Sprintf("pidfd_getfd: file descriptor %d is not open in process %d (the exporter closed it, or the handle is stale)", e.FD, e.PID)
+			return fmt.Sprintf("pidfd_getfd: file descriptor %d is not open in process %d (the exporter closed it, or the handle is stale), or the pidfd is not valid", e.FD, e.PID)
 		}
 	}
 	return fmt.Sprintf("%s(process %d): %v", e.Call, e.PID, e.Errno)

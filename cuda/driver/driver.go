@@ -1202,8 +1202,9 @@ func (d *Driver) pciBusID(dev int) (string, error) {
 
 // The virtual memory management API, which the allocator's expandable
 // segments use (see allocator/expandable.go). Physical memory is pinned
-// device memory of the named device, with no shareable handle; access is
-// read-write for that device only.
+// device memory of the named device, with no shareable handle unless made
+// by MemCreateShareable; access is read-write for that device and its
+// peers (MemSetAccess).
 
 // MemGranularity returns the recommended granularity of dev's physical
 // allocations (cuMemGetAllocationGranularity), or ErrNotSupported when the
@@ -1442,7 +1443,8 @@ func (d *Driver) ShareableKinds(dev int) (cuda.ShareableKind, error) {
 // granule of memory exportable as a fabric handle, export it, import the
 // handle, and release both. nil means all three worked; otherwise the error
 // names the step that failed. A device without the attribute fails without
-// trying. The probe costs one granule of device memory for a moment.
+// trying. The probe costs one granule of device memory for a moment, and
+// creates memory: call it once, outside any stream capture.
 func (d *Driver) ProbeFabric(dev int) error {
 	kinds, err := d.ShareableKinds(dev)
 	if err != nil {

@@ -274,7 +274,8 @@ func (d *Driver) MemExportShareable(dev int, h cuda.MemHandle, kind cuda.Shareab
 // MemImportShareable imports memory another process (or this one) exported:
 // a descriptor of this process (from PidfdGetfd, or an export) or a fabric
 // handle of live memory. The new handle is this process's to map and to
-// release; the memory is not charged to dev. Anything else is
+// release; the memory is not charged to dev (the simulator does not check
+// that dev is the device the memory is on). Anything else is
 // ErrInvalidValue. It is a potentially unsafe call.
 func (d *Driver) MemImportShareable(dev int, sh cuda.ShareableHandle) (cuda.MemHandle, error) {
 	tid := syscall.Gettid()

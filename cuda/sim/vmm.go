@@ -496,8 +496,10 @@ func (d *Driver) Reservations(dev int) (n int, bytes uint64) {
 	return n, bytes
 }
 
-// Handles returns the number of physical allocations on dev not yet freed
-// (live handles, and released handles still mapped).
+// Handles returns the number of this process's handles of physical memory
+// on dev not yet freed (live handles, and released handles still mapped),
+// imported ones included. Memory this process created and let go of while
+// another process still holds it is in Used, not here.
 func (d *Driver) Handles(dev int) int {
 	d.mu.Lock()
 	defer d.mu.Unlock()
