@@ -53,9 +53,9 @@ import (
 //
 // The four padding bytes after the pid were left uninitialised by PyTorch
 // before 2.9 (so two handles of one segment could differ in them) and again
-// by 2.13 (its issue 198305). A handle is therefore identified by its
-// decoded fields, never by its bytes: SegmentShare.Key. Encoding writes them
-// as zeros.
+// by 2.13 (github.com/pytorch/pytorch/issues/198305). A handle is therefore
+// identified by its decoded fields, never by its bytes: SegmentShare.Key.
+// Encoding writes them as zeros.
 //
 // Import policy (the import cache, ImportCache in shareimport.go): an import
 // reserves exactly the bytes the handle covers, num_handles * segment_size,
