@@ -14,7 +14,7 @@ import (
 // type bytes, then ExpandableSegment::share's ShareHeader and entries.
 var (
 	// Process 0x1234 shares two 20 MiB allocations as descriptors 37 and 38.
-	handFD = []byte{
+	shareHandFD = []byte{
 		2, 'e', // SHAREABLE_HANDLE_VERSION, SHAREABLE_CUDA_EXPANDABLE_SEGMENT
 		0x34, 0x12, 0x00, 0x00, // pid
 		0x00, 0x00, 0x00, 0x00, // padding
@@ -24,16 +24,16 @@ var (
 		0x26, 0x00, 0x00, 0x00, // fd 38
 	}
 	// Process 77 shares one 2 MiB allocation as a fabric handle.
-	handFabric = append([]byte{
+	shareHandFabric = append([]byte{
 		2, 'e',
 		77, 0, 0, 0,
 		0, 0, 0, 0,
 		0x00, 0x00, 0x20, 0x00, 0, 0, 0, 0, // 2 MiB
 		1, 0, 0, 0, 0, 0, 0, 0,
-	}, fabricBytes()...)
+	}, shareFabricBytes()...)
 )
 
-func fabricBytes() []byte {
+func shareFabricBytes() []byte {
 	b := make([]byte, 64)
 	for i := range b {
 		b[i] = byte(0xa0 + i)
@@ -42,7 +42,7 @@ func fabricBytes() []byte {
 }
 
 func TestParseHandBuiltFD(t *testing.T) {
-	h, err := ParseStorageHandle(handFD)
+	h, err := ParseStorageHandle(shareHandFD)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -55,23 +55,23 @@ func TestParseHandBuiltFD(t *testing.T) {
 		t.Errorf("Len %d, Bytes %d", s.Len(), s.Bytes())
 	}
 	b, err := EncodeSegment(s)
-	if err != nil || !bytes.Equal(b, handFD) {
-		t.Fatalf("EncodeSegment = % x, %v\nwant            % x", b, err, handFD)
+	if err != nil || !bytes.Equal(b, shareHandFD) {
+		t.Fatalf("EncodeSegment = % x, %v\nwant            % x", b, err, shareHandFD)
 	}
 }
 
 func TestParseHandBuiltFabric(t *testing.T) {
-	h, err := ParseStorageHandle(handFabric)
+	h, err := ParseStorageHandle(shareHandFabric)
 	if err != nil {
 		t.Fatal(err)
 	}
 	s := h.Segment
 	if s.Kind != cuda.ShareableFabric || s.PID != 77 || s.SegmentSize != 2<<20 || len(s.Fabric) != 1 ||
-		!bytes.Equal(s.Fabric[0][:], fabricBytes()) || s.FDs != nil {
+		!bytes.Equal(s.Fabric[0][:], shareFabricBytes()) || s.FDs != nil {
 		t.Fatalf("decoded %+v", s)
 	}
 	b, err := EncodeSegment(s)
-	if err != nil || !bytes.Equal(b, handFabric) {
+	if err != nil || !bytes.Equal(b, shareHandFabric) {
 		t.Fatalf("EncodeSegment = % x, %v", b, err)
 	}
 }
@@ -79,10 +79,10 @@ func TestParseHandBuiltFabric(t *testing.T) {
 // Padding PyTorch left uninitialised, or an older version byte, changes the
 // bytes but not the segment they name.
 func TestKeyIgnoresPaddingAndVersion(t *testing.T) {
-	dirty := bytes.Clone(handFD)
+	dirty := bytes.Clone(shareHandFD)
 	copy(dirty[6:10], []byte{0xde, 0xad, 0xbe, 0xef})
 	dirty[0] = 1
-	a, err := ParseStorageHandle(handFD)
+	a, err := ParseStorageHandle(shareHandFD)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -146,8 +146,8 @@ func TestRoundTrip(t *testing.T) {
 }
 
 func TestParseRefusals(t *testing.T) {
-	withVersion := func(v byte) []byte { b := bytes.Clone(handFD); b[0] = v; return b }
-	withCount := func(n byte) []byte { b := bytes.Clone(handFD); b[18] = n; return b }
+	withVersion := func(v byte) []byte { b := bytes.Clone(shareHandFD); b[0] = v; return b }
+	withCount := func(n byte) []byte { b := bytes.Clone(shareHandFD); b[18] = n; return b }
 	for name, c := range map[string]struct {
 		b    []byte
 		want string
@@ -155,16 +155,16 @@ func TestParseRefusals(t *testing.T) {
 		"empty":            {nil, "0 bytes"},
 		"version 3":        {withVersion(3), "version 3"},
 		"version 0":        {withVersion(0), "version 0"},
-		"type":             {append([]byte{2, 'x'}, handFD[2:]...), "type 'x'"},
-		"short header":     {handFD[:20], "shorter than its header"},
+		"type":             {append([]byte{2, 'x'}, shareHandFD[2:]...), "type 'x'"},
+		"short header":     {shareHandFD[:20], "shorter than its header"},
 		"no entries":       {withCount(0)[:26], "listing 0 physical allocations"},
 		"count mismatch":   {withCount(3), "listing 3 physical allocations in 8 bytes"},
-		"truncated entry":  {handFD[:len(handFD)-1], "in 7 bytes"},
+		"truncated entry":  {shareHandFD[:len(shareHandFD)-1], "in 7 bytes"},
 		"short cudaMalloc": {[]byte{2, 'c', 1, 2, 3}, "cudaMalloc handle of 3 bytes"},
-		"huge count":       {append(append(bytes.Clone(handFD[:18]), 0, 0, 0, 0, 0, 0, 0, 0x80), handFD[26:]...), "physical allocations"},
-		"zero size":        {append(append(bytes.Clone(handFD[:10]), 0, 0, 0, 0, 0, 0, 0, 0), handFD[18:]...), "of 0 bytes"},
-		"no process":       {append([]byte{2, 'e', 0, 0, 0, 0}, handFD[6:]...), "names process 0"},
-		"negative fd":      {append(bytes.Clone(handFD[:30]), 0xff, 0xff, 0xff, 0xff), "file descriptor -1"},
+		"huge count":       {append(append(bytes.Clone(shareHandFD[:18]), 0, 0, 0, 0, 0, 0, 0, 0x80), shareHandFD[26:]...), "physical allocations"},
+		"zero size":        {append(append(bytes.Clone(shareHandFD[:10]), 0, 0, 0, 0, 0, 0, 0, 0), shareHandFD[18:]...), "of 0 bytes"},
+		"no process":       {append([]byte{2, 'e', 0, 0, 0, 0}, shareHandFD[6:]...), "names process 0"},
+		"negative fd":      {append(bytes.Clone(shareHandFD[:30]), 0xff, 0xff, 0xff, 0xff), "file descriptor -1"},
 	} {
 		_, err := ParseStorageHandle(c.b)
 		if !errors.Is(err, ErrBadHandle) || !strings.Contains(err.Error(), c.want) {
@@ -186,8 +186,8 @@ func TestParseRefusals(t *testing.T) {
 // Whatever the bytes, decoding neither panics nor accepts what it cannot
 // re-encode to the same segment.
 func FuzzParseStorageHandle(f *testing.F) {
-	f.Add(handFD)
-	f.Add(handFabric)
+	f.Add(shareHandFD)
+	f.Add(shareHandFabric)
 	f.Add(EncodeCudaMalloc(cuda.IpcHandle{1}))
 	f.Add([]byte{2, 'e'})
 	f.Fuzz(func(t *testing.T, b []byte) {

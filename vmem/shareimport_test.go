@@ -15,21 +15,21 @@ import (
 
 var _ ImportDriver = (*sim.Driver)(nil)
 
-const gran = sim.Granularity
+const shareGran = sim.Granularity
 
-// exporter plays a process with an expandable segment: n physical
+// shareExporter plays a process with an expandable segment: n physical
 // allocations of seg bytes mapped back to back, each filled with its own
 // byte, exported through kind.
-type exporter struct {
+type shareExporter struct {
 	d       *sim.Driver
 	base    cuda.Ptr
 	handles []cuda.MemHandle
 	share   SegmentShare
 }
 
-func newExporter(t testing.TB, d *sim.Driver, n int, seg uint64, kind cuda.ShareableKind) *exporter {
+func newShareExporter(t testing.TB, d *sim.Driver, n int, seg uint64, kind cuda.ShareableKind) *shareExporter {
 	t.Helper()
-	x := &exporter{d: d}
+	x := &shareExporter{d: d}
 	base, err := d.MemAddressReserve(0, uint64(n)*seg)
 	if err != nil {
 		t.Fatal(err)
@@ -62,8 +62,8 @@ func newExporter(t testing.TB, d *sim.Driver, n int, seg uint64, kind cuda.Share
 	return x
 }
 
-// wire sends s through PyTorch's bytes, as torch.multiprocessing would.
-func wire(t testing.TB, s SegmentShare) SegmentShare {
+// shareWire sends s through PyTorch's bytes, as torch.multiprocessing would.
+func shareWire(t testing.TB, s SegmentShare) SegmentShare {
 	t.Helper()
 	b, err := EncodeSegment(s)
 	if err != nil {
@@ -76,9 +76,9 @@ func wire(t testing.TB, s SegmentShare) SegmentShare {
 	return h.Segment
 }
 
-// assertNothingLeft checks that the importer holds no mapping, reservation,
+// assertImportsGone checks that the importer holds no mapping, reservation,
 // handle or descriptor.
-func assertNothingLeft(t *testing.T, c *ImportCache, imp *sim.Driver) {
+func assertImportsGone(t *testing.T, c *ImportCache, imp *sim.Driver) {
 	t.Helper()
 	if n, refs, res := c.Stats(); n != 0 || refs != 0 || res != 0 {
 		t.Errorf("cache holds %d entries, %d references, %d bytes", n, refs, res)
@@ -92,32 +92,32 @@ func assertNothingLeft(t *testing.T, c *ImportCache, imp *sim.Driver) {
 }
 
 // A segment shared by another process maps once, at a reservation of
-// exactly its size, shows the exporter's bytes in order, serves a second
+// exactly its size, shows the shareExporter's bytes in order, serves a second
 // open of a handle with other padding bytes, and goes with the last
-// release, leaving the exporter's memory to the exporter.
+// release, leaving the shareExporter's memory to the shareExporter.
 func TestImportCacheOpenRelease(t *testing.T) {
 	for _, kind := range []cuda.ShareableKind{cuda.ShareablePOSIXFD, cuda.ShareableFabric} {
 		t.Run(kind.String(), func(t *testing.T) {
 			exp := sim.New(sim.Options{})
 			imp := sim.New(sim.Options{})
-			x := newExporter(t, exp, 3, 2*gran, kind)
+			x := newShareExporter(t, exp, 3, 2*shareGran, kind)
 			c := NewImportCache(imp)
 
-			base, err := c.Open(0, wire(t, x.share))
+			base, err := c.Open(0, shareWire(t, x.share))
 			if err != nil {
 				t.Fatal(err)
 			}
 			for i := range 3 {
-				got, err := imp.ReadMemory(0, base+cuda.Ptr(uint64(i)*2*gran), 16)
+				got, err := imp.ReadMemory(0, base+cuda.Ptr(uint64(i)*2*shareGran), 16)
 				if err != nil || !bytes.Equal(got, bytes.Repeat([]byte{byte('A' + i)}, 16)) {
 					t.Fatalf("allocation %d reads %q, %v", i, got, err)
 				}
 			}
-			if !imp.Accessible(0, base, 6*gran) {
+			if !imp.Accessible(0, base, 6*shareGran) {
 				t.Error("the import is not accessible")
 			}
-			if n, res := imp.Reservations(0); n != 1 || res != 6*gran {
-				t.Errorf("%d reservations of %d bytes, want one of exactly the %d shared", n, res, 6*gran)
+			if n, res := imp.Reservations(0); n != 1 || res != 6*shareGran {
+				t.Errorf("%d reservations of %d bytes, want one of exactly the %d shared", n, res, 6*shareGran)
 			}
 
 			b, _ := EncodeSegment(x.share)
@@ -130,49 +130,49 @@ func TestImportCacheOpenRelease(t *testing.T) {
 			if err != nil || again != base {
 				t.Fatalf("second open = %#x, %v; want %#x", again, err, base)
 			}
-			if n, refs, res := c.Stats(); n != 1 || refs != 2 || res != 6*gran {
+			if n, refs, res := c.Stats(); n != 1 || refs != 2 || res != 6*shareGran {
 				t.Errorf("stats %d entries, %d refs, %d bytes", n, refs, res)
 			}
-			if err := imp.WriteMemory(0, base+cuda.Ptr(4*gran)+5, []byte("hi")); err != nil {
+			if err := imp.WriteMemory(0, base+cuda.Ptr(4*shareGran)+5, []byte("hi")); err != nil {
 				t.Fatal(err)
 			}
-			if got, _ := exp.ReadMemory(0, x.base+cuda.Ptr(4*gran)+5, 2); string(got) != "hi" {
-				t.Errorf("the exporter reads %q", got)
+			if got, _ := exp.ReadMemory(0, x.base+cuda.Ptr(4*shareGran)+5, 2); string(got) != "hi" {
+				t.Errorf("the shareExporter reads %q", got)
 			}
 
 			if err := c.Release(base); err != nil {
 				t.Fatal(err)
 			}
-			if imp.Mapped(0) != 6*gran {
+			if imp.Mapped(0) != 6*shareGran {
 				t.Error("the first release unmapped")
 			}
 			if err := c.Release(base); err != nil {
 				t.Fatal(err)
 			}
-			assertNothingLeft(t, c, imp)
+			assertImportsGone(t, c, imp)
 			if err := c.Release(base); !errors.Is(err, ErrUnknownImport) {
 				t.Errorf("third release: %v", err)
 			}
-			if exp.Used(0) != 6*gran || imp.Violations()+exp.Violations() != 0 {
-				t.Errorf("exporter uses %d, violations %d", exp.Used(0), imp.Violations()+exp.Violations())
+			if exp.Used(0) != 6*shareGran || imp.Violations()+exp.Violations() != 0 {
+				t.Errorf("shareExporter uses %d, violations %d", exp.Used(0), imp.Violations()+exp.Violations())
 			}
 		})
 	}
 }
 
-// The exporter may let go of its memory while an import maps it: the
-// importer still reads it, and the exporter's device is charged until the
+// The shareExporter may let go of its memory while an import maps it: the
+// importer still reads it, and the shareExporter's device is charged until the
 // importer's release.
 func TestImportCacheOutlivesExporter(t *testing.T) {
 	exp := sim.New(sim.Options{})
 	imp := sim.New(sim.Options{})
-	x := newExporter(t, exp, 2, gran, cuda.ShareablePOSIXFD)
+	x := newShareExporter(t, exp, 2, shareGran, cuda.ShareablePOSIXFD)
 	c := NewImportCache(imp)
 	base, err := c.Open(0, x.share)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := exp.MemUnmap(0, x.base, 2*gran); err != nil {
+	if err := exp.MemUnmap(0, x.base, 2*shareGran); err != nil {
 		t.Fatal(err)
 	}
 	for i, h := range x.handles {
@@ -183,26 +183,26 @@ func TestImportCacheOutlivesExporter(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	if got, _ := imp.ReadMemory(0, base+cuda.Ptr(gran), 1); string(got) != "B" {
-		t.Errorf("after the exporter let go the import reads %q", got)
+	if got, _ := imp.ReadMemory(0, base+cuda.Ptr(shareGran), 1); string(got) != "B" {
+		t.Errorf("after the shareExporter let go the import reads %q", got)
 	}
-	if exp.Used(0) != 2*gran {
-		t.Errorf("exporter charged %d, want %d while imported", exp.Used(0), 2*gran)
+	if exp.Used(0) != 2*shareGran {
+		t.Errorf("shareExporter charged %d, want %d while imported", exp.Used(0), 2*shareGran)
 	}
 	if err := c.Release(base); err != nil {
 		t.Fatal(err)
 	}
 	if exp.Used(0) != 0 {
-		t.Errorf("exporter charged %d after the importer's release", exp.Used(0))
+		t.Errorf("shareExporter charged %d after the importer's release", exp.Used(0))
 	}
-	assertNothingLeft(t, c, imp)
+	assertImportsGone(t, c, imp)
 }
 
 // Every failure of the pidfd calls says what is missing and leaves nothing
 // behind, including handles imported before the failure.
 func TestImportCacheFailures(t *testing.T) {
 	exp := sim.New(sim.Options{})
-	x := newExporter(t, exp, 2, gran, cuda.ShareablePOSIXFD)
+	x := newShareExporter(t, exp, 2, shareGran, cuda.ShareablePOSIXFD)
 	for name, c := range map[string]struct {
 		setup func(imp *sim.Driver, s *SegmentShare)
 		is    error
@@ -214,7 +214,7 @@ func TestImportCacheFailures(t *testing.T) {
 		"second descriptor closed": {func(_ *sim.Driver, s *SegmentShare) {
 			s.FDs = []int32{s.FDs[0], 999}
 		}, syscall.EBADF, "file descriptor 999 is not open in process"},
-		"misaligned":   {func(_ *sim.Driver, s *SegmentShare) { s.SegmentSize = gran / 2 }, ErrBadHandle, "not a multiple of device 0's granularity"},
+		"misaligned":   {func(_ *sim.Driver, s *SegmentShare) { s.SegmentSize = shareGran / 2 }, ErrBadHandle, "not a multiple of device 0's granularity"},
 		"not a handle": {func(_ *sim.Driver, s *SegmentShare) { s.FDs = nil }, ErrBadHandle, "lists 0 physical allocations"},
 	} {
 		t.Run(name, func(t *testing.T) {
@@ -227,10 +227,10 @@ func TestImportCacheFailures(t *testing.T) {
 			if !errors.Is(err, c.is) || !strings.Contains(err.Error(), c.want) {
 				t.Fatalf("Open: %v; want %v mentioning %q", err, c.is, c.want)
 			}
-			assertNothingLeft(t, cache, imp)
+			assertImportsGone(t, cache, imp)
 		})
 	}
-	// The exporter has exited.
+	// The shareExporter has exited.
 	imp := sim.New(sim.Options{})
 	cache := NewImportCache(imp)
 	exp.Exit()
@@ -238,28 +238,28 @@ func TestImportCacheFailures(t *testing.T) {
 	if !errors.Is(err, syscall.ESRCH) || !strings.Contains(err.Error(), fmt.Sprintf("process %d has exited", exp.PID())) {
 		t.Fatalf("Open from an exited process: %v", err)
 	}
-	assertNothingLeft(t, cache, imp)
+	assertImportsGone(t, cache, imp)
 }
 
 // Close unmaps everything and refuses later opens.
 func TestImportCacheClose(t *testing.T) {
 	exp := sim.New(sim.Options{})
 	imp := sim.New(sim.Options{})
-	x1 := newExporter(t, exp, 1, gran, cuda.ShareableFabric)
-	x2 := newExporter(t, exp, 2, gran, cuda.ShareableFabric)
+	x1 := newShareExporter(t, exp, 1, shareGran, cuda.ShareableFabric)
+	x2 := newShareExporter(t, exp, 2, shareGran, cuda.ShareableFabric)
 	c := NewImportCache(imp)
 	for _, s := range []SegmentShare{x1.share, x2.share, x2.share} {
 		if _, err := c.Open(0, s); err != nil {
 			t.Fatal(err)
 		}
 	}
-	if n, refs, res := c.Stats(); n != 2 || refs != 3 || res != 3*gran {
+	if n, refs, res := c.Stats(); n != 2 || refs != 3 || res != 3*shareGran {
 		t.Fatalf("stats %d, %d, %d", n, refs, res)
 	}
 	if err := c.Close(); err != nil {
 		t.Fatal(err)
 	}
-	assertNothingLeft(t, c, imp)
+	assertImportsGone(t, c, imp)
 	if _, err := c.Open(0, x1.share); !errors.Is(err, ErrImportCacheClosed) {
 		t.Errorf("Open after Close: %v", err)
 	}
@@ -274,12 +274,12 @@ func TestImportCacheTenThousandImports(t *testing.T) {
 	if testing.Short() {
 		n = 1000
 	}
-	exp := sim.New(sim.Options{Memory: uint64(n+1) * gran})
+	exp := sim.New(sim.Options{Memory: uint64(n+1) * shareGran})
 	imp := sim.New(sim.Options{})
 	// One physical allocation each, like a small tensor's page.
 	shares := make([]SegmentShare, n)
 	for i := range shares {
-		h, err := exp.MemCreateShareable(0, gran, cuda.ShareableFabric)
+		h, err := exp.MemCreateShareable(0, shareGran, cuda.ShareableFabric)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -287,7 +287,7 @@ func TestImportCacheTenThousandImports(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		shares[i] = SegmentShare{PID: int32(exp.PID()), SegmentSize: gran, Kind: cuda.ShareableFabric, Fabric: []cuda.FabricHandle{sh.Fabric}}
+		shares[i] = SegmentShare{PID: int32(exp.PID()), SegmentSize: shareGran, Kind: cuda.ShareableFabric, Fabric: []cuda.FabricHandle{sh.Fabric}}
 	}
 	c := NewImportCache(imp)
 	bases := make([]cuda.Ptr, n)
@@ -298,15 +298,15 @@ func TestImportCacheTenThousandImports(t *testing.T) {
 		}
 		bases[i] = p
 	}
-	if entries, _, res := c.Stats(); entries != n || res != uint64(n)*gran {
-		t.Fatalf("%d entries reserving %d bytes, want %d reserving %d", entries, res, n, uint64(n)*gran)
+	if entries, _, res := c.Stats(); entries != n || res != uint64(n)*shareGran {
+		t.Fatalf("%d entries reserving %d bytes, want %d reserving %d", entries, res, n, uint64(n)*shareGran)
 	}
 	for _, p := range bases {
 		if err := c.Release(p); err != nil {
 			t.Fatal(err)
 		}
 	}
-	assertNothingLeft(t, c, imp)
+	assertImportsGone(t, c, imp)
 }
 
 // Opens and releases from many goroutines, of shared and distinct
@@ -314,10 +314,10 @@ func TestImportCacheTenThousandImports(t *testing.T) {
 func TestImportCacheConcurrent(t *testing.T) {
 	exp := sim.New(sim.Options{})
 	imp := sim.New(sim.Options{})
-	xs := []*exporter{
-		newExporter(t, exp, 1, gran, cuda.ShareablePOSIXFD),
-		newExporter(t, exp, 2, gran, cuda.ShareablePOSIXFD),
-		newExporter(t, exp, 1, gran, cuda.ShareableFabric),
+	xs := []*shareExporter{
+		newShareExporter(t, exp, 1, shareGran, cuda.ShareablePOSIXFD),
+		newShareExporter(t, exp, 2, shareGran, cuda.ShareablePOSIXFD),
+		newShareExporter(t, exp, 1, shareGran, cuda.ShareableFabric),
 	}
 	c := NewImportCache(imp)
 	var wg sync.WaitGroup
@@ -349,5 +349,5 @@ func TestImportCacheConcurrent(t *testing.T) {
 	for err := range errs {
 		t.Fatal(err)
 	}
-	assertNothingLeft(t, c, imp)
+	assertImportsGone(t, c, imp)
 }
