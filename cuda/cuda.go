@@ -6,7 +6,10 @@
 // interfaces that they declare themselves.
 package cuda
 
-import "fmt"
+import (
+	"fmt"
+	"syscall"
+)
 
 // Stream is a driver stream handle (CUstream, the same value as a
 // cudaStream_t). Zero is the legacy default stream.
@@ -80,6 +83,7 @@ const (
 	ErrInvalidHandle      Result = 400
 	ErrNotFound           Result = 500
 	ErrNotReady           Result = 600
+	ErrNotPermitted       Result = 800
 	ErrNotSupported       Result = 801
 	ErrCaptureUnsupported Result = 900
 	ErrCaptureInvalidated Result = 901
@@ -104,6 +108,7 @@ var resultNames = map[Result]string{
 	ErrInvalidHandle:      "CUDA_ERROR_INVALID_HANDLE",
 	ErrNotFound:           "CUDA_ERROR_NOT_FOUND",
 	ErrNotReady:           "CUDA_ERROR_NOT_READY",
+	ErrNotPermitted:       "CUDA_ERROR_NOT_PERMITTED",
 	ErrNotSupported:       "CUDA_ERROR_NOT_SUPPORTED",
 	ErrCaptureUnsupported: "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED",
 	ErrCaptureInvalidated: "CUDA_ERROR_STREAM_CAPTURE_INVALIDATED",
@@ -137,3 +142,85 @@ type ProcessMemory struct {
 	PID   uint32
 	Bytes uint64
 }
+
+// ShareableKind is a set of CUmemAllocationHandleType bits: the kinds of
+// OS handle through which another process may import a physical allocation
+// (cuMemCreate with requestedHandleTypes, cuMemExportToShareableHandle,
+// cuMemImportFromShareableHandle). Zero asks for none.
+type ShareableKind uint32
+
+const (
+	// ShareablePOSIXFD is CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR: a file
+	// descriptor of the exporting process, which an importer duplicates
+	// with pidfd_getfd.
+	ShareablePOSIXFD ShareableKind = 0x1
+	// ShareableFabric is CU_MEM_HANDLE_TYPE_FABRIC: 64 opaque bytes
+	// (CUmemFabricHandle) that any process on the fabric may import; it
+	// needs driver and system support (an IMEX channel).
+	ShareableFabric ShareableKind = 0x8
+)
+
+func (k ShareableKind) String() string {
+	switch k {
+	case 0:
+		return "none"
+	case ShareablePOSIXFD:
+		return "posix-fd"
+	case ShareableFabric:
+		return "fabric"
+	case ShareablePOSIXFD | ShareableFabric:
+		return "posix-fd|fabric"
+	}
+	return fmt.Sprintf("ShareableKind(%#x)", uint32(k))
+}
+
+// FabricHandle is a CUmemFabricHandle: 64 opaque bytes that name a physical
+// allocation to every process of the fabric.
+type FabricHandle [64]byte
+
+// ShareableHandle is what cuMemExportToShareableHandle gives for one
+// physical allocation: a file descriptor of the exporting process
+// (ShareablePOSIXFD) or a fabric handle (ShareableFabric), according to
+// Kind.
+type ShareableHandle struct {
+	Kind   ShareableKind
+	FD     int // Kind == ShareablePOSIXFD
+	Fabric FabricHandle
+}
+
+// PidfdError is a failed pidfd_open(2) or pidfd_getfd(2): the calls through
+// which an importer duplicates the exporter's file descriptors. Its message
+// says what is missing; errors.Is(err, syscall.ENOSYS) and the like work
+// through Unwrap.
+type PidfdError struct {
+	Call  string // "pidfd_open" or "pidfd_getfd"
+	PID   int    // the exporting process
+	FD    int    // pidfd_getfd: the descriptor in PID's table
+	Errno syscall.Errno
+}
+
+func (e *PidfdError) Error() string {
+	switch e.Errno {
+	case syscall.ENOSYS:
+		if e.Call == "pidfd_open" {
+			return "pidfd_open: the kernel lacks pidfd_open (Linux 5.3+), which importing CUDA memory shared as file descriptors needs"
+		}
+		return "pidfd_getfd: the kernel lacks pidfd_getfd (Linux 5.6+), which importing CUDA memory shared as file descriptors needs"
+	case syscall.EPERM:
+		// pidfd_getfd checks PTRACE_MODE_ATTACH_REALCREDS; under Yama's
+		// ptrace_scope 1 only an ancestor (or a process the target named
+		// with PR_SET_PTRACER) may attach, hence the spelled-out rule.
+		return fmt.Sprintf("%s: ptrace permission to process %d is needed to take its file descriptors "+
+			"(same user, and kernel.yama.ptrace_scope 0, or 1 with process %d a descendant of this one or naming it with PR_SET_PTRACER; or CAP_SYS_PTRACE)",
+			e.Call, e.PID, e.PID)
+	case syscall.ESRCH:
+		return fmt.Sprintf("%s: process %d has exited", e.Call, e.PID)
+	case syscall.EBADF:
+		if e.Call == "pidfd_getfd" {
+			return fmt.Sprintf("pidfd_getfd: file descriptor %d is not open in process %d (the exporter closed it, or the handle is stale), or the pidfd is not valid", e.FD, e.PID)
+		}
+	}
+	return fmt.Sprintf("%s(process %d): %v", e.Call, e.PID, e.Errno)
+}
+
+func (e *PidfdError) Unwrap() error { return e.Errno }

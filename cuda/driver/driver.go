@@ -84,6 +84,10 @@ typedef struct {
 	uintptr_t memUnmap;
 	uintptr_t memSetAccess;
 	uintptr_t deviceCanAccessPeer; // optional
+	// Sharing physical allocations with other processes; both 0 when the
+	// driver lacks either.
+	uintptr_t memExportToShareableHandle;
+	uintptr_t memImportFromShareableHandle;
 	// CUDA IPC of memory; all 0 when the driver lacks any of them.
 	uintptr_t ipcGetMemHandle;
 	uintptr_t ipcOpenMemHandle; // cuIpcOpenMemHandle_v2, else cuIpcOpenMemHandle
@@ -433,9 +437,13 @@ static CUresult cp_mem_address_free(const cp_api *a, uintptr_t ctx, unsigned lon
 	return cp_leave(a, pushed, r);
 }
 
-static cp_ret cp_mem_create(const cp_api *a, uintptr_t ctx, int ordinal, unsigned long long size) {
+// kinds is CUmemAllocationProp.requestedHandleTypes: the
+// CUmemAllocationHandleType bits through which the allocation may be
+// exported (0: none).
+static cp_ret cp_mem_create(const cp_api *a, uintptr_t ctx, int ordinal, unsigned long long size, int kinds) {
 	unsigned long long h = 0; // CUmemGenericAllocationHandle
 	cp_mem_alloc_prop p = cp_device_prop(ordinal);
+	p.requestedHandleTypes = kinds;
 	int pushed;
 	cp_ret ret = {cp_enter(a, ctx, &pushed), 0, 0};
 	if (ret.r == 0)
@@ -500,6 +508,69 @@ static cp_ret cp_can_access_peer(const cp_api *a, CUdevice d, CUdevice peer) {
 	if (a->deviceCanAccessPeer)
 		ret.r = ((CUresult (*)(int *, CUdevice, CUdevice))a->deviceCanAccessPeer)(&can, d, peer);
 	ret.a = (unsigned long long)can;
+	return ret;
+}
+
+// ---- sharing physical allocations (cuMemExportToShareableHandle) ----
+//
+// CUmemFabricHandle is { unsigned char data[64]; }. An export writes an int
+// (CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1) or a CUmemFabricHandle
+// (CU_MEM_HANDLE_TYPE_FABRIC = 8) through its first argument; an import
+// takes the descriptor itself cast to a pointer, or a pointer to the fabric
+// handle. Both come back by value, so no Go memory is handed to C.
+typedef struct {
+	unsigned char data[64];
+} cp_fabric_handle;
+_Static_assert(sizeof(cp_fabric_handle) == 64, "CUmemFabricHandle is 64 bytes");
+
+typedef struct {
+	CUresult r;
+	int fd;
+	cp_fabric_handle fabric;
+} cp_export_ret;
+
+static cp_export_ret cp_mem_export(const cp_api *a, uintptr_t ctx, unsigned long long h, int kind) {
+	cp_export_ret ret = {0};
+	ret.fd = -1;
+	int pushed;
+	ret.r = cp_enter(a, ctx, &pushed);
+	if (ret.r == 0) {
+		void *out = kind == 8 ? (void *)&ret.fabric : (void *)&ret.fd;
+		ret.r = ((CUresult (*)(void *, unsigned long long, int, unsigned long long))a->memExportToShareableHandle)(
+			out, h, kind, 0);
+	}
+	ret.r = cp_leave(a, pushed, ret.r);
+	return ret;
+}
+
+static cp_ret cp_mem_import_fd(const cp_api *a, uintptr_t ctx, int fd) {
+	unsigned long long h = 0;
+	int pushed;
+	cp_ret ret = {cp_enter(a, ctx, &pushed), 0, 0};
+	if (ret.r == 0)
+		ret.r = ((CUresult (*)(unsigned long long *, void *, int))a->memImportFromShareableHandle)(
+			&h, (void *)(intptr_t)fd, 1);
+	ret.r = cp_leave(a, pushed, ret.r);
+	ret.a = h;
+	return ret;
+}
+
+static cp_ret cp_mem_import_fabric(const cp_api *a, uintptr_t ctx, cp_fabric_handle f) {
+	unsigned long long h = 0;
+	int pushed;
+	cp_ret ret = {cp_enter(a, ctx, &pushed), 0, 0};
+	if (ret.r == 0)
+		ret.r = ((CUresult (*)(unsigned long long *, void *, int))a->memImportFromShareableHandle)(&h, &f, 8);
+	ret.r = cp_leave(a, pushed, ret.r);
+	ret.a = h;
+	return ret;
+}
+
+// An integer attribute of device d (cuDeviceGetAttribute needs no context).
+static cp_ret cp_device_attribute(const cp_api *a, CUdevice d, int attr) {
+	int v = 0;
+	cp_ret ret = {((CUresult (*)(int *, int, CUdevice))a->deviceGetAttribute)(&v, attr, d), 0, 0};
+	ret.a = (unsigned long long)(unsigned int)v;
 	return ret;
 }
 
@@ -606,6 +677,9 @@ type Driver struct {
 	// vmm reports whether every virtual memory management entry point
 	// (vmmSymbols) was found.
 	vmm bool
+	// shareable reports whether cuMemExportToShareableHandle and
+	// cuMemImportFromShareableHandle were found (with vmm).
+	shareable bool
 	// ipcOpen names the cuIpcOpenMemHandle entry point in use
 	// ("cuIpcOpenMemHandle_v2"), "" when the driver lacks CUDA IPC.
 	ipcOpen string
@@ -711,6 +785,15 @@ func openLibrary(path string) (*Driver, error) {
 			break
 		}
 		*s.slot(api) = C.uintptr_t(p)
+	}
+	if d.vmm {
+		exp, err1 := purego.Dlsym(lib, "cuMemExportToShareableHandle")
+		imp, err2 := purego.Dlsym(lib, "cuMemImportFromShareableHandle")
+		if err1 == nil && err2 == nil && exp != 0 && imp != 0 {
+			api.memExportToShareableHandle = C.uintptr_t(exp)
+			api.memImportFromShareableHandle = C.uintptr_t(imp)
+			d.shareable = true
+		}
 	}
 
 	if err := check(C.cp_init(api)); err != nil {
@@ -1119,8 +1202,9 @@ func (d *Driver) pciBusID(dev int) (string, error) {
 
 // The virtual memory management API, which the allocator's expandable
 // segments use (see allocator/expandable.go). Physical memory is pinned
-// device memory of the named device, with no shareable handle; access is
-// read-write for that device only.
+// device memory of the named device, with no shareable handle unless made
+// by MemCreateShareable; access is read-write for that device and its
+// peers (MemSetAccess).
 
 // MemGranularity returns the recommended granularity of dev's physical
 // allocations (cuMemGetAllocationGranularity), or ErrNotSupported when the
@@ -1166,14 +1250,26 @@ func (d *Driver) MemAddressFree(dev int, p cuda.Ptr, size uint64) error {
 	return check(C.cp_mem_address_free(d.api, c, C.ulonglong(p), C.ulonglong(size)))
 }
 
-// MemCreate allocates size bytes of physical memory on dev (cuMemCreate).
-// It obeys the thread's capture mode.
+// MemCreate allocates size bytes of physical memory on dev (cuMemCreate),
+// with no shareable handle. It obeys the thread's capture mode.
 func (d *Driver) MemCreate(dev int, size uint64) (cuda.MemHandle, error) {
+	return d.MemCreateShareable(dev, size, 0)
+}
+
+// MemCreateShareable is MemCreate for memory that may be exported to other
+// processes through the handle kinds in kinds (requestedHandleTypes; 0 is
+// MemCreate). A kind the device cannot export fails here or at the export,
+// depending on the driver: a driver may accept CU_MEM_HANDLE_TYPE_FABRIC at
+// creation and refuse the export (see ProbeFabric).
+func (d *Driver) MemCreateShareable(dev int, size uint64, kinds cuda.ShareableKind) (cuda.MemHandle, error) {
+	if kinds&^(cuda.ShareablePOSIXFD|cuda.ShareableFabric) != 0 {
+		return 0, cuda.ErrInvalidValue
+	}
 	c, err := d.vmmCtx(dev)
 	if err != nil {
 		return 0, err
 	}
-	ret := C.cp_mem_create(d.api, c, C.int(dev), C.ulonglong(size))
+	ret := C.cp_mem_create(d.api, c, C.int(dev), C.ulonglong(size), C.int(kinds))
 	if err := check(ret.r); err != nil {
 		return 0, err
 	}
@@ -1307,6 +1403,138 @@ func (d *Driver) IpcCloseMemHandle(dev int, p cuda.Ptr) error {
 		return err
 	}
 	return check(C.cp_ipc_close_mem_handle(d.api, c, C.ulonglong(p)))
+}
+
+// Sharing physical allocations with other processes, the mechanism of
+// PyTorch's IPC of expandable segments: memory made by MemCreateShareable is
+// exported as a file descriptor or a fabric handle, and another process
+// imports it (after duplicating the descriptor with PidfdGetfd, see
+// pidfd.go), maps the handle it gets with MemMap and MemSetAccess, and
+// unmaps and releases it when done. The physical memory lives until every
+// process has unmapped and released its handle and closed its descriptors.
+
+// Attributes of cuDeviceGetAttribute.
+const (
+	attrHandlePOSIXFD = 103 // CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED
+	attrHandleFabric  = 128 // CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED (CUDA 12.3+)
+)
+
+// ShareableKinds returns the handle kinds dev's physical memory can be
+// exported through, from the device attributes. An attribute the driver
+// does not know (fabric before CUDA 12.3) counts as unsupported. A device
+// may report fabric support that the system cannot use (no IMEX channel):
+// ProbeFabric tries it.
+func (d *Driver) ShareableKinds(dev int) (cuda.ShareableKind, error) {
+	if _, err := d.shareCtx(dev); err != nil {
+		return 0, err
+	}
+	var kinds cuda.ShareableKind
+	if ret := C.cp_device_attribute(d.api, d.devs[dev], attrHandlePOSIXFD); ret.r == 0 && ret.a != 0 {
+		kinds |= cuda.ShareablePOSIXFD
+	}
+	if ret := C.cp_device_attribute(d.api, d.devs[dev], attrHandleFabric); ret.r == 0 && ret.a != 0 {
+		kinds |= cuda.ShareableFabric
+	}
+	return kinds, nil
+}
+
+// ProbeFabric reports whether fabric handles work on dev, as PyTorch's
+// c10::cuda::get_fabric_access finds out (its isFabricSupported): create one
+// granule of memory exportable as a fabric handle, export it, import the
+// handle, and release both. nil means all three worked; otherwise the error
+// names the step that failed. A device without the attribute fails without
+// trying. The probe costs one granule of device memory for a moment, and
+// creates memory: call it once, outside any stream capture.
+func (d *Driver) ProbeFabric(dev int) error {
+	kinds, err := d.ShareableKinds(dev)
+	if err != nil {
+		return err
+	}
+	if kinds&cuda.ShareableFabric == 0 {
+		return fmt.Errorf("cudapool: device %d does not support fabric handles (CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED): %w", dev, cuda.ErrNotSupported)
+	}
+	g, err := d.MemGranularity(dev)
+	if err != nil {
+		return err
+	}
+	h, err := d.MemCreateShareable(dev, g, cuda.ShareableFabric)
+	if err != nil {
+		return fmt.Errorf("cudapool: cuMemCreate with a fabric handle on device %d: %w", dev, err)
+	}
+	defer d.MemRelease(dev, h)
+	sh, err := d.MemExportShareable(dev, h, cuda.ShareableFabric)
+	if err != nil {
+		return fmt.Errorf("cudapool: cuMemExportToShareableHandle (fabric) on device %d: %w", dev, err)
+	}
+	imp, err := d.MemImportShareable(dev, sh)
+	if err != nil {
+		return fmt.Errorf("cudapool: cuMemImportFromShareableHandle (fabric) on device %d: %w", dev, err)
+	}
+	return d.MemRelease(dev, imp)
+}
+
+// MemExportShareable exports dev's physical allocation h as one handle of
+// kind (cuMemExportToShareableHandle), which h must have been created with.
+// Each export of a file descriptor opens a new descriptor, which the caller
+// owns and closes with CloseFD; an importer needs it open until it has
+// duplicated it. A fabric handle needs no closing.
+func (d *Driver) MemExportShareable(dev int, h cuda.MemHandle, kind cuda.ShareableKind) (cuda.ShareableHandle, error) {
+	if kind != cuda.ShareablePOSIXFD && kind != cuda.ShareableFabric {
+		return cuda.ShareableHandle{}, cuda.ErrInvalidValue
+	}
+	c, err := d.shareCtx(dev)
+	if err != nil {
+		return cuda.ShareableHandle{}, err
+	}
+	ret := C.cp_mem_export(d.api, c, C.ulonglong(h), C.int(kind))
+	if err := check(ret.r); err != nil {
+		return cuda.ShareableHandle{}, err
+	}
+	sh := cuda.ShareableHandle{Kind: kind, FD: -1}
+	if kind == cuda.ShareablePOSIXFD {
+		sh.FD = int(ret.fd)
+	} else {
+		sh.Fabric = *(*cuda.FabricHandle)(unsafe.Pointer(&ret.fabric.data))
+	}
+	return sh, nil
+}
+
+// MemImportShareable imports a physical allocation another process exported
+// (cuMemImportFromShareableHandle) and returns this process's handle of it,
+// to map with MemMap and to release with MemRelease. A file descriptor must
+// be this process's own (from PidfdGetfd); it stays open, for the caller to
+// close: the imported handle does not need it.
+func (d *Driver) MemImportShareable(dev int, sh cuda.ShareableHandle) (cuda.MemHandle, error) {
+	c, err := d.shareCtx(dev)
+	if err != nil {
+		return 0, err
+	}
+	var ret C.cp_ret
+	switch sh.Kind {
+	case cuda.ShareablePOSIXFD:
+		if sh.FD < 0 {
+			return 0, cuda.ErrInvalidValue
+		}
+		ret = C.cp_mem_import_fd(d.api, c, C.int(sh.FD))
+	case cuda.ShareableFabric:
+		var f C.cp_fabric_handle
+		*(*cuda.FabricHandle)(unsafe.Pointer(&f.data)) = sh.Fabric
+		ret = C.cp_mem_import_fabric(d.api, c, f)
+	default:
+		return 0, cuda.ErrInvalidValue
+	}
+	if err := check(ret.r); err != nil {
+		return 0, err
+	}
+	return cuda.MemHandle(ret.a), nil
+}
+
+// shareCtx is ctx for the sharing calls, which need their entry points.
+func (d *Driver) shareCtx(dev int) (C.uintptr_t, error) {
+	if !d.shareable {
+		return 0, cuda.ErrNotSupported
+	}
+	return d.ctx(dev)
 }
 
 // ipcCtx is ctx for the IPC calls, which need the entry points.

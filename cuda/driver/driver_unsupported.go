@@ -48,10 +48,13 @@ func (d *Driver) DeviceProcesses(int) ([]cuda.ProcessMemory, error) {
 	return nil, errUnsupported
 }
 
-func (d *Driver) MemGranularity(int) (uint64, error)                 { return 0, errUnsupported }
-func (d *Driver) MemAddressReserve(int, uint64) (cuda.Ptr, error)    { return 0, errUnsupported }
-func (d *Driver) MemAddressFree(int, cuda.Ptr, uint64) error         { return errUnsupported }
-func (d *Driver) MemCreate(int, uint64) (cuda.MemHandle, error)      { return 0, errUnsupported }
+func (d *Driver) MemGranularity(int) (uint64, error)              { return 0, errUnsupported }
+func (d *Driver) MemAddressReserve(int, uint64) (cuda.Ptr, error) { return 0, errUnsupported }
+func (d *Driver) MemAddressFree(int, cuda.Ptr, uint64) error      { return errUnsupported }
+func (d *Driver) MemCreate(int, uint64) (cuda.MemHandle, error)   { return 0, errUnsupported }
+func (d *Driver) MemCreateShareable(int, uint64, cuda.ShareableKind) (cuda.MemHandle, error) {
+	return 0, errUnsupported
+}
 func (d *Driver) MemRelease(int, cuda.MemHandle) error               { return errUnsupported }
 func (d *Driver) MemMap(int, cuda.Ptr, uint64, cuda.MemHandle) error { return errUnsupported }
 func (d *Driver) MemSetAccess(int, cuda.Ptr, uint64) error           { return errUnsupported }
@@ -63,3 +66,12 @@ func (d *Driver) IpcGetMemHandle(int, cuda.Ptr) (cuda.IpcHandle, error) {
 }
 func (d *Driver) IpcOpenMemHandle(int, cuda.IpcHandle) (cuda.Ptr, error) { return 0, errUnsupported }
 func (d *Driver) IpcCloseMemHandle(int, cuda.Ptr) error                  { return errUnsupported }
+
+func (d *Driver) ShareableKinds(int) (cuda.ShareableKind, error) { return 0, errUnsupported }
+func (d *Driver) ProbeFabric(int) error                          { return errUnsupported }
+func (d *Driver) MemExportShareable(int, cuda.MemHandle, cuda.ShareableKind) (cuda.ShareableHandle, error) {
+	return cuda.ShareableHandle{}, errUnsupported
+}
+func (d *Driver) MemImportShareable(int, cuda.ShareableHandle) (cuda.MemHandle, error) {
+	return 0, errUnsupported
+}

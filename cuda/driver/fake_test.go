@@ -121,6 +121,11 @@ type fake struct {
 	ipcMappings    func() int64
 	ipcOpens       func() int64
 	ipcV1Opens     func() int64
+	fdExports      func() int64
+	fabricExports  func() int64
+	imports        func() int64
+	handleAlloc    func(uint64) uint64
+	handleKinds    func(uint64) int32
 }
 
 func openFake(t testing.TB) *fake {
@@ -158,6 +163,11 @@ func openFake(t testing.TB) *fake {
 		"fake_ipc_mappings":      &f.ipcMappings,
 		"fake_ipc_opens":         &f.ipcOpens,
 		"fake_ipc_v1_opens":      &f.ipcV1Opens,
+		"fake_fd_exports":        &f.fdExports,
+		"fake_fabric_exports":    &f.fabricExports,
+		"fake_imports":           &f.imports,
+		"fake_handle_alloc":      &f.handleAlloc,
+		"fake_handle_kinds":      &f.handleKinds,
 	} {
 		purego.RegisterLibFunc(fn, h, name)
 	}
@@ -774,6 +784,26 @@ func TestFakeIPCEntryPoints(t *testing.T) {
 	}
 	if err := n.IpcCloseMemHandle(0, q); !errors.Is(err, cuda.ErrNotSupported) {
 		t.Errorf("IpcCloseMemHandle: %v", err)
+	}
+	// Nor the sharing calls: the driver says so, and MemCreate still works.
+	if _, err := n.ShareableKinds(0); !errors.Is(err, cuda.ErrNotSupported) {
+		t.Errorf("ShareableKinds without the entry points: %v", err)
+	}
+	if _, err := n.MemExportShareable(0, 1, cuda.ShareablePOSIXFD); !errors.Is(err, cuda.ErrNotSupported) {
+		t.Errorf("MemExportShareable without the entry points: %v", err)
+	}
+	if _, err := n.MemImportShareable(0, cuda.ShareableHandle{Kind: cuda.ShareablePOSIXFD, FD: 0}); !errors.Is(err, cuda.ErrNotSupported) {
+		t.Errorf("MemImportShareable without the entry points: %v", err)
+	}
+	if err := n.ProbeFabric(0); !errors.Is(err, cuda.ErrNotSupported) {
+		t.Errorf("ProbeFabric without the entry points: %v", err)
+	}
+	h0, err := n.MemCreate(0, 2<<20)
+	if err != nil {
+		t.Fatalf("MemCreate without the sharing calls: %v", err)
+	}
+	if err := n.MemRelease(0, h0); err != nil {
+		t.Fatal(err)
 	}
 }
 

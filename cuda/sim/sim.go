@@ -42,7 +42,8 @@
 // capture through events (StreamWaitEvent), in graph.go; graphs are never
 // replayed.
 //
-// What it does not model: memory contents, kernels, replay, cross-stream
+// What it does not model: memory contents (but for VMM-mapped memory, see
+// share.go), kernels, replay, cross-stream
 // dependencies outside capture (StreamWaitEvent between streams that do not
 // capture has no effect), the legacy stream's implicit synchronisation
 // (ErrCaptureImplicit), contexts and the current device, streams belonging
@@ -61,6 +62,14 @@
 // allocation and detect stale ones, reference-counted mappings that alias the
 // exported memory, and a violation for freeing memory whose IPC mapping is
 // still open.
+//
+// Sharing physical memory between processes (cuMemCreate with shareable
+// handle kinds, cuMemExportToShareableHandle, pidfd_open + pidfd_getfd,
+// cuMemImportFromShareableHandle), the mechanism of PyTorch's IPC of
+// expandable segments, is modelled in share.go: each Driver is a process
+// with an id and a descriptor table, physical memory is reference counted
+// across processes, and the contents of VMM-mapped memory can be written
+// and read, so that one process's writes show through another's mapping.
 package sim
 
 import (
@@ -106,12 +115,21 @@ type Driver struct {
 	streams map[cuda.Stream]*stream // guarded by mu; created on first use
 	events  map[cuda.Event]*event   // guarded by mu; live events only
 
-	lastEvent     cuda.Event     // guarded by mu; handles are never reused
-	lastHandle    cuda.MemHandle // guarded by mu; handles are never reused
-	lastIpcGen    uint64         // guarded by mu; IPC handle generations (ipc.go)
-	instance      uint64         // this Driver's number, in its IPC handles
-	eventsCreated int64          // guarded by mu
-	eventsGone    int64          // guarded by mu
+	lastEvent  cuda.Event     // guarded by mu; handles are never reused
+	lastHandle cuda.MemHandle // guarded by mu; handles are never reused
+	lastIpcGen uint64         // guarded by mu; IPC handle generations (ipc.go)
+	instance   uint64         // this Driver's number, in its IPC handles
+	pid        int            // this "process"'s id (share.go)
+
+	// shareKinds are the handle kinds physical memory may be created
+	// shareable with (SetShareableKinds); guarded by mu.
+	shareKinds cuda.ShareableKind
+	// fds is this process's descriptor table and pidfdErrs the pidfd
+	// failures a test injected (share.go); both guarded by machine.mu.
+	fds           map[int]*fdEntry
+	pidfdErrs     [2]syscall.Errno
+	eventsCreated int64 // guarded by mu
+	eventsGone    int64 // guarded by mu
 
 	// captures holds the capture sequences begun and not yet ended, active or
 	// invalidated, by stream.
@@ -145,6 +163,11 @@ type device struct {
 
 	vmm vmmState // virtual memory management (vmm.go)
 	ipc ipcState // CUDA IPC (ipc.go)
+
+	// orphans is memory of this device whose own handles are gone while
+	// another process still holds it; it stays in used until its last
+	// holder lets go (share.go).
+	orphans []*memory
 }
 
 // free is what MemGetInfo reports, clamped at zero because external use may
@@ -202,6 +225,9 @@ func New(opts Options) *Driver {
 		joined:   make(map[cuda.Stream]*capture),
 		modes:    make(map[int]cuda.CaptureMode),
 		instance: instances.Add(1),
+
+		shareKinds: cuda.ShareablePOSIXFD | cuda.ShareableFabric,
+		fds:        make(map[int]*fdEntry),
 	}
 	for i := range opts.Devices {
 		base := uint64(i+1) << rangeShift
@@ -214,6 +240,7 @@ func New(opts Options) *Driver {
 			ipc:      newIPCState(),
 		})
 	}
+	d.register()
 	return d
 }
 
@@ -229,6 +256,7 @@ func (d *Driver) admitPhysical(tid int, dv *device, call string, size uint64) er
 		dv.failAllocs--
 		return cuda.ErrOutOfMemory
 	}
+	d.settle(dv)
 	if size > dv.free() {
 		return cuda.ErrOutOfMemory
 	}
@@ -359,6 +387,7 @@ func (d *Driver) MemGetInfo(dev int) (free, total uint64, err error) {
 	if err != nil {
 		return 0, 0, err
 	}
+	d.settle(dv)
 	return dv.free(), dv.capacity, nil
 }
 
@@ -601,6 +630,7 @@ func (d *Driver) DeviceProcesses(dev int) ([]cuda.ProcessMemory, error) {
 	if err != nil {
 		return nil, err
 	}
+	d.settle(dv)
 	var ps []cuda.ProcessMemory
 	if dv.external > 0 {
 		ps = append(ps, cuda.ProcessMemory{PID: ExternalPID, Bytes: dv.external})
@@ -740,11 +770,15 @@ func (d *Driver) Frees(dev int) int64 {
 	return d.mustDevice(dev).frees
 }
 
-// Used returns the bytes allocated and not freed on dev.
+// Used returns the bytes allocated and not freed on dev, including physical
+// memory this process created whose handles it has released while another
+// process still holds it (share.go).
 func (d *Driver) Used(dev int) uint64 {
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	return d.mustDevice(dev).used
+	dv := d.mustDevice(dev)
+	d.settle(dv)
+	return dv.used
 }
 
 // Live returns the number of live allocations on dev.

@@ -107,9 +107,14 @@ type use struct {
 	size uint64
 }
 
+// physical is one handle of a process: its own allocation (MemCreate,
+// MemCreateShareable) or one it imported (MemImportShareable). The memory
+// behind it is mem, which handles of several processes may share (share.go).
 type physical struct {
 	size     uint64
 	mapCount int
+	mem      *memory
+	imported bool
 }
 
 type mapping struct {
@@ -200,6 +205,14 @@ func (d *Driver) MemAddressFree(dev int, p cuda.Ptr, size uint64) error {
 // ErrOutOfMemory when it does not fit or an injected failure (FailAllocs)
 // remains, and is a potentially unsafe call.
 func (d *Driver) MemCreate(dev int, size uint64) (cuda.MemHandle, error) {
+	return d.MemCreateShareable(dev, size, 0)
+}
+
+// MemCreateShareable is MemCreate for memory that may be exported through
+// the handle kinds in kinds (share.go); kinds the device cannot export
+// (SetShareableKinds) fail with ErrNotPermitted, as cuMemCreate does for
+// fabric handles without the system's support.
+func (d *Driver) MemCreateShareable(dev int, size uint64, kinds cuda.ShareableKind) (cuda.MemHandle, error) {
 	tid := syscall.Gettid()
 	d.mu.Lock()
 	defer d.mu.Unlock()
@@ -207,14 +220,17 @@ func (d *Driver) MemCreate(dev int, size uint64) (cuda.MemHandle, error) {
 	if err != nil {
 		return 0, err
 	}
-	if !granular(size) {
+	if !granular(size) || kinds&^(cuda.ShareablePOSIXFD|cuda.ShareableFabric) != 0 {
 		return 0, cuda.ErrInvalidValue
+	}
+	if kinds&^d.shareKinds != 0 {
+		return 0, cuda.ErrNotPermitted
 	}
 	if err := d.admitPhysical(tid, dv, fmt.Sprintf("MemCreate(dev=%d, size=%d)", dev, size), size); err != nil {
 		return 0, err
 	}
 	d.lastHandle++
-	dv.vmm.handles[d.lastHandle] = &physical{size: size}
+	dv.vmm.handles[d.lastHandle] = &physical{size: size, mem: newMemory(d, dev, size, kinds)}
 	dv.used += size
 	return d.lastHandle, nil
 }
@@ -241,7 +257,7 @@ func (d *Driver) MemRelease(dev int, h cuda.MemHandle) error {
 		dv.vmm.released[h] = ph
 		return nil
 	}
-	dv.used -= ph.size
+	d.dropPhysical(dv, ph)
 	return nil
 }
 
@@ -420,7 +436,7 @@ func (d *Driver) MemUnmap(dev int, p cuda.Ptr, size uint64) error {
 			m.phys.mapCount--
 			if m.phys.mapCount == 0 && dv.vmm.released[m.h] == m.phys {
 				delete(dv.vmm.released, m.h)
-				dv.used -= m.phys.size
+				d.dropPhysical(dv, m.phys)
 			}
 		}
 		dv.vmm.unmaps++
@@ -480,8 +496,10 @@ func (d *Driver) Reservations(dev int) (n int, bytes uint64) {
 	return n, bytes
 }
 
-// Handles returns the number of physical allocations on dev not yet freed
-// (live handles, and released handles still mapped).
+// Handles returns the number of this process's handles of physical memory
+// on dev not yet freed (live handles, and released handles still mapped),
+// imported ones included. Memory this process created and let go of while
+// another process still holds it is in Used, not here.
 func (d *Driver) Handles(dev int) int {
 	d.mu.Lock()
 	defer d.mu.Unlock()

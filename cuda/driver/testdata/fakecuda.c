@@ -3,11 +3,15 @@
 // tests call through purego. Device d's primary context is 0x1000+d; its
 // memory lives at 0x7f0000000000 + d<<32.
 
+#define _GNU_SOURCE
 #include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 typedef int CUresult;
 typedef void *CUcontext;
@@ -311,25 +315,41 @@ typedef struct {
 } fake_prop; // CUmemAllocationProp, 32 bytes
 typedef struct { fake_location location; int flags; } fake_access; // CUmemAccessDesc
 
+static long fd_exports, fabric_exports, imports;
 static long live_handles, live_reservations, set_access_calls, last_access_count;
 static long long mapped_bytes;
 static unsigned long long next_handle, next_vaddr[NDEV];
 
+// requestedHandleTypes may name POSIX file descriptors (1) and fabric
+// handles (8).
 static int good_prop(const fake_prop *p) {
 	static const unsigned char zero[4];
-	return sizeof(fake_prop) == 32 && p->type == 1 && p->requestedHandleTypes == 0 &&
+	return sizeof(fake_prop) == 32 && p->type == 1 && (p->requestedHandleTypes & ~9) == 0 &&
 	       p->location.type == 1 && p->location.id >= 0 && p->location.id < NDEV &&
 	       p->win32HandleMetaData == NULL && p->compressionType == 0 && p->gpuDirectRDMACapable == 0 &&
 	       p->usage == 0 && memcmp(p->reserved, zero, 4) == 0;
 }
 
+// Attributes: VMM (102), POSIX file descriptor handles (103), fabric
+// handles (128). FAKECUDA_NO_FABRIC=1: no fabric support (cuMemCreate
+// refuses it with CUDA_ERROR_NOT_PERMITTED, as without an IMEX channel);
+// FAKECUDA_FABRIC_EXPORT_FAILS=1: the attribute and cuMemCreate accept
+// fabric handles but the export fails, which drivers have been seen to do.
 CUresult cuDeviceGetAttribute(int *v, int attr, int dev) {
 	if (dev < 0 || dev >= NDEV)
 		return 101;
-	if (attr != 102) // CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED
-		return 1;
-	*v = !env_int("FAKECUDA_NO_VMM");
-	return 0;
+	switch (attr) {
+	case 102: // CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED
+		*v = !env_int("FAKECUDA_NO_VMM");
+		return 0;
+	case 103: // CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED
+		*v = 1;
+		return 0;
+	case 128: // CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED
+		*v = !env_int("FAKECUDA_NO_FABRIC");
+		return 0;
+	}
+	return 1;
 }
 CUresult cuMemGetAllocationGranularity(size_t *g, const fake_prop *p, int option) {
 	if (!good_prop(p) || (option != 0 && option != 1))
@@ -353,26 +373,167 @@ CUresult cuMemAddressFree(CUdeviceptr p, size_t size) {
 	__atomic_sub_fetch(&live_reservations, 1, __ATOMIC_SEQ_CST);
 	return 0;
 }
+// Each handle, by number: whether it is live, the handle kinds it was
+// created with, and the physical allocation it names (an import names the
+// exporter's allocation: its own number; a new allocation takes the
+// handle's number). Allocations are never freed here.
+#define MAXHANDLE 8192
+static pthread_mutex_t handle_mu = PTHREAD_MUTEX_INITIALIZER;
+static struct { int live, kinds; unsigned long long alloc, size; } handles[MAXHANDLE];
+
+static unsigned long long new_handle(int kinds, unsigned long long alloc, unsigned long long size) {
+	unsigned long long h = __atomic_add_fetch(&next_handle, 1, __ATOMIC_SEQ_CST);
+	if (h >= MAXHANDLE)
+		return 0;
+	pthread_mutex_lock(&handle_mu);
+	handles[h].live = 1;
+	handles[h].kinds = kinds;
+	handles[h].alloc = alloc ? alloc : h;
+	handles[h].size = size;
+	pthread_mutex_unlock(&handle_mu);
+	__atomic_add_fetch(&live_handles, 1, __ATOMIC_SEQ_CST);
+	return h;
+}
+
 CUresult cuMemCreate(unsigned long long *h, size_t size, const fake_prop *p, unsigned long long flags) {
 	int d = cur_dev();
 	if (d < 0)
 		return 201;
 	if (!good_prop(p) || p->location.id != d || size == 0 || size % GRAN || flags)
 		return 1;
+	if ((p->requestedHandleTypes & 8) && env_int("FAKECUDA_NO_FABRIC"))
+		return 800; // CUDA_ERROR_NOT_PERMITTED
 	if (capturing_stream != 0 && capture_mode != 2)
 		return 900;
-	*h = __atomic_add_fetch(&next_handle, 1, __ATOMIC_SEQ_CST);
-	__atomic_add_fetch(&live_handles, 1, __ATOMIC_SEQ_CST);
-	return 0;
+	*h = new_handle(p->requestedHandleTypes, 0, size);
+	return *h ? 0 : 2;
 }
 CUresult cuMemRelease(unsigned long long h) {
-	if (h == 0 || h > next_handle)
-		return 1;
-	__atomic_sub_fetch(&live_handles, 1, __ATOMIC_SEQ_CST);
+	CUresult r = 1;
+	pthread_mutex_lock(&handle_mu);
+	if (h > 0 && h < MAXHANDLE && handles[h].live) {
+		handles[h].live = 0;
+		r = 0;
+	}
+	pthread_mutex_unlock(&handle_mu);
+	if (r == 0)
+		__atomic_sub_fetch(&live_handles, 1, __ATOMIC_SEQ_CST);
+	return r;
+}
+
+// Sharing (absent, like CUDA IPC, when built with -DFAKECUDA_NO_IPC). A
+// POSIX export is a real descriptor (a memfd, so that one
+// duplicated with pidfd_getfd still names the allocation: the two share an
+// inode), remembered by inode. A fabric export is "FAKEFAB" (8 bytes with
+// its NUL), the allocation's number (uint64), then zeros.
+#ifndef FAKECUDA_NO_IPC
+#define MAXEXPORT 1024
+static struct { ino_t ino; unsigned long long alloc; } exports[MAXEXPORT];
+static int nexports;
+
+// live_alloc reports whether a live handle names allocation a; handle_mu
+// is held.
+static int live_alloc(unsigned long long a, unsigned long long *size) {
+	for (unsigned long long i = 1; i < MAXHANDLE && i <= next_handle; i++)
+		if (handles[i].live && handles[i].alloc == a) {
+			*size = handles[i].size;
+			return 1;
+		}
 	return 0;
 }
+
+CUresult cuMemExportToShareableHandle(void *out, unsigned long long h, int type, unsigned long long flags) {
+	if (cur_dev() < 0)
+		return 201;
+	if (flags || (type != 1 && type != 8))
+		return 1;
+	pthread_mutex_lock(&handle_mu);
+	int ok = h > 0 && h < MAXHANDLE && handles[h].live && (handles[h].kinds & type);
+	unsigned long long a = ok ? handles[h].alloc : 0;
+	pthread_mutex_unlock(&handle_mu);
+	if (!ok)
+		return 1;
+	if (type == 8) {
+		if (env_int("FAKECUDA_FABRIC_EXPORT_FAILS"))
+			return 1;
+		unsigned char *f = out;
+		memset(f, 0, 64);
+		memcpy(f, "FAKEFAB", 8);
+		memcpy(f + 8, &a, 8);
+		__atomic_add_fetch(&fabric_exports, 1, __ATOMIC_SEQ_CST);
+		return 0;
+	}
+	int fd = memfd_create("fakecuda-export", MFD_CLOEXEC);
+	struct stat st;
+	if (fd < 0 || fstat(fd, &st) != 0)
+		return 999;
+	pthread_mutex_lock(&handle_mu);
+	if (nexports < MAXEXPORT) {
+		exports[nexports].ino = st.st_ino;
+		exports[nexports].alloc = a;
+		nexports++;
+	} else {
+		close(fd);
+		fd = -1;
+	}
+	pthread_mutex_unlock(&handle_mu);
+	if (fd < 0)
+		return 2;
+	*(int *)out = fd;
+	__atomic_add_fetch(&fd_exports, 1, __ATOMIC_SEQ_CST);
+	return 0;
+}
+
+CUresult cuMemImportFromShareableHandle(unsigned long long *h, void *os, int type) {
+	static const unsigned char zero[48];
+	if (cur_dev() < 0)
+		return 201;
+	unsigned long long a = 0, size = 0;
+	if (type == 1) {
+		struct stat st;
+		if (fstat((int)(intptr_t)os, &st) != 0)
+			return 1;
+		pthread_mutex_lock(&handle_mu);
+		for (int i = 0; i < nexports; i++)
+			if (exports[i].ino == st.st_ino)
+				a = exports[i].alloc;
+		pthread_mutex_unlock(&handle_mu);
+	} else if (type == 8) {
+		const unsigned char *f = os;
+		if (memcmp(f, "FAKEFAB", 8) != 0 || memcmp(f + 16, zero, 48) != 0)
+			return 1;
+		memcpy(&a, f + 8, 8);
+	} else {
+		return 1;
+	}
+	pthread_mutex_lock(&handle_mu);
+	int ok = a != 0 && live_alloc(a, &size);
+	pthread_mutex_unlock(&handle_mu);
+	if (!ok)
+		return 1; // not an export of a live allocation
+	*h = new_handle(0, a, size);
+	if (*h == 0)
+		return 2;
+	__atomic_add_fetch(&imports, 1, __ATOMIC_SEQ_CST);
+	return 0;
+}
+#endif
+
+long fake_fd_exports(void) { return fd_exports; }
+long fake_fabric_exports(void) { return fabric_exports; }
+long fake_imports(void) { return imports; }
+// The allocation handle h names (0 if h is not live) and its kinds.
+unsigned long long fake_handle_alloc(unsigned long long h) {
+	unsigned long long a = 0;
+	pthread_mutex_lock(&handle_mu);
+	if (h > 0 && h < MAXHANDLE && handles[h].live)
+		a = handles[h].alloc;
+	pthread_mutex_unlock(&handle_mu);
+	return a;
+}
+int fake_handle_kinds(unsigned long long h) { return h < MAXHANDLE ? handles[h].kinds : -1; }
 CUresult cuMemMap(CUdeviceptr p, size_t size, size_t offset, unsigned long long h, unsigned long long flags) {
-	if (p % GRAN || size == 0 || size % GRAN || offset || flags || h == 0 || h > next_handle)
+	if (p % GRAN || size == 0 || size % GRAN || offset || flags || h == 0 || h >= MAXHANDLE || !handles[h].live)
 		return 1;
 	__atomic_add_fetch(&mapped_bytes, (long long)size, __ATOMIC_SEQ_CST);
 	return 0;
@@ -418,7 +579,7 @@ CUresult cuMemSetAccess(CUdeviceptr p, size_t size, const fake_access *desc, siz
 // the driver, a process may open its own handles (the driver says
 // CUDA_ERROR_INVALID_CONTEXT): the fake plays both processes. Mappings come
 // from IBASE(d). Built with -DFAKECUDA_NO_IPC the library has no IPC entry
-// points; with -DFAKECUDA_IPC_V1 it lacks cuIpcOpenMemHandle_v2.
+// points (nor the sharing ones above); with -DFAKECUDA_IPC_V1 it lacks cuIpcOpenMemHandle_v2.
 #define IBASE(d) (0x7d0000000000ULL + ((unsigned long long)(d) << 36))
 
 typedef struct {
