@@ -5,6 +5,7 @@ import (
 	"math/bits"
 	"strconv"
 	"strings"
+	"unicode/utf8"
 
 	"github.com/cudapool/cudapool/pools"
 )
@@ -71,8 +72,11 @@ func DefaultConfig() Config {
 const DefaultMapUnit = 20 << 20
 
 // ParseConfig parses a PYTORCH_CUDA_ALLOC_CONF string on top of the
-// defaults. Unknown keys are not an error; they come back in warnings, with
-// notes on accepted options that have no effect, for the caller to report.
+// defaults. A key that neither cudapool nor PyTorch knows is an error that
+// names the key and lists the known ones (keys are case-sensitive, as in
+// PyTorch); PyTorch keys that have no effect in cudapool are accepted, some
+// with a note in warnings for the caller to report. User text quoted in an
+// error is cut to a readable length (see quote).
 func ParseConfig(s string) (cfg Config, warnings []string, err error) {
 	return parseOnto(DefaultConfig(), s)
 }
@@ -88,7 +92,7 @@ func parseOnto(cfg Config, s string) (Config, []string, error) {
 		key, val, ok := strings.Cut(item, ":")
 		key, val = strings.TrimSpace(key), strings.TrimSpace(val)
 		if !ok || val == "" {
-			return cfg, warnings, configError("%q: expected key:value", item)
+			return cfg, warnings, configError("%s: expected key:value", quote(item))
 		}
 		w, err := cfg.set(key, val)
 		if err != nil {
@@ -123,6 +127,67 @@ func splitTop(s string) []string {
 
 func configError(format string, args ...any) error {
 	return &Error{Op: "configure", Kind: ErrInvalidConfig, Msg: fmt.Sprintf(format, args...)}
+}
+
+// maxShown is how much of a piece of user text an error quotes: enough to
+// recognize it, short enough that a mistaken 100 KB string (a file pasted
+// into the variable) does not flood the terminal.
+const maxShown = 200
+
+// clip returns s, or its first maxShown bytes (whole characters) followed
+// by "... (N bytes)".
+func clip(s string) string {
+	if len(s) <= maxShown {
+		return s
+	}
+	n := maxShown
+	for n > 0 && !utf8.RuneStart(s[n]) {
+		n--
+	}
+	return fmt.Sprintf("%s... (%d bytes)", s[:n], len(s))
+}
+
+// quote is clip in Go's quoted form (control characters escaped).
+func quote(s string) string {
+	if len(s) <= maxShown {
+		return strconv.Quote(s)
+	}
+	c := clip(s)
+	i := strings.LastIndex(c, "... (")
+	return strconv.Quote(c[:i]) + c[i:]
+}
+
+// The keys ParseConfig knows, for the error that names an unknown one.
+// PyTorch's are those of PyTorch 2.11's AcceleratorAllocatorConfig and
+// CUDAAllocatorConfig (c10/core/AllocatorConfig.h, c10/cuda/
+// CUDAAllocatorConfig.h), with the ROCm spellings its CUDA builds accept
+// too; set handles each of them, and each of cudapool's own.
+var (
+	pytorchKeys = []string{
+		"backend", "expandable_segments", "expandable_segments_reserve", "expandable_segments_reserve_by_class",
+		"garbage_collection_threshold", "graph_capture_record_stream_reuse", "large_segment_size_mb",
+		"max_non_split_rounding_mb", "max_split_size_mb", "per_process_memory_fraction",
+		"pinned_free_catch_all", "pinned_num_register_threads", "pinned_reserve_segment_size_mb",
+		"pinned_use_background_threads", "pinned_use_cuda_host_register", "pinned_use_hip_host_register",
+		"release_lock_on_cudamalloc", "release_lock_on_hipmalloc", "roundup_power2_divisions",
+		"throw_on_cudamalloc_oom",
+	}
+	cudapoolKeys = []string{
+		"debug_checks", "expandable_map_unit_mb", "free_set", "front_cache", "record_history", "stitch", "warm_runtime",
+	}
+)
+
+// unknownKey is the error for a key set does not handle.
+func unknownKey(key string) error {
+	hint := ""
+	for _, k := range append(append([]string(nil), pytorchKeys...), cudapoolKeys...) {
+		if strings.EqualFold(k, key) {
+			hint = fmt.Sprintf(" (keys are case-sensitive: did you mean %q?)", k)
+			break
+		}
+	}
+	return configError("unknown key %s%s; the known keys are PyTorch's %s and cudapool's own %s",
+		quote(key), hint, strings.Join(pytorchKeys, ", "), strings.Join(cudapoolKeys, ", "))
 }
 
 func (c *Config) set(key, val string) (warning string, err error) {
@@ -160,7 +225,7 @@ func (c *Config) set(key, val string) (warning string, err error) {
 	case "garbage_collection_threshold":
 		t, err := strconv.ParseFloat(val, 64)
 		if err != nil || !(t > 0 && t < 1) {
-			return "", configError("garbage_collection_threshold=%s: it must be a number strictly between 0 and 1", val)
+			return "", configError("garbage_collection_threshold=%s: it must be a number strictly between 0 and 1", clip(val))
 		}
 		c.Pools.GCThreshold = t
 	case "expandable_segments":
@@ -189,28 +254,48 @@ func (c *Config) set(key, val string) (warning string, err error) {
 			// settings report (snapshot, PyTorch's class) says so.
 			c.ExpandableSegments = true
 		}
-	case "release_lock_on_cudamalloc":
+	case "release_lock_on_cudamalloc", "release_lock_on_hipmalloc":
 		b, err := parseBool(key, val)
 		if err != nil {
 			return "", err
 		}
 		c.ReleaseLockOnMalloc = b
 		if b {
-			return "release_lock_on_cudamalloc:True has no effect in cudapool: the device lock is held across cuMemAlloc", nil
+			return key + ":True has no effect in cudapool: the device lock is held across cuMemAlloc", nil
 		}
 	case "backend":
 		if val != "native" {
-			return "", configError("backend=%s: cudapool is itself the allocator; only backend:native makes sense here", val)
+			return "", configError("backend=%s: cudapool is itself the allocator; only backend:native makes sense here", clip(val))
 		}
-	case "pinned_use_cuda_host_register", "pinned_num_register_threads", "pinned_use_background_threads", "pinned_reserve_segment_size_mb":
-		// Host (pinned) memory options: not this allocator's business.
+	case "pinned_use_cuda_host_register", "pinned_use_hip_host_register", "pinned_use_background_threads", "pinned_free_catch_all":
+		// Host (pinned) memory options: PyTorch's host allocator reads
+		// them itself; not this allocator's business.
+		if _, err := parseBool(key, val); err != nil {
+			return "", err
+		}
+	case "pinned_num_register_threads", "pinned_reserve_segment_size_mb":
+		if _, err := parseUint(key, val); err != nil {
+			return "", err
+		}
+	case "throw_on_cudamalloc_oom":
+		b, err := parseBool(key, val)
+		if err != nil {
+			return "", err
+		}
+		if b {
+			return "throw_on_cudamalloc_oom:True has no effect in cudapool: an allocation fails only after the driver refused it", nil
+		}
+	case "expandable_segments_reserve", "expandable_segments_reserve_by_class":
+		// cudapool sizes the address range of an expandable segment itself
+		// (allocator/expandable.go, "Reservation sizes").
+		return key + " has no effect in cudapool: it sizes the address ranges of expandable segments itself", nil
 	case "per_process_memory_fraction":
 		f, err := strconv.ParseFloat(val, 64)
 		if err != nil {
-			return "", configError("per_process_memory_fraction=%s: expected a number", val)
+			return "", configError("per_process_memory_fraction=%s: expected a number", clip(val))
 		}
 		if !(f >= 0 && f <= 1) {
-			return "", configError("per_process_memory_fraction is invalid, set it in [0.0, 1.0] (got %s)", val)
+			return "", configError("per_process_memory_fraction is invalid, set it in [0.0, 1.0] (got %s)", clip(val))
 		}
 		c.MemoryFraction, c.MemoryFractionSet = f, true
 	case "graph_capture_record_stream_reuse":
@@ -255,10 +340,10 @@ func (c *Config) set(key, val string) (warning string, err error) {
 		case "segfit":
 			c.Pools.FreeSet = pools.FreeSetSegFit
 		default:
-			return "", configError("free_set=%s: expected segfit, treap or sorted", val)
+			return "", configError("free_set=%s: expected segfit, treap or sorted", clip(val))
 		}
 	default:
-		return fmt.Sprintf("unknown option %q ignored", key), nil
+		return "", unknownKey(key)
 	}
 	return "", nil
 }
@@ -294,7 +379,7 @@ func (c *Config) parseRoundup(val string) error {
 	for _, e := range strings.Split(val[1:len(val)-1], ",") {
 		k, v, ok := strings.Cut(strings.TrimSpace(e), ":")
 		if !ok {
-			return configError("roundup_power2_divisions: %q: expected size_mb:divisions", e)
+			return configError("roundup_power2_divisions: %s: expected size_mb:divisions", quote(e))
 		}
 		n, err := parseUint("roundup_power2_divisions", strings.TrimSpace(v))
 		if err != nil {
@@ -332,7 +417,7 @@ func (c *Config) parseRoundup(val string) error {
 func parseUint(key, val string) (uint64, error) {
 	n, err := strconv.ParseUint(val, 10, 64)
 	if err != nil {
-		return 0, configError("%s=%s: expected a non-negative integer", key, val)
+		return 0, configError("%s=%s: expected a non-negative integer", key, clip(val))
 	}
 	return n, nil
 }
@@ -344,7 +429,7 @@ func parseBool(key, val string) (bool, error) {
 	case "False", "false", "0":
 		return false, nil
 	}
-	return false, configError("%s=%s: expected True or False", key, val)
+	return false, configError("%s=%s: expected True or False", key, clip(val))
 }
 
 // String renders the configuration in the same syntax.

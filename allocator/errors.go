@@ -3,6 +3,10 @@ package allocator
 import (
 	"errors"
 	"fmt"
+	"os"
+	"strings"
+
+	"github.com/cudapool/cudapool/pools"
 )
 
 // The kinds of failure. Every error the allocator returns wraps exactly one
@@ -68,4 +72,60 @@ func newError(op string, kind error, format string, args ...any) *Error {
 
 func driverError(op string, err error, format string, args ...any) *Error {
 	return &Error{Op: op, Kind: ErrDriver, Msg: fmt.Sprintf(format, args...), Err: err}
+}
+
+// OOMText renders an out-of-memory failure of a malloc of size bytes in
+// cudapool's words, for programs that call cudapool directly (its C entry
+// points): what was asked, what the device has free, what cudapool holds,
+// and what to try, in cudapool's terms (CUDAPOOL_CONF keys). Error keeps
+// PyTorch's message, which PyTorch's entry points pass on unchanged. ok is
+// false for any other error. It reads the device's statistics (taking its
+// lock): for the failure path only.
+func (a *Allocator) OOMText(err error, size uint64) (text string, ok bool) {
+	var e *Error
+	if !errors.As(err, &e) || e.Kind != ErrOutOfMemory {
+		return "", false
+	}
+	info := e.OOM
+	if info == nil { // caching off, or an absurd size: the message says it all
+		return e.Msg, true
+	}
+	var b strings.Builder
+	fmt.Fprintf(&b, "out of memory on device %d: cannot allocate %s (%d bytes", info.Device, FormatSize(size), size)
+	if info.Size != size {
+		fmt.Fprintf(&b, ", in a segment of %d", info.Size)
+	}
+	b.WriteString(")")
+	if info.Total == 0 {
+		b.WriteString("; the device's free memory is unknown (the driver did not say)")
+	} else if f, ferr := a.MemoryFraction(info.Device); ferr == nil && f < 1 {
+		fmt.Fprintf(&b, "; the device has %s free, and per_process_memory_fraction %g allows cudapool %s", FormatSize(info.Free), f, FormatSize(info.Total))
+	} else {
+		fmt.Fprintf(&b, "; the device has %s free of %s", FormatSize(info.Free), FormatSize(info.Total))
+	}
+	if pl, ok := a.drv.(processLister); ok {
+		if procs, perr := pl.DeviceProcesses(info.Device); perr == nil && len(procs) > 0 {
+			b.WriteString("; in use on it:")
+			for i, p := range procs {
+				sep := ","
+				if i == 0 {
+					sep = ""
+				}
+				if int(p.PID) == os.Getpid() {
+					fmt.Fprintf(&b, "%s this process %s (cudapool's and any other)", sep, FormatSize(p.Bytes))
+				} else {
+					fmt.Fprintf(&b, "%s process %d %s", sep, p.PID, FormatSize(p.Bytes))
+				}
+			}
+		}
+	}
+	if st, serr := a.Stats(info.Device); serr == nil {
+		allocated := uint64(st.AllocatedBytes[pools.StatAll].Current)
+		reserved := uint64(st.ReservedBytes[pools.StatAll].Current)
+		fmt.Fprintf(&b, ". cudapool holds %s on it: %s allocated, %s reserved but unallocated", FormatSize(reserved), FormatSize(allocated), FormatSize(reserved-min(allocated, reserved)))
+	}
+	b.WriteString(" (before failing, cudapool gave its cached whole segments back to the driver, as cudapool_empty_cache() does, unless a graph capture was under way)." +
+		" If reserved but unallocated memory is large, setting CUDAPOOL_CONF=expandable_segments:True" +
+		" (or max_split_size_mb:N, to keep large cached blocks whole) may avoid the fragmentation.")
+	return b.String(), true
 }

@@ -374,6 +374,20 @@ var faultCases = map[string]faultCase{
 		e.malloc(4096, 1)
 		e.nothingLost()
 	}},
+	"errors.go:(*Allocator).OOMText.DeviceProcesses": {run: func(t *testing.T) {
+		e := newFault(t, confOrdinary, false)
+		_, err := e.a.Malloc(0, 2*GiB, 1)
+		require.ErrorIs(t, err, allocator.ErrOutOfMemory)
+		r := e.fail("DeviceProcesses", "OOMText", 0)
+		text, ok := e.a.OOMText(err, 2*GiB)
+		e.fired(r)
+		require.True(t, ok)
+		require.Contains(t, text, "free of 1024.00 MiB", "the message without the process list")
+		require.NotContains(t, text, "in use on it")
+		e.consistent(0)
+		e.malloc(4096, 1)
+		e.nothingLost()
+	}},
 	"mempool.go:(*Allocator).CacheInfo.MemGetInfo": {run: func(t *testing.T) {
 		e := newFault(t, confOrdinary, false)
 		r := e.fail("MemGetInfo", "CacheInfo", 0)

@@ -120,6 +120,25 @@ extern volatile int cp_freeq_n;
 /* Moves up to cap queued frees to out and returns how many. */
 size_t cp_take_frees(cp_pending_free *out, size_t cap);
 
+/* The public functions that share a Go export, numbered so that the export
+ * can name the one its caller called in an error (capi/main.go,
+ * entryNames). */
+enum {
+	CP_FN_MALLOC_CTX = 1,
+	CP_FN_CUPY_MALLOC,
+	CP_FN_FREE_DEFERRED,
+	CP_FN_TORCH_FREE,
+	CP_FN_CUPY_FREE,
+	CP_FN_END_ALLOCATE_TO_POOL,
+	CP_FN_TORCH_END_ALLOCATE_TO_POOL,
+	CP_FN_RELEASE_POOL,
+	CP_FN_TORCH_RELEASE_POOL,
+};
+
+/* The functions that have queued frees, as bits 1 << CP_FN_*: a queued free
+ * that fails later is reported with their names. */
+extern volatile unsigned cp_freeq_from;
+
 /* Which operations need a context (CUDAPOOL_GATHER_*), written by Go when
  * history settings change, read by cudapool_gather_mask without a Go call. */
 extern volatile unsigned cp_gather_mask;
@@ -134,7 +153,7 @@ void cp_set_oom(int device, size_t size, size_t device_total, size_t device_free
 extern uintptr_t cpgo_malloc(size_t size, int device, uintptr_t stream, int *track);
 extern uintptr_t cpgo_torch_malloc(size_t size, int device, uintptr_t stream, cp_pending_free *frees, size_t nfrees,
                                    int *track);
-extern void cpgo_free_batch(cp_pending_free *frees, size_t nfrees);
+extern void cpgo_free_batch(cp_pending_free *frees, size_t nfrees, int fn);
 extern void cpgo_free(uintptr_t ptr, size_t size, int device, uintptr_t stream);
 extern void cpgo_init(int device_count);
 /* Writes the version numbers and returns the ABI version (version.go). */
@@ -147,8 +166,8 @@ extern void cpgo_begin_allocate_to_pool(int device, unsigned long long a, unsign
                                         uintptr_t ctx);
 extern void cpgo_torch_begin_allocate_to_pool(int device, unsigned long long a, unsigned long long b,
                                               uintptr_t handle);
-extern void cpgo_end_allocate_to_pool(int device, unsigned long long a, unsigned long long b);
-extern void cpgo_release_pool(int device, unsigned long long a, unsigned long long b);
+extern void cpgo_end_allocate_to_pool(int device, unsigned long long a, unsigned long long b, int fn);
+extern void cpgo_release_pool(int device, unsigned long long a, unsigned long long b, int fn);
 extern char *cpgo_memory_stats_json(int device);
 extern char *cpgo_snapshot_json(void);
 extern void cpgo_reset_peak_stats(int device);
@@ -162,7 +181,7 @@ extern long long cpgo_sim_violations(void);
 
 /* ---- Go exports for PyTorch's CUDAAllocator interface (torchabi.go). ---- */
 extern uintptr_t cpgo_malloc_ctx(size_t size, int device, uintptr_t stream, unsigned long long ctx,
-                                 cp_pending_free *frees, size_t nfrees, int *track);
+                                 cp_pending_free *frees, size_t nfrees, int *track, int fn);
 extern void cpgo_expect_announced(void);
 extern int cpgo_free_ctx(uintptr_t ptr, size_t size, int device, unsigned long long ctx);
 extern int cpgo_configure_update(char *conf);

@@ -113,6 +113,7 @@ int cp_forked_child(void) {
  * reach its caller. */
 static cp_pending_free cp_freeq[CP_FREEQ_CAP];
 volatile int cp_freeq_n;
+volatile unsigned cp_freeq_from; /* under cp_freeq_lock */
 static atomic_int cp_freeq_lock;
 
 static void freeq_lock(void) { cp_spin_lock(&cp_freeq_lock); }
@@ -137,7 +138,9 @@ size_t cp_take_frees(cp_pending_free *out, size_t cap) {
 	return n;
 }
 
-void cudapool_free_deferred(void *ptr, size_t size, int device, unsigned long long context) {
+/* The deferred frees' body; fn (CP_FN_*) names the public function called,
+ * for errors. */
+static inline void cp_free_deferred(void *ptr, size_t size, int device, unsigned long long context, int fn) {
 	if (cp_forked_child() || ptr == NULL)
 		return;
 	cp_pending_free f = {.ptr = (uintptr_t)ptr, .size = size, .device = device, .ctx = context};
@@ -150,11 +153,13 @@ void cudapool_free_deferred(void *ptr, size_t size, int device, unsigned long lo
 		if (r == CP_FRONT_TWICE) {
 			/* Queued, it would be performed after a malloc had handed the
 			 * block out again: Go reports it now instead. */
-			cpgo_free_batch(&f, 1);
+			cpgo_free_batch(&f, 1, fn);
 			return;
 		}
 	}
 	freeq_lock();
+	if (!(cp_freeq_from & (1u << fn)))
+		cp_freeq_from |= 1u << fn; /* written once per function, not per free */
 	if (cp_freeq_n < CP_FREEQ_CAP) {
 		cp_freeq[cp_freeq_n++] = f;
 		freeq_unlock();
@@ -166,12 +171,16 @@ void cudapool_free_deferred(void *ptr, size_t size, int device, unsigned long lo
 	batch[CP_FREEQ_CAP] = f;
 	cp_freeq_n = 0;
 	freeq_unlock();
-	cpgo_free_batch(batch, CP_FREEQ_CAP + 1);
+	cpgo_free_batch(batch, CP_FREEQ_CAP + 1, fn);
+}
+
+void cudapool_free_deferred(void *ptr, size_t size, int device, unsigned long long context) {
+	cp_free_deferred(ptr, size, device, context, CP_FN_FREE_DEFERRED);
 }
 
 void cudapool_torch_free(void *ptr, size_t size, int device, cudapool_stream stream) {
 	(void)stream;
-	cudapool_free_deferred(ptr, size, device, 0);
+	cp_free_deferred(ptr, size, device, 0, CP_FN_TORCH_FREE);
 }
 
 /* ---- stream filters ---- */
@@ -272,13 +281,13 @@ void cudapool_begin_allocate_to_pool(int device, unsigned long long pool_a, unsi
 void cudapool_end_allocate_to_pool(int device, unsigned long long pool_a, unsigned long long pool_b) {
 	if (cp_forked_child())
 		return;
-	cpgo_end_allocate_to_pool(device, pool_a, pool_b);
+	cpgo_end_allocate_to_pool(device, pool_a, pool_b, CP_FN_END_ALLOCATE_TO_POOL);
 }
 
 void cudapool_release_pool(int device, unsigned long long pool_a, unsigned long long pool_b) {
 	if (cp_forked_child())
 		return;
-	cpgo_release_pool(device, pool_a, pool_b);
+	cpgo_release_pool(device, pool_a, pool_b, CP_FN_RELEASE_POOL);
 }
 
 char *cudapool_memory_stats_json(int device) {
@@ -373,7 +382,10 @@ int cudapool_last_oom(cudapool_oom_info *out) {
 	return 0;
 }
 
-void *cudapool_malloc_ctx(size_t size, int device, cudapool_stream stream, unsigned long long context) {
+/* cudapool_malloc_ctx's body; fn (CP_FN_*) names the public function
+ * called, for errors (and the wording of out of memory). */
+static inline void *cp_malloc_ctx(size_t size, int device, cudapool_stream stream, unsigned long long context,
+                                  int fn) {
 	if (cp_forked_child())
 		return NULL;
 	if (context == 0) {
@@ -384,9 +396,13 @@ void *cudapool_malloc_ctx(size_t size, int device, cudapool_stream stream, unsig
 	cp_pending_free frees[CP_FREEQ_CAP];
 	size_t n = cp_freeq_n != 0 ? cp_take_frees(frees, CP_FREEQ_CAP) : 0;
 	int track = 0;
-	uintptr_t r = cpgo_malloc_ctx(size, device, (uintptr_t)stream, context, frees, n, &track);
+	uintptr_t r = cpgo_malloc_ctx(size, device, (uintptr_t)stream, context, frees, n, &track, fn);
 	cp_front_track(r, size, (uintptr_t)stream, device, track);
 	return (void *)r;
+}
+
+void *cudapool_malloc_ctx(size_t size, int device, cudapool_stream stream, unsigned long long context) {
+	return cp_malloc_ctx(size, device, stream, context, CP_FN_MALLOC_CTX);
 }
 
 /* Frees through Go and IPC stop tracking the pointer first. */
@@ -544,12 +560,12 @@ void *cudapool_cupy_malloc(void *param, size_t size, int device) {
 		}
 		stream = (uintptr_t)s;
 	}
-	return cudapool_malloc_ctx(size, device, (cudapool_stream)stream, 0);
+	return cp_malloc_ctx(size, device, (cudapool_stream)stream, 0, CP_FN_CUPY_MALLOC);
 }
 
 void cudapool_cupy_free(void *param, void *ptr, int device) {
 	(void)param;
-	cudapool_free_deferred(ptr, 0, device, 0);
+	cp_free_deferred(ptr, 0, device, 0, CP_FN_CUPY_FREE);
 }
 
 int cudapool_filter_stream_is(void *ctx, cudapool_stream stream) { return stream == (cudapool_stream)ctx; }

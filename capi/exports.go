@@ -27,8 +27,7 @@ func cpgo_malloc(size C.size_t, dev C.int, stream C.uintptr_t, track *C.int) C.u
 	defer guardMalloc()
 	st := load()
 	if st.err != nil {
-		setError(st.err.Error())
-		return 0
+		return failState("cudapool_malloc", st)
 	}
 	keeper.Touch()
 	var frees []allocator.PendingFree
@@ -38,7 +37,7 @@ func cpgo_malloc(size C.size_t, dev C.int, stream C.uintptr_t, track *C.int) C.u
 	}
 	p, tr, err, ferr := st.a.MallocTracked(int(dev), uint64(size), cuda.Stream(stream), 0, frees)
 	if err != nil || ferr != nil || track == nil {
-		return mallocEnd(p, tr, err, ferr, track)
+		return mallocEnd(mallocC, size, p, tr, err, ferr, track)
 	}
 	if tr != 0 {
 		*track = C.int(tr)
@@ -49,10 +48,11 @@ func cpgo_malloc(size C.size_t, dev C.int, stream C.uintptr_t, track *C.int) C.u
 // The malloc exports call MallocTracked themselves (a call layer less) and
 // end as follows: *track is set when the front cache may track the block
 // (allocator/front.go); failures, and the NULL track of this package's
-// tests, are handled out of line by mallocEnd:
+// tests, are handled out of line by mallocEnd, told which public function
+// the caller called:
 //
 //	if err != nil || ferr != nil || track == nil {
-//		return mallocEnd(p, tr, err, ferr, track)
+//		return mallocEnd(entry, size, p, tr, err, ferr, track)
 //	}
 //	if tr != 0 {
 //		*track = C.int(tr)
@@ -61,14 +61,33 @@ func cpgo_malloc(size C.size_t, dev C.int, stream C.uintptr_t, track *C.int) C.u
 //
 // (A helper holding those lines is not inlined: over the inliner's budget.)
 
-// mallocEnd ends a malloc whose queued frees (ferr) or own allocation (err)
-// failed, or whose track is NULL.
+// The malloc entries, as mallocEnd is told them: a CP_FN_* number for the
+// exports behind several public functions, or one of these.
+const (
+	mallocC     = -1 // cudapool_malloc
+	mallocTorch = -2 // cudapool_torch_malloc
+)
+
+// mallocName names the public malloc function entry.
+func mallocName(entry C.int) string {
+	switch entry {
+	case mallocC:
+		return "cudapool_malloc"
+	case mallocTorch:
+		return "cudapool_torch_malloc"
+	}
+	return entryName(entry)
+}
+
+// mallocEnd ends a malloc of size bytes through entry whose queued frees
+// (ferr) or own allocation (err) failed, or whose track is NULL.
 //
 //go:noinline
-func mallocEnd(p cuda.Ptr, tr uint32, err, ferr error, track *C.int) C.uintptr_t {
-	reportFreeError(ferr)
+func mallocEnd(entry C.int, size C.size_t, p cuda.Ptr, tr uint32, err, ferr error, track *C.int) C.uintptr_t {
+	fn := mallocName(entry)
+	reportFreeError(fn, ferr)
 	if err != nil {
-		failMalloc(err)
+		failMalloc(fn, entry == mallocTorch || entry == C.CP_FN_MALLOC_CTX, uint64(size), err)
 		return 0
 	}
 	if tr != 0 && track != nil {
@@ -78,14 +97,15 @@ func mallocEnd(p cuda.Ptr, tr uint32, err, ferr error, track *C.int) C.uintptr_t
 }
 
 //export cpgo_free_batch
-func cpgo_free_batch(frees *C.cp_pending_free, n C.size_t) {
-	defer guard("free")
+func cpgo_free_batch(frees *C.cp_pending_free, n C.size_t, entry C.int) {
+	fn := entryName(entry)
+	defer guard(fn)
 	st := load()
 	if st.err != nil {
 		return
 	}
 	keeper.Touch()
-	reportFreeError(st.a.FreeMany(pendingFrees(frees, n)))
+	reportFreeError(fn, st.a.FreeMany(pendingFrees(frees, n)))
 }
 
 // torchAnnounced is set once cudapool_torch_malloc has told the allocator
@@ -94,11 +114,10 @@ var torchAnnounced atomic.Bool
 
 //export cpgo_torch_malloc
 func cpgo_torch_malloc(size C.size_t, dev C.int, stream C.uintptr_t, frees *C.cp_pending_free, nfrees C.size_t, track *C.int) C.uintptr_t {
-	defer guardMalloc()
+	defer guardTorchMalloc()
 	st := load()
 	if st.err != nil {
-		setError(st.err.Error())
-		return 0
+		return failState("cudapool_torch_malloc", st)
 	}
 	keeper.Touch()
 	a := st.a
@@ -108,7 +127,7 @@ func cpgo_torch_malloc(size C.size_t, dev C.int, stream C.uintptr_t, frees *C.cp
 	}
 	p, tr, err, ferr := a.MallocTracked(int(dev), uint64(size), cuda.Stream(stream), 0, pendingFrees(frees, nfrees))
 	if err != nil || ferr != nil || track == nil {
-		return mallocEnd(p, tr, err, ferr, track)
+		return mallocEnd(mallocTorch, size, p, tr, err, ferr, track)
 	}
 	if tr != 0 {
 		*track = C.int(tr)
@@ -118,66 +137,71 @@ func cpgo_torch_malloc(size C.size_t, dev C.int, stream C.uintptr_t, frees *C.cp
 
 //export cpgo_free
 func cpgo_free(p C.uintptr_t, size C.size_t, dev C.int, _ C.uintptr_t) {
-	defer guard("free")
-	a := ready()
+	const fn = "cudapool_free"
+	defer guard(fn)
+	a := ready(fn)
 	if a == nil {
 		return
 	}
 	if err := a.Free(int(dev), cuda.Ptr(p), uint64(size)); err != nil {
-		fail(err)
+		fail(fn, err)
 	}
 }
 
 //export cpgo_init
 func cpgo_init(n C.int) {
-	defer guard("init")
-	a := ready()
+	const fn = "cudapool_init"
+	defer guard(fn)
+	a := ready(fn)
 	if a == nil {
 		return
 	}
 	if n >= 0 && int(n) != a.DeviceCount() {
-		failf("cudapool: init: the caller counts %d devices, cudapool's %s backend %d", int(n), load().backend, a.DeviceCount())
+		failf(fn, "the caller counts %d devices, cudapool's %s backend %d", int(n), load().backend, a.DeviceCount())
 	}
 }
 
 //export cpgo_empty_cache
 func cpgo_empty_cache() {
-	defer guard("empty_cache")
-	if a := ready(); a != nil {
+	const fn = "cudapool_empty_cache"
+	defer guard(fn)
+	if a := ready(fn); a != nil {
 		if err := a.EmptyCache(); err != nil {
-			fail(err)
+			fail(fn, err)
 		}
 	}
 }
 
 //export cpgo_set_memory_fraction
 func cpgo_set_memory_fraction(fraction C.double, dev C.int) {
-	defer guard("set_memory_fraction")
-	if a := ready(); a != nil {
+	const fn = "cudapool_set_memory_fraction"
+	defer guard(fn)
+	if a := ready(fn); a != nil {
 		if err := a.SetMemoryFraction(int(dev), float64(fraction)); err != nil {
-			fail(err)
+			fail(fn, err)
 		}
 	}
 }
 
 //export cpgo_base_allocation
 func cpgo_base_allocation(p C.uintptr_t, size *C.size_t) C.uintptr_t {
-	defer guard("base_allocation")
+	const fn = "cudapool_base_allocation"
+	defer guard(fn)
 	switch {
 	case p == 0:
-		failf("cudapool: base_allocation: the pointer is NULL")
+		failf(fn, "the pointer is NULL")
 		return 0
 	case size == nil:
-		failf("cudapool: base_allocation: the size pointer is NULL")
+		failf(fn, "the size pointer is NULL")
 		return 0
 	}
-	a := ready()
+	a := ready(fn)
 	if a == nil {
 		return 0
 	}
 	base, n, err := a.BaseAllocation(cuda.Ptr(p))
 	if err != nil {
-		fail(err)
+		fail(fn, err)
 		return 0
 	}
 	*size = C.size_t(n)
@@ -186,14 +210,15 @@ func cpgo_base_allocation(p C.uintptr_t, size *C.size_t) C.uintptr_t {
 
 //export cpgo_record_stream
 func cpgo_record_stream(p C.uintptr_t, stream C.uintptr_t) {
-	defer guard("record_stream")
+	const fn = "cudapool_record_stream"
+	defer guard(fn)
 	if p == 0 {
-		failf("cudapool: record_stream: the pointer is NULL")
+		failf(fn, "the pointer is NULL")
 		return
 	}
-	if a := ready(); a != nil {
+	if a := ready(fn); a != nil {
 		if err := a.RecordStream(cuda.Ptr(p), cuda.Stream(stream)); err != nil {
-			fail(err)
+			fail(fn, err)
 		}
 	}
 }
@@ -218,8 +243,9 @@ var stdFilters struct {
 
 //export cpgo_begin_allocate_to_pool
 func cpgo_begin_allocate_to_pool(dev C.int, a, b C.ulonglong, filter, ctx C.uintptr_t) {
-	defer guard("begin_allocate_to_pool")
-	al := ready()
+	const fn = "cudapool_begin_allocate_to_pool"
+	defer guard(fn)
+	al := ready(fn)
 	if al == nil {
 		return
 	}
@@ -228,20 +254,21 @@ func cpgo_begin_allocate_to_pool(dev C.int, a, b C.ulonglong, filter, ctx C.uint
 	defer stdFilters.mu.Unlock()
 	ref := allocator.FilterRef{Kind: C.CP_ROUTE_C, A: uintptr(filter), B: uintptr(ctx)}
 	if err := al.BeginAllocateToPoolRef(k.dev, k.id, cFilter(filter, ctx), ref); err != nil {
-		fail(err)
+		fail(fn, err)
 	}
 }
 
 //export cpgo_torch_begin_allocate_to_pool
 func cpgo_torch_begin_allocate_to_pool(dev C.int, a, b C.ulonglong, handle C.uintptr_t) {
-	defer guard("begin_allocate_to_pool")
+	const fn = "cudapool_torch_begin_allocate_to_pool"
+	defer guard(fn)
 	owned := true // the copy is deleted on every path that does not keep it
 	defer func() {
 		if owned {
 			deleteStdFilter(handle)
 		}
 	}()
-	al := ready()
+	al := ready(fn)
 	if al == nil {
 		return
 	}
@@ -250,7 +277,7 @@ func cpgo_torch_begin_allocate_to_pool(dev C.int, a, b C.ulonglong, handle C.uin
 	defer stdFilters.mu.Unlock()
 	ref := allocator.FilterRef{Kind: C.CP_ROUTE_STD, A: uintptr(handle)}
 	if err := al.BeginAllocateToPoolRef(k.dev, k.id, stdFilter(handle), ref); err != nil {
-		fail(err)
+		fail(fn, err)
 		return
 	}
 	if handle == 0 {
@@ -266,9 +293,10 @@ func cpgo_torch_begin_allocate_to_pool(dev C.int, a, b C.ulonglong, handle C.uin
 }
 
 //export cpgo_end_allocate_to_pool
-func cpgo_end_allocate_to_pool(dev C.int, a, b C.ulonglong) {
-	defer guard("end_allocate_to_pool")
-	al := ready()
+func cpgo_end_allocate_to_pool(dev C.int, a, b C.ulonglong, entry C.int) {
+	fn := entryName(entry)
+	defer guard(fn)
+	al := ready(fn)
 	if al == nil {
 		return
 	}
@@ -276,7 +304,7 @@ func cpgo_end_allocate_to_pool(dev C.int, a, b C.ulonglong) {
 	stdFilters.mu.Lock()
 	defer stdFilters.mu.Unlock()
 	if err := al.EndAllocateToPool(k.dev, k.id); err != nil {
-		fail(err)
+		fail(fn, err)
 		return
 	}
 	// The router no longer calls the filter: its copy can go.
@@ -287,26 +315,28 @@ func cpgo_end_allocate_to_pool(dev C.int, a, b C.ulonglong) {
 }
 
 //export cpgo_release_pool
-func cpgo_release_pool(dev C.int, a, b C.ulonglong) {
-	defer guard("release_pool")
-	if al := ready(); al != nil {
+func cpgo_release_pool(dev C.int, a, b C.ulonglong, entry C.int) {
+	fn := entryName(entry)
+	defer guard(fn)
+	if al := ready(fn); al != nil {
 		k := key(dev, a, b)
 		if err := al.ReleasePool(k.dev, k.id); err != nil {
-			fail(err)
+			fail(fn, err)
 		}
 	}
 }
 
 //export cpgo_memory_stats_json
 func cpgo_memory_stats_json(dev C.int) *C.char {
-	defer guard("memory_stats")
-	a := ready()
+	const fn = "cudapool_memory_stats_json"
+	defer guard(fn)
+	a := ready(fn)
 	if a == nil {
 		return nil
 	}
 	st, err := a.Stats(int(dev))
 	if err != nil {
-		fail(err)
+		fail(fn, err)
 		return nil
 	}
 	return C.CString(string(statsJSON(&st)))
@@ -330,14 +360,15 @@ func statsJSON(st *pools.Stats) []byte {
 
 //export cpgo_snapshot_json
 func cpgo_snapshot_json() *C.char {
-	defer guard("snapshot")
-	a := ready()
+	const fn = "cudapool_snapshot_json"
+	defer guard(fn)
+	a := ready(fn)
 	if a == nil {
 		return nil
 	}
 	b, err := json.Marshal(a.Snapshot())
 	if err != nil {
-		failf("cudapool: snapshot: %v", err)
+		failf(fn, "%v", err)
 		return nil
 	}
 	return C.CString(string(b))
@@ -345,48 +376,52 @@ func cpgo_snapshot_json() *C.char {
 
 //export cpgo_reset_peak_stats
 func cpgo_reset_peak_stats(dev C.int) {
-	defer guard("reset_peak_stats")
-	if a := ready(); a != nil {
+	const fn = "cudapool_reset_peak_stats"
+	defer guard(fn)
+	if a := ready(fn); a != nil {
 		if err := a.ResetPeakStats(int(dev)); err != nil {
-			fail(err)
+			fail(fn, err)
 		}
 	}
 }
 
 //export cpgo_reset_accumulated_stats
 func cpgo_reset_accumulated_stats(dev C.int) {
-	defer guard("reset_accumulated_stats")
-	if a := ready(); a != nil {
+	const fn = "cudapool_reset_accumulated_stats"
+	defer guard(fn)
+	if a := ready(fn); a != nil {
 		if err := a.ResetAccumulatedStats(int(dev)); err != nil {
-			fail(err)
+			fail(fn, err)
 		}
 	}
 }
 
 //export cpgo_configure
 func cpgo_configure(conf *C.char) (rc C.int) {
+	const fn = "cudapool_configure"
 	rc = -1 // also the result after a recovered panic
-	defer guard("configure")
-	return configure(conf, func(_ allocator.Config, s string) (allocator.Config, []string, error) {
+	defer guard(fn)
+	return configure(fn, conf, func(_ allocator.Config, s string) (allocator.Config, []string, error) {
 		return allocator.ParseConfig(s)
 	})
 }
 
 // configure parses conf with parse (given the configuration in force) and
-// applies it; 0 or -1.
-func configure(conf *C.char, parse func(allocator.Config, string) (allocator.Config, []string, error)) C.int {
+// applies it; 0 or -1, as a call of fn. A refused configuration changes
+// nothing: the one in force stays.
+func configure(fn string, conf *C.char, parse func(allocator.Config, string) (allocator.Config, []string, error)) C.int {
 	if conf == nil {
-		failf("cudapool: configure: the configuration string is NULL")
+		failf(fn, "the configuration string is NULL")
 		return -1
 	}
-	a := ready()
+	a := ready(fn)
 	if a == nil {
 		return -1
 	}
 	cfg, warnings, err := parse(a.Config(), C.GoString(conf))
 	reportWarnings(warnings)
 	if err != nil {
-		fail(err)
+		fail(fn, err)
 		return -1
 	}
 	a.Configure(cfg)
@@ -394,14 +429,15 @@ func configure(conf *C.char, parse func(allocator.Config, string) (allocator.Con
 	return 0
 }
 
-// simDriver returns the simulator, or records why there is none.
-func simDriver(op string) *sim.Driver {
-	if ready() == nil {
+// simDriver returns the simulator, or records why there is none as a
+// failure of fn.
+func simDriver(fn string) *sim.Driver {
+	if ready(fn) == nil {
 		return nil
 	}
 	st := load()
 	if st.sim == nil {
-		failf("cudapool: %s: the simulator controls need CUDAPOOL_BACKEND=sim (the backend is %s)", op, st.backend)
+		failf(fn, "the simulator controls need CUDAPOOL_BACKEND=sim (the backend is %s)", st.backend)
 		return nil
 	}
 	return st.sim
@@ -409,18 +445,19 @@ func simDriver(op string) *sim.Driver {
 
 //export cpgo_sim_begin_capture
 func cpgo_sim_begin_capture(stream C.uintptr_t, mode C.int) (rc C.int) {
+	const fn = "cudapool_sim_begin_capture"
 	rc = -1
-	defer guard("sim_begin_capture")
-	d := simDriver("sim_begin_capture")
+	defer guard(fn)
+	d := simDriver(fn)
 	if d == nil {
 		return -1
 	}
 	if stream == 0 {
-		failf("cudapool: sim_begin_capture: the legacy default stream (NULL) cannot be captured")
+		failf(fn, "the legacy default stream (NULL) cannot be captured")
 		return -1
 	}
 	if err := d.BeginCapture(cuda.Stream(stream), cuda.CaptureMode(mode)); err != nil {
-		failf("cudapool: sim_begin_capture(stream %#x, mode %d): %v", uintptr(stream), int(mode), err)
+		failf(fn, "stream %#x, mode %d: %v", uintptr(stream), int(mode), err)
 		return -1
 	}
 	return 0
@@ -428,14 +465,15 @@ func cpgo_sim_begin_capture(stream C.uintptr_t, mode C.int) (rc C.int) {
 
 //export cpgo_sim_end_capture
 func cpgo_sim_end_capture(stream C.uintptr_t) (rc C.int) {
+	const fn = "cudapool_sim_end_capture"
 	rc = -1
-	defer guard("sim_end_capture")
-	d := simDriver("sim_end_capture")
+	defer guard(fn)
+	d := simDriver(fn)
 	if d == nil {
 		return -1
 	}
 	if err := d.EndCapture(cuda.Stream(stream)); err != nil {
-		failf("cudapool: sim_end_capture(stream %#x): %v", uintptr(stream), err)
+		failf(fn, "stream %#x: %v", uintptr(stream), err)
 		return -1
 	}
 	return 0
@@ -443,25 +481,28 @@ func cpgo_sim_end_capture(stream C.uintptr_t) (rc C.int) {
 
 //export cpgo_sim_submit
 func cpgo_sim_submit(stream C.uintptr_t) {
-	defer guard("sim_submit")
-	if d := simDriver("sim_submit"); d != nil {
+	const fn = "cudapool_sim_submit"
+	defer guard(fn)
+	if d := simDriver(fn); d != nil {
 		d.Submit(cuda.Stream(stream))
 	}
 }
 
 //export cpgo_sim_complete_all
 func cpgo_sim_complete_all() {
-	defer guard("sim_complete_all")
-	if d := simDriver("sim_complete_all"); d != nil {
+	const fn = "cudapool_sim_complete_all"
+	defer guard(fn)
+	if d := simDriver(fn); d != nil {
 		d.CompleteAll()
 	}
 }
 
 //export cpgo_sim_violations
 func cpgo_sim_violations() (n C.longlong) {
+	const fn = "cudapool_sim_violations"
 	n = -1
-	defer guard("sim_violations")
-	if d := simDriver("sim_violations"); d != nil {
+	defer guard(fn)
+	if d := simDriver(fn); d != nil {
 		return C.longlong(d.Violations())
 	}
 	return -1

@@ -12,7 +12,8 @@ import (
 )
 
 // Driver failures reach a C caller as a NULL or nothing done, with the
-// allocator's message as the thread's last error; the library stays usable
+// allocator's message as the thread's last error, named after the public
+// function called; the library stays usable
 // (a driver failure is not an internal error) and the next call works.
 func TestFaultThroughCABI(t *testing.T) {
 	runtime.LockOSThread() // the last error is per C thread
@@ -41,7 +42,7 @@ func TestFaultThroughCABI(t *testing.T) {
 	if p := cpgo_malloc(4096, 0, 1, nil); p != 0 {
 		t.Fatalf("malloc with a failing driver returned %#x", p)
 	}
-	expect("malloc", "cudapool: malloc: allocating a 2097152-byte segment on device 0")
+	expect("malloc", "cudapool_malloc: allocating a 2097152-byte segment on device 0")
 	p := cpgo_malloc(4096, 0, 1, nil)
 	if p == 0 {
 		t.Fatalf("the next malloc failed: %s", lastError())
@@ -52,7 +53,7 @@ func TestFaultThroughCABI(t *testing.T) {
 	s.Submit(5)
 	f.Fail("EventRecord", "", 0, cuda.ErrUnknown)
 	cpgo_free(p, 4096, 0, 1)
-	expect("free", "cudapool: free: recording events for the streams that use")
+	expect("free", "cudapool_free: recording events for the streams that use")
 	if q := cpgo_malloc(4096, 0, 1, nil); q == 0 || q == p {
 		t.Fatalf("malloc after the failed free: %#x (the freed block is %#x; it is still read)", q, p)
 	} else {
@@ -62,10 +63,10 @@ func TestFaultThroughCABI(t *testing.T) {
 
 	f.Fail("MemFree", "", 0, cuda.ErrUnknown)
 	cpgo_empty_cache()
-	expect("empty_cache", "cudapool: empty_cache: freeing cached segments on device 0")
+	expect("empty_cache", "cudapool_empty_cache: freeing cached segments on device 0")
 	f.Fail("MemGetInfo", "", 0, cuda.ErrUnknown)
 	cpgo_set_memory_fraction(0.5, 0)
-	expect("set_memory_fraction", "cudapool: set_memory_fraction: reading device 0's memory size")
+	expect("set_memory_fraction", "cudapool_set_memory_fraction: reading device 0's memory size")
 
 	cpgo_empty_cache()
 	if err := a.CheckInvariants(); err != nil {

@@ -31,7 +31,10 @@
 // from Go through cp_set_error: a cgo callback runs on the calling C thread,
 // so it lands in the caller's slot. It is set by every failure and left
 // alone by every success (errno-like), so a successful malloc never touches
-// it. Every export recovers panics: a panic is a cudapool bug, possibly with
+// it. A message starts with the name of the public function the caller
+// called ("cudapool_free: ..."): each export knows its own, and the exports
+// behind several public functions are told by their C wrapper (CP_FN_*).
+// Every export recovers panics: a panic is a cudapool bug, possibly with
 // a device lock still held, so it disables the library for the rest of the
 // process (every later call fails with the panic's message) instead of
 // crashing the host or risking a deadlock.
@@ -41,6 +44,10 @@
 // driver (cuda/driver) or the simulator (cuda/sim); CUDAPOOL_CONF, else
 // PYTORCH_CUDA_ALLOC_CONF, is the configuration. A failed initialization
 // is final: every call fails with its message, also printed once on stderr.
+// A bad configuration is not: the call that initializes the library fails
+// with it (as PyTorch throws at its first allocation), it is printed once
+// on stderr, and the allocator runs with the default configuration, so that
+// one mistake does not fail every later call.
 //
 // This package only converts C types and wires the other packages together.
 package main
@@ -80,6 +87,9 @@ type state struct {
 	sim     *sim.Driver // nil unless the backend is the simulator
 	backend string
 	err     error
+	// confErr is why the environment's configuration was refused (the
+	// allocator then has the default one): the initializing call's error.
+	confErr error
 }
 
 var (
@@ -101,8 +111,13 @@ func load() *state {
 	return loadFirst()
 }
 
+// loadFirst initializes the state. The call that does it gets a state of
+// its own that fails with a refused configuration (state.confErr), once;
+// every other call gets the allocator.
+//
 //go:noinline
 func loadFirst() *state {
+	var first *state
 	initOnce.Do(func() {
 		var st *state
 		func() {
@@ -113,39 +128,47 @@ func loadFirst() *state {
 			}()
 			st = newState(lookupEnv)
 		}()
+		if st.confErr != nil {
+			warnOnce(st.confErr.Error())
+		}
 		if st.err != nil {
 			warnOnce(st.err.Error())
+		} else if st.confErr != nil {
+			first = &state{err: st.confErr, backend: st.backend}
 		}
 		current.CompareAndSwap(nil, st)
 	})
+	if first != nil {
+		return first
+	}
 	return current.Load()
 }
 
-// ready returns the allocator, or records the initialization error and
-// returns nil.
+// ready returns the allocator, or records the initialization error as a
+// failure of fn and returns nil.
 // Every entry point but the mallocs first performs the frees PyTorch queued
 // (cudapool_torch_free), so that nothing observes a queued free.
-func ready() *allocator.Allocator {
+func ready(fn string) *allocator.Allocator {
 	st := load()
 	if st.err != nil {
-		setError(st.err.Error())
+		fail(fn, st.err)
 		return nil
 	}
 	keeper.Touch()
 	if C.cp_freeq_n != 0 {
 		var buf [C.CP_FREEQ_CAP]allocator.PendingFree
-		reportFreeError(st.a.FreeMany(takeFrees(&buf)))
+		reportFreeError(fn, st.a.FreeMany(takeFrees(&buf)))
 	}
 	return st.a
 }
 
 // failState records the state's error (initialization failed, or the
-// library is disabled) and returns 0: the mallocs' way out, kept out of
-// their code.
+// library is disabled) as a failure of fn and returns 0: the mallocs' way
+// out, kept out of their code.
 //
 //go:noinline
-func failState(st *state) C.uintptr_t {
-	setError(st.err.Error())
+func failState(fn string, st *state) C.uintptr_t {
+	fail(fn, st.err)
 	return 0
 }
 
@@ -190,13 +213,46 @@ const (
 	_ = 0 - (uint32(C.CP_TAG_HOLD_SMALL) ^ allocator.TagHoldSmall)
 )
 
-// reportFreeError reports a failed queued free: PyTorch ignores the result
-// of its free hook, so besides this thread's last error it goes to stderr.
-func reportFreeError(err error) {
-	if err != nil {
-		fail(err)
-		warnOnce(err.Error() + " (a free queued by cudapool_torch_free)")
+// reportFreeError reports a failed queued free, performed during fn (or by
+// fn itself, when its queue was full): PyTorch ignores the result of its
+// free hook, so besides this thread's last error it goes to stderr. The
+// message names the functions that queued frees (cp_freeq_from), usually
+// one: the queue does not keep who queued each free.
+func reportFreeError(fn string, err error) {
+	if err == nil {
+		return
 	}
+	var by []string
+	for id, name := range entryNames {
+		if C.cp_freeq_from&(1<<id) != 0 && name != "" {
+			by = append(by, name)
+		}
+	}
+	msg := errorText(fn, err) + " (a free queued by " + strings.Join(by, " or ") + ")"
+	setError(msg)
+	warnOnce(msg)
+}
+
+// entryNames names the public functions that share an export, by their
+// CP_FN_* number (capi.h).
+var entryNames = [...]string{
+	C.CP_FN_MALLOC_CTX:                 "cudapool_malloc_ctx",
+	C.CP_FN_CUPY_MALLOC:                "cudapool_cupy_malloc",
+	C.CP_FN_FREE_DEFERRED:              "cudapool_free_deferred",
+	C.CP_FN_TORCH_FREE:                 "cudapool_torch_free",
+	C.CP_FN_CUPY_FREE:                  "cudapool_cupy_free",
+	C.CP_FN_END_ALLOCATE_TO_POOL:       "cudapool_end_allocate_to_pool",
+	C.CP_FN_TORCH_END_ALLOCATE_TO_POOL: "cudapool_torch_end_allocate_to_pool",
+	C.CP_FN_RELEASE_POOL:               "cudapool_release_pool",
+	C.CP_FN_TORCH_RELEASE_POOL:         "cudapool_torch_release_pool",
+}
+
+// entryName returns the name of the public function numbered fn.
+func entryName(fn C.int) string {
+	if fn > 0 && int(fn) < len(entryNames) {
+		return entryNames[fn]
+	}
+	return "cudapool"
 }
 
 // newState builds the allocator that the environment describes.
@@ -213,8 +269,10 @@ func newState(lookup func(string) (string, bool)) *state {
 	cfg, warnings, err := allocator.ParseConfig(conf)
 	reportWarnings(warnings)
 	if err != nil {
-		st.err = fmt.Errorf("%s (from %s=%q)", err.Error(), confVar, conf)
-		return st
+		// The message quotes the offending item (cut if long), not the
+		// whole variable.
+		st.confErr = fmt.Errorf("%s: %s; cudapool runs with the default configuration", confVar, message(err))
+		cfg = allocator.DefaultConfig()
 	}
 	var drv allocator.Driver
 	switch backend {
@@ -300,25 +358,42 @@ func poison(err error) {
 	current.Store(st)
 }
 
-// guard is deferred by every export: it turns a panic into an error and
-// disables the library (see the package comment).
-func guard(op string) {
+// guard is deferred by every export with the name of its public function:
+// it turns a panic into an error and disables the library (see the package
+// comment).
+func guard(fn string) {
 	if r := recover(); r != nil {
-		panicked(op, r)
+		panicked(fn, r)
 	}
 }
 
-// guardMalloc is guard("malloc"), for the exports that malloc: deferred
-// with no argument it needs no wrapper function, a call less per malloc.
+// guardMalloc is guard for the exports that malloc: deferred with no
+// argument it needs no wrapper function, a call less per malloc. (The name
+// is the malloc family's: the export does not pass its own.)
 func guardMalloc() {
 	if r := recover(); r != nil {
-		panicked("malloc", r)
+		panicked("cudapool_malloc", r)
 	}
 }
 
-// panicked handles the panic r that guard recovered in op.
-func panicked(op string, r any) {
-	err := fmt.Errorf("cudapool: %s: internal error (%v); cudapool is disabled for the rest of this process", op, r)
+// guardTorchMalloc and guardMallocCtx are guardMalloc for the other
+// malloc exports. (The latter names cudapool_malloc_ctx also when
+// cudapool_cupy_malloc was called: a panic is a cudapool bug either way.)
+func guardTorchMalloc() {
+	if r := recover(); r != nil {
+		panicked("cudapool_torch_malloc", r)
+	}
+}
+
+func guardMallocCtx() {
+	if r := recover(); r != nil {
+		panicked("cudapool_malloc_ctx", r)
+	}
+}
+
+// panicked handles the panic r that guard recovered in fn.
+func panicked(fn string, r any) {
+	err := fmt.Errorf("%s: internal error (%v); cudapool is disabled for the rest of this process", fn, r)
 	poison(err)
 	setError(err.Error())
 	warnOnce(err.Error() + "\n" + string(debug.Stack()))
@@ -326,12 +401,16 @@ func panicked(op string, r any) {
 
 var warned sync.Map // messages already printed
 
-// warnOnce prints msg on stderr, prefixed "cudapool: ", once per process.
+// warnOnce prints msg on stderr once per process, prefixed "cudapool: "
+// unless it starts with a function's name (cudapool_...).
 func warnOnce(msg string) {
 	if _, dup := warned.LoadOrStore(msg, true); dup {
 		return
 	}
-	fmt.Fprintln(os.Stderr, "cudapool: "+strings.TrimPrefix(msg, "cudapool: "))
+	if !strings.HasPrefix(msg, "cudapool_") {
+		msg = "cudapool: " + strings.TrimPrefix(msg, "cudapool: ")
+	}
+	fmt.Fprintln(os.Stderr, msg)
 }
 
 func reportWarnings(ws []string) {
@@ -340,8 +419,26 @@ func reportWarnings(ws []string) {
 	}
 }
 
-// fail records err as the calling thread's last error.
-func fail(err error) { setError(err.Error()) }
+// message is err's text without the name of the operation that failed:
+// the allocator's errors name its own operations ("cudapool: malloc: "),
+// and an entry point names itself instead.
+func message(err error) string {
+	var e *allocator.Error
+	if errors.As(err, &e) {
+		if e.Err != nil {
+			return e.Msg + ": " + e.Err.Error()
+		}
+		return e.Msg
+	}
+	return strings.TrimPrefix(err.Error(), "cudapool: ")
+}
 
-// failf records a formatted message as the calling thread's last error.
-func failf(format string, args ...any) { setError(fmt.Sprintf(format, args...)) }
+// errorText is the message of err as a failure of the public function fn.
+func errorText(fn string, err error) string { return fn + ": " + message(err) }
+
+// fail records err as the calling thread's last error, a failure of fn.
+func fail(fn string, err error) { setError(errorText(fn, err)) }
+
+// failf records a formatted message as the calling thread's last error, a
+// failure of fn.
+func failf(fn, format string, args ...any) { setError(fn + ": " + fmt.Sprintf(format, args...)) }

@@ -4,6 +4,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/cudapool/cudapool/allocator"
 	"github.com/cudapool/cudapool/pools"
 )
 
@@ -46,8 +47,6 @@ func TestNewStateErrors(t *testing.T) {
 		want string
 	}{
 		{[]string{"CUDAPOOL_BACKEND", "gpu"}, `CUDAPOOL_BACKEND="gpu": expected cuda`},
-		{[]string{"CUDAPOOL_BACKEND", "sim", "CUDAPOOL_CONF", "max_split_size_mb:x"}, `max_split_size_mb=x: expected a non-negative integer (from CUDAPOOL_CONF="max_split_size_mb:x")`},
-		{[]string{"CUDAPOOL_BACKEND", "sim", "PYTORCH_CUDA_ALLOC_CONF", "garbage_collection_threshold:1"}, "PYTORCH_CUDA_ALLOC_CONF"},
 		{[]string{"CUDAPOOL_BACKEND", "sim", "CUDAPOOL_SIM_DEVICES", "0"}, "CUDAPOOL_SIM_DEVICES"},
 		{[]string{"CUDAPOOL_BACKEND", "sim", "CUDAPOOL_SIM_MEMORY", "12Q"}, "CUDAPOOL_SIM_MEMORY"},
 	} {
@@ -57,6 +56,43 @@ func TestNewStateErrors(t *testing.T) {
 		}
 		if st.err != nil && !strings.HasPrefix(st.err.Error(), "cudapool: ") {
 			t.Errorf("%v: error %q lacks the cudapool: prefix", c.env, st.err)
+		}
+	}
+}
+
+// A configuration the environment gives that cudapool refuses is not fatal:
+// the allocator gets the default configuration, and the error (naming the
+// variable and the item, the item cut if long, the variable never echoed
+// whole) is kept for the initializing call.
+func TestNewStateBadConfiguration(t *testing.T) {
+	long := "max_split_size_mb:x" + strings.Repeat("y", 120_000)
+	for _, c := range []struct {
+		env  []string
+		want []string
+	}{
+		{[]string{"CUDAPOOL_CONF", "max_split_size_mb:x"}, []string{"CUDAPOOL_CONF: ", "max_split_size_mb=x: expected a non-negative integer", "default configuration"}},
+		{[]string{"PYTORCH_CUDA_ALLOC_CONF", "garbage_collection_threshold:1"}, []string{"PYTORCH_CUDA_ALLOC_CONF: ", "garbage_collection_threshold=1"}},
+		{[]string{"CUDAPOOL_CONF", "Expandable_Segments:True"}, []string{`unknown key "Expandable_Segments"`, `did you mean "expandable_segments"?`}},
+		{[]string{"CUDAPOOL_CONF", long}, []string{"... (120001 bytes)"}},
+	} {
+		st := newState(env(append([]string{"CUDAPOOL_BACKEND", "sim"}, c.env...)...))
+		if st.err != nil || st.a == nil {
+			t.Fatalf("%.60v: the state failed (%v); only the configuration was wrong", c.env, st.err)
+		}
+		if st.a.Config() != allocator.DefaultConfig() {
+			t.Errorf("%.60v: configuration %q, want the default one", c.env, st.a.Config().String())
+		}
+		if st.confErr == nil {
+			t.Fatalf("%.60v: no configuration error", c.env)
+		}
+		msg := errorText("cudapool_malloc", st.confErr)
+		for _, w := range c.want {
+			if !strings.Contains(msg, w) {
+				t.Errorf("%.60v: error %.300q lacks %q", c.env, msg, w)
+			}
+		}
+		if !strings.HasPrefix(msg, "cudapool_malloc: ") || len(msg) > 2000 {
+			t.Errorf("%.60v: error of %d bytes: %.300q", c.env, len(msg), msg)
 		}
 	}
 }
@@ -96,18 +132,18 @@ func TestGuardDisablesAfterPanic(t *testing.T) {
 	old := current.Load()
 	defer current.Store(old)
 	current.Store(newState(env("CUDAPOOL_BACKEND", "sim")))
-	if ready() == nil {
+	if ready("test") == nil {
 		t.Fatal("a fresh simulator state is not ready")
 	}
 	func() {
-		defer guard("malloc")
+		defer guard("cudapool_malloc")
 		panic("boom")
 	}()
 	st := current.Load()
-	if st.err == nil || !strings.Contains(st.err.Error(), "cudapool: malloc: internal error (boom); cudapool is disabled") {
+	if st.err == nil || !strings.Contains(st.err.Error(), "cudapool_malloc: internal error (boom); cudapool is disabled") {
 		t.Fatalf("after a panic: state error %v", st.err)
 	}
-	if ready() != nil {
+	if ready("test") != nil {
 		t.Error("ready() still returns an allocator after a panic")
 	}
 }

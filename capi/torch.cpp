@@ -108,10 +108,11 @@ const C10OOM &c10_oom() {
 
 // cp_throw_oom raises the error PyTorch turns into a Python exception:
 // torch.OutOfMemoryError for an out-of-memory failure (with PyTorch's own
-// message, without our "cudapool: malloc: " prefix), RuntimeError otherwise.
+// message, without our "cudapool_torch_malloc: " prefix), RuntimeError
+// otherwise.
 [[noreturn]] __attribute__((noinline)) void cp_throw_oom(const char *msg) {
 	std::string m = msg != nullptr ? msg : kFallbackOOM;
-	const char prefix[] = "cudapool: malloc: ";
+	const char prefix[] = "cudapool_torch_malloc: ";
 	bool oom = m.find("CUDA out of memory") != std::string::npos;
 	if (oom && m.compare(0, sizeof prefix - 1, prefix) == 0)
 		m.erase(0, sizeof prefix - 1);
@@ -162,7 +163,7 @@ void cudapool_torch_begin_allocate_to_pool(int device, MempoolId id, StreamFilte
 		try {
 			handle = reinterpret_cast<uintptr_t>(new StreamFilter(filter));
 		} catch (...) {
-			set_error("cudapool: begin_allocate_to_pool: cannot copy the stream filter (out of host memory)");
+			set_error("cudapool_torch_begin_allocate_to_pool: cannot copy the stream filter (out of host memory)");
 			return;
 		}
 	}
@@ -174,13 +175,13 @@ void cudapool_torch_begin_allocate_to_pool(int device, MempoolId id, StreamFilte
 void cudapool_torch_end_allocate_to_pool(int device, MempoolId id) {
 	if (cp_forked_child())
 		return;
-	cpgo_end_allocate_to_pool(device, id.first, id.second);
+	cpgo_end_allocate_to_pool(device, id.first, id.second, CP_FN_TORCH_END_ALLOCATE_TO_POOL);
 }
 
 void cudapool_torch_release_pool(int device, MempoolId id) {
 	if (cp_forked_child())
 		return;
-	cpgo_release_pool(device, id.first, id.second);
+	cpgo_release_pool(device, id.first, id.second, CP_FN_TORCH_RELEASE_POOL);
 }
 
 int cp_call_std_filter(uintptr_t handle, uintptr_t stream) {

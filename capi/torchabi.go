@@ -26,18 +26,18 @@ import (
 )
 
 //export cpgo_malloc_ctx
-func cpgo_malloc_ctx(size C.size_t, dev C.int, stream C.uintptr_t, ctx C.ulonglong, frees *C.cp_pending_free, nfrees C.size_t, track *C.int) C.uintptr_t {
-	defer guardMalloc()
+func cpgo_malloc_ctx(size C.size_t, dev C.int, stream C.uintptr_t, ctx C.ulonglong, frees *C.cp_pending_free, nfrees C.size_t, track *C.int, entry C.int) C.uintptr_t {
+	defer guardMallocCtx()
 	st := current.Load()
 	if st == nil || st.err != nil {
 		// The process's first call (load initializes the state, and this
 		// function runs again), or a failed state; out of line.
-		return mallocCtxNoState(size, dev, stream, ctx, frees, nfrees, track)
+		return mallocCtxNoState(size, dev, stream, ctx, frees, nfrees, track, entry)
 	}
 	keeper.Touch()
 	p, tr, err, ferr := st.a.MallocTracked(int(dev), uint64(size), cuda.Stream(stream), uint64(ctx), pendingFrees(frees, nfrees))
 	if err != nil || ferr != nil || track == nil {
-		return mallocEnd(p, tr, err, ferr, track)
+		return mallocEnd(entry, size, p, tr, err, ferr, track)
 	}
 	if tr != 0 {
 		*track = C.int(tr)
@@ -46,42 +46,54 @@ func cpgo_malloc_ctx(size C.size_t, dev C.int, stream C.uintptr_t, ctx C.ulonglo
 }
 
 //go:noinline
-func mallocCtxNoState(size C.size_t, dev C.int, stream C.uintptr_t, ctx C.ulonglong, frees *C.cp_pending_free, nfrees C.size_t, track *C.int) C.uintptr_t {
+func mallocCtxNoState(size C.size_t, dev C.int, stream C.uintptr_t, ctx C.ulonglong, frees *C.cp_pending_free, nfrees C.size_t, track *C.int, entry C.int) C.uintptr_t {
 	if st := load(); st.err != nil {
-		return failState(st)
+		return failState(mallocName(entry), st)
 	}
-	return cpgo_malloc_ctx(size, dev, stream, ctx, frees, nfrees, track)
+	return cpgo_malloc_ctx(size, dev, stream, ctx, frees, nfrees, track, entry)
 }
 
-// failMalloc records a failed malloc, and for out of memory the numbers
-// PyTorch's out-of-memory observers receive.
-func failMalloc(err error) {
+// failMalloc records a failed malloc of size bytes through the public
+// function fn, and for out of memory the numbers PyTorch's out-of-memory
+// observers receive. Out of memory is told in PyTorch's words for PyTorch's
+// entry points (pytorch), in cudapool's for the others.
+func failMalloc(fn string, pytorch bool, size uint64, err error) {
 	if oom := allocator.OOMInfoOf(err); oom != nil {
 		C.cp_set_oom(C.int(oom.Device), C.size_t(oom.Size), C.size_t(oom.Total), C.size_t(oom.Free))
 	} else {
 		C.cp_set_oom(-1, 0, 0, 0)
 	}
-	fail(err)
+	if !pytorch {
+		if st := load(); st.a != nil {
+			if text, ok := st.a.OOMText(err, size); ok {
+				setError(fn + ": " + text)
+				return
+			}
+		}
+	}
+	fail(fn, err)
 }
 
 //export cpgo_free_ctx
 func cpgo_free_ctx(p C.uintptr_t, size C.size_t, dev C.int, ctx C.ulonglong) (rc C.int) {
+	const fn = "cudapool_free_ctx"
 	rc = -1
-	defer guard("free")
-	a := ready()
+	defer guard(fn)
+	a := ready(fn)
 	if a == nil {
 		return -1
 	}
 	if dev < 0 {
-		return result(a.FreeAnyCtx(cuda.Ptr(p), uint64(size), uint64(ctx)))
+		return result(fn, a.FreeAnyCtx(cuda.Ptr(p), uint64(size), uint64(ctx)))
 	}
-	return result(a.FreeCtx(int(dev), cuda.Ptr(p), uint64(size), uint64(ctx)))
+	return result(fn, a.FreeCtx(int(dev), cuda.Ptr(p), uint64(size), uint64(ctx)))
 }
 
 //export cpgo_expect_announced
 func cpgo_expect_announced() {
-	defer guard("expect_announced_captures")
-	if a := ready(); a != nil {
+	const fn = "cudapool_expect_announced_captures"
+	defer guard(fn)
+	if a := ready(fn); a != nil {
 		a.ExpectAnnouncements()
 		torchAnnounced.Store(true)
 	}
@@ -89,11 +101,12 @@ func cpgo_expect_announced() {
 
 //export cpgo_configure_update
 func cpgo_configure_update(conf *C.char) (rc C.int) {
+	const fn = "cudapool_configure_update"
 	// (Concurrent updates are serialized by PyTorch's settings parser; a
 	// cudapool_configure racing with one may lose one of the two.)
 	rc = -1
-	defer guard("configure")
-	return configure(conf, allocator.ParseConfigUpdate)
+	defer guard(fn)
+	return configure(fn, conf, allocator.ParseConfigUpdate)
 }
 
 func statC(s pools.Stat) C.cudapool_stat {
@@ -108,19 +121,20 @@ func statArrayC(dst *[3]C.cudapool_stat, src *pools.StatArray) {
 
 //export cpgo_get_device_stats
 func cpgo_get_device_stats(dev C.int, out unsafe.Pointer) (rc C.int) {
+	const fn = "cudapool_get_device_stats"
 	rc = -1
-	defer guard("memory_stats")
+	defer guard(fn)
 	if out == nil {
-		failf("cudapool: memory_stats: the output pointer is NULL")
+		failf(fn, "the output pointer is NULL")
 		return -1
 	}
-	a := ready()
+	a := ready(fn)
 	if a == nil {
 		return -1
 	}
 	st, err := a.Stats(int(dev))
 	if err != nil {
-		fail(err)
+		fail(fn, err)
 		return -1
 	}
 	o := (*C.cudapool_device_stats)(out)
@@ -146,19 +160,20 @@ func cpgo_get_device_stats(dev C.int, out unsafe.Pointer) (rc C.int) {
 
 //export cpgo_cache_info
 func cpgo_cache_info(dev C.int, largest *C.size_t) (rc C.int) {
+	const fn = "cudapool_cache_info"
 	rc = -1
-	defer guard("cache_info")
+	defer guard(fn)
 	if largest == nil {
-		failf("cudapool: cache_info: the size pointer is NULL")
+		failf(fn, "the size pointer is NULL")
 		return -1
 	}
-	a := ready()
+	a := ready(fn)
 	if a == nil {
 		return -1
 	}
 	n, err := a.CacheInfo(int(dev), uint64(*largest))
 	if err != nil {
-		fail(err)
+		fail(fn, err)
 		return -1
 	}
 	*largest = C.size_t(n)
@@ -167,15 +182,16 @@ func cpgo_cache_info(dev C.int, largest *C.size_t) (rc C.int) {
 
 //export cpgo_get_memory_fraction
 func cpgo_get_memory_fraction(dev C.int) (f C.double) {
+	const fn = "cudapool_get_memory_fraction"
 	f = -1
-	defer guard("get_memory_fraction")
-	a := ready()
+	defer guard(fn)
+	a := ready(fn)
 	if a == nil {
 		return -1
 	}
 	v, err := a.MemoryFraction(int(dev))
 	if err != nil {
-		fail(err)
+		fail(fn, err)
 		return -1
 	}
 	return C.double(v)
@@ -183,23 +199,25 @@ func cpgo_get_memory_fraction(dev C.int) (f C.double) {
 
 //export cpgo_empty_cache_ctx
 func cpgo_empty_cache_ctx(ctx C.ulonglong) (rc C.int) {
+	const fn = "cudapool_empty_cache_ctx"
 	rc = -1
-	defer guard("empty_cache")
-	a := ready()
+	defer guard(fn)
+	a := ready(fn)
 	if a == nil {
 		return -1
 	}
 	if err := a.EmptyCacheCtx(uint64(ctx)); err != nil {
-		fail(err)
+		fail(fn, err)
 		return -1
 	}
 	return 0
 }
 
-// result records err and converts it to the C convention (0 / -1).
-func result(err error) C.int {
+// result records err as a failure of fn and converts it to the C
+// convention (0 / -1).
+func result(fn string, err error) C.int {
 	if err != nil {
-		fail(err)
+		fail(fn, err)
 		return -1
 	}
 	return 0
@@ -207,28 +225,30 @@ func result(err error) C.int {
 
 //export cpgo_pool_create_or_incref
 func cpgo_pool_create_or_incref(dev C.int, a, b C.ulonglong) (rc C.int) {
+	const fn = "cudapool_pool_create_or_incref"
 	rc = -1
-	defer guard("create_or_incref_pool")
-	al := ready()
+	defer guard(fn)
+	al := ready(fn)
 	if al == nil {
 		return -1
 	}
 	k := key(dev, a, b)
-	return result(al.CreateOrIncrefPool(k.dev, k.id))
+	return result(fn, al.CreateOrIncrefPool(k.dev, k.id))
 }
 
 //export cpgo_pool_use_count
 func cpgo_pool_use_count(dev C.int, a, b C.ulonglong) (rc C.int) {
+	const fn = "cudapool_pool_use_count"
 	rc = -1
-	defer guard("get_pool_use_count")
-	al := ready()
+	defer guard(fn)
+	al := ready(fn)
 	if al == nil {
 		return -1
 	}
 	k := key(dev, a, b)
 	n, err := al.PoolUseCount(k.dev, k.id)
 	if err != nil {
-		fail(err)
+		fail(fn, err)
 		return -1
 	}
 	return C.int(n)
@@ -236,43 +256,46 @@ func cpgo_pool_use_count(dev C.int, a, b C.ulonglong) (rc C.int) {
 
 //export cpgo_pool_set_no_split
 func cpgo_pool_set_no_split(dev C.int, a, b C.ulonglong) (rc C.int) {
+	const fn = "cudapool_pool_set_no_split"
 	rc = -1
-	defer guard("set_no_split")
-	al := ready()
+	defer guard(fn)
+	al := ready(fn)
 	if al == nil {
 		return -1
 	}
 	k := key(dev, a, b)
-	return result(al.SetPoolNoSplit(k.dev, k.id))
+	return result(fn, al.SetPoolNoSplit(k.dev, k.id))
 }
 
 //export cpgo_pool_set_use_on_oom
 func cpgo_pool_set_use_on_oom(dev C.int, a, b C.ulonglong, use C.int) (rc C.int) {
+	const fn = "cudapool_pool_set_use_on_oom"
 	rc = -1
-	defer guard("set_use_on_oom")
-	al := ready()
+	defer guard(fn)
+	al := ready(fn)
 	if al == nil {
 		return -1
 	}
 	k := key(dev, a, b)
-	return result(al.SetPoolUseOnOOM(k.dev, k.id, use != 0))
+	return result(fn, al.SetPoolUseOnOOM(k.dev, k.id, use != 0))
 }
 
 //export cpgo_empty_pool
 func cpgo_empty_pool(dev C.int, a, b C.ulonglong) (rc C.int) {
+	const fn = "cudapool_empty_pool"
 	rc = -1
-	defer guard("empty_cache")
-	al := ready()
+	defer guard(fn)
+	al := ready(fn)
 	if al == nil {
 		return -1
 	}
 	id := allocator.PoolID{A: uint64(a), B: uint64(b)}
 	if dev >= 0 {
-		return result(al.EmptyPool(int(dev), id))
+		return result(fn, al.EmptyPool(int(dev), id))
 	}
 	for d := 0; d < al.DeviceCount(); d++ {
 		if err := al.EmptyPool(d, id); err != nil && !errors.Is(err, allocator.ErrUnknownPool) {
-			return result(err)
+			return result(fn, err)
 		}
 	}
 	return 0
@@ -304,18 +327,19 @@ func (e sourceError) Error() string { return string(e) }
 
 //export cpgo_pool_set_source
 func cpgo_pool_set_source(dev C.int, a, b C.ulonglong, alloc, free, ctx C.uintptr_t) (rc C.int) {
+	const fn = "cudapool_pool_set_source"
 	rc = -1
-	defer guard("create_or_incref_pool")
+	defer guard(fn)
 	if alloc == 0 || free == 0 {
-		failf("cudapool: pool_set_source: the alloc and free functions must not be NULL")
+		failf(fn, "the alloc and free functions must not be NULL")
 		return -1
 	}
-	al := ready()
+	al := ready(fn)
 	if al == nil {
 		return -1
 	}
 	k := key(dev, a, b)
-	return result(al.SetPoolSource(k.dev, k.id, cSource{alloc, free, ctx}))
+	return result(fn, al.SetPoolSource(k.dev, k.id, cSource{alloc, free, ctx}))
 }
 
 // checkpoints maps the ids handed to C to the allocator's checkpoints.
@@ -327,15 +351,16 @@ var checkpoints struct {
 
 //export cpgo_checkpoint_pool
 func cpgo_checkpoint_pool(dev C.int, a, b C.ulonglong) (id C.ulonglong) {
-	defer guard("get_checkpoint_state")
-	al := ready()
+	const fn = "cudapool_checkpoint_pool"
+	defer guard(fn)
+	al := ready(fn)
 	if al == nil {
 		return 0
 	}
 	k := key(dev, a, b)
 	cp, err := al.CheckpointPool(k.dev, k.id)
 	if err != nil {
-		fail(err)
+		fail(fn, err)
 		return 0
 	}
 	checkpoints.mu.Lock()
@@ -350,13 +375,14 @@ func cpgo_checkpoint_pool(dev C.int, a, b C.ulonglong) (id C.ulonglong) {
 
 //export cpgo_checkpoint_release
 func cpgo_checkpoint_release(id C.ulonglong) {
-	defer guard("checkpoint_release")
+	const fn = "cudapool_checkpoint_release"
+	defer guard(fn)
 	checkpoints.mu.Lock()
 	cp := checkpoints.m[uint64(id)]
 	delete(checkpoints.m, uint64(id))
 	checkpoints.mu.Unlock()
 	if cp == nil && id != 0 {
-		failf("cudapool: checkpoint_release: checkpoint %d does not exist (released twice?)", uint64(id))
+		failf(fn, "checkpoint %d does not exist (released twice?)", uint64(id))
 	}
 }
 
@@ -375,13 +401,14 @@ func cArray(ptrs []cuda.Ptr) *unsafe.Pointer {
 
 //export cpgo_checkpoint_restore
 func cpgo_checkpoint_restore(dev C.int, id C.ulonglong, out unsafe.Pointer) (rc C.int) {
+	const fn = "cudapool_checkpoint_restore"
 	rc = -1
-	defer guard("set_checkpoint_pool_state")
+	defer guard(fn)
 	if out == nil {
-		failf("cudapool: set_checkpoint_pool_state: the result pointer is NULL")
+		failf(fn, "the result pointer is NULL")
 		return -1
 	}
-	al := ready()
+	al := ready(fn)
 	if al == nil {
 		return -1
 	}
@@ -389,12 +416,12 @@ func cpgo_checkpoint_restore(dev C.int, id C.ulonglong, out unsafe.Pointer) (rc 
 	cp := checkpoints.m[uint64(id)]
 	checkpoints.mu.Unlock()
 	if cp == nil {
-		failf("cudapool: set_checkpoint_pool_state: checkpoint %d does not exist (released?)", uint64(id))
+		failf(fn, "checkpoint %d does not exist (released?)", uint64(id))
 		return -1
 	}
 	res, err := al.RestoreCheckpoint(int(dev), cp)
 	if err != nil {
-		fail(err)
+		fail(fn, err)
 		return -1
 	}
 	o := (*C.cudapool_restore_result)(out)
@@ -405,13 +432,14 @@ func cpgo_checkpoint_restore(dev C.int, id C.ulonglong, out unsafe.Pointer) (rc 
 
 //export cpgo_pool_check_live
 func cpgo_pool_check_live(dev C.int, a, b C.ulonglong, expected unsafe.Pointer, n C.size_t) (rc C.int) {
+	const fn = "cudapool_pool_check_live"
 	rc = -1
-	defer guard("check_pool_live_allocations")
+	defer guard(fn)
 	if expected == nil && n > 0 {
-		failf("cudapool: check_pool_live_allocations: the array is NULL")
+		failf(fn, "the array is NULL")
 		return -1
 	}
-	al := ready()
+	al := ready(fn)
 	if al == nil {
 		return -1
 	}
@@ -424,7 +452,7 @@ func cpgo_pool_check_live(dev C.int, a, b C.ulonglong, expected unsafe.Pointer, 
 	k := key(dev, a, b)
 	ok, err := al.CheckPoolLive(k.dev, k.id, ptrs)
 	if err != nil {
-		fail(err)
+		fail(fn, err)
 		return -1
 	}
 	if ok {
@@ -435,9 +463,10 @@ func cpgo_pool_check_live(dev C.int, a, b C.ulonglong, expected unsafe.Pointer, 
 
 //export cpgo_record_history
 func cpgo_record_history(enabled C.int, max C.size_t, when C.int, clear C.int, skip *C.char) (rc C.int) {
+	const fn = "cudapool_record_history"
 	rc = -1
-	defer guard("record_history")
-	a := ready()
+	defer guard(fn)
+	a := ready(fn)
 	if a == nil {
 		return -1
 	}
@@ -457,13 +486,14 @@ func cpgo_record_history(enabled C.int, max C.size_t, when C.int, clear C.int, s
 	err := a.RecordHistory(allocator.HistoryOptions{Enabled: enabled != 0, MaxEntries: int(n),
 		When: allocator.HistoryLevel(when), Clear: clear != 0, SkipActions: actions})
 	C.cp_gather_mask = C.uint(a.GatherMask())
-	return result(err)
+	return result(fn, err)
 }
 
 //export cpgo_history_enabled
 func cpgo_history_enabled() C.int {
-	defer guard("is_history_enabled")
-	if a := ready(); a != nil && a.HistoryEnabled() {
+	const fn = "cudapool_history_enabled"
+	defer guard(fn)
+	if a := ready(fn); a != nil && a.HistoryEnabled() {
 		return 1
 	}
 	return 0
@@ -471,8 +501,9 @@ func cpgo_history_enabled() C.int {
 
 //export cpgo_live_contexts
 func cpgo_live_contexts(out *C.ulonglong, cap C.size_t) C.size_t {
-	defer guard("live_contexts")
-	a := ready()
+	const fn = "cudapool_live_contexts"
+	defer guard(fn)
+	a := ready(fn)
 	if a == nil {
 		return 0
 	}
@@ -493,8 +524,9 @@ func cpgo_live_contexts(out *C.ulonglong, cap C.size_t) C.size_t {
 
 //export cpgo_set_user_metadata
 func cpgo_set_user_metadata(md *C.char) {
-	defer guard("set_user_metadata")
-	if a := ready(); a != nil {
+	const fn = "cudapool_set_user_metadata"
+	defer guard(fn)
+	if a := ready(fn); a != nil {
 		s := ""
 		if md != nil {
 			s = C.GoString(md)
@@ -505,8 +537,9 @@ func cpgo_set_user_metadata(md *C.char) {
 
 //export cpgo_get_user_metadata
 func cpgo_get_user_metadata() *C.char {
-	defer guard("get_user_metadata")
-	if a := ready(); a != nil {
+	const fn = "cudapool_get_user_metadata"
+	defer guard(fn)
+	if a := ready(fn); a != nil {
 		return C.CString(a.UserMetadata())
 	}
 	return nil
@@ -514,29 +547,32 @@ func cpgo_get_user_metadata() *C.char {
 
 //export cpgo_push_compile_context
 func cpgo_push_compile_context(c *C.char) {
-	defer guard("push_compile_context")
-	if a := ready(); a != nil && c != nil {
+	const fn = "cudapool_push_compile_context"
+	defer guard(fn)
+	if a := ready(fn); a != nil && c != nil {
 		a.PushCompileContext(C.GoString(c))
 	}
 }
 
 //export cpgo_pop_compile_context
 func cpgo_pop_compile_context() {
-	defer guard("pop_compile_context")
-	if a := ready(); a != nil {
+	const fn = "cudapool_pop_compile_context"
+	defer guard(fn)
+	if a := ready(fn); a != nil {
 		a.PopCompileContext()
 	}
 }
 
 //export cpgo_record_annotation
 func cpgo_record_annotation(dev C.int, keys, values unsafe.Pointer, n C.size_t) (rc C.int) {
+	const fn = "cudapool_record_annotation"
 	rc = -1
-	defer guard("record_annotation")
+	defer guard(fn)
 	if n > 0 && (keys == nil || values == nil) {
-		failf("cudapool: record_annotation: the key or value array is NULL")
+		failf(fn, "the key or value array is NULL")
 		return -1
 	}
-	a := ready()
+	a := ready(fn)
 	if a == nil {
 		return -1
 	}
@@ -548,7 +584,7 @@ func cpgo_record_annotation(dev C.int, keys, values unsafe.Pointer, n C.size_t) 
 			kv[i] = [2]string{C.GoString(ks[i]), C.GoString(vs[i])}
 		}
 	}
-	return result(a.RecordAnnotation(int(dev), kv))
+	return result(fn, a.RecordAnnotation(int(dev), kv))
 }
 
 // traceActions numbers the trace actions as PyTorch's TraceEntry::Action.
@@ -575,8 +611,9 @@ func cstr(s string) *C.char {
 
 //export cpgo_snapshot_take
 func cpgo_snapshot_take(byPool C.int, a, b C.ulonglong, traces C.int) unsafe.Pointer {
-	defer guard("snapshot")
-	al := ready()
+	const fn = "cudapool_snapshot_take"
+	defer guard(fn)
+	al := ready(fn)
 	if al == nil {
 		return nil
 	}
@@ -678,19 +715,20 @@ func cbool(b bool) C.int {
 
 //export cpgo_ipc_handle
 func cpgo_ipc_handle(p C.uintptr_t, handle *C.uchar, offset *C.size_t, dev *C.int) (rc C.int) {
+	const fn = "cudapool_ipc_handle"
 	rc = -1
-	defer guard("share_ipc_handle")
+	defer guard(fn)
 	if handle == nil || offset == nil || dev == nil {
-		failf("cudapool: ipc_handle: an output pointer is NULL")
+		failf(fn, "an output pointer is NULL")
 		return -1
 	}
-	a := ready()
+	a := ready(fn)
 	if a == nil {
 		return -1
 	}
 	h, off, d, err := a.IpcHandle(cuda.Ptr(p))
 	if err != nil {
-		fail(err)
+		fail(fn, err)
 		return -1
 	}
 	copy(unsafe.Slice((*byte)(unsafe.Pointer(handle)), len(h)), h[:])
@@ -700,12 +738,13 @@ func cpgo_ipc_handle(p C.uintptr_t, handle *C.uchar, offset *C.size_t, dev *C.in
 
 //export cpgo_ipc_open
 func cpgo_ipc_open(dev C.int, handle *C.uchar) C.uintptr_t {
-	defer guard("get_ipc_dev_ptr")
+	const fn = "cudapool_ipc_open"
+	defer guard(fn)
 	if handle == nil {
-		failf("cudapool: ipc_open: the handle is NULL")
+		failf(fn, "the handle is NULL")
 		return 0
 	}
-	a := ready()
+	a := ready(fn)
 	if a == nil {
 		return 0
 	}
@@ -713,7 +752,7 @@ func cpgo_ipc_open(dev C.int, handle *C.uchar) C.uintptr_t {
 	copy(h[:], unsafe.Slice((*byte)(unsafe.Pointer(handle)), len(h)))
 	p, err := a.IpcOpen(int(dev), h)
 	if err != nil {
-		fail(err)
+		fail(fn, err)
 		return 0
 	}
 	return C.uintptr_t(p)
@@ -721,30 +760,32 @@ func cpgo_ipc_open(dev C.int, handle *C.uchar) C.uintptr_t {
 
 //export cpgo_ipc_close
 func cpgo_ipc_close(p C.uintptr_t) (rc C.int) {
+	const fn = "cudapool_ipc_close"
 	rc = -1
-	defer guard("ipc_close")
-	a := ready()
+	defer guard(fn)
+	a := ready(fn)
 	if a == nil {
 		return -1
 	}
-	return result(a.IpcClose(cuda.Ptr(p)))
+	return result(fn, a.IpcClose(cuda.Ptr(p)))
 }
 
 //export cpgo_allocation_info
 func cpgo_allocation_info(p C.uintptr_t, size *C.size_t, dev *C.int) (rc C.int) {
+	const fn = "cudapool_allocation_info"
 	rc = -1
-	defer guard("allocation_info")
+	defer guard(fn)
 	if size == nil || dev == nil {
-		failf("cudapool: allocation_info: an output pointer is NULL")
+		failf(fn, "an output pointer is NULL")
 		return -1
 	}
-	a := ready()
+	a := ready(fn)
 	if a == nil {
 		return -1
 	}
 	d, n, err := a.AllocationInfo(cuda.Ptr(p))
 	if err != nil {
-		fail(err)
+		fail(fn, err)
 		return -1
 	}
 	*size, *dev = C.size_t(n), C.int(d)
@@ -753,9 +794,10 @@ func cpgo_allocation_info(p C.uintptr_t, size *C.size_t, dev *C.int) (rc C.int) 
 
 //export cpgo_set_caching
 func cpgo_set_caching(on C.int) (rc C.int) {
+	const fn = "cudapool_set_caching"
 	rc = -1
-	defer guard("set_caching")
-	a := ready()
+	defer guard(fn)
+	a := ready(fn)
 	if a == nil {
 		return -1
 	}
@@ -765,8 +807,9 @@ func cpgo_set_caching(on C.int) (rc C.int) {
 
 //export cpgo_caching
 func cpgo_caching() C.int {
-	defer guard("caching")
-	if a := ready(); a != nil && !a.Caching() {
+	const fn = "cudapool_caching"
+	defer guard(fn)
+	if a := ready(fn); a != nil && !a.Caching() {
 		return 0
 	}
 	return 1

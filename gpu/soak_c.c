@@ -434,7 +434,7 @@ static int oom_phase(double frac) {
   for (; n < limit; n++) {
     held[n] = cudapool_malloc(256 * MiB, 0, NULL);
     if (!held[n]) {
-      got_oom = strstr(lasterr(), "CUDA out of memory") != NULL;
+      got_oom = strstr(lasterr(), "out of memory") != NULL;
       break;
     }
   }

@@ -196,7 +196,8 @@ static void test_fraction(size_t total) {
   cudapool_set_memory_fraction(0.05, 0);
   void *p = cudapool_malloc(total / 10, 0, NULL);
   CHECK(p == NULL, "memory fraction 0.05 refuses 10%% of the device");
-  CHECK(strstr(lasterr(), "out of memory") && strstr(lasterr(), "allowed"), "the error says why: %.120s", lasterr());
+  CHECK(strstr(lasterr(), "out of memory") && strstr(lasterr(), "per_process_memory_fraction 0.05 allows"),
+        "the error says why: %.200s", lasterr());
   cudapool_set_memory_fraction(1.0, 0);
   p = cudapool_malloc(total / 10, 0, NULL);
   CHECK(p != NULL, "fraction 1.0 allows it again");
@@ -213,10 +214,11 @@ static void test_oom(void) {
   }
   CHECK(n < 256 && n > 0, "allocated %d x 8 GiB, then ran out", n);
   const char *e = lasterr();
-  CHECK(strstr(e, "CUDA out of memory. Tried to allocate 8.00 GiB") != NULL, "OOM message: %.200s", e);
-  // PyTorch names other processes ("Process N has ...") and this one
-  // ("this process has ..."); on a GPU of its own only the second appears.
-  CHECK(strstr(e, "this process has ") != NULL, "OOM message gives this process's memory in use (NVML)");
+  CHECK(strstr(e, "cudapool_malloc: out of memory on device 0: cannot allocate 8.00 GiB") != NULL,
+        "OOM message, in cudapool's words: %.200s", e);
+  // The message names other processes ("process N ...") and this one
+  // ("this process ..."); on a GPU of its own only the second appears.
+  CHECK(strstr(e, "in use on it: this process ") != NULL, "OOM message gives this process's memory in use (NVML)");
   for (int i = 0; i < n; i++) cudapool_free(ps[i], 8ull << 30, 0, NULL);
   void *q = cudapool_malloc(8ull << 30, 0, NULL);
   CHECK(q != NULL, "allocation succeeds again after freeing");

@@ -143,13 +143,37 @@ void cudapool_reset_accumulated_stats(int device);
  * own record_history:N, debug_checks:True, free_set:segfit|treap|sorted,
  * expandable_map_unit_mb:N, stitch:True, front_cache:False,
  * warm_runtime:False).
- * Unknown keys are reported once on stderr and ignored. Returns 0 on success,
- * -1 on an invalid value (the configuration is then unchanged) or when
- * cudapool could not initialize (the last error says why). */
+ * Keys are case-sensitive, as in PyTorch. The other keys PyTorch accepts are
+ * accepted and have no effect: the pinned-memory ones (PyTorch's host
+ * allocator reads them), throw_on_cudamalloc_oom, expandable_segments_reserve
+ * and expandable_segments_reserve_by_class (the last three noted once on
+ * stderr when set), and the ROCm spellings release_lock_on_hipmalloc and
+ * pinned_use_hip_host_register.
+ * Returns 0 on success. Returns -1, leaving the configuration in force as it
+ * was, for a key that neither cudapool nor PyTorch knows (the last error
+ * names it, suggests the right case, and lists the known keys), an invalid
+ * value (the last error names the key), a NULL conf, or when cudapool could
+ * not initialize (the last error says why). Text quoted from conf in an
+ * error is cut to its first 200 bytes and its length.
+ * CUDAPOOL_CONF and PYTORCH_CUDA_ALLOC_CONF follow the same rules when the
+ * first call reads them. A configuration refused there makes that first
+ * call, whichever it is, fail with the reason (as PyTorch throws at its
+ * first allocation), printed once on stderr too; cudapool then runs with the
+ * default configuration, so later calls work and cudapool_configure can
+ * apply a corrected one. */
 int cudapool_configure(const char *conf);
 
 /* This thread's last failure message, or NULL if nothing has failed on this
- * thread. Valid until the thread's next failing cudapool call. */
+ * thread. Valid until the thread's next failing cudapool call; at most 4095
+ * bytes. A message starts with the name of the function the caller called
+ * ("cudapool_free: pointer 0x... was not allocated by cudapool ..."). A free
+ * queued by cudapool_free_deferred, cudapool_torch_free or
+ * cudapool_cupy_free that fails is reported by the call that performs it,
+ * under that call's name, saying which of those queued frees. Out of memory
+ * is told in cudapool's words (what was asked, what the device has free,
+ * what cudapool holds, what to try with CUDAPOOL_CONF) except by PyTorch's
+ * entry points, cudapool_torch_malloc and cudapool_malloc_ctx (which
+ * cudapool's C++ allocator class calls), whose message is PyTorch's own. */
 const char *cudapool_last_error(void);
 
 /* Clears this thread's last error, so that a call whose result does not

@@ -200,8 +200,14 @@ static void test_bad_input(void) {
 	CHECK(cudapool_malloc(16, 7, NULL) == NULL && err_has("device 7 does not exist"), "malloc on device 7 fails");
 	CHECK(cudapool_malloc(16, -1, NULL) == NULL && err_has("device -1 does not exist"), "malloc on device -1 fails");
 	CHECK(cudapool_malloc((size_t)-1, 0, NULL) == NULL && err_has("Tried to allocate more than 1EB memory"), "malloc(SIZE_MAX) fails");
-	CHECK(cudapool_malloc(100 * GiB, 0, NULL) == NULL && err_has("CUDA out of memory. Tried to allocate 100.00 GiB"),
-	      "malloc(100 GiB) on an 80 GiB device fails with PyTorch's OOM message");
+	CHECK(cudapool_malloc(100 * GiB, 0, NULL) == NULL &&
+	          err_has("cudapool_malloc: out of memory on device 0: cannot allocate 100.00 GiB (107374182400 bytes)") &&
+	          err_has("the device has 80.00 GiB free of 80.00 GiB") && err_has("cudapool holds "),
+	      "malloc(100 GiB) on an 80 GiB device fails with cudapool's out-of-memory message: what was asked, what is free and held");
+	CHECK(err_has("CUDAPOOL_CONF=expandable_segments:True") && err_has("max_split_size_mb") &&
+	          err_has("cudapool_empty_cache()") && !err_has("PYTORCH_CUDA_ALLOC_CONF") && !err_has("pytorch.org") &&
+	          !err_has("PyTorch"),
+	      "... with hints in cudapool's terms, not PyTorch's");
 	CHECK(stat_of(0, "num_ooms") == 1, "num_ooms == 1");
 
 	size_t sz = 7;
@@ -261,8 +267,9 @@ static void test_bad_input(void) {
 static void test_fraction_and_cache(void) {
 	printf("-- memory fraction, empty_cache, statistics resets\n");
 	cudapool_set_memory_fraction(0.25, 0); /* 20 GiB of 80 */
-	CHECK(cudapool_malloc(30 * GiB, 0, NULL) == NULL && err_has("CUDA out of memory") && err_has("allowed"),
-	      "with fraction 0.25, 30 GiB is out of memory");
+	CHECK(cudapool_malloc(30 * GiB, 0, NULL) == NULL && err_has("out of memory") &&
+	          err_has("per_process_memory_fraction 0.25 allows cudapool 20.00 GiB"),
+	      "with fraction 0.25, 30 GiB is out of memory, and the message says why");
 	void *p = cudapool_malloc(10 * GiB, 0, NULL);
 	CHECK(p != NULL, "with fraction 0.25, 10 GiB fits");
 	cudapool_free(p, 10 * GiB, 0, NULL);
@@ -680,17 +687,88 @@ static int child_main(const char *mode) {
 		}                                                                                          \
 	} while (0)
 	if (strcmp(mode, "bad-conf") == 0) {
+		/* The first call fails with the reason; the rest run with the
+		 * default configuration. */
 		EXPECT(cudapool_malloc(16, 0, NULL) == NULL);
-		EXPECT(err_has("max_split_size_mb=1 is too small") && err_has("CUDAPOOL_CONF"));
-		EXPECT(cudapool_memory_stats_json(0) == NULL);
-		EXPECT(cudapool_configure("") == -1);
-		EXPECT(cudapool_malloc(16, 0, NULL) == NULL);
-	} else if (strcmp(mode, "unknown-keys") == 0) {
+		EXPECT(err_has("cudapool_malloc: CUDAPOOL_CONF: max_split_size_mb=1 is too small") &&
+		       err_has("default configuration"));
+		cudapool_clear_error();
+		char *js = cudapool_memory_stats_json(0);
+		EXPECT(js != NULL && cudapool_last_error() == NULL);
+		cudapool_string_free(js);
+		EXPECT(stat_of(0, "max_split_size") == -1);
 		void *p = cudapool_malloc(16, 0, NULL);
 		EXPECT(p != NULL);
 		cudapool_free(p, 16, 0, NULL);
-		EXPECT(cudapool_configure("bogus_key:1,another_bogus:2") == 0);
-		EXPECT(cudapool_configure("another_bogus:3,bogus_key:1") == 0);
+		EXPECT(cudapool_configure("max_split_size_mb:64") == 0);
+		EXPECT(stat_of(0, "max_split_size") == (long long)(64 * MiB));
+	} else if (strcmp(mode, "bad-first-configure") == 0) {
+		/* Whichever call comes first reports the environment's mistake;
+		 * the next one is the caller's own. */
+		EXPECT(cudapool_configure("max_split_size_mb:64") == -1 && err_has("cudapool_configure: CUDAPOOL_CONF: "));
+		EXPECT(cudapool_configure("max_split_size_mb:64") == 0);
+		EXPECT(stat_of(0, "max_split_size") == (long long)(64 * MiB));
+	} else if (strcmp(mode, "unknown-keys") == 0) {
+		EXPECT(cudapool_malloc(16, 0, NULL) == NULL);
+		EXPECT(err_has("cudapool_malloc: CUDAPOOL_CONF: unknown key \"bogus_key\"; the known keys are PyTorch's ") &&
+		       err_has("max_split_size_mb") && err_has("cudapool's own ") && err_has("record_history"));
+		void *p = cudapool_malloc(16, 0, NULL);
+		EXPECT(p != NULL);
+		cudapool_free(p, 16, 0, NULL);
+		EXPECT(cudapool_configure("max_split_size_mb:64") == 0);
+		EXPECT(cudapool_configure("max_split_size_mb:128,another_bogus:2") == -1 &&
+		       err_has("cudapool_configure: unknown key \"another_bogus\"; the known keys are "));
+		EXPECT(stat_of(0, "max_split_size") == (long long)(64 * MiB)); /* the configuration in force stays */
+		EXPECT(cudapool_configure("Expandable_Segments:True") == -1 &&
+		       err_has("unknown key \"Expandable_Segments\" (keys are case-sensitive: did you mean \"expandable_segments\"?)"));
+		EXPECT(cudapool_configure_update("EXPANDABLE_SEGMENTS:True") == -1 && err_has("cudapool_configure_update: unknown key"));
+		EXPECT(cudapool_configure("max_split_size_mb:64,pinned_use_cuda_host_register:True,pinned_num_register_threads:8,"
+		                          "pinned_use_background_threads:True,pinned_reserve_segment_size_mb:64") == 0);
+	} else if (strcmp(mode, "long-conf") == 0) {
+		EXPECT(cudapool_malloc(16, 0, NULL) == NULL && err_has("... (120001 bytes)"));
+		const char *e = cudapool_last_error();
+		EXPECT(e != NULL && strlen(e) < 1000);
+		EXPECT(cudapool_malloc(16, 0, NULL) != NULL);
+	} else if (strcmp(mode, "names") == 0) {
+		/* Each error names the public function called. */
+		cudapool_free_deferred((void *)0x7f0000001000, 4096, 0, 0); /* queued, performed by the next call */
+		cudapool_empty_cache();
+		EXPECT(strncmp(cudapool_last_error(), "cudapool_empty_cache: ", 22) == 0 &&
+		       err_has("0x7f0000001000 was not allocated by cudapool") && err_has("(a free queued by cudapool_free_deferred)"));
+		/* A full queue is performed by the free that finds it full. */
+		for (int i = 0; i <= 64; i++)
+			cudapool_free_deferred((void *)0x7f0000002000, 4096, 0, 0);
+		EXPECT(strncmp(cudapool_last_error(), "cudapool_free_deferred: ", 24) == 0 &&
+		       err_has("(a free queued by cudapool_free_deferred)") && !err_has("torch"));
+		for (int i = 0; i <= 64; i++)
+			cudapool_cupy_free(NULL, (void *)0x7f0000003000, 0);
+		EXPECT(strncmp(cudapool_last_error(), "cudapool_cupy_free: ", 20) == 0 &&
+		       err_has("(a free queued by cudapool_free_deferred or cudapool_cupy_free)"));
+		EXPECT(cudapool_malloc_ctx(16, 9, NULL, 0) == NULL && err_has("cudapool_malloc_ctx: device 9 does not exist"));
+		EXPECT(cudapool_cupy_malloc(NULL, 16, 9) == NULL && err_has("cudapool_cupy_malloc: device 9 does not exist"));
+		EXPECT(cudapool_malloc(16, 9, NULL) == NULL && err_has("cudapool_malloc: device 9 does not exist"));
+		cudapool_end_allocate_to_pool(0, 0, 77);
+		EXPECT(strncmp(cudapool_last_error(), "cudapool_end_allocate_to_pool: ", 31) == 0);
+		cudapool_release_pool(0, 0, 77);
+		EXPECT(strncmp(cudapool_last_error(), "cudapool_release_pool: ", 23) == 0);
+		cudapool_device_stats st;
+		EXPECT(cudapool_get_device_stats(9, &st) == -1 && err_has("cudapool_get_device_stats: device 9"));
+		EXPECT(cudapool_pool_use_count(0, 0, 77) == -1 && err_has("cudapool_pool_use_count: "));
+		EXPECT(cudapool_pool_set_source(0, 0, 77, NULL, NULL, NULL) == -1 &&
+		       err_has("cudapool_pool_set_source: the alloc and free functions must not be NULL"));
+		EXPECT(cudapool_checkpoint_pool(0, 0, 77) == 0 && err_has("cudapool_checkpoint_pool: "));
+		EXPECT(cudapool_base_allocation(NULL, NULL) == NULL && err_has("cudapool_base_allocation: the pointer is NULL"));
+		EXPECT(cudapool_configure(NULL) == -1 && err_has("cudapool_configure: the configuration string is NULL"));
+		EXPECT(cudapool_ipc_close((void *)0x1000) == -1 && err_has("cudapool_ipc_close: "));
+		cudapool_free((void *)0x1000, 16, 0, NULL);
+		EXPECT(err_has("cudapool_free: "));
+		/* Out of memory: PyTorch's words for the C++ class's malloc, cudapool's for C programs'. */
+		EXPECT(cudapool_malloc_ctx(100 * GiB, 0, NULL, 0) == NULL &&
+		       err_has("cudapool_malloc_ctx: CUDA out of memory. Tried to allocate 100.00 GiB") &&
+		       err_has("PYTORCH_CUDA_ALLOC_CONF"));
+		EXPECT(cudapool_cupy_malloc(NULL, 100 * GiB, 0) == NULL &&
+		       err_has("cudapool_cupy_malloc: out of memory on device 0: cannot allocate 100.00 GiB") &&
+		       !err_has("PYTORCH_CUDA_ALLOC_CONF"));
 	} else if (strcmp(mode, "pytorch-conf") == 0) {
 		EXPECT(stat_of(0, "max_split_size") == (long long)(100 * MiB));
 	} else if (strcmp(mode, "cudapool-conf-wins") == 0) {
@@ -709,7 +787,7 @@ static int child_main(const char *mode) {
 		EXPECT(cudapool_malloc(16, 0, NULL) == NULL);
 		EXPECT(err_has("CUDAPOOL_SIM_MEMORY=\"lots\""));
 	} else if (strcmp(mode, "sim-memory") == 0) {
-		EXPECT(cudapool_malloc(2 * GiB, 0, NULL) == NULL && err_has("total capacity of 1024.00 MiB"));
+		EXPECT(cudapool_malloc(2 * GiB, 0, NULL) == NULL && err_has("free of 1024.00 MiB"));
 		EXPECT(cudapool_malloc(512 * MiB, 0, NULL) != NULL);
 		EXPECT(cudapool_malloc(16, 3, NULL) != NULL); /* CUDAPOOL_SIM_DEVICES=4 */
 		EXPECT(cudapool_malloc(16, 4, NULL) == NULL);
@@ -726,14 +804,30 @@ static void test_environment(const char *self) {
 
 	const char *bad_conf[] = {"CUDAPOOL_CONF=max_split_size_mb:1", NULL};
 	CHECK(run_child(self, "bad-conf", bad_conf, err, sizeof err) == 0,
-	      "an invalid CUDAPOOL_CONF makes every call fail with its message");
+	      "an invalid CUDAPOOL_CONF fails the first call with its message; later calls run with the default configuration");
 	CHECK(count_substr(err, "max_split_size_mb=1 is too small") == 1, "... printed once on stderr");
+	CHECK(run_child(self, "bad-first-configure", bad_conf, err, sizeof err) == 0,
+	      "... also when the first call is cudapool_configure");
 
 	const char *unknown[] = {"CUDAPOOL_CONF=bogus_key:1", NULL};
-	CHECK(run_child(self, "unknown-keys", unknown, err, sizeof err) == 0, "unknown configuration keys are ignored");
-	CHECK(count_substr(err, "cudapool: unknown option \"bogus_key\" ignored") == 1 &&
-	          count_substr(err, "cudapool: unknown option \"another_bogus\" ignored") == 1,
-	      "... and each is reported once on stderr");
+	CHECK(run_child(self, "unknown-keys", unknown, err, sizeof err) == 0,
+	      "an unknown or wrongly-cased configuration key is an error naming it and the known keys; "
+	      "cudapool_configure leaves the configuration in force; PyTorch's pinned-memory keys are accepted");
+	CHECK(count_substr(err, "cudapool: CUDAPOOL_CONF: unknown key \"bogus_key\"") == 1 &&
+	          count_substr(err, "another_bogus") == 0,
+	      "... the environment's is reported once on stderr, cudapool_configure's only to its caller");
+
+	static char long_conf[200000];
+	snprintf(long_conf, sizeof long_conf, "CUDAPOOL_CONF=max_split_size_mb:x");
+	memset(long_conf + strlen(long_conf), 'y', 120000);
+	const char *longc[] = {long_conf, NULL};
+	CHECK(run_child(self, "long-conf", longc, err, sizeof err) == 0, "a 120 KB bad CUDAPOOL_CONF fails the first call with it cut");
+	CHECK(count_substr(err, "max_split_size_mb=x") == 1 && count_substr(err, "... (120001 bytes)") == 1 && strlen(err) < 1000,
+	      "... and is printed once on stderr, cut (%zu bytes)", strlen(err));
+
+	const char *names[] = {"CUDAPOOL_SIM_DEVICES=1", NULL};
+	CHECK(run_child(self, "names", names, err, sizeof err) == 0,
+	      "errors name the public function called; out of memory in PyTorch's words for the C++ class, cudapool's for C");
 
 	const char *pt[] = {"CUDAPOOL_CONF", "PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:100", NULL};
 	CHECK(run_child(self, "pytorch-conf", pt, err, sizeof err) == 0, "PYTORCH_CUDA_ALLOC_CONF is read");

@@ -146,8 +146,8 @@ void test_torch_malloc() {
 	CHECK(what.find("CUDA out of memory. Tried to allocate 100.00 GiB. GPU 0 has a total capacity of 80.00 GiB") !=
 	          std::string::npos,
 	      "... by throwing std::runtime_error with PyTorch's OOM message");
-	CHECK(what.rfind("CUDA out of memory.", 0) == 0 && "cudapool: malloc: " + what == last_error(),
-	      "... PyTorch's message exactly (the last error adds cudapool's prefix)");
+	CHECK(what.rfind("CUDA out of memory.", 0) == 0 && "cudapool_torch_malloc: " + what == last_error(),
+	      "... PyTorch's message exactly (the last error adds the name of the function called)");
 	what.clear();
 	CHECK(torch_malloc(SIZE_MAX, 0, nullptr, &what) == nullptr && what.find("Tried to allocate more than 1EB memory") != std::string::npos,
 	      "torch_malloc(SIZE_MAX) throws");

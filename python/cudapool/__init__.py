@@ -17,10 +17,11 @@ memory_summary(), snapshot() (readable by torch.cuda._memory_viz), ...
 
 import collections
 import json
+import operator
 import sys
 
 from . import _lib
-from ._lib import CudapoolError, OutOfMemoryError
+from ._lib import CudapoolError, InvalidDeviceError, OutOfMemoryError
 from ._summary import format_summary
 from ._torch import allocator, installed, mode
 from ._torch import install as _torch_install
@@ -29,6 +30,7 @@ from ._version import ABI_VERSION, __version__
 __all__ = [
     "CudapoolError",
     "OutOfMemoryError",
+    "InvalidDeviceError",
     "install",
     "installed",
     "mode",
@@ -88,30 +90,51 @@ def _current_device():
 
 
 def _device_index(device):
-    """None (current device), int, "cuda[:N]" or torch.device -> int."""
+    """None (current device), int, "cuda[:N]" or torch.device -> int.
+
+    TypeError for anything else (bool included); InvalidDeviceError (a
+    ValueError) for a negative index or one no C int holds. Whether the
+    device exists is the library's to say: the functions that pass the
+    index on raise InvalidDeviceError for one it does not have."""
     if device is None:
         return _current_device()
     if isinstance(device, bool):
         raise TypeError(f"invalid device {device!r}: expected None, an int, a 'cuda:N' string or a torch.device")
-    if isinstance(device, int):
-        return device
     if isinstance(device, str):
+        if "\0" in device:
+            raise ValueError(f"invalid device {device!r}: it contains a NUL character")
         kind, _, index = device.partition(":")
-        if kind != "cuda" or (index and not index.isdigit()):
+        if kind != "cuda" or (index and not (index.isascii() and index.isdigit())):
             raise ValueError(f"invalid device {device!r}: expected 'cuda' or 'cuda:N'")
-        return int(index) if index else _current_device()
+        return _in_range(int(index)) if index else _current_device()
     kind, index = getattr(device, "type", None), getattr(device, "index", None)
     if kind is not None:  # torch.device
         if kind != "cuda":
             raise ValueError(f"expected a CUDA device, got {device!r}")
-        return _current_device() if index is None else int(index)
+        return _current_device() if index is None else _in_range(int(index))
+    if hasattr(type(device), "__index__"):  # int, numpy integers
+        return _in_range(operator.index(device))
     raise TypeError(f"invalid device {device!r}: expected None, an int, a 'cuda:N' string or a torch.device")
 
 
+def _in_range(index):
+    if not 0 <= index <= _lib.MAX_DEVICE:
+        raise InvalidDeviceError(f"invalid device {index}: a device index is between 0 and the device count - 1")
+    return index
+
+
 def configure(conf):
-    """Apply allocator settings in PYTORCH_CUDA_ALLOC_CONF syntax, e.g.
-    ``"max_split_size_mb:256,garbage_collection_threshold:0.8"``. cudapool's
-    own keys: ``record_history:N``, ``debug_checks:True``."""
+    """Replace the allocator settings with conf, in PYTORCH_CUDA_ALLOC_CONF
+    syntax, e.g. ``"max_split_size_mb:256,garbage_collection_threshold:0.8"``
+    (include/cudapool.h, cudapool_configure, lists the keys; cudapool's own
+    include ``record_history:N`` and ``debug_checks:True``).
+
+    Keys are case-sensitive, as in PyTorch. A key neither cudapool nor
+    PyTorch knows, or a bad value, raises CudapoolError naming it (and, for a
+    key, the known ones; long input is shown cut), and the settings in force
+    stay as they were. PyTorch keys cudapool has no use for (the pinned-memory
+    ones) are accepted. conf must be a str (TypeError otherwise) without NUL
+    characters (ValueError)."""
     _lib.configure(conf)
 
 
@@ -127,7 +150,9 @@ def front_counters(device=None):
     those, in a graph capture's or MemPool's private pool), ``cold_skipped``
     (blocks it did not track because sizes stopped repeating) and
     ``cold_verdicts``. All 0 with ``front_cache:False``."""
-    return _lib.front_counters(_device_index(device))
+    dev = _device_index(device)
+    _lib.check_device(dev)
+    return _lib.front_counters(dev)
 
 
 def memory_stats_as_nested_dict(device=None):
@@ -187,8 +212,13 @@ def snapshot(device=None, augment_with_fx_traces=False):
     "device_traces", "allocator_settings", "external_annotations"}, which
     torch.cuda._memory_viz and pytorch.org/memory_viz read. Traces are kept
     only after record_memory_history(). The arguments are accepted for
-    compatibility; all devices are reported, as PyTorch does."""
+    compatibility; all devices are reported, as PyTorch does, but a device
+    that does not exist raises InvalidDeviceError (a ValueError)."""
+    dev = None if device is None else _device_index(device)
     snap = json.loads(_lib.snapshot_json())
+    count = len(snap.get("device_traces", ()))
+    if dev is not None and dev >= count:
+        raise InvalidDeviceError(f"invalid device {dev}: cudapool has {count} device{'s' if count != 1 else ''}")
     for seg in snap.get("segments", ()):
         if isinstance(seg.get("segment_pool_id"), list):
             seg["segment_pool_id"] = tuple(seg["segment_pool_id"])
@@ -211,7 +241,9 @@ def _settings():
 def record_memory_history(max_entries=100_000):
     """Keep the last max_entries allocator actions per device for
     snapshot()["device_traces"]; 0 or None stops recording."""
-    n = int(max_entries or 0)
+    if max_entries is not None and (isinstance(max_entries, bool) or not hasattr(type(max_entries), "__index__")):
+        raise TypeError(f"max_entries must be an int or None, not {type(max_entries).__name__}")
+    n = operator.index(max_entries or 0)
     if n < 0:
         raise ValueError(f"max_entries must be >= 0, got {max_entries}")
     kept = [item for item in _split_conf(_settings()) if not item.strip().startswith("record_history:")]

@@ -65,15 +65,17 @@ def test_out_of_memory():
         _lib.malloc(9 * GiB)
     msg = str(info.value)
     assert isinstance(info.value, cudapool.CudapoolError)
-    assert "CUDA out of memory. Tried to allocate 9.00 GiB" in msg
-    assert "total capacity of 8.00 GiB" in msg
+    # cudapool_malloc is a C entry point: cudapool's words, not PyTorch's.
+    assert msg.startswith("cudapool_malloc: out of memory on device 0: cannot allocate 9.00 GiB")
+    assert "free of 8.00 GiB" in msg
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in msg and "CUDAPOOL_CONF=expandable_segments:True" in msg
     assert cudapool.memory_stats()["num_ooms"] == 1
 
 
 def test_memory_fraction_limits_and_validates(allocs):
     cudapool.set_per_process_memory_fraction(0.25)  # 2 GiB of 8
     p = allocs.malloc(GiB)
-    with pytest.raises(cudapool.OutOfMemoryError, match="2.00 GiB allowed"):
+    with pytest.raises(cudapool.OutOfMemoryError, match="per_process_memory_fraction 0.25 allows cudapool 2.00 GiB"):
         _lib.malloc(GiB + 512 * MiB)
     allocs.free(p)
     cudapool.set_per_process_memory_fraction(1.0)

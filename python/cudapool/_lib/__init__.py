@@ -8,11 +8,13 @@ c-shared library cannot be unloaded). Every wrapper here raises
 import ctypes
 import json
 import os
+import re
 import threading
 
 __all__ = [
     "CudapoolError",
     "OutOfMemoryError",
+    "InvalidDeviceError",
     "LIBRARY_NAME",
     "find_library",
     "library_path",
@@ -33,6 +35,15 @@ class CudapoolError(RuntimeError):
 
 class OutOfMemoryError(CudapoolError):
     """cudapool could not find memory for an allocation."""
+
+
+class InvalidDeviceError(CudapoolError, ValueError):
+    """A device index that names none of cudapool's devices (a ValueError,
+    as PyTorch raises for a bad device)."""
+
+
+#: The largest device index a C int holds: larger ones would wrap around.
+MAX_DEVICE = 2**31 - 1
 
 
 # ---------------------------------------------------------------------------
@@ -114,6 +125,8 @@ _SIGNATURES = {
     "cudapool_reset_accumulated_stats": (None, [ctypes.c_int]),
     "cudapool_configure": (ctypes.c_int, [ctypes.c_char_p]),
     "cudapool_last_error": (ctypes.c_char_p, []),
+    "cudapool_clear_error": (None, []),
+    "cudapool_get_memory_fraction": (ctypes.c_double, [ctypes.c_int]),
     "cudapool_version": (ctypes.c_char_p, []),
     "cudapool_abi_version": (ctypes.c_int, []),
     # Simulator controls (include/cudapool_testing.h; meaningful with CUDAPOOL_BACKEND=sim).
@@ -214,8 +227,12 @@ def _fn(name):
 # ---------------------------------------------------------------------------
 # Errors. cudapool_last_error is per thread and errno-like: it keeps the last
 # failure's message until the next failure. A failure is known from the
-# return value (NULL, non-zero); void functions are checked by arming the
-# slot with a unique marker first (see _checked).
+# return value (NULL, non-zero); void functions are checked by clearing the
+# slot first (see _checked). Messages start with the name of the C function
+# that failed ("cudapool_free: ...").
+
+# The library's message for a device that does not exist.
+_NO_DEVICE = re.compile(r"\bdevice -?\d+ does not exist \(\d+ devices?\)")
 
 
 def last_error():
@@ -228,6 +245,8 @@ def _error(default):
     msg = last_error() or default
     if "out of memory" in msg:
         return OutOfMemoryError(msg)
+    if _NO_DEVICE.search(msg):
+        return InvalidDeviceError(msg)
     return CudapoolError(msg)
 
 
@@ -236,7 +255,8 @@ _marker_count = 0
 
 
 def _arm():
-    """Set this thread's last error to a fresh marker and return it.
+    """Set this thread's last error to a fresh marker and return it (for
+    callers that check a void function by the marker's absence).
 
     cudapool_configure rejects an item without ':' before changing anything,
     so this has no effect but the message.
@@ -253,12 +273,29 @@ def _arm():
 
 def _checked(name, *args):
     """Call a void function; raise if it recorded a failure."""
-    token = _arm()
+    _fn("cudapool_clear_error")()
     _fn(name)(*args)
-    msg = last_error()
-    if msg is None or token not in msg:
-        err = _error(f"{name} failed")
-        raise err
+    if last_error() is not None:
+        raise _error(f"{name} failed")
+
+
+def check_device(device):
+    """Raise InvalidDeviceError unless device is one of cudapool's devices
+    (an int; the library knows the count)."""
+    if not 0 <= device <= MAX_DEVICE:
+        raise InvalidDeviceError(f"cudapool: invalid device {device}: expected 0 to the device count - 1")
+    if _fn("cudapool_get_memory_fraction")(device) < 0:
+        raise _error(f"cudapool: device {device} cannot be used")
+
+
+def c_string(s, what="the configuration"):
+    """s (a str) encoded for the C ABI: TypeError for anything else, and
+    ValueError for a NUL inside it, which C would read as its end."""
+    if not isinstance(s, str):
+        raise TypeError(f"{what} must be a str, not {type(s).__name__}")
+    if "\0" in s:
+        raise ValueError(f"{what} contains a NUL character (at index {s.index(chr(0))}), which would cut it short")
+    return s.encode()
 
 
 # ---------------------------------------------------------------------------
@@ -367,9 +404,9 @@ def reset_accumulated_stats(device=0):
 
 
 def configure(conf):
-    """Apply a PYTORCH_CUDA_ALLOC_CONF-style string."""
-    if _fn("cudapool_configure")(conf.encode()) != 0:
-        raise _error(f"cudapool_configure({conf!r}) failed")
+    """Apply a PYTORCH_CUDA_ALLOC_CONF-style string (see cudapool.configure)."""
+    if _fn("cudapool_configure")(c_string(conf)) != 0:
+        raise _error("cudapool_configure failed")
 
 
 def sim_begin_capture(stream, mode=0):

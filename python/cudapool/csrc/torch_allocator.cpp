@@ -209,7 +209,7 @@ std::vector<CCA::OutOfMemoryObserver> observers; // guarded by observers_mu
 [[noreturn]] void raise_malloc_error(DeviceIndex device) {
 	std::string msg = last_error("cudapool: malloc failed");
 	cudapool_clear_error();
-	const std::string prefix = "cudapool: malloc: ";
+	const std::string prefix = "cudapool_malloc_ctx: "; // the function called names itself
 	if (msg.compare(0, prefix.size(), prefix) == 0 && is_oom(msg))
 		msg.erase(0, prefix.size());
 	if (is_oom(msg)) {
