@@ -233,7 +233,8 @@ clean:
 # ---- packaging: install, uninstall, wheel ----------------------------------
 #
 #   make install [PREFIX=/usr/local] [DESTDIR=...]   the library with its
-#        SONAME and symlinks, include/cudapool.h, lib/pkgconfig/cudapool.pc
+#        SONAME and symlinks, include/cudapool.h, lib/pkgconfig/cudapool.pc,
+#        share/doc/cudapool/LICENSE and README.md
 #   make uninstall [PREFIX=...] [DESTDIR=...]
 #   make wheel     dist/cudapool-VERSION-py3-none-manylinux_X_Y_<arch>.whl
 #   make test-install   install into a temporary DESTDIR, build and run
@@ -252,6 +253,7 @@ PREFIX         ?= /usr/local
 INSTALL_LIBDIR ?= $(PREFIX)/lib
 INSTALL_INCDIR ?= $(PREFIX)/include
 INSTALL_PCDIR  ?= $(INSTALL_LIBDIR)/pkgconfig
+INSTALL_DOCDIR ?= $(PREFIX)/share/doc/cudapool
 INSTALL_BUILD  := $(BUILD)/install
 PYTHON         ?= python3
 # Extra flags for `pip wheel` (e.g. --no-build-isolation where there is no index).
@@ -264,7 +266,8 @@ install-lib:
 	GO='$(GO)' CUDAPOOL_SONAME=$(SONAME) bash capi/build_lib.sh $(INSTALL_BUILD)/$(REALNAME)
 
 install: install-lib
-	install -d $(DESTDIR)$(INSTALL_LIBDIR) $(DESTDIR)$(INSTALL_INCDIR) $(DESTDIR)$(INSTALL_PCDIR)
+	install -d $(DESTDIR)$(INSTALL_LIBDIR) $(DESTDIR)$(INSTALL_INCDIR) $(DESTDIR)$(INSTALL_PCDIR) \
+		$(DESTDIR)$(INSTALL_DOCDIR)
 	install -m 0755 $(INSTALL_BUILD)/$(REALNAME) $(DESTDIR)$(INSTALL_LIBDIR)/$(REALNAME)
 	ln -sf $(REALNAME) $(DESTDIR)$(INSTALL_LIBDIR)/$(SONAME)
 	ln -sf $(SONAME) $(DESTDIR)$(INSTALL_LIBDIR)/libcudapool.so
@@ -273,13 +276,16 @@ install: install-lib
 		'Name: cudapool' 'Description: CUDA caching memory allocator (C ABI; the driver is loaded at run time)' \
 		'Version: $(VERSION)' 'Libs: -L$${libdir} -lcudapool' 'Cflags: -I$${includedir}' \
 		>$(DESTDIR)$(INSTALL_PCDIR)/cudapool.pc
+	install -m 0644 LICENSE README.md $(DESTDIR)$(INSTALL_DOCDIR)/
 	@# The loader cache knows the new library only after ldconfig (root, real install only).
 	@if [ -z "$(DESTDIR)" ] && [ "$$(id -u)" = 0 ] && command -v ldconfig >/dev/null; then ldconfig; fi
 
 uninstall:
 	rm -f $(DESTDIR)$(INSTALL_LIBDIR)/libcudapool.so $(DESTDIR)$(INSTALL_LIBDIR)/$(SONAME) \
 		$(DESTDIR)$(INSTALL_LIBDIR)/$(REALNAME) $(DESTDIR)$(INSTALL_INCDIR)/cudapool.h \
-		$(DESTDIR)$(INSTALL_PCDIR)/cudapool.pc
+		$(DESTDIR)$(INSTALL_PCDIR)/cudapool.pc \
+		$(DESTDIR)$(INSTALL_DOCDIR)/LICENSE $(DESTDIR)$(INSTALL_DOCDIR)/README.md
+	@rmdir $(DESTDIR)$(INSTALL_DOCDIR) 2>/dev/null || true
 
 test-install:
 	$(call section,make install into a temporary DESTDIR; pkg-config example)
