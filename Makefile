@@ -1,29 +1,39 @@
-# cudapool: build libcudapool.so and run every test.
+# cudapool: build libcudapool.so and run its tests.
 #
-#   make          lib/libcudapool.so and lib/cudapool.h
-#   make test     Go checks and tests, the C and C++ ABI tests (simulator),
-#                 the library's symbol and loading checks, Python unit tests
-#   make soak     10^7 randomized operations from many goroutines on the
-#                 simulator, invariants checked after every batch
-#                 (SOAK_OPS=N sets the count; make test runs 10^5)
-#   make demo     replay demo/trace.txt through the library
-#   make pgo      regenerate capi/default.pgo, the profile for profile-guided
-#                 optimization (commit it; see the target)
+# Build
+#   make, make lib  lib/libcudapool.so and lib/cudapool.h; rebuilt only when a
+#                   source changes (Go files, capi's C, the export map, the
+#                   PGO profile, go.mod/go.sum, the header) or the Go release
+#   make install    the library, header, pkg-config file, LICENSE and README
+#                   under PREFIX (packaging targets: see the end of this file)
+#   make wheel      the Python wheel in dist/
+#
+# Test (none needs a GPU: the C and Python tests run on the simulator)
+#   make check      the inner loop: gofmt, go vet, go test -short ./..., the C
+#                   ABI test, the Python unit tests; on two CPUs about 15 s
+#                   with a warm Go build cache, under 3 minutes from a cold one
+#   make test       everything, about 10 minutes on two CPUs: the stages below,
+#                   one line each; their output goes to build/test-logs/*.log
+#                   (a failing stage's tail is printed) and a summary with the
+#                   counts and every skipped test's reason ends it
+#   make check-go test-go test-race test-c test-cxx check-lib test-python
+#        test-install test-charts
+#                   one stage of make test, with its full output
+#   make soak       10^7 randomized operations from many goroutines on the
+#                   simulator, invariants checked after every batch
+#                   (SOAK_OPS=N sets the count; make test runs 10^5)
+#   make demo       replay demo/trace.txt through the library
+#   make pgo        regenerate capi/default.pgo, the profile for profile-guided
+#                   optimization (commit it; see the target)
 #   make clean
 
 GO      ?= go
 CC      := gcc
 CXX     := g++
+PYTHON  ?= python3
 LIBDIR  := lib
 LIB     := $(LIBDIR)/libcudapool.so
 BUILD   := build
-
-# The library is built by capi/build_lib.sh (here and in python/setup.py):
-# only the cudapool_* functions are exported (capi/exports.map), and the Go
-# runtime counts a call from C as a schedule tick and waits for the
-# package initialization only once (docs/hot-path.md 22, 24).
-# go build reads capi/default.pgo by itself (-pgo=auto: the main package's
-# default.pgo).
 
 TEST_CFLAGS   := -O1 -g -Wall -Wextra -Werror -I include
 TEST_LDFLAGS  := -L $(LIBDIR) -lcudapool -Wl,-rpath,$(CURDIR)/$(LIBDIR) -pthread
@@ -33,37 +43,73 @@ SIM_ENV       := env -u CUDAPOOL_CONF -u PYTORCH_CUDA_ALLOC_CONF CUDAPOOL_BACKEN
 # Packages whose tests run goroutines concurrently, run again with -race.
 RACE_PKGS := ./allocator/... ./cuda/sim/... ./events/... ./graphs/... ./pools/... ./privatepool/...
 
+# Extra flags for go test in test-go (make test's runner passes -v, so that
+# the summary can name the skipped tests and why they skipped).
+GOTESTFLAGS ?=
+
 section = @printf '\n==== %s ====\n' '$(1)'
 
-.PHONY: all lib lib-stock test check-go test-go test-race test-c test-cxx check-lib test-python demo soak pgo clean
+.PHONY: all lib test check check-go test-go test-short test-race test-c test-c-abi test-cxx check-lib \
+	test-python test-python-unit demo soak pgo clean FORCE
 
 all: lib
 
-# $(call build_lib,DIR,ENV): libcudapool.so in DIR by capi/build_lib.sh (ENV:
-# variables for it), and DIR/BUILD_COMMIT, the record bench/run_bench.sh reads
-# where no git checkout travels along: the commit, "dirty" if the tree
-# differs from it, and the script's last line (which Go runtime).
-define build_lib
-	@mkdir -p $(1)
-	$(2) GO='$(GO)' bash capi/build_lib.sh $(1)/libcudapool.so >$(1)/.runtime || { cat $(1)/.runtime; exit 1; }
-	@cat $(1)/.runtime
+# ---- the library ------------------------------------------------------------
+#
+# capi/build_lib.sh builds it (here, for make install, and in python/setup.py):
+# go build -buildmode=c-shared with the toolchain as installed, exporting only
+# the cudapool_* functions (capi/exports.map). go build reads capi/default.pgo
+# by itself (-pgo=auto).
+
+# What the library is built from: the module's Go files (tests and testdata
+# aside), the C compiled by cgo, the export map, the profile, the headers.
+HEADERS  := $(wildcard include/*.h)
+LIB_SRCS := $(shell find . \( -name .git -o -name testdata -o -path ./build -o -path ./lib -o -path ./dist \
+		-o -path ./python -o -path ./docs -o -path ./gpu \) -prune -o -type f -name '*.go' ! -name '*_test.go' -print) \
+	$(wildcard capi/*.c capi/*.h capi/*.cpp) \
+	$(shell find cuda -name testdata -prune -o -type f \( -name '*.c' -o -name '*.h' -o -name '*.s' \) -print) \
+	capi/exports.map capi/default.pgo capi/build_lib.sh go.mod go.sum $(HEADERS)
+
+# The Go release and target, rewritten only when they change (GO=...,
+# GOTOOLCHAIN=...), so that another toolchain rebuilds the library.
+GO_STAMP := $(BUILD)/go-version
+$(GO_STAMP): FORCE
+	@mkdir -p $(BUILD)
+	@v="$$($(GO) env GOVERSION GOOS GOARCH GOAMD64 CGO_ENABLED GOFLAGS | tr '\n' ' ')"; \
+	[ "$$(cat $@ 2>/dev/null)" = "$$v" ] || echo "$$v" >$@
+FORCE:
+
+# BUILD_COMMIT, which bench/run_bench.sh reads where no git checkout travels
+# along: the commit the library was built from, and "dirty" if the tree
+# differed from it.
+$(LIB): $(LIB_SRCS) $(GO_STAMP)
+	@mkdir -p $(LIBDIR)
+	GO='$(GO)' bash capi/build_lib.sh $@
 	@{ git rev-parse --short HEAD 2>/dev/null || echo unknown; \
-	   git diff --quiet HEAD -- . 2>/dev/null || echo dirty; tail -n 1 $(1)/.runtime; } >$(1)/BUILD_COMMIT
-	@rm -f $(1)/.runtime
-endef
+	   git diff --quiet HEAD -- . 2>/dev/null || echo dirty; } >$(LIBDIR)/BUILD_COMMIT
 
-lib:
-	$(call build_lib,$(LIBDIR))
-	cp include/cudapool.h $(LIBDIR)/cudapool.h
+$(LIBDIR)/cudapool.h: include/cudapool.h
+	@mkdir -p $(LIBDIR)
+	cp $< $@
 
-# lib-stock: the same library with the stock Go runtime (no callback tick),
-# for A/B runs on the GPU machine (gpu/diag_runtime_tick.sh:
-# CUDAPOOL_LIBRARY_B=build/lib_stock/libcudapool.so) and check-lib.
-lib-stock:
-	$(call build_lib,$(BUILD)/lib_stock,CUDAPOOL_RUNTIME_TICK=0)
+lib: $(LIB) $(LIBDIR)/cudapool.h
 
-test: check-go test-go test-race test-c test-cxx check-lib test-python test-install test-charts
-	@printf '\n==== make test: all passed ====\n'
+# ---- make test and make check -------------------------------------------------
+#
+# .ci/stages.py runs each stage as `make STAGE`, its output in
+# build/test-logs/STAGE.log, prints one line per stage with its counts,
+# the tail of a failing stage's log (TEST_TAIL lines), and a summary.
+TEST_STAGES  := check-go test-go test-race test-c test-cxx check-lib test-python test-install test-charts
+CHECK_STAGES := check-go test-short test-c-abi test-python-unit
+TEST_TAIL    ?= 40
+STAGES = $(PYTHON) .ci/stages.py --make '$(MAKE)' --logs $(BUILD)/test-logs --tail $(TEST_TAIL)
+
+test: lib
+	@$(STAGES) --title 'make test' $(TEST_STAGES) -- GOTESTFLAGS=-v
+
+# check: a quick pass for the inner loop; make test remains the full one.
+check: lib
+	@$(STAGES) --title 'make check' $(CHECK_STAGES) -- GOTESTFLAGS=-v
 
 check-go:
 	$(call section,gofmt and go vet)
@@ -72,29 +118,35 @@ check-go:
 
 test-go:
 	$(call section,go test ./...)
-	$(GO) test ./...
+	$(GO) test $(GOTESTFLAGS) ./...
+
+# test-short: go test -short, which leaves out the long randomized runs, the
+# soak and the builds of test programs that make test runs in full.
+test-short:
+	$(call section,go test -short ./...)
+	$(GO) test -short $(GOTESTFLAGS) ./...
 
 test-race:
 	$(call section,go test -race)
 	$(GO) test -race $(RACE_PKGS)
 
-$(BUILD)/test_cudapool: capi/ctest/test_cudapool.c capi/ctest/check.h include/cudapool.h lib
+$(BUILD)/test_cudapool: capi/ctest/test_cudapool.c capi/ctest/check.h $(HEADERS) $(LIB)
 	@mkdir -p $(BUILD)
 	$(CC) -std=c11 $(TEST_CFLAGS) -o $@ $< $(TEST_LDFLAGS)
 
-$(BUILD)/test_cudapool_cpp: capi/ctest/test_cudapool.cpp include/cudapool.h lib
+$(BUILD)/test_cudapool_cpp: capi/ctest/test_cudapool.cpp $(HEADERS) $(LIB)
 	@mkdir -p $(BUILD)
 	$(CXX) -std=c++17 $(TEST_CFLAGS) -o $@ $< $(TEST_LDFLAGS)
 
-$(BUILD)/test_torchabi: capi/ctest/test_torchabi.c capi/ctest/check.h include/cudapool.h lib
+$(BUILD)/test_torchabi: capi/ctest/test_torchabi.c capi/ctest/check.h $(HEADERS) $(LIB)
 	@mkdir -p $(BUILD)
 	$(CC) -std=c11 $(TEST_CFLAGS) -o $@ $< $(TEST_LDFLAGS)
 
-$(BUILD)/test_interop: capi/ctest/test_interop.c capi/ctest/check.h include/cudapool.h lib
+$(BUILD)/test_interop: capi/ctest/test_interop.c capi/ctest/check.h $(HEADERS) $(LIB)
 	@mkdir -p $(BUILD)
 	$(CC) -std=c11 $(TEST_CFLAGS) -o $@ $< $(TEST_LDFLAGS)
 
-$(BUILD)/test_front: capi/ctest/test_front.c capi/ctest/check.h include/cudapool.h lib
+$(BUILD)/test_front: capi/ctest/test_front.c capi/ctest/check.h $(HEADERS) $(LIB)
 	@mkdir -p $(BUILD)
 	$(CC) -std=c11 $(TEST_CFLAGS) -o $@ $< $(TEST_LDFLAGS)
 
@@ -144,9 +196,14 @@ test-c: $(BUILD)/test_cudapool $(BUILD)/test_torchabi $(BUILD)/test_interop $(BU
 	capi/ctest/front_trace.sh ./$(BUILD)/c_bench demo/train75.txt.gz
 
 # bench/c_bench.c, for the front's trace test (test-c).
-$(BUILD)/c_bench: bench/c_bench.c bench/workloads.h include/cudapool.h lib
+$(BUILD)/c_bench: bench/c_bench.c bench/workloads.h $(HEADERS) $(LIB)
 	@mkdir -p $(BUILD)
 	$(CC) -std=c11 -O2 -Wall -I include -I bench -o $@ $< $(TEST_LDFLAGS) -ldl -pthread
+
+# test-c-abi: the C ABI test alone (make check).
+test-c-abi: $(BUILD)/test_cudapool
+	$(call section,C ABI test (simulator))
+	$(SIM_ENV) ./$(BUILD)/test_cudapool
 
 test-cxx: $(BUILD)/test_cudapool_cpp
 	$(call section,C++ ABI test (simulator))
@@ -154,22 +211,13 @@ test-cxx: $(BUILD)/test_cudapool_cpp
 
 # bench/hot_path.c (docs/hot-path.md), built and run once by check-lib: the
 # library's hot path works from a C program (it exits non-zero on an error).
-$(BUILD)/hot_path: bench/hot_path.c include/cudapool.h lib
+$(BUILD)/hot_path: bench/hot_path.c $(HEADERS) $(LIB)
 	@mkdir -p $(BUILD)
 	$(CC) -std=c11 -O2 -Wall -Wextra -Werror -I include -o $@ $< $(TEST_LDFLAGS) -ldl
 
-# capi/ctest/runtime_tick.c: calls from C, then the Go runtime's schedtrace
-# (check-lib: the library has the callback tick, the stock build has not).
-$(BUILD)/runtime_tick: capi/ctest/runtime_tick.c include/cudapool.h lib
-	@mkdir -p $(BUILD)
-	$(CC) -std=c11 -O2 -Wall -Wextra -Werror -I include -o $@ $< $(TEST_LDFLAGS)
-
-check-lib: lib lib-stock $(BUILD)/hot_path $(BUILD)/runtime_tick
+check-lib: $(LIB) $(BUILD)/hot_path
 	$(call section,hot-path breakdown runs (simulator; one round))
 	$(SIM_ENV) ./$(BUILD)/hot_path 1
-	$(call section,the Go runtime counts calls from C as schedule ticks (capi/build_lib.sh))
-	capi/ctest/runtime_tick.sh ./$(BUILD)/runtime_tick $(LIBDIR)
-	capi/ctest/runtime_tick.sh ./$(BUILD)/runtime_tick $(BUILD)/lib_stock
 	$(call section,library symbols and loading)
 	@if nm -D --undefined-only $(LIB) | grep -Ei ' (cu|nvml)[A-Za-z_]' ; then \
 		echo "FAIL: $(LIB) leaves CUDA/NVML symbols undefined"; exit 1; fi
@@ -182,15 +230,16 @@ check-lib: lib lib-stock $(BUILD)/hot_path $(BUILD)/runtime_tick
 		p = l.cudapool_malloc(4096, 0, None); assert p, 'malloc'; l.cudapool_free(ctypes.c_void_p(p), 4096, 0, None); \
 		print('ok    malloc/free through ctypes on the simulator')"
 
-test-python: lib
-	$(call section,Python unit tests)
-	@if [ -d python/tests ]; then \
-		cd python && python3 -m pytest -q tests; \
-	else echo "python/tests does not exist: skipped"; fi
+# -rs: pytest lists every skipped test with its reason.
+test-python: test-python-unit
 	$(call section,benchmark report generator tests)
-	python3 -m pytest -q bench/test_report.py bench/test_kvcache.py bench/test_fsdp_tools.py
+	$(PYTHON) -m pytest -q -rs bench/test_report.py bench/test_kvcache.py bench/test_fsdp_tools.py
 	$(call section,PyTorch test report generator tests)
-	python3 -m pytest -q -p no:cacheprovider gpu/pytorch_tests/test_report.py
+	$(PYTHON) -m pytest -q -rs -p no:cacheprovider gpu/pytorch_tests/test_report.py
+
+test-python-unit: $(LIB)
+	$(call section,Python unit tests)
+	cd python && $(PYTHON) -m pytest -q -rs tests
 
 # soak: allocator/soak_test.go with SOAK_OPS operations (10^7 by default).
 SOAK_OPS ?= 1e7
@@ -202,7 +251,7 @@ soak:
 # if there is one, else on the simulator. make demo TRACE=... REPEATS=...
 TRACE   ?= demo/trace.txt
 REPEATS ?= 5
-demo: lib $(BUILD)/replay
+demo: $(BUILD)/replay
 	$(call section,replay $(TRACE))
 	@if [ -e /dev/nvidia0 ] || nvidia-smi -L >/dev/null 2>&1; then backend=cuda; else backend=sim; fi; \
 	echo "backend: $$backend"; \
@@ -213,7 +262,7 @@ demo: lib $(BUILD)/replay
 # class path's malloc (cpgo_malloc_ctx, MallocTracked, the device's malloc
 # and free, the pools) and in the runtime's side of the crossing, about 6%
 # fewer instructions per mixed pair and no more instruction-cache lines
-# (docs/hot-path.md, section 13). The profile comes from committed
+# (docs/hot-path.md). The profile comes from committed
 # benchmarks (bench/pgo_profile.sh: bench/c_bench.c through a profiling
 # build of the library, and allocator's BenchmarkPGOCapture), on the
 # simulator, in about 20 s. Run it after changing the hot path and commit
@@ -223,7 +272,7 @@ pgo:
 	$(call section,pgo: profile the library on the simulator into capi/default.pgo)
 	GO='$(GO)' CC='$(CC)' bench/pgo_profile.sh capi/default.pgo $(BUILD)/pgo
 
-$(BUILD)/replay: capi/ctest/replay.c include/cudapool.h lib
+$(BUILD)/replay: capi/ctest/replay.c $(HEADERS) $(LIB)
 	@mkdir -p $(BUILD)
 	$(CC) -std=c11 -O2 -Wall -Wextra -Werror -I include -o $@ $< $(TEST_LDFLAGS)
 
@@ -233,7 +282,8 @@ clean:
 # ---- packaging: install, uninstall, wheel ----------------------------------
 #
 #   make install [PREFIX=/usr/local] [DESTDIR=...]   the library with its
-#        SONAME and symlinks, include/cudapool.h, lib/pkgconfig/cudapool.pc
+#        SONAME and symlinks, include/cudapool.h, lib/pkgconfig/cudapool.pc,
+#        share/doc/cudapool/LICENSE and README.md
 #   make uninstall [PREFIX=...] [DESTDIR=...]
 #   make wheel     dist/cudapool-VERSION-py3-none-manylinux_X_Y_<arch>.whl
 #   make test-install   install into a temporary DESTDIR, build and run
@@ -252,19 +302,22 @@ PREFIX         ?= /usr/local
 INSTALL_LIBDIR ?= $(PREFIX)/lib
 INSTALL_INCDIR ?= $(PREFIX)/include
 INSTALL_PCDIR  ?= $(INSTALL_LIBDIR)/pkgconfig
+INSTALL_DOCDIR ?= $(PREFIX)/share/doc/cudapool
 INSTALL_BUILD  := $(BUILD)/install
-PYTHON         ?= python3
 # Extra flags for `pip wheel` (e.g. --no-build-isolation where there is no index).
 PIP_WHEEL_FLAGS ?=
 
 .PHONY: install-lib install uninstall wheel test-install test-charts set-version
 
-install-lib:
+install-lib: $(INSTALL_BUILD)/$(REALNAME)
+
+$(INSTALL_BUILD)/$(REALNAME): $(LIB_SRCS) $(GO_STAMP)
 	@mkdir -p $(INSTALL_BUILD)
-	GO='$(GO)' CUDAPOOL_SONAME=$(SONAME) bash capi/build_lib.sh $(INSTALL_BUILD)/$(REALNAME)
+	GO='$(GO)' CUDAPOOL_SONAME=$(SONAME) bash capi/build_lib.sh $@
 
 install: install-lib
-	install -d $(DESTDIR)$(INSTALL_LIBDIR) $(DESTDIR)$(INSTALL_INCDIR) $(DESTDIR)$(INSTALL_PCDIR)
+	install -d $(DESTDIR)$(INSTALL_LIBDIR) $(DESTDIR)$(INSTALL_INCDIR) $(DESTDIR)$(INSTALL_PCDIR) \
+		$(DESTDIR)$(INSTALL_DOCDIR)
 	install -m 0755 $(INSTALL_BUILD)/$(REALNAME) $(DESTDIR)$(INSTALL_LIBDIR)/$(REALNAME)
 	ln -sf $(REALNAME) $(DESTDIR)$(INSTALL_LIBDIR)/$(SONAME)
 	ln -sf $(SONAME) $(DESTDIR)$(INSTALL_LIBDIR)/libcudapool.so
@@ -273,13 +326,16 @@ install: install-lib
 		'Name: cudapool' 'Description: CUDA caching memory allocator (C ABI; the driver is loaded at run time)' \
 		'Version: $(VERSION)' 'Libs: -L$${libdir} -lcudapool' 'Cflags: -I$${includedir}' \
 		>$(DESTDIR)$(INSTALL_PCDIR)/cudapool.pc
+	install -m 0644 LICENSE README.md $(DESTDIR)$(INSTALL_DOCDIR)/
 	@# The loader cache knows the new library only after ldconfig (root, real install only).
 	@if [ -z "$(DESTDIR)" ] && [ "$$(id -u)" = 0 ] && command -v ldconfig >/dev/null; then ldconfig; fi
 
 uninstall:
 	rm -f $(DESTDIR)$(INSTALL_LIBDIR)/libcudapool.so $(DESTDIR)$(INSTALL_LIBDIR)/$(SONAME) \
 		$(DESTDIR)$(INSTALL_LIBDIR)/$(REALNAME) $(DESTDIR)$(INSTALL_INCDIR)/cudapool.h \
-		$(DESTDIR)$(INSTALL_PCDIR)/cudapool.pc
+		$(DESTDIR)$(INSTALL_PCDIR)/cudapool.pc \
+		$(DESTDIR)$(INSTALL_DOCDIR)/LICENSE $(DESTDIR)$(INSTALL_DOCDIR)/README.md
+	@rmdir $(DESTDIR)$(INSTALL_DOCDIR) 2>/dev/null || true
 
 test-install:
 	$(call section,make install into a temporary DESTDIR; pkg-config example)
@@ -299,9 +355,9 @@ wheel: lib
 
 # The charts' data handling, and the trace series recording on the simulator;
 # the drawing tests skip without matplotlib (saying so).
-test-charts: lib
+test-charts: $(LIB)
 	$(call section,benchmark charts tests)
-	python3 -m pytest -q -rs -p no:cacheprovider bench/test_charts.py
+	$(PYTHON) -m pytest -q -rs -p no:cacheprovider bench/test_charts.py
 
 # make set-version V=MAJOR.MINOR.PATCH: writes V into VERSION and its copies
 # (capi/version.go, include/cudapool.h, python/cudapool/_version.py), then

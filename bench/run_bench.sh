@@ -179,7 +179,7 @@ run_step() {
 # ---- 1. the machine -------------------------------------------------------
 
 collect_meta() {
-    local gpu drv mem cpu commit dirty goruntime
+    local gpu drv mem cpu commit dirty
     gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)
     drv=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -n 1)
     mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader 2>/dev/null | head -n 1)
@@ -191,8 +191,6 @@ collect_meta() {
     if [ -z "$commit" ] && [ -s lib/BUILD_COMMIT ]; then
         commit=$(head -n 1 lib/BUILD_COMMIT)
         grep -qx dirty lib/BUILD_COMMIT && dirty=true
-        # capi/build_lib.sh's verdict: the Go runtime's callback tick or not
-        goruntime=$(sed -n 's/^runtime: //p' lib/BUILD_COMMIT)
     elif [ -z "$commit" ]; then
         commit=$(git -C "$REPO" rev-parse --short HEAD 2>/dev/null)
         [ -n "$(git -C "$REPO" status --porcelain 2>/dev/null | head -n 1)" ] && dirty=true
@@ -213,10 +211,10 @@ EOF
     local tv tc
     tv=$(sed -n 's/^TORCH_VERSION=//p' "$BUILD/torch_env.txt")
     tc=$(sed -n 's/^TORCH_CUDA=//p' "$BUILD/torch_env.txt")
-    printf '{"kind":"meta","date_utc":%s,"gpu":%s,"driver":%s,"gpu_memory":%s,"host_cpu":%s,"torch_version":%s,"torch_cuda":%s,"git_commit":%s,"git_dirty":%s,"go_runtime":%s}\n' \
+    printf '{"kind":"meta","date_utc":%s,"gpu":%s,"driver":%s,"gpu_memory":%s,"host_cpu":%s,"torch_version":%s,"torch_cuda":%s,"git_commit":%s,"git_dirty":%s}\n' \
         "$(json_str "$(date -u '+%Y-%m-%d %H:%M UTC')")" "$(json_str "$gpu")" "$(json_str "$drv")" \
         "$(json_str "$mem")" "$(json_str "$cpu")" "$(json_str "$tv")" "$(json_str "$tc")" \
-        "$(json_str "$commit")" "$dirty" "$(json_str "${goruntime:-}")" >"$META_FILE"
+        "$(json_str "$commit")" "$dirty" >"$META_FILE"
     echo "GPU: ${gpu:-none found}, driver ${drv:-?}; PyTorch ${tv:-?}"
     return "$rc"
 }

@@ -6,20 +6,19 @@ import (
 )
 
 // minProcs is the fewest Ps the library's Go runtime runs with, so that
-// every thread that calls in from C can keep a P of its own between calls
-// with some left idle: PyTorch's main thread, an autograd thread per
-// device, the keeper (capi/warm), and spares.
+// every thread that calls in from C can take a P without waiting, with some
+// left idle: PyTorch's main thread, an autograd thread per device, the
+// keeper (capi/warm), and spares.
 //
-// Why it matters (docs/hot-path.md 22): a C thread keeps the P its call took
-// (the runtime parks it "in a system call" when the call returns). The
-// library is built with a runtime in which a call from C counts as a
-// schedule tick of that P (capi/build_lib.sh), so sysmon leaves it with
-// the caller instead of taking it back at every round, but only while some
-// P is idle: with none idle, a thread may be waiting for a P, and sysmon's
-// retakes are what give it one. GOMAXPROCS defaults to the CPUs the process
-// may use, 1 on a one-CPU host, where no P would ever be idle. More Ps than
-// CPUs costs a few kilobytes each; the library's Go code rarely has more
-// than one goroutine ready to run.
+// Why it matters: a C thread keeps the P its call took (the runtime parks
+// it "in a system call" when the call returns) until sysmon takes it back.
+// A thread coming back into Go whose P was taken takes an idle one, and
+// with none idle it waits until sysmon retakes one from another thread.
+// GOMAXPROCS defaults to the CPUs the process may use, 1 on a one-CPU host,
+// where every caller would queue for the one P and the keeper, which would
+// hold it, stays off. More Ps than CPUs costs a few kilobytes each; the
+// library's Go code rarely has more than one goroutine ready to run.
+// (docs/go-runtime-proposal.md: what sysmon's retakes cost a C caller.)
 const minProcs = 8
 
 func init() { raiseProcs(os.LookupEnv, runtime.GOMAXPROCS) }

@@ -26,11 +26,24 @@
  *                         suffix K, M, G or T (powers of 1024) is allowed.
  *   CUDAPOOL_CONF, else PYTORCH_CUDA_ALLOC_CONF: the configuration, in
  *                         PYTORCH_CUDA_ALLOC_CONF syntax (see cudapool_configure).
- *   GOMAXPROCS            read by the library's Go runtime when it loads; unset,
- *                         the library runs it with at least 8 Ps, so that each
- *                         thread calling in keeps one (docs/hot-path.md 22).
  * If initialization fails (no driver, invalid configuration), every call
  * fails with the reason, which is also printed once on stderr.
+ *
+ * The library holds a Go runtime, built from the unmodified Go toolchain; it
+ * reads its own variables from the environment the process started with
+ * (setting them later, e.g. in os.environ, has no effect):
+ *   GOMAXPROCS            how many threads may run Go code at once. Unset, the
+ *                         library raises the Go default (the usable CPUs) to at
+ *                         least 8, so that each thread calling in finds a free
+ *                         scheduler slot (P) and one is left for the keeper;
+ *                         set, it is used as given.
+ *   GODEBUG, GOGC, GOMEMLIMIT  as for any Go program.
+ * The keeper: while calls come, one goroutine naps in short system calls so
+ * that the runtime's monitor thread stays out of its deep sleep, and a call
+ * after a pause in C does not pay to wake it (about 10 us on a GPU host). It
+ * parks after about a second without calls, stays off with GOMAXPROCS 1, and
+ * the configuration option warm_runtime:False turns it off.
+ * docs/go-runtime-proposal.md describes what the runtime costs a C caller.
  */
 #ifndef CUDAPOOL_H
 #define CUDAPOOL_H

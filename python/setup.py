@@ -4,13 +4,16 @@ package (cudapool/_lib/libcudapool.so). Metadata lives in pyproject.toml.
 Where the library comes from, first that works:
   1. $CUDAPOOL_LIBRARY (a built libcudapool.so), copied;
   2. built in the repository that holds this directory, when Go and bash are
-     on PATH: capi/build_lib.sh (the Makefile's recipe: cudapool_* exports
-     only, the Go runtime's callback tick);
+     on PATH: capi/build_lib.sh (the Makefile's recipe: the Go toolchain as
+     installed, cudapool_* exports only);
   3. the repository's lib/libcudapool.so (built with `make`), copied;
   4. a libcudapool.so already in cudapool/_lib/ of this source tree.
 Otherwise the build fails and says what it tried; CUDAPOOL_ALLOW_NO_LIBRARY=1
 installs the Python code alone (the library is then found at run time
 through $CUDAPOOL_LIBRARY).
+
+The license (python/LICENSE, a link to the repository's LICENSE) goes into
+the wheel's .dist-info/licenses/ (pyproject.toml's license-files).
 
 The wheel is tagged py3-none-manylinux_2_N_<arch>, N from the newest glibc
 symbol version the bundled library needs (`make wheel` builds it, without a

@@ -43,6 +43,8 @@ soname() { readelf -d "$1" | sed -n 's/.*(SONAME).*\[\(.*\)\]/\1/p'; }
 check "its SONAME is libcudapool.so.$MAJOR" test "$(soname "$LIBD/libcudapool.so.$VERSION")" = "libcudapool.so.$MAJOR"
 check "include/cudapool.h is the repository's" cmp include/cudapool.h "$D$PREFIX/include/cudapool.h"
 check "lib/pkgconfig/cudapool.pc says Version: $VERSION" grep -qx "Version: $VERSION" "$LIBD/pkgconfig/cudapool.pc"
+check "share/doc/cudapool/LICENSE is the repository's" cmp LICENSE "$D$PREFIX/share/doc/cudapool/LICENSE"
+check "share/doc/cudapool/README.md is the repository's" cmp README.md "$D$PREFIX/share/doc/cudapool/README.md"
 
 # pkg-config reads the .pc from the DESTDIR and prefixes its paths with it.
 export PKG_CONFIG_PATH="$LIBD/pkgconfig" PKG_CONFIG_SYSROOT_DIR="$D"

@@ -39,7 +39,7 @@ def install_if_wanted():
 def require_cuda():
     """Skip the calling module unless torch with a CUDA device is here.
     Returns torch."""
-    torch = pytest.importorskip("torch", reason="the GPU tests need PyTorch")
+    torch = pytest.importorskip("torch", reason="PyTorch is not installed (the GPU tests need torch and a CUDA device)")
     if os.environ.get("CUDAPOOL_BACKEND", "cuda").lower() == "sim":
         pytest.skip("CUDAPOOL_BACKEND=sim: the GPU tests need the real GPU", allow_module_level=True)
     if not torch.cuda.is_available():
