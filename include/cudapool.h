@@ -26,8 +26,11 @@
  *                         suffix K, M, G or T (powers of 1024) is allowed.
  *   CUDAPOOL_CONF, else PYTORCH_CUDA_ALLOC_CONF: the configuration, in
  *                         PYTORCH_CUDA_ALLOC_CONF syntax (see cudapool_configure).
- * If initialization fails (no driver, invalid configuration), every call
- * fails with the reason, which is also printed once on stderr.
+ * If initialization fails (no driver), every call fails with the reason,
+ * which is also printed once on stderr. An invalid configuration in the
+ * environment fails the first call with the reason (printed once on
+ * stderr); cudapool then runs with the default configuration, and
+ * cudapool_configure can apply a corrected one.
  *
  * The library holds a Go runtime, built from the unmodified Go toolchain; it
  * reads its own variables from the environment the process started with
