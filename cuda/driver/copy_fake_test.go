@@ -13,7 +13,11 @@ import (
 
 	"github.com/cudapool/cudapool/cuda"
 	"github.com/cudapool/cudapool/cuda/driver"
+	"github.com/cudapool/cudapool/vmem"
 )
+
+// The real driver is what vmem's Copier consumes.
+var _ vmem.CopyDriver = (*driver.Driver)(nil)
 
 // copyProbes are the fake driver's counters for the copy engine.
 type copyProbes struct {
