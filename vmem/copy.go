@@ -73,11 +73,11 @@ type CopyDriver interface {
 }
 
 // CopyAlign aligns each span's place in host memory; host blocks are
-// multiples of hostRound, hence of CopyAlign.
+// multiples of copyHostRound, hence of CopyAlign.
 const CopyAlign = 512
 
-// hostRound rounds the size of the pinned blocks the Copier allocates.
-const hostRound = 2 << 20
+// copyHostRound rounds the size of the pinned blocks the Copier allocates.
+const copyHostRound = 2 << 20
 
 // CopyOptions tunes the copies; zero fields take their defaults.
 type CopyOptions struct {
@@ -97,14 +97,14 @@ func (o CopyOptions) withDefaults() CopyOptions {
 	if o.HostBlock == 0 {
 		o.HostBlock = 256 << 20
 	}
-	o.HostBlock = roundUp(o.HostBlock, hostRound)
+	o.HostBlock = copyRound(o.HostBlock, copyHostRound)
 	if o.MaxGap == 0 {
 		o.MaxGap = 256 << 10
 	}
 	return o
 }
 
-func roundUp(n, k uint64) uint64 { return (n + k - 1) / k * k }
+func copyRound(n, k uint64) uint64 { return (n + k - 1) / k * k }
 
 // CopyRange is device memory whose contents a pause keeps.
 type CopyRange struct {
@@ -194,7 +194,7 @@ func PlanCopies(ranges []CopyRange, opt CopyOptions) (CopyPlan, error) {
 	}
 	for _, s := range p.Spans {
 		p.Bytes += s.Size
-		p.Host += roundUp(s.Size, CopyAlign)
+		p.Host += copyRound(s.Size, CopyAlign)
 	}
 	return p, nil
 }
@@ -209,14 +209,14 @@ func (p *CopyPlan) Layout(blocks []uint64, opt CopyOptions) error {
 	bi, off := 0, uint64(0)
 	for _, s := range p.Spans {
 		ptr, left := s.Ptr, s.Size
-		off = roundUp(off, CopyAlign)
+		off = copyRound(off, CopyAlign)
 		for left > 0 {
 			for bi < len(blocks) && off >= blocks[bi] {
 				bi, off = bi+1, 0
 			}
 			if bi == len(blocks) {
 				p.Pieces = p.Pieces[:0]
-				return fmt.Errorf("vmem: %d bytes of host blocks cannot hold a plan of %d", sum(blocks), p.Host)
+				return fmt.Errorf("vmem: %d bytes of host blocks cannot hold a plan of %d", sumSizes(blocks), p.Host)
 			}
 			n := min(left, opt.Chunk, blocks[bi]-off)
 			k := next[s.Dev]
@@ -228,7 +228,7 @@ func (p *CopyPlan) Layout(blocks []uint64, opt CopyOptions) error {
 	return nil
 }
 
-func sum(xs []uint64) (n uint64) {
+func sumSizes(xs []uint64) (n uint64) {
 	for _, x := range xs {
 		n += x
 	}
@@ -499,7 +499,7 @@ func (c *Copier) takeHost(dev int, need uint64) ([]hostBlock, error) {
 		c.free = c.free[1:]
 	}
 	for have < need {
-		size := min(c.opt.HostBlock, roundUp(need-have, hostRound))
+		size := min(c.opt.HostBlock, copyRound(need-have, copyHostRound))
 		p, err := c.drv.HostAlloc(dev, size)
 		if err != nil {
 			c.free = append(c.free, taken...)

@@ -17,7 +17,7 @@ import (
 
 // On a GPU: 2 GiB saved and restored with the default options come back
 // intact; the rates are logged (the second cycle reuses the pinned memory).
-func TestGPUSaveRestore(t *testing.T) {
+func TestGPUCopySaveRestore(t *testing.T) {
 	d, err := driver.Open()
 	if err != nil {
 		t.Skipf("no CUDA driver: %v", err)

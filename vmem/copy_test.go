@@ -19,10 +19,10 @@ import (
 )
 
 const (
-	kib  = uint64(1) << 10
-	mib  = uint64(1) << 20
-	gib  = uint64(1) << 30
-	gran = uint64(sim.Granularity)
+	cpKiB  = uint64(1) << 10
+	cpMiB  = uint64(1) << 20
+	cpGiB  = uint64(1) << 30
+	cpGran = uint64(sim.Granularity)
 )
 
 var (
@@ -32,7 +32,7 @@ var (
 
 // ---- the plan ----
 
-func TestPlanMerges(t *testing.T) {
+func TestCopyPlanMerges(t *testing.T) {
 	p, err := vmem.PlanCopies([]vmem.CopyRange{
 		{Dev: 0, Ptr: 0x10000, Size: 0x1000},
 		{Dev: 1, Ptr: 0x10000, Size: 0x1000}, // another device: apart
@@ -47,7 +47,7 @@ func TestPlanMerges(t *testing.T) {
 		{Dev: 0, Ptr: 0x60000, Size: 0x10, Seg: 8}, // another Seg: apart
 		{Dev: 0, Ptr: 0x90000, Size: 0x10, Seg: 8}, // gap > MaxGap: apart
 		{Dev: 0, Ptr: 0x90020, Size: 0x10},         // Seg 0: never bridged
-	}, vmem.CopyOptions{MaxGap: 64 * kib})
+	}, vmem.CopyOptions{MaxGap: 64 * cpKiB})
 	require.NoError(t, err)
 	want := []vmem.CopySpan{
 		{Dev: 0, Ptr: 0x0f000, Size: 0x4800},
@@ -74,22 +74,22 @@ func TestPlanMerges(t *testing.T) {
 	assert.Empty(t, p.Pieces)
 }
 
-func TestLayout(t *testing.T) {
+func TestCopyLayout(t *testing.T) {
 	p, err := vmem.PlanCopies([]vmem.CopyRange{
-		{Dev: 0, Ptr: 0x100000, Size: 10 * mib},
+		{Dev: 0, Ptr: 0x100000, Size: 10 * cpMiB},
 		{Dev: 0, Ptr: 0x2000000, Size: 100},
-		{Dev: 1, Ptr: 0x100000, Size: 3 * mib},
+		{Dev: 1, Ptr: 0x100000, Size: 3 * cpMiB},
 	}, vmem.CopyOptions{})
 	require.NoError(t, err)
-	opt := vmem.CopyOptions{Chunk: 4 * mib, Streams: 3}
-	require.Error(t, p.Layout([]uint64{8 * mib, 4 * mib}, opt), "too small")
-	require.NoError(t, p.Layout([]uint64{6 * mib, 4 * mib, 4 * mib}, opt))
+	opt := vmem.CopyOptions{Chunk: 4 * cpMiB, Streams: 3}
+	require.Error(t, p.Layout([]uint64{8 * cpMiB, 4 * cpMiB}, opt), "too small")
+	require.NoError(t, p.Layout([]uint64{6 * cpMiB, 4 * cpMiB, 4 * cpMiB}, opt))
 	want := []vmem.CopyPiece{
-		{Dev: 0, Ptr: 0x100000, Size: 4 * mib, Block: 0, Off: 0, Stream: 0},
-		{Dev: 0, Ptr: 0x500000, Size: 2 * mib, Block: 0, Off: 4 * mib, Stream: 1}, // block end
-		{Dev: 0, Ptr: 0x700000, Size: 4 * mib, Block: 1, Off: 0, Stream: 2},
+		{Dev: 0, Ptr: 0x100000, Size: 4 * cpMiB, Block: 0, Off: 0, Stream: 0},
+		{Dev: 0, Ptr: 0x500000, Size: 2 * cpMiB, Block: 0, Off: 4 * cpMiB, Stream: 1}, // block end
+		{Dev: 0, Ptr: 0x700000, Size: 4 * cpMiB, Block: 1, Off: 0, Stream: 2},
 		{Dev: 0, Ptr: 0x2000000, Size: 100, Block: 2, Off: 0, Stream: 0},
-		{Dev: 1, Ptr: 0x100000, Size: 3 * mib, Block: 2, Off: 512, Stream: 0}, // aligned; streams per device
+		{Dev: 1, Ptr: 0x100000, Size: 3 * cpMiB, Block: 2, Off: 512, Stream: 0}, // aligned; streams per device
 	}
 	assert.Equal(t, want, p.Pieces)
 }
@@ -97,7 +97,7 @@ func TestLayout(t *testing.T) {
 // Random ranges and blocks: the pieces tile the spans in order, stay inside
 // their blocks without overlapping, respect the chunk size, and deal each
 // device's pieces round-robin.
-func TestLayoutProperties(t *testing.T) {
+func TestCopyLayoutProperties(t *testing.T) {
 	rng := rand.New(rand.NewSource(3))
 	for iter := range 200 {
 		var rs []vmem.CopyRange
@@ -167,9 +167,9 @@ func TestLayoutProperties(t *testing.T) {
 
 // ---- copies over the simulator, with contents ----
 
-// extent is memory mapped on the simulator as a pause and resume would
+// cpExtent is memory mapped on the simulator as a pause and resume would
 // see it: physical memory in granules, mapped and accessible.
-type extent struct {
+type cpExtent struct {
 	d       *sim.Driver
 	dev     int
 	base    cuda.Ptr
@@ -177,18 +177,18 @@ type extent struct {
 	handles []cuda.MemHandle
 }
 
-func newExtent(t *testing.T, d *sim.Driver, dev int, size, handle uint64) *extent {
+func newCPExtent(t *testing.T, d *sim.Driver, dev int, size, handle uint64) *cpExtent {
 	t.Helper()
 	base, err := d.MemAddressReserve(dev, size)
 	require.NoError(t, err)
-	e := &extent{d: d, dev: dev, base: base, size: size}
+	e := &cpExtent{d: d, dev: dev, base: base, size: size}
 	e.mapNew(t, handle)
 	return e
 }
 
-// mapNew maps new physical memory over the whole extent in handles of the
+// mapNew maps new physical memory over the whole cpExtent in handles of the
 // given size, as a resume does.
-func (e *extent) mapNew(t *testing.T, handle uint64) {
+func (e *cpExtent) mapNew(t *testing.T, handle uint64) {
 	t.Helper()
 	e.handles = nil
 	for off := uint64(0); off < e.size; off += handle {
@@ -201,7 +201,7 @@ func (e *extent) mapNew(t *testing.T, handle uint64) {
 }
 
 // drop unmaps and releases the physical memory, as a pause does.
-func (e *extent) drop(t *testing.T) {
+func (e *cpExtent) drop(t *testing.T) {
 	t.Helper()
 	require.NoError(t, e.d.MemUnmap(e.dev, e.base, e.size))
 	for _, h := range e.handles {
@@ -211,18 +211,18 @@ func (e *extent) drop(t *testing.T) {
 }
 
 // fill writes random bytes into ranges and returns them.
-func fill(t *testing.T, d *sim.Driver, rng *rand.Rand, rs []vmem.CopyRange) [][]byte {
+func cpFill(t *testing.T, d *sim.Driver, rng *rand.Rand, rs []vmem.CopyRange) [][]byte {
 	t.Helper()
 	out := make([][]byte, len(rs))
 	for i, r := range rs {
-		out[i] = noise(rng, r.Size)
+		out[i] = cpNoise(rng, r.Size)
 		require.NoError(t, d.WriteDevice(r.Dev, r.Ptr, out[i]))
 	}
 	return out
 }
 
 // noise returns n random bytes (ChaCha8: fast, also under -race).
-func noise(rng *rand.Rand, n uint64) []byte {
+func cpNoise(rng *rand.Rand, n uint64) []byte {
 	var seed [32]byte
 	rng.Read(seed[:])
 	b := make([]byte, n)
@@ -231,7 +231,7 @@ func noise(rng *rand.Rand, n uint64) []byte {
 }
 
 // same checks that ranges hold want.
-func same(t *testing.T, d *sim.Driver, rs []vmem.CopyRange, want [][]byte) {
+func cpSame(t *testing.T, d *sim.Driver, rs []vmem.CopyRange, want [][]byte) {
 	t.Helper()
 	for i, r := range rs {
 		got, err := d.ReadDevice(r.Dev, r.Ptr, r.Size)
@@ -242,13 +242,13 @@ func same(t *testing.T, d *sim.Driver, rs []vmem.CopyRange, want [][]byte) {
 
 // randomRanges returns up to n disjoint ranges in e (live blocks: many
 // small, a few large), with e's Seg.
-func randomRanges(rng *rand.Rand, e *extent, n int, seg uint64) []vmem.CopyRange {
+func cpRandomRanges(rng *rand.Rand, e *cpExtent, n int, seg uint64) []vmem.CopyRange {
 	var rs []vmem.CopyRange
 	off := uint64(rng.Intn(8)) * 512
 	for range n {
 		size := uint64(1+rng.Intn(64)) * 512
 		if rng.Intn(50) == 0 {
-			size = uint64(1+rng.Intn(4)) * mib
+			size = uint64(1+rng.Intn(4)) * cpMiB
 		}
 		if off+size > e.size {
 			break
@@ -263,17 +263,17 @@ func randomRanges(rng *rand.Rand, e *extent, n int, seg uint64) []vmem.CopyRange
 // Save, drop the physical memory, map new memory (garbage written over
 // it), Restore: every byte of every range is back. A second cycle reuses
 // the pinned memory; ReleaseHost frees it.
-func TestSaveRestoreRandom(t *testing.T) {
+func TestCopySaveRestoreRandom(t *testing.T) {
 	d := sim.New(sim.Options{Devices: 2})
 	d.EnableContents()
 	rng := rand.New(rand.NewSource(7))
-	exts := []*extent{newExtent(t, d, 0, 24*mib, gran), newExtent(t, d, 1, 16*mib, 8*mib)}
+	exts := []*cpExtent{newCPExtent(t, d, 0, 24*cpMiB, cpGran), newCPExtent(t, d, 1, 16*cpMiB, 8*cpMiB)}
 	var rs []vmem.CopyRange
 	for i, e := range exts {
-		rs = append(rs, randomRanges(rng, e, 1000, uint64(i+1))...)
+		rs = append(rs, cpRandomRanges(rng, e, 1000, uint64(i+1))...)
 	}
-	want := fill(t, d, rng, rs)
-	c := vmem.NewCopier(d, vmem.CopyOptions{Chunk: 512 * kib, Streams: 3, HostBlock: 4 * mib})
+	want := cpFill(t, d, rng, rs)
+	c := vmem.NewCopier(d, vmem.CopyOptions{Chunk: 512 * cpKiB, Streams: 3, HostBlock: 4 * cpMiB})
 
 	for cycle := range 2 {
 		calls := d.HostAllocCalls()
@@ -289,14 +289,14 @@ func TestSaveRestoreRandom(t *testing.T) {
 		assert.Equal(t, 6, st.Streams)
 		for _, e := range exts {
 			e.drop(t)
-			e.mapNew(t, gran)
-			require.NoError(t, d.WriteDevice(e.dev, e.base, noise(rng, e.size)))
+			e.mapNew(t, cpGran)
+			require.NoError(t, d.WriteDevice(e.dev, e.base, cpNoise(rng, e.size)))
 		}
 		require.NoError(t, c.Restore(s))
-		same(t, d, rs, want)
+		cpSame(t, d, rs, want)
 		st = c.Stats()
 		assert.Zero(t, st.Held)
-		assert.Equal(t, s.Bytes()*2, copiedBytes(d)/uint64(cycle+1), "each byte copied once each way")
+		assert.Equal(t, s.Bytes()*2, cpCopiedBytes(d)/uint64(cycle+1), "each byte copied once each way")
 		require.Error(t, c.Restore(s), "restored twice")
 	}
 	assert.Zero(t, d.Violations())
@@ -312,13 +312,13 @@ func TestSaveRestoreRandom(t *testing.T) {
 	assert.Zero(t, d.CopyStreams())
 }
 
-func copiedBytes(d *sim.Driver) uint64 {
+func cpCopiedBytes(d *sim.Driver) uint64 {
 	_, b := d.Copies()
 	return b
 }
 
 // Nothing to save: no pinned memory, no streams, no copies.
-func TestSaveNothing(t *testing.T) {
+func TestCopySaveNothing(t *testing.T) {
 	d := sim.New(sim.Options{})
 	c := vmem.NewCopier(d, vmem.CopyOptions{})
 	for _, rs := range [][]vmem.CopyRange{nil, {{Ptr: 0x1000, Size: 0}}} {
@@ -336,14 +336,14 @@ func TestSaveNothing(t *testing.T) {
 // Huge ranges on two devices: 64 MiB pieces, dealt to both streams of each
 // device, in 256 MiB pinned blocks; the bytes at the ends and in the middle
 // come back.
-func TestSaveRestoreHuge(t *testing.T) {
-	d := sim.New(sim.Options{Devices: 2, Memory: 80 * gib})
+func TestCopySaveRestoreHuge(t *testing.T) {
+	d := sim.New(sim.Options{Devices: 2, Memory: 80 * cpGiB})
 	d.EnableContents()
-	e0 := newExtent(t, d, 0, 20*gib, 20*gib)
-	e1 := newExtent(t, d, 1, 8*gib, 2*gib)
+	e0 := newCPExtent(t, d, 0, 20*cpGiB, 20*cpGiB)
+	e1 := newCPExtent(t, d, 1, 8*cpGiB, 2*cpGiB)
 	rs := []vmem.CopyRange{
-		{Dev: 0, Ptr: e0.base, Size: 20 * gib},
-		{Dev: 1, Ptr: e1.base + 4096, Size: 8*gib - 8192},
+		{Dev: 0, Ptr: e0.base, Size: 20 * cpGiB},
+		{Dev: 1, Ptr: e1.base + 4096, Size: 8*cpGiB - 8192},
 	}
 	var marks []vmem.CopyRange
 	for _, r := range rs {
@@ -352,27 +352,27 @@ func TestSaveRestoreHuge(t *testing.T) {
 		}
 	}
 	rng := rand.New(rand.NewSource(1))
-	want := fill(t, d, rng, marks)
+	want := cpFill(t, d, rng, marks)
 	c := vmem.NewCopier(d, vmem.CopyOptions{})
 	s, err := c.Save(rs)
 	require.NoError(t, err)
 	assert.Equal(t, 320+128, s.Pieces())
-	assert.Equal(t, 28*gib-8192, s.Bytes())
-	assert.Equal(t, 28*gib, s.HostBytes(), "112 blocks of 256 MiB")
+	assert.Equal(t, 28*cpGiB-8192, s.Bytes())
+	assert.Equal(t, 28*cpGiB, s.HostBytes(), "112 blocks of 256 MiB")
 	assert.Equal(t, int64(112), d.HostAllocCalls())
 	e0.drop(t)
 	e1.drop(t)
-	e0.mapNew(t, 4*gib)
-	e1.mapNew(t, gran*512)
+	e0.mapNew(t, 4*cpGiB)
+	e1.mapNew(t, cpGran*512)
 	require.NoError(t, c.Restore(s))
-	same(t, d, marks, want)
+	cpSame(t, d, marks, want)
 	assert.Zero(t, d.Violations())
 }
 
 // A pause that fails while copying leaves the device contents as they
 // were: unmapping comes only after Save succeeded. Each failure point of
 // the copy engine is tried.
-func TestSaveFaults(t *testing.T) {
+func TestCopySaveFaults(t *testing.T) {
 	for _, tc := range []struct {
 		method   string
 		skip     int
@@ -390,14 +390,14 @@ func TestSaveFaults(t *testing.T) {
 			s.EnableContents()
 			d := fault.New(s)
 			rng := rand.New(rand.NewSource(2))
-			e := newExtent(t, s, 0, 16*mib, gran)
-			rs := randomRanges(rng, e, 300, 1)
-			want := fill(t, s, rng, rs)
-			opt := vmem.CopyOptions{Chunk: 512 * kib, HostBlock: 2 * mib}
+			e := newCPExtent(t, s, 0, 16*cpMiB, cpGran)
+			rs := cpRandomRanges(rng, e, 300, 1)
+			want := cpFill(t, s, rng, rs)
+			opt := vmem.CopyOptions{Chunk: 512 * cpKiB, HostBlock: 2 * cpMiB}
 			c := vmem.NewCopier(d, opt)
 			plan, err := vmem.PlanCopies(rs, opt)
 			require.NoError(t, err)
-			blocks := int64((plan.Host + 2*mib - 1) / (2 * mib))
+			blocks := int64((plan.Host + 2*cpMiB - 1) / (2 * cpMiB))
 			require.Greater(t, blocks, int64(2))
 
 			r := d.Fail(tc.method, "", tc.skip, cuda.ErrUnknown)
@@ -405,7 +405,7 @@ func TestSaveFaults(t *testing.T) {
 			require.ErrorIs(t, err, cuda.ErrUnknown)
 			require.Nil(t, saved)
 			require.Equal(t, 1, d.Hits(r))
-			same(t, s, rs, want)
+			cpSame(t, s, rs, want)
 			st := c.Stats()
 			assert.Zero(t, st.Held)
 			_, hostBytes := s.HostMemory()
@@ -422,9 +422,9 @@ func TestSaveFaults(t *testing.T) {
 			}
 			// Nothing is left running on the memory: it can be unmapped.
 			e.drop(t)
-			e.mapNew(t, gran)
+			e.mapNew(t, cpGran)
 			require.NoError(t, s.WriteDevice(0, e.base, make([]byte, e.size)))
-			fill2 := fill(t, s, rng, rs)
+			fill2 := cpFill(t, s, rng, rs)
 
 			// The next pause works and reuses what the pool kept.
 			saved, err = c.Save(rs)
@@ -435,9 +435,9 @@ func TestSaveFaults(t *testing.T) {
 				assert.Equal(t, blocks, c.Stats().HostAllocs, "pooled blocks reused")
 			}
 			e.drop(t)
-			e.mapNew(t, gran)
+			e.mapNew(t, cpGran)
 			require.NoError(t, c.Restore(saved))
-			same(t, s, rs, fill2)
+			cpSame(t, s, rs, fill2)
 			assert.Zero(t, s.Violations())
 		})
 	}
@@ -445,36 +445,36 @@ func TestSaveFaults(t *testing.T) {
 
 // A resume that fails while copying back keeps the saved contents, and a
 // second try restores them all.
-func TestRestoreFaults(t *testing.T) {
+func TestCopyRestoreFaults(t *testing.T) {
 	for _, method := range []string{"StreamCreate", "MemcpyHtoDAsync", "StreamSynchronize"} {
 		t.Run(method, func(t *testing.T) {
 			s := sim.New(sim.Options{})
 			s.EnableContents()
 			d := fault.New(s)
 			rng := rand.New(rand.NewSource(4))
-			e := newExtent(t, s, 0, 32*mib, gran)
-			rs := randomRanges(rng, e, 300, 0)
-			want := fill(t, s, rng, rs)
-			c := vmem.NewCopier(d, vmem.CopyOptions{Chunk: mib})
+			e := newCPExtent(t, s, 0, 32*cpMiB, cpGran)
+			rs := cpRandomRanges(rng, e, 300, 0)
+			want := cpFill(t, s, rng, rs)
+			c := vmem.NewCopier(d, vmem.CopyOptions{Chunk: cpMiB})
 			saved, err := c.Save(rs)
 			require.NoError(t, err)
 			e.drop(t)
-			e.mapNew(t, gran)
+			e.mapNew(t, cpGran)
 			if method == "StreamCreate" {
 				require.NoError(t, c.Close()) // the streams are made again by Restore
 			}
-			r := d.Fail(method, "", 3*btoi(method == "MemcpyHtoDAsync"), cuda.ErrUnknown)
+			r := d.Fail(method, "", 3*cpBtoi(method == "MemcpyHtoDAsync"), cuda.ErrUnknown)
 			require.ErrorIs(t, c.Restore(saved), cuda.ErrUnknown)
 			require.Equal(t, 1, d.Hits(r))
 			assert.Equal(t, saved.HostBytes(), c.Stats().Held, "the contents are still held")
 			require.NoError(t, c.Restore(saved))
-			same(t, s, rs, want)
+			cpSame(t, s, rs, want)
 			assert.Zero(t, c.Stats().Held)
 		})
 	}
 }
 
-func btoi(b bool) int {
+func cpBtoi(b bool) int {
 	if b {
 		return 1
 	}
@@ -485,17 +485,17 @@ func btoi(b bool) int {
 // cycles: a failed save leaves the device intact, a failed restore can be
 // retried, and pinned memory is either pooled, held or stranded, never
 // lost track of.
-func TestRandomFaults(t *testing.T) {
+func TestCopyRandomFaults(t *testing.T) {
 	s := sim.New(sim.Options{})
 	s.EnableContents()
 	d := fault.New(s)
 	rng := rand.New(rand.NewSource(5))
-	e := newExtent(t, s, 0, 8*mib, gran)
-	c := vmem.NewCopier(d, vmem.CopyOptions{Chunk: 256 * kib, Streams: 2, HostBlock: 2 * mib})
+	e := newCPExtent(t, s, 0, 8*cpMiB, cpGran)
+	c := vmem.NewCopier(d, vmem.CopyOptions{Chunk: 256 * cpKiB, Streams: 2, HostBlock: 2 * cpMiB})
 	d.FailRandomly(0.003, 9, cuda.ErrUnknown, "HostAlloc", "StreamCreate", "MemcpyDtoHAsync", "MemcpyHtoDAsync", "StreamSynchronize")
 	for range 30 {
-		rs := randomRanges(rng, e, 100, uint64(rng.Intn(2)))
-		want := fill(t, s, rng, rs)
+		rs := cpRandomRanges(rng, e, 100, uint64(rng.Intn(2)))
+		want := cpFill(t, s, rng, rs)
 		var saved *vmem.Saved
 		for {
 			var err error
@@ -503,10 +503,10 @@ func TestRandomFaults(t *testing.T) {
 				break
 			}
 			require.ErrorIs(t, err, cuda.ErrUnknown)
-			same(t, s, rs, want)
+			cpSame(t, s, rs, want)
 		}
 		e.drop(t)
-		e.mapNew(t, gran)
+		e.mapNew(t, cpGran)
 		for {
 			err := c.Restore(saved)
 			if err == nil {
@@ -514,7 +514,7 @@ func TestRandomFaults(t *testing.T) {
 			}
 			require.ErrorIs(t, err, cuda.ErrUnknown)
 		}
-		same(t, s, rs, want)
+		cpSame(t, s, rs, want)
 	}
 	require.Positive(t, d.RandomHits())
 	d.Clear()
@@ -525,19 +525,19 @@ func TestRandomFaults(t *testing.T) {
 	assert.Zero(t, s.Violations())
 }
 
-func TestDiscard(t *testing.T) {
+func TestCopyDiscard(t *testing.T) {
 	d := sim.New(sim.Options{})
-	e := newExtent(t, d, 0, 8*mib, gran)
+	e := newCPExtent(t, d, 0, 8*cpMiB, cpGran)
 	c := vmem.NewCopier(d, vmem.CopyOptions{})
-	s, err := c.Save([]vmem.CopyRange{{Ptr: e.base, Size: 3 * mib}})
+	s, err := c.Save([]vmem.CopyRange{{Ptr: e.base, Size: 3 * cpMiB}})
 	require.NoError(t, err)
-	assert.Equal(t, 4*mib, c.Stats().Held)
+	assert.Equal(t, 4*cpMiB, c.Stats().Held)
 	require.NoError(t, c.Discard(s))
-	assert.Equal(t, vmem.CopyStats{Pooled: 4 * mib, HostAllocs: 1, Streams: 2}, c.Stats())
+	assert.Equal(t, vmem.CopyStats{Pooled: 4 * cpMiB, HostAllocs: 1, Streams: 2}, c.Stats())
 	require.Error(t, c.Restore(s))
 	require.Error(t, c.Discard(s))
 	other := vmem.NewCopier(d, vmem.CopyOptions{})
-	s, err = c.Save([]vmem.CopyRange{{Ptr: e.base, Size: mib}})
+	s, err = c.Save([]vmem.CopyRange{{Ptr: e.base, Size: cpMiB}})
 	require.NoError(t, err)
 	require.Error(t, other.Restore(s), "another copier's save")
 	require.NoError(t, c.Restore(s))
@@ -545,52 +545,52 @@ func TestDiscard(t *testing.T) {
 
 // Pools grow when a save needs more, and a small save takes the smallest
 // block that holds it.
-func TestHostPool(t *testing.T) {
+func TestCopyHostPool(t *testing.T) {
 	d := sim.New(sim.Options{})
-	e := newExtent(t, d, 0, 64*mib, gran)
-	c := vmem.NewCopier(d, vmem.CopyOptions{HostBlock: 16 * mib})
-	big, err := c.Save([]vmem.CopyRange{{Ptr: e.base, Size: 40 * mib}})
+	e := newCPExtent(t, d, 0, 64*cpMiB, cpGran)
+	c := vmem.NewCopier(d, vmem.CopyOptions{HostBlock: 16 * cpMiB})
+	big, err := c.Save([]vmem.CopyRange{{Ptr: e.base, Size: 40 * cpMiB}})
 	require.NoError(t, err)
-	assert.Equal(t, 40*mib, big.HostBytes(), "16+16+8 MiB")
+	assert.Equal(t, 40*cpMiB, big.HostBytes(), "16+16+8 MiB")
 	assert.Equal(t, int64(3), c.Stats().HostAllocs)
 	small, err := c.Save([]vmem.CopyRange{{Ptr: e.base, Size: 100}})
 	require.NoError(t, err)
-	assert.Equal(t, 2*mib, small.HostBytes())
+	assert.Equal(t, 2*cpMiB, small.HostBytes())
 	require.NoError(t, c.Restore(big))
 	require.NoError(t, c.Restore(small))
-	small, err = c.Save([]vmem.CopyRange{{Ptr: e.base, Size: 5 * mib}})
+	small, err = c.Save([]vmem.CopyRange{{Ptr: e.base, Size: 5 * cpMiB}})
 	require.NoError(t, err)
-	assert.Equal(t, 8*mib, small.HostBytes(), "best fit")
-	bigger, err := c.Save([]vmem.CopyRange{{Ptr: e.base, Size: 60 * mib}})
+	assert.Equal(t, 8*cpMiB, small.HostBytes(), "best fit")
+	bigger, err := c.Save([]vmem.CopyRange{{Ptr: e.base, Size: 60 * cpMiB}})
 	require.NoError(t, err)
-	assert.Equal(t, 60*mib, bigger.HostBytes(), "16+16+2 pooled, 16+10 new")
+	assert.Equal(t, 60*cpMiB, bigger.HostBytes(), "16+16+2 pooled, 16+10 new")
 	assert.Equal(t, int64(6), c.Stats().HostAllocs)
 	require.NoError(t, c.Discard(small))
 	require.NoError(t, c.Discard(bigger))
 
 	// The pool holds 68 MiB; at the limit, a save beyond it fails.
-	d.SetHostLimit(68 * mib)
-	_, err = c.Save([]vmem.CopyRange{{Ptr: e.base, Size: mib}})
+	d.SetHostLimit(68 * cpMiB)
+	_, err = c.Save([]vmem.CopyRange{{Ptr: e.base, Size: cpMiB}})
 	require.NoError(t, err, "the 2 MiB block")
-	_, err = c.Save([]vmem.CopyRange{{Ptr: e.base, Size: 64 * mib}, {Dev: 0, Ptr: e.base, Size: 8 * mib}})
+	_, err = c.Save([]vmem.CopyRange{{Ptr: e.base, Size: 64 * cpMiB}, {Dev: 0, Ptr: e.base, Size: 8 * cpMiB}})
 	require.NoError(t, err, "64 MiB in the pool's other 66")
 	assert.Equal(t, int64(6), c.Stats().HostAllocs)
-	_, err = c.Save([]vmem.CopyRange{{Ptr: e.base, Size: mib}})
+	_, err = c.Save([]vmem.CopyRange{{Ptr: e.base, Size: cpMiB}})
 	require.ErrorIs(t, err, cuda.ErrOutOfMemory)
 }
 
 // Saves and restores from several goroutines share one copier (-race).
-func TestCopierConcurrent(t *testing.T) {
+func TestCopyConcurrent(t *testing.T) {
 	d := sim.New(sim.Options{Devices: 2})
 	d.EnableContents()
-	c := vmem.NewCopier(d, vmem.CopyOptions{Chunk: mib, HostBlock: 4 * mib})
+	c := vmem.NewCopier(d, vmem.CopyOptions{Chunk: cpMiB, HostBlock: 4 * cpMiB})
 	var wg sync.WaitGroup
 	errs := make(chan error, 8)
 	for g := range 4 {
-		e := newExtent(t, d, g%2, 8*mib, gran)
+		e := newCPExtent(t, d, g%2, 8*cpMiB, cpGran)
 		rng := rand.New(rand.NewSource(int64(g)))
-		rs := randomRanges(rng, e, 100, 1)
-		want := fill(t, d, rng, rs)
+		rs := cpRandomRanges(rng, e, 100, 1)
+		want := cpFill(t, d, rng, rs)
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
