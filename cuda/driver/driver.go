@@ -683,6 +683,8 @@ type Driver struct {
 	// ipcOpen names the cuIpcOpenMemHandle entry point in use
 	// ("cuIpcOpenMemHandle_v2"), "" when the driver lacks CUDA IPC.
 	ipcOpen string
+	// copy holds the copy engine's entry points (copy.go).
+	copy copyAPI
 	// peers[i] is accessPeers(i) | peersKnown once computed, 0 before;
 	// computing it twice is harmless.
 	peers []atomic.Uint64
@@ -776,6 +778,7 @@ func openLibrary(path string) (*Driver, error) {
 		api.deviceCanAccessPeer = C.uintptr_t(p)
 	}
 	d.resolveIPC()
+	d.resolveCopy()
 	d.resolveGraphNodeDeps()
 	d.vmm = true
 	for _, s := range vmmSymbols {

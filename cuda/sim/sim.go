@@ -42,8 +42,8 @@
 // capture through events (StreamWaitEvent), in graph.go; graphs are never
 // replayed.
 //
-// What it does not model: memory contents (but for VMM-mapped memory, see
-// share.go), kernels, replay, cross-stream
+// What it does not model: memory contents (but for tests, see the opt-in
+// content model of contents.go), kernels, replay, cross-stream
 // dependencies outside capture (StreamWaitEvent between streams that do not
 // capture has no effect), the legacy stream's implicit synchronisation
 // (ErrCaptureImplicit), contexts and the current device, streams belonging
@@ -146,6 +146,8 @@ type Driver struct {
 
 	violations   int64    // guarded by mu
 	violationLog []string // guarded by mu
+
+	cp copyState // guarded by mu; pinned host memory, copies, contents (copy.go)
 }
 
 type device struct {

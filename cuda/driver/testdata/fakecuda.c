@@ -724,3 +724,140 @@ void fake_set_terminals(const uintptr_t *t, size_t n) {
 	memcpy(terminals, t, nterminals * sizeof *t);
 }
 long fake_graph_queries(void) { return graph_queries; }
+
+// Pinned host memory, streams and asynchronous copies (cuda/driver/copy.go).
+// Host memory is real (malloc), tracked so that a copy to or from memory
+// that is not a live pinned allocation fails. Device memory has no bytes:
+// a copy to the host writes fake_device_byte(address) for each device
+// address, so that a test can check which bytes arrived where, and a copy
+// to the device adds its bytes to a checksum. A stream belongs to the device
+// whose context created it; copies and synchronisation must run in that
+// context. Built with -DFAKECUDA_NO_COPY the library lacks cuMemcpyHtoDAsync_v2.
+#define MAXHOST 256
+static pthread_mutex_t host_mu = PTHREAD_MUTEX_INITIALIZER;
+static struct { unsigned char *p; size_t size; int dev; } hosts[MAXHOST];
+static long live_host, live_streams, stream_syncs, dtoh_copies, htod_copies;
+static unsigned long long htod_sum, copied_bytes;
+
+struct fake_stream { int dev; };
+
+unsigned char fake_device_byte(unsigned long long addr) { return (unsigned char)(addr ^ (addr >> 9) ^ 0x5a); }
+
+// Whether [p, p+n) lies inside one live pinned allocation.
+static int pinned(const void *p, size_t n) {
+	int ok = 0;
+	const unsigned char *q = p;
+	pthread_mutex_lock(&host_mu);
+	for (int i = 0; i < MAXHOST; i++)
+		if (hosts[i].p && q >= hosts[i].p && n <= hosts[i].size && q - hosts[i].p <= (long)(hosts[i].size - n)) {
+			ok = 1;
+			break;
+		}
+	pthread_mutex_unlock(&host_mu);
+	return ok;
+}
+
+CUresult cuMemHostAlloc(void **pp, size_t size, unsigned int flags) {
+	int d = cur_dev();
+	if (d < 0)
+		return 201;
+	if (size == 0 || flags != 1) // cuda/driver asks for CU_MEMHOSTALLOC_PORTABLE
+		return 1;
+	if (size > ((size_t)1 << 30))
+		return 2;
+	unsigned char *p = malloc(size);
+	if (!p)
+		return 2;
+	CUresult r = 2;
+	pthread_mutex_lock(&host_mu);
+	for (int i = 0; i < MAXHOST; i++)
+		if (!hosts[i].p) {
+			hosts[i].p = p;
+			hosts[i].size = size;
+			hosts[i].dev = d;
+			live_host++;
+			r = 0;
+			break;
+		}
+	pthread_mutex_unlock(&host_mu);
+	if (r)
+		free(p);
+	else
+		*pp = p;
+	return r;
+}
+CUresult cuMemFreeHost(void *p) {
+	if (cur_dev() < 0)
+		return 201;
+	CUresult r = 1;
+	pthread_mutex_lock(&host_mu);
+	for (int i = 0; i < MAXHOST; i++)
+		if (p && hosts[i].p == p) {
+			free(hosts[i].p);
+			hosts[i].p = NULL;
+			live_host--;
+			r = 0;
+			break;
+		}
+	pthread_mutex_unlock(&host_mu);
+	return r;
+}
+CUresult cuStreamCreate(struct fake_stream **s, unsigned int flags) {
+	int d = cur_dev();
+	if (d < 0)
+		return 201;
+	if (flags != 1) // CU_STREAM_NON_BLOCKING
+		return 1;
+	*s = calloc(1, sizeof **s);
+	(*s)->dev = d;
+	__atomic_add_fetch(&live_streams, 1, __ATOMIC_SEQ_CST);
+	return 0;
+}
+CUresult cuStreamDestroy_v2(struct fake_stream *s) {
+	if (s == NULL || cur_dev() != s->dev)
+		return 201;
+	free(s);
+	__atomic_sub_fetch(&live_streams, 1, __ATOMIC_SEQ_CST);
+	return 0;
+}
+CUresult cuStreamSynchronize(struct fake_stream *s) {
+	if (s == NULL || cur_dev() != s->dev)
+		return 201;
+	__atomic_add_fetch(&stream_syncs, 1, __ATOMIC_SEQ_CST);
+	return 0;
+}
+CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t n, struct fake_stream *s) {
+	if (s == NULL || cur_dev() != s->dev)
+		return 201;
+	if (n == 0 || !pinned(dst, n))
+		return 1;
+	for (size_t i = 0; i < n; i++)
+		((unsigned char *)dst)[i] = fake_device_byte(src + i);
+	__atomic_add_fetch(&dtoh_copies, 1, __ATOMIC_SEQ_CST);
+	__atomic_add_fetch(&copied_bytes, n, __ATOMIC_SEQ_CST);
+	return 0;
+}
+#ifndef FAKECUDA_NO_COPY
+CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t n, struct fake_stream *s) {
+	(void)dst;
+	if (s == NULL || cur_dev() != s->dev)
+		return 201;
+	if (n == 0 || !pinned(src, n))
+		return 1;
+	unsigned long long sum = 0;
+	for (size_t i = 0; i < n; i++)
+		sum += ((const unsigned char *)src)[i];
+	__atomic_add_fetch(&htod_sum, sum, __ATOMIC_SEQ_CST);
+	__atomic_add_fetch(&htod_copies, 1, __ATOMIC_SEQ_CST);
+	__atomic_add_fetch(&copied_bytes, n, __ATOMIC_SEQ_CST);
+	return 0;
+}
+#endif
+
+long fake_live_host(void) { return live_host; }
+long fake_live_streams(void) { return live_streams; }
+long fake_stream_syncs(void) { return stream_syncs; }
+long fake_dtoh_copies(void) { return dtoh_copies; }
+long fake_htod_copies(void) { return htod_copies; }
+unsigned long long fake_htod_sum(void) { return htod_sum; }
+unsigned long long fake_copied_bytes(void) { return copied_bytes; }
