@@ -233,7 +233,7 @@ check-lib: $(LIB) $(BUILD)/hot_path
 # -rs: pytest lists every skipped test with its reason.
 test-python: test-python-unit
 	$(call section,benchmark report generator tests)
-	$(PYTHON) -m pytest -q -rs bench/test_report.py bench/test_kvcache.py bench/test_fsdp_tools.py
+	$(PYTHON) -m pytest -q -rs bench/test_report.py bench/test_kvcache.py bench/test_fsdp_tools.py bench/test_pause_bench.py examples/colocated/test_colocated.py
 	$(call section,PyTorch test report generator tests)
 	$(PYTHON) -m pytest -q -rs -p no:cacheprovider gpu/pytorch_tests/test_report.py
 
