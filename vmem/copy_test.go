@@ -265,7 +265,6 @@ func cpRandomRanges(rng *rand.Rand, e *cpExtent, n int, seg uint64) []vmem.CopyR
 // the pinned memory; ReleaseHost frees it.
 func TestCopySaveRestoreRandom(t *testing.T) {
 	d := sim.New(sim.Options{Devices: 2})
-	d.EnableContents()
 	rng := rand.New(rand.NewSource(7))
 	exts := []*cpExtent{newCPExtent(t, d, 0, 24*cpMiB, cpGran), newCPExtent(t, d, 1, 16*cpMiB, 8*cpMiB)}
 	var rs []vmem.CopyRange
@@ -338,7 +337,6 @@ func TestCopySaveNothing(t *testing.T) {
 // come back.
 func TestCopySaveRestoreHuge(t *testing.T) {
 	d := sim.New(sim.Options{Devices: 2, Memory: 80 * cpGiB})
-	d.EnableContents()
 	e0 := newCPExtent(t, d, 0, 20*cpGiB, 20*cpGiB)
 	e1 := newCPExtent(t, d, 1, 8*cpGiB, 2*cpGiB)
 	rs := []vmem.CopyRange{
@@ -387,7 +385,6 @@ func TestCopySaveFaults(t *testing.T) {
 	} {
 		t.Run(tc.method, func(t *testing.T) {
 			s := sim.New(sim.Options{})
-			s.EnableContents()
 			d := fault.New(s)
 			rng := rand.New(rand.NewSource(2))
 			e := newCPExtent(t, s, 0, 16*cpMiB, cpGran)
@@ -449,7 +446,6 @@ func TestCopyRestoreFaults(t *testing.T) {
 	for _, method := range []string{"StreamCreate", "MemcpyHtoDAsync", "StreamSynchronize"} {
 		t.Run(method, func(t *testing.T) {
 			s := sim.New(sim.Options{})
-			s.EnableContents()
 			d := fault.New(s)
 			rng := rand.New(rand.NewSource(4))
 			e := newCPExtent(t, s, 0, 32*cpMiB, cpGran)
@@ -487,7 +483,6 @@ func cpBtoi(b bool) int {
 // lost track of.
 func TestCopyRandomFaults(t *testing.T) {
 	s := sim.New(sim.Options{})
-	s.EnableContents()
 	d := fault.New(s)
 	rng := rand.New(rand.NewSource(5))
 	e := newCPExtent(t, s, 0, 8*cpMiB, cpGran)
@@ -582,7 +577,6 @@ func TestCopyHostPool(t *testing.T) {
 // Saves and restores from several goroutines share one copier (-race).
 func TestCopyConcurrent(t *testing.T) {
 	d := sim.New(sim.Options{Devices: 2})
-	d.EnableContents()
 	c := vmem.NewCopier(d, vmem.CopyOptions{Chunk: cpMiB, HostBlock: 4 * cpMiB})
 	var wg sync.WaitGroup
 	errs := make(chan error, 8)

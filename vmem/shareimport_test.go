@@ -45,7 +45,10 @@ func newShareExporter(t testing.TB, d *sim.Driver, n int, seg uint64, kind cuda.
 		if err := d.MemMap(0, p, seg, h); err != nil {
 			t.Fatal(err)
 		}
-		if err := d.WriteMemory(0, p, bytes.Repeat([]byte{byte('A' + i)}, 16)); err != nil {
+		if err := d.MemSetAccess(0, p, seg); err != nil {
+			t.Fatal(err)
+		}
+		if err := d.WriteDevice(0, p, bytes.Repeat([]byte{byte('A' + i)}, 16)); err != nil {
 			t.Fatal(err)
 		}
 		sh, err := d.MemExportShareable(0, h, kind)
@@ -108,7 +111,7 @@ func TestImportCacheOpenRelease(t *testing.T) {
 				t.Fatal(err)
 			}
 			for i := range 3 {
-				got, err := imp.ReadMemory(0, base+cuda.Ptr(uint64(i)*2*shareGran), 16)
+				got, err := imp.ReadDevice(0, base+cuda.Ptr(uint64(i)*2*shareGran), 16)
 				if err != nil || !bytes.Equal(got, bytes.Repeat([]byte{byte('A' + i)}, 16)) {
 					t.Fatalf("allocation %d reads %q, %v", i, got, err)
 				}
@@ -133,10 +136,10 @@ func TestImportCacheOpenRelease(t *testing.T) {
 			if n, refs, res := c.Stats(); n != 1 || refs != 2 || res != 6*shareGran {
 				t.Errorf("stats %d entries, %d refs, %d bytes", n, refs, res)
 			}
-			if err := imp.WriteMemory(0, base+cuda.Ptr(4*shareGran)+5, []byte("hi")); err != nil {
+			if err := imp.WriteDevice(0, base+cuda.Ptr(4*shareGran)+5, []byte("hi")); err != nil {
 				t.Fatal(err)
 			}
-			if got, _ := exp.ReadMemory(0, x.base+cuda.Ptr(4*shareGran)+5, 2); string(got) != "hi" {
+			if got, _ := exp.ReadDevice(0, x.base+cuda.Ptr(4*shareGran)+5, 2); string(got) != "hi" {
 				t.Errorf("the shareExporter reads %q", got)
 			}
 
@@ -183,7 +186,7 @@ func TestImportCacheOutlivesExporter(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	if got, _ := imp.ReadMemory(0, base+cuda.Ptr(shareGran), 1); string(got) != "B" {
+	if got, _ := imp.ReadDevice(0, base+cuda.Ptr(shareGran), 1); string(got) != "B" {
 		t.Errorf("after the shareExporter let go the import reads %q", got)
 	}
 	if exp.Used(0) != 2*shareGran {
@@ -333,7 +336,7 @@ func TestImportCacheConcurrent(t *testing.T) {
 					errs <- err
 					return
 				}
-				if got, err := imp.ReadMemory(0, p, 1); err != nil || got[0] != 'A' {
+				if got, err := imp.ReadDevice(0, p, 1); err != nil || got[0] != 'A' {
 					errs <- fmt.Errorf("read %q, %v", got, err)
 					return
 				}

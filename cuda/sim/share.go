@@ -48,11 +48,9 @@ import (
 //   - Exporting is legal during capture (no stream is involved); importing
 //     is a potentially unsafe call, like MemCreate. Both are unverified on
 //     a GPU in this respect.
-//   - Contents: WriteMemory and ReadMemory reach the bytes of memory mapped
-//     with the VMM calls, kept with the physical allocation (allocated at
-//     the first write), so a write through one process's mapping is read
-//     through another's, and bytes survive a page's unmap and remap.
-//     Nothing else in the simulator touches contents.
+//   - Contents follow the physical allocation, so a write through one
+//     process's mapping is read through another's and bytes survive a
+//     page's unmap and remap; contents.go keeps them.
 
 // machine is the state every simulated process shares.
 var machine = struct {
@@ -68,7 +66,9 @@ var machine = struct {
 // pidBase starts the simulated process ids, far above real ones.
 const pidBase = 4 << 20
 
-// memory is one physical allocation.
+// memory is one physical allocation: a cuMemCreate allocation, or the
+// holder of a MemAlloc allocation's contents (contents.go), which no other
+// process sees.
 type memory struct {
 	id    uint64
 	owner *Driver // the creating process, whose device dev is charged
@@ -81,7 +81,8 @@ type memory struct {
 	gone      bool // refs reached zero
 	hasFabric bool
 	fabric    cuda.FabricHandle
-	data      []byte // contents, nil until first written
+	data      pages // contents (contents.go); nil until first written
+	copies    int   // queued copies that read or write data
 }
 
 // fdEntry is an open descriptor: an export of mem, or a pidfd of pid.
@@ -101,14 +102,17 @@ func newMemory(owner *Driver, dev int, size uint64, kinds cuda.ShareableKind) *m
 }
 
 // unref drops one reference; machine.mu must be held. It reports whether
-// the memory is gone.
+// the memory is gone; its contents go with it, or with the last queued
+// copy that reads or writes them (contents.go).
 func (m *memory) unref() bool {
 	m.refs--
 	if m.refs > 0 {
 		return false
 	}
 	m.gone = true
-	m.data = nil
+	if m.copies == 0 {
+		m.data = nil
+	}
 	if m.hasFabric {
 		delete(machine.fabric, m.fabric)
 	}
@@ -402,89 +406,4 @@ func (d *Driver) OpenFDs() []int {
 	}
 	sort.Ints(fds)
 	return fds
-}
-
-// mappedAt returns the mapping of dv that holds address p and p's offset in
-// it; mu must be held.
-func (dv *device) mappedAt(p cuda.Ptr) (*mapping, uint64, bool) {
-	q, ok := dv.vmm.pages[p/Granularity*Granularity]
-	if !ok {
-		return nil, 0, false
-	}
-	return dv.vmm.mappings[q], uint64(p - q), true
-}
-
-// PhysicalAt names the physical memory behind p, an address mapped on dev
-// with the VMM calls: an id that every process mapping the same allocation
-// sees (a handle imported from another process has its exporter's id), and
-// p's offset in it. ok is false for an address nothing is mapped at.
-func (d *Driver) PhysicalAt(dev int, p cuda.Ptr) (id, offset uint64, ok bool) {
-	d.mu.Lock()
-	defer d.mu.Unlock()
-	m, off, ok := d.mustDevice(dev).mappedAt(p)
-	if !ok {
-		return 0, 0, false
-	}
-	return m.phys.mem.id, off, true
-}
-
-// WriteMemory stores b at p on dev, in memory mapped with the VMM calls
-// (which need not be accessible: the simulator does not check). The range
-// may span mappings; an unmapped byte in it is ErrInvalidValue and writes
-// nothing.
-func (d *Driver) WriteMemory(dev int, p cuda.Ptr, b []byte) error {
-	return d.memoryRange(dev, p, uint64(len(b)), func(m *memory, off uint64, i, n int) {
-		if m.data == nil {
-			m.data = make([]byte, m.size)
-		}
-		copy(m.data[off:], b[i:i+n])
-	})
-}
-
-// ReadMemory returns the n bytes at p on dev (zeros where nothing was ever
-// written), under WriteMemory's rules.
-func (d *Driver) ReadMemory(dev int, p cuda.Ptr, n uint64) ([]byte, error) {
-	out := make([]byte, n)
-	err := d.memoryRange(dev, p, n, func(m *memory, off uint64, i, k int) {
-		if m.data != nil {
-			copy(out[i:i+k], m.data[off:])
-		}
-	})
-	if err != nil {
-		return nil, err
-	}
-	return out, nil
-}
-
-// memoryRange calls fn for each piece of [p, p+n) on dev, with the piece's
-// memory, its offset there, its index in the range and its length, after
-// checking that every byte is mapped. fn runs under machine.mu.
-func (d *Driver) memoryRange(dev int, p cuda.Ptr, n uint64, fn func(m *memory, off uint64, i, k int)) error {
-	d.mu.Lock()
-	defer d.mu.Unlock()
-	dv, err := d.device(dev)
-	if err != nil {
-		return err
-	}
-	type piece struct {
-		m      *memory
-		off    uint64
-		i, len int
-	}
-	var pieces []piece
-	for done := uint64(0); done < n; {
-		mp, off, ok := dv.mappedAt(p + cuda.Ptr(done))
-		if !ok {
-			return cuda.ErrInvalidValue
-		}
-		k := min(n-done, mp.size-off)
-		pieces = append(pieces, piece{mp.phys.mem, off, int(done), int(k)})
-		done += k
-	}
-	machine.mu.Lock()
-	defer machine.mu.Unlock()
-	for _, pc := range pieces {
-		fn(pc.m, pc.off, pc.i, pc.len)
-	}
-	return nil
 }

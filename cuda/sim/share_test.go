@@ -1,9 +1,7 @@
 package sim_test
 
 import (
-	"errors"
 	"fmt"
-	"strings"
 	"sync"
 	"syscall"
 	"testing"
@@ -65,7 +63,7 @@ func TestShareDescriptorBothWays(t *testing.T) {
 	h, err := exp.MemCreateShareable(0, 2*gran, cuda.ShareablePOSIXFD)
 	require.NoError(t, err)
 	p := mapNew(t, exp, h, 2*gran)
-	require.NoError(t, exp.WriteMemory(0, p+cuda.Ptr(gran)-3, []byte("across a granule")))
+	require.NoError(t, exp.WriteDevice(0, p+cuda.Ptr(gran)-3, []byte("across a granule")))
 
 	sh, err := exp.MemExportShareable(0, h, cuda.ShareablePOSIXFD)
 	require.NoError(t, err)
@@ -75,11 +73,11 @@ func TestShareDescriptorBothWays(t *testing.T) {
 	ih := importFD(t, imp, exp.PID(), sh.FD)
 	assert.Empty(t, imp.OpenFDs(), "the importer closed what it duplicated")
 	q := mapNew(t, imp, ih, 2*gran)
-	got, err := imp.ReadMemory(0, q+cuda.Ptr(gran)-3, 16)
+	got, err := imp.ReadDevice(0, q+cuda.Ptr(gran)-3, 16)
 	require.NoError(t, err)
 	assert.Equal(t, "across a granule", string(got))
-	require.NoError(t, imp.WriteMemory(0, q, []byte("reply")))
-	got, err = exp.ReadMemory(0, p, 5)
+	require.NoError(t, imp.WriteDevice(0, q, []byte("reply")))
+	got, err = exp.ReadDevice(0, p, 5)
 	require.NoError(t, err)
 	assert.Equal(t, "reply", string(got))
 
@@ -100,7 +98,7 @@ func TestShareDescriptorBothWays(t *testing.T) {
 	assert.Equal(t, 2*gran, exp.Used(0), "still held by the importer")
 	free, _, _ := exp.MemGetInfo(0)
 	assert.Equal(t, 64*mib-2*gran, free)
-	got, err = imp.ReadMemory(0, q, 5)
+	got, err = imp.ReadDevice(0, q, 5)
 	require.NoError(t, err)
 	assert.Equal(t, "reply", string(got), "the importer's memory outlives the exporter's handle")
 
@@ -123,7 +121,7 @@ func TestShareFabric(t *testing.T) {
 	h, err := exp.MemCreateShareable(0, gran, cuda.ShareableFabric)
 	require.NoError(t, err)
 	p := mapNew(t, exp, h, gran)
-	require.NoError(t, exp.WriteMemory(0, p+100, []byte{1, 2, 3}))
+	require.NoError(t, exp.WriteDevice(0, p+100, []byte{1, 2, 3}))
 	sh, err := exp.MemExportShareable(0, h, cuda.ShareableFabric)
 	require.NoError(t, err)
 	again, err := exp.MemExportShareable(0, h, cuda.ShareableFabric)
@@ -134,7 +132,7 @@ func TestShareFabric(t *testing.T) {
 	ih, err := imp.MemImportShareable(0, sh)
 	require.NoError(t, err)
 	q := mapNew(t, imp, ih, gran)
-	got, err := imp.ReadMemory(0, q+100, 3)
+	got, err := imp.ReadDevice(0, q+100, 3)
 	require.NoError(t, err)
 	assert.Equal(t, []byte{1, 2, 3}, got)
 
@@ -287,7 +285,7 @@ func TestShareRefusals(t *testing.T) {
 	assert.ErrorIs(t, d.ProbeFabric(0), cuda.ErrNotSupported)
 	assert.Equal(t, 2*gran, d.Used(0), "refusals allocate nothing")
 
-	_, err = d.ReadMemory(0, 0x1000, 4)
+	_, err = d.ReadDevice(0, 0x1000, 4)
 	assert.ErrorIs(t, err, cuda.ErrInvalidValue, "contents of unmapped memory")
 	_, _, ok := d.PhysicalAt(0, 0x1000)
 	assert.False(t, ok)
@@ -399,26 +397,4 @@ func TestShareConcurrentProcesses(t *testing.T) {
 		assert.Zero(t, d.Used(0), "process %d", i)
 		assert.Empty(t, d.OpenFDs(), "process %d", i)
 	}
-}
-
-// Contents survive moving a physical page to another address, as stitching
-// does: unmap, map elsewhere, read.
-func TestShareContentsFollowThePage(t *testing.T) {
-	d := sim.New(sim.Options{})
-	h, err := d.MemCreate(0, gran)
-	require.NoError(t, err)
-	p := mapNew(t, d, h, gran)
-	require.NoError(t, d.WriteMemory(0, p+cuda.Ptr(gran)-4, []byte("page")))
-	require.NoError(t, d.MemUnmap(0, p, gran))
-	_, err = d.ReadMemory(0, p, 1)
-	require.ErrorIs(t, err, cuda.ErrInvalidValue)
-	q := mapNew(t, d, h, gran)
-	got, err := d.ReadMemory(0, q+cuda.Ptr(gran)-4, 4)
-	require.NoError(t, err)
-	assert.Equal(t, "page", string(got))
-	err = d.WriteMemory(0, q+cuda.Ptr(gran)-2, []byte("over the end"))
-	assert.True(t, errors.Is(err, cuda.ErrInvalidValue) && !strings.Contains(string(got), "over"))
-	got, err = d.ReadMemory(0, q+cuda.Ptr(gran)-4, 4)
-	require.NoError(t, err)
-	assert.Equal(t, "page", string(got), "a refused write writes nothing")
 }

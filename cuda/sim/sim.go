@@ -42,8 +42,13 @@
 // capture through events (StreamWaitEvent), in graph.go; graphs are never
 // replayed.
 //
-// What it does not model: memory contents (but for tests, see the opt-in
-// content model of contents.go), kernels, replay, cross-stream
+// Memory contents are modelled in contents.go, always on and free until
+// something writes: the bytes of each physical allocation (device or pinned
+// host), written and read by tests as a kernel or the CPU would, moved by
+// asynchronous copies when their streams complete them, shared by every
+// process that maps the allocation, and lost with its last reference.
+//
+// What it does not model: kernels, replay, cross-stream
 // dependencies outside capture (StreamWaitEvent between streams that do not
 // capture has no effect), the legacy stream's implicit synchronisation
 // (ErrCaptureImplicit), contexts and the current device, streams belonging
@@ -67,9 +72,9 @@
 // handle kinds, cuMemExportToShareableHandle, pidfd_open + pidfd_getfd,
 // cuMemImportFromShareableHandle), the mechanism of PyTorch's IPC of
 // expandable segments, is modelled in share.go: each Driver is a process
-// with an id and a descriptor table, physical memory is reference counted
-// across processes, and the contents of VMM-mapped memory can be written
-// and read, so that one process's writes show through another's mapping.
+// with an id and a descriptor table, and physical memory is reference
+// counted across processes, so that its contents (contents.go) show through
+// every process's mapping.
 package sim
 
 import (
@@ -147,7 +152,7 @@ type Driver struct {
 	violations   int64    // guarded by mu
 	violationLog []string // guarded by mu
 
-	cp copyState // guarded by mu; pinned host memory, copies, contents (copy.go)
+	cp copyState // guarded by mu; pinned host memory and copies (copy.go)
 }
 
 type device struct {
@@ -162,6 +167,10 @@ type device struct {
 	allocs     int64
 	frees      int64
 	failAllocs int // MemAlloc and MemCreate calls still to fail
+
+	// allocMem holds the contents of live allocations, each made when
+	// first touched (contents.go).
+	allocMem map[cuda.Ptr]*memory
 
 	vmm vmmState // virtual memory management (vmm.go)
 	ipc ipcState // CUDA IPC (ipc.go)
@@ -446,6 +455,7 @@ func (d *Driver) MemFree(dev int, p cuda.Ptr) error {
 	}
 	d.ipcFreed(tid, dev, p)
 	delete(dv.live, p)
+	dv.freeContents(p)
 	dv.used -= size
 	dv.frees++
 	return nil
@@ -607,6 +617,7 @@ func (d *Driver) EventSynchronize(dev int, e cuda.Event) error {
 	}
 	st := d.stream(ev.s)
 	st.completed = max(st.completed, ev.target)
+	d.applyCopies()
 	return nil
 }
 
@@ -723,6 +734,7 @@ func (d *Driver) Complete(s cuda.Stream) {
 	defer d.mu.Unlock()
 	st := d.stream(s)
 	st.completed = st.submitted
+	d.applyCopies()
 }
 
 // CompleteAll completes all work on every stream.
@@ -737,6 +749,7 @@ func (d *Driver) completeAll() {
 	for _, st := range d.streams {
 		st.completed = st.submitted
 	}
+	d.applyCopies()
 }
 
 // The test controls and counters below panic on a bad device index: that is
