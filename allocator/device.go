@@ -94,6 +94,12 @@ func (d *device) malloc(size uint64, s cuda.Stream, capture uint64) (cuda.Ptr, e
 	if d.tag = TagDefault; d.routed || !b.Pool.ID.IsDefault() {
 		d.tag = d.privateTag(b)
 	}
+	// A block with spare bytes (handed out whole: its remainder was too
+	// small to split) that shares its segment is left to Go (front.go,
+	// "Spare bytes").
+	if b.Size != r.Size && b.IsSplit() {
+		d.tag = TagNone
+	}
 	b.Context = d.hist.op
 	if d.hist.on {
 		d.recordAllocOn(b, s)

@@ -71,6 +71,21 @@ package allocator
 // And a hit does not look at the events of blocks freed while other
 // streams used them (a malloc through Go does, first): such a block becomes
 // free, and leaves the active statistics, at the next call into Go.
+//
+// Spare bytes. Placement shows in the statistics through one thing: a block
+// handed out whole although it is larger than its rounded request (the
+// large pools split a block only if more than the small pool's limit would
+// remain, so a 10 MiB - 512 request in a 20 MiB segment whose other half is
+// allocated gets the 10 MiB + 512 tail). Freed, such a block merges with its
+// free neighbours and best fit chooses afresh for the next request of its
+// size; the front, reusing it as it is, would pass its spare bytes from
+// tensor to tensor, and active_bytes and allocated_bytes would count them
+// where PyTorch's do not (a capture whose result lands on it:
+// test_graph_memory_stats_and_use_result_after_destroy_graph in PyTorch's
+// test_cuda.py; capi/ctest/test_front.c, graph_memory_stats). So such a
+// block, if it shares its segment, is not tracked. A whole segment with
+// spare bytes (a large request rounded up to the segment size) merges with
+// nothing, and best fit would hand it out as it is again: it is tracked.
 
 import (
 	"fmt"
