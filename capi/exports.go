@@ -14,7 +14,6 @@ import (
 	"encoding/json"
 	"strconv"
 	"sync"
-	"sync/atomic"
 
 	"github.com/cudapool/cudapool/allocator"
 	"github.com/cudapool/cudapool/cuda"
@@ -22,57 +21,37 @@ import (
 	"github.com/cudapool/cudapool/pools"
 )
 
-//export cpgo_malloc
-func cpgo_malloc(size C.size_t, dev C.int, stream C.uintptr_t, track *C.int) C.uintptr_t {
-	defer guardMalloc()
-	st := load()
-	if st.err != nil {
-		setError(st.err.Error())
-		return 0
-	}
-	keeper.Touch()
-	var frees []allocator.PendingFree
-	if C.cp_freeq_n != 0 {
-		var buf [C.CP_FREEQ_CAP]allocator.PendingFree
-		frees = takeFrees(&buf)
-	}
-	p, tr, err, ferr := st.a.MallocTracked(int(dev), uint64(size), cuda.Stream(stream), 0, frees)
-	if err != nil || ferr != nil || track == nil {
-		return mallocEnd(p, tr, err, ferr, track)
-	}
-	if tr != 0 {
-		*track = C.int(tr)
-	}
-	return C.uintptr_t(p)
-}
-
-// The malloc exports call MallocTracked themselves (a call layer less) and
-// end as follows: *track is set when the front cache may track the block
-// (allocator/front.go); failures, and the NULL track of this package's
-// tests, are handled out of line by mallocEnd:
+// The malloc export (torchabi.go's cpgo_malloc_ctx, the only one) calls
+// MallocTracked itself (a call layer less) and ends as follows: *out is
+// what the front cache may do with the block (allocator/front.go,
+// Tracking); failures, and the NULL out of this package's tests, are
+// handled out of line by mallocEnd:
 //
-//	if err != nil || ferr != nil || track == nil {
-//		return mallocEnd(p, tr, err, ferr, track)
+//	if err != nil || ferr != nil || out == nil {
+//		return mallocEnd(p, tr, err, ferr, out)
 //	}
-//	if tr != 0 {
-//		*track = C.int(tr)
-//	}
+//	*out = trackC(tr)
 //	return C.uintptr_t(p)
 //
 // (A helper holding those lines is not inlined: over the inliner's budget.)
 
+// trackC is tr for the C front.
+func trackC(tr allocator.Tracking) C.cp_track {
+	return C.cp_track{tag: C.uint32_t(tr.Tag), route: C.uint32_t(tr.Route), phases: C.uint32_t(tr.Phases)}
+}
+
 // mallocEnd ends a malloc whose queued frees (ferr) or own allocation (err)
-// failed, or whose track is NULL.
+// failed, or whose out is NULL.
 //
 //go:noinline
-func mallocEnd(p cuda.Ptr, tr uint32, err, ferr error, track *C.int) C.uintptr_t {
+func mallocEnd(p cuda.Ptr, tr allocator.Tracking, err, ferr error, out *C.cp_track) C.uintptr_t {
 	reportFreeError(ferr)
 	if err != nil {
 		failMalloc(err)
 		return 0
 	}
-	if tr != 0 && track != nil {
-		*track = C.int(tr)
+	if out != nil {
+		*out = trackC(tr)
 	}
 	return C.uintptr_t(p)
 }
@@ -86,34 +65,6 @@ func cpgo_free_batch(frees *C.cp_pending_free, n C.size_t) {
 	}
 	keeper.Touch()
 	reportFreeError(st.a.FreeMany(pendingFrees(frees, n)))
-}
-
-// torchAnnounced is set once cudapool_torch_malloc has told the allocator
-// that every capture is announced (PyTorch calls the begin hook for each).
-var torchAnnounced atomic.Bool
-
-//export cpgo_torch_malloc
-func cpgo_torch_malloc(size C.size_t, dev C.int, stream C.uintptr_t, frees *C.cp_pending_free, nfrees C.size_t, track *C.int) C.uintptr_t {
-	defer guardMalloc()
-	st := load()
-	if st.err != nil {
-		setError(st.err.Error())
-		return 0
-	}
-	keeper.Touch()
-	a := st.a
-	if !torchAnnounced.Load() {
-		a.ExpectAnnouncements()
-		torchAnnounced.Store(true)
-	}
-	p, tr, err, ferr := a.MallocTracked(int(dev), uint64(size), cuda.Stream(stream), 0, pendingFrees(frees, nfrees))
-	if err != nil || ferr != nil || track == nil {
-		return mallocEnd(p, tr, err, ferr, track)
-	}
-	if tr != 0 {
-		*track = C.int(tr)
-	}
-	return C.uintptr_t(p)
 }
 
 //export cpgo_free
@@ -226,8 +177,7 @@ func cpgo_begin_allocate_to_pool(dev C.int, a, b C.ulonglong, filter, ctx C.uint
 	k := key(dev, a, b)
 	stdFilters.mu.Lock()
 	defer stdFilters.mu.Unlock()
-	ref := allocator.FilterRef{Kind: C.CP_ROUTE_C, A: uintptr(filter), B: uintptr(ctx)}
-	if err := al.BeginAllocateToPoolRef(k.dev, k.id, cFilter(filter, ctx), ref); err != nil {
+	if err := al.BeginAllocateToPool(k.dev, k.id, cFilter(filter, ctx)); err != nil {
 		fail(err)
 	}
 }
@@ -248,8 +198,7 @@ func cpgo_torch_begin_allocate_to_pool(dev C.int, a, b C.ulonglong, handle C.uin
 	k := key(dev, a, b)
 	stdFilters.mu.Lock()
 	defer stdFilters.mu.Unlock()
-	ref := allocator.FilterRef{Kind: C.CP_ROUTE_STD, A: uintptr(handle)}
-	if err := al.BeginAllocateToPoolRef(k.dev, k.id, stdFilter(handle), ref); err != nil {
+	if err := al.BeginAllocateToPool(k.dev, k.id, stdFilter(handle)); err != nil {
 		fail(err)
 		return
 	}

@@ -184,10 +184,9 @@ const (
 	_ = 0 - (uint8(C.CP_OP_CYCLES) ^ uint8(allocator.OpCycles))
 	_ = 0 - (uint8(C.CP_OP_RELEASE) ^ uint8(allocator.OpRelease))
 	_ = 0 - (uint8(C.CP_OP_HOLD) ^ uint8(allocator.OpHold))
-	// The front's route kind and tag for a nil filter and the default pools.
-	_ = 0 - (uint8(C.CP_ROUTE_ALL) ^ allocator.FilterAll)
+	// The front's tags for the default pools and for a block it may hold.
 	_ = 0 - (uint32(1) ^ allocator.TagDefault)
-	_ = 0 - (uint32(C.CP_TAG_HOLD_SMALL) ^ allocator.TagHoldSmall)
+	_ = 0 - (uint32(C.CP_TAG_HOLD) ^ allocator.TagHold)
 )
 
 // reportFreeError reports a failed queued free: PyTorch ignores the result
@@ -291,7 +290,7 @@ func parseBytes(s string) (uint64, error) {
 
 // poison disables the library after an internal error.
 func poison(err error) {
-	C.cp_front_set_on(0) // the front serves nothing for a disabled library
+	frontOff() // the front serves nothing for a disabled library
 	old := current.Load()
 	st := &state{err: err}
 	if old != nil {

@@ -26,31 +26,29 @@ import (
 )
 
 //export cpgo_malloc_ctx
-func cpgo_malloc_ctx(size C.size_t, dev C.int, stream C.uintptr_t, ctx C.ulonglong, frees *C.cp_pending_free, nfrees C.size_t, track *C.int) C.uintptr_t {
+func cpgo_malloc_ctx(size C.size_t, dev C.int, stream C.uintptr_t, ctx C.ulonglong, frees *C.cp_pending_free, nfrees C.size_t, out *C.cp_track) C.uintptr_t {
 	defer guardMalloc()
 	st := current.Load()
 	if st == nil || st.err != nil {
 		// The process's first call (load initializes the state, and this
 		// function runs again), or a failed state; out of line.
-		return mallocCtxNoState(size, dev, stream, ctx, frees, nfrees, track)
+		return mallocCtxNoState(size, dev, stream, ctx, frees, nfrees, out)
 	}
 	keeper.Touch()
 	p, tr, err, ferr := st.a.MallocTracked(int(dev), uint64(size), cuda.Stream(stream), uint64(ctx), pendingFrees(frees, nfrees))
-	if err != nil || ferr != nil || track == nil {
-		return mallocEnd(p, tr, err, ferr, track)
+	if err != nil || ferr != nil || out == nil {
+		return mallocEnd(p, tr, err, ferr, out)
 	}
-	if tr != 0 {
-		*track = C.int(tr)
-	}
+	*out = trackC(tr)
 	return C.uintptr_t(p)
 }
 
 //go:noinline
-func mallocCtxNoState(size C.size_t, dev C.int, stream C.uintptr_t, ctx C.ulonglong, frees *C.cp_pending_free, nfrees C.size_t, track *C.int) C.uintptr_t {
+func mallocCtxNoState(size C.size_t, dev C.int, stream C.uintptr_t, ctx C.ulonglong, frees *C.cp_pending_free, nfrees C.size_t, out *C.cp_track) C.uintptr_t {
 	if st := load(); st.err != nil {
 		return failState(st)
 	}
-	return cpgo_malloc_ctx(size, dev, stream, ctx, frees, nfrees, track)
+	return cpgo_malloc_ctx(size, dev, stream, ctx, frees, nfrees, out)
 }
 
 // failMalloc records a failed malloc, and for out of memory the numbers
@@ -83,7 +81,6 @@ func cpgo_expect_announced() {
 	defer guard("expect_announced_captures")
 	if a := ready(); a != nil {
 		a.ExpectAnnouncements()
-		torchAnnounced.Store(true)
 	}
 }
 
