@@ -117,27 +117,7 @@ type device struct {
 	underway *atomic.Int64 // the allocator's count of captures under way
 	graphs   graphs.Router // guarded by mu
 	hist     deviceHistory // guarded by mu (history.go)
-	// front is the allocator's Front (nil: none), set before use;
-	// frontBuf receives its log, guarded by mu (front.go). frontFlag, if
-	// not nil, is where front's Pending(id) reads (a FrontFlags).
-	front     Front
-	frontFlag *int32
-	frontHeld *int32 // with frontFlag: where Holding(id) reads
-	frontBuf  []PendingFree
-	fc        *frontCtl // the allocator's
-	// tag is the front tag of the last malloc's block (routing.go), set
-	// when it succeeds; routed: that malloc routed to the private pool
-	// routedTo (which only mallocSetup writes, so that the usual malloc
-	// stores no pointer). Guarded by mu.
-	tag      uint32
-	routed   bool
-	routedTo *privatepool.Pool
-	// routesOK: the front routes the device's allocate-to-pool phases;
-	// routeBuf: pushRoutes's scratch; blocked: counted in fc.blocked
-	// (routing.go). Guarded by mu.
-	routesOK bool
-	routeBuf []FrontRoute
-	blocked  bool
+	front    frontState    // the front cache's (front.go)
 
 	id        int
 	drv       Driver
@@ -190,7 +170,7 @@ func New(drv Driver, cfg Config) (*Allocator, error) {
 	for i := 0; i < n; i++ {
 		d := &device{id: i, drv: drv, underway: &a.underway, announced: &a.announced, gate: &a.gate, cache: pools.NewCache(cfg.Pools), ev: events.New(drv, i)}
 		d.hist.labels = &a.hist.labels
-		d.fc = &a.front
+		d.front.ctl = &a.front
 		d.debug = cfg.DebugChecks
 		d.freeSeg = d.freeSegment
 		d.newPools = func(id pools.PoolID) (*pools.BlockPool, *pools.BlockPool) {
@@ -538,6 +518,7 @@ func (a *Allocator) RecordStream(p cuda.Ptr, s cuda.Stream) error {
 		return a.explainUnknown("record_stream", -1, p)
 	}
 	events.RecordUse(b, s)
+	d.invalidate(p) // its free must wait for s's work, which only Go sees
 	d.mu.Unlock()
 	return nil
 }
@@ -658,20 +639,16 @@ func (a *Allocator) SetMemoryFraction(dev int, fraction float64) error {
 // BeginAllocateToPool routes the allocations on dev whose stream filter
 // accepts (nil: all streams) to the private pool id until EndAllocateToPool.
 func (a *Allocator) BeginAllocateToPool(dev int, id PoolID, filter func(cuda.Stream) bool) error {
-	return a.BeginAllocateToPoolRef(dev, id, filter, FilterRef{})
-}
-
-func (a *Allocator) beginAllocateToPool(dev int, id PoolID, filter func(cuda.Stream) bool, ref FilterRef) error {
 	d, err := a.device("begin_allocate_to_pool", dev)
 	if err != nil {
 		return err
 	}
 	d.lock()
 	defer d.mu.Unlock()
-	if err := d.graphs.BeginRef(id, filter, ref, d.newPools); err != nil {
+	if err := d.graphs.Begin(id, filter, d.newPools); err != nil {
 		return poolError("begin_allocate_to_pool", err)
 	}
-	d.pushRoutes()
+	d.pushPhases()
 	a.announced.Store(true)
 	d.countCaptures()
 	// The capture is counted: wait for the unsafe sections of the other
@@ -693,7 +670,7 @@ func (a *Allocator) EndAllocateToPool(dev int, id PoolID) error {
 	if err := d.graphs.End(id); err != nil {
 		return poolError("end_allocate_to_pool", err)
 	}
-	d.pushRoutes()
+	d.pushPhases()
 	d.countCaptures()
 	d.trimUnused(id)
 	return nil
@@ -813,15 +790,14 @@ func (a *Allocator) MallocAfterFrees(dev int, size uint64, s cuda.Stream, ctx ui
 	return p, err, freeErr
 }
 
-// MallocTracked is MallocAfterFrees that also reports whether the block may
-// be tracked by the allocator's Front (front.go): a default-pool block
-// allocated while the front may serve.
+// MallocTracked is MallocAfterFrees that also tells the allocator's Front
+// what it may do with the block and the route (front.go, Tracking).
 //
 // It is the PyTorch class's path (a queued free or two, then a malloc), so
 // its common case is kept short: the rare cases (a request MallocCtx
 // refuses or sends to the driver, captures nobody announces, frees of other
 // devices, errors) leave it through functions of their own.
-func (a *Allocator) MallocTracked(dev int, size uint64, s cuda.Stream, ctx uint64, frees []PendingFree) (p cuda.Ptr, track uint32, err, freeErr error) {
+func (a *Allocator) MallocTracked(dev int, size uint64, s cuda.Stream, ctx uint64, frees []PendingFree) (p cuda.Ptr, tr Tracking, err, freeErr error) {
 	// size-1 >= MaxRequest-1: size is 0 or at least MaxRequest.
 	if uint(dev) >= uint(len(a.devs)) || size-1 >= pools.MaxRequest-1 || a.cachingOff.Load() || a.uncN.Load() != 0 {
 		return a.mallocTrackedElse(dev, size, s, ctx, frees)
@@ -829,7 +805,7 @@ func (a *Allocator) MallocTracked(dev int, size uint64, s cuda.Stream, ctx uint6
 	var capture uint64
 	if !a.announced.Load() {
 		if capture, err = a.unannouncedCapture(dev, s); err != nil {
-			return 0, TagNone, err, a.FreeMany(frees)
+			return 0, Tracking{}, err, a.FreeMany(frees)
 		}
 	}
 	d := a.devs[dev]
@@ -860,8 +836,8 @@ func (a *Allocator) MallocTracked(dev int, size uint64, s cuda.Stream, ctx uint6
 	d.hist.begin(ctx, HistoryState)
 	p, err = d.malloc(size, s, capture)
 	d.hist.end()
-	if err == nil && d.front != nil && a.front.on.Load() {
-		track = d.tag
+	if err == nil && d.front.f != nil && a.front.on.Load() {
+		tr = d.front.tracking(size)
 	}
 	if d.debug {
 		d.mustCheck()
@@ -870,7 +846,7 @@ func (a *Allocator) MallocTracked(dev int, size uint64, s cuda.Stream, ctx uint6
 	if others > 0 || freeErr != nil {
 		freeErr = a.freeOthers(dev, frees, &done, freeErr)
 	}
-	return p, track, err, freeErr
+	return p, tr, err, freeErr
 }
 
 // mallocTrackedElse is MallocTracked for a device that does not exist, a
@@ -878,10 +854,10 @@ func (a *Allocator) MallocTracked(dev int, size uint64, s cuda.Stream, ctx uint6
 // the frees, then MallocCtx.
 //
 //go:noinline
-func (a *Allocator) mallocTrackedElse(dev int, size uint64, s cuda.Stream, ctx uint64, frees []PendingFree) (p cuda.Ptr, track uint32, err, freeErr error) {
+func (a *Allocator) mallocTrackedElse(dev int, size uint64, s cuda.Stream, ctx uint64, frees []PendingFree) (p cuda.Ptr, tr Tracking, err, freeErr error) {
 	freeErr = a.FreeMany(frees)
 	p, err = a.MallocCtx(dev, size, s, ctx)
-	return p, TagNone, err, freeErr
+	return p, Tracking{}, err, freeErr
 }
 
 // freeUnknownDevice performs, under MallocTracked's lock of d, the free f

@@ -146,12 +146,14 @@ func (a *Allocator) RestoreCheckpoint(dev int, cp *Checkpoint) (RestoreResult, e
 		// No other stream uses b (CheckLayout): it goes straight back to
 		// the pool, with no event and no driver call.
 		res.Freed = append(res.Freed, b.Ptr)
+		d.invalidate(b.Ptr) // freed here, and allocated again below, behind the front's back
 		d.cache.Release(b)
 		d.record(actionFreeRequested, b.Ptr, b.Requested, b.Stream, b.Pool.ID, d.hist.ctxOr(b.Context))
 		d.returnBlock(b)
 	}
 	for _, b := range d.cache.RestoreLayout(pp.Small, pp.Large, cp.segs) {
 		res.Allocated = append(res.Allocated, b.Ptr)
+		d.invalidate(b.Ptr)
 		d.record(actionAlloc, b.Ptr, b.Requested, b.Stream, b.Pool.ID, b.Context)
 	}
 	if d.debug {

@@ -63,7 +63,7 @@ func (d *device) countCaptures() {
 		d.underway.Add(n - d.counted)
 		d.counted = n
 		d.frontBlocked(n)
-		d.fc.sync()
+		d.front.ctl.sync()
 	}
 }
 
@@ -76,7 +76,7 @@ func (d *device) malloc(size uint64, s cuda.Stream, capture uint64) (cuda.Ptr, e
 	} else {
 		// No capture known or counted anywhere and no event pending:
 		// mallocSetup would find nothing to do and the default pools.
-		d.routed = false
+		d.front.routed = false
 	}
 	var r pools.Request
 	d.cache.SetRequest(&r, size, s, small, large)
@@ -91,8 +91,14 @@ func (d *device) malloc(size uint64, s cuda.Stream, capture uint64) (cuda.Ptr, e
 	}
 	b = d.cache.Allocate(&r, b)
 	// A block borrowed from a private pool under OOM (grow) is not tracked.
-	if d.tag = TagDefault; d.routed || !b.Pool.ID.IsDefault() {
-		d.tag = d.privateTag(b)
+	if d.front.tag = TagDefault; d.front.routed || !b.Pool.ID.IsDefault() {
+		d.front.tag = d.privateTag(b)
+	}
+	// A block with spare bytes (handed out whole: its remainder was too
+	// small to split) that shares its segment is left to Go (front.go,
+	// "Spare bytes").
+	if b.Size != r.Size && b.IsSplit() {
+		d.front.tag = TagNone
 	}
 	b.Context = d.hist.op
 	if d.hist.on {
@@ -119,9 +125,12 @@ func (d *device) mallocSetup(s cuda.Stream, capture uint64) (small, large *pools
 		d.processEvents()
 	}
 	small, large = d.cache.Small, d.cache.Large
-	d.routedTo = d.graphs.Route(s, capture, d.newPools)
-	d.routed = d.routedTo != nil
-	if p := d.routedTo; p != nil {
+	p := d.graphs.Route(s, capture, d.newPools)
+	d.front.routedTo, d.front.routed = p, p != nil
+	if p != nil {
+		if d.front.route = TagNone; !p.Auto {
+			d.front.route = PoolTag(p.Serial)
+		}
 		small, large = p.Small, p.Large
 		capturing = true
 		d.countCaptures() // Route may have met a new unannounced capture
@@ -365,8 +374,8 @@ func (d *device) releaseCached(op string) error {
 // (BlockPool.Releasable) and no released private pool. Each test reads a
 // field. torch.cuda.graph calls empty_cache before every capture, after
 // the interpreter has made the caches cold, and the full path's dozen
-// functions then cost about 10 us on the development box (docs/hot-path.md
-// section 23). d.mu is held.
+// functions then cost about 10 us on the development box (docs/hot-path.md,
+// "During graph captures"). d.mu is held.
 func (d *device) nothingToRelease() bool {
 	return d.ev.Empty() && len(d.reuse.markers)+len(d.reuse.seen) == 0 &&
 		len(d.spare)+len(d.orphans) == 0 && len(d.stitch.lent)+len(d.stitch.markers) == 0 &&

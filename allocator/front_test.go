@@ -10,8 +10,13 @@ import (
 	"github.com/stretchr/testify/require"
 )
 
-// fakeFront is a Go stand-in for capi's C front: a log the test fills.
-type fakeFront struct{ log []allocator.PendingFree }
+// fakeFront is a Go stand-in for capi's C front: a log the test fills; it
+// keeps the policies it is given and the pointers Go invalidates.
+type fakeFront struct {
+	log      []allocator.PendingFree
+	policies []allocator.FrontPolicy
+	invalid  []cuda.Ptr
+}
 
 func (f *fakeFront) Pending(dev int) bool { return len(f.log) != 0 }
 func (f *fakeFront) Holding(dev int) bool { return false }
@@ -20,8 +25,17 @@ func (f *fakeFront) Take(dev int, buf []allocator.PendingFree, keep bool) []allo
 	f.log = f.log[:0]
 	return buf
 }
-func (f *fakeFront) SetEnabled(on bool) {}
-func (f *fakeFront) Capacity() int      { return 64 }
+func (f *fakeFront) SetPolicy(p *allocator.FrontPolicy) {
+	c := *p
+	c.Phases = append([]uint32(nil), p.Phases...)
+	f.policies = append(f.policies, c)
+}
+func (f *fakeFront) Invalidate(dev int, p cuda.Ptr) { f.invalid = append(f.invalid, p) }
+func (f *fakeFront) Capacity() int                  { return 64 }
+func (f *fakeFront) policy() allocator.FrontPolicy  { return f.policies[len(f.policies)-1] }
+
+// small is the tag of a default-pool block the front may hold.
+const small = allocator.TagDefault | allocator.TagHold
 
 // flagFront is fakeFront with the word its Pending reads, offered as an
 // allocator.FrontFlags (as capi's C front does).
@@ -47,9 +61,9 @@ func TestFrontFlagsReplay(t *testing.T) {
 	f := &flagFront{}
 	a.SetFront(f)
 	a.ExpectAnnouncements()
-	p, track, err, _ := a.MallocTracked(0, 4096, 0, 0, nil)
+	p, tr, err, _ := a.MallocTracked(0, 4096, 0, 0, nil)
 	require.NoError(t, err)
-	require.Equal(t, allocator.TagDefault, track)
+	require.Equal(t, allocator.Tracking{Tag: small}, tr)
 	f.log = append(f.log, allocator.PendingFree{Ptr: p, Op: allocator.OpFree})
 	st, _ := a.Stats(0)
 	require.EqualValues(t, 1, st.Allocation[0].Current, "the word is 0: nothing to replay")
@@ -64,9 +78,9 @@ func TestFrontReplayAllocatesNothing(t *testing.T) {
 	f := &fakeFront{log: make([]allocator.PendingFree, 0, 64)}
 	a := frontAlloc(t, 8*GiB, f)
 	require.True(t, a.FrontEnabled())
-	p, track, err, _ := a.MallocTracked(0, 4096, 0, 0, nil)
+	p, tr, err, _ := a.MallocTracked(0, 4096, 0, 0, nil)
 	require.NoError(t, err)
-	require.Equal(t, allocator.TagDefault, track)
+	require.Equal(t, small, tr.Tag)
 	allocs := testing.AllocsPerRun(1000, func() {
 		f.log = append(f.log,
 			allocator.PendingFree{Ptr: p, Op: allocator.OpFreeStats},
@@ -99,109 +113,120 @@ func TestFrontTracksBorrowedBlock(t *testing.T) {
 	cached := oomPoolBlock(t, a, pool)
 	require.True(t, a.FrontEnabled())
 	require.NoError(t, a.Free(0, cached, 0))
-	p, track, err, _ := a.MallocTracked(0, 60*MiB, 5, 0, nil)
+	p, tr, err, _ := a.MallocTracked(0, 60*MiB, 5, 0, nil)
 	require.NoError(t, err)
 	require.Equal(t, cached, p)
 	require.True(t, inPool(t, a, pool, p), "a private pool's block")
-	require.Equal(t, allocator.TagNone, track, "the front must not track a private pool's block")
+	require.Equal(t, allocator.Tracking{}, tr, "the front must not track a private pool's block")
 }
 
-// routerFront is fakeFront as an allocator.FrontRouter: it keeps the routes
-// it is given.
-type routerFront struct {
-	fakeFront
-	routes [][]allocator.FrontRoute // per call of SetRoutes
-	on     bool
-	refuse bool // SetRoutes reports that it cannot route
+// The policy SetFront pushes: off until captures are announced, the hold
+// limit and cold mode's numbers, no phases.
+func TestFrontPolicy(t *testing.T) {
+	lockThread(t)
+	f := &fakeFront{}
+	a, _ := newAlloc(t, 2, 8*GiB, "")
+	a.SetFront(f)
+	p := f.policy()
+	require.False(t, p.On, "captures not announced yet")
+	require.Equal(t, 64, p.Hold)
+	require.Equal(t, []int{256, 4096, 6}, []int{p.ColdWindow, p.ColdSkip, p.ColdMaxShift})
+	require.Equal(t, []uint32{0, 0}, p.Phases)
+	a.ExpectAnnouncements()
+	require.True(t, f.policy().On)
+	require.NoError(t, a.RecordHistory(allocator.HistoryOptions{Enabled: true, MaxEntries: 10}))
+	require.False(t, f.policy().On, "memory history turns it off")
+	require.NoError(t, a.RecordHistory(allocator.HistoryOptions{}))
+	require.True(t, f.policy().On)
 }
 
-func (f *routerFront) SetEnabled(on bool) { f.on = on }
-func (f *routerFront) SetRoutes(dev int, routes []allocator.FrontRoute) bool {
-	f.routes = append(f.routes, append([]allocator.FrontRoute(nil), routes...))
-	return !f.refuse
-}
-func (f *routerFront) last() []allocator.FrontRoute { return f.routes[len(f.routes)-1] }
-
-// During an allocate-to-pool phase whose filter the front can call, the
-// front keeps serving: it is given the phase, and a block is tracked with
-// the tag of the pool its malloc routed to.
+// During allocate-to-pool phases the front keeps serving whatever the
+// filter: each begin and end gives the device's phases a new generation,
+// and a malloc routed to a phase's pool returns the pool's tag as its
+// route, with the generation; a malloc the filters send to the default
+// pools returns none (only a yes may be kept).
 func TestFrontRoutesPhases(t *testing.T) {
-	f := &routerFront{}
+	f := &fakeFront{}
 	a := frontAlloc(t, 8*GiB, f)
-	require.True(t, f.on)
+	require.True(t, f.policy().On)
 
 	pool := allocator.PoolID{A: 3}
-	ref := allocator.FilterRef{Kind: 2, A: 0x1234, B: 0x5678}
-	require.NoError(t, a.BeginAllocateToPoolRef(0, pool, func(s cuda.Stream) bool { return s == 7 }, ref))
-	require.True(t, a.FrontEnabled(), "the front routes the phase")
-	require.True(t, f.on)
-	require.Len(t, f.last(), 1)
-	route := f.last()[0]
-	require.Equal(t, ref, route.Filter)
-	require.GreaterOrEqual(t, route.Tag, uint32(2), "a private pool's tag")
+	require.NoError(t, a.BeginAllocateToPool(0, pool, func(s cuda.Stream) bool { return s == 7 }))
+	require.True(t, a.FrontEnabled(), "any filter: Go routes")
+	gen1 := f.policy().Phases[0]
+	require.NotZero(t, gen1)
 
-	p, track, err, _ := a.MallocTracked(0, 4096, 7, 0, nil)
+	p, tr, err, _ := a.MallocTracked(0, 4096, 7, 0, nil)
 	require.NoError(t, err)
 	require.True(t, inPool(t, a, pool, p))
-	require.Equal(t, route.Tag, track, "tracked with its pool's tag")
-	q, track, err, _ := a.MallocTracked(0, 4096, 8, 0, nil)
+	tag := tr.Route
+	require.GreaterOrEqual(t, tag, uint32(2), "a private pool's tag")
+	require.Equal(t, allocator.Tracking{Tag: tag | allocator.TagHold, Route: tag, Phases: gen1}, tr,
+		"tracked with its pool's tag; the route and its generation")
+	q, tr, err, _ := a.MallocTracked(0, 4096, 8, 0, nil)
 	require.NoError(t, err)
 	require.False(t, inPool(t, a, pool, q))
-	require.Equal(t, allocator.TagDefault, track, "the filter refuses stream 8: the default pools")
+	require.Equal(t, allocator.Tracking{Tag: small}, tr, "the filter refuses stream 8: the default pools, no route")
 
-	// A second phase, with a nil filter: oldest first, kind FilterAll.
+	// A second phase, with a nil filter: a new generation, and the newest
+	// phase wins.
 	pool2 := allocator.PoolID{A: 4}
-	require.NoError(t, a.BeginAllocateToPoolRef(0, pool2, nil, allocator.FilterRef{}))
-	require.Len(t, f.last(), 2)
-	require.Equal(t, route, f.last()[0])
-	require.Equal(t, allocator.FilterAll, f.last()[1].Filter.Kind)
-	require.NotEqual(t, route.Tag, f.last()[1].Tag)
-	r, track, err, _ := a.MallocTracked(0, 4096, 7, 0, nil)
+	require.NoError(t, a.BeginAllocateToPool(0, pool2, nil))
+	gen2 := f.policy().Phases[0]
+	require.NotZero(t, gen2)
+	require.NotEqual(t, gen1, gen2)
+	r, tr, err, _ := a.MallocTracked(0, 4096, 7, 0, nil)
 	require.NoError(t, err)
 	require.True(t, inPool(t, a, pool2, r), "the newest phase wins")
-	require.Equal(t, f.last()[1].Tag, track)
+	require.NotEqual(t, tag, tr.Route)
+	require.Equal(t, allocator.Tracking{Tag: tr.Route | allocator.TagHold, Route: tr.Route, Phases: gen2}, tr)
 
-	second := f.last()[1]
 	require.NoError(t, a.EndAllocateToPool(0, pool))
-	require.Equal(t, []allocator.FrontRoute{second}, f.last())
+	gen3 := f.policy().Phases[0]
+	require.NotZero(t, gen3)
+	require.NotEqual(t, gen2, gen3, "an end is a new generation too")
 	require.NoError(t, a.EndAllocateToPool(0, pool2))
-	require.Empty(t, f.last())
+	require.Zero(t, f.policy().Phases[0], "no phase under way")
 	require.True(t, a.FrontEnabled())
+	_, tr, err, _ = a.MallocTracked(0, 4096, 7, 0, nil)
+	require.NoError(t, err)
+	require.Equal(t, allocator.Tracking{Tag: small}, tr)
 	for _, x := range []cuda.Ptr{p, q, r} {
 		require.NoError(t, a.Free(0, x, 0))
 	}
 }
 
-// A private pool's blocks are tracked with its pool's tag; with expandable
-// segments the tag carries TagHoldSmall, so that the front holds only small
-// ones across takes (see privateTag). The default pools' are tracked either way.
+// A private pool's blocks are tracked with its pool's tag, held at any
+// size; with expandable segments only small ones may be held (see
+// privateTag). The default pools' are tracked either way, held if small.
 func TestFrontTagsExpandablePrivatePools(t *testing.T) {
 	for _, conf := range []string{"", "expandable_segments:True"} {
 		t.Run(conf, func(t *testing.T) {
 			lockThread(t)
-			f := &routerFront{}
+			f := &fakeFront{}
 			a, _ := newAlloc(t, 1, 8*GiB, conf)
 			a.SetFront(f)
 			a.ExpectAnnouncements()
 			pool := allocator.PoolID{A: 3}
-			require.NoError(t, a.BeginAllocateToPoolRef(0, pool, func(s cuda.Stream) bool { return s == 7 },
-				allocator.FilterRef{Kind: 2, A: 0x1234, B: 0x5678}))
-			require.Len(t, f.last(), 1)
+			require.NoError(t, a.BeginAllocateToPool(0, pool, func(s cuda.Stream) bool { return s == 7 }))
 			var ps, inpool []cuda.Ptr
 			for _, size := range []uint64{4096, 3 * MiB} { // the small and the large pool
-				p, track, err, _ := a.MallocTracked(0, size, 7, 0, nil)
+				p, tr, err, _ := a.MallocTracked(0, size, 7, 0, nil)
 				require.NoError(t, err)
 				inpool = append(inpool, p)
 				require.True(t, inPool(t, a, pool, inpool...))
-				if conf == "" {
-					require.Equal(t, f.last()[0].Tag, track, "tracked with its pool's tag")
-				} else {
-					require.Equal(t, f.last()[0].Tag|allocator.TagHoldSmall, track,
-						"an expandable private pool's block is tracked with its pool's tag, held only if small")
+				want := tr.Route | allocator.TagHold
+				if conf != "" && size > 4096 {
+					want = tr.Route
 				}
-				q, track, err, _ := a.MallocTracked(0, size, 8, 0, nil)
+				require.Equal(t, want, tr.Tag, "tracked with its pool's tag (%d bytes)", size)
+				q, tr, err, _ := a.MallocTracked(0, size, 8, 0, nil)
 				require.NoError(t, err)
-				require.Equal(t, allocator.TagDefault, track, "the default pools' blocks are tracked")
+				want = small
+				if size > 4096 {
+					want = allocator.TagDefault
+				}
+				require.Equal(t, want, tr.Tag, "the default pools' blocks are tracked (%d bytes)", size)
 				ps = append(ps, p, q)
 			}
 			require.NoError(t, a.EndAllocateToPool(0, pool))
@@ -212,44 +237,63 @@ func TestFrontTagsExpandablePrivatePools(t *testing.T) {
 	}
 }
 
-// The front stops serving while a phase it cannot route is under way: a
-// filter only Go can call, a front that refuses the routes, or a front that
-// is no FrontRouter.
-func TestFrontBlockedByPhases(t *testing.T) {
+// A block handed out whole with spare bytes is not tracked if it shares its
+// segment (the front would pass its spare bytes on: the design note's
+// "Spare bytes"); a whole segment with spare bytes is.
+func TestFrontLeavesSpareBlocks(t *testing.T) {
+	f := &fakeFront{}
+	a := frontAlloc(t, 8*GiB, f)
+	const n = 10*MiB - 512 // two per 20 MiB segment, the second with 1024 bytes to spare
+	p, tr, err, _ := a.MallocTracked(0, n, 0, 0, nil)
+	require.NoError(t, err)
+	require.Equal(t, allocator.TagDefault, tr.Tag, "split from its segment: no spare bytes")
+	q, tr, err, _ := a.MallocTracked(0, n, 0, 0, nil)
+	require.NoError(t, err)
+	require.Equal(t, p+n, q, "the segment's tail")
+	require.Equal(t, allocator.TagNone, tr.Tag, "1024 bytes to spare, in a shared segment: left to Go")
+	const w = 12*MiB - 512*KiB // a 12 MiB segment, 512 KiB to spare
+	r, tr, err, _ := a.MallocTracked(0, w, 0, 0, nil)
+	require.NoError(t, err)
+	require.Equal(t, allocator.TagDefault, tr.Tag, "a whole segment with spare bytes is tracked")
+	st, _ := a.Stats(0)
+	require.EqualValues(t, 2*n+1024+12*MiB, st.ActiveBytes[0].Current, "(the spare bytes as the test expects)")
+	for _, x := range []cuda.Ptr{p, q, r} {
+		require.NoError(t, a.Free(0, x, 0))
+	}
+}
+
+// Go tells the front of the blocks it changes behind its back:
+// record_stream, an IPC export, a checkpoint restore (freed and allocated
+// blocks); nothing else does.
+func TestFrontInvalidations(t *testing.T) {
 	lockThread(t)
-	filter := func(s cuda.Stream) bool { return true }
-	cases := []struct {
-		name  string
-		front allocator.Front
-		begin func(a *allocator.Allocator, id allocator.PoolID) error
-	}{
-		{"opaque filter", &routerFront{}, func(a *allocator.Allocator, id allocator.PoolID) error {
-			return a.BeginAllocateToPool(0, id, filter)
-		}},
-		{"refused routes", &routerFront{refuse: true}, func(a *allocator.Allocator, id allocator.PoolID) error {
-			return a.BeginAllocateToPoolRef(0, id, filter, allocator.FilterRef{Kind: 2})
-		}},
-		{"no router", &fakeFront{}, func(a *allocator.Allocator, id allocator.PoolID) error {
-			return a.BeginAllocateToPoolRef(0, id, nil, allocator.FilterRef{})
-		}},
-	}
-	for _, c := range cases {
-		t.Run(c.name, func(t *testing.T) {
-			a, _ := newAlloc(t, 1, 8*GiB, "")
-			a.SetFront(c.front)
-			a.ExpectAnnouncements()
-			require.True(t, a.FrontEnabled())
-			id := allocator.PoolID{A: 9}
-			require.NoError(t, c.begin(a, id))
-			require.False(t, a.FrontEnabled(), "a phase the front cannot route")
-			p, track, err, _ := a.MallocTracked(0, 4096, 1, 0, nil)
-			require.NoError(t, err)
-			require.Equal(t, allocator.TagNone, track)
-			require.NoError(t, a.EndAllocateToPool(0, id))
-			require.True(t, a.FrontEnabled(), "serves again after the phase")
-			require.NoError(t, a.Free(0, p, 0))
-		})
-	}
+	f := &fakeFront{}
+	a, drv := newAlloc(t, 1, 8*GiB, "")
+	a.SetFront(f)
+	p := mustMalloc(t, a, 0, 4096, 1)
+	q := mustMalloc(t, a, 0, 4096, 1)
+	require.NoError(t, a.Free(0, q, 0))
+	require.Empty(t, f.invalid, "mallocs and frees invalidate nothing")
+	require.NoError(t, a.RecordStream(p, 2))
+	require.Equal(t, []cuda.Ptr{p}, f.invalid)
+	_, _, _, err := a.IpcHandle(p)
+	require.NoError(t, err)
+	require.Equal(t, []cuda.Ptr{p, p}, f.invalid)
+	require.NoError(t, a.Free(0, p, 0))
+
+	g := allocator.PoolID{A: 1}
+	const cs = cuda.Stream(7)
+	beginCapture(t, a, drv, g, cs, cuda.CaptureModeThreadLocal)
+	x := mustMalloc(t, a, 0, 1000, cs)
+	require.NoError(t, drv.EndCapture(cs))
+	require.NoError(t, a.EndAllocateToPool(0, g))
+	cp, err := a.CheckpointPool(0, g)
+	require.NoError(t, err)
+	f.invalid = nil
+	res, err := a.RestoreCheckpoint(0, cp)
+	require.NoError(t, err)
+	require.Equal(t, append(append([]cuda.Ptr(nil), res.Freed...), res.Allocated...), f.invalid)
+	require.Equal(t, []cuda.Ptr{x}, res.Allocated)
 }
 
 // holdFront is a Go front that holds blocks across takes as capi's does:
@@ -275,8 +319,9 @@ func (f *holdFront) Take(dev int, buf []allocator.PendingFree, keep bool) []allo
 	}
 	return buf
 }
-func (f *holdFront) SetEnabled(on bool) {}
-func (f *holdFront) Capacity() int      { return 128 }
+func (f *holdFront) SetPolicy(p *allocator.FrontPolicy) {}
+func (f *holdFront) Invalidate(dev int, p cuda.Ptr)     {}
+func (f *holdFront) Capacity() int                      { return 128 }
 
 // A held block: its free is counted at once, the block stays allocated
 // while mallocs run, a malloc that finds no other block releases it rather
@@ -285,9 +330,9 @@ func TestFrontHeldBlocks(t *testing.T) {
 	f := &holdFront{}
 	a := frontAlloc(t, 8*GiB, f)
 
-	p, track, err, _ := a.MallocTracked(0, 60*MiB, 0, 0, nil)
+	p, tr, err, _ := a.MallocTracked(0, 60*MiB, 0, 0, nil)
 	require.NoError(t, err)
-	require.Equal(t, allocator.TagDefault, track)
+	require.Equal(t, allocator.TagDefault, tr.Tag)
 	f.log = append(f.log, allocator.PendingFree{Ptr: p, Op: allocator.OpHold})
 	f.held = append(f.held, p)
 

@@ -98,6 +98,7 @@ func (a *Allocator) IpcHandle(p cuda.Ptr) (h cuda.IpcHandle, offset uint64, dev 
 		return h, 0, 0, a.explainUnknown(op, -1, p)
 	}
 	defer d.mu.Unlock()
+	d.invalidate(p) // shared with another process: its free goes to Go
 	if b.Seg.Expandable {
 		return h, 0, 0, newError(op, ErrNotSupported, "CUDA IPC is not supported for memory in expandable segments (expandable_segments:True); "+
 			"pointer %#x on device %d is in one. Its pages are CUDA virtual memory, which has no cudaIpcMemHandle; "+

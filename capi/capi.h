@@ -34,66 +34,113 @@ typedef struct {
 /* allocator.FrontOp's values (capi's tests check they agree). */
 enum { CP_OP_FREE = 0, CP_OP_FREE_STATS = 1, CP_OP_REUSE = 2, CP_OP_CYCLES = 3, CP_OP_RELEASE = 4, CP_OP_HOLD = 5 };
 
-/* ---- The front cache (front.c; design in allocator/front.go). ---- */
+/* ---- The front cache (front.c; protocol in FRONT.md). ---- */
 
 /* Devices the front serves (others always go to Go) and records per
  * device log. */
 #define CP_FRONT_MAXDEV 16
 #define CP_FRONT_LOG 64
-/* Blocks a device's front may hold across takes (allocator/front.go). */
+/* The most blocks a device's front can hold across takes (the policy's
+ * hold is at most this). */
 #define CP_FRONT_HOLD 64
 
 /* Log lengths, and how many blocks are held, read by Go without the lock. */
 extern volatile int cp_front_n[CP_FRONT_MAXDEV];
 extern volatile int cp_front_held[CP_FRONT_MAXDEV];
-/* The largest default-pool block (or block tagged CP_TAG_HOLD_SMALL) held
- * across takes: set by Go when the library loads (capi/front.go: the small
- * pool's limit, pools.SmallSize); until then none is held. */
-extern size_t cp_front_hold_max;
 /* Where cp_front_take writes a device's log (and the releases of held blocks). */
 extern cp_pending_free cp_front_out[CP_FRONT_MAXDEV][CP_FRONT_LOG + CP_FRONT_HOLD];
 
+/* Go's policy block (allocator.FrontPolicy): all the front may do. Until
+ * Go pushes one, the front is off. */
+typedef struct {
+	uint32_t on;   /* it may log frees and serve mallocs */
+	uint32_t hold; /* blocks a device may hold across takes (at most CP_FRONT_HOLD) */
+	/* Cold mode: the window, the first skip and how often it doubles (0
+	 * window: no cold mode). */
+	uint32_t cold_window, cold_skip, cold_max_shift;
+	/* Per device: the generation of its allocate-to-pool phases, 0 while
+	 * none is under way (a route Go returned names one). */
+	uint32_t phases[CP_FRONT_MAXDEV];
+} cp_front_policy;
+/* Replaces the policy (NULL: all off); Go calls it with its policy mutex,
+ * perhaps also a device lock, held. */
+void cp_front_set_policy(const cp_front_policy *p);
+/* The policy in force (capi's tests). */
+void cp_front_get_policy(cp_front_policy *out);
+
+/* Go's answer to a malloc through it (allocator.Tracking). */
+#define CP_TAG_HOLD (1u << 30)
+typedef struct {
+	/* 0: not to be tracked; else the block's pool tag (1: the default
+	 * pools), with CP_TAG_HOLD if it may be held across takes. */
+	uint32_t tag;
+	/* Non-zero: the malloc's stream, on the calling thread, routes to the
+	 * pool of this tag while the device's phases are of generation
+	 * phases. */
+	uint32_t route, phases;
+} cp_track;
+
 /* Serves a malloc from the blocks waiting in front, or returns NULL. */
 void *cp_front_malloc(size_t size, int dev, uintptr_t stream);
-/* Takes the free of a tracked block (1), or leaves it to Go (0), or says
- * the block waits in front already (CP_FRONT_TWICE: a double free, which
- * must reach Go at once). dev must be the block's device, or -1 if
- * any_dev. */
+/* Takes the free of a tracked block (1), or leaves it to Go (0; the front
+ * forgets the block), or says the block waits in front already
+ * (CP_FRONT_TWICE: a double free, which must reach Go at once). flags:
+ * CP_FREE_ANY_DEV, dev may be -1 (unknown); CP_FREE_NOW, the free must
+ * reach Go now (it has a context to record or an error to return). */
 #define CP_FRONT_TWICE 2
-int cp_front_free(uintptr_t p, size_t size, int dev, int any_dev);
-/* After a malloc through Go: tracks the block at p if Go says so (track:
- * its pool's tag, with CP_TAG_HOLD_SMALL when it may be held across takes
- * only up to cp_front_hold_max, as the default pools' blocks are), else
- * drops any stale entry for p. allocator/front.go's TagHoldSmall. */
-#define CP_TAG_HOLD_SMALL (1 << 30)
-void cp_front_track(uintptr_t p, size_t size, uintptr_t stream, int dev, int track);
-/* Stops tracking p (before record_stream, IPC and frees through Go). */
-void cp_front_untrack(uintptr_t p);
+#define CP_FREE_ANY_DEV 1
+#define CP_FREE_NOW 2
+int cp_front_free(uintptr_t p, size_t size, int dev, int flags);
+/* After a malloc through Go (cp_malloc_go): applies Go's answer t for the
+ * block at p of size bytes (p 0: the malloc failed). */
+void cp_front_track(uintptr_t p, size_t size, uintptr_t stream, int dev, cp_track t);
+/* Forgets p (Go's invalidation: Go gave the block other streams' uses,
+ * shared it with another process, or freed or allocated it behind the
+ * front's back). */
+void cp_front_invalidate(uintptr_t p);
 /* Moves device dev's log to cp_front_out[dev]; returns its length. With
  * keep (a malloc's take) the blocks whose last free is in the log stay in
- * front, held, as long as the front is on and has room; without, every held
- * block is released too. Called by Go under the device lock. */
+ * front, held, as long as the front is on, Go let them be held and there
+ * is room; without, every held block is released too. Called by Go under
+ * the device lock. */
 size_t cp_front_take(int dev, int keep);
-/* Go: whether the front may serve. */
-void cp_front_set_on(int on);
 /* cudapool_get_front_counters's four counters of device dev; 0 or -1. */
 int cp_front_counters(int dev, unsigned long long out[4]);
 
-/* Allocate-to-pool phases as the front routes them (allocator/routing.go):
- * the pool's tag and the phase's stream filter. kind: CP_ROUTE_ALL (every
- * stream; allocator.FilterAll), CP_ROUTE_C (a cudapool_stream_filter a and
- * its context b), CP_ROUTE_STD (the std::function handle a of torch.cpp). */
-enum { CP_ROUTE_ALL = 1, CP_ROUTE_C = 2, CP_ROUTE_STD = 3 };
-#define CP_FRONT_MAXROUTES 8
-typedef struct {
-	uintptr_t a, b;
-	uint32_t tag;
-	uint32_t kind;
-} cp_route;
-/* Replaces device dev's phases (oldest first); 0 if the front cannot route
- * them (too many, or a device it does not serve). Go calls it under the
- * device lock. */
-int cp_front_set_routes(int dev, const cp_route *routes, int n);
+/* ---- The malloc every entry point makes (cudapool.c) ----
+ *
+ * A malloc without a context tries the front, then goes to Go with the
+ * queued frees and applies Go's answer: cp_malloc_go. (A context is for
+ * memory history, which the front's log cannot carry.) fn (CP_FN_*) names
+ * the public function called, for Go's errors and the wording of out of
+ * memory. */
+void *cp_malloc_go(size_t size, int device, uintptr_t stream, unsigned long long ctx, int fn);
+static inline void *cp_malloc(size_t size, int device, uintptr_t stream, unsigned long long ctx, int fn) {
+	if (ctx == 0) {
+		void *p = cp_front_malloc(size, device, stream);
+		if (p != 0)
+			return p;
+	}
+	return cp_malloc_go(size, device, stream, ctx, fn);
+}
+
+/* ---- Entry points refused (cudapool.c) ----
+ *
+ * In a forked child (the Go runtime does not survive fork), and inside a
+ * stream filter or a segment source: those run with Go's device lock held,
+ * and a call back into the library would wait for it forever. cp_refused
+ * records why in the thread's last error and returns 1. */
+extern volatile int cp_forked;
+extern __thread int cp_in_callback __attribute__((tls_model("initial-exec")));
+int cp_refuse(const char *fn);
+static inline int cp_refused(const char *fn) {
+	if (__builtin_expect(cp_forked | cp_in_callback, 0))
+		return cp_refuse(fn);
+	return 0;
+}
+/* Around every call of a user's filter or segment source. */
+static inline void cp_callback_enter(void) { cp_in_callback++; }
+static inline void cp_callback_leave(void) { cp_in_callback--; }
 
 /* The spin lock of the front and of the free queue: short critical
  * sections, never held across a call into Go; yields while a holder that
@@ -124,8 +171,10 @@ size_t cp_take_frees(cp_pending_free *out, size_t cap);
  * can name the one its caller called in an error (capi/main.go,
  * entryNames). */
 enum {
-	CP_FN_MALLOC_CTX = 1,
+	CP_FN_MALLOC = 1,
+	CP_FN_MALLOC_CTX,
 	CP_FN_CUPY_MALLOC,
+	CP_FN_TORCH_MALLOC,
 	CP_FN_FREE_DEFERRED,
 	CP_FN_TORCH_FREE,
 	CP_FN_CUPY_FREE,
@@ -133,6 +182,7 @@ enum {
 	CP_FN_TORCH_END_ALLOCATE_TO_POOL,
 	CP_FN_RELEASE_POOL,
 	CP_FN_TORCH_RELEASE_POOL,
+	CP_FN_EXPECT_ANNOUNCED_CAPTURES,
 };
 
 /* The functions that have queued frees, as bits 1 << CP_FN_*: a queued free
@@ -150,9 +200,6 @@ void cp_set_oom(int device, size_t size, size_t device_total, size_t device_free
 
 /* ---- Go exports (exports.go), called by the C and C++ wrappers. Pointers
  * and streams cross as uintptr_t. ---- */
-extern uintptr_t cpgo_malloc(size_t size, int device, uintptr_t stream, int *track);
-extern uintptr_t cpgo_torch_malloc(size_t size, int device, uintptr_t stream, cp_pending_free *frees, size_t nfrees,
-                                   int *track);
 extern void cpgo_free_batch(cp_pending_free *frees, size_t nfrees, int fn);
 extern void cpgo_free(uintptr_t ptr, size_t size, int device, uintptr_t stream);
 extern void cpgo_init(int device_count);
@@ -181,8 +228,8 @@ extern long long cpgo_sim_violations(void);
 
 /* ---- Go exports for PyTorch's CUDAAllocator interface (torchabi.go). ---- */
 extern uintptr_t cpgo_malloc_ctx(size_t size, int device, uintptr_t stream, unsigned long long ctx,
-                                 cp_pending_free *frees, size_t nfrees, int *track, int fn);
-extern void cpgo_expect_announced(void);
+                                 cp_pending_free *frees, size_t nfrees, cp_track *out, int fn);
+extern int cpgo_expect_announced(int fn);
 extern int cpgo_free_ctx(uintptr_t ptr, size_t size, int device, unsigned long long ctx);
 extern int cpgo_configure_update(char *conf);
 extern int cpgo_get_device_stats(int device, void *out);
@@ -225,16 +272,17 @@ int cp_call_segment_free(uintptr_t fn, uintptr_t ctx, uintptr_t ptr, size_t size
 /* Records msg (len bytes, not NUL-terminated) as this thread's last error. */
 void cp_set_error(const char *msg, size_t len);
 
-/* Non-zero in a forked child; then also records the fork error. */
+/* Non-zero in a forked child; then also records the fork error (for the
+ * entry points a callback may call: cp_refused refuses more). */
 int cp_forked_child(void);
 
-/* Calls a C stream filter. */
+/* Calls a C stream filter (for Go's router; cp_callback_enter). */
 int cp_call_c_filter(uintptr_t filter, uintptr_t ctx, uintptr_t stream);
 
 /* ---- C++ helpers (torch.cpp). ---- */
 
-/* Calls the heap copy of a std::function<bool(cudaStream_t)>; an exception
- * it throws counts as "no". */
+/* Calls the heap copy of a std::function<bool(cudaStream_t)> (for Go's
+ * router; cp_callback_enter); an exception it throws counts as "no". */
 int cp_call_std_filter(uintptr_t handle, uintptr_t stream);
 
 /* Destroys the heap copy. */

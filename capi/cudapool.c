@@ -1,11 +1,16 @@
 /*
  * cudapool.c - the public C entry points of libcudapool.so.
  *
- * Each function checks, before anything else, whether it runs in a child
- * made by fork(): the Go runtime does not survive fork (its other threads
- * are gone and the first allocation can hang), so in a child every entry
- * point returns at once, records an error and never enters Go. Otherwise it
- * converts its arguments and calls the Go export cpgo_<name> (exports.go).
+ * Each function checks, before anything else, that it may run
+ * (cp_refused): not in a child made by fork() (the Go runtime does not
+ * survive fork: its other threads are gone and the first allocation can
+ * hang), and not inside a stream filter or a segment source, which run with
+ * a device lock held that the call would wait for forever. Refused, an
+ * entry point returns at once, records an error and never enters Go.
+ * Otherwise it converts its arguments and calls the Go export cpgo_<name>
+ * (exports.go). Mallocs and frees meet the front cache first (front.c,
+ * FRONT.md): every malloc is cp_malloc (capi.h), every free passes
+ * cp_front_free.
  *
  * The last error is thread-local storage here, in C, so that reading it
  * (cudapool_last_error) costs no Go call and works in a forked child; Go
@@ -77,7 +82,7 @@ void cudapool_clear_error(void) {
 
 /* ---- fork ---- */
 
-static volatile sig_atomic_t cp_forked;
+volatile int cp_forked; /* set in a forked child (a sig_atomic_t on Linux) */
 
 static void cp_atfork_child(void) { cp_forked = 1; }
 
@@ -93,6 +98,27 @@ int cp_forked_child(void) {
 		return 1;
 	}
 	return 0;
+}
+
+/* ---- calls from inside callbacks ----
+ *
+ * A stream filter and a segment source run with the device's lock held (Go
+ * calls them while it routes or grows a pool, as PyTorch calls its filters
+ * under its allocator's mutex). cp_in_callback counts the callbacks under
+ * way on the thread (cp_callback_enter), and every entry point that could
+ * reach that lock refuses while it is set. */
+__thread int cp_in_callback __attribute__((tls_model("initial-exec")));
+
+int cp_refuse(const char *fn) {
+	if (cp_forked_child())
+		return 1;
+	char msg[256];
+	int n = snprintf(msg, sizeof msg,
+	                 "%s: called from inside a stream filter or segment source; those run with the allocator's lock "
+	                 "held, and must not call cudapool",
+	                 fn);
+	cp_set_error(msg, n < 0 ? 0 : (size_t)n < sizeof msg ? (size_t)n : sizeof msg - 1);
+	return 1;
 }
 
 /* ---- PyTorch's frees, queued ----
@@ -138,24 +164,21 @@ size_t cp_take_frees(cp_pending_free *out, size_t cap) {
 	return n;
 }
 
-/* The deferred frees' body; fn (CP_FN_*) names the public function called,
- * for errors. */
+/* The deferred frees' body, after the entry point's cp_refused; fn
+ * (CP_FN_*) names the public function called, for errors. */
 static inline void cp_free_deferred(void *ptr, size_t size, int device, unsigned long long context, int fn) {
-	if (cp_forked_child() || ptr == NULL)
+	if (ptr == NULL)
 		return;
 	cp_pending_free f = {.ptr = (uintptr_t)ptr, .size = size, .device = device, .ctx = context};
-	if (context != 0) {
-		cp_front_untrack((uintptr_t)ptr); /* freed through Go: the front must forget it */
-	} else {
-		int r = cp_front_free((uintptr_t)ptr, size, device, 1);
-		if (r == 1)
-			return;
-		if (r == CP_FRONT_TWICE) {
-			/* Queued, it would be performed after a malloc had handed the
-			 * block out again: Go reports it now instead. */
-			cpgo_free_batch(&f, 1, fn);
-			return;
-		}
+	/* A free with a context goes to Go, which records it. */
+	int r = cp_front_free((uintptr_t)ptr, size, device, CP_FREE_ANY_DEV | (context != 0 ? CP_FREE_NOW : 0));
+	if (r == 1)
+		return;
+	if (r == CP_FRONT_TWICE) {
+		/* Queued, it would be performed after a malloc had handed the
+		 * block out again: Go reports it now instead. */
+		cpgo_free_batch(&f, 1, fn);
+		return;
 	}
 	freeq_lock();
 	if (!(cp_freeq_from & (1u << fn)))
@@ -175,18 +198,25 @@ static inline void cp_free_deferred(void *ptr, size_t size, int device, unsigned
 }
 
 void cudapool_free_deferred(void *ptr, size_t size, int device, unsigned long long context) {
+	if (cp_refused("cudapool_free_deferred"))
+		return;
 	cp_free_deferred(ptr, size, device, context, CP_FN_FREE_DEFERRED);
 }
 
 void cudapool_torch_free(void *ptr, size_t size, int device, cudapool_stream stream) {
 	(void)stream;
+	if (cp_refused("cudapool_torch_free"))
+		return;
 	cp_free_deferred(ptr, size, device, 0, CP_FN_TORCH_FREE);
 }
 
 /* ---- stream filters ---- */
 
 int cp_call_c_filter(uintptr_t filter, uintptr_t ctx, uintptr_t stream) {
-	return ((cudapool_stream_filter)filter)((void *)ctx, (cudapool_stream)stream) != 0;
+	cp_callback_enter();
+	int yes = ((cudapool_stream_filter)filter)((void *)ctx, (cudapool_stream)stream) != 0;
+	cp_callback_leave();
+	return yes;
 }
 
 /* ---- version ----
@@ -218,22 +248,40 @@ int cudapool_abi_version(void) { return cudapool_version() != NULL ? cp_abi : -1
 
 /* ---- the API ---- */
 
-/* malloc and free try the front cache first (front.c); a malloc through Go
- * tells it whether to track the block. */
-void *cudapool_malloc(size_t size, int device, cudapool_stream stream) {
-	if (cp_forked_child())
-		return NULL;
-	void *p = cp_front_malloc(size, device, (uintptr_t)stream);
-	if (p != NULL)
-		return p;
-	int track = 0;
-	uintptr_t r = cpgo_malloc(size, device, (uintptr_t)stream, &track);
-	cp_front_track(r, size, (uintptr_t)stream, device, track);
+/* Entry points that only convert and forward. */
+#define CP_FORWARD(ret, fail, name, params, args) \
+	ret name params {                          \
+		if (cp_refused(#name))             \
+			return fail;               \
+		return cpgo_##args;                \
+	}
+#define CP_FORWARD_VOID(name, params, args) \
+	void name params {                   \
+		if (cp_refused(#name))       \
+			return;              \
+		cpgo_##args;                 \
+	}
+
+/* The malloc of every entry point past the front (cp_malloc): the queued
+ * frees go along, and Go's answer goes to the front. fn (CP_FN_*) names
+ * the public function called. */
+void *cp_malloc_go(size_t size, int device, uintptr_t stream, unsigned long long ctx, int fn) {
+	cp_pending_free frees[CP_FREEQ_CAP];
+	size_t n = cp_freeq_n != 0 ? cp_take_frees(frees, CP_FREEQ_CAP) : 0;
+	cp_track t = {0, 0, 0};
+	uintptr_t r = cpgo_malloc_ctx(size, device, stream, ctx, frees, n, &t, fn);
+	cp_front_track(r, size, stream, device, t);
 	return (void *)r;
 }
 
+void *cudapool_malloc(size_t size, int device, cudapool_stream stream) {
+	if (cp_refused("cudapool_malloc"))
+		return NULL;
+	return cp_malloc(size, device, (uintptr_t)stream, 0, CP_FN_MALLOC);
+}
+
 void cudapool_free(void *ptr, size_t size, int device, cudapool_stream stream) {
-	if (cp_forked_child() || ptr == NULL)
+	if (cp_refused("cudapool_free") || ptr == NULL)
 		return;
 	if (cp_front_free((uintptr_t)ptr, size, device, 0) == 1)
 		return;
@@ -241,63 +289,62 @@ void cudapool_free(void *ptr, size_t size, int device, cudapool_stream stream) {
 }
 
 void cudapool_init(int device_count) {
-	if (cp_forked_child())
+	if (cp_refused("cudapool_init"))
 		return;
 	cpgo_init(device_count);
 }
 
 void cudapool_empty_cache(void) {
-	if (cp_forked_child())
+	if (cp_refused("cudapool_empty_cache"))
 		return;
 	cpgo_empty_cache();
 }
 
 void cudapool_set_memory_fraction(double fraction, int device) {
-	if (cp_forked_child())
+	if (cp_refused("cudapool_set_memory_fraction"))
 		return;
 	cpgo_set_memory_fraction(fraction, device);
 }
 
 void *cudapool_base_allocation(void *ptr, size_t *size) {
-	if (cp_forked_child())
+	if (cp_refused("cudapool_base_allocation"))
 		return NULL;
 	return (void *)cpgo_base_allocation((uintptr_t)ptr, size);
 }
 
 void cudapool_record_stream(void *ptr, cudapool_stream stream) {
-	if (cp_forked_child())
+	if (cp_refused("cudapool_record_stream"))
 		return;
-	cp_front_untrack((uintptr_t)ptr); /* its free will wait for the stream's work: Go's rule */
 	cpgo_record_stream((uintptr_t)ptr, (uintptr_t)stream);
 }
 
 void cudapool_begin_allocate_to_pool(int device, unsigned long long pool_a, unsigned long long pool_b,
                                      cudapool_stream_filter filter, void *ctx) {
-	if (cp_forked_child())
+	if (cp_refused("cudapool_begin_allocate_to_pool"))
 		return;
 	cpgo_begin_allocate_to_pool(device, pool_a, pool_b, (uintptr_t)filter, (uintptr_t)ctx);
 }
 
 void cudapool_end_allocate_to_pool(int device, unsigned long long pool_a, unsigned long long pool_b) {
-	if (cp_forked_child())
+	if (cp_refused("cudapool_end_allocate_to_pool"))
 		return;
 	cpgo_end_allocate_to_pool(device, pool_a, pool_b, CP_FN_END_ALLOCATE_TO_POOL);
 }
 
 void cudapool_release_pool(int device, unsigned long long pool_a, unsigned long long pool_b) {
-	if (cp_forked_child())
+	if (cp_refused("cudapool_release_pool"))
 		return;
 	cpgo_release_pool(device, pool_a, pool_b, CP_FN_RELEASE_POOL);
 }
 
 char *cudapool_memory_stats_json(int device) {
-	if (cp_forked_child())
+	if (cp_refused("cudapool_memory_stats_json"))
 		return NULL;
 	return cpgo_memory_stats_json(device);
 }
 
 char *cudapool_snapshot_json(void) {
-	if (cp_forked_child())
+	if (cp_refused("cudapool_snapshot_json"))
 		return NULL;
 	return cpgo_snapshot_json();
 }
@@ -306,49 +353,49 @@ char *cudapool_snapshot_json(void) {
 void cudapool_string_free(char *s) { free(s); }
 
 void cudapool_reset_peak_stats(int device) {
-	if (cp_forked_child())
+	if (cp_refused("cudapool_reset_peak_stats"))
 		return;
 	cpgo_reset_peak_stats(device);
 }
 
 void cudapool_reset_accumulated_stats(int device) {
-	if (cp_forked_child())
+	if (cp_refused("cudapool_reset_accumulated_stats"))
 		return;
 	cpgo_reset_accumulated_stats(device);
 }
 
 int cudapool_configure(const char *conf) {
-	if (cp_forked_child())
+	if (cp_refused("cudapool_configure"))
 		return -1;
 	return cpgo_configure((char *)conf);
 }
 
 int cudapool_sim_begin_capture(cudapool_stream s, int mode) {
-	if (cp_forked_child())
+	if (cp_refused("cudapool_sim_begin_capture"))
 		return -1;
 	return cpgo_sim_begin_capture((uintptr_t)s, mode);
 }
 
 int cudapool_sim_end_capture(cudapool_stream s) {
-	if (cp_forked_child())
+	if (cp_refused("cudapool_sim_end_capture"))
 		return -1;
 	return cpgo_sim_end_capture((uintptr_t)s);
 }
 
 void cudapool_sim_submit(cudapool_stream s) {
-	if (cp_forked_child())
+	if (cp_refused("cudapool_sim_submit"))
 		return;
 	cpgo_sim_submit((uintptr_t)s);
 }
 
 void cudapool_sim_complete_all(void) {
-	if (cp_forked_child())
+	if (cp_refused("cudapool_sim_complete_all"))
 		return;
 	cpgo_sim_complete_all();
 }
 
 long long cudapool_sim_violations(void) {
-	if (cp_forked_child())
+	if (cp_refused("cudapool_sim_violations"))
 		return -1;
 	return cpgo_sim_violations();
 }
@@ -382,58 +429,24 @@ int cudapool_last_oom(cudapool_oom_info *out) {
 	return 0;
 }
 
-/* cudapool_malloc_ctx's body; fn (CP_FN_*) names the public function
- * called, for errors (and the wording of out of memory). */
-static inline void *cp_malloc_ctx(size_t size, int device, cudapool_stream stream, unsigned long long context,
-                                  int fn) {
-	if (cp_forked_child())
-		return NULL;
-	if (context == 0) {
-		void *p = cp_front_malloc(size, device, (uintptr_t)stream);
-		if (p != NULL)
-			return p;
-	}
-	cp_pending_free frees[CP_FREEQ_CAP];
-	size_t n = cp_freeq_n != 0 ? cp_take_frees(frees, CP_FREEQ_CAP) : 0;
-	int track = 0;
-	uintptr_t r = cpgo_malloc_ctx(size, device, (uintptr_t)stream, context, frees, n, &track, fn);
-	cp_front_track(r, size, (uintptr_t)stream, device, track);
-	return (void *)r;
-}
-
 void *cudapool_malloc_ctx(size_t size, int device, cudapool_stream stream, unsigned long long context) {
-	return cp_malloc_ctx(size, device, stream, context, CP_FN_MALLOC_CTX);
+	if (cp_refused("cudapool_malloc_ctx"))
+		return NULL;
+	return cp_malloc(size, device, (uintptr_t)stream, context, CP_FN_MALLOC_CTX);
 }
 
-/* Frees through Go and IPC stop tracking the pointer first. */
+/* Frees at once: the front forgets the block and Go frees it. */
 int cudapool_free_ctx(void *ptr, size_t size, int device, unsigned long long context) {
-	if (cp_forked_child())
+	if (cp_refused("cudapool_free_ctx"))
 		return -1;
-	cp_front_untrack((uintptr_t)ptr);
+	(void)cp_front_free((uintptr_t)ptr, size, device, CP_FREE_ANY_DEV | CP_FREE_NOW);
 	return cpgo_free_ctx((uintptr_t)ptr, size, device, context);
 }
 
-int cudapool_ipc_handle(void *ptr, unsigned char handle[64], size_t *offset, int *device) {
-	if (cp_forked_child())
-		return -1;
-	cp_front_untrack((uintptr_t)ptr);
-	return cpgo_ipc_handle((uintptr_t)ptr, handle, offset, device);
-}
+CP_FORWARD(int, -1, cudapool_ipc_handle, (void *ptr, unsigned char handle[64], size_t *offset, int *device),
+           ipc_handle((uintptr_t)ptr, handle, offset, device))
 
-#define CP_FORWARD(ret, fail, name, params, args) \
-	ret name params {                          \
-		if (cp_forked_child())             \
-			return fail;               \
-		return cpgo_##args;                \
-	}
-#define CP_FORWARD_VOID(name, params, args) \
-	void name params {                   \
-		if (cp_forked_child())       \
-			return;              \
-		cpgo_##args;                 \
-	}
-
-CP_FORWARD_VOID(cudapool_expect_announced_captures, (void), expect_announced())
+CP_FORWARD_VOID(cudapool_expect_announced_captures, (void), expect_announced(CP_FN_EXPECT_ANNOUNCED_CAPTURES))
 CP_FORWARD(int, -1, cudapool_configure_update, (const char *conf), configure_update((char *)conf))
 CP_FORWARD(int, -1, cudapool_get_device_stats, (int device, cudapool_device_stats *out),
            get_device_stats(device, out))
@@ -457,19 +470,9 @@ CP_FORWARD(int, -1, cudapool_pool_set_source,
 CP_FORWARD(unsigned long long, 0, cudapool_checkpoint_pool, (int device, unsigned long long a, unsigned long long b),
            checkpoint_pool(device, a, b))
 CP_FORWARD_VOID(cudapool_checkpoint_release, (unsigned long long checkpoint), checkpoint_release(checkpoint))
-/* A restore frees and allocates blocks in Go: the front forgets them. */
-int cudapool_checkpoint_restore(int device, unsigned long long checkpoint, cudapool_restore_result *out) {
-	if (cp_forked_child())
-		return -1;
-	int rc = cpgo_checkpoint_restore(device, checkpoint, out);
-	if (rc == 0 && out != NULL) {
-		for (size_t i = 0; i < out->nfreed; i++)
-			cp_front_untrack((uintptr_t)out->freed[i]);
-		for (size_t i = 0; i < out->nallocated; i++)
-			cp_front_untrack((uintptr_t)out->allocated[i]);
-	}
-	return rc;
-}
+CP_FORWARD(int, -1, cudapool_checkpoint_restore,
+           (int device, unsigned long long checkpoint, cudapool_restore_result *out),
+           checkpoint_restore(device, checkpoint, out))
 CP_FORWARD(int, -1, cudapool_pool_check_live,
            (int device, unsigned long long a, unsigned long long b, void *const *expected, size_t n),
            pool_check_live(device, a, b, (void *)expected, n))
@@ -488,7 +491,7 @@ CP_FORWARD(int, -1, cudapool_record_annotation,
 CP_FORWARD(cudapool_snapshot *, NULL, cudapool_snapshot_take, (int by_pool, unsigned long long a, unsigned long long b,
            int include_traces), snapshot_take(by_pool, a, b, include_traces))
 void *cudapool_ipc_open(int device, const unsigned char handle[64]) {
-	if (cp_forked_child())
+	if (cp_refused("cudapool_ipc_open"))
 		return NULL;
 	return (void *)cpgo_ipc_open(device, (unsigned char *)handle);
 }
@@ -534,21 +537,28 @@ void cudapool_snapshot_free(cudapool_snapshot *s) {
 }
 
 uintptr_t cp_call_segment_alloc(uintptr_t fn, uintptr_t ctx, size_t size, int device, uintptr_t stream) {
-	return (uintptr_t)((cudapool_segment_alloc_fn)fn)((void *)ctx, size, device, (cudapool_stream)stream);
+	cp_callback_enter();
+	uintptr_t p = (uintptr_t)((cudapool_segment_alloc_fn)fn)((void *)ctx, size, device, (cudapool_stream)stream);
+	cp_callback_leave();
+	return p;
 }
 
 int cp_call_segment_free(uintptr_t fn, uintptr_t ctx, uintptr_t ptr, size_t size, int device) {
-	return ((cudapool_segment_free_fn)fn)((void *)ctx, (void *)ptr, size, device);
+	cp_callback_enter();
+	int rc = ((cudapool_segment_free_fn)fn)((void *)ctx, (void *)ptr, size, device);
+	cp_callback_leave();
+	return rc;
 }
 
 /* ---- Other libraries' allocator interfaces ----
  *
- * Plain C, forwarding to the entry points above: CuPy's CFunctionAllocator
- * calls these directly, so a CuPy malloc+free pair costs one call into Go and
- * no Python beyond CuPy's own. */
+ * Plain C, with the bodies of the entry points above (cp_malloc,
+ * cp_free_deferred): CuPy's CFunctionAllocator calls these directly, so a
+ * CuPy malloc+free pair costs one call into Go and no Python beyond CuPy's
+ * own. */
 
 void *cudapool_cupy_malloc(void *param, size_t size, int device) {
-	if (cp_forked_child())
+	if (cp_refused("cudapool_cupy_malloc"))
 		return NULL;
 	uintptr_t stream = 0; /* NULL param: the legacy default stream */
 	if (param != NULL) {
@@ -560,11 +570,13 @@ void *cudapool_cupy_malloc(void *param, size_t size, int device) {
 		}
 		stream = (uintptr_t)s;
 	}
-	return cp_malloc_ctx(size, device, (cudapool_stream)stream, 0, CP_FN_CUPY_MALLOC);
+	return cp_malloc(size, device, stream, 0, CP_FN_CUPY_MALLOC);
 }
 
 void cudapool_cupy_free(void *param, void *ptr, int device) {
 	(void)param;
+	if (cp_refused("cudapool_cupy_free"))
+		return;
 	cp_free_deferred(ptr, 0, device, 0, CP_FN_CUPY_FREE);
 }
 

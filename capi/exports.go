@@ -14,7 +14,6 @@ import (
 	"encoding/json"
 	"strconv"
 	"sync"
-	"sync/atomic"
 
 	"github.com/cudapool/cudapool/allocator"
 	"github.com/cudapool/cudapool/cuda"
@@ -22,76 +21,42 @@ import (
 	"github.com/cudapool/cudapool/pools"
 )
 
-//export cpgo_malloc
-func cpgo_malloc(size C.size_t, dev C.int, stream C.uintptr_t, track *C.int) C.uintptr_t {
-	defer guardMalloc()
-	st := load()
-	if st.err != nil {
-		return failState("cudapool_malloc", st)
-	}
-	keeper.Touch()
-	var frees []allocator.PendingFree
-	if C.cp_freeq_n != 0 {
-		var buf [C.CP_FREEQ_CAP]allocator.PendingFree
-		frees = takeFrees(&buf)
-	}
-	p, tr, err, ferr := st.a.MallocTracked(int(dev), uint64(size), cuda.Stream(stream), 0, frees)
-	if err != nil || ferr != nil || track == nil {
-		return mallocEnd(mallocC, size, p, tr, err, ferr, track)
-	}
-	if tr != 0 {
-		*track = C.int(tr)
-	}
-	return C.uintptr_t(p)
-}
-
-// The malloc exports call MallocTracked themselves (a call layer less) and
-// end as follows: *track is set when the front cache may track the block
-// (allocator/front.go); failures, and the NULL track of this package's
-// tests, are handled out of line by mallocEnd, told which public function
-// the caller called:
+// The malloc export (torchabi.go's cpgo_malloc_ctx, the only one, behind
+// cudapool_malloc, cudapool_malloc_ctx, cudapool_cupy_malloc and
+// cudapool_torch_malloc) calls MallocTracked itself (a call layer less) and
+// ends as follows: *out is what the front cache may do with the block
+// (allocator/front.go, Tracking); failures, and the NULL out of this
+// package's tests, are handled out of line by mallocEnd, told which public
+// function the caller called (entry, a CP_FN_* number):
 //
-//	if err != nil || ferr != nil || track == nil {
-//		return mallocEnd(entry, size, p, tr, err, ferr, track)
+//	if err != nil || ferr != nil || out == nil {
+//		return mallocEnd(entry, size, p, tr, err, ferr, out)
 //	}
-//	if tr != 0 {
-//		*track = C.int(tr)
-//	}
+//	*out = trackC(tr)
 //	return C.uintptr_t(p)
 //
 // (A helper holding those lines is not inlined: over the inliner's budget.)
 
-// The malloc entries, as mallocEnd is told them: a CP_FN_* number for the
-// exports behind several public functions, or one of these.
-const (
-	mallocC     = -1 // cudapool_malloc
-	mallocTorch = -2 // cudapool_torch_malloc
-)
-
-// mallocName names the public malloc function entry.
-func mallocName(entry C.int) string {
-	switch entry {
-	case mallocC:
-		return "cudapool_malloc"
-	case mallocTorch:
-		return "cudapool_torch_malloc"
-	}
-	return entryName(entry)
+// trackC is tr for the C front.
+func trackC(tr allocator.Tracking) C.cp_track {
+	return C.cp_track{tag: C.uint32_t(tr.Tag), route: C.uint32_t(tr.Route), phases: C.uint32_t(tr.Phases)}
 }
 
 // mallocEnd ends a malloc of size bytes through entry whose queued frees
-// (ferr) or own allocation (err) failed, or whose track is NULL.
+// (ferr) or own allocation (err) failed, or whose out is NULL. Out of
+// memory is told in PyTorch's words for the entry points PyTorch calls
+// (cudapool_torch_malloc, and cudapool_malloc_ctx of the C++ class).
 //
 //go:noinline
-func mallocEnd(entry C.int, size C.size_t, p cuda.Ptr, tr uint32, err, ferr error, track *C.int) C.uintptr_t {
-	fn := mallocName(entry)
+func mallocEnd(entry C.int, size C.size_t, p cuda.Ptr, tr allocator.Tracking, err, ferr error, out *C.cp_track) C.uintptr_t {
+	fn := entryName(entry)
 	reportFreeError(fn, ferr)
 	if err != nil {
-		failMalloc(fn, entry == mallocTorch || entry == C.CP_FN_MALLOC_CTX, uint64(size), err)
+		failMalloc(fn, entry == C.CP_FN_TORCH_MALLOC || entry == C.CP_FN_MALLOC_CTX, uint64(size), err)
 		return 0
 	}
-	if tr != 0 && track != nil {
-		*track = C.int(tr)
+	if out != nil {
+		*out = trackC(tr)
 	}
 	return C.uintptr_t(p)
 }
@@ -106,33 +71,6 @@ func cpgo_free_batch(frees *C.cp_pending_free, n C.size_t, entry C.int) {
 	}
 	keeper.Touch()
 	reportFreeError(fn, st.a.FreeMany(pendingFrees(frees, n)))
-}
-
-// torchAnnounced is set once cudapool_torch_malloc has told the allocator
-// that every capture is announced (PyTorch calls the begin hook for each).
-var torchAnnounced atomic.Bool
-
-//export cpgo_torch_malloc
-func cpgo_torch_malloc(size C.size_t, dev C.int, stream C.uintptr_t, frees *C.cp_pending_free, nfrees C.size_t, track *C.int) C.uintptr_t {
-	defer guardTorchMalloc()
-	st := load()
-	if st.err != nil {
-		return failState("cudapool_torch_malloc", st)
-	}
-	keeper.Touch()
-	a := st.a
-	if !torchAnnounced.Load() {
-		a.ExpectAnnouncements()
-		torchAnnounced.Store(true)
-	}
-	p, tr, err, ferr := a.MallocTracked(int(dev), uint64(size), cuda.Stream(stream), 0, pendingFrees(frees, nfrees))
-	if err != nil || ferr != nil || track == nil {
-		return mallocEnd(mallocTorch, size, p, tr, err, ferr, track)
-	}
-	if tr != 0 {
-		*track = C.int(tr)
-	}
-	return C.uintptr_t(p)
 }
 
 //export cpgo_free
@@ -252,8 +190,7 @@ func cpgo_begin_allocate_to_pool(dev C.int, a, b C.ulonglong, filter, ctx C.uint
 	k := key(dev, a, b)
 	stdFilters.mu.Lock()
 	defer stdFilters.mu.Unlock()
-	ref := allocator.FilterRef{Kind: C.CP_ROUTE_C, A: uintptr(filter), B: uintptr(ctx)}
-	if err := al.BeginAllocateToPoolRef(k.dev, k.id, cFilter(filter, ctx), ref); err != nil {
+	if err := al.BeginAllocateToPool(k.dev, k.id, cFilter(filter, ctx)); err != nil {
 		fail(fn, err)
 	}
 }
@@ -275,8 +212,7 @@ func cpgo_torch_begin_allocate_to_pool(dev C.int, a, b C.ulonglong, handle C.uin
 	k := key(dev, a, b)
 	stdFilters.mu.Lock()
 	defer stdFilters.mu.Unlock()
-	ref := allocator.FilterRef{Kind: C.CP_ROUTE_STD, A: uintptr(handle)}
-	if err := al.BeginAllocateToPoolRef(k.dev, k.id, stdFilter(handle), ref); err != nil {
+	if err := al.BeginAllocateToPool(k.dev, k.id, stdFilter(handle)); err != nil {
 		fail(fn, err)
 		return
 	}

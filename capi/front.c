@@ -1,15 +1,28 @@
 /*
- * front.c - the front cache: the C half of allocator/front.go, whose design
- * note says what it may do. In short: Go marks the blocks this file may
- * track (default-pool blocks allocated while the front is enabled); a free
- * of a tracked block is logged here and the block waits, still allocated to
- * Go; a malloc of the same requested size, stream and device takes it back
- * (logged as a reuse); Go takes each device's log under its device lock
- * before anything else and replays it. Everything else goes to Go.
+ * front.c - the front cache, C half: capi/FRONT.md is its protocol (entry
+ * states, log records, which side owns which rule, lock ranks) and
+ * allocator/front.go the Go half. In short: Go marks the blocks this file
+ * may track; a free of a tracked block is logged here and the block waits,
+ * still allocated to Go; a malloc of the same requested size, stream and
+ * device takes it back (logged as a reuse); Go takes each device's log under
+ * its device lock before anything else and replays it. Everything else goes
+ * to Go.
+ *
+ * This file decides nothing about the allocator. What it may do is Go's
+ * policy block (cp_front_set_policy: the enable bit, how many blocks a
+ * device may hold, cold mode's numbers, each device's allocate-to-pool
+ * phases), what it tracks is Go's answer to each malloc (cp_front_track:
+ * the block's pool tag, whether it may be held, and the pool the malloc's
+ * stream routed to), and what it must forget Go says too
+ * (cp_front_invalidate). During phases it serves a malloc only from the pool
+ * Go routed the same thread's last malloc on that stream to, within the same
+ * phases (a per-thread table of Go's answers, route_of): it never calls a
+ * stream filter.
  *
  * One spin lock guards everything here. It is held for a few dozen
- * instructions and never across a call into Go, and Go takes it only
- * through cp_front_take, so the lock order is: device lock (Go), then this.
+ * instructions and never across a call out of this file, and Go takes it
+ * only through the functions below, so the lock order is: device lock (Go),
+ * then this.
  *
  * The table of tracked blocks is an open-addressing hash (linear probing,
  * deletion by backward shift) over a fixed array of entries; when it is
@@ -17,40 +30,27 @@
  * in lists hashed by (size, stream), newest first.
  *
  * A malloc's take (cp_front_take with keep) leaves the blocks still waiting
- * in front, HELD, up to CP_FRONT_HOLD per device; any other take releases
- * them (allocator/front.go says when Go takes which). In the default pools
- * only small blocks are held (cp_front_hold_max, the small pool's limit
- * that Go sets): a held block is neither merged
- * with its free neighbours nor seen by best fit, and in the large pools
- * that fragments the segments over many steps of varying sizes. Replaying
- * the 75-step recorded training run (demo/train75.txt.gz) on the
- * simulator, the peak reserved memory was 6.195 GiB holding any size (the
- * first 64 held), 6.266 holding the 64 most recently freed, and 6.160
- * without the front or holding small blocks only (the GPU run it was
- * recorded from, PyTorch's allocator: 6.160). Rules that made held large
- * blocks neutral instead (claimed back for merges and for best fit) kept
- * 6.160 with twice the hits but cost 50% more per operation
- * (docs/hot-path.md, "Holding blocks across calls"). A private pool's blocks are held at any
- * size: a capture's forward reuses its freed activations, and its pool
- * stays the size of PyTorch's (the CUDA graph private pool row); except in
- * expandable segments, whose blocks Go tags CP_TAG_HOLD_SMALL: there a held
- * block keeps the mallocs that miss from reusing its range, they map the
- * free tail instead, and the pool grows (allocator/routing.go, privateTag).
- *
- * During allocate-to-pool phases (captures) each tracked block carries the
- * tag of its pool, and a malloc that finds a waiting block of its size and
- * stream asks the phases' filters, newest first, which pool it routes to
- * (allocator/routing.go): the filters run under the lock, at most once per
- * malloc, and only when a block could be served.
+ * in front, HELD, up to the policy's hold per device, if Go marked them
+ * holdable (CP_TAG_HOLD); any other take releases them. Which blocks Go marks,
+ * and why, is in allocator/front.go ("Held blocks").
  *
  * The log of a device holds at most CP_FRONT_LOG records. A reuse that
  * follows the free of the same block is folded into that record (a cycle),
  * so a loop of malloc+free of one size never fills it. When it is full a
  * free goes to Go and a malloc misses; Go then takes the log.
+ *
+ * Cold mode: when, over the last cold_window blocks a device's front took or
+ * gave back, more than twice as many were freed for real (never reused) as
+ * were reused, the next cold_skip blocks of that device are not tracked;
+ * each further verdict in a row doubles the skip, up to cold_skip <<
+ * cold_max_shift, and a window that finds reuse resets it. The numbers are
+ * Go's (allocator/front.go, the policy's), the sampling is here.
  */
+#include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "capi.h"
@@ -59,40 +59,26 @@
 #define SLOTS (1 << 14) /* hash slots: at most half full */
 #define BUCKETS 64      /* reuse lists per device */
 
-/* Cold mode: when, over the last COLD_WINDOW blocks a device's front took
- * or gave back, more than twice as many were freed for real (never reused)
- * as were reused, the next COLD_SKIP blocks of that device are not tracked.
- * A workload whose sizes rarely repeat (the C benchmark's mixed sizes) then
- * pays for the front only in the windows where it samples again. */
-#define COLD_WINDOW 256
-#define COLD_SKIP 4096
-/* Each further cold verdict in a row doubles the skip, up to
- * COLD_SKIP << COLD_MAX_SHIFT (262,144 blocks, a fraction of a second of
- * such a workload). A sampling window costs every free and malloc a lock
- * hold and a lookup until the window's blocks are all freed: for the C
- * benchmark's mixed sizes (256 live blocks replaced at random) about 1,600
- * pairs, 40% of a 4,096-block skip, so a workload that stays cold should
- * sample rarely. A window that finds reuse resets the skip. */
-#define COLD_MAX_SHIFT 6
-
-/* DEAD: forgotten while its device's log still names it; recycled by the
- * device's next take, so that a record never names another block. HELD: a
- * waiting block whose free an earlier take handed to Go as statistics only
- * (cp_front_take with keep); to Go it is still allocated. RELEASING: within
- * a take, a waiting block Go frees for real. */
+/* Entry states (capi/FRONT.md, "Entry states"). LIVE: tracked, allocated
+ * to the user. FREED: waiting in front, its free in the device's log.
+ * HELD: waiting in front across takes, its free already counted by Go, to
+ * which it is still allocated. RELEASING: within a take, a waiting block Go
+ * frees for real. DEAD: forgotten while its device's log still names it;
+ * recycled by the device's next take, so that a record never names another
+ * block. 0: unused. */
 enum { LIVE = 1, FREED = 2, DEAD = 3, HELD = 4, RELEASING = 5 };
 enum { R_FREE = 1, R_REUSE, R_CYCLE };
 
 typedef struct {
 	uintptr_t ptr, stream;
-	size_t size;       /* the requested size */
+	size_t size;      /* the requested size */
 	int32_t dev;
-	int32_t next;      /* FREED: next in its reuse list; unused: next free entry (index + 1, 0: none) */
-	int32_t lastfree;  /* FREED: the index of its free in the log */
-	uint32_t tag;      /* its pool's (1: the default pools) */
+	int32_t next;     /* FREED, HELD: next in its reuse list; unused, DEAD: next free or dead entry (index + 1, 0: none) */
+	int32_t lastfree; /* FREED: the index of its free in the log */
+	uint32_t tag;     /* its pool's (1: the default pools) */
 	uint8_t state;
-	uint8_t inlog;     /* a record of its device's log names it */
-	uint8_t holdsmall; /* held across takes only up to cp_front_hold_max (CP_TAG_HOLD_SMALL) */
+	uint8_t inlog; /* a record of its device's log names it */
+	uint8_t hold;  /* Go let it be held across takes (CP_TAG_HOLD) */
 } ent;
 
 typedef struct {
@@ -111,11 +97,11 @@ typedef struct {
 	 * lock by a plain load and store, not a read-modify-write: every malloc
 	 * through Go of a cold device passes here, and the two locked
 	 * instructions there took 4% of the C benchmark's mixed pair's samples
-	 * (1% now, on a development machine). Two mallocs racing may count one block, which lengthens the
-	 * stretch by one; a store racing with a reset or a verdict may revive
-	 * what is left of the old stretch. Either only changes which blocks
-	 * the front tracks (and the counter of untracked blocks by as much),
-	 * never what an operation does. */
+	 * (1% now, on a development machine). Two mallocs racing may count one
+	 * block, which lengthens the stretch by one; a store racing with a reset
+	 * or a verdict may revive what is left of the old stretch. Either only
+	 * changes which blocks the front tracks (and the counter of untracked
+	 * blocks by as much), never what an operation does. */
 	atomic_int cold;
 	int32_t gone[CP_FRONT_LOG + CP_FRONT_HOLD]; /* a take's RELEASING entries */
 	/* cudapool_get_front_counters: hits, of which pool hits, and cold
@@ -135,26 +121,93 @@ typedef struct {
 /* All guarded by lock_word, except where said. */
 static ent ents[ENTS];
 static slot slots[SLOTS];
-static int32_t free_ents;    /* head of the unused entries (index + 1) */
-static int32_t used_ents;    /* entries ever handed out: [used_ents, ENTS) never were */
+static int32_t free_ents; /* head of the unused entries (index + 1) */
+static int32_t used_ents; /* entries ever handed out: [used_ents, ENTS) never were */
 static devfront devs[CP_FRONT_MAXDEV];
-static cp_route routes[CP_FRONT_MAXDEV][CP_FRONT_MAXROUTES]; /* oldest first */
-static int nroutes[CP_FRONT_MAXDEV];
+static cp_front_policy pol; /* Go's policy block (cp_front_set_policy) */
 static atomic_int lock_word;
 
 /* Log lengths and held blocks, written under the lock and read by Go without
  * it (a hint). */
 volatile int cp_front_n[CP_FRONT_MAXDEV];
 volatile int cp_front_held[CP_FRONT_MAXDEV];
-size_t cp_front_hold_max;
 /* Where cp_front_take writes a device's log for Go (guarded by Go's device lock). */
 cp_pending_free cp_front_out[CP_FRONT_MAXDEV][CP_FRONT_LOG + CP_FRONT_HOLD];
-/* Whether the front may serve: written by Go (cp_front_set_on), read
- * without the lock as a hint and again under it. */
+/* pol.on, also read without the lock as a hint (and again under it). */
 static atomic_int front_on;
 /* How many blocks are tracked: read without the lock to skip the lock when
  * there are none. */
 static atomic_int tracked;
+
+/* ---- Go's routes, per thread ----
+ *
+ * During allocate-to-pool phases a malloc on a stream goes to the pool of
+ * the newest phase whose stream filter accepts the stream. Go alone decides
+ * that (graphs.Router.Route): a malloc through Go returns, with its block,
+ * the pool's tag and the phases' generation (cp_track's route, phases), and
+ * this table keeps the answer for the calling thread and stream, so that
+ * the thread's later mallocs on the stream find their pool here. The table
+ * is per thread because a filter may answer by thread (use_mem_pool's
+ * accepts its thread's allocations); only a yes is kept (a stream may join
+ * a capture later, and a no must be asked again); a new generation (any
+ * begin or end) makes every entry stale. ROUTES entries, reused round
+ * robin; allocated on a thread's first route (the library's thread-local
+ * storage is static, which every library loaded with dlopen shares) and
+ * freed when the thread exits. */
+#define ROUTES 4
+typedef struct {
+	struct {
+		uintptr_t stream;
+		uint32_t phases, tag;
+	} e[ROUTES];
+	unsigned next;
+} routes_t;
+
+static __thread routes_t *my_routes __attribute__((tls_model("initial-exec")));
+static pthread_key_t routes_key;
+static pthread_once_t routes_once = PTHREAD_ONCE_INIT;
+
+static void routes_free(void *r) {
+	if (my_routes == r)
+		my_routes = NULL;
+	free(r);
+}
+
+static void routes_key_init(void) { pthread_key_create(&routes_key, routes_free); }
+
+/* route_of is the tag of the pool a malloc of this thread on stream routes
+ * to during the phases of generation phases, or 0 if Go has not said. */
+static inline uint32_t route_of(uintptr_t stream, uint32_t phases) {
+	routes_t *r = my_routes;
+	if (r == NULL)
+		return 0;
+	for (int i = 0; i < ROUTES; i++)
+		if (r->e[i].phases == phases && r->e[i].stream == stream)
+			return r->e[i].tag;
+	return 0;
+}
+
+/* note_route keeps Go's answer for this thread (no lock: the table is the
+ * thread's own). */
+static void note_route(uintptr_t stream, uint32_t phases, uint32_t tag) {
+	routes_t *r = my_routes;
+	if (r == NULL) {
+		r = calloc(1, sizeof *r);
+		if (r == NULL)
+			return; /* no table: Go routes this thread's mallocs */
+		pthread_once(&routes_once, routes_key_init);
+		pthread_setspecific(routes_key, r);
+		my_routes = r;
+	}
+	int i = 0;
+	while (i < ROUTES && !(r->e[i].stream == stream && r->e[i].phases == phases))
+		i++;
+	if (i == ROUTES)
+		i = (int)(r->next++ % ROUTES);
+	r->e[i].stream = stream;
+	r->e[i].phases = phases;
+	r->e[i].tag = tag;
+}
 
 static inline void cpu_relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
@@ -228,20 +281,64 @@ static void forget(uint32_t i) {
 	}
 }
 
-void cp_front_set_on(int on) { atomic_store(&front_on, on != 0); }
+/* cold_reset ends device d's cold stretch and starts a fresh window. The
+ * lock is held. */
+static void cold_reset(devfront *d) {
+	d->cold_granted -= (unsigned)atomic_exchange_explicit(&d->cold, 0, memory_order_relaxed);
+	d->cold_streak = 0;
+	d->reused = d->wasted = 0;
+}
 
-void cp_front_track(uintptr_t p, size_t size, uintptr_t stream, int dev, int track) {
+void cp_front_set_policy(const cp_front_policy *p) {
+	cp_front_policy next = {0};
+	if (p != NULL)
+		next = *p;
+	if (next.hold > CP_FRONT_HOLD)
+		next.hold = CP_FRONT_HOLD;
+	lock();
+	for (int dev = 0; dev < CP_FRONT_MAXDEV; dev++)
+		if (next.phases[dev] != 0 && pol.phases[dev] == 0) {
+			/* Phases begin (a capture): a new pattern, which a cold
+			 * verdict on what came before (model set-up, weights
+			 * converted and freed) says nothing about. Sample it
+			 * afresh: at most one window. */
+			cold_reset(&devs[dev]);
+		}
+	pol = next;
+	atomic_store_explicit(&front_on, next.on != 0, memory_order_relaxed);
+	unlock();
+}
+
+void cp_front_get_policy(cp_front_policy *out) {
+	lock();
+	*out = pol;
+	unlock();
+}
+
+/* invalidate forgets p if it is LIVE (a waiting block's free is in the log,
+ * and Go sees it there). The lock is held. */
+static void invalidate(uintptr_t p) {
+	int32_t i = find(p);
+	if (i >= 0 && ents[slots[i].e - 1].state == LIVE)
+		forget((uint32_t)i);
+}
+
+void cp_front_invalidate(uintptr_t p) {
+	if (atomic_load_explicit(&tracked, memory_order_relaxed) == 0)
+		return;
+	lock();
+	invalidate(p);
+	unlock();
+}
+
+void cp_front_track(uintptr_t p, size_t size, uintptr_t stream, int dev, cp_track t) {
+	if (__builtin_expect(t.route != 0, 0))
+		note_route(stream, t.phases, t.route);
 	if (p == 0)
 		return;
-	if (!track || (unsigned)dev >= CP_FRONT_MAXDEV) {
+	if (t.tag == 0 || (unsigned)dev >= CP_FRONT_MAXDEV) {
 		/* An untracked block at p: drop a stale entry, should one be left. */
-		if (atomic_load_explicit(&tracked, memory_order_relaxed) == 0)
-			return;
-		lock();
-		int32_t i = find(p);
-		if (i >= 0 && ents[slots[i].e - 1].state == LIVE)
-			forget((uint32_t)i);
-		unlock();
+		cp_front_invalidate(p);
 		return;
 	}
 	atomic_int *cold = &devs[dev].cold;
@@ -249,8 +346,7 @@ void cp_front_track(uintptr_t p, size_t size, uintptr_t stream, int dev, int tra
 	if (c > 0) {
 		/* Cold: not tracked. */
 		atomic_store_explicit(cold, c - 1, memory_order_relaxed);
-		if (atomic_load_explicit(&tracked, memory_order_relaxed) != 0)
-			cp_front_untrack(p); /* a stale entry, should one be left */
+		cp_front_invalidate(p); /* a stale entry, should one be left */
 		return;
 	}
 	lock();
@@ -277,16 +373,13 @@ void cp_front_track(uintptr_t p, size_t size, uintptr_t stream, int dev, int tra
 	while (slots[s].e != 0)
 		s = (s + 1) & (SLOTS - 1);
 	slots[s] = (slot){p, e};
-	ents[e - 1] = (ent){.ptr = p, .stream = stream, .size = size, .dev = dev,
-	                    .tag = (uint32_t)(track & ~CP_TAG_HOLD_SMALL),
-	                    .holdsmall = (track & CP_TAG_HOLD_SMALL) != 0, .state = LIVE};
+	ents[e - 1] = (ent){.ptr = p, .stream = stream, .size = size, .dev = dev, .tag = t.tag & ~CP_TAG_HOLD,
+	                    .hold = (t.tag & CP_TAG_HOLD) != 0, .state = LIVE};
 	atomic_fetch_add_explicit(&tracked, 1, memory_order_relaxed);
 	unlock();
 }
 
-void cp_front_untrack(uintptr_t p) { cp_front_track(p, 0, 0, -1, 0); }
-
-int cp_front_free(uintptr_t p, size_t size, int dev, int any_dev) {
+int cp_front_free(uintptr_t p, size_t size, int dev, int flags) {
 	if (atomic_load_explicit(&tracked, memory_order_relaxed) == 0)
 		return 0;
 	lock();
@@ -305,7 +398,7 @@ int cp_front_free(uintptr_t p, size_t size, int dev, int any_dev) {
 	}
 	int n = cp_front_n[x->dev];
 	if (!atomic_load_explicit(&front_on, memory_order_relaxed) || (size != 0 && size != x->size) ||
-	    (dev != x->dev && !(dev == -1 && any_dev)) || n == CP_FRONT_LOG) {
+	    (dev != x->dev && !(dev == -1 && (flags & CP_FREE_ANY_DEV))) || n == CP_FRONT_LOG || (flags & CP_FREE_NOW)) {
 		/* Go frees it (and reports a wrong size or device). */
 		forget((uint32_t)i);
 		unlock();
@@ -324,28 +417,6 @@ int cp_front_free(uintptr_t p, size_t size, int dev, int any_dev) {
 	return 1;
 }
 
-int cp_front_set_routes(int dev, const cp_route *r, int n) {
-	if ((unsigned)dev >= CP_FRONT_MAXDEV)
-		return 0;
-	int ok = n >= 0 && n <= CP_FRONT_MAXROUTES;
-	if (!ok)
-		n = 0;
-	lock(); /* no filter of the old routes runs once this returns */
-	if (n > 0 && nroutes[dev] == 0) {
-		/* Phases begin (a capture): a new pattern, which a cold verdict
-		 * on what came before (model set-up, weights converted and freed)
-		 * says nothing about. Sample it afresh: at most one window. */
-		devfront *d = &devs[dev];
-		d->cold_granted -= (unsigned)atomic_exchange_explicit(&d->cold, 0, memory_order_relaxed);
-		d->cold_streak = 0;
-		d->reused = d->wasted = 0;
-	}
-	memcpy(routes[dev], r, (size_t)n * sizeof *r);
-	nroutes[dev] = n;
-	unlock();
-	return ok;
-}
-
 int cp_front_counters(int dev, unsigned long long out[4]) {
 	if ((unsigned)dev >= CP_FRONT_MAXDEV)
 		return -1;
@@ -360,29 +431,6 @@ int cp_front_counters(int dev, unsigned long long out[4]) {
 	return 0;
 }
 
-/* route_tag is the tag of the pool a malloc on stream routes to: the newest
- * phase whose filter accepts it, else the default pools (graphs.Router.Route).
- * The lock is held. */
-static uint32_t route_tag(int dev, uintptr_t stream) {
-	for (int i = nroutes[dev] - 1; i >= 0; i--) {
-		const cp_route *r = &routes[dev][i];
-		int yes;
-		switch (r->kind) {
-		case CP_ROUTE_ALL:
-			yes = 1;
-			break;
-		case CP_ROUTE_C:
-			yes = cp_call_c_filter(r->a, r->b, stream);
-			break;
-		default:
-			yes = cp_call_std_filter(r->a, stream);
-		}
-		if (yes)
-			return r->tag;
-	}
-	return 1;
-}
-
 void *cp_front_malloc(size_t size, int dev, uintptr_t stream) {
 	if (!atomic_load_explicit(&front_on, memory_order_relaxed) || (unsigned)dev >= CP_FRONT_MAXDEV ||
 	    (cp_front_n[dev] == 0 && cp_front_held[dev] == 0))
@@ -391,13 +439,19 @@ void *cp_front_malloc(size_t size, int dev, uintptr_t stream) {
 	devfront *d = &devs[dev];
 	int n = cp_front_n[dev];
 	int32_t *link = &d->bucket[bucket_of(size, stream)], e;
-	uint32_t want = 0; /* the routed pool's tag, asked at the first candidate */
+	uint32_t want = 0; /* the routed pool's tag, looked up at the first candidate */
 	for (e = *link; e != 0; link = &ents[e - 1].next, e = *link) {
 		ent *x = &ents[e - 1];
 		if (x->size != size || x->stream != stream)
 			continue;
-		if (want == 0)
-			want = nroutes[dev] == 0 ? 1 : route_tag(dev, stream);
+		if (want == 0) {
+			uint32_t phases = pol.phases[dev];
+			want = phases == 0 ? 1 : route_of(stream, phases);
+			if (want == 0) {
+				e = 0; /* Go has not routed this thread's stream in these phases */
+				break;
+			}
+		}
 		if (x->tag == want)
 			break;
 	}
@@ -454,7 +508,7 @@ size_t cp_front_take(int dev, int keep) {
 				/* Its last free, and no reuse followed: the block stays
 				 * in front, held (Go counts the free and keeps the block
 				 * allocated), or Go frees it for real and it leaves. */
-				if (keep && held < CP_FRONT_HOLD && ((x->tag != 1 && !x->holdsmall) || x->size <= cp_front_hold_max)) {
+				if (keep && x->hold && held < (int)pol.hold) {
 					f.op = CP_OP_HOLD;
 					x->state = HELD;
 					held++;
@@ -508,14 +562,14 @@ size_t cp_front_take(int dev, int keep) {
 		ents[e - 1].next = free_ents;
 		free_ents = e;
 	}
-	if (d->reused + d->wasted >= COLD_WINDOW) {
+	if (pol.cold_window != 0 && d->reused + d->wasted >= pol.cold_window) {
 		if (d->wasted > 2 * d->reused) {
 			/* (What a stretch still under way had left is cancelled.) */
-			int skip = COLD_SKIP << d->cold_streak;
+			int skip = (int)(pol.cold_skip << d->cold_streak);
 			d->cold_granted -= (unsigned)atomic_exchange_explicit(&d->cold, skip, memory_order_relaxed);
 			d->cold_granted += (unsigned)skip;
 			d->cold_verdicts++;
-			if (d->cold_streak < COLD_MAX_SHIFT)
+			if (d->cold_streak < pol.cold_max_shift)
 				d->cold_streak++;
 		} else {
 			d->cold_streak = 0;

@@ -1,14 +1,15 @@
 package main
 
-// The Go side of the front cache (front.c; the design is in
-// allocator/front.go): the allocator.Front that reads the C logs.
+// The Go side of the front cache (front.c; the protocol is FRONT.md, the
+// design allocator/front.go): the allocator.Front that reads the C logs and
+// pushes Go's policy and invalidations.
 
 /*
 #cgo noescape cp_front_take
 #cgo nocallback cp_front_take
-#cgo nocallback cp_front_set_on
-#cgo noescape cp_front_set_routes
-#cgo nocallback cp_front_set_routes
+#cgo noescape cp_front_set_policy
+#cgo nocallback cp_front_set_policy
+#cgo nocallback cp_front_invalidate
 #include "capi.h"
 */
 import "C"
@@ -18,16 +19,8 @@ import (
 	"unsafe"
 
 	"github.com/cudapool/cudapool/allocator"
-	"github.com/cudapool/cudapool/pools"
+	"github.com/cudapool/cudapool/cuda"
 )
-
-// The front holds default-pool blocks across takes only up to the small
-// pool's limit: larger held blocks, neither merged nor seen by best fit,
-// fragment the large pools (front.c; docs/hot-path.md section 20).
-func init() { C.cp_front_hold_max = C.size_t(pools.SmallSize) }
-
-// frontHoldMax is what the front was told (for the tests).
-func frontHoldMax() uint64 { return uint64(C.cp_front_hold_max) }
 
 type cFront struct{}
 
@@ -70,26 +63,38 @@ func (cFront) Take(dev int, buf []allocator.PendingFree, keep bool) []allocator.
 	return append(buf, pendingFrees(&C.cp_front_out[dev][0], C.size_t(n))...)
 }
 
-func (cFront) SetEnabled(on bool) {
-	v := C.int(0)
-	if on {
-		v = 1
+// SetPolicy copies the policy into the C front's block. Devices past
+// CP_FRONT_MAXDEV are not served: their phases need no generation.
+func (cFront) SetPolicy(p *allocator.FrontPolicy) {
+	var c C.cp_front_policy
+	if p.On {
+		c.on = 1
 	}
-	C.cp_front_set_on(v)
+	c.hold = C.uint32_t(p.Hold)
+	c.cold_window, c.cold_skip, c.cold_max_shift = C.uint32_t(p.ColdWindow), C.uint32_t(p.ColdSkip), C.uint32_t(p.ColdMaxShift)
+	for i, g := range p.Phases {
+		if i < C.CP_FRONT_MAXDEV {
+			c.phases[i] = C.uint32_t(g)
+		}
+	}
+	C.cp_front_set_policy(&c)
 }
+
+func (cFront) Invalidate(dev int, p cuda.Ptr) { C.cp_front_invalidate(C.uintptr_t(p)) }
+
+// frontPolicy is the C front's policy as Go would write it (for the tests).
+func frontPolicy() allocator.FrontPolicy {
+	var c C.cp_front_policy
+	C.cp_front_get_policy(&c)
+	p := allocator.FrontPolicy{On: c.on != 0, Hold: int(c.hold), ColdWindow: int(c.cold_window),
+		ColdSkip: int(c.cold_skip), ColdMaxShift: int(c.cold_max_shift)}
+	for _, g := range c.phases {
+		p.Phases = append(p.Phases, uint32(g))
+	}
+	return p
+}
+
+// frontOff turns the front off for good (a disabled library).
+func frontOff() { C.cp_front_set_policy(nil) }
 
 func (cFront) Capacity() int { return C.CP_FRONT_LOG + C.CP_FRONT_HOLD }
-
-// SetRoutes makes cFront an allocator.FrontRouter: the C front calls the
-// filters that capi's Go filters call (cp_call_c_filter, cp_call_std_filter).
-func (cFront) SetRoutes(dev int, routes []allocator.FrontRoute) bool {
-	if len(routes) > C.CP_FRONT_MAXROUTES {
-		C.cp_front_set_routes(C.int(dev), nil, 0)
-		return false
-	}
-	var rs [C.CP_FRONT_MAXROUTES]C.cp_route
-	for i, r := range routes {
-		rs[i] = C.cp_route{a: C.uintptr_t(r.Filter.A), b: C.uintptr_t(r.Filter.B), tag: C.uint32_t(r.Tag), kind: C.uint32_t(r.Filter.Kind)}
-	}
-	return C.cp_front_set_routes(C.int(dev), &rs[0], C.int(len(routes))) != 0
-}

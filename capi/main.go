@@ -207,10 +207,9 @@ const (
 	_ = 0 - (uint8(C.CP_OP_CYCLES) ^ uint8(allocator.OpCycles))
 	_ = 0 - (uint8(C.CP_OP_RELEASE) ^ uint8(allocator.OpRelease))
 	_ = 0 - (uint8(C.CP_OP_HOLD) ^ uint8(allocator.OpHold))
-	// The front's route kind and tag for a nil filter and the default pools.
-	_ = 0 - (uint8(C.CP_ROUTE_ALL) ^ allocator.FilterAll)
+	// The front's tags for the default pools and for a block it may hold.
 	_ = 0 - (uint32(1) ^ allocator.TagDefault)
-	_ = 0 - (uint32(C.CP_TAG_HOLD_SMALL) ^ allocator.TagHoldSmall)
+	_ = 0 - (uint32(C.CP_TAG_HOLD) ^ allocator.TagHold)
 )
 
 // reportFreeError reports a failed queued free, performed during fn (or by
@@ -236,8 +235,10 @@ func reportFreeError(fn string, err error) {
 // entryNames names the public functions that share an export, by their
 // CP_FN_* number (capi.h).
 var entryNames = [...]string{
+	C.CP_FN_MALLOC:                     "cudapool_malloc",
 	C.CP_FN_MALLOC_CTX:                 "cudapool_malloc_ctx",
 	C.CP_FN_CUPY_MALLOC:                "cudapool_cupy_malloc",
+	C.CP_FN_TORCH_MALLOC:               "cudapool_torch_malloc",
 	C.CP_FN_FREE_DEFERRED:              "cudapool_free_deferred",
 	C.CP_FN_TORCH_FREE:                 "cudapool_torch_free",
 	C.CP_FN_CUPY_FREE:                  "cudapool_cupy_free",
@@ -245,7 +246,12 @@ var entryNames = [...]string{
 	C.CP_FN_TORCH_END_ALLOCATE_TO_POOL: "cudapool_torch_end_allocate_to_pool",
 	C.CP_FN_RELEASE_POOL:               "cudapool_release_pool",
 	C.CP_FN_TORCH_RELEASE_POOL:         "cudapool_torch_release_pool",
+	C.CP_FN_EXPECT_ANNOUNCED_CAPTURES:  "cudapool_expect_announced_captures",
 }
+
+// fnMalloc is cudapool_malloc's number (for the tests, which cannot use
+// cgo).
+const fnMalloc = C.CP_FN_MALLOC
 
 // entryName returns the name of the public function numbered fn.
 func entryName(fn C.int) string {
@@ -349,7 +355,7 @@ func parseBytes(s string) (uint64, error) {
 
 // poison disables the library after an internal error.
 func poison(err error) {
-	C.cp_front_set_on(0) // the front serves nothing for a disabled library
+	frontOff() // the front serves nothing for a disabled library
 	old := current.Load()
 	st := &state{err: err}
 	if old != nil {
@@ -364,30 +370,6 @@ func poison(err error) {
 func guard(fn string) {
 	if r := recover(); r != nil {
 		panicked(fn, r)
-	}
-}
-
-// guardMalloc is guard for the exports that malloc: deferred with no
-// argument it needs no wrapper function, a call less per malloc. (The name
-// is the malloc family's: the export does not pass its own.)
-func guardMalloc() {
-	if r := recover(); r != nil {
-		panicked("cudapool_malloc", r)
-	}
-}
-
-// guardTorchMalloc and guardMallocCtx are guardMalloc for the other
-// malloc exports. (The latter names cudapool_malloc_ctx also when
-// cudapool_cupy_malloc was called: a panic is a cudapool bug either way.)
-func guardTorchMalloc() {
-	if r := recover(); r != nil {
-		panicked("cudapool_torch_malloc", r)
-	}
-}
-
-func guardMallocCtx() {
-	if r := recover(); r != nil {
-		panicked("cudapool_malloc_ctx", r)
 	}
 }
 

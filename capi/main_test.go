@@ -1,6 +1,7 @@
 package main
 
 import (
+	"reflect"
 	"strings"
 	"testing"
 
@@ -148,11 +149,25 @@ func TestGuardDisablesAfterPanic(t *testing.T) {
 	}
 }
 
-// The front holds default-pool blocks across takes up to the small pool's
-// limit, told by Go when the library loads (0 would hold none).
-func TestFrontHoldMaxIsTheSmallPoolLimit(t *testing.T) {
-	if got := frontHoldMax(); got != pools.SmallSize {
-		t.Fatalf("front hold limit %d, want pools.SmallSize %d", got, uint64(pools.SmallSize))
+// cFront.SetPolicy hands the C front every field of Go's policy; devices
+// past the ones it serves get no phases.
+func TestFrontPolicyReachesC(t *testing.T) {
+	prev := frontPolicy()
+	defer cFront{}.SetPolicy(&prev)
+	phases := make([]uint32, 20)
+	for i := range phases {
+		phases[i] = uint32(100 + i)
+	}
+	want := allocator.FrontPolicy{On: true, Hold: 17, ColdWindow: 3, ColdSkip: 5, ColdMaxShift: 7, Phases: phases}
+	cFront{}.SetPolicy(&want)
+	got := frontPolicy()
+	want.Phases = phases[:16]
+	if !reflect.DeepEqual(got, want) {
+		t.Fatalf("the C front's policy %+v, want %+v", got, want)
+	}
+	frontOff()
+	if got := frontPolicy(); got.On || got.Hold != 0 || got.Phases[0] != 0 {
+		t.Fatalf("after frontOff: %+v", got)
 	}
 }
 

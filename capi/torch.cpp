@@ -10,6 +10,7 @@
 // exception ever crosses a Go frame.
 #include <dlfcn.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -130,33 +131,38 @@ const C10OOM &c10_oom() {
 
 void set_error(const char *msg) { cp_set_error(msg, std::char_traits<char>::length(msg)); }
 
+// announced: PyTorch announces every capture (begin_allocate_to_pool), which
+// the allocator is told before the hooks' first malloc.
+std::atomic<bool> announced{false};
+
 } // namespace
 
 extern "C" {
 
 void *cudapool_torch_malloc(size_t size, int device, cudaStream_t stream) {
-	if (cp_forked_child()) {
+	if (cp_refused("cudapool_torch_malloc")) {
 		if (size == 0)
 			return nullptr;
 		cp_throw_oom(cudapool_last_error());
 	}
-	uintptr_t s = reinterpret_cast<uintptr_t>(stream);
-	if (void *hit = cp_front_malloc(size, device, s))
-		return hit;
-	// Queued frees (cudapool_torch_free) go along, done before the malloc.
-	cp_pending_free frees[CP_FREEQ_CAP];
-	size_t n = cp_freeq_n != 0 ? cp_take_frees(frees, CP_FREEQ_CAP) : 0;
-	int track = 0;
-	uintptr_t r = cpgo_torch_malloc(size, device, s, frees, n, &track);
-	cp_front_track(r, size, s, device, track);
-	void *p = reinterpret_cast<void *>(r);
+	if (__builtin_expect(!announced.load(std::memory_order_relaxed), 0)) {
+		// Refused (the library cannot run, or the environment's
+		// configuration was, once), the malloc fails with the reason.
+		if (cpgo_expect_announced(CP_FN_TORCH_MALLOC) != 0) {
+			if (size == 0)
+				return nullptr;
+			cp_throw_oom(cudapool_last_error());
+		}
+		announced.store(true, std::memory_order_relaxed);
+	}
+	void *p = cp_malloc(size, device, reinterpret_cast<uintptr_t>(stream), 0, CP_FN_TORCH_MALLOC);
 	if (p == nullptr && size > 0)
 		cp_throw_oom(cudapool_last_error());
 	return p;
 }
 
 void cudapool_torch_begin_allocate_to_pool(int device, MempoolId id, StreamFilter filter) {
-	if (cp_forked_child())
+	if (cp_refused("cudapool_torch_begin_allocate_to_pool"))
 		return;
 	uintptr_t handle = 0; // 0: an empty filter, which accepts every stream
 	if (filter) {
@@ -173,23 +179,27 @@ void cudapool_torch_begin_allocate_to_pool(int device, MempoolId id, StreamFilte
 }
 
 void cudapool_torch_end_allocate_to_pool(int device, MempoolId id) {
-	if (cp_forked_child())
+	if (cp_refused("cudapool_torch_end_allocate_to_pool"))
 		return;
 	cpgo_end_allocate_to_pool(device, id.first, id.second, CP_FN_TORCH_END_ALLOCATE_TO_POOL);
 }
 
 void cudapool_torch_release_pool(int device, MempoolId id) {
-	if (cp_forked_child())
+	if (cp_refused("cudapool_torch_release_pool"))
 		return;
 	cpgo_release_pool(device, id.first, id.second, CP_FN_TORCH_RELEASE_POOL);
 }
 
 int cp_call_std_filter(uintptr_t handle, uintptr_t stream) {
+	int yes = 0;
+	cp_callback_enter();
 	try {
-		return (*reinterpret_cast<StreamFilter *>(handle))(reinterpret_cast<cudaStream_t>(stream)) ? 1 : 0;
+		yes = (*reinterpret_cast<StreamFilter *>(handle))(reinterpret_cast<cudaStream_t>(stream)) ? 1 : 0;
 	} catch (...) {
-		return 0; // an exception must not unwind into Go
+		// an exception must not unwind into Go: "no"
 	}
+	cp_callback_leave();
+	return yes;
 }
 
 void cp_delete_std_filter(uintptr_t handle) { delete reinterpret_cast<StreamFilter *>(handle); }

@@ -26,31 +26,35 @@ import (
 )
 
 //export cpgo_malloc_ctx
-func cpgo_malloc_ctx(size C.size_t, dev C.int, stream C.uintptr_t, ctx C.ulonglong, frees *C.cp_pending_free, nfrees C.size_t, track *C.int, entry C.int) C.uintptr_t {
-	defer guardMallocCtx()
+func cpgo_malloc_ctx(size C.size_t, dev C.int, stream C.uintptr_t, ctx C.ulonglong, frees *C.cp_pending_free, nfrees C.size_t, out *C.cp_track, entry C.int) C.uintptr_t {
+	// guard, written out: a literal deferred is called directly, with no
+	// wrapper around a deferred call's arguments (a call less per malloc).
+	defer func() {
+		if r := recover(); r != nil {
+			panicked(entryName(entry), r)
+		}
+	}()
 	st := current.Load()
 	if st == nil || st.err != nil {
 		// The process's first call (load initializes the state, and this
 		// function runs again), or a failed state; out of line.
-		return mallocCtxNoState(size, dev, stream, ctx, frees, nfrees, track, entry)
+		return mallocCtxNoState(size, dev, stream, ctx, frees, nfrees, out, entry)
 	}
 	keeper.Touch()
 	p, tr, err, ferr := st.a.MallocTracked(int(dev), uint64(size), cuda.Stream(stream), uint64(ctx), pendingFrees(frees, nfrees))
-	if err != nil || ferr != nil || track == nil {
-		return mallocEnd(entry, size, p, tr, err, ferr, track)
+	if err != nil || ferr != nil || out == nil {
+		return mallocEnd(entry, size, p, tr, err, ferr, out)
 	}
-	if tr != 0 {
-		*track = C.int(tr)
-	}
+	*out = trackC(tr)
 	return C.uintptr_t(p)
 }
 
 //go:noinline
-func mallocCtxNoState(size C.size_t, dev C.int, stream C.uintptr_t, ctx C.ulonglong, frees *C.cp_pending_free, nfrees C.size_t, track *C.int, entry C.int) C.uintptr_t {
+func mallocCtxNoState(size C.size_t, dev C.int, stream C.uintptr_t, ctx C.ulonglong, frees *C.cp_pending_free, nfrees C.size_t, out *C.cp_track, entry C.int) C.uintptr_t {
 	if st := load(); st.err != nil {
-		return failState(mallocName(entry), st)
+		return failState(entryName(entry), st)
 	}
-	return cpgo_malloc_ctx(size, dev, stream, ctx, frees, nfrees, track, entry)
+	return cpgo_malloc_ctx(size, dev, stream, ctx, frees, nfrees, out, entry)
 }
 
 // failMalloc records a failed malloc of size bytes through the public
@@ -89,14 +93,23 @@ func cpgo_free_ctx(p C.uintptr_t, size C.size_t, dev C.int, ctx C.ulonglong) (rc
 	return result(fn, a.FreeCtx(int(dev), cuda.Ptr(p), uint64(size), uint64(ctx)))
 }
 
+// cpgo_expect_announced tells the allocator that every capture is
+// announced, for cudapool_expect_announced_captures and for
+// cudapool_torch_malloc's first call (entry names which); 0, or -1 if the
+// library cannot run (then the caller's call fails: the announcement is
+// made again by the next).
+//
 //export cpgo_expect_announced
-func cpgo_expect_announced() {
-	const fn = "cudapool_expect_announced_captures"
+func cpgo_expect_announced(entry C.int) (rc C.int) {
+	fn := entryName(entry)
+	rc = -1
 	defer guard(fn)
-	if a := ready(fn); a != nil {
-		a.ExpectAnnouncements()
-		torchAnnounced.Store(true)
+	a := ready(fn)
+	if a == nil {
+		return -1
 	}
+	a.ExpectAnnouncements()
+	return 0
 }
 
 //export cpgo_configure_update

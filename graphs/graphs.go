@@ -46,7 +46,6 @@ type Filter func(cuda.Stream) bool
 type capture struct {
 	pool   *privatepool.Pool
 	filter Filter // nil: every stream
-	ref    any    // the caller's other name for filter (BeginRef)
 }
 
 type autoCapture struct {
@@ -73,12 +72,6 @@ func AutoPoolID(captureID uint64) pools.PoolID {
 // pool id, creating the pool or holding an existing one once more (pool
 // sharing between captures, a MemPool made by CreateOrIncref).
 func (r *Router) Begin(id pools.PoolID, filter Filter, mk privatepool.NewPools) error {
-	return r.BeginRef(id, filter, nil, mk)
-}
-
-// BeginRef is Begin with ref, kept with the capture for Phases (the
-// allocator's front cache calls the same filter by another name).
-func (r *Router) BeginRef(id pools.PoolID, filter Filter, ref any, mk privatepool.NewPools) error {
 	// As PyTorch: one routing per pool at a time (a nested use_mem_pool of
 	// the same pool, or two threads in it at once, is refused), checked
 	// before the use count changes (PyTorch's check comes after its
@@ -92,7 +85,7 @@ func (r *Router) BeginRef(id pools.PoolID, filter Filter, ref any, mk privatepoo
 	if err != nil {
 		return err
 	}
-	r.captures = append(r.captures, capture{pool: p, filter: filter, ref: ref})
+	r.captures = append(r.captures, capture{pool: p, filter: filter})
 	return nil
 }
 
@@ -188,14 +181,6 @@ func streamGone(err error) bool {
 
 // Announced is the number of announced captures under way.
 func (r *Router) Announced() int { return len(r.captures) }
-
-// Phases calls fn with each announced capture's pool and ref, in begin
-// order (Route tries them newest first).
-func (r *Router) Phases(fn func(p *privatepool.Pool, ref any)) {
-	for _, c := range r.captures {
-		fn(c.pool, c.ref)
-	}
-}
 
 // Idle reports that the router knows of no capture: Underway is false
 // without a query, and Route returns nil for a stream not capturing.

@@ -29,27 +29,17 @@ func TestNewestCaptureFirst(t *testing.T) {
 	require.Equal(t, []pools.PoolID{g1}, r.Recording())
 }
 
-// Phases gives the announced captures in begin order with the refs given to
-// BeginRef (nil for Begin); an ended one leaves.
-func TestPhasesKeepRefs(t *testing.T) {
+// Announced counts the announced captures, Recording names their pools in
+// begin order; an ended one leaves.
+func TestAnnouncedInBeginOrder(t *testing.T) {
 	var r graphs.Router
 	g1, g2, g3 := pools.PoolID{A: 1}, pools.PoolID{A: 2}, pools.PoolID{A: 3}
-	require.NoError(t, r.BeginRef(g1, nil, "one", mk))
+	require.NoError(t, r.Begin(g1, nil, mk))
 	require.NoError(t, r.Begin(g2, nil, mk))
-	require.NoError(t, r.BeginRef(g3, nil, 3, mk))
-	phases := func() (ids []pools.PoolID, refs []any) {
-		r.Phases(func(p *privatepool.Pool, ref any) {
-			ids, refs = append(ids, p.ID), append(refs, ref)
-		})
-		return ids, refs
-	}
-	ids, refs := phases()
-	require.Equal(t, []pools.PoolID{g1, g2, g3}, ids)
-	require.Equal(t, []any{"one", nil, 3}, refs)
+	require.NoError(t, r.Begin(g3, nil, mk))
+	require.Equal(t, []pools.PoolID{g1, g2, g3}, r.Recording())
 	require.NoError(t, r.End(g2))
-	ids, refs = phases()
-	require.Equal(t, []pools.PoolID{g1, g3}, ids)
-	require.Equal(t, []any{"one", 3}, refs)
+	require.Equal(t, []pools.PoolID{g1, g3}, r.Recording())
 	require.Equal(t, 2, r.Announced())
 }
 

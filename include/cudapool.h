@@ -115,8 +115,12 @@ void *cudapool_base_allocation(void *ptr, size_t *size);
 void cudapool_record_stream(void *ptr, cudapool_stream stream);
 
 /* Answers whether an allocation on stream belongs to a pool's capture
- * (non-zero: yes). It is called during cudapool_malloc with the allocator's
- * lock held: it must not call cudapool functions. */
+ * (non-zero: yes). It is called during a malloc with the device's lock
+ * held: a cudapool function it calls fails at once (cudapool_last_error
+ * says why). Once it says yes for a stream on a thread it must keep saying
+ * yes until the pool's phase ends: the allocator may remember a yes for the
+ * thread and stream until the device's next begin or end (a no it asks
+ * again, since a stream may join a capture later). */
 typedef int (*cudapool_stream_filter)(void *ctx, cudapool_stream stream);
 
 /* Routes the allocations on device whose stream filter accepts (NULL filter:
@@ -275,8 +279,9 @@ int cudapool_pool_set_use_on_oom(int device, unsigned long long a, unsigned long
 int cudapool_empty_pool(int device, unsigned long long a, unsigned long long b);
 
 /* A pool's segment source (torch.cuda.MemPool(allocator=...)): called with an
- * allocator lock held, in relaxed capture mode; they must not call cudapool.
- * alloc returns NULL when out of memory; free returns 0 on success. */
+ * allocator lock held, in relaxed capture mode; a cudapool function they
+ * call fails at once (cudapool_last_error says why). alloc returns NULL when
+ * out of memory; free returns 0 on success. */
 typedef void *(*cudapool_segment_alloc_fn)(void *ctx, size_t size, int device, cudapool_stream stream);
 typedef int (*cudapool_segment_free_fn)(void *ctx, void *ptr, size_t size, int device);
 int cudapool_pool_set_source(int device, unsigned long long a, unsigned long long b, cudapool_segment_alloc_fn alloc,

@@ -10,26 +10,31 @@
  *   - a window with reuse resets the skip to COLD_SKIP;
  *   - another device is not affected;
  *   - allocate-to-pool phases beginning end a cold stretch;
- *   - a malloc's take (keep) holds blocks, up to CP_FRONT_HOLD, which the
- *     front serves later; a take without keep releases them; in the
- *     default pools, and in a private pool's blocks tagged CP_TAG_HOLD_SMALL
- *     (expandable segments), blocks up to cp_front_hold_max only;
+ *   - during phases a malloc is served only from the pool Go routed the
+ *     thread's stream to in the same generation (the route of cp_track),
+ *     on that thread only;
+ *   - a malloc's take (keep) holds blocks Go marked CP_TAG_HOLD, up to the
+ *     policy's hold, which the front serves later; a take without keep
+ *     releases them;
+ *   - a free that must reach Go now (CP_FREE_NOW) is not logged, and
+ *     cp_front_invalidate forgets a live block but not a waiting one;
  *   - the counters of cudapool_get_front_counters.
+ * The policy is what Go pushes (allocator/front.go's numbers).
  */
+#include <pthread.h>
 #include <stdio.h>
 
 #include "front.c"
 
-/* The filters a route names live in cudapool.c and torch.cpp; this program
- * makes no routes (test_front.c tests them through the library). */
-int cp_call_c_filter(uintptr_t filter, uintptr_t ctx, uintptr_t stream) {
-	(void)filter, (void)ctx, (void)stream;
-	return 0;
-}
-int cp_call_std_filter(uintptr_t handle, uintptr_t stream) {
-	(void)handle, (void)stream;
-	return 0;
-}
+/* The policy, as Go pushes it. */
+enum { COLD_WINDOW = 256, COLD_SKIP = 4096, COLD_MAX_SHIFT = 6, HOLD = CP_FRONT_HOLD };
+static cp_front_policy policy = {
+    .on = 1, .hold = HOLD, .cold_window = COLD_WINDOW, .cold_skip = COLD_SKIP, .cold_max_shift = COLD_MAX_SHIFT};
+
+/* Go's answers: a block of the default pools (held if hold), of pool tag,
+ * and a route. */
+static cp_track dflt(int hold) { return (cp_track){.tag = 1 | (hold ? CP_TAG_HOLD : 0)}; }
+static cp_track pooltag(uint32_t tag, int hold) { return (cp_track){.tag = tag | (hold ? CP_TAG_HOLD : 0)}; }
 
 static int passed, failed;
 
@@ -52,7 +57,7 @@ static uintptr_t next_ptr = 0x10000000;
  * log at its next operation on the device, as a malloc through Go does. */
 static int wasted_block(int dev) {
 	uintptr_t p = next_ptr += 4096;
-	cp_front_track(p, 4096, 0, dev, 1);
+	cp_front_track(p, 4096, 0, dev, dflt(1));
 	int logged = cp_front_free(p, 4096, dev, 0) == 1;
 	cp_front_take(dev, 0);
 	return logged;
@@ -61,7 +66,7 @@ static int wasted_block(int dev) {
 /* A block freed and reused at once (a hit), then freed for real. */
 static int reused_block(int dev) {
 	uintptr_t p = next_ptr += 4096;
-	cp_front_track(p, 512, 7, dev, 1);
+	cp_front_track(p, 512, 7, dev, dflt(1));
 	if (cp_front_free(p, 512, dev, 0) != 1)
 		return 0;
 	int hit = (uintptr_t)cp_front_malloc(512, dev, 7) == p;
@@ -84,13 +89,32 @@ static long cold_stretch(int dev, long limit) {
 	return skipped;
 }
 
-/* The small pool's limit, which Go tells the front when the library loads
- * (capi/front.go); the test stands in for Go. */
-enum { HOLD_MAX = 1 << 20 };
+/* Another thread's malloc (the routes Go returns are per thread). */
+struct other_malloc {
+	size_t size;
+	int dev;
+	uintptr_t stream;
+	void *got;
+};
+
+static void *other_malloc_run(void *arg) {
+	struct other_malloc *m = arg;
+	m->got = cp_front_malloc(m->size, m->dev, m->stream);
+	return NULL;
+}
+
+static void *malloc_on_other_thread(size_t size, int dev, uintptr_t stream) {
+	struct other_malloc m = {size, dev, stream, NULL};
+	pthread_t t;
+	if (pthread_create(&t, NULL, other_malloc_run, &m) != 0)
+		return (void *)1;
+	pthread_join(t, NULL);
+	return m.got;
+}
 
 int main(void) {
-	cp_front_hold_max = HOLD_MAX;
-	cp_front_set_on(1);
+	CHECK(cp_front_malloc(512, 0, 0) == NULL, "no policy yet: the front is off");
+	cp_front_set_policy(&policy);
 
 	/* A first window: tracked until COLD_WINDOW blocks were freed for real. */
 	long tracked_first = 0;
@@ -136,20 +160,57 @@ int main(void) {
 	while (wasted_block(2))
 		;
 	CHECK(!wasted_block(2), "device 2 is cold");
-	cp_route all = {.tag = 2, .kind = CP_ROUTE_ALL};
-	CHECK(cp_front_set_routes(2, &all, 1), "a phase with a NULL filter can be routed");
+	policy.phases[2] = 11;
+	cp_front_set_policy(&policy);
 	CHECK(wasted_block(2), "phases began: device 2 tracks its blocks again");
 	unsigned long long c2[4];
 	CHECK(cp_front_counters(2, c2) == 0 && c2[2] == 2 && c2[3] == 1,
 	      "device 2: 2 blocks left untracked (got %llu), the rest of its stretch cancelled; 1 verdict (got %llu)", c2[2],
 	      c2[3]);
-	CHECK(cp_front_set_routes(2, NULL, 0), "the phase ends");
-	cp_route many[CP_FRONT_MAXROUTES + 1] = {{0}};
-	CHECK(!cp_front_set_routes(2, many, CP_FRONT_MAXROUTES + 1), "more phases than the front keeps are refused");
+
+	/* Routes. A pool block of device 2 waits; no route: a miss. */
+	uintptr_t rp = next_ptr += 4096;
+	cp_front_track(rp, 4096, 9, 2, pooltag(7, 1));
+	CHECK(cp_front_free(rp, 4096, 2, 0) == 1, "a pool block's free is logged");
+	CHECK(cp_front_malloc(4096, 2, 9) == NULL, "during phases, no route from Go: a miss");
+	/* Go routed this thread's stream 9 to pool 7 in generation 11 (a malloc
+	 * through Go that returned no block to track). */
+	cp_front_track(0, 0, 9, 2, (cp_track){.route = 7, .phases = 11});
+	CHECK(cp_front_malloc(4096, 2, 8) == NULL, "another stream has no route");
+	CHECK(malloc_on_other_thread(4096, 2, 9) == NULL, "another thread has no route");
+	CHECK((uintptr_t)cp_front_malloc(4096, 2, 9) == rp, "the routed thread and stream are served the pool's block");
+	cp_front_free(rp, 4096, 2, 0);
+	cp_front_track(0, 0, 9, 2, (cp_track){.route = 8, .phases = 11});
+	CHECK(cp_front_malloc(4096, 2, 9) == NULL, "routed to another pool: not served the block");
+	cp_front_track(0, 0, 9, 2, (cp_track){.route = 7, .phases = 11});
+	policy.phases[2] = 12;
+	cp_front_set_policy(&policy);
+	CHECK(cp_front_malloc(4096, 2, 9) == NULL, "a new generation: the route is stale");
+	cp_front_track(0, 0, 9, 2, (cp_track){.route = 7, .phases = 12});
+	CHECK((uintptr_t)cp_front_malloc(4096, 2, 9) == rp, "routed again in the new generation: served");
+	cp_front_free(rp, 4096, 2, 0);
+	policy.phases[2] = 0;
+	cp_front_set_policy(&policy);
+	CHECK(cp_front_malloc(4096, 2, 9) == NULL, "the phases end: a default request is not served the pool's block");
+	cp_front_take(2, 0);
+
+	/* Frees that must reach Go, and invalidations. */
+	uintptr_t fp = next_ptr += 4096;
+	cp_front_track(fp, 4096, 9, 2, dflt(1));
+	CHECK(cp_front_free(fp, 4096, 2, CP_FREE_NOW) == 0, "a free that must reach Go now is not logged");
+	CHECK(cp_front_free(fp, 4096, 2, 0) == 0, "and the block is forgotten");
+	cp_front_track(fp, 4096, 9, 2, dflt(1));
+	cp_front_invalidate(fp);
+	CHECK(cp_front_free(fp, 4096, 2, 0) == 0, "an invalidated block is forgotten");
+	cp_front_track(fp, 4096, 9, 2, dflt(1));
+	CHECK(cp_front_free(fp, 4096, -1, CP_FREE_ANY_DEV) == 1, "an unknown device may be the block's");
+	cp_front_invalidate(fp);
+	CHECK(cp_front_free(fp, 4096, 2, 0) == CP_FRONT_TWICE, "a waiting block is not forgotten: a second free is one");
+	cp_front_take(2, 0);
 
 	/* Held blocks (device 3). */
 	uintptr_t h = next_ptr += 4096;
-	cp_front_track(h, 4096, 5, 3, 1);
+	cp_front_track(h, 4096, 5, 3, dflt(1));
 	CHECK(cp_front_free(h, 4096, 3, 0) == 1, "a tracked block's free is logged");
 	CHECK(cp_front_take(3, 1) == 1 && cp_front_out[3][0].op == CP_OP_HOLD && cp_front_held[3] == 1,
 	      "a take with keep: the block is held");
@@ -167,68 +228,63 @@ int main(void) {
 	size_t nt = 0;
 	int frees = 0;
 	for (int batch = 0; batch < 2; batch++) {
-		int nb = batch == 0 ? CP_FRONT_HOLD - 4 : 9;
+		int nb = batch == 0 ? HOLD - 4 : 9;
 		for (int i = 0; i < nb; i++) {
 			uintptr_t q = next_ptr += 4096;
-			cp_front_track(q, 8192, 5, 3, 1);
+			cp_front_track(q, 8192, 5, 3, dflt(1));
 			cp_front_free(q, 8192, 3, 0);
 		}
 		nt = cp_front_take(3, 1);
 	}
 	for (size_t i = 0; i < nt; i++)
 		frees += cp_front_out[3][i].op == CP_OP_FREE;
-	CHECK(nt == 9 && frees == 5 && cp_front_held[3] == CP_FRONT_HOLD,
-	      "at most %d blocks held: %d held, %d of the last take's 9 freed for real", CP_FRONT_HOLD, cp_front_held[3],
-	      frees);
+	CHECK(nt == 9 && frees == 5 && cp_front_held[3] == HOLD,
+	      "at most %d blocks held: %d held, %d of the last take's 9 freed for real", HOLD, cp_front_held[3], frees);
 	int served = 0;
 	while (cp_front_malloc(8192, 3, 5) != NULL)
 		served++;
-	CHECK(served == CP_FRONT_HOLD && cp_front_held[3] == 0, "the held blocks are served (%d)", served);
-	/* In the default pools only blocks up to cp_front_hold_max are held; a
-	 * private pool's are held at any size. After a take of the reuses above. */
+	CHECK(served == HOLD && cp_front_held[3] == 0, "the held blocks are served (%d)", served);
+	/* Only the blocks Go marked CP_TAG_HOLD are held; the mark is not part
+	 * of the pool's tag: a malloc routed to the pool is served. */
 	cp_front_take(3, 1);
 	uintptr_t big = next_ptr += 4096, pbig = next_ptr += 4096;
-	cp_front_track(big, HOLD_MAX + 512, 5, 3, 1);
-	cp_front_track(pbig, HOLD_MAX + 512, 5, 3, 7);
-	cp_front_free(big, HOLD_MAX + 512, 3, 0);
-	cp_front_free(pbig, HOLD_MAX + 512, 3, 0);
+	cp_front_track(big, 3 << 20, 5, 3, dflt(0));
+	cp_front_track(pbig, 3 << 20, 5, 3, pooltag(7, 1));
+	cp_front_free(big, 3 << 20, 3, 0);
+	cp_front_free(pbig, 3 << 20, 3, 0);
 	CHECK(cp_front_take(3, 1) == 2 && cp_front_out[3][0].op == CP_OP_FREE && cp_front_out[3][1].op == CP_OP_HOLD &&
 	          cp_front_held[3] == 1,
-	      "a large default-pool block is freed for real at a take with keep, a private pool's is held");
+	      "at a take with keep, a block without the mark is freed for real, one with it held");
 	cp_front_take(3, 0);
-	/* A private pool's blocks tagged CP_TAG_HOLD_SMALL (expandable
-	 * segments) are held up to cp_front_hold_max only, and the flag is not
-	 * part of the pool's tag: a malloc routed to the pool is served. */
-	cp_route pool7 = {.tag = 7, .kind = CP_ROUTE_ALL};
-	CHECK(cp_front_set_routes(3, &pool7, 1), "a phase of pool 7 on device 3");
-	uintptr_t xs = next_ptr += 4096, xb = next_ptr += 4096;
-	cp_front_track(xs, 4096, 5, 3, 7 | CP_TAG_HOLD_SMALL);
-	cp_front_track(xb, HOLD_MAX + 512, 5, 3, 7 | CP_TAG_HOLD_SMALL);
-	cp_front_free(xb, HOLD_MAX + 512, 3, 0);
-	CHECK((uintptr_t)cp_front_malloc(HOLD_MAX + 512, 3, 5) == xb, "a block tagged hold-small is served within a log");
+	policy.phases[3] = 21;
+	cp_front_set_policy(&policy);
+	cp_front_track(0, 0, 5, 3, (cp_track){.route = 7, .phases = 21});
+	uintptr_t xs = next_ptr += 4096;
+	cp_front_track(xs, 4096, 5, 3, pooltag(7, 1));
 	cp_front_free(xs, 4096, 3, 0);
-	cp_front_free(xb, HOLD_MAX + 512, 3, 0);
-	nt = cp_front_take(3, 1);
-	int held_small = 0, freed_big = 0;
-	for (size_t i = 0; i < nt; i++) {
-		held_small += cp_front_out[3][i].ptr == xs && cp_front_out[3][i].op == CP_OP_HOLD;
-		freed_big += cp_front_out[3][i].ptr == xb && cp_front_out[3][i].op == CP_OP_FREE;
-	}
-	CHECK(held_small == 1 && freed_big == 1 && cp_front_held[3] == 1,
-	      "at a take with keep the small one is held, the large one freed for real (held %d, freed %d)", held_small,
-	      freed_big);
-	CHECK((uintptr_t)cp_front_malloc(4096, 3, 5) == xs, "the held small block is served to the pool's phase");
-	CHECK(cp_front_set_routes(3, NULL, 0), "the phase ends");
+	CHECK(cp_front_take(3, 1) == 1 && cp_front_out[3][0].op == CP_OP_HOLD, "a marked pool block is held");
+	CHECK((uintptr_t)cp_front_malloc(4096, 3, 5) == xs, "the held block is served to the pool's route");
+	policy.phases[3] = 0;
+	cp_front_set_policy(&policy);
 	cp_front_take(3, 0);
+	policy.hold = 0;
+	cp_front_set_policy(&policy);
+	uintptr_t h0 = next_ptr += 4096;
+	cp_front_track(h0, 512, 5, 3, dflt(1));
+	cp_front_free(h0, 512, 3, 0);
+	CHECK(cp_front_take(3, 1) == 1 && cp_front_out[3][0].op == CP_OP_FREE && cp_front_held[3] == 0,
+	      "a policy that holds none: freed for real");
+	policy.hold = HOLD;
+	cp_front_set_policy(&policy);
 
-	cp_front_set_on(0);
 	uintptr_t o = next_ptr += 4096;
-	cp_front_set_on(1);
-	cp_front_track(o, 512, 5, 3, 1);
+	cp_front_track(o, 512, 5, 3, dflt(1));
 	cp_front_free(o, 512, 3, 0);
-	cp_front_set_on(0);
+	policy.on = 0;
+	cp_front_set_policy(&policy);
 	CHECK(cp_front_take(3, 1) >= 1 && cp_front_held[3] == 0, "with the front off, a take with keep holds nothing");
-	cp_front_set_on(1);
+	policy.on = 1;
+	cp_front_set_policy(&policy);
 
 	/* The counters. Device 0: every hit above; cold verdicts 1 (the first
 	 * window) + COLD_MAX_SHIFT + 2 in a row + 1 after the reset. */
