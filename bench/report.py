@@ -527,6 +527,24 @@ def altcompile_note(res):
         parts.append(f"compiled call: an MLP ({one('alt_compiled_layers')} layers, {one('alt_compiled_width')} wide), "
                      f"batch {one('alt_compiled_batch')}, {one('alt_compiled_calls')} calls per rep, each on a fresh "
                      f"input" + calls("alt_compiled", "call"))
+    # What would make a row measure something else: said, not hidden.
+    for prefix, what in (("alt_decode", "decoding"), ("alt_compiled", "compiled call")):
+        odd = []
+        for key, text in (("same_results", "the two sides' results differed"),
+                          ("cudagraph_skips", "torch.compile ran without CUDA graphs"),
+                          ("native_graphs_recorded_in_reps", "native recorded graphs during its reps"),
+                          ("cudapool_graphs_recorded_in_reps", "cudapool recorded graphs during its reps"),
+                          ("native_other_allocs", "cudapool was called during native's counted rep"),
+                          ("cudapool_other_allocs", "native was called during cudapool's counted rep")):
+            vals = [x.get(f"{prefix}_{key}") for x in lines]
+            if key == "same_results":
+                bad = [v for v in vals if v is False]
+            else:  # counts: any above 0
+                bad = [v for v in vals if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0]
+            if bad:
+                odd.append(f"{text} in {len(bad)} of {len(lines)} processes")
+        if odd:
+            parts.append(f"{what}: " + ", ".join(odd))
     pairs = one("alt_decode_pairs") if any("alt_decode_pairs" in x for x in lines) else one("alt_compiled_pairs")
     return ("torch.compile(mode=\"reduce-overhead\") rows, measured only in one process with both allocators "
             "(torch_bench.py, section altcompile; each side its own model, compiled function, CUDA graph tree and "

@@ -713,6 +713,15 @@ class TestReport(unittest.TestCase):
         self.assertIn("3 processes of 6 pairs", note[0])
         self.assertIn("batch 1, 64 greedy tokens per rep after a 16-token prompt", note[0])
         self.assertIn("(native 6 allocate() and 6 frees, cudapool 6 allocate() and 6 frees per token)", note[0])
+        self.assertNotIn("differed", note[0])
+        # A process whose sides' tokens differed, or that recorded graphs in its reps: said.
+        write_lines(os.path.join(self.dir, "torch_altcompile_r4.json"), self.altcompile_lines(
+            alt_decode_same_results=False, alt_compiled_cudapool_graphs_recorded_in_reps=1,
+            alt_compiled_same_results=True))
+        note4 = [n for n in report.build_rows(report.load(self.dir))[1] if n.startswith("torch.compile(mode=")][0]
+        self.assertIn("decoding: the two sides' results differed in 1 of 4 processes", note4)
+        self.assertIn("compiled call: cudapool recorded graphs during its reps in 1 of 4 processes", note4)
+        os.remove(os.path.join(self.dir, "torch_altcompile_r4.json"))
         text = report.render_readme(res, rows)
         self.assertIn("| graph-tree decoding, static KV cache (reduce-overhead) | ms/token | 1.600 (1.500-1.700) | "
                       "1.560 (1.530-1.690) | 0.975x | 0.994x (0.975-1.020), target <= 1x: met |", text)
@@ -801,6 +810,187 @@ class TestTorchBenchArgs(unittest.TestCase):
         torch_bench.warm_forward(type("torch", (), {"cuda": cuda}), lambda x: calls.append(f"model({x})"), 7, n=2)
         self.assertEqual(calls, ["side waits for main", "enter side", "model(7)", "model(7)", "leave side",
                                  "main waits for side", "synchronize"])
+
+    def test_altcompile_args(self):
+        a = torch_bench.parse_args(["cudapool", "--sections", "altcompile,alt"])
+        self.assertEqual(a.sections, ["alt", "altcompile"])
+        self.assertEqual((a.alt_decode, a.decode_tokens, a.decode_prompt, a.decode_batch), (6, 64, 16, 1))
+        self.assertEqual((a.alt_compiled, a.compiled_calls, a.compiled_batch, a.compiled_width,
+                          a.compiled_layers), (6, 500, 32, 1024, 4))
+        a = torch_bench.parse_args(["cudapool", "--sections", "altcompile", "--alt-decode", "0", "--alt-compiled", "2"])
+        self.assertEqual((a.alt_decode, a.alt_compiled), (0, 2))
+        self.assertNotIn("altcompile", torch_bench.parse_args(["cudapool"]).sections)  # only when asked for
+        for bad in (["cudapool", "--alt-decode", "-1"], ["cudapool", "--decode-tokens", "0"],
+                    ["cudapool", "--compiled-width", "0"], ["cudapool", "--decode-prompt", "1000", "--decode-tokens", "25"]):
+            with self.subTest(bad=bad), redirect_stdout(io.StringIO()), redirect_stderr(io.StringIO()), \
+                    self.assertRaises(SystemExit):
+                torch_bench.parse_args(bad)
+
+    def test_alt_native_conf(self):
+        # The alt sections' native side has expandable segments when cudapool's configuration has.
+        self.assertEqual(torch_bench.alt_native_conf("cudapool_exp", ["alt"]), "expandable_segments:True")
+        self.assertEqual(torch_bench.alt_native_conf("cudapool_exp2", ["altcompile"]), "expandable_segments:True")
+        self.assertEqual(torch_bench.alt_native_conf("cudapool", ["alt"]), "")
+        self.assertEqual(torch_bench.alt_native_conf("cudapool_exp", ["graph", "empty"]), "")
+        self.assertEqual(torch_bench.alt_native_conf("expandable", ["alt"]), "")
+
+    def test_side_function(self):
+        # Each side's copy has a code object of its own (torch.compile keeps
+        # compiled code per code object) and its own globals.
+        def f(x):
+            return SCALE * x  # noqa: F821
+
+        a = torch_bench.side_function(f, "native", SCALE=2)
+        b = torch_bench.side_function(f, "cudapool", SCALE=3)
+        self.assertIsNot(a.__code__, b.__code__)
+        self.assertIsNot(a.__code__, f.__code__)
+        self.assertEqual((a(5), b(5)), (10, 15))
+        self.assertEqual((a.__name__, b.__code__.co_name), ("f_native", "f_cudapool"))
+        self.assertEqual(torch_bench._decode_step.__code__.co_names[:2], ("MODEL", "decode"))
+
+    def test_graph_trees_keep_each_side_apart(self):
+        # A stand-in for torch._inductor.cudagraph_trees: a thread-local dict
+        # of containers per device, each with a manager whose tree has roots
+        # and children.
+        class Node:
+            def __init__(self, *children):
+                self.children = {"f": list(children)}
+
+        class Manager:
+            def __init__(self, roots):
+                self.roots, self.shut = roots, False
+
+            def shutdown(self):
+                self.shut = True
+
+        class Container:
+            def __init__(self, manager):
+                self.tree_manager = manager
+
+        trees = types.SimpleNamespace(local=types.SimpleNamespace(tree_manager_containers={}))
+        trees.get_obj = lambda local, name: getattr(local, name)
+        d = trees.local.tree_manager_containers
+        g = torch_bench.GraphTrees(0, trees)
+        self.assertIsNone(g.graphs("native"))
+        g.use("native")
+        self.assertNotIn(0, d)  # the side's first compiled call makes its container
+        mn = Manager({"f": [Node(Node(), Node())]})
+        d[0] = Container(mn)
+        self.assertEqual(g.graphs("native"), 3)
+        g.use("cudapool")
+        self.assertNotIn(0, d, "cudapool gets a tree of its own")
+        mc = Manager({"f": [Node()], "g": [Node()]})
+        d[0] = Container(mc)
+        self.assertEqual((g.graphs("native"), g.graphs("cudapool")), (3, 2))
+        g.use("native")
+        self.assertIs(d[0].tree_manager, mn)
+        g.use("native")
+        self.assertIs(d[0].tree_manager, mn)
+        g.shutdown("native")
+        self.assertTrue(mn.shut and not mc.shut)
+        self.assertNotIn(0, d)
+        g.use("cudapool")
+        self.assertIs(d[0].tree_manager, mc)
+        g.shutdown("cudapool")
+        self.assertTrue(mc.shut)
+        self.assertEqual(d, {})
+        # A tree made before would be shared by both sides: refused.
+        d[0] = Container(Manager({}))
+        with self.assertRaisesRegex(RuntimeError, "exists already"):
+            torch_bench.GraphTrees(0, trees)
+
+    def test_altcompile_sides_alternate_in_their_turns(self):
+        # Every step of a side (set-up, reps, the counted rep, its result,
+        # its tree's end) runs with its switch and its tree in place; reps
+        # alternate N C, C N, ... after one discarded rep each.
+        log = []
+        state = {"native": False, "timing": False}
+
+        class Trees:
+            side = None
+            kept = {}
+
+            def use(self, side):
+                self.side = side
+
+            def graphs(self, side):
+                return 4
+
+            def shutdown(self, side):
+                log.append(("shutdown", side, self.side, state["native"]))
+
+        trees = Trees()
+
+        def where():
+            return "native" if state["native"] else "cudapool"
+
+        def setup(side):
+            log.append(("setup", side, trees.side, where()))
+            return side
+
+        times = {"native": iter([9.0, 10.0, 10.0, 10.0, 9.0]), "cudapool": iter([9.0, 9.0, 9.5, 9.9, 9.0])}
+
+        def rep(st, n):
+            log.append(("rep", st, trees.side, where(), state["timing"]))
+            return next(times[st])
+
+        def take():
+            side = where()
+            return {(side, "alloc"): ([], 7 * 5), (side, "free"): ([], 6 * 5), (side, "begin_pool"): ([], 0)}
+
+        fake_torch_ = types.SimpleNamespace(cuda=types.SimpleNamespace(synchronize=lambda: None))
+        with fake_ext(passthrough=lambda on: state.update(native=on), timing_take=take,
+                      timing=lambda on, cross=False: state.update(timing=on)) as ext:
+            reps, counts, graphs, results = torch_bench.altcompile_sides(
+                fake_torch_, ext, trees, setup, rep, lambda st: f"result of {st}", 3, 5)
+        self.assertEqual(log[:2], [("setup", "native", "native", "native"), ("setup", "cudapool", "cudapool", "cudapool")])
+        reps_log = [e for e in log if e[0] == "rep"]
+        self.assertTrue(all(e[1] == e[2] == e[3] for e in reps_log), reps_log)
+        self.assertEqual([e[1] for e in reps_log], ["native", "cudapool", "cudapool", "native", "native", "cudapool",
+                                                   "cudapool", "native", "native", "cudapool"])
+        self.assertEqual([e[4] for e in reps_log], [False] * 8 + [True, True])  # the counted reps last
+        self.assertEqual(reps, {"native": [10.0, 10.0, 10.0], "cudapool": [9.0, 9.5, 9.9]})
+        self.assertEqual(results, {"native": "result of native", "cudapool": "result of cudapool"})
+        self.assertEqual(log[-2:], [("shutdown", "native", "native", True), ("shutdown", "cudapool", "cudapool", False)])
+        self.assertFalse(state["native"] or state["timing"])
+        out = torch_bench.altcompile_fields("alt_decode", "ms", "token", reps, counts, graphs, 5)
+        self.assertAlmostEqual(out["alt_decode_ratio"], 0.95)
+        self.assertEqual(out["alt_decode_pairs"], 3)
+        self.assertEqual((out["alt_decode_native_ms"], out["alt_decode_cudapool_ms"]), (10.0, 9.5))
+        self.assertEqual(out["alt_decode_native_allocs_per_token"], 7.0)
+        self.assertEqual(out["alt_decode_cudapool_frees_per_token"], 6.0)
+        self.assertEqual((out["alt_decode_native_pool_calls"], out["alt_decode_cudapool_other_allocs"]), (0, 0))
+        self.assertEqual(out["alt_decode_native_graphs_recorded_in_reps"], 0)
+        # A rep that fails still ends both trees, each in its turn, and the switch on cudapool.
+        log.clear()
+        with fake_ext(passthrough=lambda on: state.update(native=on), timing_take=take,
+                      timing=lambda on, cross=False: None) as ext:
+            with self.assertRaises(ZeroDivisionError):
+                torch_bench.altcompile_sides(fake_torch_, ext, trees, setup, lambda st, n: 1 / 0, None, 3, 5)
+        self.assertEqual([e for e in log if e[0] == "shutdown"],
+                         [("shutdown", "native", "native", True), ("shutdown", "cudapool", "cudapool", False)])
+        self.assertFalse(state["native"])
+
+    def test_altcompile_rows_fail_apart(self):
+        # Without torch's graph trees each row reports its error; the section
+        # still returns its sizes, and the switch ends on cudapool.
+        state = {"native": None}
+        fake = types.SimpleNamespace(no_grad=contextmanager(lambda: (yield)),
+                                     _dynamo=types.SimpleNamespace(reset=lambda: None),
+                                     cuda=types.SimpleNamespace(synchronize=lambda: None, empty_cache=lambda: None))
+        args = torch_bench.parse_args(["cudapool", "--sections", "altcompile", "--alt-decode", "2"])
+        saved = torch_bench.GraphTrees
+        torch_bench.GraphTrees = lambda: (_ for _ in ()).throw(RuntimeError("no graph trees here"))
+        try:
+            with fake_ext(passthrough=lambda on: state.update(native=on)):
+                out = torch_bench.bench_altcompile(fake, args)
+        finally:
+            torch_bench.GraphTrees = saved
+        self.assertEqual(out["alt_decode_error"], "RuntimeError: no graph trees here")
+        self.assertEqual(out["alt_compiled_error"], "RuntimeError: no graph trees here")
+        self.assertEqual((out["alt_decode_tokens"], out["alt_compiled_calls"]), (64, 500))
+        with self.assertRaises(RuntimeError):
+            torch_bench.bench_altcompile(fake, torch_bench.parse_args(["native", "--sections", "altcompile"]))
 
     def test_allocator_env(self):
         env = {"PYTORCH_CUDA_ALLOC_CONF": "x", "PYTORCH_ALLOC_CONF": "y", "CUDAPOOL_CONF": "z", "HOME": "/"}
