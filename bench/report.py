@@ -1078,9 +1078,13 @@ def render_readme(res, rows):
             "so the ratio of medians moves from run to run; the paired ratio, cudapool's reps against native's "
             "in the same state of the host, is the steadier measure.")
     if judged:
-        line += (" The capture rows and the reduce-overhead rows are judged by it (their target in the paired "
-                 "cell); the reduce-overhead rows are measured only that way (their cells: each side's reps in "
-                 "those processes), the expandable row compares native expandable with cudapool expandable.")
+        compiled = any("reduce-overhead" in j for j in judged)
+        line += (" The capture rows" + (" and the reduce-overhead rows" if compiled else "")
+                 + " are judged by it (the target in their paired cell)"
+                 + ("; the reduce-overhead rows are measured only that way (their cells: each side's reps in "
+                    "those processes)" if compiled else "")
+                 + (". The expandable row compares native expandable with cudapool expandable."
+                    if EXP_CAPTURE_LABEL in judged else "."))
     if used:
         line += (" Paired: " + "; ".join(PAIRED_HOW[h] for h in used)
                  + "; each the median (min-max) over the processes or rings.")
