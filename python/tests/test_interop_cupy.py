@@ -23,7 +23,7 @@ GiB = 1 << 30
 def cupy(request, monkeypatch, tmp_path_factory):
     """The stand-in CuPy (14.2's behaviour), each test run twice: CuPy
     handed CFunctionAllocator.malloc itself with the checked C malloc
-    (csrc/cupy_checked.c, built into a cache of the session's), and with
+    (csrc/cupy_checked.c, built into a temporary cache), and with
     cudapool.cupy's Python check around it (CUDAPOOL_CUPY_DIRECT=0)."""
     monkeypatch.setenv("CUDAPOOL_CACHE", str(tmp_path_factory.getbasetemp() / "cudapool-cache"))
     if request.param == "wrapped":
