@@ -625,10 +625,11 @@ class TestReport(unittest.TestCase):
         # 1.02x target; the paired in-process measure reads 1.005x: the row
         # is met, and shows both numbers. And the other way round: a paired
         # measure above the target fails a row whose medians meet it.
-        self.full_run()
+        self.full_run()  # every capture 100 ms: then two runs each of these
         for cfg, cap in (("native", 5.0), ("cudapool", 6.0), ("expandable", 5.0), ("cudapool_exp", 4.0)):
-            write_lines(os.path.join(self.dir, f"torch_{cfg}_r2.json"), [
-                {"kind": "torch", "config": cfg, "section": "graph", "graph_capture_ms": cap}])
+            for r in (2, 3):
+                write_lines(os.path.join(self.dir, f"torch_{cfg}_r{r}.json"), [
+                    {"kind": "torch", "config": cfg, "section": "graph", "graph_capture_ms": cap}])
         for r, (c, e) in enumerate(((1.005, 1.03), (0.998, 1.04), (1.010, 1.05)), 1):
             write_lines(os.path.join(self.dir, f"torch_alt{'' if r == 1 else f'_r{r}'}.json"), [
                 {"kind": "torch", "config": "cudapool", "section": "meta"},
@@ -641,25 +642,25 @@ class TestReport(unittest.TestCase):
         res = report.load(self.dir)
         rows, notes = report.build_rows(res)
         cap = row(rows, "CUDA graph capture")
-        # medians of 2 runs: native (100 + 5) / 2, cudapool (100 + 6) / 2
-        self.assertEqual(cap[1]["native"], "52.5 (5.0-100.0)")
-        self.assertEqual(cap[2], "1.010x")
+        # medians of 3 runs: native 5.0, cudapool 6.0: 1.2x, above the target
+        self.assertEqual(cap[1]["native"], "5.0 (5.0-100.0)")
+        self.assertEqual(cap[2], "1.200x")
         self.assertEqual(cap[3], "<= 1.02x paired")
         self.assertEqual(cap[4], "yes (paired 1.005x, 0.998-1.010)")
         md = report.md_table(rows, notes)
-        self.assertIn("| 1.010x | <= 1.02x paired | yes (paired 1.005x, 0.998-1.010) |", md)
-        # The expandable pair: medians 52.0 against 52.5 meet 1.02x, the paired 1.04x does not.
+        self.assertIn("| 1.200x | <= 1.02x paired | yes (paired 1.005x, 0.998-1.010) |", md)
+        # The expandable pair: medians 4.0 against 5.0 meet 1.02x, the paired 1.04x does not.
         exp = [n for n in notes if n.startswith("cudapool expandable:")]
         self.assertEqual(len(exp), 1, notes)
-        self.assertIn("graph capture 52.0 ms vs native expandable 52.5 ms = 0.990x (ratio of medians); target <= "
+        self.assertIn("graph capture 4.0 ms vs native expandable 5.0 ms = 0.800x (ratio of medians); target <= "
                       "1.02x by the paired in-process measure: NO (paired 1.040x, 1.030-1.050)", exp[0])
         text = report.render_readme(res, rows)
-        self.assertIn("| CUDA graph capture (forward) | ms | 52.5 (5.0-100.0) | 53.0 (6.0-100.0) | 1.010x | "
+        self.assertIn("| CUDA graph capture (forward) | ms | 5.0 (5.0-100.0) | 6.0 (6.0-100.0) | 1.200x | "
                       "1.005x (0.998-1.010), target <= 1.02x: met |", text)
-        self.assertIn("| CUDA graph capture (forward), expandable segments | ms | 52.5 (5.0-100.0) | 52.0 (4.0-100.0) "
-                      "| 0.990x | 1.040x (1.030-1.050), target <= 1.02x: NOT met |", text)
+        self.assertIn("| CUDA graph capture (forward), expandable segments | ms | 5.0 (5.0-100.0) | 4.0 (4.0-100.0) "
+                      "| 0.800x | 1.040x (1.030-1.050), target <= 1.02x: NOT met |", text)
         # The alt processes are paired figures, not runs of cudapool.
-        self.assertEqual(len(res.record("torch", "cudapool")["_samples"]["graph_capture_ms"]), 2)
+        self.assertEqual(len(res.record("torch", "cudapool")["_samples"]["graph_capture_ms"]), 3)
         # A ratio of medians above the target with a paired measure above it too: NO.
         for r in (1, 2, 3):
             os.remove(os.path.join(self.dir, f"torch_alt{'' if r == 1 else f'_r{r}'}.json"))
