@@ -10,11 +10,13 @@ switches in a subclass, built and cached like the shipped one (under
 
 Switches:
   passthrough  hands allocate() (torch.empty and every tensor PyTorch makes),
+               the raw calls (raw_alloc, raw_delete, raw_deleter),
                empty_cache and the captures begun meanwhile (their private
-               pools, to their release) to PyTorch's own allocator, the one
-               cudapool replaced, or takes them back: bench/torch_bench.py's
-               alt section alternates the two allocators within one process.
-               Tensors keep the deleter of the allocator that made them.
+               pools, their checkpoints, to their last release) to
+               PyTorch's own allocator, the one cudapool replaced, or takes
+               them back: bench/torch_bench.py's alt and altcompile sections
+               alternate the two allocators within one process. Tensors
+               keep the deleter of the allocator that made them.
   timing       times each allocate() and each deleter call of tensors made
                meanwhile, for both allocators, and cudapool's call into the
                library alone and its begin/endAllocateToPool
@@ -36,7 +38,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 SOURCE = os.path.join(HERE, "torch_allocator_bench.cpp")
 # cudapool_torch_bench_version: a cached build with another is stale.
-VERSION = 1
+VERSION = 2
 
 # cudapool_torch_bench_timing_take's kinds, in its order (timing::Kind).
 TIMING_KINDS = (("native", "alloc"), ("native", "free"), ("cudapool", "alloc"), ("cudapool", "free"),

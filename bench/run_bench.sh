@@ -20,8 +20,12 @@
 #      one after another instead), so that rep k of every configuration
 #      meets the host in the same state (docs/benchmarks.md). Then,
 #      once per run, the torch.empty loops and the graph captures of native
-#      and cudapool alternating rep by rep in one process (part "alt":
-#      torch_bench.py's alt section),
+#      and cudapool alternating rep by rep in one process, and the same
+#      with expandable segments on both sides (part "alt": torch_bench.py's
+#      alt section, as cudapool and as cudapool_exp); torch.compile's
+#      reduce-overhead rows, decoding with a static KV cache and a small
+#      compiled model's calls, native and cudapool alternating in one
+#      process (part "altcompile": torch_bench.py's altcompile section),
 #      and (part "turns") native and cudapool (and both with
 #      expandable segments) as two processes taking turns on one CPU
 #      (bench/turn_pair.sh: rep k of both runs back to back).
@@ -62,7 +66,7 @@
 # BENCH_UPDATE_REPO=0 (leave bench/RESULTS.md and README.md alone: write the
 # results file and an updated copy of the README to $OUT only),
 # BENCH_REPEATS (3), BENCH_TRAIN_RUNS (5), BENCH_FSDP_RUNS (5),
-# BENCH_PARTS (the parts to run, default "c torch alt turns train floor fsdp"),
+# BENCH_PARTS (the parts to run, default "c torch alt altcompile turns train floor fsdp"),
 # BENCH_TORCH_RING (1), BENCH_TURN_CPU (the CPU of the rings and turn
 # pairs, default 2; 0 where there are 2 CPUs or fewer), BENCH_TURN_PIN
 # (thread: the default, only the main
@@ -88,7 +92,7 @@ REPEATS=${BENCH_REPEATS:-3}
 FROM=${BENCH_REPEAT_FROM:-1} # first run number of this invocation (to split the runs)
 TRAIN_RUNS=${BENCH_TRAIN_RUNS:-5}
 FSDP_RUNS=${BENCH_FSDP_RUNS:-5}
-PARTS=" ${BENCH_PARTS:-c torch alt turns train floor fsdp} "
+PARTS=" ${BENCH_PARTS:-c torch alt altcompile turns train floor fsdp} "
 part() { [[ $PARTS == *" $1 "* ]]; }
 RING=${BENCH_TORCH_RING:-1}
 NCPU=$(nproc 2>/dev/null || echo 1)
@@ -303,9 +307,11 @@ fi
 
 C_ARGS=(--trace demo/trace.txt)
 T_ARGS=()
+A_ARGS=() # the altcompile part's
 if [ "$QUICK" = 1 ]; then
     C_ARGS+=(--hot-pairs 200000 --mixed-pairs 50000 --reps 3 --thread-secs 0.2 --thread-reps 2 --trace-repeats 3)
     T_ARGS+=(--warmup 3 --steps 10 --empty-pairs 20000 --mixed-pairs 10000 --reps 3 --graph-replays 10)
+    A_ARGS+=(--alt-decode 2 --decode-tokens 16 --alt-compiled 2 --compiled-calls 100)
 fi
 # shellcheck disable=SC2206  # word splitting intended
 C_ARGS+=(${BENCH_C_ARGS:-})
@@ -400,12 +406,33 @@ fi
 # allocator and cudapool alternating rep by rep (torch_bench.py's alt
 # section: cudapool's class hands allocate(), and each native capture, to
 # the allocator it replaced), the main thread pinned as in the turns; once
-# per run.
+# per run. Then the same with expandable segments on both sides
+# (cudapool_exp: the native side gets expandable_segments:True), the
+# paired measure of the expandable capture row.
 if part alt; then
     for rep in $(seq "$FROM" "$REPEATS"); do
         name=$(run_name torch_alt "$rep")
         run_step "$name" 180 "$RES/$name.json" env BENCH_TURNS_PIN="$TURN_CPU" \
             "$PY" bench/torch_bench.py cudapool --sections alt "${T_ARGS[@]}"
+        name=$(run_name torch_alt_exp "$rep")
+        run_step "$name" 180 "$RES/$name.json" env BENCH_TURNS_PIN="$TURN_CPU" \
+            "$PY" bench/torch_bench.py cudapool_exp --sections alt "${T_ARGS[@]}"
+    done
+fi
+
+# torch.compile(mode="reduce-overhead") through CUDA graph trees, paired
+# within one process: graph-tree decoding with a static KV cache (ms per
+# token) and a small compiled model's calls (us per call), each side with
+# its own compiled function and graph tree, the sides alternating rep by
+# rep (torch_bench.py's altcompile section); once per run. Most of its time
+# is torch.compile's (the first run's cold compile, then its caches), so the
+# main thread is not pinned: the compiler's worker processes would inherit
+# its one CPU.
+if part altcompile; then
+    for rep in $(seq "$FROM" "$REPEATS"); do
+        name=$(run_name torch_altcompile "$rep")
+        run_step "$name" 420 "$RES/$name.json" \
+            "$PY" bench/torch_bench.py cudapool --sections altcompile "${T_ARGS[@]}" "${A_ARGS[@]}"
     done
 fi
 

@@ -97,7 +97,9 @@ def test_markdown_table_gives_the_results_numbers(tmp_path):
             if want is not None:
                 assert abs(want - got) <= 0.5 * 10 ** -m.digits + 1e-9, (m.label, cfg, want, got)
                 compared += 1
-    assert compared >= len(report.METRICS) * len(report.CONFIGS) - 5
+    # The rows measured only in one process (report.AltMetric) have no runs to chart.
+    per_config = [m for m in report.METRICS if not isinstance(m, report.AltMetric)]
+    assert compared >= len(per_config) * len(report.CONFIGS) - 5
     assert from_md.source == from_results.source == "H100 80GB HBM3, 2026-11-23 04:00 UTC"
 
 

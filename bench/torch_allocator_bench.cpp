@@ -13,11 +13,18 @@
 //
 // Passthrough hands allocate() to PyTorch's own allocator (the one cudapool
 // replaced) or takes it back, so that a benchmark can alternate the two
-// allocators within one process (bench/torch_bench.py, section alt). What is
-// handed over: allocate() (torch.empty and every tensor PyTorch makes),
-// emptyCache, and the captures begun meanwhile (begin/endAllocateToPool and
-// their pools' release, whenever it comes); the tensors keep their
-// allocator's deleter.
+// allocators within one process (bench/torch_bench.py, sections alt and
+// altcompile). What is handed over: allocate() (torch.empty and every tensor
+// PyTorch makes), the raw calls (raw_alloc, raw_delete, raw_deleter),
+// emptyCache, and the captures begun meanwhile: their pools are native's
+// until released as often as they were begun (begin/endAllocateToPool,
+// releasePool, getPoolUseCount, emptyCache and checkPoolLiveAllocations of
+// the pool, its checkpoints). The tensors keep their allocator's deleter.
+// CUDA graph trees (torch.compile's reduce-overhead) compare a storage's
+// deleter with raw_deleter() and free it with raw_delete() when a recording
+// ends (torch._C._free_And_Remove_DeleterFn), so the raw calls follow the
+// switch: a side's graph trees must run during that side's turns (the
+// altcompile section gives each side its own tree manager).
 //
 // Timing records the duration of each allocate() and each deleter call, per
 // allocator, while the alt section runs with --alt-timing: where a
@@ -156,18 +163,76 @@ class BenchAllocator final : public Allocator {
 		return Allocator::allocate(size);
 	}
 
+	// The raw calls follow the switch (see the design note).
 	c10::DeleterFnPtr raw_deleter() const override {
-		return free_now ? &deleter_now : Allocator::raw_deleter();
+		if (C10_UNLIKELY(mode_.load(std::memory_order_relaxed) & kPass))
+			return native_->raw_deleter();
+		return own_deleter();
 	}
 
-	void recordStream(const c10::DataPtr &p, c10::cuda::CUDAStream stream) override {
-		if (p.get() != nullptr && p.get_deleter() == &timing::timed_deleter) {
-			cudapool_clear_error();
-			cudapool_record_stream(p.get(), reinterpret_cast<cudapool_stream>(stream.stream()));
-			check();
+	void *raw_alloc(size_t n) override {
+		if (C10_UNLIKELY(mode_.load(std::memory_order_relaxed) & kPass))
+			return native_->raw_alloc(n);
+		return Allocator::raw_alloc(n);
+	}
+
+	void *raw_alloc_with_stream(size_t n, cudaStream_t stream) override {
+		if (C10_UNLIKELY(mode_.load(std::memory_order_relaxed) & kPass))
+			return native_->raw_alloc_with_stream(n, stream);
+		return Allocator::raw_alloc_with_stream(n, stream);
+	}
+
+	void raw_delete(void *p) override {
+		if (C10_UNLIKELY(mode_.load(std::memory_order_relaxed) & kPass)) {
+			native_->raw_delete(p);
 			return;
 		}
-		Allocator::recordStream(p, stream);
+		Allocator::raw_delete(p);
+	}
+
+	// recordStream goes by the tensor's deleter, whatever the switch says:
+	// native's tensors to native, cudapool's (plain or timed) to cudapool.
+	void recordStream(const c10::DataPtr &p, c10::cuda::CUDAStream stream) override {
+		if (p.get() == nullptr)
+			return;
+		const c10::DeleterFnPtr d = p.get_deleter();
+		if (native_ != nullptr && d == native_->raw_deleter()) {
+			native_->recordStream(p, stream);
+			return;
+		}
+		// Anything else but cudapool's (from_blob, IPC, a timed tensor of
+		// native's, which native's own check skips too) is skipped, as
+		// native does.
+		if (d != &timing::timed_deleter && d != own_deleter())
+			return;
+		cudapool_clear_error();
+		cudapool_record_stream(p.get(), reinterpret_cast<cudapool_stream>(stream.stream()));
+		check();
+	}
+
+	std::shared_ptr<CCA::AllocatorState> getCheckpointState(DeviceIndex device, MempoolId_t id) override {
+		if (C10_UNLIKELY(passed(id, false)))
+			return native_->getCheckpointState(device, id);
+		return Allocator::getCheckpointState(device, id);
+	}
+
+	// A state is restored by the allocator that made it (native's is not a
+	// PoolState). cudapool's DataPtrs are made with raw_deleter(), which
+	// follows the switch: restoring one of cudapool's during native's turn
+	// would hand its blocks native's deleter.
+	CCA::CheckpointDelta setCheckpointPoolState(DeviceIndex device, std::shared_ptr<CCA::AllocatorState> pps) override {
+		if (dynamic_cast<PoolState *>(pps.get()) == nullptr && native_ != nullptr)
+			return native_->setCheckpointPoolState(device, std::move(pps));
+		TORCH_CHECK(!(mode_.load(std::memory_order_relaxed) & kPass),
+		            "cudapool (benchmark build): a checkpoint of cudapool's restored while passthrough is on");
+		return Allocator::setCheckpointPoolState(device, std::move(pps));
+	}
+
+	bool checkPoolLiveAllocations(DeviceIndex device, MempoolId_t id,
+	                              const std::unordered_set<void *> &expected) override {
+		if (C10_UNLIKELY(passed(id, false)))
+			return native_->checkPoolLiveAllocations(device, id, expected);
+		return Allocator::checkPoolLiveAllocations(device, id, expected);
 	}
 
 	void emptyCache(MempoolId_t id) override {
@@ -187,16 +252,13 @@ class BenchAllocator final : public Allocator {
 		if (C10_UNLIKELY((mode & kPass) || known)) {
 			// A capture begun while passthrough is on is native's, to its
 			// end and its graph's release, and so is its pool when a later
-			// capture shares it, switch or not. cudapool is not told of
+			// capture (or a graph tree's warm-up) shares it, switch or not,
+			// until released as often as begun. cudapool is not told of
 			// native's captures, so nothing may free cudapool's tensors
-			// during one (the benchmark's captured forward frees only its
-			// own), and a pool of cudapool's is not shared with one.
+			// during one (the benchmark's captured functions free only
+			// their own), and a pool of cudapool's is not shared with one.
 			native_->beginAllocateToPool(device, id, std::move(filter));
-			if (!known) {
-				std::lock_guard<std::mutex> g(pass_mu_);
-				pass_pools_.push_back(id);
-				pass_count_.store(pass_pools_.size(), std::memory_order_release);
-			}
+			hold(id);
 			if (timed)
 				timing::record(timing::kNativeBeginPool, timing::ticks() - t0);
 			return;
@@ -287,14 +349,15 @@ class BenchAllocator final : public Allocator {
 	}
 
 	// passed reports whether pool id was begun while passthrough was on
-	// (native's), and with forget drops it. An empty list costs a load.
+	// (native's); with forget it counts one release, and drops the pool at
+	// the release that matches its last begin. An empty list costs a load.
 	bool passed(MempoolId_t id, bool forget) {
 		if (pass_count_.load(std::memory_order_acquire) == 0)
 			return false;
 		std::lock_guard<std::mutex> g(pass_mu_);
 		for (size_t i = 0; i < pass_pools_.size(); i++) {
-			if (pass_pools_[i] == id) {
-				if (forget) {
+			if (pass_pools_[i].first == id) {
+				if (forget && --pass_pools_[i].second <= 0) {
 					pass_pools_.erase(pass_pools_.begin() + static_cast<std::ptrdiff_t>(i));
 					pass_count_.store(pass_pools_.size(), std::memory_order_release);
 				}
@@ -303,6 +366,22 @@ class BenchAllocator final : public Allocator {
 		}
 		return false;
 	}
+
+	// hold counts one begin of native's pool id.
+	void hold(MempoolId_t id) {
+		std::lock_guard<std::mutex> g(pass_mu_);
+		for (auto &p : pass_pools_) {
+			if (p.first == id) {
+				p.second++;
+				return;
+			}
+		}
+		pass_pools_.emplace_back(id, 1);
+		pass_count_.store(pass_pools_.size(), std::memory_order_release);
+	}
+
+	// own_deleter is cudapool's deleter, whatever the switch says.
+	c10::DeleterFnPtr own_deleter() const { return free_now ? &deleter_now : Allocator::raw_deleter(); }
 
 	void set_mode(uint8_t bit, bool on) {
 		uint8_t m = mode_.load(std::memory_order_relaxed);
@@ -347,10 +426,11 @@ class BenchAllocator final : public Allocator {
 
 	std::atomic<uint8_t> mode_{0}; // kPass | kTime | kNow
 	CCA::CUDAAllocator *const native_;
-	// The private pools of captures begun while passthrough was on: native's
-	// until their release. Guarded by pass_mu_; pass_count_ mirrors the size.
+	// The private pools of captures begun while passthrough was on, each
+	// with its begins not yet released: native's until the last release.
+	// Guarded by pass_mu_; pass_count_ mirrors the size.
 	std::mutex pass_mu_;
-	std::vector<MempoolId_t> pass_pools_;
+	std::vector<std::pair<MempoolId_t, int>> pass_pools_;
 	std::atomic<size_t> pass_count_{0};
 };
 
@@ -451,6 +531,6 @@ __attribute__((visibility("default"))) long cudapool_torch_bench_timing_take(int
 
 // cudapool_torch_bench_version is the version of this file's interface with
 // bench/bench_ext.py.
-__attribute__((visibility("default"))) int cudapool_torch_bench_version(void) { return 1; }
+__attribute__((visibility("default"))) int cudapool_torch_bench_version(void) { return 2; }
 
 } // extern "C"

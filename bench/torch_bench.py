@@ -44,7 +44,20 @@ Sections, in this order (the same for every config):
          process: cudapool's class hands the native reps to the allocator it
          replaced (passthrough, a switch of the benchmark's build of the
          class: bench/bench_ext.py, installed instead of cudapool.install()
-         when this section runs). Per-pair ratios.
+         when this section runs). Per-pair ratios. With an expandable
+         configuration (cudapool_exp) the native side has
+         expandable_segments:True too (PYTORCH_CUDA_ALLOC_CONF).
+  altcompile (cudapool's configurations; not run unless asked for)
+         torch.compile(mode="reduce-overhead") through CUDA graph trees,
+         native and cudapool alternating rep by rep in this process as in
+         alt: --alt-decode pairs of greedy decoding with a static KV cache
+         (GPT.decode of bench/model.py, ms per token) and --alt-compiled
+         pairs of calls of a small compiled MLP (us per call). Each side has
+         its own model, compiled function, graph tree and graph pool, made
+         during its own turns (altcompile_sides), so a rep measures the
+         side's replays and the eager work around them (every allocate()
+         there is the side's); a counted rep per side gives the allocator
+         calls per token or call.
 
 BENCH_TURNS=IN:OUT:first|second (two FIFOs) makes two processes on one CPU
 take turns (bench/turn_pair.sh starts such a pair, tagging its lines with
@@ -58,6 +71,7 @@ Output: one JSON line per section on stdout ("kind":"torch"); a failing
 section prints its "<section>_error" and the next one still runs.
 """
 import argparse
+import builtins
 import gc
 import json
 import os
@@ -66,6 +80,7 @@ import statistics
 import sys
 import time
 import traceback
+import types
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -114,9 +129,10 @@ CUDAPOOL_CONFS = {
     "cudapool_exp_b": "expandable_segments:True",
     "cudapool_cold": "warm_runtime:False",
 }
-SECTIONS = ("train", "graph", "empty", "alt")
-# "alt" (cudapool's configurations only) alternates native and cudapool
-# within one process: not run unless asked for.
+SECTIONS = ("train", "graph", "empty", "alt", "altcompile")
+# "alt" and "altcompile" (cudapool's configurations only) alternate native
+# and cudapool within one process: not run unless asked for.
+ALT_SECTIONS = ("alt", "altcompile")
 DEFAULT_SECTIONS = ("train", "graph", "empty")
 VOCAB = 16384
 
@@ -175,6 +191,19 @@ def parse_args(argv=None):
     p.add_argument("--alt-captures", type=int, default=6,
                    help="alt section: pairs of graph captures (the graph section's forward), native and "
                         "cudapool alternating in this process after one discarded capture each (0: none)")
+    p.add_argument("--alt-decode", type=int, default=6,
+                   help="altcompile section: pairs of decoding reps, native and cudapool alternating after one "
+                        "discarded rep each (0: none)")
+    p.add_argument("--decode-tokens", type=int, default=64, help="altcompile: tokens decoded per rep")
+    p.add_argument("--decode-prompt", type=int, default=16, help="altcompile: prompt tokens (prefilled once)")
+    p.add_argument("--decode-batch", type=int, default=1, help="altcompile: sequences decoded together")
+    p.add_argument("--alt-compiled", type=int, default=6,
+                   help="altcompile section: pairs of reps of compiled calls, native and cudapool alternating "
+                        "after one discarded rep each (0: none)")
+    p.add_argument("--compiled-calls", type=int, default=500, help="altcompile: calls per rep")
+    p.add_argument("--compiled-batch", type=int, default=32, help="altcompile: the MLP's batch")
+    p.add_argument("--compiled-width", type=int, default=1024, help="altcompile: the MLP's width")
+    p.add_argument("--compiled-layers", type=int, default=4, help="altcompile: the MLP's blocks")
     p.add_argument("--model-layers", type=int, default=12, help="(for quick tests) GPT layers")
     args = p.parse_args(argv)
     secs = [s.strip() for s in args.sections.split(",") if s.strip()]
@@ -183,9 +212,13 @@ def parse_args(argv=None):
         p.error(f"unknown section(s) {bad}; choose from {','.join(SECTIONS)}")
     args.sections = [s for s in SECTIONS if s in secs]
     args.train_blocks = min(args.train_blocks, args.steps)  # a block has a step at least
-    for name in ("warmup", "steps", "train_blocks", "batch", "graph_seq", "graph_replays", "graph_captures", "empty_pairs", "mixed_pairs", "reps"):
-        if getattr(args, name) < (0 if name == "warmup" else 1):
+    for name in ("warmup", "steps", "train_blocks", "batch", "graph_seq", "graph_replays", "graph_captures", "empty_pairs", "mixed_pairs", "reps",
+                 "alt_decode", "decode_tokens", "decode_prompt", "decode_batch", "alt_compiled", "compiled_calls",
+                 "compiled_batch", "compiled_width", "compiled_layers", "model_layers"):
+        if getattr(args, name) < (0 if name in ("warmup", "alt_decode", "alt_compiled") else 1):
             p.error(f"--{name.replace('_', '-')} must be positive")
+    if args.decode_prompt + args.decode_tokens > 1024:  # GPT's position table (bench/model.py)
+        p.error("--decode-prompt plus --decode-tokens must be at most 1024")
     return args
 
 
@@ -289,6 +322,17 @@ def set_allocator_env(config, environ=None):
     conf = CONFIGS[config]
     if conf:
         env["PYTORCH_CUDA_ALLOC_CONF"] = conf
+
+
+def alt_native_conf(config, sections):
+    """The PYTORCH_CUDA_ALLOC_CONF of the alt sections' native side (the
+    allocator cudapool's class hands the native reps to), or "": with
+    cudapool's expandable configurations, expandable_segments:True, so that
+    the pair compares like with like (cudapool reads the variable too, and
+    configure() then sets its whole configuration)."""
+    if any(sec in sections for sec in ALT_SECTIONS) and "expandable_segments:True" in (CUDAPOOL_CONFS.get(config) or ""):
+        return "expandable_segments:True"
+    return ""
 
 
 def cleanup(torch):
@@ -724,6 +768,323 @@ def alt_captures(torch, args, ext, before=None, after=None):
     return out
 
 
+# ---- altcompile: torch.compile(mode="reduce-overhead"), paired in one process
+
+class GraphTrees:
+    """Each side's CUDA graph trees. torch._inductor.cudagraph_trees keeps
+    one tree manager, with one graph pool, per device, in a thread-local
+    dict of containers; a compiled function binds to the manager there when
+    it first runs (its warm-up and recording). use(side) puts the side's
+    container there, or none the first time, so that the side's first
+    compiled call makes its own manager and pool, during its own turn (its
+    pool then belongs to its allocator: bench/torch_allocator_bench.cpp).
+    shutdown(side) ends the side's manager (its graphs, so its pool)."""
+
+    def __init__(self, device=0, trees=None):
+        if trees is None:
+            from torch._inductor import cudagraph_trees as trees
+        self.trees = trees
+        try:
+            self.containers = trees.get_obj(trees.local, "tree_manager_containers")
+        except (AttributeError, AssertionError) as e:
+            raise RuntimeError("this torch's CUDA graph trees keep no per-device containers where "
+                               f"torch._inductor.cudagraph_trees had them ({type(e).__name__}: {e})") from e
+        self.device = device
+        if self.containers.get(device) is not None:
+            raise RuntimeError(f"a CUDA graph tree exists already on device {device}: the sides would share it")
+        self.kept = {}  # side -> its container while another side's is in place
+        self.side = None
+
+    def use(self, side):
+        if side == self.side:
+            return
+        if self.side is not None:
+            self.kept[self.side] = self.containers.pop(self.device, None)
+        container = self.kept.pop(side, None)
+        if container is not None:
+            self.containers[self.device] = container
+        else:
+            self.containers.pop(self.device, None)
+        self.side = side
+
+    def manager(self, side):
+        c = self.containers.get(self.device) if side == self.side else self.kept.get(side)
+        return getattr(c, "tree_manager", None)
+
+    def graphs(self, side):
+        """The graphs recorded in side's tree so far (None if unknown)."""
+        mgr = self.manager(side)
+        roots = getattr(mgr, "roots", None)
+        if roots is None:
+            return None if mgr is None else 0
+        n, nodes = 0, [node for rs in roots.values() for node in rs]
+        while nodes:
+            node = nodes.pop()
+            n += 1
+            nodes.extend(child for cs in getattr(node, "children", {}).values() for child in cs)
+        return n
+
+    def shutdown(self, side):
+        """Ends side's tree (its graphs and pool); side must be in use."""
+        assert side == self.side
+        container = self.containers.pop(self.device, None)
+        mgr = getattr(container, "tree_manager", None)
+        if mgr is not None:
+            mgr.shutdown()
+            container.tree_manager = None
+        self.side = None
+
+
+def side_function(fn, side, **names):
+    """A copy of fn with a code object of its own, running with names as its
+    globals: torch.compile keeps compiled code per code object, so each
+    side's copy is compiled (and its CUDA graphs recorded) apart."""
+    code = fn.__code__.replace(co_name=f"{fn.__name__}_{side}")
+    return types.FunctionType(code, {"__builtins__": builtins, **names}, f"{fn.__name__}_{side}")
+
+
+def _decode_step(idx, pos):
+    return MODEL.decode(idx, pos, CACHE)  # noqa: F821  (side_function's globals)
+
+
+def _compiled_call(x):
+    return MODEL(x)  # noqa: F821  (side_function's globals)
+
+
+# The decode loop's sampling, as transformers' generate() does it for greedy
+# search: EOS is never produced (the vocabulary's ids are below it).
+PAD, EOS = 0, VOCAB
+
+
+def column(torch, t):
+    """t (b,) as a (b, 1) tensor of its own with contiguous strides: every
+    token the compiled step gets has the same strides, as torch.compile
+    guards on them (another stride would compile and record again)."""
+    return t.reshape(-1, 1).clone(memory_format=torch.contiguous_format)
+
+
+def decode_setup(torch, args, side):
+    """One side's decoder: GPT (bench/model.py, bf16, eval) with a static
+    KV cache, its compiled decode step, and the prompt prefilled through it
+    token by token (the step's warm-up, recording and first replays)."""
+    from model import GPT, StaticKV
+
+    dev = torch.device("cuda", 0)
+    torch.manual_seed(0)
+    model = GPT(layers=args.model_layers).to(dev, torch.bfloat16).eval()
+    b, n_prompt = args.decode_batch, args.decode_prompt
+    cache = StaticKV(model, b, n_prompt + args.decode_tokens)
+    step = torch.compile(side_function(_decode_step, side, MODEL=model, CACHE=cache), mode="reduce-overhead",
+                         fullgraph=True)
+    gen = torch.Generator(device=dev).manual_seed(1234)
+    prompt = torch.randint(0, VOCAB, (b, n_prompt), device=dev, generator=gen)
+    for i in range(n_prompt):
+        logits = step(column(torch, prompt[:, i]), torch.tensor([i], device=dev))
+    del logits
+    torch.cuda.synchronize()
+    return types.SimpleNamespace(model=model, cache=cache, step=step, prompt=prompt,
+                                 pos0=torch.tensor([n_prompt - 1], device=dev),
+                                 ones=torch.ones(b, dtype=torch.long, device=dev))
+
+
+def decode_rep(torch, st, n):
+    """n greedy tokens after the prompt, as generate() makes them: each a
+    replay of the compiled step and the eager sampling, cache position and
+    stopping check around it (the check reads the GPU, so a token ends
+    there). Returns (ms per token, the token ids)."""
+    ids = st.prompt.clone()
+    tok = column(torch, ids[:, -1])
+    pos = st.pos0.clone()  # the last prompt token's step again, then the new ones
+    unfinished = st.ones.clone()
+    step, cat = st.step, torch.cat
+    t0 = time.perf_counter()
+    for _ in range(n):
+        logits = step(tok, pos)
+        nxt = logits[:, -1, :].argmax(dim=-1)
+        nxt = nxt * unfinished + PAD * (1 - unfinished)
+        ids = cat([ids, nxt[:, None]], dim=-1)
+        unfinished = unfinished & (nxt != EOS)
+        pos = pos + 1
+        if unfinished.max() == 0:
+            break
+        tok = nxt[:, None]  # (b, 1), strides (1, 1): as column()'s
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e3 / n, ids
+
+
+def compiled_setup(torch, args, side):
+    """One side's small compiled model: an MLP of --compiled-layers blocks
+    (width, 4x width, width; bf16, eval) under reduce-overhead, called
+    three times (warm-up, recording, first replay), and 8 inputs."""
+    nn = torch.nn
+    dev = torch.device("cuda", 0)
+    w = args.compiled_width
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(w, 4 * w), nn.GELU(), nn.Linear(4 * w, w))
+                            for _ in range(args.compiled_layers))).to(dev, torch.bfloat16).eval()
+    step = torch.compile(side_function(_compiled_call, side, MODEL=model), mode="reduce-overhead", fullgraph=True)
+    gen = torch.Generator(device=dev).manual_seed(1234)
+    inputs = [torch.randn(args.compiled_batch, w, device=dev, dtype=torch.bfloat16, generator=gen) for _ in range(8)]
+    for i in range(3):
+        y = step(inputs[i].clone())
+    ref = step(inputs[0].clone()).clone()
+    del y
+    torch.cuda.synchronize()
+    return types.SimpleNamespace(model=model, step=step, inputs=inputs, ref=ref)
+
+
+def compiled_rep(torch, st, n):
+    """n calls of the compiled model, each on a fresh input (a copy of one
+    of the 8: one allocation per call, as a caller's new batch), the output
+    held until the next call. Returns us per call."""
+    step, inputs = st.step, st.inputs
+    t0 = time.perf_counter()
+    for i in range(n):
+        y = step(inputs[i & 7].clone())
+    del y
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e6 / n
+
+
+def altcompile_sides(torch, ext, trees, setup, rep, result, pairs, n):
+    """The paired measure of one reduce-overhead row. Each side is set up
+    during its own turn (passthrough on for native, its graph tree in
+    place), so its model, compiled function, graph tree and graph pool are
+    its allocator's. Then one discarded rep each, pairs of timed reps (N C,
+    C N, ...), and per side one rep counted with bench_ext's call timing on
+    (what each allocator was called for) and result(state), a tensor to
+    compare the sides by. Returns ({side: [rep values]}, {side: counts},
+    {side: [graphs after set-up, graphs after the reps]}, {side: result}).
+    Every side's tree is ended, in its turn, before returning."""
+    sides = ("native", "cudapool")
+    states, graphs, counts, results = {}, {}, {}, {}
+    reps = {side: [] for side in sides}
+
+    def turn(side):
+        ext.passthrough(side == "native")
+        trees.use(side)
+
+    try:
+        for side in sides:
+            turn(side)
+            gc.collect()
+            states[side] = setup(side)
+            graphs[side] = [trees.graphs(side)]
+        order = list(sides)
+        for k in range(pairs):
+            order += sides if k % 2 else sides[::-1]
+        for i, side in enumerate(order):
+            turn(side)
+            v = rep(states[side], n)
+            if i >= len(sides):
+                reps[side].append(v)
+        for side in sides:
+            turn(side)
+            graphs[side].append(trees.graphs(side))
+            ext.timing(True)
+            try:
+                ext.timing_take()
+                rep(states[side], n)
+                counts[side] = {key: c for key, (_, c) in ext.timing_take().items()}
+            finally:
+                ext.timing(False)
+            results[side] = result(states[side])
+    finally:
+        for side in sides:
+            try:
+                turn(side)
+                # The tree first: its shutdown drops the cached outputs it
+                # registered with torch (which dropping the compiled
+                # function would not), then its graphs, so its pool.
+                trees.shutdown(side)
+                states.pop(side, None)
+                gc.collect()
+                torch.cuda.synchronize()
+            except Exception:  # noqa: BLE001  (the other side still ends)
+                traceback.print_exc()
+        ext.passthrough(False)
+    return reps, counts, graphs, results
+
+
+def altcompile_fields(prefix, unit, per, reps, counts, graphs, n):
+    """The JSON fields of one reduce-overhead row."""
+    sides = ("native", "cudapool")
+    ratios = [c / b for b, c in zip(reps["native"], reps["cudapool"])]
+    out = {f"{prefix}_ratio": statistics.median(ratios), f"{prefix}_ratio_reps": ratios,
+           f"{prefix}_pairs": len(ratios)}
+    for side in sides:
+        out[f"{prefix}_{side}_reps_{unit}"] = reps[side]
+        out[f"{prefix}_{side}_{unit}"] = statistics.median(reps[side])
+        g = graphs.get(side) or []
+        if len(g) == 2 and None not in g:
+            out[f"{prefix}_{side}_graphs"] = g[1]
+            out[f"{prefix}_{side}_graphs_recorded_in_reps"] = g[1] - g[0]
+        c = counts.get(side)
+        if c:
+            other = "cudapool" if side == "native" else "native"
+            out[f"{prefix}_{side}_allocs_per_{per}"] = c.get((side, "alloc"), 0) / n
+            out[f"{prefix}_{side}_frees_per_{per}"] = c.get((side, "free"), 0) / n
+            # Pool hooks and empty_cache in steady replay: a re-recording.
+            out[f"{prefix}_{side}_pool_calls"] = sum(c.get((side, k), 0) for k in ("begin_pool", "end_pool",
+                                                                                  "empty_cache"))
+            # The other allocator's calls during this side's rep: none if the sides are apart.
+            out[f"{prefix}_{side}_other_allocs"] = c.get((other, "alloc"), 0)
+    return out
+
+
+def bench_altcompile(torch, args):
+    """torch.compile(mode="reduce-overhead") paired in one process: the
+    decoding row (--alt-decode pairs, ms per token) and the compiled-call row
+    (--alt-compiled pairs, us per call); see altcompile_sides. A row that
+    fails gives its error, and the other still runs."""
+    if args.config not in CUDAPOOL_CONFS:
+        raise RuntimeError("the altcompile section needs one of cudapool's configurations")
+    import bench_ext as ext
+
+    out = {}
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:
+        counters = None
+    rows = []  # (prefix, unit, per, setup, rep, result, pairs, n)
+    if args.alt_decode:
+        rows.append(("alt_decode", "ms", "token", lambda side: decode_setup(torch, args, side),
+                     lambda st, n: decode_rep(torch, st, n)[0],
+                     lambda st: decode_rep(torch, st, args.decode_tokens)[1], args.alt_decode, args.decode_tokens))
+    if args.alt_compiled:
+        rows.append(("alt_compiled", "us", "call", lambda side: compiled_setup(torch, args, side),
+                     lambda st, n: compiled_rep(torch, st, n), lambda st: st.ref, args.alt_compiled,
+                     args.compiled_calls))
+    out.update({"alt_decode_tokens": args.decode_tokens, "alt_decode_prompt": args.decode_prompt,
+                "alt_decode_batch": args.decode_batch, "alt_decode_layers": args.model_layers,
+                "alt_decode_width": 768, "alt_compiled_calls": args.compiled_calls,
+                "alt_compiled_batch": args.compiled_batch, "alt_compiled_width": args.compiled_width,
+                "alt_compiled_layers": args.compiled_layers})
+    with torch.no_grad():
+        for prefix, unit, per, setup, rep, result, pairs, n in rows:
+            try:
+                skips0 = counters["inductor"]["cudagraph_skips"] if counters is not None else 0
+                reps, counts, graphs, results = altcompile_sides(torch, ext, GraphTrees(), setup, rep, result,
+                                                                 pairs, n)
+                out.update(altcompile_fields(prefix, unit, per, reps, counts, graphs, n))
+                # Same weights, same inputs: the same tokens (outputs) on both sides.
+                out[f"{prefix}_same_results"] = bool(torch.equal(results["native"], results["cudapool"]))
+                if counters is not None:
+                    # Functions torch.compile ran without CUDA graphs: then
+                    # the row would not measure graph trees.
+                    out[f"{prefix}_cudagraph_skips"] = counters["inductor"]["cudagraph_skips"] - skips0
+            except Exception as e:  # noqa: BLE001  (the other row still runs)
+                traceback.print_exc()
+                out[f"{prefix}_error"] = short_error(e)
+            finally:
+                try:
+                    torch._dynamo.reset()
+                except Exception:  # noqa: BLE001
+                    traceback.print_exc()
+                cleanup(torch)
+    return out
+
+
 def call_summary(prefix, calls):
     """Per (allocator, call) of the alt section's timing: the median, mean
     and 90th percentile of the calls' ns and their number. The mean carries
@@ -772,6 +1133,10 @@ def main(argv=None):
     set_allocator_env(cfg)
     t_start = time.perf_counter()
     meta = {"alloc_conf": CONFIGS[cfg] if CONFIGS[cfg] is not None else "cudapool"}
+    native_conf = alt_native_conf(cfg, args.sections)
+    if native_conf:
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = native_conf
+        meta["alt_native_conf"] = native_conf
     try:
         if cfg in CUDAPOOL_CONFS:
             sys.path.insert(0, os.path.join(REPO, "python"))
@@ -780,8 +1145,8 @@ def main(argv=None):
             use_library_b(cfg)
             if cfg == "cudapool_sched":
                 meta["alloc_conf"] = "cudapool GODEBUG=" + os.environ.get("GODEBUG", "")
-            if "alt" in args.sections:
-                # The alt section's switches are the benchmark's build's:
+            if any(sec in args.sections for sec in ALT_SECTIONS):
+                # The alt sections' switches are the benchmark's build's:
                 # installed instead of the shipped class, for the whole process.
                 import bench_ext
 
@@ -821,7 +1186,8 @@ def main(argv=None):
         return 1
     emit(cfg, "meta", **meta)
 
-    funcs = {"train": bench_train, "graph": bench_graph, "empty": bench_empty, "alt": bench_alt}
+    funcs = {"train": bench_train, "graph": bench_graph, "empty": bench_empty, "alt": bench_alt,
+             "altcompile": bench_altcompile}
     if pin:
         # This thread alone (Linux: pid 0 is the calling thread), after the
         # library, torch and CUDA started theirs: those stay free, the
