@@ -369,7 +369,7 @@ func (d *device) releaseCached(op string) error {
 // section 23). d.mu is held.
 func (d *device) nothingToRelease() bool {
 	return d.ev.Empty() && len(d.reuse.markers)+len(d.reuse.seen) == 0 &&
-		len(d.spare)+len(d.orphans) == 0 && len(d.stitch.lent)+len(d.stitch.markers) == 0 &&
+		len(d.spare)+len(d.orphans) == 0 && len(d.stitch.lent) == 0 &&
 		!d.cache.Large.Releasable() && !d.cache.Small.Releasable() && d.graphs.Pools.Released() == 0
 }
 

@@ -120,7 +120,7 @@ func (d *device) growExpandable(r *pools.Request, capturing bool) (*pools.Block,
 	var donated uint64
 	if d.stitch.on && !capturing {
 		if r.Pool == d.cache.Large || r.Pool == d.cache.Small {
-			d.watch(r.Stream)
+			d.ev.Watch(r.Stream)
 		}
 		if donated = d.stitchFor(r, start, unit); donated > 0 {
 			start = d.cache.FindExpandable(r) // the blocks around start may have merged

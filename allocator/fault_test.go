@@ -573,56 +573,16 @@ var faultCases = map[string]faultCase{
 		e.malloc(600*MiB, 2)
 		e.nothingLost()
 	}},
-	// Stitching is an optimization: a marker event that cannot be
-	// created, recorded or queried (or a capture status that cannot be
-	// read) leaves its stream uncertified for this miss, which maps new
-	// memory instead of moving the stream's idle pages; the next miss
-	// moves them.
-	"stitch.go:(*device).refreshMarkers.EventCreate": {run: func(t *testing.T) {
+	// Stitching is an optimization: a mark (events.Tracker.Advance) that
+	// cannot be created, recorded or queried (or a capture status that
+	// cannot be read) leaves its stream uncertified for this miss, which
+	// maps new memory instead of moving the stream's idle pages; the next
+	// miss moves them. (The marks' creation and queries are the events
+	// package's call sites, tested with them below.)
+	"stitch.go:(*device).recordable.StreamCaptureInfo": {run: func(t *testing.T) {
 		e, h := stitchScene(t, false)
-		r := e.fail("EventCreate", "refreshMarkers", 0)
+		r := e.fail("StreamCaptureInfo", "recordable", 0)
 		e.stitchMiss(r, h)
-	}},
-	"stitch.go:(*device).refreshMarkers.EventRecord": {run: func(t *testing.T) {
-		e, h := stitchScene(t, false)
-		r := e.fail("EventRecord", "refreshMarkers", 0)
-		e.stitchMiss(r, h)
-	}},
-	"stitch.go:(*device).refreshMarkers.StreamCaptureInfo": {run: func(t *testing.T) {
-		e, h := stitchScene(t, false)
-		r := e.fail("StreamCaptureInfo", "refreshMarkers", 0)
-		e.stitchMiss(r, h)
-	}},
-	// The query of the marker just recorded (stream 1 has none pending,
-	// so it is the first): the marker stays pending, queried next time.
-	"stitch.go:(*device).refreshMarkers.EventQuery#2": {run: func(t *testing.T) {
-		e, h := stitchScene(t, false)
-		r := e.fail("EventQuery", "refreshMarkers", 0)
-		e.stitchMiss(r, h)
-	}},
-	// The query of a pending marker: a miss under the limit records one
-	// behind the kernel; the kernel completes; the query fails.
-	"stitch.go:(*device).refreshMarkers.EventQuery": {run: func(t *testing.T) {
-		e, h := stitchScene(t, true)
-		e.malloc(12*MiB, 1) // 24 MiB reserved: no stitching
-		e.sim().Complete(1)
-		r := e.fail("EventQuery", "refreshMarkers", 0)
-		e.stitchMiss(r, h)
-	}},
-	// A marker that cannot be destroyed at empty_cache is kept (no error:
-	// nothing else is held) and reused by the next miss.
-	"stitch.go:(*device).releaseMarkers.EventDestroy": {run: func(t *testing.T) {
-		e, _ := stitchScene(t, false)
-		require.Equal(t, 2, e.sim().LiveEvents(), "two misses, two markers")
-		r := e.fail("EventDestroy", "releaseMarkers", 0)
-		require.NoError(t, e.a.EmptyCache())
-		e.fired(r)
-		require.Equal(t, 1, e.sim().LiveEvents())
-		e.consistent(0)
-		e.malloc(4*MiB, 1) // a miss: the kept marker is recorded again
-		require.Equal(t, 1, e.sim().LiveEvents(), "reused, not created")
-		e.consistent(0)
-		e.nothingLost()
 	}},
 	// Under a memory fraction the growth maps less than the unit that
 	// stitching moved pages for: the moved pages left over are released;
@@ -858,10 +818,48 @@ var faultCases = map[string]faultCase{
 		e.consistent(0)
 		e.notReusedUntil(p, 4096, 1, 5)
 		e.nothingLost()
+
+		// A stitching mark's event: a miss under the limit records a mark
+		// behind the kernel (the pool's only event); the next miss needs
+		// a second one, which cannot be made. Nothing is lost, and once
+		// the kernel has completed the next miss moves the hole's pages.
+		e, h := stitchScene(t, true)
+		e.malloc(12*MiB, 1)
+		require.Equal(t, 1, e.sim().LiveEvents())
+		r = e.fail("EventCreate", "Advance", 0)
+		used := e.sim().Used(0)
+		e.malloc(40*MiB, 0)
+		e.fired(r)
+		st, err := e.a.StitchStats(0)
+		require.NoError(t, err)
+		require.Zero(t, st.Remaps)
+		require.Positive(t, st.SkippedBusy)
+		require.Equal(t, used+40*MiB, e.sim().Used(0), "new memory instead")
+		require.True(t, e.sim().Accessible(0, h, 10*MiB), "the hole's pages stay")
+		e.consistent(0)
+		e.sim().Complete(1)
+		used = e.sim().Used(0)
+		e.malloc(20*MiB, 2)
+		st, err = e.a.StitchStats(0)
+		require.NoError(t, err)
+		require.Equal(t, int64(5), st.Remaps, "the hole's pages moved at the next miss")
+		require.False(t, e.sim().Accessible(0, h, 2*MiB))
+		require.Equal(t, used+10*MiB, e.sim().Used(0))
+		e.consistent(0)
+		e.nothingLost()
+	}},
+	// A stitching mark cannot be recorded: its event goes back to the
+	// pool, the stream stays uncertified for this miss.
+	"events/events.go:(*Tracker).Advance.EventRecord": {run: func(t *testing.T) {
+		e, h := stitchScene(t, false)
+		r := e.fail("EventRecord", "Advance", 0)
+		e.stitchMiss(r, h)
 	}},
 	// A query fails: malloc warns and succeeds; the block's event is
 	// dropped and recorded anew, and the block still waits for its use.
-	"events/events.go:(*Tracker).Process.EventQuery": {run: func(t *testing.T) {
+	// A stitching mark's query fails: the mark stays pending, queried again
+	// at the next miss.
+	"events/events.go:(*Tracker).query.EventQuery": {run: func(t *testing.T) {
 		e := newFault(t, confOrdinary, false)
 		e.a.ExpectAnnouncements()
 		p := e.malloc(4096, 1)
@@ -876,8 +874,22 @@ var faultCases = map[string]faultCase{
 		e.free(q)
 		e.notReusedUntil(p, 4096, 1, 5)
 		e.nothingLost()
+
+		// The query of the mark just recorded (stream 1 has none pending,
+		// so it is queried at once).
+		e, h := stitchScene(t, false)
+		r = e.fail("EventQuery", "Advance", 0)
+		e.stitchMiss(r, h)
+
+		// The query of a pending mark: a miss under the limit records one
+		// behind the kernel; the kernel completes; the query fails.
+		e, h = stitchScene(t, true)
+		e.malloc(12*MiB, 1) // 24 MiB reserved: no stitching
+		e.sim().Complete(1)
+		r = e.fail("EventQuery", "Advance", 0)
+		e.stitchMiss(r, h)
 	}},
-	"events/events.go:(*Tracker).Synchronize.EventSynchronize": {run: func(t *testing.T) {
+	"events/events.go:(*Tracker).drainQueue.EventSynchronize": {run: func(t *testing.T) {
 		e := newFault(t, confOrdinary, false)
 		e.a.ExpectAnnouncements()
 		p := e.malloc(4096, 1)
@@ -892,7 +904,7 @@ var faultCases = map[string]faultCase{
 	}},
 	// After a failed query the event is destroyed; if that fails too, the
 	// event is kept and destroyed with the spare events (empty_cache).
-	"events/events.go:(*Tracker).drain.EventDestroy": {run: func(t *testing.T) {
+	"events/events.go:(*Tracker).drainQueue.EventDestroy": {run: func(t *testing.T) {
 		e := newFault(t, confOrdinary, false)
 		e.a.ExpectAnnouncements()
 		p := e.malloc(4096, 1)

@@ -51,24 +51,11 @@ import (
 // Before any other unmapping (empty_cache, the OOM retry) the device is
 // synchronized, for the same reason (unmapFree).
 
-// markerDepth bounds the marker events pending per stream.
-const markerDepth = 8
-
-// markers are one stream's marker events (see the file comment), a FIFO of
-// pending ones in record order. Guarded by the device's mu.
-type markers struct {
-	ev      [markerDepth]cuda.Event // created on first use, reused
-	at      [markerDepth]uint64     // the clock tick each was recorded after
-	head, n int                     // the pending ones: ev[head], ... (n of them)
-	safe    uint64                  // blocks of the stream with FreedAt < safe are idle
-}
-
 // stitchState is a device's stitching state, guarded by its mu.
 type stitchState struct {
-	on      bool // the configuration asks for stitching
-	markers map[cuda.Stream]*markers
-	lent    []lent        // blocks whose old mapping waits to be unmapped
-	donors  []pools.Donor // scratch
+	on     bool          // the configuration asks for stitching
+	lent   []lent        // blocks whose old mapping waits to be unmapped
+	donors []pools.Donor // scratch
 	// kind is donorKind for a request on stream (stitchFor's).
 	kind   func(*pools.Block) pools.DonorKind
 	stream cuda.Stream
@@ -109,62 +96,15 @@ func (a *Allocator) StitchStats(dev int) (StitchStats, error) {
 	return d.stitch.stats, nil
 }
 
-// watch gives stream s a marker, so that its free pages can be certified
-// idle for stitching. d.mu is held.
-func (d *device) watch(s cuda.Stream) {
-	if d.stitch.markers == nil {
-		d.stitch.markers = make(map[cuda.Stream]*markers)
+// recordable reports whether a mark may be recorded on s now: not while s
+// is in a capture nobody announced, where the event would be captured, not
+// recorded (an error counts as capturing).
+func (d *device) recordable(s cuda.Stream) bool {
+	if d.announced.Load() {
+		return true
 	}
-	if d.stitch.markers[s] == nil {
-		d.stitch.markers[s] = &markers{}
-	}
-}
-
-// refreshMarkers advances every stream's markers: the pending ones that
-// have completed certify their ticks, and a new one is recorded (on an idle
-// stream it completes at once). Errors only leave a stream uncertified.
-// Never during a capture. d.mu is held.
-func (d *device) refreshMarkers() {
-	for s, m := range d.stitch.markers {
-		for m.n > 0 {
-			done, err := d.drv.EventQuery(d.id, m.ev[m.head])
-			if err != nil || !done {
-				break
-			}
-			m.safe = m.at[m.head]
-			m.head, m.n = (m.head+1)%markerDepth, m.n-1
-		}
-		if m.n == markerDepth {
-			continue
-		}
-		if !d.announced.Load() {
-			// An event recorded on a stream in an unannounced capture
-			// would be captured, not recorded.
-			if st, _, err := d.drv.StreamCaptureInfo(d.id, s); err != nil || st != cuda.CaptureNone {
-				continue
-			}
-		}
-		i := (m.head + m.n) % markerDepth
-		if m.ev[i] == 0 {
-			ev, err := d.drv.EventCreate(d.id)
-			if err != nil {
-				continue
-			}
-			m.ev[i] = ev
-		}
-		at := d.cache.Tick()
-		if d.drv.EventRecord(d.id, m.ev[i], s) != nil {
-			continue
-		}
-		m.at[i] = at
-		m.n++
-		if m.n == 1 {
-			if done, err := d.drv.EventQuery(d.id, m.ev[i]); err == nil && done {
-				m.safe = at
-				m.head, m.n = (m.head+1)%markerDepth, 0
-			}
-		}
-	}
+	st, _, err := d.drv.StreamCaptureInfo(d.id, s)
+	return err == nil && st == cuda.CaptureNone
 }
 
 // donorKind is the verdict on the free block b as a donor for a request
@@ -173,10 +113,9 @@ func (d *device) refreshMarkers() {
 // (work on the new block is queued behind the old), else left alone.
 // d.mu is held.
 func (d *device) donorKind(b *pools.Block, s cuda.Stream) pools.DonorKind {
-	m := d.stitch.markers[b.Stream]
-	if m == nil {
-		d.watch(b.Stream) // (stitching turned on after the stream grew)
-	} else if b.FreedAt < m.safe {
+	if !d.ev.Watched(b.Stream) {
+		d.ev.Watch(b.Stream) // (stitching turned on after the stream grew)
+	} else if d.ev.Passed(b.Stream, b.FreedAt) {
 		return pools.DonorUnmap
 	}
 	if b.Stream == s {
@@ -204,8 +143,7 @@ func (d *device) unlend(all bool, op string) error {
 	kept := d.stitch.lent[:0]
 	var first error
 	for _, l := range d.stitch.lent {
-		m := d.stitch.markers[l.b.Stream]
-		if !all && (m == nil || l.clock >= m.safe) {
+		if !all && !d.ev.Passed(l.b.Stream, l.clock) {
 			kept = append(kept, l)
 			continue
 		}
@@ -239,10 +177,10 @@ func (d *device) unmapLent(l *lent, op string) error {
 // lent blocks they allow; it runs before a growth looks for its run, since
 // unlent blocks merge. Never during a capture. d.mu is held.
 func (d *device) stitchPrepare() {
-	if len(d.stitch.markers) == 0 {
+	if !d.ev.Watching() {
 		return
 	}
-	d.refreshMarkers()
+	d.ev.Advance(d.cache, d.recordable, d.ret)
 	if err := d.unlend(false, "malloc"); err != nil {
 		d.warn(err.Error())
 	}
@@ -263,7 +201,7 @@ func (d *device) stitchFor(r *pools.Request, start *pools.Block, unit uint64) ui
 	} else if d.cache.Reserved < high {
 		want -= high - d.cache.Reserved
 	}
-	if want == 0 || len(d.stitch.markers) == 0 {
+	if want == 0 || !d.ev.Watching() {
 		return 0
 	}
 	// The run start's growth covers: from start to what GrowthNeed counts,
@@ -350,18 +288,6 @@ func (d *device) releaseStitch(op string) error {
 			return err
 		}
 	}
-	d.releaseMarkers()
+	d.ev.ResetProgress()
 	return nil
-}
-
-// releaseMarkers destroys the marker events. d.mu is held.
-func (d *device) releaseMarkers() {
-	for _, m := range d.stitch.markers {
-		for i, ev := range m.ev {
-			if ev != 0 && d.drv.EventDestroy(d.id, ev) == nil {
-				m.ev[i] = 0 // (one that failed is kept, to be reused)
-			}
-		}
-		m.head, m.n, m.safe = 0, 0, 0
-	}
 }
