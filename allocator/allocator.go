@@ -18,7 +18,7 @@
 //  3. Best fit on the stream in that pool.
 //  4. Else grow: garbage-collect old cached segments if configured; allocate
 //     a new segment (with expandable_segments:True, map pages into the
-//     pool's reserved range instead: expandable.go); else, for a request
+//     pool's reserved range instead: package vmem); else, for a request
 //     of the default pools, take a cached block of a user pool marked
 //     use_on_oom (mempool.go); else free cached oversize segments and
 //     retry; else wait for all pending events, free
@@ -45,7 +45,6 @@ import (
 	"errors"
 	"fmt"
 	"os"
-	"runtime"
 	"sync"
 	"sync/atomic"
 
@@ -145,19 +144,10 @@ type device struct {
 	gate      *sync.RWMutex // the allocator's gate (device.go)
 	total     uint64        // device capacity; guarded by mu (0: not yet read)
 
-	// Expandable segments (expandable.go), all guarded by mu.
-	wantExpandable bool       // the configuration asks for them
-	vmm            vmmDriver  // nil: the driver has no VMM API
-	vmmState       int8       // 0: not probed yet, 1: usable, -1: not
-	page           uint64     // mapping unit, once probed
-	mapCapturing   bool       // a capture may be under way during Map
-	orphans        []orphan   // physical memory to give back after captures
-	spare          []physical // created, unmapped, for the next Map
-	handles        []physical // Map's scratch space
-	mapper         vmmMapper
-	mapUnitCfg     uint64      // expandable_map_unit_mb, in bytes
-	stitch         stitchState // stitch:True (stitch.go)
-	warn           func(string)
+	// vm is the device's virtual memory: expandable segments and
+	// stitching (virtual.go); guarded by mu.
+	vm   virtualMemory
+	warn func(string)
 
 	// sources supply the segments of private pools that have their own
 	// (SetPoolSource), by pool id; guarded by mu.
@@ -200,13 +190,10 @@ func New(drv Driver, cfg Config) (*Allocator, error) {
 			return drv.StreamCaptureInfo(d.id, s)
 		}
 		d.ret = d.returnBlock
-		d.vmm, _ = drv.(vmmDriver)
-		d.wantExpandable = cfg.ExpandableSegments || cfg.Stitch
-		d.mapUnitCfg, d.stitch.on = cfg.ExpandableMapUnit, cfg.Stitch
 		d.reuse.on = cfg.GraphCaptureRecordStreamReuse
 		d.fraction, d.fractionPending = cfg.MemoryFraction, cfg.MemoryFractionSet
-		d.mapper = vmmMapper{d}
 		d.warn = a.warn
+		d.vm = d.newVirtualMemory(drv, &cfg)
 		a.devs = append(a.devs, d)
 	}
 	if cfg.HistoryEntries > 0 {
@@ -241,8 +228,7 @@ func (a *Allocator) Configure(cfg Config) {
 		d.lock()
 		d.cache.SetConfig(cfg.Pools)
 		d.debug = cfg.DebugChecks
-		d.wantExpandable = cfg.ExpandableSegments || cfg.Stitch
-		d.mapUnitCfg, d.stitch.on = cfg.ExpandableMapUnit, cfg.Stitch
+		d.vm.Configure(vmemConfig(&cfg))
 		d.reuse.on = cfg.GraphCaptureRecordStreamReuse
 		if cfg.MemoryFractionSet {
 			d.fraction, d.fractionPending = cfg.MemoryFraction, true
@@ -774,21 +760,15 @@ func (a *Allocator) CheckInvariants() error {
 }
 
 // withThreadRelaxed runs fn with the calling OS thread in relaxed capture
-// mode, the goroutine held on that thread throughout. A failure to switch
-// back does not undo fn's work (memory fn allocated would otherwise be
-// lost): it is reported as a warning, since the thread may stay relaxed.
+// mode (cuda.WithThreadRelaxed): a failure to switch back is a warning.
 func (d *device) withThreadRelaxed(fn func() error) error {
-	runtime.LockOSThread()
-	defer runtime.UnlockOSThread()
-	prev, err := d.drv.ExchangeCaptureMode(cuda.CaptureModeRelaxed)
-	if err != nil {
-		return err
-	}
-	err = fn()
-	if _, rerr := d.drv.ExchangeCaptureMode(prev); rerr != nil {
-		d.warn(fmt.Sprintf("restoring the calling thread's capture mode (%v) after a driver allocation on device %d failed (%v); the thread may stay in relaxed capture mode", prev, d.id, rerr))
-	}
-	return err
+	return cuda.WithThreadRelaxed(d.drv, fn, d.restoreFailed)
+}
+
+// restoreFailed warns that the calling thread could not be switched back
+// to capture mode prev after a driver allocation.
+func (d *device) restoreFailed(prev cuda.CaptureMode, err error) {
+	d.warn(fmt.Sprintf("restoring the calling thread's capture mode (%v) after a driver allocation on device %d failed (%v); the thread may stay in relaxed capture mode", prev, d.id, err))
 }
 
 // PendingFree is a free the caller deferred (the C ABI queues PyTorch's

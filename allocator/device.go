@@ -236,10 +236,10 @@ func (d *device) newSegment(r *pools.Request, retry bool) (*pools.Block, error) 
 		d.cache.Stats.NumAllocRetries++
 	}
 	src := d.sourceOf(r.Pool)
-	if src == nil && d.expandable() {
+	if src == nil && d.vm.Expandable() {
 		// Outside the gate a capture may begin at any time: what a
 		// failed map would release waits for the next release instead.
-		return d.growExpandable(r, !d.inUnsafe || d.capturing())
+		return d.vm.Grow(*r, !d.inUnsafe || d.capturing())
 	}
 	if !d.cache.CanGrow(r.SegSize) {
 		return nil, nil
@@ -334,10 +334,7 @@ func (d *device) releaseCached(op string) error {
 	if err := d.syncAll(op); err != nil {
 		return err
 	}
-	if err := d.releaseOrphans(op); err != nil {
-		return err
-	}
-	if err := d.releaseStitch(op); err != nil {
+	if err := d.vm.Release(op); err != nil {
 		return err
 	}
 	free := d.freeSeg
@@ -345,7 +342,7 @@ func (d *device) releaseCached(op string) error {
 		if err := d.cache.ReleasePool(p, free); err != nil {
 			return driverError(op, err, "freeing cached segments on device %d", d.id)
 		}
-		if err := d.unmapFree(p); err != nil {
+		if err := d.vm.UnmapFree(p); err != nil {
 			return driverError(op, err, "unmapping the free pages of expandable segments on device %d", d.id)
 		}
 		d.cache.MarkReleased(p)
@@ -369,7 +366,7 @@ func (d *device) releaseCached(op string) error {
 // section 23). d.mu is held.
 func (d *device) nothingToRelease() bool {
 	return d.ev.Empty() && len(d.reuse.markers)+len(d.reuse.seen) == 0 &&
-		len(d.spare)+len(d.orphans) == 0 && len(d.stitch.lent) == 0 &&
+		d.vm.Idle() &&
 		!d.cache.Large.Releasable() && !d.cache.Small.Releasable() && d.graphs.Pools.Released() == 0
 }
 
@@ -393,7 +390,7 @@ func (d *device) releasePrivate(op string, pp *privatepool.Pool) error {
 		if err := d.cache.ReleasePool(p, d.freeFor(p)); err != nil {
 			return driverError(op, err, "freeing the segments of released pool {%d,%d} on device %d", pp.ID.A, pp.ID.B, d.id)
 		}
-		if err := d.unmapFree(p); err != nil {
+		if err := d.vm.UnmapFree(p); err != nil {
 			return driverError(op, err, "unmapping the pages of released pool {%d,%d} on device %d", pp.ID.A, pp.ID.B, d.id)
 		}
 		d.cache.MarkReleased(p)

@@ -5,9 +5,9 @@ package allocator_test
 // checks that the failure gives a clear error (or the documented fallback),
 // loses no block, counts nothing twice, and that the next call works.
 //
-// TestFaultCallSitesCovered finds the call sites by reading the allocator's
-// and the events package's source: a new driver call without an entry in
-// faultCases fails the suite.
+// TestFaultCallSitesCovered finds the call sites by reading the source of
+// the allocator and of the packages that call the driver for it: a new
+// driver call without an entry in faultCases fails the suite.
 
 import (
 	"fmt"
@@ -247,7 +247,7 @@ var faultCases = map[string]faultCase{
 		e.malloc(4096, 1)
 		e.nothingLost()
 	}},
-	"allocator.go:(*device).withThreadRelaxed.ExchangeCaptureMode": {run: func(t *testing.T) {
+	"cuda/relaxed.go:WithThreadRelaxed.ExchangeCaptureMode": {run: func(t *testing.T) {
 		e := newFault(t, confOrdinary, false)
 		r := e.fail("ExchangeCaptureMode", "withThreadRelaxed", 0)
 		_, err := e.a.Malloc(0, 4096, 1)
@@ -261,7 +261,7 @@ var faultCases = map[string]faultCase{
 	// Switching the thread back failed after the allocation succeeded: the
 	// allocation stands (the memory is the caller's) and a warning says
 	// the thread may be left in relaxed mode.
-	"allocator.go:(*device).withThreadRelaxed.ExchangeCaptureMode#2": {run: func(t *testing.T) {
+	"cuda/relaxed.go:WithThreadRelaxed.ExchangeCaptureMode#2": {run: func(t *testing.T) {
 		e := newFault(t, confOrdinary, false)
 		r := e.fail("ExchangeCaptureMode", "withThreadRelaxed", 1)
 		e.malloc(4096, 1)
@@ -386,7 +386,7 @@ var faultCases = map[string]faultCase{
 		e.nothingLost()
 	}},
 	// The probe of VMM support fails: confOrdinary segments, with a warning.
-	"expandable.go:(*device).expandable.MemGranularity": {run: func(t *testing.T) {
+	"vmem/space.go:(*Space).Expandable.MemGranularity": {run: func(t *testing.T) {
 		e := newFault(t, confExpandable, false)
 		r := e.fail("MemGranularity", "", 0)
 		e.malloc(4096, 1)
@@ -397,7 +397,7 @@ var faultCases = map[string]faultCase{
 		e.consistent(0)
 		e.nothingLost()
 	}},
-	"expandable.go:(*device).growExpandable.MemAddressReserve": {run: func(t *testing.T) {
+	"vmem/space.go:(*Space).Grow.MemAddressReserve": {run: func(t *testing.T) {
 		e := newFault(t, confExpandable, false)
 		r := e.fail("MemAddressReserve", "", 0)
 		_, err := e.a.Malloc(0, 4096, 1)
@@ -411,9 +411,9 @@ var faultCases = map[string]faultCase{
 	}},
 	// The free-memory check before mapping is advice: without it, mapping
 	// goes ahead.
-	"expandable.go:vmmMapper.Map.MemGetInfo": {run: func(t *testing.T) {
+	"vmem/mapper.go:mapper.Map.MemGetInfo": {run: func(t *testing.T) {
 		e := newFault(t, confExpandable, false)
-		r := e.fail("MemGetInfo", "vmmMapper.Map", 0)
+		r := e.fail("MemGetInfo", "mapper.Map", 0)
 		e.malloc(3*MiB, 1)
 		e.fired(r)
 		e.consistent(0)
@@ -421,7 +421,7 @@ var faultCases = map[string]faultCase{
 	}},
 	// The second of three pages cannot be created: the first is released,
 	// nothing is mapped.
-	"expandable.go:vmmMapper.Map.MemCreate": {run: func(t *testing.T) {
+	"vmem/mapper.go:mapper.Map.MemCreate": {run: func(t *testing.T) {
 		e := newFault(t, confPages, false)
 		r := e.fail("MemCreate", "", 1)
 		_, err := e.a.Malloc(0, 5*MiB, 1)
@@ -434,7 +434,7 @@ var faultCases = map[string]faultCase{
 	}},
 	// The second of three pages cannot be mapped: the first stays mapped
 	// (free, counted as reserved), the others are released.
-	"expandable.go:vmmMapper.Map.MemMap": {run: func(t *testing.T) {
+	"vmem/mapper.go:mapper.Map.MemMap": {run: func(t *testing.T) {
 		e := newFault(t, confPages, false)
 		r := e.fail("MemMap", "", 1)
 		_, err := e.a.Malloc(0, 5*MiB, 1)
@@ -448,7 +448,7 @@ var faultCases = map[string]faultCase{
 	}},
 	// Access cannot be set: the pages are unmapped and released at once
 	// (no capture under way).
-	"expandable.go:vmmMapper.Map.MemSetAccess": {run: func(t *testing.T) {
+	"vmem/mapper.go:mapper.Map.MemSetAccess": {run: func(t *testing.T) {
 		e := newFault(t, confExpandable, false)
 		r := e.fail("MemSetAccess", "", 0)
 		_, err := e.a.Malloc(0, 5*MiB, 1)
@@ -463,7 +463,7 @@ var faultCases = map[string]faultCase{
 	}},
 	// A page that could not be released after a failed creation waits in
 	// the spares, and goes at the next release of cached memory.
-	"expandable.go:(*device).dropHandles.MemRelease": {run: func(t *testing.T) {
+	"vmem/mapper.go:(*physicalMemory).dropHandles.MemRelease": {run: func(t *testing.T) {
 		e := newFault(t, confPages, false)
 		e.fail("MemCreate", "", 1)
 		r := e.fail("MemRelease", "dropHandles", 0)
@@ -477,10 +477,10 @@ var faultCases = map[string]faultCase{
 		e.consistent(0)
 		e.nothingLost()
 	}},
-	"expandable.go:vmmMapper.Unmap.MemUnmap": {run: func(t *testing.T) {
+	"vmem/mapper.go:mapper.Unmap.MemUnmap": {run: func(t *testing.T) {
 		e := newFault(t, confPages, false)
 		e.free(e.malloc(5*MiB, 1))
-		r := e.fail("MemUnmap", "vmmMapper.Unmap", 0)
+		r := e.fail("MemUnmap", "mapper.Unmap", 0)
 		err := e.a.EmptyCache()
 		e.fired(r)
 		e.driverErr(err, "empty_cache", "unmapping")
@@ -490,20 +490,7 @@ var faultCases = map[string]faultCase{
 		require.Zero(t, e.sim().Mapped(0))
 		e.nothingLost()
 	}},
-	// Unmapped but not released: the page counts as unmapped, its handle
-	// waits in the spares.
-	"expandable.go:vmmMapper.Unmap.MemRelease": {run: func(t *testing.T) {
-		e := newFault(t, confPages, false)
-		e.free(e.malloc(5*MiB, 1))
-		r := e.fail("MemRelease", "vmmMapper.Unmap", 0)
-		require.NoError(t, e.a.EmptyCache())
-		e.fired(r)
-		require.Equal(t, 1, e.sim().Handles(0))
-		e.consistent(2 * MiB)
-		require.NoError(t, e.a.EmptyCache())
-		e.nothingLost()
-	}},
-	"expandable.go:vmmMapper.Free.MemAddressFree": {run: func(t *testing.T) {
+	"vmem/mapper.go:mapper.Free.MemAddressFree": {run: func(t *testing.T) {
 		e := newFault(t, confExpandable, false)
 		e.free(e.malloc(5*MiB, 1))
 		r := e.fail("MemAddressFree", "", 0)
@@ -516,7 +503,7 @@ var faultCases = map[string]faultCase{
 		e.malloc(5*MiB, 1) // the range is still usable
 		e.nothingLost()
 	}},
-	"expandable.go:(*device).releaseOrphan.MemUnmap": {run: func(t *testing.T) {
+	"vmem/mapper.go:(*physicalMemory).releaseOrphan.MemUnmap": {run: func(t *testing.T) {
 		e := orphaned(t)
 		r := e.fail("MemUnmap", "releaseOrphan", 0)
 		err := e.a.EmptyCache()
@@ -526,7 +513,7 @@ var faultCases = map[string]faultCase{
 		require.NoError(t, e.a.EmptyCache())
 		e.nothingLost()
 	}},
-	"expandable.go:(*device).releaseOrphan.MemRelease": {run: func(t *testing.T) {
+	"vmem/mapper.go:(*physicalMemory).releaseOrphan.MemRelease": {run: func(t *testing.T) {
 		e := orphaned(t)
 		r := e.fail("MemRelease", "releaseOrphan", 0)
 		err := e.a.EmptyCache()
@@ -535,7 +522,7 @@ var faultCases = map[string]faultCase{
 		require.NoError(t, e.a.EmptyCache())
 		e.nothingLost()
 	}},
-	"expandable.go:(*device).releaseOrphans.MemRelease": {run: func(t *testing.T) {
+	"vmem/mapper.go:(*physicalMemory).releaseOrphans.MemRelease": {run: func(t *testing.T) {
 		e := newFault(t, confPages, false)
 		e.fail("MemCreate", "", 1)
 		e.fail("MemRelease", "dropHandles", 0) // one spare page
@@ -552,10 +539,10 @@ var faultCases = map[string]faultCase{
 	// empty_cache and the OOM retry synchronize before unmapping free
 	// pages: if that fails, nothing is unmapped, the error says so, and
 	// the next try works.
-	"expandable.go:(*device).unmapFree.DeviceSynchronize": {run: func(t *testing.T) {
+	"vmem/space.go:(*Space).UnmapFree.DeviceSynchronize": {run: func(t *testing.T) {
 		e := newFault(t, confPages, false)
 		e.free(e.malloc(5*MiB, 1))
-		r := e.fail("DeviceSynchronize", "unmapFree", 0)
+		r := e.fail("DeviceSynchronize", "UnmapFree", 0)
 		err := e.a.EmptyCache()
 		e.fired(r)
 		e.driverErr(err, "empty_cache", "unmapping the free pages of expandable segments on device 0: synchronizing the device first")
@@ -565,7 +552,7 @@ var faultCases = map[string]faultCase{
 		require.Zero(t, e.sim().Mapped(0))
 		// The OOM retry: 600 MiB cached on stream 1, 600 MiB wanted on 2.
 		e.free(e.malloc(600*MiB, 1))
-		r = e.fail("DeviceSynchronize", "unmapFree", 0)
+		r = e.fail("DeviceSynchronize", "UnmapFree", 0)
 		_, err = e.a.Malloc(0, 600*MiB, 2)
 		e.fired(r)
 		e.driverErr(err, "malloc", "synchronizing the device first")
@@ -579,7 +566,7 @@ var faultCases = map[string]faultCase{
 	// maps new memory instead of moving the stream's idle pages; the next
 	// miss moves them. (The marks' creation and queries are the events
 	// package's call sites, tested with them below.)
-	"stitch.go:(*device).recordable.StreamCaptureInfo": {run: func(t *testing.T) {
+	"virtual.go:(*device).recordable.StreamCaptureInfo": {run: func(t *testing.T) {
 		e, h := stitchScene(t, false)
 		r := e.fail("StreamCaptureInfo", "recordable", 0)
 		e.stitchMiss(r, h)
@@ -587,8 +574,8 @@ var faultCases = map[string]faultCase{
 	// Under a memory fraction the growth maps less than the unit that
 	// stitching moved pages for: the moved pages left over are released;
 	// one whose release fails waits in the spares for the next release of
-	// cached memory.
-	"stitch.go:(*device).releaseSpares.MemRelease": {run: func(t *testing.T) {
+	// cached memory. The same for the pages empty_cache unmaps.
+	"vmem/mapper.go:(*physicalMemory).releaseSpares.MemRelease": {run: func(t *testing.T) {
 		e := newFault(t, "stitch:True", false) // the 20 MiB unit
 		x := e.malloc(10*MiB, 1)               // stream 1 maps 20 MiB
 		e.malloc(2*MiB, 1)
@@ -605,11 +592,23 @@ var faultCases = map[string]faultCase{
 		require.NoError(t, e.a.EmptyCache())
 		e.consistent(0)
 		e.nothingLost()
+
+		// The pages empty_cache unmapped: the page counts as unmapped, its
+		// handle waits in the spares.
+		e = newFault(t, confPages, false)
+		e.free(e.malloc(5*MiB, 1))
+		r = e.fail("MemRelease", "UnmapFree", 0)
+		require.NoError(t, e.a.EmptyCache())
+		e.fired(r)
+		require.Equal(t, 1, e.sim().Handles(0))
+		e.consistent(2 * MiB)
+		require.NoError(t, e.a.EmptyCache())
+		e.nothingLost()
 	}},
 	// Synchronizing before unmapping the old mappings of lent pages fails:
 	// they stay (a kernel may still use them), the error says so, at the
 	// OOM retry and at empty_cache, and the next empty_cache unmaps them.
-	"stitch.go:(*device).releaseStitch.DeviceSynchronize": {run: func(t *testing.T) {
+	"vmem/stitch.go:(*Space).releaseStitch.DeviceSynchronize": {run: func(t *testing.T) {
 		e, h := stitchScene(t, true)
 		e.malloc(40*MiB, 1) // the busy hole's pages are lent
 		st, err := e.a.StitchStats(0)
@@ -636,7 +635,7 @@ var faultCases = map[string]faultCase{
 	// at the miss that unlends it: a warning; the block stays lent and the
 	// next miss unmaps the rest. At empty_cache: an error, and the next
 	// empty_cache unmaps the rest.
-	"stitch.go:(*device).unmapLent.MemUnmap": {run: func(t *testing.T) {
+	"vmem/stitch.go:(*Space).unmapLent.MemUnmap": {run: func(t *testing.T) {
 		e, h := stitchScene(t, true)
 		e.malloc(40*MiB, 1) // the busy hole's pages are lent
 		e.sim().Complete(1)
@@ -1112,10 +1111,11 @@ func TestTrimUnusedHoldsTheGate(t *testing.T) {
 	e.nothingLost()
 }
 
-// TestFaultCallSitesCovered reads the allocator's and the events package's
-// source, finds every call of a driver method, and requires a fault case
-// for each; it also requires the fault driver to implement every method of
-// every driver interface (so that it cannot miss one silently).
+// TestFaultCallSitesCovered reads the source of the allocator and of the
+// packages that call the driver for it (events, vmem, cuda), finds every
+// call of a driver method, and requires a fault case for each; it also
+// requires the fault driver to implement every method of every driver
+// interface (so that it cannot miss one silently).
 func TestFaultCallSitesCovered(t *testing.T) {
 	sites, methods := driverCallSites(t)
 	require.NotEmpty(t, sites)
@@ -1157,12 +1157,13 @@ func TestFaultDriverIsTransparent(t *testing.T) {
 	require.Empty(t, e.warnings)
 }
 
-// driverCallSites parses the non-test Go files of allocator/ and events/
-// and returns the call sites of driver methods ("file:function.Method",
-// "#n" for repeats) and the set of driver methods. Driver interfaces are
-// the types named Driver and those the code asserts a driver to
-// (d.drv.(vmmDriver)); calls count when made on a driver: an expression
-// ending in drv or vmm, or a variable assigned from such an assertion.
+// driverCallSites parses the non-test Go files of allocator/, events/,
+// vmem/ and cuda/ and returns the call sites of driver methods
+// ("file:function.Method", "#n" for repeats) and the set of driver methods.
+// Driver interfaces are the types named Driver and those the code asserts a
+// driver to (drv.(vmem.Driver)); calls count when made on a driver: an
+// expression ending in drv or vmm, or a variable assigned from such an
+// assertion.
 func driverCallSites(t *testing.T) ([]string, map[string]bool) {
 	type file struct {
 		name, pkg string
@@ -1170,7 +1171,7 @@ func driverCallSites(t *testing.T) ([]string, map[string]bool) {
 	}
 	fset := token.NewFileSet()
 	var files []file
-	for _, dir := range []string{".", "../events"} {
+	for _, dir := range []string{".", "../events", "../vmem", "../cuda"} {
 		names, err := filepath.Glob(filepath.Join(dir, "*.go"))
 		require.NoError(t, err)
 		for _, n := range names {
@@ -1183,7 +1184,7 @@ func driverCallSites(t *testing.T) ([]string, map[string]bool) {
 			require.NoError(t, err)
 			name := filepath.Base(n)
 			if dir != "." {
-				name = "events/" + name
+				name = filepath.Base(dir) + "/" + name
 			}
 			files = append(files, file{name, f.Name.Name, f})
 		}
@@ -1205,7 +1206,11 @@ func driverCallSites(t *testing.T) ([]string, map[string]bool) {
 				}
 			case *ast.TypeAssertExpr:
 				if n.Type != nil && strings.HasSuffix(exprString(n.X), "drv") {
-					driverIfaces[fl.pkg+"."+exprString(n.Type)] = true
+					name := exprString(n.Type)
+					if !strings.Contains(name, ".") {
+						name = fl.pkg + "." + name
+					}
+					driverIfaces[name] = true
 				}
 			case *ast.AssignStmt:
 				if len(n.Rhs) == 1 {

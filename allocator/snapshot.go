@@ -150,7 +150,8 @@ func (a *Allocator) SnapshotOf(pool *PoolID, includeTraces bool) Snapshot {
 	remaps, lent := make([]int64, len(a.devs)), make([]int64, len(a.devs))
 	for i, d := range a.devs {
 		d.lock()
-		remaps[i], lent[i] = d.stitch.stats.Remaps, d.stitch.stats.Lent
+		st := d.vm.StitchStats()
+		remaps[i], lent[i] = st.Remaps, st.Lent
 		d.mu.Unlock()
 	}
 	cfg := a.Config()
@@ -167,7 +168,7 @@ func (a *Allocator) SnapshotOf(pool *PoolID, includeTraces bool) Snapshot {
 		"roundup_power2_divisions":     p.RoundupDivisions,
 		"record_history":               cfg.HistoryEntries,
 		// cudapool's own: stitching and each device's count of pages
-		// moved, and of those lent (stitch.go).
+		// moved, and of those lent (vmem/stitch.go).
 		"stitch":                 cfg.Stitch,
 		"expandable_map_unit_mb": cfg.ExpandableMapUnit >> 20,
 		"stitch_remaps":          remaps,
