@@ -149,19 +149,12 @@ type device struct {
 	vm   virtualMemory
 	warn func(string)
 
-	// sources supply the segments of private pools that have their own
-	// (SetPoolSource), by pool id; guarded by mu.
-	sources map[PoolID]SegmentSource
 	// fraction is the memory fraction the configuration asks for
 	// (per_process_memory_fraction), applied when the device next grows,
 	// since that needs the device's capacity from the driver;
 	// fractionPending says it is not yet applied. Both guarded by mu.
 	fraction        float64
 	fractionPending bool
-
-	// reuse is graph_capture_record_stream_reuse's state; guarded by mu
-	// (capturereuse.go).
-	reuse captureReuse
 
 	// Built once so that passing them costs no allocation.
 	freeSeg pools.FreeFunc
@@ -190,7 +183,7 @@ func New(drv Driver, cfg Config) (*Allocator, error) {
 			return drv.StreamCaptureInfo(d.id, s)
 		}
 		d.ret = d.returnBlock
-		d.reuse.on = cfg.GraphCaptureRecordStreamReuse
+		d.graphs.Reuse.On = cfg.GraphCaptureRecordStreamReuse
 		d.fraction, d.fractionPending = cfg.MemoryFraction, cfg.MemoryFractionSet
 		d.warn = a.warn
 		d.vm = d.newVirtualMemory(drv, &cfg)
@@ -229,7 +222,7 @@ func (a *Allocator) Configure(cfg Config) {
 		d.cache.SetConfig(cfg.Pools)
 		d.debug = cfg.DebugChecks
 		d.vm.Configure(vmemConfig(&cfg))
-		d.reuse.on = cfg.GraphCaptureRecordStreamReuse
+		d.graphs.Reuse.On = cfg.GraphCaptureRecordStreamReuse
 		if cfg.MemoryFractionSet {
 			d.fraction, d.fractionPending = cfg.MemoryFraction, true
 		}

@@ -7,6 +7,7 @@ import (
 	"strings"
 
 	"github.com/cudapool/cudapool/cuda"
+	"github.com/cudapool/cudapool/graphs"
 	"github.com/cudapool/cudapool/pools"
 	"github.com/cudapool/cudapool/privatepool"
 )
@@ -112,7 +113,7 @@ func (d *device) mallocSetup(s cuda.Stream, capture uint64) (small, large *pools
 	capturing = capture != 0 || d.capturing()
 	switch {
 	case capturing:
-		if d.reuse.on {
+		if d.graphs.Reuse.On {
 			d.reclaimInCapture(s)
 		}
 	case !d.ev.Idle():
@@ -137,7 +138,7 @@ func (d *device) processEvents() {
 	if !d.enterUnsafe() {
 		return
 	}
-	d.dropCaptureReuse()
+	d.graphs.Reuse.Drop()
 	if err := d.ev.Process(d.ret); err != nil {
 		// Not the malloc's failure: the blocks concerned stay queued.
 		d.warn(driverError("malloc", err, "querying the events of pending frees on device %d (the blocks concerned wait for new events)", d.id).Error())
@@ -283,10 +284,13 @@ func (d *device) newSegment(r *pools.Request, retry bool) (*pools.Block, error) 
 // sourceOf returns the segment source of the pool p belongs to, or nil for
 // the driver.
 func (d *device) sourceOf(p *pools.BlockPool) SegmentSource {
-	if p.ID.IsDefault() || len(d.sources) == 0 {
+	if p.ID.IsDefault() {
 		return nil
 	}
-	return d.sources[p.ID]
+	if pp := d.graphs.Pools.Get(p.ID); pp != nil {
+		return pp.Source
+	}
+	return nil
 }
 
 // freeFor returns the function that gives p's segments back: to the pool's
@@ -365,7 +369,7 @@ func (d *device) releaseCached(op string) error {
 // functions then cost about 10 us on the development box (docs/hot-path.md
 // section 23). d.mu is held.
 func (d *device) nothingToRelease() bool {
-	return d.ev.Empty() && len(d.reuse.markers)+len(d.reuse.seen) == 0 &&
+	return d.ev.Empty() && d.graphs.Reuse.Empty() &&
 		d.vm.Idle() &&
 		!d.cache.Large.Releasable() && !d.cache.Small.Releasable() && d.graphs.Pools.Released() == 0
 }
@@ -374,7 +378,7 @@ func (d *device) nothingToRelease() bool {
 // blocks to their pools (PyTorch's synchronize_and_free_events). Never
 // during a capture.
 func (d *device) syncAll(op string) error {
-	d.dropCaptureReuse()
+	d.graphs.Reuse.Drop()
 	if err := d.ev.Synchronize(d.ret); err != nil {
 		return driverError(op, err, "synchronizing the events of pending frees on device %d", d.id)
 	}
@@ -400,7 +404,6 @@ func (d *device) releasePrivate(op string, pp *privatepool.Pool) error {
 		d.graphs.Pools.Drop(pp)
 		d.cache.DropPool(small)
 		d.cache.DropPool(large)
-		delete(d.sources, pp.ID)
 	}
 	return nil
 }
@@ -412,14 +415,12 @@ func (d *device) releasePrivate(op string, pp *privatepool.Pool) error {
 func (d *device) freeUsed(b *pools.Block) error {
 	if !d.enterUnsafe() {
 		// No event may be recorded for later query during a capture.
-		d.ev.Defer(b)
-		d.noteFreeMarkers(b)
+		d.deferFree(b)
 		return nil
 	}
 	defer d.leaveUnsafe()
 	if d.useCapturing(b) {
-		d.ev.Defer(b)
-		d.noteFreeMarkers(b)
+		d.deferFree(b)
 		return nil
 	}
 	if err := d.ev.Insert(b); err != nil {
@@ -428,6 +429,47 @@ func (d *device) freeUsed(b *pools.Block) error {
 		return driverError("free", err, "recording events for the streams that use %#x", uintptr(b.Ptr))
 	}
 	return nil
+}
+
+// deferFree parks the released block b until no capture is under way,
+// noting its free markers for graph_capture_record_stream_reuse.
+func (d *device) deferFree(b *pools.Block) {
+	d.ev.Defer(b)
+	if d.graphs.Reuse.On {
+		if err := d.graphs.Reuse.NoteFree(d.graphDriver(), d.id, b); err != nil {
+			d.warnCaptureGraph(err)
+		}
+	}
+}
+
+// reclaimInCapture returns to their pools the blocks allocated on s that
+// graph_capture_record_stream_reuse proves unused (graphs.Reuse.Reclaim).
+// Called by malloc during a capture. d.mu is held.
+func (d *device) reclaimInCapture(s cuda.Stream) {
+	if err := d.graphs.Reuse.Reclaim(d.graphDriver(), d.id, s, d.ev, d.ret); err != nil {
+		d.warnCaptureGraph(err)
+	}
+}
+
+// graphDriver is the driver's capture-topology queries, nil without them.
+func (d *device) graphDriver() graphs.GraphDriver {
+	gd, _ := d.drv.(graphs.GraphDriver)
+	return gd
+}
+
+// warnCaptureGraph reports a failed capture-graph query: the blocks
+// concerned wait for the capture's end, as without the option.
+func (d *device) warnCaptureGraph(err error) {
+	if errorsIs(err, cuda.ErrNotSupported) {
+		d.warn("graph_capture_record_stream_reuse:True has no effect: the CUDA driver lacks cuGraphNodeGetDependencies or cuStreamGetCaptureInfo_v2")
+		return
+	}
+	var qe *graphs.QueryError
+	if errors.As(err, &qe) {
+		d.warn(driverError("capture reuse", qe.Err, "reading the capture graph of stream %#x (record_stream'd blocks wait for the capture's end)", uintptr(qe.Stream)).Error())
+		return
+	}
+	d.warn(driverError("capture reuse", err, "reading the capture graph").Error())
 }
 
 // useCapturing reports, when nobody announces captures, whether one of b's
@@ -556,20 +598,15 @@ func FormatSize(n uint64) string {
 	}
 }
 
-// check verifies the device's invariants beyond the cache's own: segment
-// sources belong to existing pools, and blocks waiting on events are
-// neither free nor allocated.
+// check verifies the device's invariants beyond the cache's own: the
+// private pools' count, and blocks waiting on events are neither free nor
+// allocated.
 func (d *device) check() error {
 	if err := d.cache.Check(); err != nil {
 		return fmt.Errorf("device %d: %w", d.id, err)
 	}
 	if err := d.graphs.Pools.Check(); err != nil {
 		return fmt.Errorf("device %d: %w", d.id, err)
-	}
-	for id := range d.sources {
-		if pp := d.graphs.Pools.Get(id); pp == nil || pp.Auto {
-			return fmt.Errorf("device %d: a segment source for pool {%d,%d}, which does not exist", d.id, id.A, id.B)
-		}
 	}
 	var err error
 	d.ev.Each(func(b *pools.Block) {

@@ -35,17 +35,6 @@ type relaxedAllocator interface {
 	MemAllocRelaxed(dev int, size uint64) (cuda.Ptr, error)
 }
 
-// captureGraphDriver is implemented by drivers that expose the topology of
-// a capture under way (cuStreamGetCaptureInfo's terminal nodes and
-// cuGraphNodeGetDependencies), which graph_capture_record_stream_reuse
-// needs (capturereuse.go). Both calls are legal during capture. Each
-// appends to buf and returns it, so that a caller can reuse one buffer; a
-// driver that lacks the entry points returns ErrNotSupported.
-type captureGraphDriver interface {
-	StreamCaptureGraph(dev int, s cuda.Stream, buf []cuda.GraphNode) (cuda.CaptureStatus, uint64, []cuda.GraphNode, error)
-	GraphNodeDependencies(dev int, n cuda.GraphNode, buf []cuda.GraphNode) ([]cuda.GraphNode, error)
-}
-
 // processLister is implemented by drivers that can name the processes using a
 // device (the real driver, through NVML). The OOM message lists them.
 type processLister interface {

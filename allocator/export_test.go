@@ -20,7 +20,7 @@ func PoolLayout(a *Allocator, dev int, id PoolID) ([]pools.SegmentState, error) 
 }
 
 // CheckpointLayout returns the layout a checkpoint holds.
-func CheckpointLayout(cp *Checkpoint) []pools.SegmentState { return cp.segs }
+func CheckpointLayout(cp *Checkpoint) []pools.SegmentState { return cp.Layout() }
 
 // SetContext sets the context id of the allocated block at p, as a malloc
 // recording its caller's context would.
@@ -51,7 +51,7 @@ func CaptureReuseState(a *Allocator, dev int) (markers, walks int) {
 	d := a.devs[dev]
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	return len(d.reuse.markers), len(d.reuse.seen)
+	return d.graphs.Reuse.State()
 }
 
 // EmptyCacheFull makes empty_cache take its full path even when the device

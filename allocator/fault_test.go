@@ -701,9 +701,9 @@ var faultCases = map[string]faultCase{
 	}},
 	// graph_capture_record_stream_reuse: a failed topology query warns and
 	// the block waits, as without the option; nothing is reused early.
-	"capturereuse.go:(*device).noteFreeMarkers.StreamCaptureGraph": {run: func(t *testing.T) {
+	"graphs/reuse.go:(*Reuse).NoteFree.StreamCaptureGraph": {run: func(t *testing.T) {
 		e, data1 := reuseScene(t)
-		r := e.fail("StreamCaptureGraph", "noteFreeMarkers", 0)
+		r := e.fail("StreamCaptureGraph", "NoteFree", 0)
 		require.NoError(t, e.usedOnSide(data1, 2))
 		e.fired(r)
 		require.Len(t, e.warnings, 1)
@@ -714,7 +714,7 @@ var faultCases = map[string]faultCase{
 		e.endReuseScene()
 		e.nothingLost()
 	}},
-	"capturereuse.go:(*device).reclaimInCapture.StreamCaptureGraph": {run: func(t *testing.T) {
+	"graphs/reuse.go:(*Reuse).Reclaim.StreamCaptureGraph": {run: func(t *testing.T) {
 		e, data1 := reuseScene(t)
 		require.NoError(t, e.usedOnSide(data1, 2))
 		fork(t, e.sim(), 2, 1)
@@ -730,7 +730,7 @@ var faultCases = map[string]faultCase{
 		e.endReuseScene()
 		e.nothingLost()
 	}},
-	"capturereuse.go:(*device).reclaimInCapture.GraphNodeDependencies": {run: func(t *testing.T) {
+	"graphs/reuse.go:(*Reuse).Reclaim.GraphNodeDependencies": {run: func(t *testing.T) {
 		e, data1 := reuseScene(t)
 		require.NoError(t, e.usedOnSide(data1, 2))
 		fork(t, e.sim(), 2, 1)
@@ -1112,9 +1112,9 @@ func TestTrimUnusedHoldsTheGate(t *testing.T) {
 }
 
 // TestFaultCallSitesCovered reads the source of the allocator and of the
-// packages that call the driver for it (events, vmem, cuda), finds every
-// call of a driver method, and requires a fault case for each; it also
-// requires the fault driver to implement every method of every driver
+// packages that call the driver for it (events, vmem, graphs, cuda), finds
+// every call of a driver method, and requires a fault case for each; it
+// also requires the fault driver to implement every method of every driver
 // interface (so that it cannot miss one silently).
 func TestFaultCallSitesCovered(t *testing.T) {
 	sites, methods := driverCallSites(t)
@@ -1158,7 +1158,7 @@ func TestFaultDriverIsTransparent(t *testing.T) {
 }
 
 // driverCallSites parses the non-test Go files of allocator/, events/,
-// vmem/ and cuda/ and returns the call sites of driver methods
+// vmem/, graphs/ and cuda/ and returns the call sites of driver methods
 // ("file:function.Method", "#n" for repeats) and the set of driver methods.
 // Driver interfaces are the types named Driver and those the code asserts a
 // driver to (drv.(vmem.Driver)); calls count when made on a driver: an
@@ -1171,7 +1171,7 @@ func driverCallSites(t *testing.T) ([]string, map[string]bool) {
 	}
 	fset := token.NewFileSet()
 	var files []file
-	for _, dir := range []string{".", "../events", "../vmem", "../cuda"} {
+	for _, dir := range []string{".", "../events", "../vmem", "../graphs", "../cuda"} {
 		names, err := filepath.Glob(filepath.Join(dir, "*.go"))
 		require.NoError(t, err)
 		for _, n := range names {

@@ -1,7 +1,6 @@
 package allocator
 
 import (
-	"github.com/cudapool/cudapool/cuda"
 	"github.com/cudapool/cudapool/privatepool"
 )
 
@@ -32,14 +31,8 @@ import (
 // instead; clearing use_on_oom of a pool that is gone is not an error.
 
 // SegmentSource supplies a private pool's segments instead of the driver
-// (MemPool(allocator=X)). Its methods are called with the device's lock
-// held, so they must not call back into the allocator.
-type SegmentSource interface {
-	// Alloc is called in relaxed capture mode like driver allocations;
-	// return an error wrapping cuda.ErrOutOfMemory for OOM.
-	Alloc(dev int, size uint64, s cuda.Stream) (cuda.Ptr, error)
-	Free(dev int, p cuda.Ptr, size uint64) error
-}
+// (privatepool.SegmentSource).
+type SegmentSource = privatepool.SegmentSource
 
 // CreateOrIncrefPool creates private pool id on dev with use count 1, or
 // adds a holder to it (native createOrIncrefPool). User pools are {0,n},
@@ -87,9 +80,9 @@ func (a *Allocator) SetPoolNoSplit(dev int, id PoolID) error {
 	}
 	d.lock()
 	defer d.mu.Unlock()
-	pp, err := d.knownPool(op, id)
+	pp, err := d.graphs.Pools.Known(dev, id)
 	if err != nil {
-		return err
+		return poolError(op, err)
 	}
 	pp.SetNoSplit()
 	return nil
@@ -110,8 +103,8 @@ func (a *Allocator) SetPoolUseOnOOM(dev int, id PoolID, use bool) error {
 	if pp == nil && !use {
 		return nil // nothing to clear (MemPool's destructor, after EmptyPool)
 	}
-	if pp, err = d.knownPool(op, id); err != nil {
-		return err
+	if pp, err = d.graphs.Pools.Known(dev, id); err != nil {
+		return poolError(op, err)
 	}
 	pp.UseOnOOM = use
 	return nil
@@ -128,21 +121,14 @@ func (a *Allocator) SetPoolSource(dev int, id PoolID, src SegmentSource) error {
 	}
 	d.lock()
 	defer d.mu.Unlock()
-	pp, err := d.knownPool(op, id)
+	pp, err := d.graphs.Pools.Known(dev, id)
 	if err != nil {
-		return err
+		return poolError(op, err)
 	}
 	if n := pp.Segments(); n > 0 {
 		return newError(op, ErrInvalidArgument, "pool {%d,%d} on device %d already holds %d segments; its source must be set before it allocates", id.A, id.B, dev, n)
 	}
-	if src == nil {
-		delete(d.sources, id)
-		return nil
-	}
-	if d.sources == nil {
-		d.sources = make(map[PoolID]SegmentSource)
-	}
-	d.sources[id] = src
+	pp.Source = src
 	return nil
 }
 
@@ -233,14 +219,4 @@ func (a *Allocator) MemoryFraction(dev int) (float64, error) {
 		return float64(allowed) / float64(d.total), nil
 	}
 	return 1, nil
-}
-
-// knownPool returns private pool id, which must exist (held or not) and
-// not be an unannounced capture's. d.mu is held.
-func (d *device) knownPool(op string, id PoolID) (*privatepool.Pool, error) {
-	pp := d.graphs.Pools.Get(id)
-	if pp == nil || pp.Auto {
-		return nil, newError(op, ErrUnknownPool, "device %d has no pool {%d,%d} (create it first)", d.id, id.A, id.B)
-	}
-	return pp, nil
 }
