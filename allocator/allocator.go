@@ -115,7 +115,7 @@ type device struct {
 	newPools privatepool.NewPools
 	underway *atomic.Int64 // the allocator's count of captures under way
 	graphs   graphs.Router // guarded by mu
-	hist     deviceHistory // guarded by mu (history.go)
+	rec      recorder      // the memory history (nil: off); guarded by mu
 	// front is the allocator's Front (nil: none), set before use;
 	// frontBuf receives its log, guarded by mu (front.go). frontFlag, if
 	// not nil, is where front's Pending(id) reads (a FrontFlags).
@@ -172,7 +172,7 @@ func New(drv Driver, cfg Config) (*Allocator, error) {
 	a.hist.publish()
 	for i := 0; i < n; i++ {
 		d := &device{id: i, drv: drv, underway: &a.underway, announced: &a.announced, gate: &a.gate, cache: pools.NewCache(cfg.Pools), ev: events.New(drv, i)}
-		d.hist.labels = &a.hist.labels
+		a.hist.devs = append(a.hist.devs, &deviceHistory{labels: &a.hist.labels})
 		d.fc = &a.front
 		d.debug = cfg.DebugChecks
 		d.freeSeg = d.freeSegment
@@ -300,9 +300,9 @@ func (a *Allocator) MallocCtx(dev int, size uint64, s cuda.Stream, ctx uint64) (
 		return 0, err
 	}
 	d.lock()
-	d.hist.begin(ctx, HistoryState)
+	d.begin(ctx, HistoryState)
 	p, err := d.malloc(size, s, capture)
-	d.hist.end()
+	d.end()
 	if d.debug {
 		d.mustCheck()
 	}
@@ -347,9 +347,9 @@ func (a *Allocator) FreeCtx(dev int, p cuda.Ptr, size uint64, ctx uint64) error 
 		return err
 	}
 	d.lock()
-	d.hist.begin(ctx, HistoryAll)
+	d.begin(ctx, HistoryAll)
 	err = d.freeLocked(p, size)
-	d.hist.end()
+	d.end()
 	if d.debug {
 		d.mustCheck()
 	}
@@ -377,9 +377,9 @@ func (a *Allocator) FreeAnyCtx(p cuda.Ptr, size uint64, ctx uint64) error {
 		}
 		return a.explainUnknown("free", -1, p)
 	}
-	d.hist.begin(ctx, HistoryAll)
+	d.begin(ctx, HistoryAll)
 	err := d.freeBlock(b, size)
-	d.hist.end()
+	d.end()
 	if d.debug {
 		d.mustCheck()
 	}
@@ -423,12 +423,16 @@ func (d *device) freeBlock(b *pools.Block, size uint64) error {
 		return sizeMismatch(b, size)
 	}
 	d.cache.Release(b)
-	d.recordBlock(actionFreeRequested, b)
+	if d.rec != nil {
+		d.rec.freeRequested(b)
+	}
 	if !b.Uses.Empty() {
 		return d.freeUsed(b)
 	}
 	// d.returnBlock(b), written out (over the inliner's budget).
-	d.recordBlock(actionFreeCompleted, b)
+	if d.rec != nil {
+		d.rec.freeCompleted(b)
+	}
 	b.Context = 0
 	d.cache.Return(b)
 	return nil
@@ -591,9 +595,9 @@ func (a *Allocator) EmptyCacheCtx(ctx uint64) error {
 			emptyCacheSkips.Add(1)
 			d.leaveUnsafe()
 		} else {
-			d.hist.begin(ctx, HistoryAll)
+			d.begin(ctx, HistoryAll)
 			err = d.releaseCached("empty_cache")
-			d.hist.end()
+			d.end()
 			if err == nil {
 				if derr := d.ev.DestroySpare(); derr != nil {
 					err = driverError("empty_cache", derr, "destroying cached events on device %d", d.id)
@@ -819,7 +823,7 @@ func (a *Allocator) MallocTracked(dev int, size uint64, s cuda.Stream, ctx uint6
 			}
 			continue
 		}
-		d.hist.begin(f.Ctx, HistoryAll)
+		d.begin(f.Ctx, HistoryAll)
 		var e error
 		if b := d.cache.Lookup(f.Ptr); b != nil {
 			e = d.freeBlock(b, f.Size)
@@ -830,9 +834,9 @@ func (a *Allocator) MallocTracked(dev int, size uint64, s cuda.Stream, ctx uint6
 			freeErr = e
 		}
 	}
-	d.hist.begin(ctx, HistoryState)
+	d.begin(ctx, HistoryState)
 	p, err = d.malloc(size, s, capture)
-	d.hist.end()
+	d.end()
 	if err == nil && d.front != nil && a.front.on.Load() {
 		track = d.tag
 	}
@@ -872,7 +876,7 @@ func (d *device) freeUnknownDevice(f *PendingFree, i int, done *[2]uint64, freeE
 	if b == nil {
 		return true
 	}
-	d.hist.begin(f.Ctx, HistoryAll)
+	d.begin(f.Ctx, HistoryAll)
 	if e := d.freeBlock(b, f.Size); e != nil && *freeErr == nil {
 		*freeErr = e
 	}

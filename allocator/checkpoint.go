@@ -83,13 +83,17 @@ func (a *Allocator) RestoreCheckpoint(dev int, cp *Checkpoint) (RestoreResult, e
 // and no driver call. d.mu is held.
 func (d *device) restoreFree(b *pools.Block) {
 	d.cache.Release(b)
-	d.record(actionFreeRequested, b.Ptr, b.Requested, b.Stream, b.Pool.ID, d.hist.ctxOr(b.Context))
+	if d.rec != nil {
+		d.rec.freeRequested(b)
+	}
 	d.returnBlock(b)
 }
 
 // restoreAlloc records the allocation of b that a restore made.
 func (d *device) restoreAlloc(b *pools.Block) {
-	d.record(actionAlloc, b.Ptr, b.Requested, b.Stream, b.Pool.ID, b.Context)
+	if d.rec != nil {
+		d.rec.restored(b)
+	}
 }
 
 // CheckPoolLive reports whether the blocks allocated in pool id are exactly

@@ -95,9 +95,9 @@ func (d *device) malloc(size uint64, s cuda.Stream, capture uint64) (cuda.Ptr, e
 	if d.tag = TagDefault; d.routed || !b.Pool.ID.IsDefault() {
 		d.tag = d.privateTag(b)
 	}
-	b.Context = d.hist.op
-	if d.hist.on {
-		d.recordAllocOn(b, s)
+	b.Context = 0
+	if d.rec != nil {
+		d.rec.allocated(b, s)
 	}
 	return b.Ptr, nil
 }
@@ -275,9 +275,10 @@ func (d *device) newSegment(r *pools.Request, retry bool) (*pools.Block, error) 
 	if err != nil {
 		return nil, driverError("malloc", err, "allocating a %d-byte segment on device %d", r.SegSize, d.id)
 	}
-	d.record(actionSegmentAlloc, p, r.SegSize, r.Stream, r.Pool.ID, d.hist.op)
 	b := d.cache.AddSegment(r, p)
-	b.Seg.Context = d.hist.op
+	if d.rec != nil {
+		d.rec.segmentAllocated(b.Seg)
+	}
 	return b, nil
 }
 
@@ -319,12 +320,12 @@ func (d *device) freeSegment(base cuda.Ptr, size uint64) error {
 	return nil
 }
 
-// recordSegmentFree records the free of the segment at base (still in the
-// cache) in the history.
-func (d *device) recordSegmentFree(base cuda.Ptr, size uint64) {
-	if d.hist.on {
+// recordSegmentFree tells the history of the free of the segment at base
+// (still in the cache).
+func (d *device) recordSegmentFree(base cuda.Ptr, _ uint64) {
+	if d.rec != nil {
 		if seg := d.cache.SegmentOf(base); seg != nil {
-			d.record(actionSegmentFree, base, size, seg.Stream, seg.Pool.ID, d.hist.ctxOr(seg.Context))
+			d.rec.segmentFreed(seg)
 		}
 	}
 }
@@ -487,32 +488,26 @@ func (d *device) useCapturing(b *pools.Block) bool {
 	return capturing
 }
 
-// recordBlock is record of action act on block b (its address, requested
-// size, stream and pool; the operation's context, else b's): inlined into
-// the malloc and free paths as one test, the arguments gathered out of line.
-func (d *device) recordBlock(act action, b *pools.Block) {
-	if d.hist.on {
-		d.recordBlockOn(act, b)
+// begin and end bracket an operation whose caller passed context ctx,
+// for the history (recorder.go).
+func (d *device) begin(ctx uint64, need HistoryLevel) {
+	if d.rec != nil {
+		d.rec.begin(ctx, need)
 	}
 }
 
-//go:noinline
-func (d *device) recordBlockOn(act action, b *pools.Block) {
-	d.recordOn(act, b.Ptr, b.Requested, b.Stream, b.Pool.ID, d.hist.ctxOr(b.Context))
-}
-
-// recordAllocOn is malloc's record of b, allocated for stream s, while the
-// history is on (out of line: the arguments are gathered only then).
-//
-//go:noinline
-func (d *device) recordAllocOn(b *pools.Block, s cuda.Stream) {
-	d.recordOn(actionAlloc, b.Ptr, b.Requested, s, b.Pool.ID, b.Context)
+func (d *device) end() {
+	if d.rec != nil {
+		d.rec.end()
+	}
 }
 
 // returnBlock puts a block whose uses are over back in its pool; its
 // context goes. (freeBlock has these lines written out.)
 func (d *device) returnBlock(b *pools.Block) {
-	d.recordBlock(actionFreeCompleted, b)
+	if d.rec != nil {
+		d.rec.freeCompleted(b)
+	}
 	b.Context = 0
 	d.cache.Return(b)
 }
@@ -534,7 +529,9 @@ func (d *device) capacity() (uint64, error) {
 func (d *device) outOfMemory(r *pools.Request) error {
 	d.cache.Stats.NumOOMs++
 	free, total, err := d.drv.MemGetInfo(d.id)
-	d.record(actionOOM, cuda.Ptr(free), r.Size, r.Stream, r.Pool.ID, d.hist.op)
+	if d.rec != nil {
+		d.rec.outOfMemory(*r, free)
+	}
 	info := &OOMInfo{Device: d.id, Size: r.SegSize, Total: total, Free: free}
 	var b strings.Builder
 	fmt.Fprintf(&b, "CUDA out of memory. Tried to allocate %s. GPU %d", FormatSize(r.SegSize), d.id)

@@ -129,7 +129,7 @@ func (a *Allocator) SnapshotOf(pool *PoolID, includeTraces bool) Snapshot {
 		tr = tr[:0]
 		d.lock()
 		if includeTraces {
-			d.hist.ring.each(func(e *traceEntry) { tr = append(tr, *e) })
+			a.hist.devs[d.id].ring.each(func(e *traceEntry) { tr = append(tr, *e) })
 		}
 		first := len(snap.Segments)
 		for _, s := range d.cache.Segments() {
@@ -141,7 +141,9 @@ func (a *Allocator) SnapshotOf(pool *PoolID, includeTraces bool) Snapshot {
 		for _, si := range snap.Segments[first:] {
 			active += si.ActiveSize
 		}
-		d.record(actionSnapshot, 0, active, 0, asked, 0)
+		if d.rec != nil {
+			d.rec.snapshot(active, asked)
+		}
 		d.mu.Unlock()
 		if includeTraces {
 			snap.DeviceTraces[d.id] = traceEntries(d.id, tr)

@@ -94,36 +94,6 @@ func (d *device) recordable(s cuda.Stream) bool {
 	return err == nil && st == cuda.CaptureNone
 }
 
-// mapRecorder records vmem's mapping changes in the memory history.
-type mapRecorder struct{ d *device }
-
-// Mapped records segment_map with the operation's context; the segment's
-// context is the one that mapped its start.
-func (m mapRecorder) Mapped(seg *pools.Segment, off, size uint64) {
-	d := m.d
-	d.record(actionSegmentMap, seg.Base+cuda.Ptr(off), size, seg.Stream, seg.Pool.ID, d.hist.op)
-	if off == 0 && seg.Context == 0 {
-		seg.Context = d.hist.op
-	}
-}
-
-// Unmapped records segment_unmap: with the operation's context, else, if
-// the unmapped range becomes the segment's start, the segment's (as
-// PyTorch, whose head block carries it). A lent range's record has the
-// operation's context only.
-func (m mapRecorder) Unmapped(seg *pools.Segment, off, size uint64, lent bool) {
-	d := m.d
-	if lent {
-		d.record(actionSegmentUnmap, seg.Base+cuda.Ptr(off), size, seg.Stream, seg.Pool.ID, d.hist.op)
-		return
-	}
-	var own uint64
-	if h := seg.Head; off == 0 || h.Unmapped && h.End() == seg.Base+cuda.Ptr(off) {
-		own = seg.Context
-	}
-	d.record(actionSegmentUnmap, seg.Base+cuda.Ptr(off), size, seg.Stream, seg.Pool.ID, d.hist.ctxOr(own))
-}
-
 // trimUnused gives back, when routing to pool id ends and no capture is
 // under way, the pages its large pool mapped ahead and never handed out
 // (vmem's TrimUnused). It holds the capture gate (enterUnsafe) while it
