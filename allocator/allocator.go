@@ -42,7 +42,6 @@
 package allocator
 
 import (
-	"errors"
 	"fmt"
 	"os"
 	"sync"
@@ -93,28 +92,29 @@ type Allocator struct {
 	front     frontCtl
 }
 
-// device is one GPU's allocator state.
+// device is one GPU's allocator state: what one lock, mu, guards, and the
+// owners it orchestrates (see the package comment).
 //
 // The fields a cache-hit malloc and free read come first, together: after
 // an eviction each cache line is a miss. Go puts an 8-byte header before an
 // object of this size, so the struct starts 8 bytes into a line: mu through
-// newPools fill the first line, underway and graphs the second, hist's
-// first fields the third.
+// a fill the first line, graphs the second, rec and the front's first
+// fields the third.
 type device struct {
 	mu    sync.Mutex
 	cache *pools.Cache    // guarded by mu
 	ev    *events.Tracker // guarded by mu
-	// counted is this device's contribution to underway; guarded by mu.
+	// counted is this device's contribution to a.underway; guarded by mu.
 	counted int64
 	// inUnsafe: this device holds the gate shared (enterUnsafe); guarded
 	// by mu.
 	inUnsafe bool
-	debug    bool // guarded by mu
+	debug    bool // debug_checks; guarded by mu
 	// Built once so that passing them costs no allocation.
 	query    func(cuda.Stream) (cuda.CaptureStatus, uint64, error)
 	newPools privatepool.NewPools
-	underway *atomic.Int64 // the allocator's count of captures under way
-	graphs   graphs.Router // guarded by mu
+	a        *Allocator    // the allocator: captures under way, the gate, warnings
+	graphs   graphs.Router // captures, private pools, capture reuse; guarded by mu
 	rec      recorder      // the memory history (nil: off); guarded by mu
 	// front is the allocator's Front (nil: none), set before use;
 	// frontBuf receives its log, guarded by mu (front.go). frontFlag, if
@@ -138,27 +138,24 @@ type device struct {
 	routeBuf []FrontRoute
 	blocked  bool
 
-	id        int
-	drv       Driver
-	announced *atomic.Bool  // the allocator's: captures are announced
-	gate      *sync.RWMutex // the allocator's gate (device.go)
-	total     uint64        // device capacity; guarded by mu (0: not yet read)
-
-	// vm is the device's virtual memory: expandable segments and
-	// stitching (virtual.go); guarded by mu.
-	vm   virtualMemory
-	warn func(string)
-
-	// fraction is the memory fraction the configuration asks for
-	// (per_process_memory_fraction), applied when the device next grows,
-	// since that needs the device's capacity from the driver;
-	// fractionPending says it is not yet applied. Both guarded by mu.
-	fraction        float64
-	fractionPending bool
+	id    int
+	drv   Driver
+	vm    virtualMemory // expandable segments and stitching (virtual.go); guarded by mu
+	limit memoryLimit   // capacity and memory fraction; guarded by mu
 
 	// Built once so that passing them costs no allocation.
 	freeSeg pools.FreeFunc
 	ret     func(*pools.Block)
+}
+
+// memoryLimit is the device's capacity, read once, and the memory fraction
+// the configuration asks for (per_process_memory_fraction), applied to the
+// cache when the device next grows, since that needs the capacity from the
+// driver.
+type memoryLimit struct {
+	total    uint64 // device capacity (0: not yet read)
+	fraction float64
+	pending  bool // fraction is not yet applied
 }
 
 // New returns an allocator for every device of drv.
@@ -171,7 +168,7 @@ func New(drv Driver, cfg Config) (*Allocator, error) {
 	a.cfg.Store(&cfg)
 	a.hist.publish()
 	for i := 0; i < n; i++ {
-		d := &device{id: i, drv: drv, underway: &a.underway, announced: &a.announced, gate: &a.gate, cache: pools.NewCache(cfg.Pools), ev: events.New(drv, i)}
+		d := &device{id: i, drv: drv, a: a, cache: pools.NewCache(cfg.Pools), ev: events.New(drv, i)}
 		a.hist.devs = append(a.hist.devs, &deviceHistory{labels: &a.hist.labels})
 		d.fc = &a.front
 		d.debug = cfg.DebugChecks
@@ -184,8 +181,7 @@ func New(drv Driver, cfg Config) (*Allocator, error) {
 		}
 		d.ret = d.returnBlock
 		d.graphs.Reuse.On = cfg.GraphCaptureRecordStreamReuse
-		d.fraction, d.fractionPending = cfg.MemoryFraction, cfg.MemoryFractionSet
-		d.warn = a.warn
+		d.limit.fraction, d.limit.pending = cfg.MemoryFraction, cfg.MemoryFractionSet
 		d.vm = d.newVirtualMemory(drv, &cfg)
 		a.devs = append(a.devs, d)
 	}
@@ -224,9 +220,9 @@ func (a *Allocator) Configure(cfg Config) {
 		d.vm.Configure(vmemConfig(&cfg))
 		d.graphs.Reuse.On = cfg.GraphCaptureRecordStreamReuse
 		if cfg.MemoryFractionSet {
-			d.fraction, d.fractionPending = cfg.MemoryFraction, true
+			d.limit.fraction, d.limit.pending = cfg.MemoryFraction, true
 		}
-		d.mu.Unlock()
+		d.unlock()
 	}
 	if cfg.HistoryEntries != old.HistoryEntries {
 		a.historyFromConfig(cfg.HistoryEntries)
@@ -258,7 +254,7 @@ func (a *Allocator) ExpectAnnouncements() {
 	a.front.sync()
 }
 
-// device returns device dev, or the error for a device that does not exist.
+// device returns device dev, or op's error for a device that does not exist.
 // Small enough to be inlined into every operation (the error is built out of
 // line): a call frame less on the hot path.
 func (a *Allocator) device(op string, dev int) (*device, error) {
@@ -273,216 +269,33 @@ func (a *Allocator) noDevice(op string, dev int) error {
 	return newError(op, ErrInvalidDevice, "device %d does not exist (%d devices)", dev, len(a.devs))
 }
 
-// Malloc allocates size bytes on device dev for use on stream s. Size 0
-// returns a nil pointer and no error, as PyTorch expects.
-func (a *Allocator) Malloc(dev int, size uint64, s cuda.Stream) (cuda.Ptr, error) {
-	return a.MallocCtx(dev, size, s, 0)
-}
-
-// MallocCtx is Malloc with the id of the caller's context (0: none), gathered
-// when GatherMask has GatherAlloc (see history.go).
-func (a *Allocator) MallocCtx(dev int, size uint64, s cuda.Stream, ctx uint64) (cuda.Ptr, error) {
-	d, err := a.device("malloc", dev)
+// onDevice is the prologue and epilogue of an operation on one device: it
+// runs fn on device dev with the device locked (lock: the front's log
+// replayed first; unlock after fn), or fails with op's error for a device
+// that does not exist.
+func onDevice[T any](a *Allocator, op string, dev int, fn func(d *device) (T, error)) (T, error) {
+	d, err := a.device(op, dev)
 	if err != nil {
-		return 0, err
-	}
-	if size == 0 {
-		return 0, nil
-	}
-	if size >= pools.MaxRequest {
-		return 0, tooLarge()
-	}
-	if a.cachingOff.Load() {
-		return a.mallocUncached(d, size)
-	}
-	capture, err := a.unannouncedCapture(dev, s)
-	if err != nil {
-		return 0, err
+		var zero T
+		return zero, err
 	}
 	d.lock()
-	d.begin(ctx, HistoryState)
-	p, err := d.malloc(size, s, capture)
-	d.end()
-	if d.debug {
-		d.mustCheck()
-	}
-	d.mu.Unlock()
-	return p, err
+	defer d.unlock()
+	return fn(d)
 }
 
-// tooLarge is PyTorch's error, word for word, for a request of 1 EiB or
-// more: an out-of-memory error (torch.OutOfMemoryError), counted nowhere.
-func tooLarge() error {
-	return newError("malloc", ErrOutOfMemory, "CUDA out of memory. Tried to allocate more than 1EB memory.")
-}
-
-// unannouncedCapture returns the capture sequence s belongs to (0: none)
-// when nobody announces captures; then it asks the driver, outside any lock.
-// Once captures are announced it returns 0 without a driver call.
-func (a *Allocator) unannouncedCapture(dev int, s cuda.Stream) (uint64, error) {
-	if a.announced.Load() {
-		return 0, nil
-	}
-	st, id, err := a.drv.StreamCaptureInfo(dev, s)
-	if err != nil {
-		return 0, driverError("malloc", err, "querying the capture status of stream %#x", uintptr(s))
-	}
-	if st == cuda.CaptureNone {
-		return 0, nil
-	}
-	return id, nil
-}
-
-// Free returns the block at p. size, if not zero, must be the size that was
-// asked for (PyTorch passes it back); a mismatch frees nothing.
-func (a *Allocator) Free(dev int, p cuda.Ptr, size uint64) error {
-	return a.FreeCtx(dev, p, size, 0)
-}
-
-// FreeCtx is Free with the id of the caller's context (0: none), gathered
-// when GatherMask has GatherFree (see history.go).
-func (a *Allocator) FreeCtx(dev int, p cuda.Ptr, size uint64, ctx uint64) error {
-	d, err := a.device("free", dev)
-	if err != nil {
-		return err
-	}
-	d.lock()
-	d.begin(ctx, HistoryAll)
-	err = d.freeLocked(p, size)
-	d.end()
-	if d.debug {
-		d.mustCheck()
-	}
-	d.mu.Unlock()
-	if err != nil {
-		if found, ferr := a.freeUncached(p); found {
-			return ferr
-		}
-		return a.explainFree(err)
-	}
-	return nil
-}
-
-// FreeAny frees the block at p on whichever device holds it (a caller that
-// does not know the device). size is checked as in Free. It allocates
-// nothing unless it fails.
-func (a *Allocator) FreeAny(p cuda.Ptr, size uint64) error { return a.FreeAnyCtx(p, size, 0) }
-
-// FreeAnyCtx is FreeAny with the free's context id (as for FreeCtx).
-func (a *Allocator) FreeAnyCtx(p cuda.Ptr, size uint64, ctx uint64) error {
-	d, b := a.find(p)
-	if d == nil {
-		if found, err := a.freeUncached(p); found {
-			return err
-		}
-		return a.explainUnknown("free", -1, p)
-	}
-	d.begin(ctx, HistoryAll)
-	err := d.freeBlock(b, size)
-	d.end()
-	if d.debug {
-		d.mustCheck()
-	}
-	d.mu.Unlock()
+// withDevice is onDevice for an operation that returns only an error.
+func (a *Allocator) withDevice(op string, dev int, fn func(d *device) error) error {
+	_, err := onDevice(a, op, dev, func(d *device) (struct{}, error) { return struct{}{}, fn(d) })
 	return err
 }
 
-// explainFree replaces the error of a free that found no block by one that
-// says what the pointer is; it runs without any device lock held, since it
-// looks at every device.
-func (a *Allocator) explainFree(err error) error {
-	var u unknownAt
-	if errors.As(err, &u) {
-		return a.explainUnknown("free", u.dev, u.p)
-	}
-	return err
-}
+// unlock ends an operation on d: it releases the device lock that lock
+// (front.go: the lock, then the front's log replayed) or lockMalloc took.
+func (d *device) unlock() { d.mu.Unlock() }
 
-// freeLocked frees the block at p. d.mu is held.
-func (d *device) freeLocked(p cuda.Ptr, size uint64) error {
-	b := d.cache.Lookup(p)
-	if b == nil {
-		return d.notAllocated(p)
-	}
-	return d.freeBlock(b, size)
-}
-
-// notAllocated is freeLocked's error for a pointer d has not allocated.
-//
-//go:noinline
-func (d *device) notAllocated(p cuda.Ptr) error {
-	return &Error{Op: "free", Kind: ErrUnknownPointer, Msg: "pointer not allocated on this device", Err: unknownAt{d.id, p}}
-}
-
-// freeBlock frees the allocated block b, whose requested size must be size
-// unless size is 0: it returns the block, or queues it behind its other
-// streams' uses. d.mu is held. The common case (no other stream used the
-// block) is straight-line code; the rest is out of line.
-func (d *device) freeBlock(b *pools.Block, size uint64) error {
-	if size != 0 && size != b.Requested {
-		return sizeMismatch(b, size)
-	}
-	d.cache.Release(b)
-	if d.rec != nil {
-		d.rec.freeRequested(b)
-	}
-	if !b.Uses.Empty() {
-		return d.freeUsed(b)
-	}
-	// d.returnBlock(b), written out (over the inliner's budget).
-	if d.rec != nil {
-		d.rec.freeCompleted(b)
-	}
-	b.Context = 0
-	d.cache.Return(b)
-	return nil
-}
-
-//go:noinline
-func sizeMismatch(b *pools.Block, size uint64) error {
-	return newError("free", ErrInvalidArgument, "pointer %#x was allocated with %d bytes, freed with %d; not freed", uintptr(b.Ptr), b.Requested, size)
-}
-
-// unknownAt carries the device and pointer of a free that found no block.
-type unknownAt struct {
-	dev int
-	p   cuda.Ptr
-}
-
-func (u unknownAt) Error() string {
-	return fmt.Sprintf("pointer %#x on device %d", uintptr(u.p), u.dev)
-}
-
-// explainUnknown builds the error for a pointer that device dev has not
-// allocated: freed already, another device's, inside an allocation, or
-// never seen. It locks the devices one at a time.
-func (a *Allocator) explainUnknown(op string, dev int, p cuda.Ptr) error {
-	for _, o := range a.devs {
-		o.lock()
-		b, seg := o.cache.Lookup(p), o.cache.SegmentAt(p)
-		var inside *pools.Block
-		if b == nil && seg != nil {
-			for x := seg.Head; x != nil; x = x.Next {
-				if p >= x.Ptr && p < x.End() {
-					inside = x
-				}
-			}
-		}
-		o.mu.Unlock()
-		switch {
-		case b != nil && o.id != dev:
-			return newError(op, ErrWrongDevice, "pointer %#x was allocated on device %d, not device %d", uintptr(p), o.id, dev)
-		case inside != nil && inside.Ptr == p && !inside.Allocated:
-			return newError(op, ErrAlreadyFreed, "pointer %#x on device %d is not allocated (already freed?)", uintptr(p), o.id)
-		case inside != nil:
-			return newError(op, ErrUnknownPointer, "pointer %#x lies inside the block at %#x on device %d, not at its start", uintptr(p), uintptr(inside.Ptr), o.id)
-		}
-	}
-	if dev >= 0 {
-		return newError(op, ErrUnknownPointer, "pointer %#x was not allocated by cudapool on device %d (already freed, or never allocated)", uintptr(p), dev)
-	}
-	return newError(op, ErrUnknownPointer, "pointer %#x was not allocated by cudapool (already freed, or never allocated)", uintptr(p))
-}
+// warn reports a condition that is not an error (Allocator.warn).
+func (d *device) warn(msg string) { d.a.warn(msg) }
 
 // find locks the device holding the allocated block at p and returns both;
 // the caller unlocks. It returns nil if no device has allocated p.
@@ -492,7 +305,7 @@ func (a *Allocator) find(p cuda.Ptr) (*device, *pools.Block) {
 		if b := d.cache.Lookup(p); b != nil {
 			return d, b
 		}
-		d.mu.Unlock()
+		d.unlock()
 	}
 	return nil, nil
 }
@@ -505,7 +318,7 @@ func (a *Allocator) AllocationInfo(p cuda.Ptr) (dev int, size uint64, err error)
 		return -1, 0, a.explainUnknown("allocation_info", -1, p)
 	}
 	dev, size = d.id, b.Requested
-	d.mu.Unlock()
+	d.unlock()
 	return dev, size, nil
 }
 
@@ -521,7 +334,7 @@ func (a *Allocator) RecordStream(p cuda.Ptr, s cuda.Stream) error {
 		return a.explainUnknown("record_stream", -1, p)
 	}
 	events.RecordUse(b, s)
-	d.mu.Unlock()
+	d.unlock()
 	return nil
 }
 
@@ -539,7 +352,7 @@ func (a *Allocator) BaseAllocation(p cuda.Ptr) (cuda.Ptr, uint64, error) {
 		if b.Seg.Expandable {
 			base, size, _ = d.cache.MappedRun(b.Seg, b.Ptr)
 		}
-		d.mu.Unlock()
+		d.unlock()
 		return base, size, nil
 	}
 	for _, d := range a.devs {
@@ -554,7 +367,7 @@ func (a *Allocator) BaseAllocation(p cuda.Ptr) (cuda.Ptr, uint64, error) {
 				base, size, ok = d.cache.MappedRun(seg, p)
 			}
 		}
-		d.mu.Unlock()
+		d.unlock()
 		if ok {
 			return base, size, nil
 		}
@@ -572,17 +385,14 @@ var (
 
 // EmptyCache returns every cached whole segment, and the memory of released
 // private pools, to the driver. A device with a capture under way is left
-// alone and reported in the error.
-func (a *Allocator) EmptyCache() error { return a.EmptyCacheCtx(0) }
-
-// EmptyCacheCtx is EmptyCache with the id of the caller's context (0: none),
-// gathered when GatherMask has GatherRelease (see history.go).
-func (a *Allocator) EmptyCacheCtx(ctx uint64) error {
+// alone and reported in the error. ctx is the id of the caller's context
+// (0: none), gathered when GatherMask has GatherRelease (history.go).
+func (a *Allocator) EmptyCache(ctx uint64) error {
 	// First let every device notice the unannounced captures that ended.
 	for _, d := range a.devs {
 		d.lock()
 		d.capturing()
-		d.mu.Unlock()
+		d.unlock()
 	}
 	var first error
 	for _, d := range a.devs {
@@ -608,7 +418,7 @@ func (a *Allocator) EmptyCacheCtx(ctx uint64) error {
 		if d.debug {
 			d.mustCheck()
 		}
-		d.mu.Unlock()
+		d.unlock()
 		if err != nil && first == nil {
 			first = err
 		}
@@ -620,22 +430,19 @@ func (a *Allocator) EmptyCacheCtx(ctx uint64) error {
 // of the device's capacity. As in PyTorch, 1 means no limit (and garbage
 // collection, which needs a limit, stays off).
 func (a *Allocator) SetMemoryFraction(dev int, fraction float64) error {
-	d, err := a.device("set_memory_fraction", dev)
-	if err != nil {
-		return err
-	}
-	if !(fraction >= 0 && fraction <= 1) {
-		return newError("set_memory_fraction", ErrInvalidArgument, "fraction %v is not in [0, 1]", fraction)
-	}
-	d.lock()
-	defer d.mu.Unlock()
-	total, err := d.capacity()
-	if err != nil {
-		return driverError("set_memory_fraction", err, "reading device %d's memory size", dev)
-	}
-	d.cache.SetFraction(fraction, total)
-	d.fractionPending = false // this call overrides the configuration's
-	return nil
+	const op = "set_memory_fraction"
+	return a.withDevice(op, dev, func(d *device) error {
+		if !(fraction >= 0 && fraction <= 1) {
+			return newError(op, ErrInvalidArgument, "fraction %v is not in [0, 1]", fraction)
+		}
+		total, err := d.capacity()
+		if err != nil {
+			return driverError(op, err, "reading device %d's memory size", dev)
+		}
+		d.cache.SetFraction(fraction, total)
+		d.limit.pending = false // this call overrides the configuration's
+		return nil
+	})
 }
 
 // BeginAllocateToPool routes the allocations on dev whose stream filter
@@ -645,56 +452,48 @@ func (a *Allocator) BeginAllocateToPool(dev int, id PoolID, filter func(cuda.Str
 }
 
 func (a *Allocator) beginAllocateToPool(dev int, id PoolID, filter func(cuda.Stream) bool, ref FilterRef) error {
-	d, err := a.device("begin_allocate_to_pool", dev)
-	if err != nil {
-		return err
-	}
-	d.lock()
-	defer d.mu.Unlock()
-	if err := d.graphs.BeginRef(id, filter, ref, d.newPools); err != nil {
-		return poolError("begin_allocate_to_pool", err)
-	}
-	d.pushRoutes()
-	a.announced.Store(true)
-	d.countCaptures()
-	// The capture is counted: wait for the unsafe sections of the other
-	// devices that began before it was, so that none is still freeing
-	// memory or querying events when the caller begins capturing.
-	a.gate.Lock()
-	a.gate.Unlock() // an empty critical section: a barrier
-	return nil
+	const op = "begin_allocate_to_pool"
+	return a.withDevice(op, dev, func(d *device) error {
+		if err := d.graphs.BeginRef(id, filter, ref, d.newPools); err != nil {
+			return poolError(op, err)
+		}
+		d.pushRoutes()
+		a.announced.Store(true)
+		d.countCaptures()
+		// The capture is counted: wait for the unsafe sections of the
+		// other devices that began before it was, so that none is still
+		// freeing memory or querying events when the caller begins
+		// capturing.
+		a.gate.Lock()
+		a.gate.Unlock() // an empty critical section: a barrier
+		return nil
+	})
 }
 
 // EndAllocateToPool stops routing to the pool id.
 func (a *Allocator) EndAllocateToPool(dev int, id PoolID) error {
-	d, err := a.device("end_allocate_to_pool", dev)
-	if err != nil {
-		return err
-	}
-	d.lock()
-	defer d.mu.Unlock()
-	if err := d.graphs.End(id); err != nil {
-		return poolError("end_allocate_to_pool", err)
-	}
-	d.pushRoutes()
-	d.countCaptures()
-	d.trimUnused(id)
-	return nil
+	const op = "end_allocate_to_pool"
+	return a.withDevice(op, dev, func(d *device) error {
+		if err := d.graphs.End(id); err != nil {
+			return poolError(op, err)
+		}
+		d.pushRoutes()
+		d.countCaptures()
+		d.trimUnused(id)
+		return nil
+	})
 }
 
 // ReleasePool drops one holder of the pool id. When none is left, its
 // cached memory goes back to the driver at the next empty_cache or OOM retry.
 func (a *Allocator) ReleasePool(dev int, id PoolID) error {
-	d, err := a.device("release_pool", dev)
-	if err != nil {
-		return err
-	}
-	d.lock()
-	defer d.mu.Unlock()
-	if err := d.graphs.Release(id); err != nil {
-		return poolError("release_pool", err)
-	}
-	return nil
+	const op = "release_pool"
+	return a.withDevice(op, dev, func(d *device) error {
+		if err := d.graphs.Release(id); err != nil {
+			return poolError(op, err)
+		}
+		return nil
+	})
 }
 
 func poolError(op string, err error) error {
@@ -710,37 +509,36 @@ func poolError(op string, err error) error {
 
 // Stats returns device dev's statistics.
 func (a *Allocator) Stats(dev int) (pools.Stats, error) {
-	d, err := a.device("memory_stats", dev)
-	if err != nil {
-		return pools.Stats{}, err
-	}
-	d.lock()
-	defer d.mu.Unlock()
-	return d.cache.ReadStats(), nil
+	return onDevice(a, "memory_stats", dev, func(d *device) (pools.Stats, error) {
+		return d.cache.ReadStats(), nil
+	})
 }
 
-// ResetPeakStats sets every peak statistic of dev to its current value.
-func (a *Allocator) ResetPeakStats(dev int) error {
-	d, err := a.device("reset_peak_stats", dev)
-	if err != nil {
-		return err
-	}
-	d.lock()
-	d.cache.ResetPeak()
-	d.mu.Unlock()
-	return nil
-}
+// StatsReset says which statistics ResetStats resets.
+type StatsReset uint8
 
-// ResetAccumulatedStats zeroes the accumulated statistics of dev.
-func (a *Allocator) ResetAccumulatedStats(dev int) error {
-	d, err := a.device("reset_accumulated_stats", dev)
-	if err != nil {
-		return err
+const (
+	// ResetPeak sets every peak statistic to its current value.
+	ResetPeak StatsReset = 1 << iota
+	// ResetAccumulated zeroes the accumulated statistics.
+	ResetAccumulated
+)
+
+// ResetStats resets the statistics of dev that what names.
+func (a *Allocator) ResetStats(dev int, what StatsReset) error {
+	op := "reset_peak_stats"
+	if what == ResetAccumulated {
+		op = "reset_accumulated_stats"
 	}
-	d.lock()
-	d.cache.ResetAccumulated()
-	d.mu.Unlock()
-	return nil
+	return a.withDevice(op, dev, func(d *device) error {
+		if what&ResetPeak != 0 {
+			d.cache.ResetPeak()
+		}
+		if what&ResetAccumulated != 0 {
+			d.cache.ResetAccumulated()
+		}
+		return nil
+	})
 }
 
 // CheckInvariants verifies every device's internal consistency.
@@ -748,7 +546,7 @@ func (a *Allocator) CheckInvariants() error {
 	for _, d := range a.devs {
 		d.lock()
 		err := d.check()
-		d.mu.Unlock()
+		d.unlock()
 		if err != nil {
 			return err
 		}
@@ -766,158 +564,4 @@ func (d *device) withThreadRelaxed(fn func() error) error {
 // to capture mode prev after a driver allocation.
 func (d *device) restoreFailed(prev cuda.CaptureMode, err error) {
 	d.warn(fmt.Sprintf("restoring the calling thread's capture mode (%v) after a driver allocation on device %d failed (%v); the thread may stay in relaxed capture mode", prev, d.id, err))
-}
-
-// PendingFree is a free the caller deferred (the C ABI queues PyTorch's
-// frees and hands them over with the next call; see capi). capi's C struct
-// cp_pending_free has the same layout: change both together.
-type PendingFree struct {
-	Dev   int // -1: unknown, the device that holds Ptr (FreeAny)
-	Ptr   cuda.Ptr
-	Size  uint64
-	Ctx   uint64  // the free's context id, as for FreeCtx (0: none)
-	Op    FrontOp // OpFree, except in a Front's log (front.go)
-	Count uint64  // OpCycles: how many
-}
-
-// MallocAfterFrees performs the pending frees, then the malloc (whose context
-// id is ctx, as for MallocCtx). The frees of dev, and those of unknown
-// device (Dev -1) that dev holds, happen under the same lock hold as the
-// malloc, so a malloc+free pair costs one lock and one call. It returns the
-// malloc's error and, separately, the first failed free's.
-func (a *Allocator) MallocAfterFrees(dev int, size uint64, s cuda.Stream, ctx uint64, frees []PendingFree) (p cuda.Ptr, err, freeErr error) {
-	p, _, err, freeErr = a.MallocTracked(dev, size, s, ctx, frees)
-	return p, err, freeErr
-}
-
-// MallocTracked is MallocAfterFrees that also reports whether the block may
-// be tracked by the allocator's Front (front.go): a default-pool block
-// allocated while the front may serve.
-//
-// It is the PyTorch class's path (a queued free or two, then a malloc), so
-// its common case is kept short: the rare cases (a request MallocCtx
-// refuses or sends to the driver, captures nobody announces, frees of other
-// devices, errors) leave it through functions of their own.
-func (a *Allocator) MallocTracked(dev int, size uint64, s cuda.Stream, ctx uint64, frees []PendingFree) (p cuda.Ptr, track uint32, err, freeErr error) {
-	// size-1 >= MaxRequest-1: size is 0 or at least MaxRequest.
-	if uint(dev) >= uint(len(a.devs)) || size-1 >= pools.MaxRequest-1 || a.cachingOff.Load() || a.uncN.Load() != 0 {
-		return a.mallocTrackedElse(dev, size, s, ctx, frees)
-	}
-	var capture uint64
-	if !a.announced.Load() {
-		if capture, err = a.unannouncedCapture(dev, s); err != nil {
-			return 0, TagNone, err, a.FreeMany(frees)
-		}
-	}
-	d := a.devs[dev]
-	// done marks the frees of unknown device done under the lock (only the
-	// first 128 are tried on dev first: the C queue holds 65).
-	var done [2]uint64
-	others := 0
-	d.lockMalloc()
-	for i := range frees {
-		f := &frees[i]
-		if f.Dev != dev {
-			if d.freeUnknownDevice(f, i, &done, &freeErr) {
-				others++
-			}
-			continue
-		}
-		d.begin(f.Ctx, HistoryAll)
-		var e error
-		if b := d.cache.Lookup(f.Ptr); b != nil {
-			e = d.freeBlock(b, f.Size)
-		} else {
-			e = d.notAllocated(f.Ptr)
-		}
-		if e != nil && freeErr == nil {
-			freeErr = e
-		}
-	}
-	d.begin(ctx, HistoryState)
-	p, err = d.malloc(size, s, capture)
-	d.end()
-	if err == nil && d.front != nil && a.front.on.Load() {
-		track = d.tag
-	}
-	if d.debug {
-		d.mustCheck()
-	}
-	d.mu.Unlock()
-	if others > 0 || freeErr != nil {
-		freeErr = a.freeOthers(dev, frees, &done, freeErr)
-	}
-	return p, track, err, freeErr
-}
-
-// mallocTrackedElse is MallocTracked for a device that does not exist, a
-// size of 0 or 1 EiB or more, or while blocks go to the driver (uncached):
-// the frees, then MallocCtx.
-//
-//go:noinline
-func (a *Allocator) mallocTrackedElse(dev int, size uint64, s cuda.Stream, ctx uint64, frees []PendingFree) (p cuda.Ptr, track uint32, err, freeErr error) {
-	freeErr = a.FreeMany(frees)
-	p, err = a.MallocCtx(dev, size, s, ctx)
-	return p, TagNone, err, freeErr
-}
-
-// freeUnknownDevice performs, under MallocTracked's lock of d, the free f
-// (the i-th) of another device than d's or of unknown device (Dev -1): one
-// of the latter that d holds is done here and marked in done, its error
-// kept in *freeErr if that is the first. It reports whether f is left for
-// freeOthers.
-//
-//go:noinline
-func (d *device) freeUnknownDevice(f *PendingFree, i int, done *[2]uint64, freeErr *error) bool {
-	var b *pools.Block
-	if f.Dev == -1 && i < 128 {
-		b = d.cache.Lookup(f.Ptr)
-	}
-	if b == nil {
-		return true
-	}
-	d.begin(f.Ctx, HistoryAll)
-	if e := d.freeBlock(b, f.Size); e != nil && *freeErr == nil {
-		*freeErr = e
-	}
-	done[i/64] |= 1 << (i % 64)
-	return false
-}
-
-// freeOthers ends MallocTracked after the lock hold: it performs the frees
-// of other devices (those not marked in done), and returns the first error
-// of all the frees (first, if not nil, is that of the lock hold's), made to
-// say what a pointer that was not found is.
-//
-//go:noinline
-func (a *Allocator) freeOthers(dev int, frees []PendingFree, done *[2]uint64, first error) error {
-	for i := range frees {
-		if f := &frees[i]; f.Dev != dev && (i >= 128 || done[i/64]&(1<<(i%64)) == 0) {
-			if e := a.freePending(f); e != nil && first == nil {
-				first = e
-			}
-		}
-	}
-	if first != nil {
-		first = a.explainFree(first)
-	}
-	return first
-}
-
-// FreeMany performs deferred frees and returns the first error.
-func (a *Allocator) FreeMany(frees []PendingFree) error {
-	var first error
-	for i := range frees {
-		if err := a.freePending(&frees[i]); err != nil && first == nil {
-			first = err
-		}
-	}
-	return first
-}
-
-func (a *Allocator) freePending(f *PendingFree) error {
-	if f.Dev == -1 {
-		return a.FreeAnyCtx(f.Ptr, f.Size, f.Ctx)
-	}
-	return a.FreeCtx(f.Dev, f.Ptr, f.Size, f.Ctx)
 }

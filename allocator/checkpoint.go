@@ -24,58 +24,50 @@ type RestoreResult struct {
 // CheckpointPool returns the layout of private pool id on device dev.
 func (a *Allocator) CheckpointPool(dev int, id PoolID) (*Checkpoint, error) {
 	const op = "checkpoint_pool"
-	d, err := a.device(op, dev)
-	if err != nil {
-		return nil, err
-	}
-	d.lock()
-	defer d.mu.Unlock()
-	pp, err := d.graphs.Pools.Existing(dev, id)
-	if err != nil {
-		return nil, poolError(op, err)
-	}
-	d.settle()
-	cp, err := privatepool.Save(d.cache, dev, pp)
-	if err != nil {
-		return nil, newError(op, ErrInvalidArgument, "pool {%d,%d} on device %d: %v", id.A, id.B, dev, err)
-	}
-	return cp, nil
+	return onDevice(a, op, dev, func(d *device) (*Checkpoint, error) {
+		pp, err := d.graphs.Pools.Existing(dev, id)
+		if err != nil {
+			return nil, poolError(op, err)
+		}
+		d.settle()
+		cp, err := privatepool.Save(d.cache, dev, pp)
+		if err != nil {
+			return nil, newError(op, ErrInvalidArgument, "pool {%d,%d} on device %d: %v", id.A, id.B, dev, err)
+		}
+		return cp, nil
+	})
 }
 
 // RestoreCheckpoint puts the checkpointed pool back in the checkpoint's
 // layout (see privatepool/checkpoint.go).
 func (a *Allocator) RestoreCheckpoint(dev int, cp *Checkpoint) (RestoreResult, error) {
 	const op = "restore_checkpoint"
-	d, err := a.device(op, dev)
-	if err != nil {
-		return RestoreResult{}, err
-	}
-	if cp == nil {
-		return RestoreResult{}, newError(op, ErrInvalidArgument, "no checkpoint (nil)")
-	}
-	id := cp.Pool()
-	if cp.Device() != dev {
-		return RestoreResult{}, newError(op, ErrInvalidArgument, "the checkpoint is of pool {%d,%d} on device %d, not device %d", id.A, id.B, cp.Device(), dev)
-	}
-	d.lock()
-	defer d.mu.Unlock()
-	pp, err := d.graphs.Pools.Restorable(dev, id)
-	if err != nil {
-		return RestoreResult{}, poolError(op, err)
-	}
-	if d.graphs.IsRecording(id) {
-		return RestoreResult{}, newError(op, ErrCaptureUnderway, "pool {%d,%d} on device %d is being allocated to (a capture or use_mem_pool is under way); restore it between captures", id.A, id.B, dev)
-	}
-	d.settle()
-	var res RestoreResult
-	res.Freed, res.Allocated, err = privatepool.Restore(d.cache, pp, cp, d.restoreFree, d.restoreAlloc)
-	if err != nil {
-		return RestoreResult{}, newError(op, ErrInvalidArgument, "pool {%d,%d} on device %d: %v; nothing restored", id.A, id.B, dev, err)
-	}
-	if d.debug {
-		d.mustCheck()
-	}
-	return res, nil
+	return onDevice(a, op, dev, func(d *device) (RestoreResult, error) {
+		if cp == nil {
+			return RestoreResult{}, newError(op, ErrInvalidArgument, "no checkpoint (nil)")
+		}
+		id := cp.Pool()
+		if cp.Device() != dev {
+			return RestoreResult{}, newError(op, ErrInvalidArgument, "the checkpoint is of pool {%d,%d} on device %d, not device %d", id.A, id.B, cp.Device(), dev)
+		}
+		pp, err := d.graphs.Pools.Restorable(dev, id)
+		if err != nil {
+			return RestoreResult{}, poolError(op, err)
+		}
+		if d.graphs.IsRecording(id) {
+			return RestoreResult{}, newError(op, ErrCaptureUnderway, "pool {%d,%d} on device %d is being allocated to (a capture or use_mem_pool is under way); restore it between captures", id.A, id.B, dev)
+		}
+		d.settle()
+		var res RestoreResult
+		res.Freed, res.Allocated, err = privatepool.Restore(d.cache, pp, cp, d.restoreFree, d.restoreAlloc)
+		if err != nil {
+			return RestoreResult{}, newError(op, ErrInvalidArgument, "pool {%d,%d} on device %d: %v; nothing restored", id.A, id.B, dev, err)
+		}
+		if d.debug {
+			d.mustCheck()
+		}
+		return res, nil
+	})
 }
 
 // restoreFree frees the allocated block b for a restore: no other stream
@@ -101,21 +93,17 @@ func (d *device) restoreAlloc(b *pools.Block) {
 // once). The pool may be released but must still exist.
 func (a *Allocator) CheckPoolLive(dev int, id PoolID, expected []cuda.Ptr) (bool, error) {
 	const op = "check_pool_live_allocations"
-	d, err := a.device(op, dev)
-	if err != nil {
-		return false, err
-	}
-	want := make(map[cuda.Ptr]struct{}, len(expected))
-	for _, p := range expected {
-		want[p] = struct{}{}
-	}
-	d.lock()
-	defer d.mu.Unlock()
-	pp, err := d.graphs.Pools.Existing(dev, id)
-	if err != nil {
-		return false, poolError(op, err)
-	}
-	return privatepool.Live(d.cache, pp, want), nil
+	return onDevice(a, op, dev, func(d *device) (bool, error) {
+		pp, err := d.graphs.Pools.Existing(dev, id)
+		if err != nil {
+			return false, poolError(op, err)
+		}
+		want := make(map[cuda.Ptr]struct{}, len(expected))
+		for _, p := range expected {
+			want[p] = struct{}{}
+		}
+		return privatepool.Live(d.cache, pp, want), nil
+	})
 }
 
 // settle returns the blocks whose pending frees have completed, as malloc

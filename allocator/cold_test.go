@@ -4,6 +4,8 @@ import (
 	"os"
 	"strconv"
 	"testing"
+
+	"github.com/cudapool/cudapool/allocator"
 )
 
 // TestColdPairs runs CUDAPOOL_COLD pairs, each after touching 2 MiB, for
@@ -17,7 +19,7 @@ func TestColdPairs(t *testing.T) {
 	a, _ := newAlloc(t, 1, 8*GiB, os.Getenv("CUDAPOOL_COLD_CONF"))
 	a.ExpectAnnouncements()
 	p := mustMalloc(t, a, 0, 4096, 0)
-	_ = a.Free(0, p, 0)
+	_ = a.Free(allocator.FreeRequest{Ptr: p})
 	evict := make([]byte, 2<<20)
 	pair := os.Getenv("CUDAPOOL_COLD_NOPAIR") != "1"
 	for i := 0; i < n; i++ {
@@ -25,8 +27,8 @@ func TestColdPairs(t *testing.T) {
 			evict[j]++
 		}
 		if pair {
-			p, _ := a.Malloc(0, 4096, 0)
-			_ = a.Free(0, p, 0)
+			p, _ := a.Malloc(&allocator.MallocRequest{Size: 4096})
+			_ = a.Free(allocator.FreeRequest{Ptr: p})
 		}
 	}
 }

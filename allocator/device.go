@@ -22,7 +22,7 @@ var errorsIs = errors.Is
 func (d *device) capturing() bool {
 	local := d.graphs.Underway(d.query)
 	d.countCaptures()
-	return local || d.underway.Load() > 0
+	return local || d.a.underway.Load() > 0
 }
 
 // The capture gate.
@@ -44,9 +44,9 @@ func (d *device) capturing() bool {
 // enterUnsafe reports whether no capture is under way and, if so, holds
 // the gate shared until leaveUnsafe. d.mu is held.
 func (d *device) enterUnsafe() bool {
-	d.gate.RLock()
+	d.a.gate.RLock()
 	if d.capturing() {
-		d.gate.RUnlock()
+		d.a.gate.RUnlock()
 		return false
 	}
 	d.inUnsafe = true
@@ -55,13 +55,13 @@ func (d *device) enterUnsafe() bool {
 
 func (d *device) leaveUnsafe() {
 	d.inUnsafe = false
-	d.gate.RUnlock()
+	d.a.gate.RUnlock()
 }
 
 // countCaptures publishes the device's number of captures under way.
 func (d *device) countCaptures() {
 	if n := int64(d.graphs.Count()); n != d.counted {
-		d.underway.Add(n - d.counted)
+		d.a.underway.Add(n - d.counted)
 		d.counted = n
 		d.frontBlocked(n)
 		d.fc.sync()
@@ -72,7 +72,7 @@ func (d *device) countCaptures() {
 func (d *device) malloc(size uint64, s cuda.Stream, capture uint64) (cuda.Ptr, error) {
 	small, large := d.cache.Small, d.cache.Large
 	capturing := false
-	if capture != 0 || !d.graphs.Idle() || d.counted != 0 || d.underway.Load() > 0 || !d.ev.Idle() {
+	if capture != 0 || !d.graphs.Idle() || d.counted != 0 || d.a.underway.Load() > 0 || !d.ev.Idle() {
 		small, large, capturing = d.mallocSetup(s, capture)
 	} else {
 		// No capture known or counted anywhere and no event pending:
@@ -149,7 +149,7 @@ func (d *device) processEvents() {
 // grow finds memory for r when no cached block fits: a new segment, after
 // freeing what may be freed, or an out-of-memory error.
 func (d *device) grow(r *pools.Request, capturing bool) (*pools.Block, error) {
-	if d.fractionPending {
+	if d.limit.pending {
 		if err := d.applyFraction(); err != nil {
 			return nil, err
 		}
@@ -202,8 +202,8 @@ func (d *device) applyFraction() error {
 	if err != nil {
 		return driverError("malloc", err, "reading device %d's memory size for per_process_memory_fraction", d.id)
 	}
-	d.cache.SetFraction(d.fraction, total)
-	d.fractionPending = false
+	d.cache.SetFraction(d.limit.fraction, total)
+	d.limit.pending = false
 	return nil
 }
 
@@ -476,7 +476,7 @@ func (d *device) warnCaptureGraph(err error) {
 // useCapturing reports, when nobody announces captures, whether one of b's
 // use streams is capturing: an event recorded there could not be queried.
 func (d *device) useCapturing(b *pools.Block) bool {
-	if d.announced.Load() {
+	if d.a.announced.Load() {
 		return false
 	}
 	capturing := false
@@ -514,14 +514,14 @@ func (d *device) returnBlock(b *pools.Block) {
 
 // capacity returns the device's total memory, read once.
 func (d *device) capacity() (uint64, error) {
-	if d.total == 0 {
+	if d.limit.total == 0 {
 		_, total, err := d.drv.MemGetInfo(d.id)
 		if err != nil {
 			return 0, err
 		}
-		d.total = total
+		d.limit.total = total
 	}
-	return d.total, nil
+	return d.limit.total, nil
 }
 
 // outOfMemory counts the failure and builds PyTorch 2.11's message; the

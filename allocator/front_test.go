@@ -47,7 +47,7 @@ func TestFrontFlagsReplay(t *testing.T) {
 	f := &flagFront{}
 	a.SetFront(f)
 	a.ExpectAnnouncements()
-	p, track, err, _ := a.MallocTracked(0, 4096, 0, 0, nil)
+	p, track, err, _ := mallocTracked(a, 0, 4096, 0, 0, nil)
 	require.NoError(t, err)
 	require.Equal(t, allocator.TagDefault, track)
 	f.log = append(f.log, allocator.PendingFree{Ptr: p, Op: allocator.OpFree})
@@ -64,7 +64,7 @@ func TestFrontReplayAllocatesNothing(t *testing.T) {
 	f := &fakeFront{log: make([]allocator.PendingFree, 0, 64)}
 	a := frontAlloc(t, 8*GiB, f)
 	require.True(t, a.FrontEnabled())
-	p, track, err, _ := a.MallocTracked(0, 4096, 0, 0, nil)
+	p, track, err, _ := mallocTracked(a, 0, 4096, 0, 0, nil)
 	require.NoError(t, err)
 	require.Equal(t, allocator.TagDefault, track)
 	allocs := testing.AllocsPerRun(1000, func() {
@@ -72,8 +72,8 @@ func TestFrontReplayAllocatesNothing(t *testing.T) {
 			allocator.PendingFree{Ptr: p, Op: allocator.OpFreeStats},
 			allocator.PendingFree{Ptr: p, Op: allocator.OpReuse},
 			allocator.PendingFree{Ptr: p, Op: allocator.OpCycles, Count: 3})
-		q, _, _, _ := a.MallocTracked(0, 8192, 0, 0, nil)
-		_ = a.Free(0, q, 0)
+		q, _, _, _ := mallocTracked(a, 0, 8192, 0, 0, nil)
+		_ = a.Free(allocator.FreeRequest{Ptr: q})
 	})
 	require.Zero(t, allocs)
 	st, _ := a.Stats(0)
@@ -98,8 +98,8 @@ func TestFrontTracksBorrowedBlock(t *testing.T) {
 	pool := allocator.PoolID{B: 4}
 	cached := oomPoolBlock(t, a, pool)
 	require.True(t, a.FrontEnabled())
-	require.NoError(t, a.Free(0, cached, 0))
-	p, track, err, _ := a.MallocTracked(0, 60*MiB, 5, 0, nil)
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: cached}))
+	p, track, err, _ := mallocTracked(a, 0, 60*MiB, 5, 0, nil)
 	require.NoError(t, err)
 	require.Equal(t, cached, p)
 	require.True(t, inPool(t, a, pool, p), "a private pool's block")
@@ -140,11 +140,11 @@ func TestFrontRoutesPhases(t *testing.T) {
 	require.Equal(t, ref, route.Filter)
 	require.GreaterOrEqual(t, route.Tag, uint32(2), "a private pool's tag")
 
-	p, track, err, _ := a.MallocTracked(0, 4096, 7, 0, nil)
+	p, track, err, _ := mallocTracked(a, 0, 4096, 7, 0, nil)
 	require.NoError(t, err)
 	require.True(t, inPool(t, a, pool, p))
 	require.Equal(t, route.Tag, track, "tracked with its pool's tag")
-	q, track, err, _ := a.MallocTracked(0, 4096, 8, 0, nil)
+	q, track, err, _ := mallocTracked(a, 0, 4096, 8, 0, nil)
 	require.NoError(t, err)
 	require.False(t, inPool(t, a, pool, q))
 	require.Equal(t, allocator.TagDefault, track, "the filter refuses stream 8: the default pools")
@@ -156,7 +156,7 @@ func TestFrontRoutesPhases(t *testing.T) {
 	require.Equal(t, route, f.last()[0])
 	require.Equal(t, allocator.FilterAll, f.last()[1].Filter.Kind)
 	require.NotEqual(t, route.Tag, f.last()[1].Tag)
-	r, track, err, _ := a.MallocTracked(0, 4096, 7, 0, nil)
+	r, track, err, _ := mallocTracked(a, 0, 4096, 7, 0, nil)
 	require.NoError(t, err)
 	require.True(t, inPool(t, a, pool2, r), "the newest phase wins")
 	require.Equal(t, f.last()[1].Tag, track)
@@ -168,7 +168,7 @@ func TestFrontRoutesPhases(t *testing.T) {
 	require.Empty(t, f.last())
 	require.True(t, a.FrontEnabled())
 	for _, x := range []cuda.Ptr{p, q, r} {
-		require.NoError(t, a.Free(0, x, 0))
+		require.NoError(t, a.Free(allocator.FreeRequest{Ptr: x}))
 	}
 }
 
@@ -189,7 +189,7 @@ func TestFrontTagsExpandablePrivatePools(t *testing.T) {
 			require.Len(t, f.last(), 1)
 			var ps, inpool []cuda.Ptr
 			for _, size := range []uint64{4096, 3 * MiB} { // the small and the large pool
-				p, track, err, _ := a.MallocTracked(0, size, 7, 0, nil)
+				p, track, err, _ := mallocTracked(a, 0, size, 7, 0, nil)
 				require.NoError(t, err)
 				inpool = append(inpool, p)
 				require.True(t, inPool(t, a, pool, inpool...))
@@ -199,14 +199,14 @@ func TestFrontTagsExpandablePrivatePools(t *testing.T) {
 					require.Equal(t, f.last()[0].Tag|allocator.TagHoldSmall, track,
 						"an expandable private pool's block is tracked with its pool's tag, held only if small")
 				}
-				q, track, err, _ := a.MallocTracked(0, size, 8, 0, nil)
+				q, track, err, _ := mallocTracked(a, 0, size, 8, 0, nil)
 				require.NoError(t, err)
 				require.Equal(t, allocator.TagDefault, track, "the default pools' blocks are tracked")
 				ps = append(ps, p, q)
 			}
 			require.NoError(t, a.EndAllocateToPool(0, pool))
 			for _, x := range ps {
-				require.NoError(t, a.Free(0, x, 0))
+				require.NoError(t, a.Free(allocator.FreeRequest{Ptr: x}))
 			}
 		})
 	}
@@ -242,12 +242,12 @@ func TestFrontBlockedByPhases(t *testing.T) {
 			id := allocator.PoolID{A: 9}
 			require.NoError(t, c.begin(a, id))
 			require.False(t, a.FrontEnabled(), "a phase the front cannot route")
-			p, track, err, _ := a.MallocTracked(0, 4096, 1, 0, nil)
+			p, track, err, _ := mallocTracked(a, 0, 4096, 1, 0, nil)
 			require.NoError(t, err)
 			require.Equal(t, allocator.TagNone, track)
 			require.NoError(t, a.EndAllocateToPool(0, id))
 			require.True(t, a.FrontEnabled(), "serves again after the phase")
-			require.NoError(t, a.Free(0, p, 0))
+			require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
 		})
 	}
 }
@@ -285,7 +285,7 @@ func TestFrontHeldBlocks(t *testing.T) {
 	f := &holdFront{}
 	a := frontAlloc(t, 8*GiB, f)
 
-	p, track, err, _ := a.MallocTracked(0, 60*MiB, 0, 0, nil)
+	p, track, err, _ := mallocTracked(a, 0, 60*MiB, 0, 0, nil)
 	require.NoError(t, err)
 	require.Equal(t, allocator.TagDefault, track)
 	f.log = append(f.log, allocator.PendingFree{Ptr: p, Op: allocator.OpHold})
@@ -293,7 +293,7 @@ func TestFrontHeldBlocks(t *testing.T) {
 
 	// A malloc keeps it held (its take has keep), then, finding no free
 	// block, releases it and splits it instead of growing.
-	q, _, err, _ := a.MallocTracked(0, 50*MiB, 0, 0, nil)
+	q, _, err, _ := mallocTracked(a, 0, 50*MiB, 0, 0, nil)
 	require.NoError(t, err)
 	require.Equal(t, []bool{true, false}, f.keep, "the malloc's take keeps, the release before growing does not")
 	require.Equal(t, p, q, "the held block's memory, split")
@@ -313,5 +313,5 @@ func TestFrontHeldBlocks(t *testing.T) {
 	require.Equal(t, pools.Stat{Current: 0, Peak: 1, Allocated: 2, Freed: 2}, st.Allocation[0])
 	require.Zero(t, st.Active[0].Current)
 	require.Zero(t, st.InactiveSplit[0].Current, "released and merged: no split block left")
-	require.Error(t, a.Free(0, q, 0), "the block is free: a second free is an error")
+	require.Error(t, a.Free(allocator.FreeRequest{Ptr: q}), "the block is free: a second free is an error")
 }

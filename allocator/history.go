@@ -19,7 +19,8 @@ import (
 // it, so the work is split: the caller (the C++ layer) gathers a context
 // when GatherMask says the operation about to run needs one, keeps the
 // object in a table under a non-zero integer id, and passes the id to a
-// ...Ctx operation. Everything else is decided here: which contexts are kept,
+// request (MallocRequest.Ctx, FreeRequest.Ctx) or to EmptyCache. Everything
+// else is decided here: which contexts are kept,
 // on what, which actions are recorded, the ring's size, skip_actions,
 // clearing, user metadata, compile contexts and annotations. LiveContexts
 // tells the caller which ids are still referenced, so it can drop the rest.
@@ -113,9 +114,9 @@ type HistoryOptions struct {
 
 // The operations GatherMask can ask a context for.
 const (
-	GatherAlloc   uint32 = 1 << iota // malloc (MallocCtx, MallocAfterFrees)
-	GatherFree                       // free (FreeCtx, PendingFree.Ctx)
-	GatherRelease                    // empty_cache (EmptyCacheCtx)
+	GatherAlloc   uint32 = 1 << iota // malloc (MallocRequest.Ctx)
+	GatherFree                       // free (FreeRequest.Ctx)
+	GatherRelease                    // empty_cache (EmptyCache's ctx)
 )
 
 // history is the memory history: the allocator-wide part, and each
@@ -183,7 +184,7 @@ func (a *Allocator) RecordHistory(o HistoryOptions) error {
 		if dh.on || dh.level > HistoryNever {
 			d.rec = dh
 		}
-		d.mu.Unlock()
+		d.unlock()
 	}
 	if clear {
 		h.annotations.clear()
@@ -361,7 +362,7 @@ func (a *Allocator) LiveContexts(dst []uint64) []uint64 {
 				dst = append(dst, e.ctx)
 			}
 		})
-		d.mu.Unlock()
+		d.unlock()
 	}
 	slices.Sort(dst[start:])
 	return dst[:start+len(slices.Compact(dst[start:]))]

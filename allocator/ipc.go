@@ -97,7 +97,7 @@ func (a *Allocator) IpcHandle(p cuda.Ptr) (h cuda.IpcHandle, offset uint64, dev 
 	if d == nil {
 		return h, 0, 0, a.explainUnknown(op, -1, p)
 	}
-	defer d.mu.Unlock()
+	defer d.unlock()
 	if b.Seg.Expandable {
 		return h, 0, 0, newError(op, ErrNotSupported, "CUDA IPC is not supported for memory in expandable segments (expandable_segments:True); "+
 			"pointer %#x on device %d is in one. Its pages are CUDA virtual memory, which has no cudaIpcMemHandle; "+
@@ -179,7 +179,7 @@ func (a *Allocator) IpcClose(p cuda.Ptr) error {
 		// mutex (this takes device locks).
 		if d, b := a.find(p); d != nil {
 			ptr, dev := b.Ptr, d.id
-			d.mu.Unlock()
+			d.unlock()
 			return newError(op, ErrUnknownPointer, "pointer %#x is cudapool's own allocation on device %d, not a mapping opened with IpcOpen; free it instead", uintptr(ptr), dev)
 		}
 	}

@@ -52,16 +52,16 @@ func TestDeviceTellsItsRecorder(t *testing.T) {
 		require.Nil(t, d.rec, "history off: no recorder")
 		var ev told
 		d.rec = &ev
-		p, err := a.MallocCtx(0, 4096, 1, 7)
+		p, err := a.Malloc(&MallocRequest{Size: 4096, Stream: 1, Ctx: 7})
 		require.NoError(t, err)
-		require.NoError(t, a.FreeCtx(0, p, 0, 8))
-		_, err = a.Malloc(0, 2<<30, 1) // the retry gives the segment back first
+		require.NoError(t, a.Free(FreeRequest{Ptr: p, Size: 0, Ctx: 8}))
+		_, err = a.Malloc(&MallocRequest{Size: 2 << 30, Stream: 1}) // the retry gives the segment back first
 		require.Error(t, err)
-		p, err = a.Malloc(0, 4096, 1)
+		p, err = a.Malloc(&MallocRequest{Size: 4096, Stream: 1})
 		require.NoError(t, err)
-		require.NoError(t, a.Free(0, p, 0))
-		require.NoError(t, a.EmptyCacheCtx(9))
-		a.SnapshotOf(nil, false)
+		require.NoError(t, a.Free(FreeRequest{Ptr: p}))
+		require.NoError(t, a.EmptyCache(9))
+		a.Snapshot(nil, false)
 		seg, unseg := "segment allocated", "segment freed"
 		if conf.ExpandableSegments {
 			seg, unseg = "mapped 2097152", "unmapped 2097152 lent false" // a small pool: one page
@@ -78,11 +78,11 @@ func TestDeviceTellsItsRecorder(t *testing.T) {
 
 		// Without a recorder, no context sticks to a block.
 		d.rec = nil
-		p, err = a.MallocCtx(0, 4096, 1, 7)
+		p, err = a.Malloc(&MallocRequest{Size: 4096, Stream: 1, Ctx: 7})
 		require.NoError(t, err)
 		_, b := a.find(p)
 		require.Zero(t, b.Context)
 		d.mu.Unlock()
-		require.NoError(t, a.Free(0, p, 0))
+		require.NoError(t, a.Free(FreeRequest{Ptr: p}))
 	}
 }

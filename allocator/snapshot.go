@@ -35,7 +35,7 @@ type traceEntry struct {
 
 // Snapshot is torch.cuda.memory._snapshot()'s shape; encoding/json renders
 // it as PyTorch's dict. Context fields carry the ids the caller passed to the
-// ...Ctx operations (see history.go); the caller turns them into frames.
+// requests and EmptyCache (see history.go); the caller turns them into frames.
 type Snapshot struct {
 	Segments            []SegmentInfo     `json:"segments"`
 	DeviceTraces        [][]TraceEntry    `json:"device_traces"`
@@ -100,15 +100,11 @@ type TraceEntry struct {
 	DeviceFree *uint64 `json:"device_free,omitempty"`
 }
 
-// Snapshot returns every device's segments and blocks, the recorded traces
-// and annotations: SnapshotOf(nil, true).
-func (a *Allocator) Snapshot() Snapshot { return a.SnapshotOf(nil, true) }
-
-// SnapshotOf returns the segments of pool (nil: of every pool), with the
-// traces and annotations if includeTraces (else device_traces and
-// external_annotations are empty). Each device records a snapshot entry
-// after its trace is read, as PyTorch does.
-func (a *Allocator) SnapshotOf(pool *PoolID, includeTraces bool) Snapshot {
+// Snapshot returns the segments and blocks of pool (nil: of every pool) on
+// every device, with the recorded traces and annotations if includeTraces
+// (else device_traces and external_annotations are empty). Each device
+// records a snapshot entry after its trace is read, as PyTorch does.
+func (a *Allocator) Snapshot(pool *PoolID, includeTraces bool) Snapshot {
 	snap := Snapshot{
 		Segments:            []SegmentInfo{},
 		DeviceTraces:        [][]TraceEntry{},
@@ -144,7 +140,7 @@ func (a *Allocator) SnapshotOf(pool *PoolID, includeTraces bool) Snapshot {
 		if d.rec != nil {
 			d.rec.snapshot(active, asked)
 		}
-		d.mu.Unlock()
+		d.unlock()
 		if includeTraces {
 			snap.DeviceTraces[d.id] = traceEntries(d.id, tr)
 		}
@@ -154,7 +150,7 @@ func (a *Allocator) SnapshotOf(pool *PoolID, includeTraces bool) Snapshot {
 		d.lock()
 		st := d.vm.StitchStats()
 		remaps[i], lent[i] = st.Remaps, st.Lent
-		d.mu.Unlock()
+		d.unlock()
 	}
 	cfg := a.Config()
 	p := cfg.Pools

@@ -61,8 +61,8 @@ func coldPair(a *allocator.Allocator, size uint64, evict []byte, n int) float64 
 		}
 		t0 := time.Now()
 		t1 := time.Now()
-		p, _ := a.Malloc(0, size, 0)
-		_ = a.Free(0, p, 0)
+		p, _ := a.Malloc(&allocator.MallocRequest{Size: size})
+		_ = a.Free(allocator.FreeRequest{Ptr: p})
 		t2 := time.Now()
 		clock[i], pair[i] = int64(t1.Sub(t0)), int64(t2.Sub(t1))
 	}
@@ -98,7 +98,7 @@ func TestSpeed(t *testing.T) {
 	kinds := []pools.FreeSetKind{pools.FreeSetTreap, pools.FreeSetSegFit}
 	rows := []string{"hot 4 KiB pair (CPU ns)", "mixed 512 B-144 MiB, 256 live (CPU ns)",
 		"mixedPairs, 256 live (CPU ns)", "hot pair after 2 MiB touched (wall ns)", "hot pair after 8 MiB touched (wall ns)",
-		"hot pair, one lock (MallocAfterFrees) (CPU ns)", "mixedPairs, expandable segments (CPU ns)"}
+		"hot pair, one lock (queued free) (CPU ns)", "mixedPairs, expandable segments (CPU ns)"}
 	res := map[string]map[pools.FreeSetKind][]float64{}
 	for _, r := range rows {
 		res[r] = map[pools.FreeSetKind][]float64{}
@@ -111,23 +111,24 @@ func TestSpeed(t *testing.T) {
 			a, _ := newAlloc(t, 1, 140*GiB, conf)
 			a.ExpectAnnouncements()
 			p := mustMalloc(t, a, 0, 4096, 0)
-			require.NoError(t, a.Free(0, p, 0))
+			require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
 			res[rows[0]][k] = append(res[rows[0]][k], cpuPerOp(300000, func() {
-				p, _ := a.Malloc(0, 4096, 0)
-				_ = a.Free(0, p, 0)
+				p, _ := a.Malloc(&allocator.MallocRequest{Size: 4096})
+				_ = a.Free(allocator.FreeRequest{Ptr: p})
 			}))
 			res[rows[3]][k] = append(res[rows[3]][k], coldPair(a, 4096, evictS, 4000))
 			res[rows[4]][k] = append(res[rows[4]][k], coldPair(a, 4096, evictL, 1000))
 			// The C++ class's path: the previous pair's free rides with the
 			// next malloc, one lock hold for both.
-			var pend [1]allocator.PendingFree
-			var frees []allocator.PendingFree
+			var pend [1]allocator.FreeRequest
+			var frees []allocator.FreeRequest
 			res[rows[5]][k] = append(res[rows[5]][k], cpuPerOp(300000, func() {
-				p, _, _ := a.MallocAfterFrees(0, 4096, 0, 0, frees)
-				pend[0] = allocator.PendingFree{Dev: -1, Ptr: p}
+				r := allocator.MallocRequest{Size: 4096, Frees: frees}
+				p, _ := a.Malloc(&r)
+				pend[0] = allocator.FreeRequest{Dev: -1, Ptr: p}
 				frees = pend[:]
 			}))
-			require.NoError(t, a.FreeMany(frees))
+			require.NoError(t, a.Free(frees...))
 
 			a, _ = newAlloc(t, 1, 140*GiB, conf)
 			a.ExpectAnnouncements()
@@ -137,9 +138,9 @@ func TestSpeed(t *testing.T) {
 			step := func() {
 				x := j & 65535
 				if p := live[slots[x]]; p != 0 {
-					_ = a.Free(0, p, 0)
+					_ = a.Free(allocator.FreeRequest{Ptr: p})
 				}
-				live[slots[x]], _ = a.Malloc(0, sizes[x], 0)
+				live[slots[x]], _ = a.Malloc(&allocator.MallocRequest{Size: sizes[x]})
 				j++
 			}
 			cpuPerOp(65536, step)

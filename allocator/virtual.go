@@ -45,13 +45,9 @@ type StitchStats = vmem.StitchStats
 
 // StitchStats returns device dev's stitching counters.
 func (a *Allocator) StitchStats(dev int) (StitchStats, error) {
-	d, err := a.device("stitch_stats", dev)
-	if err != nil {
-		return StitchStats{}, err
-	}
-	d.lock()
-	defer d.mu.Unlock()
-	return d.vm.StitchStats(), nil
+	return onDevice(a, "stitch_stats", dev, func(d *device) (StitchStats, error) {
+		return d.vm.StitchStats(), nil
+	})
 }
 
 // vmemConfig is the virtual memory's part of cfg.
@@ -87,7 +83,7 @@ func (p progress) Reset()                               { p.d.ev.ResetProgress()
 // is in a capture nobody announced, where the event would be captured, not
 // recorded (an error counts as capturing).
 func (d *device) recordable(s cuda.Stream) bool {
-	if d.announced.Load() {
+	if d.a.announced.Load() {
 		return true
 	}
 	st, _, err := d.drv.StreamCaptureInfo(d.id, s)

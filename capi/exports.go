@@ -36,26 +36,27 @@ func cpgo_malloc(size C.size_t, dev C.int, stream C.uintptr_t, track *C.int) C.u
 		var buf [C.CP_FREEQ_CAP]allocator.PendingFree
 		frees = takeFrees(&buf)
 	}
-	p, tr, err, ferr := st.a.MallocTracked(int(dev), uint64(size), cuda.Stream(stream), 0, frees)
-	if err != nil || ferr != nil || track == nil {
-		return mallocEnd(p, tr, err, ferr, track)
+	r := allocator.MallocRequest{Dev: int(dev), Size: uint64(size), Stream: cuda.Stream(stream), Frees: frees}
+	p, err := st.a.Malloc(&r)
+	if err != nil || r.FreeErr != nil || track == nil {
+		return mallocEnd(p, r.Track, err, r.FreeErr, track)
 	}
-	if tr != 0 {
-		*track = C.int(tr)
+	if r.Track != 0 {
+		*track = C.int(r.Track)
 	}
 	return C.uintptr_t(p)
 }
 
-// The malloc exports call MallocTracked themselves (a call layer less) and
-// end as follows: *track is set when the front cache may track the block
-// (allocator/front.go); failures, and the NULL track of this package's
-// tests, are handled out of line by mallocEnd:
+// The malloc exports build the request and call Malloc themselves (a call
+// layer less) and end as follows: *track is set when the front cache may
+// track the block (allocator/front.go); failures, and the NULL track of
+// this package's tests, are handled out of line by mallocEnd:
 //
-//	if err != nil || ferr != nil || track == nil {
-//		return mallocEnd(p, tr, err, ferr, track)
+//	if err != nil || r.FreeErr != nil || track == nil {
+//		return mallocEnd(p, r.Track, err, r.FreeErr, track)
 //	}
-//	if tr != 0 {
-//		*track = C.int(tr)
+//	if r.Track != 0 {
+//		*track = C.int(r.Track)
 //	}
 //	return C.uintptr_t(p)
 //
@@ -85,7 +86,7 @@ func cpgo_free_batch(frees *C.cp_pending_free, n C.size_t) {
 		return
 	}
 	keeper.Touch()
-	reportFreeError(st.a.FreeMany(pendingFrees(frees, n)))
+	reportFreeError(st.a.Free(pendingFrees(frees, n)...))
 }
 
 // torchAnnounced is set once cudapool_torch_malloc has told the allocator
@@ -106,12 +107,13 @@ func cpgo_torch_malloc(size C.size_t, dev C.int, stream C.uintptr_t, frees *C.cp
 		a.ExpectAnnouncements()
 		torchAnnounced.Store(true)
 	}
-	p, tr, err, ferr := a.MallocTracked(int(dev), uint64(size), cuda.Stream(stream), 0, pendingFrees(frees, nfrees))
-	if err != nil || ferr != nil || track == nil {
-		return mallocEnd(p, tr, err, ferr, track)
+	r := allocator.MallocRequest{Dev: int(dev), Size: uint64(size), Stream: cuda.Stream(stream), Frees: pendingFrees(frees, nfrees)}
+	p, err := a.Malloc(&r)
+	if err != nil || r.FreeErr != nil || track == nil {
+		return mallocEnd(p, r.Track, err, r.FreeErr, track)
 	}
-	if tr != 0 {
-		*track = C.int(tr)
+	if r.Track != 0 {
+		*track = C.int(r.Track)
 	}
 	return C.uintptr_t(p)
 }
@@ -123,7 +125,7 @@ func cpgo_free(p C.uintptr_t, size C.size_t, dev C.int, _ C.uintptr_t) {
 	if a == nil {
 		return
 	}
-	if err := a.Free(int(dev), cuda.Ptr(p), uint64(size)); err != nil {
+	if err := a.Free(allocator.FreeRequest{Dev: int(dev), Ptr: cuda.Ptr(p), Size: uint64(size)}); err != nil {
 		fail(err)
 	}
 }
@@ -144,7 +146,7 @@ func cpgo_init(n C.int) {
 func cpgo_empty_cache() {
 	defer guard("empty_cache")
 	if a := ready(); a != nil {
-		if err := a.EmptyCache(); err != nil {
+		if err := a.EmptyCache(0); err != nil {
 			fail(err)
 		}
 	}
@@ -335,7 +337,7 @@ func cpgo_snapshot_json() *C.char {
 	if a == nil {
 		return nil
 	}
-	b, err := json.Marshal(a.Snapshot())
+	b, err := json.Marshal(a.Snapshot(nil, true))
 	if err != nil {
 		failf("cudapool: snapshot: %v", err)
 		return nil
@@ -347,7 +349,7 @@ func cpgo_snapshot_json() *C.char {
 func cpgo_reset_peak_stats(dev C.int) {
 	defer guard("reset_peak_stats")
 	if a := ready(); a != nil {
-		if err := a.ResetPeakStats(int(dev)); err != nil {
+		if err := a.ResetStats(int(dev), allocator.ResetPeak); err != nil {
 			fail(err)
 		}
 	}
@@ -357,7 +359,7 @@ func cpgo_reset_peak_stats(dev C.int) {
 func cpgo_reset_accumulated_stats(dev C.int) {
 	defer guard("reset_accumulated_stats")
 	if a := ready(); a != nil {
-		if err := a.ResetAccumulatedStats(int(dev)); err != nil {
+		if err := a.ResetStats(int(dev), allocator.ResetAccumulated); err != nil {
 			fail(err)
 		}
 	}

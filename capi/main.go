@@ -134,7 +134,7 @@ func ready() *allocator.Allocator {
 	keeper.Touch()
 	if C.cp_freeq_n != 0 {
 		var buf [C.CP_FREEQ_CAP]allocator.PendingFree
-		reportFreeError(st.a.FreeMany(takeFrees(&buf)))
+		reportFreeError(st.a.Free(takeFrees(&buf)...))
 	}
 	return st.a
 }

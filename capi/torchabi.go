@@ -35,12 +35,13 @@ func cpgo_malloc_ctx(size C.size_t, dev C.int, stream C.uintptr_t, ctx C.ulonglo
 		return mallocCtxNoState(size, dev, stream, ctx, frees, nfrees, track)
 	}
 	keeper.Touch()
-	p, tr, err, ferr := st.a.MallocTracked(int(dev), uint64(size), cuda.Stream(stream), uint64(ctx), pendingFrees(frees, nfrees))
-	if err != nil || ferr != nil || track == nil {
-		return mallocEnd(p, tr, err, ferr, track)
+	r := allocator.MallocRequest{Dev: int(dev), Size: uint64(size), Stream: cuda.Stream(stream), Ctx: uint64(ctx), Frees: pendingFrees(frees, nfrees)}
+	p, err := st.a.Malloc(&r)
+	if err != nil || r.FreeErr != nil || track == nil {
+		return mallocEnd(p, r.Track, err, r.FreeErr, track)
 	}
-	if tr != 0 {
-		*track = C.int(tr)
+	if r.Track != 0 {
+		*track = C.int(r.Track)
 	}
 	return C.uintptr_t(p)
 }
@@ -72,10 +73,7 @@ func cpgo_free_ctx(p C.uintptr_t, size C.size_t, dev C.int, ctx C.ulonglong) (rc
 	if a == nil {
 		return -1
 	}
-	if dev < 0 {
-		return result(a.FreeAnyCtx(cuda.Ptr(p), uint64(size), uint64(ctx)))
-	}
-	return result(a.FreeCtx(int(dev), cuda.Ptr(p), uint64(size), uint64(ctx)))
+	return result(a.Free(allocator.FreeRequest{Dev: max(int(dev), -1), Ptr: cuda.Ptr(p), Size: uint64(size), Ctx: uint64(ctx)}))
 }
 
 //export cpgo_expect_announced
@@ -189,7 +187,7 @@ func cpgo_empty_cache_ctx(ctx C.ulonglong) (rc C.int) {
 	if a == nil {
 		return -1
 	}
-	if err := a.EmptyCacheCtx(uint64(ctx)); err != nil {
+	if err := a.EmptyCache(uint64(ctx)); err != nil {
 		fail(err)
 		return -1
 	}
@@ -584,7 +582,7 @@ func cpgo_snapshot_take(byPool C.int, a, b C.ulonglong, traces C.int) unsafe.Poi
 	if byPool != 0 {
 		pool = &allocator.PoolID{A: uint64(a), B: uint64(b)}
 	}
-	snap := al.SnapshotOf(pool, traces != 0)
+	snap := al.Snapshot(pool, traces != 0)
 	out := cmalloc[C.cudapool_snapshot](1)
 
 	nblocks := 0
