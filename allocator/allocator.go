@@ -74,7 +74,7 @@ type Allocator struct {
 	uncN       atomic.Int64
 	unc        uncached
 	drv        Driver
-	cfgMu      sync.Mutex // serializes Configure
+	cfgMu      rankedMutex // serializes Configure
 	cfg        atomic.Pointer[Config]
 	// underway counts the captures the devices believe under way. CUDA's
 	// capture rules are process-wide (a free or synchronize on one device
@@ -83,7 +83,7 @@ type Allocator struct {
 	// gate orders the devices' unsafe sections (freeing memory, querying
 	// and recording events outside captures) with announced capture
 	// begins; see device.go.
-	gate sync.RWMutex
+	gate rankedRWMutex
 	// onWarning reports conditions worth a message but not an error (each
 	// message once); nil: stderr.
 	onWarning atomic.Pointer[func(string)]
@@ -165,6 +165,7 @@ func New(drv Driver, cfg Config) (*Allocator, error) {
 		return nil, driverError("init", err, "counting devices")
 	}
 	a := &Allocator{drv: drv}
+	a.cfgMu.rank, a.gate.rank, a.hist.mu.rank, a.unc.mu.rank = rankConfig, rankGate, rankHistory, rankUncached
 	a.cfg.Store(&cfg)
 	a.hist.publish()
 	for i := 0; i < n; i++ {
@@ -185,6 +186,7 @@ func New(drv Driver, cfg Config) (*Allocator, error) {
 		d.vm = d.newVirtualMemory(drv, &cfg)
 		a.devs = append(a.devs, d)
 	}
+	a.checkRanks(cfg.DebugChecks)
 	if cfg.HistoryEntries > 0 {
 		a.historyFromConfig(cfg.HistoryEntries)
 	}
@@ -214,16 +216,25 @@ func (a *Allocator) Configure(cfg Config) {
 	defer a.cfgMu.Unlock()
 	old := a.cfg.Swap(&cfg)
 	for _, d := range a.devs {
-		d.lock()
+		d.enter()
 		d.cache.SetConfig(cfg.Pools)
-		d.debug = cfg.DebugChecks
+		if d.debug != cfg.DebugChecks {
+			// This hold was (not) recorded: make leave's match.
+			if d.debug {
+				heldRanks.release(rankDevice)
+			} else {
+				heldRanks.acquire(rankDevice)
+			}
+			d.debug = cfg.DebugChecks
+		}
 		d.vm.Configure(vmemConfig(&cfg))
 		d.graphs.Reuse.On = cfg.GraphCaptureRecordStreamReuse
 		if cfg.MemoryFractionSet {
 			d.limit.fraction, d.limit.pending = cfg.MemoryFraction, true
 		}
-		d.unlock()
+		d.leave()
 	}
+	a.checkRanks(cfg.DebugChecks)
 	if cfg.HistoryEntries != old.HistoryEntries {
 		a.historyFromConfig(cfg.HistoryEntries)
 	}
@@ -279,8 +290,8 @@ func onDevice[T any](a *Allocator, op string, dev int, fn func(d *device) (T, er
 		var zero T
 		return zero, err
 	}
-	d.lock()
-	defer d.unlock()
+	d.enter()
+	defer d.leave()
 	return fn(d)
 }
 
@@ -290,9 +301,27 @@ func (a *Allocator) withDevice(op string, dev int, fn func(d *device) error) err
 	return err
 }
 
-// unlock ends an operation on d: it releases the device lock that lock
-// (front.go: the lock, then the front's log replayed) or lockMalloc took.
-func (d *device) unlock() { d.mu.Unlock() }
+// enter begins an operation on d and leave ends it. enter takes the device
+// lock by lock (front.go), which then replays the front's log, so that the
+// structures are what the same calls without the front would have left;
+// under debug_checks it checks the hold against the lock ranks
+// (lockrank.go). leave releases the lock. The common paths of Malloc and
+// of a free write the pair out (Malloc with lockMalloc, which lets the
+// front keep holding blocks), their rank checks sharing the debug_checks
+// test of the invariant check.
+func (d *device) enter() {
+	d.lock()
+	if d.debug {
+		heldRanks.acquire(rankDevice)
+	}
+}
+
+func (d *device) leave() {
+	if d.debug {
+		heldRanks.release(rankDevice)
+	}
+	d.mu.Unlock()
+}
 
 // warn reports a condition that is not an error (Allocator.warn).
 func (d *device) warn(msg string) { d.a.warn(msg) }
@@ -301,11 +330,11 @@ func (d *device) warn(msg string) { d.a.warn(msg) }
 // the caller unlocks. It returns nil if no device has allocated p.
 func (a *Allocator) find(p cuda.Ptr) (*device, *pools.Block) {
 	for _, d := range a.devs {
-		d.lock()
+		d.enter()
 		if b := d.cache.Lookup(p); b != nil {
 			return d, b
 		}
-		d.unlock()
+		d.leave()
 	}
 	return nil, nil
 }
@@ -318,7 +347,7 @@ func (a *Allocator) AllocationInfo(p cuda.Ptr) (dev int, size uint64, err error)
 		return -1, 0, a.explainUnknown("allocation_info", -1, p)
 	}
 	dev, size = d.id, b.Requested
-	d.unlock()
+	d.leave()
 	return dev, size, nil
 }
 
@@ -334,7 +363,7 @@ func (a *Allocator) RecordStream(p cuda.Ptr, s cuda.Stream) error {
 		return a.explainUnknown("record_stream", -1, p)
 	}
 	events.RecordUse(b, s)
-	d.unlock()
+	d.leave()
 	return nil
 }
 
@@ -352,11 +381,11 @@ func (a *Allocator) BaseAllocation(p cuda.Ptr) (cuda.Ptr, uint64, error) {
 		if b.Seg.Expandable {
 			base, size, _ = d.cache.MappedRun(b.Seg, b.Ptr)
 		}
-		d.unlock()
+		d.leave()
 		return base, size, nil
 	}
 	for _, d := range a.devs {
-		d.lock()
+		d.enter()
 		seg := d.cache.SegmentAt(p)
 		var base cuda.Ptr
 		var size uint64
@@ -367,7 +396,7 @@ func (a *Allocator) BaseAllocation(p cuda.Ptr) (cuda.Ptr, uint64, error) {
 				base, size, ok = d.cache.MappedRun(seg, p)
 			}
 		}
-		d.unlock()
+		d.leave()
 		if ok {
 			return base, size, nil
 		}
@@ -390,13 +419,13 @@ var (
 func (a *Allocator) EmptyCache(ctx uint64) error {
 	// First let every device notice the unannounced captures that ended.
 	for _, d := range a.devs {
-		d.lock()
+		d.enter()
 		d.capturing()
-		d.unlock()
+		d.leave()
 	}
 	var first error
 	for _, d := range a.devs {
-		d.lock()
+		d.enter()
 		var err error
 		if !d.enterUnsafe() {
 			err = newError("empty_cache", ErrCaptureUnderway, "device %d: a CUDA graph capture is under way; its cache is kept", d.id)
@@ -418,7 +447,7 @@ func (a *Allocator) EmptyCache(ctx uint64) error {
 		if d.debug {
 			d.mustCheck()
 		}
-		d.unlock()
+		d.leave()
 		if err != nil && first == nil {
 			first = err
 		}
@@ -544,9 +573,9 @@ func (a *Allocator) ResetStats(dev int, what StatsReset) error {
 // CheckInvariants verifies every device's internal consistency.
 func (a *Allocator) CheckInvariants() error {
 	for _, d := range a.devs {
-		d.lock()
+		d.enter()
 		err := d.check()
-		d.unlock()
+		d.leave()
 		if err != nil {
 			return err
 		}

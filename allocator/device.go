@@ -37,9 +37,9 @@ func (d *device) capturing() bool {
 // once its capture is counted, takes the gate exclusively once: the
 // sections under way end before it returns (PyTorch begins capturing after
 // the hook returns) and later ones see the capture. The gate is taken
-// after d.mu and never the other way round; the cache-hit paths do not take
-// it. Unannounced captures cannot be waited for: nobody says when they
-// begin.
+// after d.mu and never the other way round (lockrank.go); the cache-hit
+// paths do not take it. Unannounced captures cannot be waited for: nobody
+// says when they begin.
 
 // enterUnsafe reports whether no capture is under way and, if so, holds
 // the gate shared until leaveUnsafe. d.mu is held.

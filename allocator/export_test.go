@@ -10,8 +10,8 @@ import (
 // PoolLayout returns the current block layout of private pool id on dev.
 func PoolLayout(a *Allocator, dev int, id PoolID) ([]pools.SegmentState, error) {
 	d := a.devs[dev]
-	d.lock()
-	defer d.unlock()
+	d.enter()
+	defer d.leave()
 	pp := d.graphs.Pools.Get(id)
 	if pp == nil {
 		return nil, nil
@@ -30,7 +30,7 @@ func SetContext(a *Allocator, p cuda.Ptr, ctx uint64) bool {
 		return false
 	}
 	b.Context = ctx
-	d.unlock()
+	d.leave()
 	return true
 }
 
@@ -40,7 +40,7 @@ func ContextOf(a *Allocator, p cuda.Ptr) uint64 {
 	if d == nil {
 		return 0
 	}
-	defer d.unlock()
+	defer d.leave()
 	return b.Context
 }
 
@@ -49,8 +49,8 @@ func ContextOf(a *Allocator, p cuda.Ptr) uint64 {
 // holds on dev.
 func CaptureReuseState(a *Allocator, dev int) (markers, walks int) {
 	d := a.devs[dev]
-	d.lock()
-	defer d.unlock()
+	d.enter()
+	defer d.leave()
 	return d.graphs.Reuse.State()
 }
 
@@ -69,7 +69,7 @@ func CountEmptyCacheSkips() func() int64 {
 // dev.
 func NothingToRelease(a *Allocator, dev int) bool {
 	d := a.devs[dev]
-	d.lock()
-	defer d.unlock()
+	d.enter()
+	defer d.leave()
 	return d.nothingToRelease()
 }

@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"slices"
 	"strings"
-	"sync"
 	"sync/atomic"
 	"time"
 )
@@ -128,7 +127,7 @@ type history struct {
 	labels  atomic.Pointer[historyLabels] // what new trace entries record; written under mu
 	devs    []*deviceHistory              // each guarded by its device's lock
 
-	mu          sync.Mutex
+	mu          rankedMutex
 	compile     []string              // the compile-context stack; guarded by mu
 	user        string                // the user metadata; guarded by mu
 	annotations ring[AnnotationEntry] // guarded by mu
@@ -173,7 +172,7 @@ func (a *Allocator) RecordHistory(o HistoryOptions) error {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	for _, d := range a.devs {
-		d.lock()
+		d.enter()
 		dh := h.devs[d.id]
 		if clear {
 			dh.ring.clear()
@@ -184,7 +183,7 @@ func (a *Allocator) RecordHistory(o HistoryOptions) error {
 		if dh.on || dh.level > HistoryNever {
 			d.rec = dh
 		}
-		d.unlock()
+		d.leave()
 	}
 	if clear {
 		h.annotations.clear()
@@ -346,7 +345,7 @@ func (e AnnotationEntry) MarshalJSON() ([]byte, error) {
 func (a *Allocator) LiveContexts(dst []uint64) []uint64 {
 	start := len(dst)
 	for _, d := range a.devs {
-		d.lock()
+		d.enter()
 		for _, s := range d.cache.Segments() {
 			if s.Context != 0 {
 				dst = append(dst, s.Context)
@@ -362,7 +361,7 @@ func (a *Allocator) LiveContexts(dst []uint64) []uint64 {
 				dst = append(dst, e.ctx)
 			}
 		})
-		d.unlock()
+		d.leave()
 	}
 	slices.Sort(dst[start:])
 	return dst[:start+len(slices.Compact(dst[start:]))]

@@ -82,7 +82,7 @@ func TestDeviceTellsItsRecorder(t *testing.T) {
 		require.NoError(t, err)
 		_, b := a.find(p)
 		require.Zero(t, b.Context)
-		d.mu.Unlock()
+		d.leave()
 		require.NoError(t, a.Free(FreeRequest{Ptr: p}))
 	}
 }

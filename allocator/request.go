@@ -82,7 +82,10 @@ func (a *Allocator) Malloc(r *MallocRequest) (cuda.Ptr, error) {
 	// first 128 are tried on dev first: the C queue holds 65).
 	var done [2]uint64
 	others := 0
-	d.lockMalloc()
+	d.lockMalloc() // (enter, written out: see device.enter)
+	if d.debug {
+		heldRanks.acquire(rankDevice)
+	}
 	for i := range r.Frees {
 		f := &r.Frees[i]
 		if f.Dev != dev {
@@ -111,8 +114,9 @@ func (a *Allocator) Malloc(r *MallocRequest) (cuda.Ptr, error) {
 	}
 	if d.debug {
 		d.mustCheck()
+		heldRanks.release(rankDevice)
 	}
-	d.unlock()
+	d.mu.Unlock()
 	if others > 0 || freeErr != nil {
 		freeErr = a.freeOthers(dev, r.Frees, &done, freeErr)
 	}
@@ -145,14 +149,14 @@ func (a *Allocator) mallocElse(r *MallocRequest) (cuda.Ptr, error) {
 	if err != nil {
 		return 0, err
 	}
-	d.lock()
+	d.enter()
 	d.begin(r.Ctx, HistoryState)
 	p, err := d.malloc(size, r.Stream, capture)
 	d.end()
 	if d.debug {
 		d.mustCheck()
 	}
-	d.unlock()
+	d.leave()
 	return p, err
 }
 
@@ -208,14 +212,18 @@ func (a *Allocator) free(f *FreeRequest) error {
 	if err != nil {
 		return err
 	}
-	d.lock()
+	d.lock() // (enter and leave, written out: see device.enter)
+	if d.debug {
+		heldRanks.acquire(rankDevice)
+	}
 	d.begin(f.Ctx, HistoryAll)
 	err = d.freeLocked(f.Ptr, f.Size)
 	d.end()
 	if d.debug {
 		d.mustCheck()
+		heldRanks.release(rankDevice)
 	}
-	d.unlock()
+	d.mu.Unlock()
 	if err != nil {
 		if found, ferr := a.freeUncached(f.Ptr); found {
 			return ferr
@@ -241,7 +249,7 @@ func (a *Allocator) freeAny(f *FreeRequest) error {
 	if d.debug {
 		d.mustCheck()
 	}
-	d.unlock()
+	d.leave()
 	return err
 }
 
@@ -359,7 +367,7 @@ func (u unknownAt) Error() string {
 // never seen. It locks the devices one at a time.
 func (a *Allocator) explainUnknown(op string, dev int, p cuda.Ptr) error {
 	for _, o := range a.devs {
-		o.lock()
+		o.enter()
 		b, seg := o.cache.Lookup(p), o.cache.SegmentAt(p)
 		var inside *pools.Block
 		if b == nil && seg != nil {
@@ -369,7 +377,7 @@ func (a *Allocator) explainUnknown(op string, dev int, p cuda.Ptr) error {
 				}
 			}
 		}
-		o.unlock()
+		o.leave()
 		switch {
 		case b != nil && o.id != dev:
 			return newError(op, ErrWrongDevice, "pointer %#x was allocated on device %d, not device %d", uintptr(p), o.id, dev)

@@ -123,7 +123,7 @@ func (a *Allocator) Snapshot(pool *PoolID, includeTraces bool) Snapshot {
 	var tr []traceEntry
 	for _, d := range a.devs {
 		tr = tr[:0]
-		d.lock()
+		d.enter()
 		if includeTraces {
 			a.hist.devs[d.id].ring.each(func(e *traceEntry) { tr = append(tr, *e) })
 		}
@@ -140,17 +140,17 @@ func (a *Allocator) Snapshot(pool *PoolID, includeTraces bool) Snapshot {
 		if d.rec != nil {
 			d.rec.snapshot(active, asked)
 		}
-		d.unlock()
+		d.leave()
 		if includeTraces {
 			snap.DeviceTraces[d.id] = traceEntries(d.id, tr)
 		}
 	}
 	remaps, lent := make([]int64, len(a.devs)), make([]int64, len(a.devs))
 	for i, d := range a.devs {
-		d.lock()
+		d.enter()
 		st := d.vm.StitchStats()
 		remaps[i], lent[i] = st.Remaps, st.Lent
-		d.unlock()
+		d.leave()
 	}
 	cfg := a.Config()
 	p := cfg.Pools
