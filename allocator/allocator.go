@@ -1,6 +1,48 @@
-// Package allocator is cudapool's caching allocator: the orchestration of
-// the block cache (pools), deferred frees (events), private pools
-// (privatepool) and capture routing (graphs) over a CUDA driver.
+// Package allocator is cudapool's caching allocator: it orchestrates, for
+// each device of a CUDA driver, the owners of the allocator's mechanisms.
+//
+// # Owners
+//
+// Each mechanism has one owner; the device (device, in this package) holds
+// one of each and calls them under its lock. Locks are listed in rank
+// order (lockrank.go).
+//
+//	package      owns                                           locks
+//	allocator    the devices and what crosses them: the         Allocator.cfgMu,
+//	             configuration, captures under way and the      history.mu,
+//	             capture gate (device.go), caching off          device.mu,
+//	             (uncached.go), the memory history's            Allocator.gate,
+//	             allocator-wide state (history.go), the front   uncached.mu,
+//	             cache's control (front.go), the IPC cache      frontCtl.mu,
+//	             (ipc.go); per device: the lock, the request    ipcMaps.mu
+//	             paths (request.go), the retry sequence, the
+//	             memory fraction, the device's recorder
+//	             (recorder.go)
+//	pools        blocks, segments, free sets, best fit, split   none (device.mu)
+//	             and merge, statistics, the clock of frees,
+//	             the block side of expandable segments and
+//	             stitching
+//	events       deferred frees and stream progress: per-       none (device.mu)
+//	             stream queues of events, pooled events,
+//	             "has stream S run past point T"
+//	graphs       capture routing (announced and unannounced     none (device.mu)
+//	             captures) and capture-time reuse of
+//	             record_stream'd blocks (graphs.Reuse)
+//	privatepool  private pools' lifetime (holders, release,     none (device.mu)
+//	             which pools may be named or restored into),
+//	             segment sources, checkpoints
+//	vmem         virtual memory: reservations, physical         none (device.mu)
+//	             allocations (map unit, spares, orphans),
+//	             map/unmap/lend, stitching's policy
+//	cuda         the driver (cuda/driver), the simulator        the driver's and
+//	             (cuda/sim), relaxed capture mode               simulator's own
+//	capi         the C ABI and the C front cache                C's spin lock
+//
+// The device talks to vmem through virtualMemory (virtual.go), to the
+// history through recorder (recorder.go), and to events, graphs and
+// privatepool through their types; vmem, graphs and events reach the
+// driver through interfaces of their own, and vmem learns stream progress
+// and records mappings through interfaces the device implements.
 //
 // # Design
 //
@@ -21,10 +63,10 @@
 //     pool's reserved range instead: package vmem); else, for a request
 //     of the default pools, take a cached block of a user pool marked
 //     use_on_oom (mempool.go); else free cached oversize segments and
-//     retry; else wait for all pending events, free
-//     every cached whole segment and unmap every free page (and the released
-//     private pools') and retry. Steps that free memory are skipped while a
-//     capture is under way.
+//     retry; else wait for all pending events, free every cached whole
+//     segment and unmap every free page (and the released private pools')
+//     and retry. Steps that free memory are skipped while a capture is
+//     under way.
 //  5. Else out of memory, with PyTorch's message.
 //
 // New segments are allocated with the calling thread switched to relaxed
@@ -37,8 +79,8 @@
 // runs on the GPU (cuda/driver) and on the simulator (cuda/sim).
 //
 // The memory history (PyTorch's _record_memory_history: a trace of actions,
-// the callers' contexts on blocks, segments and entries) is in history.go;
-// snapshots in snapshot.go.
+// the callers' contexts on blocks, segments and entries) is in history.go
+// and recorder.go; snapshots in snapshot.go.
 package allocator
 
 import (

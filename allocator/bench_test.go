@@ -250,7 +250,8 @@ func BenchmarkTorchPair(b *testing.B) {
 // blocks in the default pools, 12 graphs' private pools kept (each with
 // live and free blocks). Each call is timed alone (ns/call): b.StopTimer
 // would stop the world on every iteration and disturb what it measures.
-// docs/hot-path.md, section 15.
+// docs/hot-path.md, 'A full run of the present library, and the capture's
+// enter phase'.
 func BenchmarkCaptureEnterCold(b *testing.B) {
 	evict := make([]byte, 48<<20) // more than this box's last-level cache
 	setup := func(b *testing.B) *allocator.Allocator {

@@ -367,8 +367,9 @@ func (d *device) releaseCached(op string) error {
 // (BlockPool.Releasable) and no released private pool. Each test reads a
 // field. torch.cuda.graph calls empty_cache before every capture, after
 // the interpreter has made the caches cold, and the full path's dozen
-// functions then cost about 10 us on the development box (docs/hot-path.md
-// section 23). d.mu is held.
+// functions then cost about 10 us on the development box (docs/hot-path.md,
+// 'Graph captures alternated in one process; the hooks around a capture').
+// d.mu is held.
 func (d *device) nothingToRelease() bool {
 	return d.ev.Empty() && d.graphs.Reuse.Empty() &&
 		d.vm.Idle() &&

@@ -8,7 +8,8 @@ import (
 )
 
 // BenchmarkPGOCapture is the Go part of the profile that make pgo writes
-// into capi/default.pgo (docs/hot-path.md, section 13): the mallocs of a
+// into capi/default.pgo (docs/hot-path.md, 'Profile-guided optimization
+// (PGO) and GOAMD64=v3'): the mallocs of a
 // CUDA graph capture, as PyTorch's class makes them (one request with the
 // previous free queued). Each op is one capture: empty_cache, a private
 // pool, 64 mallocs on the capturing stream and 8 on a side stream that the

@@ -10,8 +10,8 @@ import (
 	"github.com/cudapool/cudapool/cuda"
 )
 
-// The capture-time record_stream race (issue 16; gpu/race_record_stream.py
-// is its GPU twin). One thread captures a graph in thread-local mode; on
+// The capture-time record_stream race (gpu/race_record_stream.py is its
+// GPU twin). One thread captures a graph in thread-local mode; on
 // another thread a block that a side stream still reads (record_stream,
 // then a delayed kernel) is freed while that capture runs, and the same
 // size is allocated on the freeing stream right after the capture ends.

@@ -11,7 +11,7 @@ import (
 // recorder is what the device tells the memory history (history.go): the
 // operations it performs and what happens to blocks and segments during
 // them. The history decides what to keep (the contexts, by level; the trace
-// entries; the skipped actions). The device calls it under its lock, and
+// entries; the skipped actions). The device tells it under its lock, and
 // holds none (d.rec nil) while the history is off: no context is kept then
 // (blocks and segments carry 0) and nothing is recorded.
 type recorder interface {

@@ -7,7 +7,7 @@ import (
 )
 
 // The device's virtual memory: expandable segments and stitching belong to
-// package vmem (its doc.go has the design). The device calls it through
+// package vmem (its doc.go has the design). The device reaches it through
 // virtualMemory and lends it what it owns itself: stream progress (events),
 // the history's record of mappings, the device's capacity, and errors in
 // the allocator's form.

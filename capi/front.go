@@ -23,7 +23,8 @@ import (
 
 // The front holds default-pool blocks across takes only up to the small
 // pool's limit: larger held blocks, neither merged nor seen by best fit,
-// fragment the large pools (front.c; docs/hot-path.md section 20).
+// fragment the large pools (front.c; docs/hot-path.md, 'The front's held
+// blocks and fragmentation; FSDP2 measured').
 func init() { C.cp_front_hold_max = C.size_t(pools.SmallSize) }
 
 // frontHoldMax is what the front was told (for the tests).

@@ -10,12 +10,13 @@ import (
 // with some left idle: PyTorch's main thread, an autograd thread per
 // device, the keeper (capi/warm), and spares.
 //
-// Why it matters (docs/hot-path.md 22): a C thread keeps the P its call took
-// (the runtime parks it "in a system call" when the call returns). The
-// library is built with a runtime in which a call from C counts as a
-// schedule tick of that P (capi/build_lib.sh), so sysmon leaves it with
-// the caller instead of taking it back at every round, but only while some
-// P is idle: with none idle, a thread may be waiting for a P, and sysmon's
+// Why it matters (docs/hot-path.md, 'A call from C counted as a schedule
+// tick: the Go runtime patched for the build'): a C thread keeps the P its
+// call took (the runtime parks it "in a system call" when the call returns).
+// The library is built with a runtime in which a call from C counts as a
+// schedule tick of that P (capi/build_lib.sh), so sysmon leaves it with the
+// caller instead of taking it back at every round, but only while some P is
+// idle: with none idle, a thread may be waiting for a P, and sysmon's
 // retakes are what give it one. GOMAXPROCS defaults to the CPUs the process
 // may use, 1 on a one-CPU host, where no P would ever be idle. More Ps than
 // CPUs costs a few kilobytes each; the library's Go code rarely has more
