@@ -140,8 +140,9 @@ type Allocator struct {
 // The fields a cache-hit malloc and free read come first, together: after
 // an eviction each cache line is a miss. Go puts an 8-byte header before an
 // object of this size, so the struct starts 8 bytes into a line: mu through
-// a fill the first line, graphs the second, rec and the front's first
-// fields the third.
+// newPools fill the first line; a and graphs' private pools and captures
+// (which every malloc's Idle reads) the second and the start of the third;
+// rec and the front's fields follow graphs' Reuse, read during captures.
 type device struct {
 	mu    sync.Mutex
 	cache *pools.Cache    // guarded by mu

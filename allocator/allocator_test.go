@@ -372,15 +372,15 @@ func lockThread(t testing.TB) {
 // mallocAfterFrees performs the frees, then the malloc, in one request, and
 // returns the pointer, the malloc's error and the first free's.
 func mallocAfterFrees(a *allocator.Allocator, dev int, size uint64, s cuda.Stream, ctx uint64, frees []allocator.FreeRequest) (cuda.Ptr, error, error) {
-	r := allocator.MallocRequest{Dev: dev, Size: size, Stream: s, Ctx: ctx, Frees: frees}
-	p, err := a.Malloc(&r)
+	r := &allocator.MallocRequest{Dev: dev, Size: size, Stream: s, Ctx: ctx, Frees: frees}
+	p, err := a.Malloc(r)
 	return p, err, r.FreeErr
 }
 
 // mallocTracked is mallocAfterFrees that also returns the block's front
 // tag.
 func mallocTracked(a *allocator.Allocator, dev int, size uint64, s cuda.Stream, ctx uint64, frees []allocator.FreeRequest) (cuda.Ptr, uint32, error, error) {
-	r := allocator.MallocRequest{Dev: dev, Size: size, Stream: s, Ctx: ctx, Frees: frees}
-	p, err := a.Malloc(&r)
+	r := &allocator.MallocRequest{Dev: dev, Size: size, Stream: s, Ctx: ctx, Frees: frees}
+	p, err := a.Malloc(r)
 	return p, r.Track, err, r.FreeErr
 }

@@ -236,8 +236,8 @@ func BenchmarkTorchPair(b *testing.B) {
 	b.ReportAllocs()
 	for b.Loop() {
 		// As the C ABI does: a request per malloc, with the queued frees.
-		r := allocator.MallocRequest{Size: 4096, Frees: frees}
-		p, _ := a.Malloc(&r)
+		r := &allocator.MallocRequest{Size: 4096, Frees: frees}
+		p, _ := a.Malloc(r)
 		pend[0] = allocator.FreeRequest{Dev: -1, Ptr: p}
 		frees = pend[:]
 	}

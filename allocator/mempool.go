@@ -113,7 +113,7 @@ func (a *Allocator) SetPoolSource(dev int, id PoolID, src SegmentSource) error {
 }
 
 // EmptyPool gives back the cached memory of pool id on dev (native
-// emptyCache(mempool_id)); {0,0} is EmptyCache(). As in PyTorch only a
+// emptyCache(mempool_id)); {0,0} is EmptyCache(0). As in PyTorch only a
 // released pool gives memory back, and the pool is forgotten once it holds
 // none; a pool still held, or unknown, is left alone without error.
 func (a *Allocator) EmptyPool(dev int, id PoolID) error {

@@ -186,51 +186,52 @@ func (a *Allocator) unannouncedCapture(dev int, s cuda.Stream) (uint64, error) {
 // Free performs the frees in order and returns the first error (one that
 // says what a pointer it did not find is). A free of a known device
 // allocates nothing unless it fails.
-func (a *Allocator) Free(frees ...FreeRequest) error {
-	if len(frees) == 1 {
-		return a.free(&frees[0]) // (inlined: a call less for one free)
-	}
-	return a.freeAll(frees)
-}
+func (a *Allocator) Free(frees ...FreeRequest) error { return a.free(frees) }
 
-func (a *Allocator) freeAll(frees []FreeRequest) error {
+// free is Free (which is inlined, so that a free costs one call).
+func (a *Allocator) free(frees []FreeRequest) error {
 	var first error
 	for i := range frees {
-		if err := a.free(&frees[i]); err != nil && first == nil {
+		f := &frees[i]
+		var err error
+		if f.Dev == -1 {
+			err = a.freeAny(f)
+		} else if d, derr := a.device("free", f.Dev); derr != nil {
+			err = derr
+		} else {
+			d.lock() // (enter and leave, written out: see device.enter)
+			if d.debug {
+				heldRanks.acquire(rankDevice)
+			}
+			d.begin(f.Ctx, HistoryAll)
+			err = d.freeLocked(f.Ptr, f.Size)
+			d.end()
+			if d.debug {
+				d.mustCheck()
+				heldRanks.release(rankDevice)
+			}
+			d.mu.Unlock()
+			if err != nil {
+				err = a.freeUnknown(f.Ptr, err)
+			}
+		}
+		if err != nil && first == nil {
 			first = err
 		}
 	}
 	return first
 }
 
-// free performs f.
-func (a *Allocator) free(f *FreeRequest) error {
-	if f.Dev == -1 {
-		return a.freeAny(f)
+// freeUnknown ends a free that found no block at p on its device (err):
+// p may be an allocation made while caching was off; else the error says
+// what p is.
+//
+//go:noinline
+func (a *Allocator) freeUnknown(p cuda.Ptr, err error) error {
+	if found, ferr := a.freeUncached(p); found {
+		return ferr
 	}
-	d, err := a.device("free", f.Dev)
-	if err != nil {
-		return err
-	}
-	d.lock() // (enter and leave, written out: see device.enter)
-	if d.debug {
-		heldRanks.acquire(rankDevice)
-	}
-	d.begin(f.Ctx, HistoryAll)
-	err = d.freeLocked(f.Ptr, f.Size)
-	d.end()
-	if d.debug {
-		d.mustCheck()
-		heldRanks.release(rankDevice)
-	}
-	d.mu.Unlock()
-	if err != nil {
-		if found, ferr := a.freeUncached(f.Ptr); found {
-			return ferr
-		}
-		return a.explainFree(err)
-	}
-	return nil
+	return a.explainFree(err)
 }
 
 // freeAny performs f, a free of unknown device, on whichever device holds
@@ -285,7 +286,7 @@ func (d *device) freeUnknownDevice(f *FreeRequest, i int, done *[2]uint64, freeE
 func (a *Allocator) freeOthers(dev int, frees []FreeRequest, done *[2]uint64, first error) error {
 	for i := range frees {
 		if f := &frees[i]; f.Dev != dev && (i >= 128 || done[i/64]&(1<<(i%64)) == 0) {
-			if e := a.free(f); e != nil && first == nil {
+			if e := a.free(frees[i : i+1]); e != nil && first == nil {
 				first = e
 			}
 		}

@@ -123,8 +123,8 @@ func TestSpeed(t *testing.T) {
 			var pend [1]allocator.FreeRequest
 			var frees []allocator.FreeRequest
 			res[rows[5]][k] = append(res[rows[5]][k], cpuPerOp(300000, func() {
-				r := allocator.MallocRequest{Size: 4096, Frees: frees}
-				p, _ := a.Malloc(&r)
+				r := &allocator.MallocRequest{Size: 4096, Frees: frees}
+				p, _ := a.Malloc(r)
 				pend[0] = allocator.FreeRequest{Dev: -1, Ptr: p}
 				frees = pend[:]
 			}))

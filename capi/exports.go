@@ -36,8 +36,8 @@ func cpgo_malloc(size C.size_t, dev C.int, stream C.uintptr_t, track *C.int) C.u
 		var buf [C.CP_FREEQ_CAP]allocator.PendingFree
 		frees = takeFrees(&buf)
 	}
-	r := allocator.MallocRequest{Dev: int(dev), Size: uint64(size), Stream: cuda.Stream(stream), Frees: frees}
-	p, err := st.a.Malloc(&r)
+	r := &allocator.MallocRequest{Dev: int(dev), Size: uint64(size), Stream: cuda.Stream(stream), Frees: frees}
+	p, err := st.a.Malloc(r)
 	if err != nil || r.FreeErr != nil || track == nil {
 		return mallocEnd(p, r.Track, err, r.FreeErr, track)
 	}
@@ -107,8 +107,8 @@ func cpgo_torch_malloc(size C.size_t, dev C.int, stream C.uintptr_t, frees *C.cp
 		a.ExpectAnnouncements()
 		torchAnnounced.Store(true)
 	}
-	r := allocator.MallocRequest{Dev: int(dev), Size: uint64(size), Stream: cuda.Stream(stream), Frees: pendingFrees(frees, nfrees)}
-	p, err := a.Malloc(&r)
+	r := &allocator.MallocRequest{Dev: int(dev), Size: uint64(size), Stream: cuda.Stream(stream), Frees: pendingFrees(frees, nfrees)}
+	p, err := a.Malloc(r)
 	if err != nil || r.FreeErr != nil || track == nil {
 		return mallocEnd(p, r.Track, err, r.FreeErr, track)
 	}

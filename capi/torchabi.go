@@ -35,8 +35,8 @@ func cpgo_malloc_ctx(size C.size_t, dev C.int, stream C.uintptr_t, ctx C.ulonglo
 		return mallocCtxNoState(size, dev, stream, ctx, frees, nfrees, track)
 	}
 	keeper.Touch()
-	r := allocator.MallocRequest{Dev: int(dev), Size: uint64(size), Stream: cuda.Stream(stream), Ctx: uint64(ctx), Frees: pendingFrees(frees, nfrees)}
-	p, err := st.a.Malloc(&r)
+	r := &allocator.MallocRequest{Dev: int(dev), Size: uint64(size), Stream: cuda.Stream(stream), Ctx: uint64(ctx), Frees: pendingFrees(frees, nfrees)}
+	p, err := st.a.Malloc(r)
 	if err != nil || r.FreeErr != nil || track == nil {
 		return mallocEnd(p, r.Track, err, r.FreeErr, track)
 	}

@@ -63,9 +63,10 @@ type autoCapture struct {
 // reuse of record_stream'd blocks inside a capture (reuse.go).
 type Router struct {
 	Pools    privatepool.Registry
-	Reuse    Reuse
 	captures []capture     // announced, in begin order
 	auto     []autoCapture // unannounced captures seen allocating
+	// Reuse comes last: every malloc reads captures and auto (Idle).
+	Reuse Reuse
 }
 
 // AutoPoolID is the id of the automatic pool of capture sequence id. The top
