@@ -259,7 +259,7 @@ demo: $(BUILD)/replay
 
 # pgo: rewrites capi/default.pgo, the CPU profile go build uses for
 # profile-guided optimization of the library: hotter inlining along the
-# class path's malloc (cpgo_malloc_ctx, MallocTracked, the device's malloc
+# class path's malloc (cpgo_malloc_ctx, Allocator.Malloc, the device's malloc
 # and free, the pools) and in the runtime's side of the crossing, about 6%
 # fewer instructions per mixed pair and no more instruction-cache lines
 # (docs/hot-path.md). The profile comes from committed

@@ -1,6 +1,48 @@
-// Package allocator is cudapool's caching allocator: the orchestration of
-// the block cache (pools), deferred frees (events), private pools
-// (privatepool) and capture routing (graphs) over a CUDA driver.
+// Package allocator is cudapool's caching allocator: it orchestrates, for
+// each device of a CUDA driver, the owners of the allocator's mechanisms.
+//
+// # Owners
+//
+// Each mechanism has one owner; the device (device, in this package) holds
+// one of each and calls them under its lock. Locks are listed in rank
+// order (lockrank.go).
+//
+//	package      owns                                           locks
+//	allocator    the devices and what crosses them: the         Allocator.cfgMu,
+//	             configuration, captures under way and the      history.mu,
+//	             capture gate (device.go), caching off          device.mu,
+//	             (uncached.go), the memory history's            Allocator.gate,
+//	             allocator-wide state (history.go), the front   uncached.mu,
+//	             cache's control (front.go), the IPC cache      frontCtl.mu,
+//	             (ipc.go); per device: the lock, the request    ipcMaps.mu
+//	             paths (request.go), the retry sequence, the
+//	             memory fraction, the device's recorder
+//	             (recorder.go)
+//	pools        blocks, segments, free sets, best fit, split   none (device.mu)
+//	             and merge, statistics, the clock of frees,
+//	             the block side of expandable segments and
+//	             stitching
+//	events       deferred frees and stream progress: per-       none (device.mu)
+//	             stream queues of events, pooled events,
+//	             "has stream S run past point T"
+//	graphs       capture routing (announced and unannounced     none (device.mu)
+//	             captures) and capture-time reuse of
+//	             record_stream'd blocks (graphs.Reuse)
+//	privatepool  private pools' lifetime (holders, release,     none (device.mu)
+//	             which pools may be named or restored into),
+//	             segment sources, checkpoints
+//	vmem         virtual memory: reservations, physical         none (device.mu)
+//	             allocations (map unit, spares, orphans),
+//	             map/unmap/lend, stitching's policy
+//	cuda         the driver (cuda/driver), the simulator        the driver's and
+//	             (cuda/sim), relaxed capture mode               simulator's own
+//	capi         the C ABI and the C front cache                C's spin lock
+//
+// The device talks to vmem through virtualMemory (virtual.go), to the
+// history through recorder (recorder.go), and to events, graphs and
+// privatepool through their types; vmem, graphs and events reach the
+// driver through interfaces of their own, and vmem learns stream progress
+// and records mappings through interfaces the device implements.
 //
 // # Design
 //
@@ -18,13 +60,13 @@
 //  3. Best fit on the stream in that pool.
 //  4. Else grow: garbage-collect old cached segments if configured; allocate
 //     a new segment (with expandable_segments:True, map pages into the
-//     pool's reserved range instead: expandable.go); else, for a request
+//     pool's reserved range instead: package vmem); else, for a request
 //     of the default pools, take a cached block of a user pool marked
 //     use_on_oom (mempool.go); else free cached oversize segments and
-//     retry; else wait for all pending events, free
-//     every cached whole segment and unmap every free page (and the released
-//     private pools') and retry. Steps that free memory are skipped while a
-//     capture is under way.
+//     retry; else wait for all pending events, free every cached whole
+//     segment and unmap every free page (and the released private pools')
+//     and retry. Steps that free memory are skipped while a capture is
+//     under way.
 //  5. Else out of memory, with PyTorch's message.
 //
 // New segments are allocated with the calling thread switched to relaxed
@@ -37,15 +79,13 @@
 // runs on the GPU (cuda/driver) and on the simulator (cuda/sim).
 //
 // The memory history (PyTorch's _record_memory_history: a trace of actions,
-// the callers' contexts on blocks, segments and entries) is in history.go;
-// snapshots in snapshot.go.
+// the callers' contexts on blocks, segments and entries) is in history.go
+// and recorder.go; snapshots in snapshot.go.
 package allocator
 
 import (
-	"errors"
 	"fmt"
 	"os"
-	"runtime"
 	"sync"
 	"sync/atomic"
 
@@ -76,7 +116,7 @@ type Allocator struct {
 	uncN       atomic.Int64
 	unc        uncached
 	drv        Driver
-	cfgMu      sync.Mutex // serializes Configure
+	cfgMu      rankedMutex // serializes Configure
 	cfg        atomic.Pointer[Config]
 	// underway counts the captures the devices believe under way. CUDA's
 	// capture rules are process-wide (a free or synchronize on one device
@@ -85,7 +125,7 @@ type Allocator struct {
 	// gate orders the devices' unsafe sections (freeing memory, querying
 	// and recording events outside captures) with announced capture
 	// begins; see device.go.
-	gate sync.RWMutex
+	gate rankedRWMutex
 	// onWarning reports conditions worth a message but not an error (each
 	// message once); nil: stderr.
 	onWarning atomic.Pointer[func(string)]
@@ -94,68 +134,51 @@ type Allocator struct {
 	front     frontCtl
 }
 
-// device is one GPU's allocator state.
+// device is one GPU's allocator state: what one lock, mu, guards, and the
+// owners it orchestrates (see the package comment).
 //
 // The fields a cache-hit malloc and free read come first, together: after
 // an eviction each cache line is a miss. Go puts an 8-byte header before an
 // object of this size, so the struct starts 8 bytes into a line: mu through
-// newPools fill the first line, underway and graphs the second, hist's
-// first fields the third.
+// newPools fill the first line; a and graphs' private pools and captures
+// (which every malloc's Idle reads) the second and the start of the third;
+// rec and the front's fields follow graphs' Reuse, read during captures.
 type device struct {
 	mu    sync.Mutex
 	cache *pools.Cache    // guarded by mu
 	ev    *events.Tracker // guarded by mu
-	// counted is this device's contribution to underway; guarded by mu.
+	// counted is this device's contribution to a.underway; guarded by mu.
 	counted int64
 	// inUnsafe: this device holds the gate shared (enterUnsafe); guarded
 	// by mu.
 	inUnsafe bool
-	debug    bool // guarded by mu
+	debug    bool // debug_checks; guarded by mu
 	// Built once so that passing them costs no allocation.
 	query    func(cuda.Stream) (cuda.CaptureStatus, uint64, error)
 	newPools privatepool.NewPools
-	underway *atomic.Int64 // the allocator's count of captures under way
-	graphs   graphs.Router // guarded by mu
-	hist     deviceHistory // guarded by mu (history.go)
-	front    frontState    // the front cache's (front.go)
+	a        *Allocator    // the allocator: captures under way, the gate, warnings
+	graphs   graphs.Router // captures, private pools, capture reuse; guarded by mu
+	rec      recorder      // the memory history (nil: off); guarded by mu
+	front    frontState    // the front cache's side (front.go); its fields name their guards
 
-	id        int
-	drv       Driver
-	announced *atomic.Bool  // the allocator's: captures are announced
-	gate      *sync.RWMutex // the allocator's gate (device.go)
-	total     uint64        // device capacity; guarded by mu (0: not yet read)
-
-	// Expandable segments (expandable.go), all guarded by mu.
-	wantExpandable bool       // the configuration asks for them
-	vmm            vmmDriver  // nil: the driver has no VMM API
-	vmmState       int8       // 0: not probed yet, 1: usable, -1: not
-	page           uint64     // mapping unit, once probed
-	mapCapturing   bool       // a capture may be under way during Map
-	orphans        []orphan   // physical memory to give back after captures
-	spare          []physical // created, unmapped, for the next Map
-	handles        []physical // Map's scratch space
-	mapper         vmmMapper
-	mapUnitCfg     uint64      // expandable_map_unit_mb, in bytes
-	stitch         stitchState // stitch:True (stitch.go)
-	warn           func(string)
-
-	// sources supply the segments of private pools that have their own
-	// (SetPoolSource), by pool id; guarded by mu.
-	sources map[PoolID]SegmentSource
-	// fraction is the memory fraction the configuration asks for
-	// (per_process_memory_fraction), applied when the device next grows,
-	// since that needs the device's capacity from the driver;
-	// fractionPending says it is not yet applied. Both guarded by mu.
-	fraction        float64
-	fractionPending bool
-
-	// reuse is graph_capture_record_stream_reuse's state; guarded by mu
-	// (capturereuse.go).
-	reuse captureReuse
+	id    int
+	drv   Driver
+	vm    virtualMemory // expandable segments and stitching (virtual.go); guarded by mu
+	limit memoryLimit   // capacity and memory fraction; guarded by mu
 
 	// Built once so that passing them costs no allocation.
 	freeSeg pools.FreeFunc
 	ret     func(*pools.Block)
+}
+
+// memoryLimit is the device's capacity, read once, and the memory fraction
+// the configuration asks for (per_process_memory_fraction), applied to the
+// cache when the device next grows, since that needs the capacity from the
+// driver.
+type memoryLimit struct {
+	total    uint64 // device capacity (0: not yet read)
+	fraction float64
+	pending  bool // fraction is not yet applied
 }
 
 // New returns an allocator for every device of drv.
@@ -165,11 +188,12 @@ func New(drv Driver, cfg Config) (*Allocator, error) {
 		return nil, driverError("init", err, "counting devices")
 	}
 	a := &Allocator{drv: drv}
+	a.cfgMu.rank, a.gate.rank, a.hist.mu.rank, a.unc.mu.rank, a.front.mu.rank = rankConfig, rankGate, rankHistory, rankUncached, rankFront
 	a.cfg.Store(&cfg)
 	a.hist.publish()
 	for i := 0; i < n; i++ {
-		d := &device{id: i, drv: drv, underway: &a.underway, announced: &a.announced, gate: &a.gate, cache: pools.NewCache(cfg.Pools), ev: events.New(drv, i)}
-		d.hist.labels = &a.hist.labels
+		d := &device{id: i, drv: drv, a: a, cache: pools.NewCache(cfg.Pools), ev: events.New(drv, i)}
+		a.hist.devs = append(a.hist.devs, &deviceHistory{labels: &a.hist.labels})
 		d.front.ctl = &a.front
 		d.debug = cfg.DebugChecks
 		d.freeSeg = d.freeSegment
@@ -180,15 +204,12 @@ func New(drv Driver, cfg Config) (*Allocator, error) {
 			return drv.StreamCaptureInfo(d.id, s)
 		}
 		d.ret = d.returnBlock
-		d.vmm, _ = drv.(vmmDriver)
-		d.wantExpandable = cfg.ExpandableSegments || cfg.Stitch
-		d.mapUnitCfg, d.stitch.on = cfg.ExpandableMapUnit, cfg.Stitch
-		d.reuse.on = cfg.GraphCaptureRecordStreamReuse
-		d.fraction, d.fractionPending = cfg.MemoryFraction, cfg.MemoryFractionSet
-		d.mapper = vmmMapper{d}
-		d.warn = a.warn
+		d.graphs.Reuse.On = cfg.GraphCaptureRecordStreamReuse
+		d.limit.fraction, d.limit.pending = cfg.MemoryFraction, cfg.MemoryFractionSet
+		d.vm = d.newVirtualMemory(drv, &cfg)
 		a.devs = append(a.devs, d)
 	}
+	a.checkRanks(cfg.DebugChecks)
 	if cfg.HistoryEntries > 0 {
 		a.historyFromConfig(cfg.HistoryEntries)
 	}
@@ -218,17 +239,25 @@ func (a *Allocator) Configure(cfg Config) {
 	defer a.cfgMu.Unlock()
 	old := a.cfg.Swap(&cfg)
 	for _, d := range a.devs {
-		d.lock()
+		d.enter()
 		d.cache.SetConfig(cfg.Pools)
-		d.debug = cfg.DebugChecks
-		d.wantExpandable = cfg.ExpandableSegments || cfg.Stitch
-		d.mapUnitCfg, d.stitch.on = cfg.ExpandableMapUnit, cfg.Stitch
-		d.reuse.on = cfg.GraphCaptureRecordStreamReuse
-		if cfg.MemoryFractionSet {
-			d.fraction, d.fractionPending = cfg.MemoryFraction, true
+		if d.debug != cfg.DebugChecks {
+			// This hold was (not) recorded: make leave's match.
+			if d.debug {
+				heldRanks.release(rankDevice)
+			} else {
+				heldRanks.acquire(rankDevice)
+			}
+			d.debug = cfg.DebugChecks
 		}
-		d.mu.Unlock()
+		d.vm.Configure(vmemConfig(&cfg))
+		d.graphs.Reuse.On = cfg.GraphCaptureRecordStreamReuse
+		if cfg.MemoryFractionSet {
+			d.limit.fraction, d.limit.pending = cfg.MemoryFraction, true
+		}
+		d.leave()
 	}
+	a.checkRanks(cfg.DebugChecks)
 	if cfg.HistoryEntries != old.HistoryEntries {
 		a.historyFromConfig(cfg.HistoryEntries)
 	}
@@ -259,7 +288,7 @@ func (a *Allocator) ExpectAnnouncements() {
 	a.front.sync()
 }
 
-// device returns device dev, or the error for a device that does not exist.
+// device returns device dev, or op's error for a device that does not exist.
 // Small enough to be inlined into every operation (the error is built out of
 // line): a call frame less on the hot path.
 func (a *Allocator) device(op string, dev int) (*device, error) {
@@ -274,222 +303,61 @@ func (a *Allocator) noDevice(op string, dev int) error {
 	return newError(op, ErrInvalidDevice, "device %d does not exist (%d devices)", dev, len(a.devs))
 }
 
-// Malloc allocates size bytes on device dev for use on stream s. Size 0
-// returns a nil pointer and no error, as PyTorch expects.
-func (a *Allocator) Malloc(dev int, size uint64, s cuda.Stream) (cuda.Ptr, error) {
-	return a.MallocCtx(dev, size, s, 0)
-}
-
-// MallocCtx is Malloc with the id of the caller's context (0: none), gathered
-// when GatherMask has GatherAlloc (see history.go).
-func (a *Allocator) MallocCtx(dev int, size uint64, s cuda.Stream, ctx uint64) (cuda.Ptr, error) {
-	d, err := a.device("malloc", dev)
+// onDevice is the prologue and epilogue of an operation on one device: it
+// runs fn on device dev with the device locked (lock: the front's log
+// replayed first; unlock after fn), or fails with op's error for a device
+// that does not exist.
+func onDevice[T any](a *Allocator, op string, dev int, fn func(d *device) (T, error)) (T, error) {
+	d, err := a.device(op, dev)
 	if err != nil {
-		return 0, err
+		var zero T
+		return zero, err
 	}
-	if size == 0 {
-		return 0, nil
-	}
-	if size >= pools.MaxRequest {
-		return 0, tooLarge()
-	}
-	if a.cachingOff.Load() {
-		return a.mallocUncached(d, size)
-	}
-	capture, err := a.unannouncedCapture(dev, s)
-	if err != nil {
-		return 0, err
-	}
-	d.lock()
-	d.hist.begin(ctx, HistoryState)
-	p, err := d.malloc(size, s, capture)
-	d.hist.end()
-	if d.debug {
-		d.mustCheck()
-	}
-	d.mu.Unlock()
-	return p, err
+	d.enter()
+	defer d.leave()
+	return fn(d)
 }
 
-// tooLarge is PyTorch's error, word for word, for a request of 1 EiB or
-// more: an out-of-memory error (torch.OutOfMemoryError), counted nowhere.
-func tooLarge() error {
-	return newError("malloc", ErrOutOfMemory, "CUDA out of memory. Tried to allocate more than 1EB memory.")
-}
-
-// unannouncedCapture returns the capture sequence s belongs to (0: none)
-// when nobody announces captures; then it asks the driver, outside any lock.
-// Once captures are announced it returns 0 without a driver call.
-func (a *Allocator) unannouncedCapture(dev int, s cuda.Stream) (uint64, error) {
-	if a.announced.Load() {
-		return 0, nil
-	}
-	st, id, err := a.drv.StreamCaptureInfo(dev, s)
-	if err != nil {
-		return 0, driverError("malloc", err, "querying the capture status of stream %#x", uintptr(s))
-	}
-	if st == cuda.CaptureNone {
-		return 0, nil
-	}
-	return id, nil
-}
-
-// Free returns the block at p. size, if not zero, must be the size that was
-// asked for (PyTorch passes it back); a mismatch frees nothing.
-func (a *Allocator) Free(dev int, p cuda.Ptr, size uint64) error {
-	return a.FreeCtx(dev, p, size, 0)
-}
-
-// FreeCtx is Free with the id of the caller's context (0: none), gathered
-// when GatherMask has GatherFree (see history.go).
-func (a *Allocator) FreeCtx(dev int, p cuda.Ptr, size uint64, ctx uint64) error {
-	d, err := a.device("free", dev)
-	if err != nil {
-		return err
-	}
-	d.lock()
-	d.hist.begin(ctx, HistoryAll)
-	err = d.freeLocked(p, size)
-	d.hist.end()
-	if d.debug {
-		d.mustCheck()
-	}
-	d.mu.Unlock()
-	if err != nil {
-		if found, ferr := a.freeUncached(p); found {
-			return ferr
-		}
-		return a.explainFree(err)
-	}
-	return nil
-}
-
-// FreeAny frees the block at p on whichever device holds it (a caller that
-// does not know the device). size is checked as in Free. It allocates
-// nothing unless it fails.
-func (a *Allocator) FreeAny(p cuda.Ptr, size uint64) error { return a.FreeAnyCtx(p, size, 0) }
-
-// FreeAnyCtx is FreeAny with the free's context id (as for FreeCtx).
-func (a *Allocator) FreeAnyCtx(p cuda.Ptr, size uint64, ctx uint64) error {
-	d, b := a.find(p)
-	if d == nil {
-		if found, err := a.freeUncached(p); found {
-			return err
-		}
-		return a.explainUnknown("free", -1, p)
-	}
-	d.hist.begin(ctx, HistoryAll)
-	err := d.freeBlock(b, size)
-	d.hist.end()
-	if d.debug {
-		d.mustCheck()
-	}
-	d.mu.Unlock()
+// withDevice is onDevice for an operation that returns only an error.
+func (a *Allocator) withDevice(op string, dev int, fn func(d *device) error) error {
+	_, err := onDevice(a, op, dev, func(d *device) (struct{}, error) { return struct{}{}, fn(d) })
 	return err
 }
 
-// explainFree replaces the error of a free that found no block by one that
-// says what the pointer is; it runs without any device lock held, since it
-// looks at every device.
-func (a *Allocator) explainFree(err error) error {
-	var u unknownAt
-	if errors.As(err, &u) {
-		return a.explainUnknown("free", u.dev, u.p)
+// enter begins an operation on d and leave ends it. enter takes the device
+// lock by lock (front.go), which then replays the front's log, so that the
+// structures are what the same calls without the front would have left;
+// under debug_checks it checks the hold against the lock ranks
+// (lockrank.go). leave releases the lock. The common paths of Malloc and
+// of a free write the pair out (Malloc with lockMalloc, which lets the
+// front keep holding blocks), their rank checks sharing the debug_checks
+// test of the invariant check.
+func (d *device) enter() {
+	d.lock()
+	if d.debug {
+		heldRanks.acquire(rankDevice)
 	}
-	return err
 }
 
-// freeLocked frees the block at p. d.mu is held.
-func (d *device) freeLocked(p cuda.Ptr, size uint64) error {
-	b := d.cache.Lookup(p)
-	if b == nil {
-		return d.notAllocated(p)
+func (d *device) leave() {
+	if d.debug {
+		heldRanks.release(rankDevice)
 	}
-	return d.freeBlock(b, size)
+	d.mu.Unlock()
 }
 
-// notAllocated is freeLocked's error for a pointer d has not allocated.
-//
-//go:noinline
-func (d *device) notAllocated(p cuda.Ptr) error {
-	return &Error{Op: "free", Kind: ErrUnknownPointer, Msg: "pointer not allocated on this device", Err: unknownAt{d.id, p}}
-}
-
-// freeBlock frees the allocated block b, whose requested size must be size
-// unless size is 0: it returns the block, or queues it behind its other
-// streams' uses. d.mu is held. The common case (no other stream used the
-// block) is straight-line code; the rest is out of line.
-func (d *device) freeBlock(b *pools.Block, size uint64) error {
-	if size != 0 && size != b.Requested {
-		return sizeMismatch(b, size)
-	}
-	d.cache.Release(b)
-	d.recordBlock(actionFreeRequested, b)
-	if !b.Uses.Empty() {
-		return d.freeUsed(b)
-	}
-	// d.returnBlock(b), written out (over the inliner's budget).
-	d.recordBlock(actionFreeCompleted, b)
-	b.Context = 0
-	d.cache.Return(b)
-	return nil
-}
-
-//go:noinline
-func sizeMismatch(b *pools.Block, size uint64) error {
-	return newError("free", ErrInvalidArgument, "pointer %#x was allocated with %d bytes, freed with %d; not freed", uintptr(b.Ptr), b.Requested, size)
-}
-
-// unknownAt carries the device and pointer of a free that found no block.
-type unknownAt struct {
-	dev int
-	p   cuda.Ptr
-}
-
-func (u unknownAt) Error() string {
-	return fmt.Sprintf("pointer %#x on device %d", uintptr(u.p), u.dev)
-}
-
-// explainUnknown builds the error for a pointer that device dev has not
-// allocated: freed already, another device's, inside an allocation, or
-// never seen. It locks the devices one at a time.
-func (a *Allocator) explainUnknown(op string, dev int, p cuda.Ptr) error {
-	for _, o := range a.devs {
-		o.lock()
-		b, seg := o.cache.Lookup(p), o.cache.SegmentAt(p)
-		var inside *pools.Block
-		if b == nil && seg != nil {
-			for x := seg.Head; x != nil; x = x.Next {
-				if p >= x.Ptr && p < x.End() {
-					inside = x
-				}
-			}
-		}
-		o.mu.Unlock()
-		switch {
-		case b != nil && o.id != dev:
-			return newError(op, ErrWrongDevice, "pointer %#x was allocated on device %d, not device %d", uintptr(p), o.id, dev)
-		case inside != nil && inside.Ptr == p && !inside.Allocated:
-			return newError(op, ErrAlreadyFreed, "pointer %#x on device %d is not allocated (already freed?)", uintptr(p), o.id)
-		case inside != nil:
-			return newError(op, ErrUnknownPointer, "pointer %#x lies inside the block at %#x on device %d, not at its start", uintptr(p), uintptr(inside.Ptr), o.id)
-		}
-	}
-	if dev >= 0 {
-		return newError(op, ErrUnknownPointer, "pointer %#x was not allocated by cudapool on device %d (already freed, or never allocated)", uintptr(p), dev)
-	}
-	return newError(op, ErrUnknownPointer, "pointer %#x was not allocated by cudapool (already freed, or never allocated)", uintptr(p))
-}
+// warn reports a condition that is not an error (Allocator.warn).
+func (d *device) warn(msg string) { d.a.warn(msg) }
 
 // find locks the device holding the allocated block at p and returns both;
 // the caller unlocks. It returns nil if no device has allocated p.
 func (a *Allocator) find(p cuda.Ptr) (*device, *pools.Block) {
 	for _, d := range a.devs {
-		d.lock()
+		d.enter()
 		if b := d.cache.Lookup(p); b != nil {
 			return d, b
 		}
-		d.mu.Unlock()
+		d.leave()
 	}
 	return nil, nil
 }
@@ -502,7 +370,7 @@ func (a *Allocator) AllocationInfo(p cuda.Ptr) (dev int, size uint64, err error)
 		return -1, 0, a.explainUnknown("allocation_info", -1, p)
 	}
 	dev, size = d.id, b.Requested
-	d.mu.Unlock()
+	d.leave()
 	return dev, size, nil
 }
 
@@ -519,7 +387,7 @@ func (a *Allocator) RecordStream(p cuda.Ptr, s cuda.Stream) error {
 	}
 	events.RecordUse(b, s)
 	d.invalidate(p) // its free must wait for s's work, which only Go sees
-	d.mu.Unlock()
+	d.leave()
 	return nil
 }
 
@@ -537,11 +405,11 @@ func (a *Allocator) BaseAllocation(p cuda.Ptr) (cuda.Ptr, uint64, error) {
 		if b.Seg.Expandable {
 			base, size, _ = d.cache.MappedRun(b.Seg, b.Ptr)
 		}
-		d.mu.Unlock()
+		d.leave()
 		return base, size, nil
 	}
 	for _, d := range a.devs {
-		d.lock()
+		d.enter()
 		seg := d.cache.SegmentAt(p)
 		var base cuda.Ptr
 		var size uint64
@@ -552,7 +420,7 @@ func (a *Allocator) BaseAllocation(p cuda.Ptr) (cuda.Ptr, uint64, error) {
 				base, size, ok = d.cache.MappedRun(seg, p)
 			}
 		}
-		d.mu.Unlock()
+		d.leave()
 		if ok {
 			return base, size, nil
 		}
@@ -570,21 +438,18 @@ var (
 
 // EmptyCache returns every cached whole segment, and the memory of released
 // private pools, to the driver. A device with a capture under way is left
-// alone and reported in the error.
-func (a *Allocator) EmptyCache() error { return a.EmptyCacheCtx(0) }
-
-// EmptyCacheCtx is EmptyCache with the id of the caller's context (0: none),
-// gathered when GatherMask has GatherRelease (see history.go).
-func (a *Allocator) EmptyCacheCtx(ctx uint64) error {
+// alone and reported in the error. ctx is the id of the caller's context
+// (0: none), gathered when GatherMask has GatherRelease (history.go).
+func (a *Allocator) EmptyCache(ctx uint64) error {
 	// First let every device notice the unannounced captures that ended.
 	for _, d := range a.devs {
-		d.lock()
+		d.enter()
 		d.capturing()
-		d.mu.Unlock()
+		d.leave()
 	}
 	var first error
 	for _, d := range a.devs {
-		d.lock()
+		d.enter()
 		var err error
 		if !d.enterUnsafe() {
 			err = newError("empty_cache", ErrCaptureUnderway, "device %d: a CUDA graph capture is under way; its cache is kept", d.id)
@@ -593,9 +458,9 @@ func (a *Allocator) EmptyCacheCtx(ctx uint64) error {
 			emptyCacheSkips.Add(1)
 			d.leaveUnsafe()
 		} else {
-			d.hist.begin(ctx, HistoryAll)
+			d.begin(ctx, HistoryAll)
 			err = d.releaseCached("empty_cache")
-			d.hist.end()
+			d.end()
 			if err == nil {
 				if derr := d.ev.DestroySpare(); derr != nil {
 					err = driverError("empty_cache", derr, "destroying cached events on device %d", d.id)
@@ -606,7 +471,7 @@ func (a *Allocator) EmptyCacheCtx(ctx uint64) error {
 		if d.debug {
 			d.mustCheck()
 		}
-		d.mu.Unlock()
+		d.leave()
 		if err != nil && first == nil {
 			first = err
 		}
@@ -618,77 +483,66 @@ func (a *Allocator) EmptyCacheCtx(ctx uint64) error {
 // of the device's capacity. As in PyTorch, 1 means no limit (and garbage
 // collection, which needs a limit, stays off).
 func (a *Allocator) SetMemoryFraction(dev int, fraction float64) error {
-	d, err := a.device("set_memory_fraction", dev)
-	if err != nil {
-		return err
-	}
-	if !(fraction >= 0 && fraction <= 1) {
-		return newError("set_memory_fraction", ErrInvalidArgument, "fraction %v is not in [0, 1]", fraction)
-	}
-	d.lock()
-	defer d.mu.Unlock()
-	total, err := d.capacity()
-	if err != nil {
-		return driverError("set_memory_fraction", err, "reading device %d's memory size", dev)
-	}
-	d.cache.SetFraction(fraction, total)
-	d.fractionPending = false // this call overrides the configuration's
-	return nil
+	const op = "set_memory_fraction"
+	return a.withDevice(op, dev, func(d *device) error {
+		if !(fraction >= 0 && fraction <= 1) {
+			return newError(op, ErrInvalidArgument, "fraction %v is not in [0, 1]", fraction)
+		}
+		total, err := d.capacity()
+		if err != nil {
+			return driverError(op, err, "reading device %d's memory size", dev)
+		}
+		d.cache.SetFraction(fraction, total)
+		d.limit.pending = false // this call overrides the configuration's
+		return nil
+	})
 }
 
 // BeginAllocateToPool routes the allocations on dev whose stream filter
 // accepts (nil: all streams) to the private pool id until EndAllocateToPool.
 func (a *Allocator) BeginAllocateToPool(dev int, id PoolID, filter func(cuda.Stream) bool) error {
-	d, err := a.device("begin_allocate_to_pool", dev)
-	if err != nil {
-		return err
-	}
-	d.lock()
-	defer d.mu.Unlock()
-	if err := d.graphs.Begin(id, filter, d.newPools); err != nil {
-		return poolError("begin_allocate_to_pool", err)
-	}
-	d.pushPhases()
-	a.announced.Store(true)
-	d.countCaptures()
-	// The capture is counted: wait for the unsafe sections of the other
-	// devices that began before it was, so that none is still freeing
-	// memory or querying events when the caller begins capturing.
-	a.gate.Lock()
-	a.gate.Unlock() // an empty critical section: a barrier
-	return nil
+	const op = "begin_allocate_to_pool"
+	return a.withDevice(op, dev, func(d *device) error {
+		if err := d.graphs.Begin(id, filter, d.newPools); err != nil {
+			return poolError(op, err)
+		}
+		d.pushPhases()
+		a.announced.Store(true)
+		d.countCaptures()
+		// The capture is counted: wait for the unsafe sections of the
+		// other devices that began before it was, so that none is still
+		// freeing memory or querying events when the caller begins
+		// capturing.
+		a.gate.Lock()
+		a.gate.Unlock() // an empty critical section: a barrier
+		return nil
+	})
 }
 
 // EndAllocateToPool stops routing to the pool id.
 func (a *Allocator) EndAllocateToPool(dev int, id PoolID) error {
-	d, err := a.device("end_allocate_to_pool", dev)
-	if err != nil {
-		return err
-	}
-	d.lock()
-	defer d.mu.Unlock()
-	if err := d.graphs.End(id); err != nil {
-		return poolError("end_allocate_to_pool", err)
-	}
-	d.pushPhases()
-	d.countCaptures()
-	d.trimUnused(id)
-	return nil
+	const op = "end_allocate_to_pool"
+	return a.withDevice(op, dev, func(d *device) error {
+		if err := d.graphs.End(id); err != nil {
+			return poolError(op, err)
+		}
+		d.pushPhases()
+		d.countCaptures()
+		d.trimUnused(id)
+		return nil
+	})
 }
 
 // ReleasePool drops one holder of the pool id. When none is left, its
 // cached memory goes back to the driver at the next empty_cache or OOM retry.
 func (a *Allocator) ReleasePool(dev int, id PoolID) error {
-	d, err := a.device("release_pool", dev)
-	if err != nil {
-		return err
-	}
-	d.lock()
-	defer d.mu.Unlock()
-	if err := d.graphs.Release(id); err != nil {
-		return poolError("release_pool", err)
-	}
-	return nil
+	const op = "release_pool"
+	return a.withDevice(op, dev, func(d *device) error {
+		if err := d.graphs.Release(id); err != nil {
+			return poolError(op, err)
+		}
+		return nil
+	})
 }
 
 func poolError(op string, err error) error {
@@ -704,45 +558,44 @@ func poolError(op string, err error) error {
 
 // Stats returns device dev's statistics.
 func (a *Allocator) Stats(dev int) (pools.Stats, error) {
-	d, err := a.device("memory_stats", dev)
-	if err != nil {
-		return pools.Stats{}, err
-	}
-	d.lock()
-	defer d.mu.Unlock()
-	return d.cache.ReadStats(), nil
+	return onDevice(a, "memory_stats", dev, func(d *device) (pools.Stats, error) {
+		return d.cache.ReadStats(), nil
+	})
 }
 
-// ResetPeakStats sets every peak statistic of dev to its current value.
-func (a *Allocator) ResetPeakStats(dev int) error {
-	d, err := a.device("reset_peak_stats", dev)
-	if err != nil {
-		return err
-	}
-	d.lock()
-	d.cache.ResetPeak()
-	d.mu.Unlock()
-	return nil
-}
+// StatsReset says which statistics ResetStats resets.
+type StatsReset uint8
 
-// ResetAccumulatedStats zeroes the accumulated statistics of dev.
-func (a *Allocator) ResetAccumulatedStats(dev int) error {
-	d, err := a.device("reset_accumulated_stats", dev)
-	if err != nil {
-		return err
+const (
+	// ResetPeak sets every peak statistic to its current value.
+	ResetPeak StatsReset = 1 << iota
+	// ResetAccumulated zeroes the accumulated statistics.
+	ResetAccumulated
+)
+
+// ResetStats resets the statistics of dev that what names.
+func (a *Allocator) ResetStats(dev int, what StatsReset) error {
+	op := "reset_peak_stats"
+	if what == ResetAccumulated {
+		op = "reset_accumulated_stats"
 	}
-	d.lock()
-	d.cache.ResetAccumulated()
-	d.mu.Unlock()
-	return nil
+	return a.withDevice(op, dev, func(d *device) error {
+		if what&ResetPeak != 0 {
+			d.cache.ResetPeak()
+		}
+		if what&ResetAccumulated != 0 {
+			d.cache.ResetAccumulated()
+		}
+		return nil
+	})
 }
 
 // CheckInvariants verifies every device's internal consistency.
 func (a *Allocator) CheckInvariants() error {
 	for _, d := range a.devs {
-		d.lock()
+		d.enter()
 		err := d.check()
-		d.mu.Unlock()
+		d.leave()
 		if err != nil {
 			return err
 		}
@@ -751,172 +604,13 @@ func (a *Allocator) CheckInvariants() error {
 }
 
 // withThreadRelaxed runs fn with the calling OS thread in relaxed capture
-// mode, the goroutine held on that thread throughout. A failure to switch
-// back does not undo fn's work (memory fn allocated would otherwise be
-// lost): it is reported as a warning, since the thread may stay relaxed.
+// mode (cuda.WithThreadRelaxed): a failure to switch back is a warning.
 func (d *device) withThreadRelaxed(fn func() error) error {
-	runtime.LockOSThread()
-	defer runtime.UnlockOSThread()
-	prev, err := d.drv.ExchangeCaptureMode(cuda.CaptureModeRelaxed)
-	if err != nil {
-		return err
-	}
-	err = fn()
-	if _, rerr := d.drv.ExchangeCaptureMode(prev); rerr != nil {
-		d.warn(fmt.Sprintf("restoring the calling thread's capture mode (%v) after a driver allocation on device %d failed (%v); the thread may stay in relaxed capture mode", prev, d.id, rerr))
-	}
-	return err
+	return cuda.WithThreadRelaxed(d.drv, fn, d.restoreFailed)
 }
 
-// PendingFree is a free the caller deferred (the C ABI queues PyTorch's
-// frees and hands them over with the next call; see capi). capi's C struct
-// cp_pending_free has the same layout: change both together.
-type PendingFree struct {
-	Dev   int // -1: unknown, the device that holds Ptr (FreeAny)
-	Ptr   cuda.Ptr
-	Size  uint64
-	Ctx   uint64  // the free's context id, as for FreeCtx (0: none)
-	Op    FrontOp // OpFree, except in a Front's log (front.go)
-	Count uint64  // OpCycles: how many
-}
-
-// MallocAfterFrees performs the pending frees, then the malloc (whose context
-// id is ctx, as for MallocCtx). The frees of dev, and those of unknown
-// device (Dev -1) that dev holds, happen under the same lock hold as the
-// malloc, so a malloc+free pair costs one lock and one call. It returns the
-// malloc's error and, separately, the first failed free's.
-func (a *Allocator) MallocAfterFrees(dev int, size uint64, s cuda.Stream, ctx uint64, frees []PendingFree) (p cuda.Ptr, err, freeErr error) {
-	p, _, err, freeErr = a.MallocTracked(dev, size, s, ctx, frees)
-	return p, err, freeErr
-}
-
-// MallocTracked is MallocAfterFrees that also tells the allocator's Front
-// what it may do with the block and the route (front.go, Tracking).
-//
-// It is the PyTorch class's path (a queued free or two, then a malloc), so
-// its common case is kept short: the rare cases (a request MallocCtx
-// refuses or sends to the driver, captures nobody announces, frees of other
-// devices, errors) leave it through functions of their own.
-func (a *Allocator) MallocTracked(dev int, size uint64, s cuda.Stream, ctx uint64, frees []PendingFree) (p cuda.Ptr, tr Tracking, err, freeErr error) {
-	// size-1 >= MaxRequest-1: size is 0 or at least MaxRequest.
-	if uint(dev) >= uint(len(a.devs)) || size-1 >= pools.MaxRequest-1 || a.cachingOff.Load() || a.uncN.Load() != 0 {
-		return a.mallocTrackedElse(dev, size, s, ctx, frees)
-	}
-	var capture uint64
-	if !a.announced.Load() {
-		if capture, err = a.unannouncedCapture(dev, s); err != nil {
-			return 0, Tracking{}, err, a.FreeMany(frees)
-		}
-	}
-	d := a.devs[dev]
-	// done marks the frees of unknown device done under the lock (only the
-	// first 128 are tried on dev first: the C queue holds 65).
-	var done [2]uint64
-	others := 0
-	d.lockMalloc()
-	for i := range frees {
-		f := &frees[i]
-		if f.Dev != dev {
-			if d.freeUnknownDevice(f, i, &done, &freeErr) {
-				others++
-			}
-			continue
-		}
-		d.hist.begin(f.Ctx, HistoryAll)
-		var e error
-		if b := d.cache.Lookup(f.Ptr); b != nil {
-			e = d.freeBlock(b, f.Size)
-		} else {
-			e = d.notAllocated(f.Ptr)
-		}
-		if e != nil && freeErr == nil {
-			freeErr = e
-		}
-	}
-	d.hist.begin(ctx, HistoryState)
-	p, err = d.malloc(size, s, capture)
-	d.hist.end()
-	if err == nil && d.front.f != nil && a.front.on.Load() {
-		tr = d.front.tracking(size)
-	}
-	if d.debug {
-		d.mustCheck()
-	}
-	d.mu.Unlock()
-	if others > 0 || freeErr != nil {
-		freeErr = a.freeOthers(dev, frees, &done, freeErr)
-	}
-	return p, tr, err, freeErr
-}
-
-// mallocTrackedElse is MallocTracked for a device that does not exist, a
-// size of 0 or 1 EiB or more, or while blocks go to the driver (uncached):
-// the frees, then MallocCtx.
-//
-//go:noinline
-func (a *Allocator) mallocTrackedElse(dev int, size uint64, s cuda.Stream, ctx uint64, frees []PendingFree) (p cuda.Ptr, tr Tracking, err, freeErr error) {
-	freeErr = a.FreeMany(frees)
-	p, err = a.MallocCtx(dev, size, s, ctx)
-	return p, Tracking{}, err, freeErr
-}
-
-// freeUnknownDevice performs, under MallocTracked's lock of d, the free f
-// (the i-th) of another device than d's or of unknown device (Dev -1): one
-// of the latter that d holds is done here and marked in done, its error
-// kept in *freeErr if that is the first. It reports whether f is left for
-// freeOthers.
-//
-//go:noinline
-func (d *device) freeUnknownDevice(f *PendingFree, i int, done *[2]uint64, freeErr *error) bool {
-	var b *pools.Block
-	if f.Dev == -1 && i < 128 {
-		b = d.cache.Lookup(f.Ptr)
-	}
-	if b == nil {
-		return true
-	}
-	d.hist.begin(f.Ctx, HistoryAll)
-	if e := d.freeBlock(b, f.Size); e != nil && *freeErr == nil {
-		*freeErr = e
-	}
-	done[i/64] |= 1 << (i % 64)
-	return false
-}
-
-// freeOthers ends MallocTracked after the lock hold: it performs the frees
-// of other devices (those not marked in done), and returns the first error
-// of all the frees (first, if not nil, is that of the lock hold's), made to
-// say what a pointer that was not found is.
-//
-//go:noinline
-func (a *Allocator) freeOthers(dev int, frees []PendingFree, done *[2]uint64, first error) error {
-	for i := range frees {
-		if f := &frees[i]; f.Dev != dev && (i >= 128 || done[i/64]&(1<<(i%64)) == 0) {
-			if e := a.freePending(f); e != nil && first == nil {
-				first = e
-			}
-		}
-	}
-	if first != nil {
-		first = a.explainFree(first)
-	}
-	return first
-}
-
-// FreeMany performs deferred frees and returns the first error.
-func (a *Allocator) FreeMany(frees []PendingFree) error {
-	var first error
-	for i := range frees {
-		if err := a.freePending(&frees[i]); err != nil && first == nil {
-			first = err
-		}
-	}
-	return first
-}
-
-func (a *Allocator) freePending(f *PendingFree) error {
-	if f.Dev == -1 {
-		return a.FreeAnyCtx(f.Ptr, f.Size, f.Ctx)
-	}
-	return a.FreeCtx(f.Dev, f.Ptr, f.Size, f.Ctx)
+// restoreFailed warns that the calling thread could not be switched back
+// to capture mode prev after a driver allocation.
+func (d *device) restoreFailed(prev cuda.CaptureMode, err error) {
+	d.warn(fmt.Sprintf("restoring the calling thread's capture mode (%v) after a driver allocation on device %d failed (%v); the thread may stay in relaxed capture mode", prev, d.id, err))
 }

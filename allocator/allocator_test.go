@@ -30,7 +30,7 @@ func newAlloc(t testing.TB, devices int, mem uint64, conf string) (*allocator.Al
 
 func mustMalloc(t testing.TB, a *allocator.Allocator, dev int, size uint64, s cuda.Stream) cuda.Ptr {
 	t.Helper()
-	p, err := a.Malloc(dev, size, s)
+	p, err := a.Malloc(&allocator.MallocRequest{Dev: dev, Size: size, Stream: s})
 	require.NoError(t, err)
 	require.NotZero(t, p)
 	return p
@@ -46,7 +46,7 @@ func stats(t testing.TB, a *allocator.Allocator, dev int) pools.Stats {
 func TestMallocFreeReuse(t *testing.T) {
 	a, drv := newAlloc(t, 1, GiB, "")
 	p := mustMalloc(t, a, 0, 4000, 0)
-	require.NoError(t, a.Free(0, p, 4000))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p, Size: 4000}))
 	q := mustMalloc(t, a, 0, 4096, 0)
 	require.Equal(t, p, q, "same rounded size on the same stream reuses the block")
 	require.Equal(t, int64(1), drv.Allocs(0))
@@ -66,14 +66,14 @@ func TestBadInput(t *testing.T) {
 		err  error
 		kind error
 	}{
-		{"unknown pointer", a.Free(0, 0xdead000, 0), allocator.ErrUnknownPointer},
-		{"interior pointer", a.Free(0, p+512, 0), allocator.ErrUnknownPointer},
-		{"other device", a.Free(1, p, 0), allocator.ErrWrongDevice},
-		{"size mismatch", a.Free(0, p, 100), allocator.ErrInvalidArgument},
-		{"negative device", errOf(a.Malloc(-1, 10, 0)), allocator.ErrInvalidDevice},
-		{"unknown device", errOf(a.Malloc(2, 10, 0)), allocator.ErrInvalidDevice},
-		{"absurd size", errOf(a.Malloc(0, 1<<61, 0)), allocator.ErrOutOfMemory},
-		{"1 EiB exactly", errOf(a.Malloc(0, 1<<60, 0)), allocator.ErrOutOfMemory},
+		{"unknown pointer", a.Free(allocator.FreeRequest{Ptr: 0xdead000}), allocator.ErrUnknownPointer},
+		{"interior pointer", a.Free(allocator.FreeRequest{Ptr: p + 512}), allocator.ErrUnknownPointer},
+		{"other device", a.Free(allocator.FreeRequest{Dev: 1, Ptr: p}), allocator.ErrWrongDevice},
+		{"size mismatch", a.Free(allocator.FreeRequest{Ptr: p, Size: 100}), allocator.ErrInvalidArgument},
+		{"negative device", errOf(a.Malloc(&allocator.MallocRequest{Dev: -1, Size: 10})), allocator.ErrInvalidDevice},
+		{"unknown device", errOf(a.Malloc(&allocator.MallocRequest{Dev: 2, Size: 10})), allocator.ErrInvalidDevice},
+		{"absurd size", errOf(a.Malloc(&allocator.MallocRequest{Size: 1 << 61})), allocator.ErrOutOfMemory},
+		{"1 EiB exactly", errOf(a.Malloc(&allocator.MallocRequest{Size: 1 << 60})), allocator.ErrOutOfMemory},
 		{"record_stream unknown", a.RecordStream(0xbeef000, 3), allocator.ErrUnknownPointer},
 		{"release unknown pool", a.ReleasePool(0, allocator.PoolID{A: 9}), allocator.ErrUnknownPool},
 		{"end not recording", a.EndAllocateToPool(0, allocator.PoolID{A: 9}), allocator.ErrNotRecording},
@@ -89,14 +89,14 @@ func TestBadInput(t *testing.T) {
 		require.Contains(t, e.Error(), "cudapool: ")
 	}
 	require.Equal(t, before, stats(t, a, 0), "bad input changes nothing (an absurd size is no OOM in the stats)")
-	_, err := a.Malloc(0, 1<<60, 0)
+	_, err := a.Malloc(&allocator.MallocRequest{Size: 1 << 60})
 	require.EqualError(t, err, "cudapool: malloc: CUDA out of memory. Tried to allocate more than 1EB memory.", "PyTorch's text")
 
-	require.NoError(t, a.Free(0, p, 4096))
-	err = a.Free(0, p, 4096)
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p, Size: 4096}))
+	err = a.Free(allocator.FreeRequest{Ptr: p, Size: 4096})
 	require.ErrorIs(t, err, allocator.ErrAlreadyFreed, "double free is recognised: %v", err)
 
-	z, err := a.Malloc(0, 0, 0)
+	z, err := a.Malloc(&allocator.MallocRequest{Size: 0})
 	require.NoError(t, err, "size 0 is not an error")
 	require.Zero(t, z)
 
@@ -121,7 +121,7 @@ func nan() float64                          { z := 0.0; return z / z }
 func TestOOMRetrySequence(t *testing.T) {
 	a, drv := newAlloc(t, 1, 100*MiB, "")
 	p := mustMalloc(t, a, 0, 60*MiB, 0)
-	require.NoError(t, a.Free(0, p, 0))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
 	st := stats(t, a, 0)
 	require.Equal(t, int64(60*MiB), st.ReservedBytes[pools.StatAll].Current, "cached")
 
@@ -135,7 +135,7 @@ func TestOOMRetrySequence(t *testing.T) {
 	require.Zero(t, st.NumOOMs)
 
 	drv.SetExternalUse(0, 10*MiB)
-	_, err := a.Malloc(0, 50*MiB, 0)
+	_, err := a.Malloc(&allocator.MallocRequest{Size: 50 * MiB})
 	require.ErrorIs(t, err, allocator.ErrOutOfMemory)
 	msg := err.Error()
 	for _, want := range []string{
@@ -150,7 +150,7 @@ func TestOOMRetrySequence(t *testing.T) {
 	require.Equal(t, int64(1), st.NumOOMs)
 	require.Equal(t, int64(2), st.NumAllocRetries)
 
-	require.NoError(t, a.Free(0, q, 0))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: q}))
 	mustMalloc(t, a, 0, 50*MiB, 0) // recovery after freeing
 	require.NoError(t, a.CheckInvariants())
 }
@@ -159,8 +159,8 @@ func TestOOMFreesOversizeFirst(t *testing.T) {
 	a, drv := newAlloc(t, 1, 180*MiB, "max_split_size_mb:40")
 	big := mustMalloc(t, a, 0, 100*MiB, 0)
 	small := mustMalloc(t, a, 0, 30*MiB, 0)
-	require.NoError(t, a.Free(0, big, 0))
-	require.NoError(t, a.Free(0, small, 0))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: big}))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: small}))
 	// The cached 100 MiB block is too large for 70 MiB (>= 70+20) and the
 	// device too full for a new segment: the oversize block goes first.
 	mustMalloc(t, a, 0, 70*MiB, 0)
@@ -176,10 +176,10 @@ func TestMemoryFractionLimits(t *testing.T) {
 	a, _ := newAlloc(t, 1, 1000*MiB, "")
 	require.NoError(t, a.SetMemoryFraction(0, 0.1))
 	p := mustMalloc(t, a, 0, 80*MiB, 0)
-	_, err := a.Malloc(0, 40*MiB, 0)
+	_, err := a.Malloc(&allocator.MallocRequest{Size: 40 * MiB})
 	require.ErrorIs(t, err, allocator.ErrOutOfMemory)
 	require.Contains(t, err.Error(), "100.00 MiB allowed;")
-	require.NoError(t, a.Free(0, p, 0))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
 	mustMalloc(t, a, 0, 40*MiB, 0)
 	require.NoError(t, a.SetMemoryFraction(0, 1))
 	mustMalloc(t, a, 0, 500*MiB, 0)
@@ -193,7 +193,7 @@ func TestGarbageCollectionThreshold(t *testing.T) {
 		ps = append(ps, mustMalloc(t, a, 0, 60*MiB, 0))
 	}
 	for _, p := range ps {
-		require.NoError(t, a.Free(0, p, 0))
+		require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
 	}
 	frees := drv.Frees(0)
 	mustMalloc(t, a, 0, 100*MiB, 0) // no cached block fits: GC first
@@ -212,18 +212,18 @@ func TestEmptyCacheReturnsEverythingFree(t *testing.T) {
 	}
 	for _, p := range ps {
 		dev := 0
-		if err := a.Free(0, p, 0); errors.Is(err, allocator.ErrWrongDevice) {
+		if err := a.Free(allocator.FreeRequest{Ptr: p}); errors.Is(err, allocator.ErrWrongDevice) {
 			dev = 1
-			require.NoError(t, a.Free(dev, p, 0))
+			require.NoError(t, a.Free(allocator.FreeRequest{Dev: dev, Ptr: p}))
 		} else {
 			require.NoError(t, err)
 		}
 	}
-	require.NoError(t, a.EmptyCache())
+	require.NoError(t, a.EmptyCache(0))
 	require.Equal(t, 0, drv.Live(0))
 	require.Equal(t, 1, drv.Live(1), "the segment holding a live block stays")
-	require.NoError(t, a.Free(1, keep, 0))
-	require.NoError(t, a.EmptyCache())
+	require.NoError(t, a.Free(allocator.FreeRequest{Dev: 1, Ptr: keep}))
+	require.NoError(t, a.EmptyCache(0))
 	require.Equal(t, 0, drv.Live(1))
 	require.Zero(t, drv.LiveEvents())
 }
@@ -305,8 +305,8 @@ func TestSnapshotShape(t *testing.T) {
 	q := mustMalloc(t, a, 0, 3*MiB, 5)
 	require.NoError(t, a.RecordStream(q, 6))
 	drv.Submit(6)
-	require.NoError(t, a.Free(0, q, 0))
-	snap := a.Snapshot()
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: q}))
+	snap := a.Snapshot(nil, true)
 	require.Len(t, snap.Segments, 2)
 	states := map[string]int{}
 	for _, s := range snap.Segments {
@@ -327,9 +327,9 @@ func TestSnapshotShape(t *testing.T) {
 	}
 	require.Equal(t, map[string]int{"segment_alloc": 2, "alloc": 2, "free_requested": 1}, actions)
 	drv.CompleteAll()
-	require.NoError(t, a.Free(0, p, 0))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
 	mustMalloc(t, a, 0, 512, 5) // processes events
-	snap = a.Snapshot()
+	snap = a.Snapshot(nil, true)
 	actions = map[string]int{}
 	for _, e := range snap.DeviceTraces[0] {
 		actions[e.Action]++
@@ -339,9 +339,9 @@ func TestSnapshotShape(t *testing.T) {
 
 func TestOOMTraceEntry(t *testing.T) {
 	a, _ := newAlloc(t, 1, 100*MiB, "record_history:8")
-	_, err := a.Malloc(0, 200*MiB, 0)
+	_, err := a.Malloc(&allocator.MallocRequest{Size: 200 * MiB})
 	require.ErrorIs(t, err, allocator.ErrOutOfMemory)
-	tr := a.Snapshot().DeviceTraces[0]
+	tr := a.Snapshot(nil, true).DeviceTraces[0]
 	require.Len(t, tr, 1)
 	require.Equal(t, "oom", tr[0].Action)
 	require.NotNil(t, tr[0].DeviceFree, "the memory visualizer reads device_free")
@@ -359,7 +359,7 @@ func TestMultiDevice(t *testing.T) {
 		require.Equal(t, int64(1), drv.Allocs(dev))
 	}
 	for p, dev := range ps {
-		require.NoError(t, a.Free(dev, p, 0))
+		require.NoError(t, a.Free(allocator.FreeRequest{Dev: dev, Ptr: p}))
 	}
 	require.NoError(t, a.CheckInvariants())
 }
@@ -367,4 +367,20 @@ func TestMultiDevice(t *testing.T) {
 func lockThread(t testing.TB) {
 	runtime.LockOSThread()
 	t.Cleanup(runtime.UnlockOSThread)
+}
+
+// mallocAfterFrees performs the frees, then the malloc, in one request, and
+// returns the pointer, the malloc's error and the first free's.
+func mallocAfterFrees(a *allocator.Allocator, dev int, size uint64, s cuda.Stream, ctx uint64, frees []allocator.FreeRequest) (cuda.Ptr, error, error) {
+	r := &allocator.MallocRequest{Dev: dev, Size: size, Stream: s, Ctx: ctx, Frees: frees}
+	p, err := a.Malloc(r)
+	return p, err, r.FreeErr
+}
+
+// mallocTracked is mallocAfterFrees that also returns the block's front
+// tag.
+func mallocTracked(a *allocator.Allocator, dev int, size uint64, s cuda.Stream, ctx uint64, frees []allocator.FreeRequest) (cuda.Ptr, allocator.Tracking, error, error) {
+	r := &allocator.MallocRequest{Dev: dev, Size: size, Stream: s, Ctx: ctx, Frees: frees}
+	p, err := a.Malloc(r)
+	return p, r.Track, err, r.FreeErr
 }

@@ -50,11 +50,14 @@ func testHotPathAllocatesNothing(t *testing.T, conf string) {
 	lockThread(t)
 	a, _ := newAlloc(t, 1, 8*GiB, conf)
 	a.ExpectAnnouncements()
-	warm := func(size uint64) { p := mustMalloc(t, a, 0, size, 0); require.NoError(t, a.Free(0, p, 0)) }
+	warm := func(size uint64) {
+		p := mustMalloc(t, a, 0, size, 0)
+		require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
+	}
 	warm(4096)
 	allocs := testing.AllocsPerRun(1000, func() {
-		p, _ := a.Malloc(0, 4096, 0)
-		_ = a.Free(0, p, 0)
+		p, _ := a.Malloc(&allocator.MallocRequest{Size: 4096})
+		_ = a.Free(allocator.FreeRequest{Ptr: p})
 	})
 	require.Zero(t, allocs, "cache-hit malloc+free of one size")
 
@@ -102,9 +105,9 @@ func (m *mixed) run(n int) {
 	for k := 0; k < n; k++ {
 		slot := m.i % len(m.live)
 		if p := m.live[slot]; p != 0 {
-			_ = m.a.Free(0, p, 0)
+			_ = m.a.Free(allocator.FreeRequest{Ptr: p})
 		}
-		m.live[slot], _ = m.a.Malloc(0, m.sizes[m.i%len(m.sizes)], 0)
+		m.live[slot], _ = m.a.Malloc(&allocator.MallocRequest{Size: m.sizes[m.i%len(m.sizes)]})
 		m.i++
 	}
 }
@@ -118,12 +121,12 @@ func BenchmarkHotPair(b *testing.B) {
 func benchmarkHotPair(b *testing.B, conf string) {
 	a, _ := newAlloc(b, 1, 8*GiB, conf)
 	a.ExpectAnnouncements()
-	p, _ := a.Malloc(0, 4096, 0)
-	_ = a.Free(0, p, 0)
+	p, _ := a.Malloc(&allocator.MallocRequest{Size: 4096})
+	_ = a.Free(allocator.FreeRequest{Ptr: p})
 	b.ReportAllocs()
 	for b.Loop() {
-		p, _ := a.Malloc(0, 4096, 0)
-		_ = a.Free(0, p, 0)
+		p, _ := a.Malloc(&allocator.MallocRequest{Size: 4096})
+		_ = a.Free(allocator.FreeRequest{Ptr: p})
 	}
 }
 
@@ -152,8 +155,8 @@ func BenchmarkHotPairCaptureQuery(b *testing.B) {
 	a, _ := newAlloc(b, 1, 8*GiB, "")
 	b.ReportAllocs()
 	for b.Loop() {
-		p, _ := a.Malloc(0, 4096, 0)
-		_ = a.Free(0, p, 0)
+		p, _ := a.Malloc(&allocator.MallocRequest{Size: 4096})
+		_ = a.Free(allocator.FreeRequest{Ptr: p})
 	}
 }
 
@@ -163,8 +166,8 @@ func BenchmarkParallelPairs(b *testing.B) {
 	b.ReportAllocs()
 	b.RunParallel(func(pb *testing.PB) {
 		for pb.Next() {
-			p, _ := a.Malloc(0, 4096, 0)
-			_ = a.Free(0, p, 0)
+			p, _ := a.Malloc(&allocator.MallocRequest{Size: 4096})
+			_ = a.Free(allocator.FreeRequest{Ptr: p})
 		}
 	})
 }
@@ -209,9 +212,9 @@ func benchmarkMixedWorkloadsH(b *testing.B, conf string) {
 	step := func() {
 		j := i & 65535
 		if p := live[slots[j]]; p != 0 {
-			_ = a.Free(0, p, 0)
+			_ = a.Free(allocator.FreeRequest{Ptr: p})
 		}
-		live[slots[j]], _ = a.Malloc(0, sizes[j], 0)
+		live[slots[j]], _ = a.Malloc(&allocator.MallocRequest{Size: sizes[j]})
 		i++
 	}
 	for k := 0; k < 65536; k++ {
@@ -228,12 +231,14 @@ func benchmarkMixedWorkloadsH(b *testing.B, conf string) {
 func BenchmarkTorchPair(b *testing.B) {
 	a, _ := newAlloc(b, 1, 8*GiB, "")
 	a.ExpectAnnouncements()
-	var pend [1]allocator.PendingFree
-	var frees []allocator.PendingFree
+	var pend [1]allocator.FreeRequest
+	var frees []allocator.FreeRequest
 	b.ReportAllocs()
 	for b.Loop() {
-		p, _, _ := a.MallocAfterFrees(0, 4096, 0, 0, frees)
-		pend[0] = allocator.PendingFree{Dev: -1, Ptr: p}
+		// As the C ABI does: a request per malloc, with the queued frees.
+		r := &allocator.MallocRequest{Size: 4096, Frees: frees}
+		p, _ := a.Malloc(r)
+		pend[0] = allocator.FreeRequest{Dev: -1, Ptr: p}
 		frees = pend[:]
 	}
 }
@@ -245,7 +250,7 @@ func BenchmarkTorchPair(b *testing.B) {
 // blocks in the default pools, 12 graphs' private pools kept (each with
 // live and free blocks). Each call is timed alone (ns/call): b.StopTimer
 // would stop the world on every iteration and disturb what it measures.
-// docs/hot-path.md, section 15.
+// docs/hot-path.md, "During graph captures".
 func BenchmarkCaptureEnterCold(b *testing.B) {
 	evict := make([]byte, 48<<20) // more than this box's last-level cache
 	setup := func(b *testing.B) *allocator.Allocator {
@@ -257,7 +262,7 @@ func BenchmarkCaptureEnterCold(b *testing.B) {
 			live = append(live, mustMalloc(b, a, 0, sizes[i]%(64*MiB)+512, 0))
 		}
 		for i := 0; i < 600; i += 2 {
-			require.NoError(b, a.Free(0, live[i], 0))
+			require.NoError(b, a.Free(allocator.FreeRequest{Ptr: live[i]}))
 		}
 		for k := uint64(1); k <= 12; k++ {
 			pool := allocator.PoolID{A: k}
@@ -267,11 +272,11 @@ func BenchmarkCaptureEnterCold(b *testing.B) {
 				ps = append(ps, mustMalloc(b, a, 0, sizes[1000+i]%(16*MiB)+512, 7))
 			}
 			for i := 0; i < 200; i += 3 {
-				require.NoError(b, a.Free(0, ps[i], 0))
+				require.NoError(b, a.Free(allocator.FreeRequest{Ptr: ps[i]}))
 			}
 			require.NoError(b, a.EndAllocateToPool(0, pool))
 		}
-		require.NoError(b, a.EmptyCache())
+		require.NoError(b, a.EmptyCache(0))
 		return a
 	}
 	// timed runs call(k) with cold caches, then after(k) (untimed).
@@ -297,7 +302,7 @@ func BenchmarkCaptureEnterCold(b *testing.B) {
 	}
 	b.Run("empty_cache", func(b *testing.B) {
 		a := setup(b)
-		timed(b, func(uint64) error { return a.EmptyCache() }, nil)
+		timed(b, func(uint64) error { return a.EmptyCache(0) }, nil)
 	})
 	b.Run("begin_allocate_to_pool", func(b *testing.B) {
 		a := setup(b)

@@ -15,7 +15,7 @@ import (
 func TestFreedBlockNotReusedByOtherStream(t *testing.T) {
 	a, _ := newAlloc(t, 1, GiB, "")
 	p := mustMalloc(t, a, 0, 4096, 1)
-	require.NoError(t, a.Free(0, p, 0))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
 	q := mustMalloc(t, a, 0, 4096, 2)
 	require.NotEqual(t, p, q)
 	r := mustMalloc(t, a, 0, 4096, 1)
@@ -29,19 +29,19 @@ func TestRecordStreamDelaysReuse(t *testing.T) {
 	require.NoError(t, a.RecordStream(p, 2))
 	require.NoError(t, a.RecordStream(p, 3))
 	drv.Submit(2) // a kernel on stream 2 still reads p
-	require.NoError(t, a.Free(0, p, 0))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
 
 	st := stats(t, a, 0)
 	require.Equal(t, int64(0), st.Allocation[pools.StatAll].Current, "freed for the user")
 	require.Equal(t, int64(1), st.Active[pools.StatAll].Current, "but still active")
 	q := mustMalloc(t, a, 0, 4096, 1)
 	require.NotEqual(t, p, q, "stream 2's work has not completed")
-	require.NoError(t, a.Free(0, q, 0))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: q}))
 
 	drv.Complete(3)
 	r := mustMalloc(t, a, 0, 4096, 1)
 	require.NotEqual(t, p, r, "every use must complete, not just one")
-	require.NoError(t, a.Free(0, r, 0))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: r}))
 
 	drv.Complete(2)
 	s := mustMalloc(t, a, 0, 4096, 1)
@@ -55,8 +55,8 @@ func TestEmptyCacheWaitsForEvents(t *testing.T) {
 	p := mustMalloc(t, a, 0, 4096, 1)
 	require.NoError(t, a.RecordStream(p, 2))
 	drv.Submit(2)
-	require.NoError(t, a.Free(0, p, 0))
-	require.NoError(t, a.EmptyCache(), "synchronizes the pending event, then frees")
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
+	require.NoError(t, a.EmptyCache(0), "synchronizes the pending event, then frees")
 	require.Equal(t, 0, drv.Live(0))
 	require.Equal(t, int64(1), stats(t, a, 0).NumSyncAllStreams)
 	require.Zero(t, drv.LiveEvents(), "pooled events destroyed")
@@ -85,7 +85,7 @@ func TestCaptureRoutesToPrivatePool(t *testing.T) {
 	a, drv := newAlloc(t, 1, GiB, "")
 	const cs = cuda.Stream(7)
 	eager := mustMalloc(t, a, 0, 4096, cs)
-	require.NoError(t, a.Free(0, eager, 0)) // cached in the default pool
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: eager})) // cached in the default pool
 
 	g := allocator.PoolID{A: 1}
 	beginCapture(t, a, drv, g, cs, cuda.CaptureModeGlobal)
@@ -93,24 +93,24 @@ func TestCaptureRoutesToPrivatePool(t *testing.T) {
 	require.NotEqual(t, eager, x, "a capture never takes default-pool memory")
 	side := mustMalloc(t, a, 0, 4096, 8)
 	require.NotEqual(t, x, side)
-	require.NoError(t, a.Free(0, x, 0))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: x}))
 	y := mustMalloc(t, a, 0, 4096, cs)
 	require.Equal(t, x, y, "memory freed during the capture is reused within it")
-	require.ErrorIs(t, a.EmptyCache(), allocator.ErrCaptureUnderway)
+	require.ErrorIs(t, a.EmptyCache(0), allocator.ErrCaptureUnderway)
 	require.NoError(t, drv.EndCapture(cs), "the capture stayed valid")
 	require.NoError(t, a.EndAllocateToPool(0, g))
 
-	require.NoError(t, a.Free(0, y, 0)) // output freed while the graph lives
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: y})) // output freed while the graph lives
 	z := mustMalloc(t, a, 0, 4096, cs)
 	require.NotEqual(t, y, z, "eager code never gets the graph's memory")
 	require.Equal(t, eager, z)
-	require.NoError(t, a.Free(0, side, 0))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: side}))
 	live := drv.Live(0)
-	require.NoError(t, a.EmptyCache())
+	require.NoError(t, a.EmptyCache(0))
 	require.Equal(t, live-1, drv.Live(0), "side's free segment goes; the private pool's stays reserved")
 
 	require.NoError(t, a.ReleasePool(0, g))
-	require.NoError(t, a.EmptyCache())
+	require.NoError(t, a.EmptyCache(0))
 	require.Equal(t, 1, drv.Live(0), "the released pool's segment went back; z's remains")
 	require.Zero(t, drv.Violations(), "%v", drv.ViolationLog())
 	require.NoError(t, a.CheckInvariants())
@@ -123,7 +123,7 @@ func TestSharedPoolAndReleaseOrder(t *testing.T) {
 	g := allocator.PoolID{B: 1} // graph_pool_handle()
 	beginCapture(t, a, drv, g, cs, cuda.CaptureModeGlobal)
 	x := mustMalloc(t, a, 0, 4096, cs)
-	require.NoError(t, a.Free(0, x, 0))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: x}))
 	require.NoError(t, drv.EndCapture(cs))
 	require.NoError(t, a.EndAllocateToPool(0, g))
 
@@ -135,11 +135,11 @@ func TestSharedPoolAndReleaseOrder(t *testing.T) {
 	require.NoError(t, a.EndAllocateToPool(0, g))
 
 	require.NoError(t, a.ReleasePool(0, g)) // first graph dies
-	require.NoError(t, a.EmptyCache())
+	require.NoError(t, a.EmptyCache(0))
 	require.Equal(t, 1, drv.Live(0), "the second graph still holds the pool")
-	require.NoError(t, a.Free(0, y, 0))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: y}))
 	require.NoError(t, a.ReleasePool(0, g)) // second graph dies
-	require.NoError(t, a.EmptyCache())
+	require.NoError(t, a.EmptyCache(0))
 	require.Equal(t, 0, drv.Live(0))
 	require.ErrorIs(t, a.ReleasePool(0, g), allocator.ErrUnknownPool, "the pool is gone")
 	require.Zero(t, drv.Violations(), "%v", drv.ViolationLog())
@@ -154,10 +154,10 @@ func TestReleaseBeforeFreeKeepsPoolUntilEmpty(t *testing.T) {
 	require.NoError(t, drv.EndCapture(7))
 	require.NoError(t, a.EndAllocateToPool(0, g))
 	require.NoError(t, a.ReleasePool(0, g)) // graph gone, but x still allocated
-	require.NoError(t, a.EmptyCache())
+	require.NoError(t, a.EmptyCache(0))
 	require.Equal(t, 1, drv.Live(0))
-	require.NoError(t, a.Free(0, x, 0)) // returns into the released pool
-	require.NoError(t, a.EmptyCache())
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: x})) // returns into the released pool
+	require.NoError(t, a.EmptyCache(0))
 	require.Equal(t, 0, drv.Live(0))
 	require.Zero(t, drv.Violations())
 }
@@ -170,8 +170,8 @@ func TestDeferredFreesDuringCapture(t *testing.T) {
 	drv.Submit(2)
 	g := allocator.PoolID{A: 1}
 	beginCapture(t, a, drv, g, 7, cuda.CaptureModeGlobal)
-	require.NoError(t, a.Free(0, p, 0)) // needs an event: deferred, no record
-	mustMalloc(t, a, 0, 4096, 7)        // no event query during capture
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p})) // needs an event: deferred, no record
+	mustMalloc(t, a, 0, 4096, 7)                              // no event query during capture
 	mustMalloc(t, a, 0, 4096, 1)
 	require.NoError(t, drv.EndCapture(7))
 	require.NoError(t, a.EndAllocateToPool(0, g))
@@ -231,7 +231,7 @@ func TestTwoConcurrentCaptures(t *testing.T) {
 			segOf[base] = i
 		}
 	}
-	snap := a.Snapshot()
+	snap := a.Snapshot(nil, true)
 	byPool := map[[2]uint64]int{}
 	for _, s := range snap.Segments {
 		byPool[s.SegmentPoolID]++
@@ -245,24 +245,24 @@ func TestUnannouncedCaptureGetsAutomaticPool(t *testing.T) {
 	a, drv := newAlloc(t, 1, GiB, "")
 	const cs = cuda.Stream(9)
 	eager := mustMalloc(t, a, 0, 4096, cs)
-	require.NoError(t, a.Free(0, eager, 0))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: eager}))
 	require.NoError(t, drv.BeginCapture(cs, cuda.CaptureModeGlobal))
 	x := mustMalloc(t, a, 0, 4096, cs)
 	require.NotEqual(t, eager, x, "the capture got its own pool")
-	require.ErrorIs(t, a.EmptyCache(), allocator.ErrCaptureUnderway, "the allocator knows a capture runs")
-	require.NoError(t, a.Free(0, x, 0))
+	require.ErrorIs(t, a.EmptyCache(0), allocator.ErrCaptureUnderway, "the allocator knows a capture runs")
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: x}))
 	y := mustMalloc(t, a, 0, 4096, cs)
 	require.Equal(t, x, y)
 	require.NoError(t, drv.EndCapture(cs))
-	require.NoError(t, a.Free(0, y, 0))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: y}))
 	z := mustMalloc(t, a, 0, 4096, cs)
 	require.Equal(t, eager, z, "after the capture, eager code gets default memory")
-	require.NoError(t, a.Free(0, z, 0))
-	require.NoError(t, a.EmptyCache(), "the capture ended: empty_cache works again")
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: z}))
+	require.NoError(t, a.EmptyCache(0), "the capture ended: empty_cache works again")
 	require.Equal(t, 1, drv.Live(0), "the automatic pool is kept for the graph's life (the process)")
 	require.Zero(t, drv.Violations(), "%v", drv.ViolationLog())
 
-	snap := a.Snapshot()
+	snap := a.Snapshot(nil, true)
 	require.Len(t, snap.Segments, 1)
 	require.NotZero(t, snap.Segments[0].SegmentPoolID[0]&(1<<63))
 }
@@ -273,9 +273,9 @@ func TestAnnouncedAllocatorDoesNotQueryCapture(t *testing.T) {
 	a.ExpectAnnouncements()
 	require.NoError(t, drv.BeginCapture(9, cuda.CaptureModeThreadLocal))
 	x := mustMalloc(t, a, 0, 4096, 9) // trusted: default pool
-	require.NoError(t, a.Free(0, x, 0))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: x}))
 	require.NoError(t, drv.EndCapture(9))
 	require.Zero(t, drv.Violations(), "segments are still allocated in relaxed mode")
-	require.Len(t, a.Snapshot().Segments, 1)
-	require.Equal(t, [2]uint64{0, 0}, a.Snapshot().Segments[0].SegmentPoolID)
+	require.Len(t, a.Snapshot(nil, true).Segments, 1)
+	require.Equal(t, [2]uint64{0, 0}, a.Snapshot(nil, true).Segments[0].SegmentPoolID)
 }

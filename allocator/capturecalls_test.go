@@ -84,12 +84,12 @@ func captureCalls(t *testing.T, conf string) (map[string]int, uint64) {
 			if o.alloc {
 				ptr[o.id] = mustMalloc(t, a, 0, o.size, st)
 			} else {
-				require.NoError(t, a.Free(0, ptr[o.id], 0))
+				require.NoError(t, a.Free(allocator.FreeRequest{Ptr: ptr[o.id]}))
 			}
 		}
 	}
 	run(3) // the warm-up on a side stream; its blocks are freed but the workspace
-	require.NoError(t, a.EmptyCache())
+	require.NoError(t, a.EmptyCache(0))
 	methods := []string{"MemAddressReserve", "MemCreate", "MemMap", "MemSetAccess", "MemUnmap", "MemRelease",
 		"MemGetInfo", "MemAlloc", "StreamCaptureInfo", "EventRecord", "EventQuery", "DeviceSynchronize"}
 	before := map[string]int{}
@@ -110,7 +110,7 @@ func captureCalls(t *testing.T, conf string) (map[string]int, uint64) {
 		}
 	}
 	var poolBytes uint64
-	for _, sg := range a.SnapshotOf(&pool, false).Segments {
+	for _, sg := range a.Snapshot(&pool, false).Segments {
 		poolBytes += sg.TotalSize
 	}
 	require.NoError(t, a.CheckInvariants())

@@ -48,7 +48,7 @@ func TestCaptureReuseTwoStreams(t *testing.T) {
 	buf2 := mustMalloc(t, a, 0, 32, s2)
 	drv.Submit(s2) // buf2 = data1 + 2 on s2
 	require.NoError(t, a.RecordStream(data1, s2))
-	require.NoError(t, a.Free(0, data1, 0))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: data1}))
 
 	data2 := mustMalloc(t, a, 0, 32, s1)
 	require.NotEqual(t, data1, data2, "before the join s2 may still read data1")
@@ -59,11 +59,11 @@ func TestCaptureReuseTwoStreams(t *testing.T) {
 	require.Equal(t, data1, data3, "after the join all of s2's work precedes s1's new work")
 
 	for _, p := range []cuda.Ptr{sink, buf2, data2, data3} {
-		require.NoError(t, a.Free(0, p, 0))
+		require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
 	}
 	endCapture(t, a, drv, g, s1)
 	require.NoError(t, a.ReleasePool(0, g))
-	require.NoError(t, a.EmptyCache())
+	require.NoError(t, a.EmptyCache(0))
 	require.Zero(t, drv.Live(0), "nothing lost")
 }
 
@@ -85,7 +85,7 @@ func TestCaptureReuseFourStreamsPartialJoins(t *testing.T) {
 		drv.Submit(s)
 		require.NoError(t, a.RecordStream(data1, s))
 	}
-	require.NoError(t, a.Free(0, data1, 0))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: data1}))
 
 	fork(t, drv, s2, s1) // s1 joins s2 only
 	drv.Submit(s1)
@@ -102,7 +102,7 @@ func TestCaptureReuseFourStreamsPartialJoins(t *testing.T) {
 	live = append(live, q)
 
 	for _, p := range live {
-		require.NoError(t, a.Free(0, p, 0))
+		require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
 	}
 	endCapture(t, a, drv, g, s1)
 }
@@ -129,14 +129,14 @@ func TestCaptureReuseOffOrOutsideStream(t *testing.T) {
 			}
 			drv.Submit(s2)
 			require.NoError(t, a.RecordStream(data1, s2))
-			require.NoError(t, a.Free(0, data1, 0))
+			require.NoError(t, a.Free(allocator.FreeRequest{Ptr: data1}))
 			if tc.joinUse {
 				fork(t, drv, s2, s1)
 			}
 			drv.Submit(s1)
 			p := mustMalloc(t, a, 0, 32, s1)
 			require.NotEqual(t, data1, p, "reused inside the capture")
-			require.NoError(t, a.Free(0, p, 0))
+			require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
 			endCapture(t, a, drv, g, s1)
 
 			drv.CompleteAll()
@@ -144,7 +144,7 @@ func TestCaptureReuseOffOrOutsideStream(t *testing.T) {
 			// events, and comes back once they complete.
 			require.NoError(t, a.CheckInvariants())
 			require.NoError(t, a.ReleasePool(0, g))
-			require.NoError(t, a.EmptyCache())
+			require.NoError(t, a.EmptyCache(0))
 			require.Zero(t, drv.Live(0), "nothing lost")
 		})
 	}
@@ -165,19 +165,19 @@ func TestCaptureReuseMarkersDroppedWithDeferred(t *testing.T) {
 	fork(t, drv, s1, s2)
 	drv.Submit(s2)
 	require.NoError(t, a.RecordStream(data1, s2))
-	require.NoError(t, a.Free(0, data1, 0)) // s2 not joined yet: deferred
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: data1})) // s2 not joined yet: deferred
 	drv.Submit(s1)
 	p := mustMalloc(t, a, 0, 32, s1) // walks s1's graph
 	markers, walks := allocator.CaptureReuseState(a, 0)
 	require.Equal(t, 1, markers)
 	require.Equal(t, 1, walks)
 	fork(t, drv, s2, s1)
-	require.NoError(t, a.Free(0, p, 0))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
 	require.NoError(t, drv.EndCapture(s1))
 	require.NoError(t, a.EndAllocateToPool(0, g))
 
 	drv.CompleteAll()
-	require.NoError(t, a.EmptyCache()) // returns the deferred block
+	require.NoError(t, a.EmptyCache(0)) // returns the deferred block
 	markers, walks = allocator.CaptureReuseState(a, 0)
 	require.Zero(t, markers, "markers of a block no longer deferred")
 	require.Zero(t, walks)
@@ -202,16 +202,16 @@ func TestCaptureReuseMallocAllocatesNothing(t *testing.T) {
 		fork(t, drv, s1, s2)
 		drv.Submit(s2)
 		require.NoError(t, a.RecordStream(data, s2))
-		require.NoError(t, a.Free(0, data, 0)) // waits: s2 is not joined
+		require.NoError(t, a.Free(allocator.FreeRequest{Ptr: data})) // waits: s2 is not joined
 		held = append(held, data)
 	}
 	markers, _ := allocator.CaptureReuseState(a, 0)
 	require.Equal(t, 4, markers)
 	warm := mustMalloc(t, a, 0, 4096, s1)
-	require.NoError(t, a.Free(0, warm, 0))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: warm}))
 	allocs := testing.AllocsPerRun(200, func() {
-		p, _ := a.Malloc(0, 4096, s1)
-		_ = a.Free(0, p, 0)
+		p, _ := a.Malloc(&allocator.MallocRequest{Size: 4096, Stream: s1})
+		_ = a.Free(allocator.FreeRequest{Ptr: p})
 	})
 	require.Zero(t, allocs)
 	markers, _ = allocator.CaptureReuseState(a, 0)
@@ -221,6 +221,6 @@ func TestCaptureReuseMallocAllocatesNothing(t *testing.T) {
 	drv.Submit(s1)
 	p := mustMalloc(t, a, 0, 4096, s1)
 	require.Contains(t, held, p, "reused after the join")
-	require.NoError(t, a.Free(0, p, 0))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
 	endCapture(t, a, drv, g, s1)
 }

@@ -6,85 +6,13 @@ import (
 	"github.com/cudapool/cudapool/privatepool"
 )
 
-// Checkpoints of private pools: PyTorch's getCheckpointState,
-// setCheckpointPoolState and checkPoolLiveAllocations, which CUDA graph
-// trees (torch.compile's "reduce-overhead" mode) use to record a new graph
-// into a pool after replaying others.
-//
-// # Design
-//
-// A Checkpoint is the block layout of one private pool (pools/layout.go):
-// its segments, their blocks, and for each allocated block its requested
-// size and context. Restoring it frees every block allocated in the pool,
-// then makes the checkpoint's allocated blocks allocated again at their
-// addresses; segments made since stay in the pool, free. RestoreResult
-// reports both sides as PyTorch's CheckpointDelta does: Freed is every
-// block that was allocated in the pool before (PyTorch frees them all,
-// even those the checkpoint allocates again, so a pointer can be in both
-// lists), Allocated the checkpoint's allocated blocks.
-//
-// Rules beyond PyTorch's:
-//   - A restore changes nothing or everything. What could stop it half way
-//     is verified first (pools.CheckLayout): a block of the pool freed but
-//     waiting for other streams' events, an allocated block with other
-//     streams' uses (record_stream; freeing it would have to wait), a
-//     segment of the checkpoint given back since, or pages unmapped since.
-//     PyTorch refuses the first case when checkpointing ("Events should
-//     have synchronized") and fails part way in the others.
-//   - Before either, the events of pending frees that have completed are
-//     processed, as malloc does, unless a capture may be under way (no
-//     event may be queried then). Nothing else reaches the driver: the
-//     frees and allocations of a restore stay in the pool.
-//   - A pool that an announced capture is recording into is not restored:
-//     its capture's blocks would be freed under it. (Graph trees restore
-//     between captures.) Other devices' and pools' captures do not matter.
-//   - As in PyTorch, a released pool (use count 0) that still exists can be
-//     checkpointed but not restored into; a checkpoint names its device,
-//     and restoring it on another is an error.
-//   - Statistics after a restore are those of the restored layout (no
-//     allocation that never was is counted), and Check() holds.
+// Checkpoints of private pools (privatepool/checkpoint.go has the design):
+// the operations, under the device lock, with what only the device has:
+// pending frees returned first, the capture under way, the history.
 
-// Checkpoint is the block layout of one private pool at one moment. It is
-// opaque and immutable; restoring it does not consume it.
-type Checkpoint struct {
-	dev  int
-	id   PoolID
-	segs []pools.SegmentState
-}
-
-// Device is the device of the checkpointed pool.
-func (c *Checkpoint) Device() int { return c.dev }
-
-// Pool is the id of the checkpointed pool.
-func (c *Checkpoint) Pool() PoolID { return c.id }
-
-// AppendContexts appends the context ids the checkpoint holds (those of its
-// allocated blocks, which a restore gives back to them), for a caller that
-// keeps the objects behind the ids (see LiveContexts).
-func (c *Checkpoint) AppendContexts(dst []uint64) []uint64 {
-	for i := range c.segs {
-		for _, b := range c.segs[i].Blocks {
-			if b.Allocated && b.Context != 0 {
-				dst = append(dst, b.Context)
-			}
-		}
-	}
-	return dst
-}
-
-// Allocated returns the blocks allocated in the pool at the checkpoint, in
-// address order.
-func (c *Checkpoint) Allocated() []cuda.Ptr {
-	var out []cuda.Ptr
-	for _, s := range c.segs {
-		for _, b := range s.Blocks {
-			if b.Allocated {
-				out = append(out, b.Ptr)
-			}
-		}
-	}
-	return out
-}
+// Checkpoint is the block layout of one private pool at one moment
+// (privatepool.Checkpoint).
+type Checkpoint = privatepool.Checkpoint
 
 // RestoreResult is what RestoreCheckpoint changed (PyTorch's
 // CheckpointDelta).
@@ -96,70 +24,71 @@ type RestoreResult struct {
 // CheckpointPool returns the layout of private pool id on device dev.
 func (a *Allocator) CheckpointPool(dev int, id PoolID) (*Checkpoint, error) {
 	const op = "checkpoint_pool"
-	d, err := a.device(op, dev)
-	if err != nil {
-		return nil, err
-	}
-	d.lock()
-	defer d.mu.Unlock()
-	pp := d.graphs.Pools.Get(id)
-	if pp == nil {
-		return nil, newError(op, ErrUnknownPool, "device %d has no private pool {%d,%d}", dev, id.A, id.B)
-	}
-	d.settle()
-	segs, err := d.cache.SaveLayout(pp.Small, pp.Large)
-	if err != nil {
-		return nil, newError(op, ErrInvalidArgument, "pool {%d,%d} on device %d: %v", id.A, id.B, dev, err)
-	}
-	return &Checkpoint{dev: dev, id: id, segs: segs}, nil
+	return onDevice(a, op, dev, func(d *device) (*Checkpoint, error) {
+		pp, err := d.graphs.Pools.Existing(dev, id)
+		if err != nil {
+			return nil, poolError(op, err)
+		}
+		d.settle()
+		cp, err := privatepool.Save(d.cache, dev, pp)
+		if err != nil {
+			return nil, newError(op, ErrInvalidArgument, "pool {%d,%d} on device %d: %v", id.A, id.B, dev, err)
+		}
+		return cp, nil
+	})
 }
 
 // RestoreCheckpoint puts the checkpointed pool back in the checkpoint's
-// layout (see the file comment).
+// layout (see privatepool/checkpoint.go).
 func (a *Allocator) RestoreCheckpoint(dev int, cp *Checkpoint) (RestoreResult, error) {
 	const op = "restore_checkpoint"
-	d, err := a.device(op, dev)
-	if err != nil {
-		return RestoreResult{}, err
+	return onDevice(a, op, dev, func(d *device) (RestoreResult, error) {
+		if cp == nil {
+			return RestoreResult{}, newError(op, ErrInvalidArgument, "no checkpoint (nil)")
+		}
+		id := cp.Pool()
+		if cp.Device() != dev {
+			return RestoreResult{}, newError(op, ErrInvalidArgument, "the checkpoint is of pool {%d,%d} on device %d, not device %d", id.A, id.B, cp.Device(), dev)
+		}
+		pp, err := d.graphs.Pools.Restorable(dev, id)
+		if err != nil {
+			return RestoreResult{}, poolError(op, err)
+		}
+		if d.graphs.IsRecording(id) {
+			return RestoreResult{}, newError(op, ErrCaptureUnderway, "pool {%d,%d} on device %d is being allocated to (a capture or use_mem_pool is under way); restore it between captures", id.A, id.B, dev)
+		}
+		d.settle()
+		var res RestoreResult
+		res.Freed, res.Allocated, err = privatepool.Restore(d.cache, pp, cp, d.restoreFree, d.restoreAlloc)
+		if err != nil {
+			return RestoreResult{}, newError(op, ErrInvalidArgument, "pool {%d,%d} on device %d: %v; nothing restored", id.A, id.B, dev, err)
+		}
+		if d.debug {
+			d.mustCheck()
+		}
+		return res, nil
+	})
+}
+
+// restoreFree frees the allocated block b for a restore: no other stream
+// uses it (verified), so it goes straight back to its pool, with no event
+// and no driver call. d.mu is held.
+func (d *device) restoreFree(b *pools.Block) {
+	d.invalidate(b.Ptr) // freed here, and perhaps allocated again, behind the front's back
+	d.cache.Release(b)
+	if d.rec != nil {
+		d.rec.freeRequested(b)
 	}
-	if cp == nil {
-		return RestoreResult{}, newError(op, ErrInvalidArgument, "no checkpoint (nil)")
+	d.returnBlock(b)
+}
+
+// restoreAlloc records the allocation of b that a restore made. d.mu is
+// held.
+func (d *device) restoreAlloc(b *pools.Block) {
+	d.invalidate(b.Ptr)
+	if d.rec != nil {
+		d.rec.restored(b)
 	}
-	if cp.dev != dev {
-		return RestoreResult{}, newError(op, ErrInvalidArgument, "the checkpoint is of pool {%d,%d} on device %d, not device %d", cp.id.A, cp.id.B, cp.dev, dev)
-	}
-	d.lock()
-	defer d.mu.Unlock()
-	pp, err := d.livePool(op, cp.id)
-	if err != nil {
-		return RestoreResult{}, err
-	}
-	if d.graphs.IsRecording(cp.id) {
-		return RestoreResult{}, newError(op, ErrCaptureUnderway, "pool {%d,%d} on device %d is being allocated to (a capture or use_mem_pool is under way); restore it between captures", cp.id.A, cp.id.B, dev)
-	}
-	d.settle()
-	if err := d.cache.CheckLayout(pp.Small, pp.Large, cp.segs); err != nil {
-		return RestoreResult{}, newError(op, ErrInvalidArgument, "pool {%d,%d} on device %d: %v; nothing restored", cp.id.A, cp.id.B, dev, err)
-	}
-	var res RestoreResult
-	for _, b := range d.cache.PoolAllocated(pp.Small, pp.Large) {
-		// No other stream uses b (CheckLayout): it goes straight back to
-		// the pool, with no event and no driver call.
-		res.Freed = append(res.Freed, b.Ptr)
-		d.invalidate(b.Ptr) // freed here, and allocated again below, behind the front's back
-		d.cache.Release(b)
-		d.record(actionFreeRequested, b.Ptr, b.Requested, b.Stream, b.Pool.ID, d.hist.ctxOr(b.Context))
-		d.returnBlock(b)
-	}
-	for _, b := range d.cache.RestoreLayout(pp.Small, pp.Large, cp.segs) {
-		res.Allocated = append(res.Allocated, b.Ptr)
-		d.invalidate(b.Ptr)
-		d.record(actionAlloc, b.Ptr, b.Requested, b.Stream, b.Pool.ID, b.Context)
-	}
-	if d.debug {
-		d.mustCheck()
-	}
-	return res, nil
 }
 
 // CheckPoolLive reports whether the blocks allocated in pool id are exactly
@@ -167,45 +96,17 @@ func (a *Allocator) RestoreCheckpoint(dev int, cp *Checkpoint) (RestoreResult, e
 // once). The pool may be released but must still exist.
 func (a *Allocator) CheckPoolLive(dev int, id PoolID, expected []cuda.Ptr) (bool, error) {
 	const op = "check_pool_live_allocations"
-	d, err := a.device(op, dev)
-	if err != nil {
-		return false, err
-	}
-	want := make(map[cuda.Ptr]struct{}, len(expected))
-	for _, p := range expected {
-		want[p] = struct{}{}
-	}
-	d.lock()
-	defer d.mu.Unlock()
-	pp := d.graphs.Pools.Get(id)
-	if pp == nil {
-		return false, newError(op, ErrUnknownPool, "device %d has no private pool {%d,%d}", dev, id.A, id.B)
-	}
-	n := 0
-	for _, b := range d.cache.PoolAllocated(pp.Small, pp.Large) {
-		if _, ok := want[b.Ptr]; !ok {
-			return false, nil
+	return onDevice(a, op, dev, func(d *device) (bool, error) {
+		pp, err := d.graphs.Pools.Existing(dev, id)
+		if err != nil {
+			return false, poolError(op, err)
 		}
-		n++
-	}
-	return n == len(want), nil
-}
-
-// livePool returns private pool id, which must exist, be held (a restore
-// into a released pool would allocate in it again) and be announced. d.mu
-// is held.
-func (d *device) livePool(op string, id PoolID) (*privatepool.Pool, error) {
-	pp := d.graphs.Pools.Get(id)
-	switch {
-	case pp == nil:
-		return nil, newError(op, ErrUnknownPool, "device %d has no private pool {%d,%d}", d.id, id.A, id.B)
-	case pp.Freeable():
-		return nil, newError(op, ErrUnknownPool, "pool {%d,%d} on device %d was released by all its holders; a checkpoint cannot be restored into it", id.A, id.B, d.id)
-	case pp.Auto:
-		// Its capture may be under way, and nothing says when it is not.
-		return nil, newError(op, ErrUnknownPool, "pool {%d,%d} on device %d is the automatic pool of an unannounced capture; a checkpoint cannot be restored into it", id.A, id.B, d.id)
-	}
-	return pp, nil
+		want := make(map[cuda.Ptr]struct{}, len(expected))
+		for _, p := range expected {
+			want[p] = struct{}{}
+		}
+		return privatepool.Live(d.cache, pp, want), nil
+	})
 }
 
 // settle returns the blocks whose pending frees have completed, as malloc
@@ -216,7 +117,7 @@ func (d *device) settle() {
 		return
 	}
 	defer d.leaveUnsafe()
-	d.dropCaptureReuse()
+	d.graphs.Reuse.Drop()
 	if err := d.ev.Process(d.ret); err != nil {
 		// The blocks concerned stay queued; the layout check reports them.
 		d.warn(driverError("checkpoint", err, "querying the events of pending frees on device %d", d.id).Error())

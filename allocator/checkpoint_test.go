@@ -80,7 +80,7 @@ func testCheckpointRestore(t *testing.T, conf string) {
 	y := mustMalloc(t, a, 0, 3*MiB, cs)
 	tmp := mustMalloc(t, a, 0, 40*MiB, cs)
 	z := mustMalloc(t, a, 0, 5000, cs)
-	require.NoError(t, a.Free(0, tmp, 0)) // a temporary of the graph
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: tmp})) // a temporary of the graph
 	require.NoError(t, drv.EndCapture(cs))
 	require.NoError(t, a.EndAllocateToPool(0, g))
 	require.True(t, allocator.SetContext(a, y, 42))
@@ -97,7 +97,7 @@ func testCheckpointRestore(t *testing.T, conf string) {
 	before := stats(t, a, 0)
 
 	// Diverge: y dies, a second recording allocates more (a new segment too).
-	require.NoError(t, a.Free(0, y, 3*MiB))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: y, Size: 3 * MiB}))
 	beginCapture(t, a, drv, g, cs, cuda.CaptureModeThreadLocal)
 	w := mustMalloc(t, a, 0, 2*MiB, cs)
 	v := mustMalloc(t, a, 0, 100*MiB, cs)
@@ -133,7 +133,7 @@ func testCheckpointRestore(t *testing.T, conf string) {
 	}
 	// The restored blocks keep their requested sizes: freeing with the
 	// size asked for works, with another size not.
-	require.ErrorIs(t, a.Free(0, y, 3*MiB+1), allocator.ErrInvalidArgument)
+	require.ErrorIs(t, a.Free(allocator.FreeRequest{Ptr: y, Size: 3*MiB + 1}), allocator.ErrInvalidArgument)
 
 	// Twice: the same.
 	res2, err := a.RestoreCheckpoint(0, cp)
@@ -144,13 +144,13 @@ func testCheckpointRestore(t *testing.T, conf string) {
 
 	// The trace shows the frees and allocations the restore made.
 	actions := map[string]int{}
-	for _, e := range a.Snapshot().DeviceTraces[0] {
+	for _, e := range a.Snapshot(nil, true).DeviceTraces[0] {
 		actions[e.Action]++
 	}
 	require.Positive(t, actions["free_completed"])
 
-	require.NoError(t, a.Free(0, y, 3*MiB))
-	require.NoError(t, a.Free(0, eager, 4096))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: y, Size: 3 * MiB}))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: eager, Size: 4096}))
 	require.NoError(t, a.CheckInvariants())
 	require.Zero(t, drv.Violations(), "%v", drv.ViolationLog())
 }
@@ -174,7 +174,7 @@ func TestCheckpointRestoreDuringAnotherCapture(t *testing.T) {
 	p := mustMalloc(t, a, 0, 4096, 1)
 	require.NoError(t, a.RecordStream(p, 2))
 	drv.Submit(2)
-	require.NoError(t, a.Free(0, p, 0))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
 
 	beginCapture(t, a, drv, other, 9, cuda.CaptureModeGlobal)
 	mustMalloc(t, a, 0, 4096, 9)
@@ -212,7 +212,7 @@ func TestCheckpointAwaitingEvents(t *testing.T) {
 	require.ErrorContains(t, err, "used by other streams")
 	require.Equal(t, before, stats(t, a, 0), "nothing changed")
 
-	require.NoError(t, a.Free(0, y, 0)) // waits for stream 3
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: y})) // waits for stream 3
 	_, err = a.CheckpointPool(0, g)
 	require.ErrorIs(t, err, allocator.ErrInvalidArgument)
 	require.ErrorContains(t, err, "events must complete")
@@ -310,9 +310,9 @@ func TestCheckpointErrors(t *testing.T) {
 	require.NoError(t, err)
 	require.True(t, ps)
 	for _, p := range cp.Allocated() {
-		require.NoError(t, a.Free(0, p, 0))
+		require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
 	}
-	require.NoError(t, a.EmptyCache())
+	require.NoError(t, a.EmptyCache(0))
 	require.NoError(t, a.CreateOrIncrefPool(0, g)) // a new pool under the old id
 	require.NoError(t, a.BeginAllocateToPool(0, g, onStream(7)))
 	mustMalloc(t, a, 0, 4096, 7)
@@ -423,7 +423,7 @@ func (m *checkpointMachine) pick() (cuda.Ptr, bool) {
 
 func (m *checkpointMachine) malloc(s cuda.Stream) {
 	size := m.size()
-	p, err := m.a.Malloc(0, size, s)
+	p, err := m.a.Malloc(&allocator.MallocRequest{Size: size, Stream: s})
 	if err != nil {
 		require.ErrorIs(m.t, err, allocator.ErrOutOfMemory)
 		return
@@ -442,7 +442,7 @@ func (m *checkpointMachine) step() {
 		m.malloc([]cuda.Stream{streamQ, 1}[m.rng.Intn(2)])
 	case op < 58:
 		if p, ok := m.pick(); ok {
-			require.NoError(t, m.a.Free(0, p, m.live[p].size))
+			require.NoError(t, m.a.Free(allocator.FreeRequest{Ptr: p, Size: m.live[p].size}))
 			delete(m.live, p)
 		}
 	case op < 66: // begin or end recording into P
@@ -549,7 +549,7 @@ func (m *checkpointMachine) run(steps int) {
 	}
 	m.drv.CompleteAll()
 	for p, l := range m.live {
-		require.NoError(m.t, m.a.Free(0, p, l.size))
+		require.NoError(m.t, m.a.Free(allocator.FreeRequest{Ptr: p, Size: l.size}))
 	}
 	for ; m.holdsP > 0; m.holdsP-- {
 		n, err := m.a.PoolUseCount(0, poolP)
@@ -557,7 +557,7 @@ func (m *checkpointMachine) run(steps int) {
 		require.Equal(m.t, m.holdsP, n)
 		require.NoError(m.t, m.a.ReleasePool(0, poolP))
 	}
-	require.NoError(m.t, m.a.EmptyCache())
+	require.NoError(m.t, m.a.EmptyCache(0))
 	require.NoError(m.t, m.a.CheckInvariants())
 	st := stats(m.t, m.a, 0)
 	require.Zero(m.t, st.ReservedBytes[pools.StatAll].Current, "everything given back")

@@ -8,6 +8,8 @@ import (
 	"github.com/cudapool/cudapool/cuda"
 	"github.com/cudapool/cudapool/pools"
 	"github.com/stretchr/testify/require"
+
+	"github.com/cudapool/cudapool/allocator"
 )
 
 // Many goroutines allocate, free and record uses on several streams and two
@@ -40,7 +42,7 @@ func testConcurrentMallocFree(t *testing.T, conf string) {
 					if rng.Intn(20) == 0 {
 						size = uint64(rng.Intn(30*MiB) + 1)
 					}
-					p, err := a.Malloc(dev, size, s)
+					p, err := a.Malloc(&allocator.MallocRequest{Dev: dev, Size: size, Stream: s})
 					if err != nil {
 						t.Error(err)
 						return
@@ -54,7 +56,7 @@ func testConcurrentMallocFree(t *testing.T, conf string) {
 					}
 				} else {
 					k := rng.Intn(len(live))
-					if err := a.Free(dev, live[k], 0); err != nil {
+					if err := a.Free(allocator.FreeRequest{Dev: dev, Ptr: live[k]}); err != nil {
 						t.Error(err)
 						return
 					}
@@ -66,7 +68,7 @@ func testConcurrentMallocFree(t *testing.T, conf string) {
 				}
 			}
 			for _, p := range live {
-				if err := a.Free(dev, p, 0); err != nil {
+				if err := a.Free(allocator.FreeRequest{Dev: dev, Ptr: p}); err != nil {
 					t.Error(err)
 				}
 			}
@@ -83,7 +85,7 @@ func testConcurrentMallocFree(t *testing.T, conf string) {
 			case <-stop:
 				return
 			default:
-				_ = a.Snapshot()
+				_ = a.Snapshot(nil, true)
 				_, _ = a.Stats(0)
 			}
 		}
@@ -93,7 +95,7 @@ func testConcurrentMallocFree(t *testing.T, conf string) {
 	intro.Wait()
 	require.NoError(t, a.CheckInvariants())
 	drv.CompleteAll()
-	require.NoError(t, a.EmptyCache())
+	require.NoError(t, a.EmptyCache(0))
 	for dev := 0; dev < 2; dev++ {
 		require.Zero(t, drv.Live(dev))
 		require.Zero(t, drv.Used(dev), "no physical memory left mapped")

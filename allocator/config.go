@@ -16,16 +16,16 @@ type Config struct {
 	Pools pools.Config
 	// ExpandableSegments grows each pool's memory by mapping pages into one
 	// reserved address range per stream instead of allocating segments
-	// (see expandable.go). Without the driver's virtual memory management
+	// (package vmem). Without the driver's virtual memory management
 	// API it falls back to ordinary segments with a warning.
 	ExpandableSegments bool
 	// ExpandableMapUnit is the least that growth maps at once in the large
 	// pools of expandable segments, in bytes (a multiple of 2 MiB).
 	// cudapool's own key: expandable_map_unit_mb (default 20, PyTorch's
-	// large-pool page; 2 maps page by page). See allocator/expandable.go.
+	// large-pool page; 2 maps page by page). See vmem/space.go.
 	ExpandableMapUnit uint64
 	// Stitch moves free physical pages of expandable segments to where a
-	// miss needs them before mapping new memory (stitch.go). It implies
+	// miss needs them before mapping new memory (vmem/stitch.go). It implies
 	// expandable segments. cudapool's own key: stitch.
 	Stitch bool
 	// ReleaseLockOnMalloc is accepted for compatibility; cudapool keeps the
@@ -48,7 +48,7 @@ type Config struct {
 	// GraphCaptureRecordStreamReuse lets a block freed during a capture
 	// while other streams use it be reused in the same capture once the
 	// capture graph orders all its uses before the allocating stream's new
-	// work (PyTorch's graph_capture_record_stream_reuse; capturereuse.go).
+	// work (PyTorch's graph_capture_record_stream_reuse; graphs/reuse.go).
 	GraphCaptureRecordStreamReuse bool
 	// FrontCache lets a front cache (capi's C front, front.go) serve a
 	// malloc with a block of the same size and stream freed since the last
@@ -287,7 +287,7 @@ func (c *Config) set(key, val string) (warning string, err error) {
 		}
 	case "expandable_segments_reserve", "expandable_segments_reserve_by_class":
 		// cudapool sizes the address range of an expandable segment itself
-		// (allocator/expandable.go, "Reservation sizes").
+		// (vmem/space.go, "Reservation sizes").
 		return key + " has no effect in cudapool: it sizes the address ranges of expandable segments itself", nil
 	case "per_process_memory_fraction":
 		f, err := strconv.ParseFloat(val, 64)

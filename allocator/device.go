@@ -7,6 +7,7 @@ import (
 	"strings"
 
 	"github.com/cudapool/cudapool/cuda"
+	"github.com/cudapool/cudapool/graphs"
 	"github.com/cudapool/cudapool/pools"
 	"github.com/cudapool/cudapool/privatepool"
 )
@@ -21,7 +22,7 @@ var errorsIs = errors.Is
 func (d *device) capturing() bool {
 	local := d.graphs.Underway(d.query)
 	d.countCaptures()
-	return local || d.underway.Load() > 0
+	return local || d.a.underway.Load() > 0
 }
 
 // The capture gate.
@@ -36,16 +37,16 @@ func (d *device) capturing() bool {
 // once its capture is counted, takes the gate exclusively once: the
 // sections under way end before it returns (PyTorch begins capturing after
 // the hook returns) and later ones see the capture. The gate is taken
-// after d.mu and never the other way round; the cache-hit paths do not take
-// it. Unannounced captures cannot be waited for: nobody says when they
-// begin.
+// after d.mu and never the other way round (lockrank.go); the cache-hit
+// paths do not take it. Unannounced captures cannot be waited for: nobody
+// says when they begin.
 
 // enterUnsafe reports whether no capture is under way and, if so, holds
 // the gate shared until leaveUnsafe. d.mu is held.
 func (d *device) enterUnsafe() bool {
-	d.gate.RLock()
+	d.a.gate.RLock()
 	if d.capturing() {
-		d.gate.RUnlock()
+		d.a.gate.RUnlock()
 		return false
 	}
 	d.inUnsafe = true
@@ -54,13 +55,13 @@ func (d *device) enterUnsafe() bool {
 
 func (d *device) leaveUnsafe() {
 	d.inUnsafe = false
-	d.gate.RUnlock()
+	d.a.gate.RUnlock()
 }
 
 // countCaptures publishes the device's number of captures under way.
 func (d *device) countCaptures() {
 	if n := int64(d.graphs.Count()); n != d.counted {
-		d.underway.Add(n - d.counted)
+		d.a.underway.Add(n - d.counted)
 		d.counted = n
 		d.frontBlocked(n)
 		d.front.ctl.sync()
@@ -71,7 +72,7 @@ func (d *device) countCaptures() {
 func (d *device) malloc(size uint64, s cuda.Stream, capture uint64) (cuda.Ptr, error) {
 	small, large := d.cache.Small, d.cache.Large
 	capturing := false
-	if capture != 0 || !d.graphs.Idle() || d.counted != 0 || d.underway.Load() > 0 || !d.ev.Idle() {
+	if capture != 0 || !d.graphs.Idle() || d.counted != 0 || d.a.underway.Load() > 0 || !d.ev.Idle() {
 		small, large, capturing = d.mallocSetup(s, capture)
 	} else {
 		// No capture known or counted anywhere and no event pending:
@@ -100,9 +101,9 @@ func (d *device) malloc(size uint64, s cuda.Stream, capture uint64) (cuda.Ptr, e
 	if b.Size != r.Size && b.IsSplit() {
 		d.front.tag = TagNone
 	}
-	b.Context = d.hist.op
-	if d.hist.on {
-		d.recordAllocOn(b, s)
+	b.Context = 0
+	if d.rec != nil {
+		d.rec.allocated(b, s)
 	}
 	return b.Ptr, nil
 }
@@ -118,7 +119,7 @@ func (d *device) mallocSetup(s cuda.Stream, capture uint64) (small, large *pools
 	capturing = capture != 0 || d.capturing()
 	switch {
 	case capturing:
-		if d.reuse.on {
+		if d.graphs.Reuse.On {
 			d.reclaimInCapture(s)
 		}
 	case !d.ev.Idle():
@@ -146,7 +147,7 @@ func (d *device) processEvents() {
 	if !d.enterUnsafe() {
 		return
 	}
-	d.dropCaptureReuse()
+	d.graphs.Reuse.Drop()
 	if err := d.ev.Process(d.ret); err != nil {
 		// Not the malloc's failure: the blocks concerned stay queued.
 		d.warn(driverError("malloc", err, "querying the events of pending frees on device %d (the blocks concerned wait for new events)", d.id).Error())
@@ -157,7 +158,7 @@ func (d *device) processEvents() {
 // grow finds memory for r when no cached block fits: a new segment, after
 // freeing what may be freed, or an out-of-memory error.
 func (d *device) grow(r *pools.Request, capturing bool) (*pools.Block, error) {
-	if d.fractionPending {
+	if d.limit.pending {
 		if err := d.applyFraction(); err != nil {
 			return nil, err
 		}
@@ -210,8 +211,8 @@ func (d *device) applyFraction() error {
 	if err != nil {
 		return driverError("malloc", err, "reading device %d's memory size for per_process_memory_fraction", d.id)
 	}
-	d.cache.SetFraction(d.fraction, total)
-	d.fractionPending = false
+	d.cache.SetFraction(d.limit.fraction, total)
+	d.limit.pending = false
 	return nil
 }
 
@@ -245,10 +246,10 @@ func (d *device) newSegment(r *pools.Request, retry bool) (*pools.Block, error) 
 		d.cache.Stats.NumAllocRetries++
 	}
 	src := d.sourceOf(r.Pool)
-	if src == nil && d.expandable() {
+	if src == nil && d.vm.Expandable() {
 		// Outside the gate a capture may begin at any time: what a
 		// failed map would release waits for the next release instead.
-		return d.growExpandable(r, !d.inUnsafe || d.capturing())
+		return d.vm.Grow(*r, !d.inUnsafe || d.capturing())
 	}
 	if !d.cache.CanGrow(r.SegSize) {
 		return nil, nil
@@ -283,19 +284,23 @@ func (d *device) newSegment(r *pools.Request, retry bool) (*pools.Block, error) 
 	if err != nil {
 		return nil, driverError("malloc", err, "allocating a %d-byte segment on device %d", r.SegSize, d.id)
 	}
-	d.record(actionSegmentAlloc, p, r.SegSize, r.Stream, r.Pool.ID, d.hist.op)
 	b := d.cache.AddSegment(r, p)
-	b.Seg.Context = d.hist.op
+	if d.rec != nil {
+		d.rec.segmentAllocated(b.Seg)
+	}
 	return b, nil
 }
 
 // sourceOf returns the segment source of the pool p belongs to, or nil for
 // the driver.
 func (d *device) sourceOf(p *pools.BlockPool) SegmentSource {
-	if p.ID.IsDefault() || len(d.sources) == 0 {
+	if p.ID.IsDefault() {
 		return nil
 	}
-	return d.sources[p.ID]
+	if pp := d.graphs.Pools.Get(p.ID); pp != nil {
+		return pp.Source
+	}
+	return nil
 }
 
 // freeFor returns the function that gives p's segments back: to the pool's
@@ -324,12 +329,12 @@ func (d *device) freeSegment(base cuda.Ptr, size uint64) error {
 	return nil
 }
 
-// recordSegmentFree records the free of the segment at base (still in the
-// cache) in the history.
-func (d *device) recordSegmentFree(base cuda.Ptr, size uint64) {
-	if d.hist.on {
+// recordSegmentFree tells the history of the free of the segment at base
+// (still in the cache).
+func (d *device) recordSegmentFree(base cuda.Ptr, _ uint64) {
+	if d.rec != nil {
 		if seg := d.cache.SegmentOf(base); seg != nil {
-			d.record(actionSegmentFree, base, size, seg.Stream, seg.Pool.ID, d.hist.ctxOr(seg.Context))
+			d.rec.segmentFreed(seg)
 		}
 	}
 }
@@ -343,10 +348,7 @@ func (d *device) releaseCached(op string) error {
 	if err := d.syncAll(op); err != nil {
 		return err
 	}
-	if err := d.releaseOrphans(op); err != nil {
-		return err
-	}
-	if err := d.releaseStitch(op); err != nil {
+	if err := d.vm.Release(op); err != nil {
 		return err
 	}
 	free := d.freeSeg
@@ -354,7 +356,7 @@ func (d *device) releaseCached(op string) error {
 		if err := d.cache.ReleasePool(p, free); err != nil {
 			return driverError(op, err, "freeing cached segments on device %d", d.id)
 		}
-		if err := d.unmapFree(p); err != nil {
+		if err := d.vm.UnmapFree(p); err != nil {
 			return driverError(op, err, "unmapping the free pages of expandable segments on device %d", d.id)
 		}
 		d.cache.MarkReleased(p)
@@ -377,8 +379,8 @@ func (d *device) releaseCached(op string) error {
 // functions then cost about 10 us on the development box (docs/hot-path.md,
 // "During graph captures"). d.mu is held.
 func (d *device) nothingToRelease() bool {
-	return d.ev.Empty() && len(d.reuse.markers)+len(d.reuse.seen) == 0 &&
-		len(d.spare)+len(d.orphans) == 0 && len(d.stitch.lent)+len(d.stitch.markers) == 0 &&
+	return d.ev.Empty() && d.graphs.Reuse.Empty() &&
+		d.vm.Idle() &&
 		!d.cache.Large.Releasable() && !d.cache.Small.Releasable() && d.graphs.Pools.Released() == 0
 }
 
@@ -386,7 +388,7 @@ func (d *device) nothingToRelease() bool {
 // blocks to their pools (PyTorch's synchronize_and_free_events). Never
 // during a capture.
 func (d *device) syncAll(op string) error {
-	d.dropCaptureReuse()
+	d.graphs.Reuse.Drop()
 	if err := d.ev.Synchronize(d.ret); err != nil {
 		return driverError(op, err, "synchronizing the events of pending frees on device %d", d.id)
 	}
@@ -402,7 +404,7 @@ func (d *device) releasePrivate(op string, pp *privatepool.Pool) error {
 		if err := d.cache.ReleasePool(p, d.freeFor(p)); err != nil {
 			return driverError(op, err, "freeing the segments of released pool {%d,%d} on device %d", pp.ID.A, pp.ID.B, d.id)
 		}
-		if err := d.unmapFree(p); err != nil {
+		if err := d.vm.UnmapFree(p); err != nil {
 			return driverError(op, err, "unmapping the pages of released pool {%d,%d} on device %d", pp.ID.A, pp.ID.B, d.id)
 		}
 		d.cache.MarkReleased(p)
@@ -412,7 +414,6 @@ func (d *device) releasePrivate(op string, pp *privatepool.Pool) error {
 		d.graphs.Pools.Drop(pp)
 		d.cache.DropPool(small)
 		d.cache.DropPool(large)
-		delete(d.sources, pp.ID)
 	}
 	return nil
 }
@@ -424,14 +425,12 @@ func (d *device) releasePrivate(op string, pp *privatepool.Pool) error {
 func (d *device) freeUsed(b *pools.Block) error {
 	if !d.enterUnsafe() {
 		// No event may be recorded for later query during a capture.
-		d.ev.Defer(b)
-		d.noteFreeMarkers(b)
+		d.deferFree(b)
 		return nil
 	}
 	defer d.leaveUnsafe()
 	if d.useCapturing(b) {
-		d.ev.Defer(b)
-		d.noteFreeMarkers(b)
+		d.deferFree(b)
 		return nil
 	}
 	if err := d.ev.Insert(b); err != nil {
@@ -442,10 +441,51 @@ func (d *device) freeUsed(b *pools.Block) error {
 	return nil
 }
 
+// deferFree parks the released block b until no capture is under way,
+// noting its free markers for graph_capture_record_stream_reuse.
+func (d *device) deferFree(b *pools.Block) {
+	d.ev.Defer(b)
+	if d.graphs.Reuse.On {
+		if err := d.graphs.Reuse.NoteFree(d.graphDriver(), d.id, b); err != nil {
+			d.warnCaptureGraph(err)
+		}
+	}
+}
+
+// reclaimInCapture returns to their pools the blocks allocated on s that
+// graph_capture_record_stream_reuse proves unused (graphs.Reuse.Reclaim).
+// Called by malloc during a capture. d.mu is held.
+func (d *device) reclaimInCapture(s cuda.Stream) {
+	if err := d.graphs.Reuse.Reclaim(d.graphDriver(), d.id, s, d.ev, d.ret); err != nil {
+		d.warnCaptureGraph(err)
+	}
+}
+
+// graphDriver is the driver's capture-topology queries, nil without them.
+func (d *device) graphDriver() graphs.GraphDriver {
+	gd, _ := d.drv.(graphs.GraphDriver)
+	return gd
+}
+
+// warnCaptureGraph reports a failed capture-graph query: the blocks
+// concerned wait for the capture's end, as without the option.
+func (d *device) warnCaptureGraph(err error) {
+	if errorsIs(err, cuda.ErrNotSupported) {
+		d.warn("graph_capture_record_stream_reuse:True has no effect: the CUDA driver lacks cuGraphNodeGetDependencies or cuStreamGetCaptureInfo_v2")
+		return
+	}
+	var qe *graphs.QueryError
+	if errors.As(err, &qe) {
+		d.warn(driverError("capture reuse", qe.Err, "reading the capture graph of stream %#x (record_stream'd blocks wait for the capture's end)", uintptr(qe.Stream)).Error())
+		return
+	}
+	d.warn(driverError("capture reuse", err, "reading the capture graph").Error())
+}
+
 // useCapturing reports, when nobody announces captures, whether one of b's
 // use streams is capturing: an event recorded there could not be queried.
 func (d *device) useCapturing(b *pools.Block) bool {
-	if d.announced.Load() {
+	if d.a.announced.Load() {
 		return false
 	}
 	capturing := false
@@ -457,46 +497,40 @@ func (d *device) useCapturing(b *pools.Block) bool {
 	return capturing
 }
 
-// recordBlock is record of action act on block b (its address, requested
-// size, stream and pool; the operation's context, else b's): inlined into
-// the malloc and free paths as one test, the arguments gathered out of line.
-func (d *device) recordBlock(act action, b *pools.Block) {
-	if d.hist.on {
-		d.recordBlockOn(act, b)
+// begin and end bracket an operation whose caller passed context ctx,
+// for the history (recorder.go).
+func (d *device) begin(ctx uint64, need HistoryLevel) {
+	if d.rec != nil {
+		d.rec.begin(ctx, need)
 	}
 }
 
-//go:noinline
-func (d *device) recordBlockOn(act action, b *pools.Block) {
-	d.recordOn(act, b.Ptr, b.Requested, b.Stream, b.Pool.ID, d.hist.ctxOr(b.Context))
-}
-
-// recordAllocOn is malloc's record of b, allocated for stream s, while the
-// history is on (out of line: the arguments are gathered only then).
-//
-//go:noinline
-func (d *device) recordAllocOn(b *pools.Block, s cuda.Stream) {
-	d.recordOn(actionAlloc, b.Ptr, b.Requested, s, b.Pool.ID, b.Context)
+func (d *device) end() {
+	if d.rec != nil {
+		d.rec.end()
+	}
 }
 
 // returnBlock puts a block whose uses are over back in its pool; its
 // context goes. (freeBlock has these lines written out.)
 func (d *device) returnBlock(b *pools.Block) {
-	d.recordBlock(actionFreeCompleted, b)
+	if d.rec != nil {
+		d.rec.freeCompleted(b)
+	}
 	b.Context = 0
 	d.cache.Return(b)
 }
 
 // capacity returns the device's total memory, read once.
 func (d *device) capacity() (uint64, error) {
-	if d.total == 0 {
+	if d.limit.total == 0 {
 		_, total, err := d.drv.MemGetInfo(d.id)
 		if err != nil {
 			return 0, err
 		}
-		d.total = total
+		d.limit.total = total
 	}
-	return d.total, nil
+	return d.limit.total, nil
 }
 
 // outOfMemory counts the failure and builds PyTorch 2.11's message; the
@@ -504,7 +538,9 @@ func (d *device) capacity() (uint64, error) {
 func (d *device) outOfMemory(r *pools.Request) error {
 	d.cache.Stats.NumOOMs++
 	free, total, err := d.drv.MemGetInfo(d.id)
-	d.record(actionOOM, cuda.Ptr(free), r.Size, r.Stream, r.Pool.ID, d.hist.op)
+	if d.rec != nil {
+		d.rec.outOfMemory(*r, free)
+	}
 	info := &OOMInfo{Device: d.id, Size: r.SegSize, Total: total, Free: free}
 	var b strings.Builder
 	fmt.Fprintf(&b, "CUDA out of memory. Tried to allocate %s. GPU %d", FormatSize(r.SegSize), d.id)
@@ -568,20 +604,15 @@ func FormatSize(n uint64) string {
 	}
 }
 
-// check verifies the device's invariants beyond the cache's own: segment
-// sources belong to existing pools, and blocks waiting on events are
-// neither free nor allocated.
+// check verifies the device's invariants beyond the cache's own: the
+// private pools' count, and blocks waiting on events are neither free nor
+// allocated.
 func (d *device) check() error {
 	if err := d.cache.Check(); err != nil {
 		return fmt.Errorf("device %d: %w", d.id, err)
 	}
 	if err := d.graphs.Pools.Check(); err != nil {
 		return fmt.Errorf("device %d: %w", d.id, err)
-	}
-	for id := range d.sources {
-		if pp := d.graphs.Pools.Get(id); pp == nil || pp.Auto {
-			return fmt.Errorf("device %d: a segment source for pool {%d,%d}, which does not exist", d.id, id.A, id.B)
-		}
 	}
 	var err error
 	d.ev.Each(func(b *pools.Block) {

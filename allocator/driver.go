@@ -35,51 +35,10 @@ type relaxedAllocator interface {
 	MemAllocRelaxed(dev int, size uint64) (cuda.Ptr, error)
 }
 
-// captureGraphDriver is implemented by drivers that expose the topology of
-// a capture under way (cuStreamGetCaptureInfo's terminal nodes and
-// cuGraphNodeGetDependencies), which graph_capture_record_stream_reuse
-// needs (capturereuse.go). Both calls are legal during capture. Each
-// appends to buf and returns it, so that a caller can reuse one buffer; a
-// driver that lacks the entry points returns ErrNotSupported.
-type captureGraphDriver interface {
-	StreamCaptureGraph(dev int, s cuda.Stream, buf []cuda.GraphNode) (cuda.CaptureStatus, uint64, []cuda.GraphNode, error)
-	GraphNodeDependencies(dev int, n cuda.GraphNode, buf []cuda.GraphNode) ([]cuda.GraphNode, error)
-}
-
 // processLister is implemented by drivers that can name the processes using a
 // device (the real driver, through NVML). The OOM message lists them.
 type processLister interface {
 	DeviceProcesses(dev int) ([]cuda.ProcessMemory, error)
-}
-
-// vmmDriver is implemented by drivers with CUDA's virtual memory management
-// API (cuda/driver where the driver has it, and cuda/sim), which expandable
-// segments are made of. Without it expandable_segments:True falls back to
-// ordinary segments with a warning.
-//
-// MemAddressReserve, MemCreate, MemMap and MemSetAccess obey the calling
-// thread's capture mode like MemAlloc (the allocator calls them in relaxed
-// mode); MemUnmap, MemRelease and MemAddressFree are, like MemFree, never
-// called while a capture may be under way.
-type vmmDriver interface {
-	// MemGranularity is the size and alignment unit of physical
-	// allocations and mappings on dev.
-	MemGranularity(dev int) (uint64, error)
-	// MemAddressReserve reserves size bytes of dev's address space.
-	MemAddressReserve(dev int, size uint64) (cuda.Ptr, error)
-	// MemAddressFree frees a whole reservation.
-	MemAddressFree(dev int, p cuda.Ptr, size uint64) error
-	// MemCreate allocates size bytes of physical memory on dev.
-	MemCreate(dev int, size uint64) (cuda.MemHandle, error)
-	// MemRelease releases a handle; its memory goes once it is unmapped.
-	MemRelease(dev int, h cuda.MemHandle) error
-	// MemMap maps all of h at p, inside a reservation.
-	MemMap(dev int, p cuda.Ptr, size uint64, h cuda.MemHandle) error
-	// MemSetAccess makes a mapped range readable and writable from dev
-	// (the real driver: and from the devices that can access it as peers).
-	MemSetAccess(dev int, p cuda.Ptr, size uint64) error
-	// MemUnmap unmaps a range that mappings cover exactly.
-	MemUnmap(dev int, p cuda.Ptr, size uint64) error
 }
 
 // ipcDriver is implemented by drivers with CUDA IPC of memory (cuda/driver,

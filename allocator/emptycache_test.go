@@ -18,9 +18,9 @@ func TestEmptyCacheNothingToRelease(t *testing.T) {
 
 	// A whole free segment of the default pools.
 	p := mustMalloc(t, a, 0, 4*MiB, 0)
-	require.NoError(t, a.Free(0, p, 0))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
 	require.False(t, allocator.NothingToRelease(a, 0))
-	require.NoError(t, a.EmptyCache())
+	require.NoError(t, a.EmptyCache(0))
 	require.Zero(t, drv.Used(0))
 	require.True(t, allocator.NothingToRelease(a, 0))
 
@@ -28,19 +28,19 @@ func TestEmptyCacheNothingToRelease(t *testing.T) {
 	// one full pass finds nothing and clears the flag.
 	p = mustMalloc(t, a, 0, 4096, 0)
 	q := mustMalloc(t, a, 0, 4096, 0)
-	require.NoError(t, a.Free(0, p, 0))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
 	require.False(t, allocator.NothingToRelease(a, 0))
-	require.NoError(t, a.EmptyCache())
+	require.NoError(t, a.EmptyCache(0))
 	require.NotZero(t, drv.Used(0), "the segment is still in use")
 	require.True(t, allocator.NothingToRelease(a, 0))
 
 	// An event: a free on another stream's behalf.
 	require.NoError(t, a.RecordStream(q, 5))
 	drv.Submit(5)
-	require.NoError(t, a.Free(0, q, 0))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: q}))
 	require.False(t, allocator.NothingToRelease(a, 0))
 	drv.CompleteAll()
-	require.NoError(t, a.EmptyCache())
+	require.NoError(t, a.EmptyCache(0))
 	require.Zero(t, drv.LiveEvents(), "pooled events are destroyed")
 	require.Zero(t, drv.Used(0))
 	require.True(t, allocator.NothingToRelease(a, 0))
@@ -50,11 +50,11 @@ func TestEmptyCacheNothingToRelease(t *testing.T) {
 	require.NoError(t, a.BeginAllocateToPool(0, id, nil))
 	p = mustMalloc(t, a, 0, 4*MiB, 0)
 	require.NoError(t, a.EndAllocateToPool(0, id))
-	require.NoError(t, a.Free(0, p, 0))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
 	require.True(t, allocator.NothingToRelease(a, 0), "the pool is still held")
 	require.NoError(t, a.ReleasePool(0, id))
 	require.False(t, allocator.NothingToRelease(a, 0))
-	require.NoError(t, a.EmptyCache())
+	require.NoError(t, a.EmptyCache(0))
 	require.Zero(t, drv.Used(0))
 	require.True(t, allocator.NothingToRelease(a, 0))
 }
@@ -63,10 +63,10 @@ func TestEmptyCacheNothingToRelease(t *testing.T) {
 func TestEmptyCacheNothingToReleaseExpandable(t *testing.T) {
 	a, drv := newAlloc(t, 1, 8*GiB, "expandable_segments:True")
 	p := mustMalloc(t, a, 0, 40*MiB, 0)
-	require.NoError(t, a.Free(0, p, 0))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
 	require.NotZero(t, drv.Mapped(0))
 	require.False(t, allocator.NothingToRelease(a, 0))
-	require.NoError(t, a.EmptyCache())
+	require.NoError(t, a.EmptyCache(0))
 	require.Zero(t, drv.Mapped(0))
 	require.True(t, allocator.NothingToRelease(a, 0))
 }

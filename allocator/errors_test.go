@@ -15,7 +15,7 @@ import (
 func TestOOMText(t *testing.T) {
 	a, _ := newAlloc(t, 1, 4*GiB, "")
 	p := mustMalloc(t, a, 0, 100*MiB, 0)
-	_, err := a.Malloc(0, 5*GiB, 0)
+	_, err := a.Malloc(&allocator.MallocRequest{Size: 5 * GiB})
 	require.ErrorIs(t, err, allocator.ErrOutOfMemory)
 	require.Contains(t, err.Error(), "PYTORCH_CUDA_ALLOC_CONF", "PyTorch's words stay in Error")
 
@@ -36,15 +36,15 @@ func TestOOMText(t *testing.T) {
 	// A size that rounds up says which segment was asked of the driver;
 	// the memory fraction is told.
 	require.NoError(t, a.SetMemoryFraction(0, 0.25))
-	_, err = a.Malloc(0, 1*GiB+1, 0)
+	_, err = a.Malloc(&allocator.MallocRequest{Size: 1*GiB + 1})
 	require.ErrorIs(t, err, allocator.ErrOutOfMemory)
 	text, ok = a.OOMText(err, 1*GiB+1)
 	require.True(t, ok)
 	require.Contains(t, text, "cannot allocate 1.00 GiB (1073741825 bytes, in a segment of 1075838976)")
 	require.Contains(t, text, "per_process_memory_fraction 0.25 allows cudapool 1024.00 MiB")
 
-	require.NoError(t, a.Free(0, p, 100*MiB))
-	err = a.Free(0, p, 100*MiB)
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p, Size: 100 * MiB}))
+	err = a.Free(allocator.FreeRequest{Ptr: p, Size: 100 * MiB})
 	require.Error(t, err)
 	_, ok = a.OOMText(err, 0)
 	require.False(t, ok, "not out of memory")

@@ -41,7 +41,7 @@ func TestExpandableGrowsAcrossPages(t *testing.T) {
 	require.Equal(t, uint64(32*MiB), size)
 
 	// A freed tail grows into new pages rather than a new range.
-	require.NoError(t, a.Free(0, p3, 0))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p3}))
 	p4 := mustMalloc(t, a, 0, 40*MiB, 0)
 	require.Equal(t, p3, p4)
 	require.Equal(t, uint64(46*MiB), drv.Mapped(0))
@@ -54,7 +54,7 @@ func TestExpandableGrowsAcrossPages(t *testing.T) {
 	n, _ = drv.Reservations(0)
 	require.Equal(t, 3, n)
 	for _, p := range []cuda.Ptr{p1, p2, p4, s, o} {
-		require.NoError(t, a.Free(0, p, 0))
+		require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
 	}
 	require.NoError(t, a.CheckInvariants())
 	require.Zero(t, drv.Violations(), "%v", drv.ViolationLog())
@@ -69,9 +69,9 @@ func TestExpandableEmptyCacheUnmaps(t *testing.T) {
 	gone := mustMalloc(t, a, 0, 20*MiB, 0)   // pages 1-11
 	small := mustMalloc(t, a, 0, 512*KiB, 0) // the small pool's range
 	require.Equal(t, uint64(26*MiB), drv.Mapped(0))
-	require.NoError(t, a.Free(0, gone, 0))
-	require.NoError(t, a.Free(0, small, 0))
-	require.NoError(t, a.EmptyCache())
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: gone}))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: small}))
+	require.NoError(t, a.EmptyCache(0))
 	require.Equal(t, uint64(4*MiB), drv.Mapped(0), "keep's two pages stay mapped")
 	require.Equal(t, uint64(4*MiB), drv.Used(0))
 	n, _ := drv.Reservations(0)
@@ -83,9 +83,9 @@ func TestExpandableEmptyCacheUnmaps(t *testing.T) {
 	// The unmapped pages are mapped again on demand, at the same addresses.
 	again := mustMalloc(t, a, 0, 20*MiB, 0)
 	require.Equal(t, gone, again)
-	require.NoError(t, a.Free(0, again, 0))
-	require.NoError(t, a.Free(0, keep, 0))
-	require.NoError(t, a.EmptyCache())
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: again}))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: keep}))
+	require.NoError(t, a.EmptyCache(0))
 	require.Zero(t, drv.Mapped(0))
 	require.Zero(t, drv.Used(0))
 	require.Zero(t, drv.Handles(0))
@@ -102,10 +102,10 @@ func TestExpandableMadeAgainAfterEmptyCache(t *testing.T) {
 	lockThread(t)
 	a, drv := newAlloc(t, 1, 80*GiB, expandable)
 	for i := 0; i < 400; i++ {
-		p, err := a.Malloc(0, 2*MiB, 0)
+		p, err := a.Malloc(&allocator.MallocRequest{Size: 2 * MiB})
 		require.NoError(t, err, "round %d", i)
-		require.NoError(t, a.Free(0, p, 2*MiB))
-		require.NoError(t, a.EmptyCache())
+		require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p, Size: 2 * MiB}))
+		require.NoError(t, a.EmptyCache(0))
 		n, _ := drv.Reservations(0)
 		require.Zero(t, n, "round %d: every reservation freed", i)
 	}
@@ -118,7 +118,7 @@ func TestExpandableOOMUnmapsThenRetries(t *testing.T) {
 	lockThread(t)
 	a, drv := newAlloc(t, 1, 64*MiB, expandable)
 	p := mustMalloc(t, a, 0, 40*MiB, 1)
-	require.NoError(t, a.Free(0, p, 0)) // 40 MiB mapped, cached on stream 1
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p})) // 40 MiB mapped, cached on stream 1
 	q := mustMalloc(t, a, 0, 40*MiB, 2)
 	st := stats(t, a, 0)
 	require.Equal(t, int64(1), st.NumAllocRetries)
@@ -126,17 +126,17 @@ func TestExpandableOOMUnmapsThenRetries(t *testing.T) {
 	require.Equal(t, uint64(40*MiB), drv.Mapped(0), "stream 1's pages were unmapped")
 	require.Equal(t, int64(40*MiB), st.ReservedBytes[pools.StatAll].Current)
 
-	_, err := a.Malloc(0, 40*MiB, 3)
+	_, err := a.Malloc(&allocator.MallocRequest{Size: 40 * MiB, Stream: 3})
 	require.ErrorIs(t, err, allocator.ErrOutOfMemory)
 	require.NoError(t, a.CheckInvariants())
-	require.NoError(t, a.Free(0, q, 0))
-	require.NoError(t, a.EmptyCache())
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: q}))
+	require.NoError(t, a.EmptyCache(0))
 	require.Zero(t, drv.Used(0))
 
 	// Injected failures part way through a mapping leave nothing behind.
 	drv.FailAllocs(0, 1)
 	r := mustMalloc(t, a, 0, 8*MiB, 0) // the first page fails, the retry maps
-	require.NoError(t, a.Free(0, r, 0))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: r}))
 	require.NoError(t, a.CheckInvariants())
 	require.Zero(t, drv.Violations(), "%v", drv.ViolationLog())
 }
@@ -147,11 +147,11 @@ func TestExpandableMemoryFraction(t *testing.T) {
 	a, _ := newAlloc(t, 1, 100*MiB, expandable)
 	require.NoError(t, a.SetMemoryFraction(0, 0.5))
 	p := mustMalloc(t, a, 0, 40*MiB, 0)
-	_, err := a.Malloc(0, 20*MiB, 0)
+	_, err := a.Malloc(&allocator.MallocRequest{Size: 20 * MiB})
 	require.ErrorIs(t, err, allocator.ErrOutOfMemory, "40 + 20 MiB > 50 MiB allowed")
 	q := mustMalloc(t, a, 0, 10*MiB, 0)
-	require.NoError(t, a.Free(0, p, 0))
-	require.NoError(t, a.Free(0, q, 0))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: q}))
 	require.NoError(t, a.CheckInvariants())
 }
 
@@ -162,7 +162,7 @@ func TestExpandableCapture(t *testing.T) {
 	a, drv := newAlloc(t, 1, GiB, expandable)
 	const cs = cuda.Stream(7)
 	eager := mustMalloc(t, a, 0, 8*MiB, 0)
-	require.NoError(t, a.Free(0, eager, 0))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: eager}))
 	g := allocator.PoolID{A: 1}
 	for _, mode := range []cuda.CaptureMode{cuda.CaptureModeGlobal, cuda.CaptureModeThreadLocal} {
 		beginCapture(t, a, drv, g, cs, mode)
@@ -170,21 +170,21 @@ func TestExpandableCapture(t *testing.T) {
 		y := mustMalloc(t, a, 0, 5*MiB, cs)
 		require.Equal(t, x+5*MiB, y, "the private pool's range grows too")
 		side := mustMalloc(t, a, 0, 30*MiB, 0) // eager work beside the capture
-		require.NoError(t, a.Free(0, x, 0))
-		require.NoError(t, a.Free(0, side, 0))
+		require.NoError(t, a.Free(allocator.FreeRequest{Ptr: x}))
+		require.NoError(t, a.Free(allocator.FreeRequest{Ptr: side}))
 		mapped := drv.Mapped(0)
-		require.ErrorIs(t, a.EmptyCache(), allocator.ErrCaptureUnderway)
+		require.ErrorIs(t, a.EmptyCache(0), allocator.ErrCaptureUnderway)
 		require.Equal(t, mapped, drv.Mapped(0), "nothing unmapped during the capture")
-		_, err := a.Malloc(0, 2*GiB, cs)
+		_, err := a.Malloc(&allocator.MallocRequest{Size: 2 * GiB, Stream: cs})
 		require.ErrorIs(t, err, allocator.ErrOutOfMemory, "no release and retry during a capture")
 		require.Equal(t, mapped, drv.Mapped(0))
 		require.NoError(t, drv.EndCapture(cs), "the capture stayed valid")
 		require.NoError(t, a.EndAllocateToPool(0, g))
-		require.NoError(t, a.Free(0, y, 0))
-		require.NoError(t, a.EmptyCache())
+		require.NoError(t, a.Free(allocator.FreeRequest{Ptr: y}))
+		require.NoError(t, a.EmptyCache(0))
 		require.Greater(t, drv.Mapped(0), uint64(0), "the live graph's pages stay")
 		require.NoError(t, a.ReleasePool(0, g))
-		require.NoError(t, a.EmptyCache())
+		require.NoError(t, a.EmptyCache(0))
 		require.Zero(t, drv.Mapped(0), "the released pool's pages and range went back")
 		n, _ := drv.Reservations(0)
 		require.Zero(t, n)
@@ -201,18 +201,18 @@ func TestExpandableRecordStream(t *testing.T) {
 	p := mustMalloc(t, a, 0, 4*MiB, 1)
 	require.NoError(t, a.RecordStream(p, 2))
 	drv.Submit(2)
-	require.NoError(t, a.Free(0, p, 0))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
 	q := mustMalloc(t, a, 0, 4*MiB, 1)
 	require.Equal(t, p+4*MiB, q, "p still in use by stream 2: new pages instead")
 	require.True(t, drv.Accessible(0, p, 4*MiB))
-	require.NoError(t, a.Free(0, q, 0))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: q}))
 	drv.Complete(2)
 	r := mustMalloc(t, a, 0, 8*MiB, 1)
 	require.Equal(t, p, r, "p's pages merged with q's once stream 2 finished")
 	require.NoError(t, a.RecordStream(r, 3))
 	drv.Submit(3)
-	require.NoError(t, a.Free(0, r, 0))
-	require.NoError(t, a.EmptyCache(), "waits for stream 3, then unmaps")
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: r}))
+	require.NoError(t, a.EmptyCache(0), "waits for stream 3, then unmaps")
 	require.Zero(t, drv.Mapped(0))
 	require.NoError(t, a.CheckInvariants())
 	require.Zero(t, drv.LiveEvents())
@@ -225,9 +225,9 @@ func TestExpandableSnapshot(t *testing.T) {
 	p := mustMalloc(t, a, 0, 3*MiB, 0)
 	q := mustMalloc(t, a, 0, 5*MiB, 0)
 	r := mustMalloc(t, a, 0, 3*MiB, 0)
-	require.NoError(t, a.Free(0, q, 0))
-	require.NoError(t, a.EmptyCache()) // unmaps pages 2-3: two runs remain
-	snap := a.Snapshot()
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: q}))
+	require.NoError(t, a.EmptyCache(0)) // unmaps pages 2-3: two runs remain
+	snap := a.Snapshot(nil, true)
 	require.Len(t, snap.Segments, 2)
 	for _, s := range snap.Segments {
 		require.True(t, s.IsExpandable)
@@ -252,8 +252,8 @@ func TestExpandableSnapshot(t *testing.T) {
 	require.Contains(t, actions, "segment_unmap")
 	_, err := json.Marshal(snap)
 	require.NoError(t, err)
-	require.NoError(t, a.Free(0, p, 0))
-	require.NoError(t, a.Free(0, r, 0))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: r}))
 }
 
 // noVMM hides the simulator's virtual memory management methods.
@@ -275,8 +275,8 @@ func TestExpandableFallback(t *testing.T) {
 	require.Equal(t, int64(2), drv.Allocs(0))
 	require.Len(t, warnings, 1)
 	require.Contains(t, warnings[0], "ordinary segments")
-	require.NoError(t, a.Free(0, p, 0))
-	require.NoError(t, a.Free(0, q, 0))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: q}))
 	require.NoError(t, a.CheckInvariants())
 }
 
@@ -291,9 +291,9 @@ func TestExpandableToggle(t *testing.T) {
 	a.Configure(cfg)
 	q := mustMalloc(t, a, 0, 30*MiB, 0)
 	require.Equal(t, int64(1), drv.Allocs(0))
-	require.NoError(t, a.Free(0, p, 0))
-	require.NoError(t, a.Free(0, q, 0))
-	require.NoError(t, a.EmptyCache())
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: q}))
+	require.NoError(t, a.EmptyCache(0))
 	require.Zero(t, drv.Used(0))
 	require.NoError(t, a.CheckInvariants())
 }
@@ -346,26 +346,26 @@ func TestExpandableDriverFailures(t *testing.T) {
 	}
 
 	drv.failAccess = 1
-	_, err = a.Malloc(0, 10*MiB, 0)
+	_, err = a.Malloc(&allocator.MallocRequest{Size: 10 * MiB})
 	require.Error(t, err, "memory without access is not handed out")
 	check()
 	p := mustMalloc(t, a, 0, 10*MiB, 0)
 	require.True(t, s.Accessible(0, p, 10*MiB))
 
-	require.NoError(t, a.Free(0, p, 0))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
 	drv.failReleases = 1
-	require.NoError(t, a.EmptyCache(), "a failed release keeps the handle for later")
+	require.NoError(t, a.EmptyCache(0), "a failed release keeps the handle for later")
 	check()
 	require.Zero(t, s.Mapped(0))
-	require.NoError(t, a.EmptyCache(), "the spare handle is released now")
+	require.NoError(t, a.EmptyCache(0), "the spare handle is released now")
 	require.Zero(t, s.Used(0))
 
 	q := mustMalloc(t, a, 0, 10*MiB, 0)
-	require.NoError(t, a.Free(0, q, 0))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: q}))
 	drv.failUnmaps = 1
-	require.Error(t, a.EmptyCache())
+	require.Error(t, a.EmptyCache(0))
 	check()
-	require.NoError(t, a.EmptyCache())
+	require.NoError(t, a.EmptyCache(0))
 	check()
 	require.Zero(t, s.Used(0))
 	require.Zero(t, s.Handles(0))

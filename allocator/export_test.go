@@ -10,8 +10,8 @@ import (
 // PoolLayout returns the current block layout of private pool id on dev.
 func PoolLayout(a *Allocator, dev int, id PoolID) ([]pools.SegmentState, error) {
 	d := a.devs[dev]
-	d.mu.Lock()
-	defer d.mu.Unlock()
+	d.enter()
+	defer d.leave()
 	pp := d.graphs.Pools.Get(id)
 	if pp == nil {
 		return nil, nil
@@ -20,7 +20,7 @@ func PoolLayout(a *Allocator, dev int, id PoolID) ([]pools.SegmentState, error) 
 }
 
 // CheckpointLayout returns the layout a checkpoint holds.
-func CheckpointLayout(cp *Checkpoint) []pools.SegmentState { return cp.segs }
+func CheckpointLayout(cp *Checkpoint) []pools.SegmentState { return cp.Layout() }
 
 // SetContext sets the context id of the allocated block at p, as a malloc
 // recording its caller's context would.
@@ -30,7 +30,7 @@ func SetContext(a *Allocator, p cuda.Ptr, ctx uint64) bool {
 		return false
 	}
 	b.Context = ctx
-	d.mu.Unlock()
+	d.leave()
 	return true
 }
 
@@ -40,7 +40,7 @@ func ContextOf(a *Allocator, p cuda.Ptr) uint64 {
 	if d == nil {
 		return 0
 	}
-	defer d.mu.Unlock()
+	defer d.leave()
 	return b.Context
 }
 
@@ -49,9 +49,9 @@ func ContextOf(a *Allocator, p cuda.Ptr) uint64 {
 // holds on dev.
 func CaptureReuseState(a *Allocator, dev int) (markers, walks int) {
 	d := a.devs[dev]
-	d.mu.Lock()
-	defer d.mu.Unlock()
-	return len(d.reuse.markers), len(d.reuse.seen)
+	d.enter()
+	defer d.leave()
+	return d.graphs.Reuse.State()
 }
 
 // EmptyCacheFull makes empty_cache take its full path even when the device
@@ -69,7 +69,7 @@ func CountEmptyCacheSkips() func() int64 {
 // dev.
 func NothingToRelease(a *Allocator, dev int) bool {
 	d := a.devs[dev]
-	d.lock()
-	defer d.mu.Unlock()
+	d.enter()
+	defer d.leave()
 	return d.nothingToRelease()
 }

@@ -109,7 +109,6 @@ package allocator
 
 import (
 	"fmt"
-	"sync"
 	"sync/atomic"
 
 	"github.com/cudapool/cudapool/cuda"
@@ -177,7 +176,8 @@ const (
 	frontColdMaxShift = 6
 )
 
-// Tracking is what a malloc tells the front about its block (MallocTracked).
+// Tracking is what a malloc tells the front about its block
+// (MallocRequest.Track).
 type Tracking struct {
 	// Tag is TagNone if the front must not track the block, else its
 	// pool's tag (TagDefault, PoolTag), with TagHold if the front may hold
@@ -245,8 +245,8 @@ type frontCtl struct {
 	blocked atomic.Int64
 	// mu serializes the policy's changes and pushes (sync's read of the
 	// conditions and its store, the devices' phases); taken after a
-	// device's mu, if both are.
-	mu     sync.Mutex
+	// device's mu, if both are (rankFront, lockrank.go).
+	mu     rankedMutex
 	policy FrontPolicy // guarded by mu
 }
 
@@ -276,7 +276,7 @@ type frontState struct {
 	blocked bool
 }
 
-// tracking is what MallocTracked tells the front after a malloc of size
+// tracking is what Malloc tells the front after a malloc of size
 // bytes: the block's tag (held only if small, unless its pool allows more:
 // privateTag) and the route. mu is held.
 func (s *frontState) tracking(size uint64) Tracking {
@@ -291,7 +291,7 @@ func (s *frontState) tracking(size uint64) Tracking {
 }
 
 // SetFront installs f (once, before the allocator is shared). From then on
-// malloc reports which blocks f may track (MallocTracked), every device
+// malloc reports which blocks f may track (MallocRequest.Track), every device
 // operation replays f's log first, and f is given the policy.
 func (a *Allocator) SetFront(f Front) {
 	fc := &a.front

@@ -61,7 +61,7 @@ func TestFrontFlagsReplay(t *testing.T) {
 	f := &flagFront{}
 	a.SetFront(f)
 	a.ExpectAnnouncements()
-	p, tr, err, _ := a.MallocTracked(0, 4096, 0, 0, nil)
+	p, tr, err, _ := mallocTracked(a, 0, 4096, 0, 0, nil)
 	require.NoError(t, err)
 	require.Equal(t, allocator.Tracking{Tag: small}, tr)
 	f.log = append(f.log, allocator.PendingFree{Ptr: p, Op: allocator.OpFree})
@@ -78,7 +78,7 @@ func TestFrontReplayAllocatesNothing(t *testing.T) {
 	f := &fakeFront{log: make([]allocator.PendingFree, 0, 64)}
 	a := frontAlloc(t, 8*GiB, f)
 	require.True(t, a.FrontEnabled())
-	p, tr, err, _ := a.MallocTracked(0, 4096, 0, 0, nil)
+	p, tr, err, _ := mallocTracked(a, 0, 4096, 0, 0, nil)
 	require.NoError(t, err)
 	require.Equal(t, small, tr.Tag)
 	allocs := testing.AllocsPerRun(1000, func() {
@@ -86,8 +86,8 @@ func TestFrontReplayAllocatesNothing(t *testing.T) {
 			allocator.PendingFree{Ptr: p, Op: allocator.OpFreeStats},
 			allocator.PendingFree{Ptr: p, Op: allocator.OpReuse},
 			allocator.PendingFree{Ptr: p, Op: allocator.OpCycles, Count: 3})
-		q, _, _, _ := a.MallocTracked(0, 8192, 0, 0, nil)
-		_ = a.Free(0, q, 0)
+		q, _, _, _ := mallocTracked(a, 0, 8192, 0, 0, nil)
+		_ = a.Free(allocator.FreeRequest{Ptr: q})
 	})
 	require.Zero(t, allocs)
 	st, _ := a.Stats(0)
@@ -112,8 +112,8 @@ func TestFrontTracksBorrowedBlock(t *testing.T) {
 	pool := allocator.PoolID{B: 4}
 	cached := oomPoolBlock(t, a, pool)
 	require.True(t, a.FrontEnabled())
-	require.NoError(t, a.Free(0, cached, 0))
-	p, tr, err, _ := a.MallocTracked(0, 60*MiB, 5, 0, nil)
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: cached}))
+	p, tr, err, _ := mallocTracked(a, 0, 60*MiB, 5, 0, nil)
 	require.NoError(t, err)
 	require.Equal(t, cached, p)
 	require.True(t, inPool(t, a, pool, p), "a private pool's block")
@@ -156,14 +156,14 @@ func TestFrontRoutesPhases(t *testing.T) {
 	gen1 := f.policy().Phases[0]
 	require.NotZero(t, gen1)
 
-	p, tr, err, _ := a.MallocTracked(0, 4096, 7, 0, nil)
+	p, tr, err, _ := mallocTracked(a, 0, 4096, 7, 0, nil)
 	require.NoError(t, err)
 	require.True(t, inPool(t, a, pool, p))
 	tag := tr.Route
 	require.GreaterOrEqual(t, tag, uint32(2), "a private pool's tag")
 	require.Equal(t, allocator.Tracking{Tag: tag | allocator.TagHold, Route: tag, Phases: gen1}, tr,
 		"tracked with its pool's tag; the route and its generation")
-	q, tr, err, _ := a.MallocTracked(0, 4096, 8, 0, nil)
+	q, tr, err, _ := mallocTracked(a, 0, 4096, 8, 0, nil)
 	require.NoError(t, err)
 	require.False(t, inPool(t, a, pool, q))
 	require.Equal(t, allocator.Tracking{Tag: small}, tr, "the filter refuses stream 8: the default pools, no route")
@@ -175,7 +175,7 @@ func TestFrontRoutesPhases(t *testing.T) {
 	gen2 := f.policy().Phases[0]
 	require.NotZero(t, gen2)
 	require.NotEqual(t, gen1, gen2)
-	r, tr, err, _ := a.MallocTracked(0, 4096, 7, 0, nil)
+	r, tr, err, _ := mallocTracked(a, 0, 4096, 7, 0, nil)
 	require.NoError(t, err)
 	require.True(t, inPool(t, a, pool2, r), "the newest phase wins")
 	require.NotEqual(t, tag, tr.Route)
@@ -188,11 +188,11 @@ func TestFrontRoutesPhases(t *testing.T) {
 	require.NoError(t, a.EndAllocateToPool(0, pool2))
 	require.Zero(t, f.policy().Phases[0], "no phase under way")
 	require.True(t, a.FrontEnabled())
-	_, tr, err, _ = a.MallocTracked(0, 4096, 7, 0, nil)
+	_, tr, err, _ = mallocTracked(a, 0, 4096, 7, 0, nil)
 	require.NoError(t, err)
 	require.Equal(t, allocator.Tracking{Tag: small}, tr)
 	for _, x := range []cuda.Ptr{p, q, r} {
-		require.NoError(t, a.Free(0, x, 0))
+		require.NoError(t, a.Free(allocator.FreeRequest{Ptr: x}))
 	}
 }
 
@@ -211,7 +211,7 @@ func TestFrontTagsExpandablePrivatePools(t *testing.T) {
 			require.NoError(t, a.BeginAllocateToPool(0, pool, func(s cuda.Stream) bool { return s == 7 }))
 			var ps, inpool []cuda.Ptr
 			for _, size := range []uint64{4096, 3 * MiB} { // the small and the large pool
-				p, tr, err, _ := a.MallocTracked(0, size, 7, 0, nil)
+				p, tr, err, _ := mallocTracked(a, 0, size, 7, 0, nil)
 				require.NoError(t, err)
 				inpool = append(inpool, p)
 				require.True(t, inPool(t, a, pool, inpool...))
@@ -220,7 +220,7 @@ func TestFrontTagsExpandablePrivatePools(t *testing.T) {
 					want = tr.Route
 				}
 				require.Equal(t, want, tr.Tag, "tracked with its pool's tag (%d bytes)", size)
-				q, tr, err, _ := a.MallocTracked(0, size, 8, 0, nil)
+				q, tr, err, _ := mallocTracked(a, 0, size, 8, 0, nil)
 				require.NoError(t, err)
 				want = small
 				if size > 4096 {
@@ -231,7 +231,7 @@ func TestFrontTagsExpandablePrivatePools(t *testing.T) {
 			}
 			require.NoError(t, a.EndAllocateToPool(0, pool))
 			for _, x := range ps {
-				require.NoError(t, a.Free(0, x, 0))
+				require.NoError(t, a.Free(allocator.FreeRequest{Ptr: x}))
 			}
 		})
 	}
@@ -244,21 +244,21 @@ func TestFrontLeavesSpareBlocks(t *testing.T) {
 	f := &fakeFront{}
 	a := frontAlloc(t, 8*GiB, f)
 	const n = 10*MiB - 512 // two per 20 MiB segment, the second with 1024 bytes to spare
-	p, tr, err, _ := a.MallocTracked(0, n, 0, 0, nil)
+	p, tr, err, _ := mallocTracked(a, 0, n, 0, 0, nil)
 	require.NoError(t, err)
 	require.Equal(t, allocator.TagDefault, tr.Tag, "split from its segment: no spare bytes")
-	q, tr, err, _ := a.MallocTracked(0, n, 0, 0, nil)
+	q, tr, err, _ := mallocTracked(a, 0, n, 0, 0, nil)
 	require.NoError(t, err)
 	require.Equal(t, p+n, q, "the segment's tail")
 	require.Equal(t, allocator.TagNone, tr.Tag, "1024 bytes to spare, in a shared segment: left to Go")
 	const w = 12*MiB - 512*KiB // a 12 MiB segment, 512 KiB to spare
-	r, tr, err, _ := a.MallocTracked(0, w, 0, 0, nil)
+	r, tr, err, _ := mallocTracked(a, 0, w, 0, 0, nil)
 	require.NoError(t, err)
 	require.Equal(t, allocator.TagDefault, tr.Tag, "a whole segment with spare bytes is tracked")
 	st, _ := a.Stats(0)
 	require.EqualValues(t, 2*n+1024+12*MiB, st.ActiveBytes[0].Current, "(the spare bytes as the test expects)")
 	for _, x := range []cuda.Ptr{p, q, r} {
-		require.NoError(t, a.Free(0, x, 0))
+		require.NoError(t, a.Free(allocator.FreeRequest{Ptr: x}))
 	}
 }
 
@@ -272,14 +272,14 @@ func TestFrontInvalidations(t *testing.T) {
 	a.SetFront(f)
 	p := mustMalloc(t, a, 0, 4096, 1)
 	q := mustMalloc(t, a, 0, 4096, 1)
-	require.NoError(t, a.Free(0, q, 0))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: q}))
 	require.Empty(t, f.invalid, "mallocs and frees invalidate nothing")
 	require.NoError(t, a.RecordStream(p, 2))
 	require.Equal(t, []cuda.Ptr{p}, f.invalid)
 	_, _, _, err := a.IpcHandle(p)
 	require.NoError(t, err)
 	require.Equal(t, []cuda.Ptr{p, p}, f.invalid)
-	require.NoError(t, a.Free(0, p, 0))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
 
 	g := allocator.PoolID{A: 1}
 	const cs = cuda.Stream(7)
@@ -330,7 +330,7 @@ func TestFrontHeldBlocks(t *testing.T) {
 	f := &holdFront{}
 	a := frontAlloc(t, 8*GiB, f)
 
-	p, tr, err, _ := a.MallocTracked(0, 60*MiB, 0, 0, nil)
+	p, tr, err, _ := mallocTracked(a, 0, 60*MiB, 0, 0, nil)
 	require.NoError(t, err)
 	require.Equal(t, allocator.TagDefault, tr.Tag)
 	f.log = append(f.log, allocator.PendingFree{Ptr: p, Op: allocator.OpHold})
@@ -338,7 +338,7 @@ func TestFrontHeldBlocks(t *testing.T) {
 
 	// A malloc keeps it held (its take has keep), then, finding no free
 	// block, releases it and splits it instead of growing.
-	q, _, err, _ := a.MallocTracked(0, 50*MiB, 0, 0, nil)
+	q, _, err, _ := mallocTracked(a, 0, 50*MiB, 0, 0, nil)
 	require.NoError(t, err)
 	require.Equal(t, []bool{true, false}, f.keep, "the malloc's take keeps, the release before growing does not")
 	require.Equal(t, p, q, "the held block's memory, split")
@@ -358,5 +358,5 @@ func TestFrontHeldBlocks(t *testing.T) {
 	require.Equal(t, pools.Stat{Current: 0, Peak: 1, Allocated: 2, Freed: 2}, st.Allocation[0])
 	require.Zero(t, st.Active[0].Current)
 	require.Zero(t, st.InactiveSplit[0].Current, "released and merged: no split block left")
-	require.Error(t, a.Free(0, q, 0), "the block is free: a second free is an error")
+	require.Error(t, a.Free(allocator.FreeRequest{Ptr: q}), "the block is free: a second free is an error")
 }

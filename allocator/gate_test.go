@@ -23,9 +23,9 @@ func TestCaptureBeginWaitsForOtherDevicesFrees(t *testing.T) {
 	f := fault.New(s)
 	a, err := allocator.New(f, allocator.Config{})
 	require.NoError(t, err)
-	p, err := a.Malloc(0, 4096, 1)
+	p, err := a.Malloc(&allocator.MallocRequest{Size: 4096, Stream: 1})
 	require.NoError(t, err)
-	require.NoError(t, a.Free(0, p, 4096))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p, Size: 4096}))
 
 	inFree := make(chan struct{})
 	var freed time.Time
@@ -35,7 +35,7 @@ func TestCaptureBeginWaitsForOtherDevicesFrees(t *testing.T) {
 		freed = time.Now()
 	})
 	done := make(chan error)
-	go func() { done <- a.EmptyCache() }()
+	go func() { done <- a.EmptyCache(0) }()
 	<-inFree
 	cs := cuda.Stream(7)
 	require.NoError(t, a.BeginAllocateToPool(1, allocator.PoolID{A: 1}, func(x cuda.Stream) bool { return x == cs }))
@@ -49,12 +49,12 @@ func TestCaptureBeginWaitsForOtherDevicesFrees(t *testing.T) {
 	require.Zero(t, s.Live(0))
 
 	// And while the capture runs, no device frees.
-	p, err = a.Malloc(0, 4096, 1)
+	p, err = a.Malloc(&allocator.MallocRequest{Size: 4096, Stream: 1})
 	require.NoError(t, err)
-	require.NoError(t, a.Free(0, p, 4096))
-	require.ErrorIs(t, a.EmptyCache(), allocator.ErrCaptureUnderway)
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p, Size: 4096}))
+	require.ErrorIs(t, a.EmptyCache(0), allocator.ErrCaptureUnderway)
 	require.NoError(t, s.EndCapture(cs))
 	require.NoError(t, a.EndAllocateToPool(1, allocator.PoolID{A: 1}))
-	require.NoError(t, a.EmptyCache())
+	require.NoError(t, a.EmptyCache(0))
 	require.Zero(t, s.Violations(), "%v", s.ViolationLog())
 }

@@ -5,11 +5,8 @@ import (
 	"fmt"
 	"slices"
 	"strings"
-	"sync"
 	"sync/atomic"
 	"time"
-
-	"github.com/cudapool/cudapool/cuda"
 )
 
 // Memory history: PyTorch's torch.cuda.memory._record_memory_history.
@@ -21,7 +18,8 @@ import (
 // it, so the work is split: the caller (the C++ layer) gathers a context
 // when GatherMask says the operation about to run needs one, keeps the
 // object in a table under a non-zero integer id, and passes the id to a
-// ...Ctx operation. Everything else is decided here: which contexts are kept,
+// request (MallocRequest.Ctx, FreeRequest.Ctx) or to EmptyCache. Everything
+// else is decided here: which contexts are kept,
 // on what, which actions are recorded, the ring's size, skip_actions,
 // clearing, user metadata, compile contexts and annotations. LiveContexts
 // tells the caller which ids are still referenced, so it can drop the rest.
@@ -65,15 +63,17 @@ import (
 // segment context survives the segment's first block being split (native
 // keeps it on the head block and loses it when the head is split off).
 //
-// Each device keeps its trace in a ring (deviceHistory, guarded by the
-// device's lock), which grows as entries come, up to MaxEntries, so that a
-// huge limit (Python's default is sys.maxsize) costs only what is used; once
-// full, each entry overwrites the oldest. Recording an entry allocates
-// nothing beyond the ring's growth; with history off it returns at once.
-// The entries one operation makes share its time, read once (the clock is
-// the dearest part of recording).
+// The device does not know these rules: it tells its recorder what happens
+// (recorder.go), and has none while the history is off, which costs the
+// malloc and free paths one test each. Each device's recorder keeps its
+// trace in a ring (deviceHistory, guarded by the device's lock), which grows
+// as entries come, up to MaxEntries, so that a huge limit (Python's default
+// is sys.maxsize) costs only what is used; once full, each entry overwrites
+// the oldest. Recording an entry allocates nothing beyond the ring's
+// growth. The entries one operation makes share its time, read once (the
+// clock is the dearest part of recording).
 // The allocator-wide state (labels, annotations, the gather mask) is in
-// history. Lock order: history.mu before any device's lock.
+// history. Lock order: history.mu before any device's lock (lockrank.go).
 
 // HistoryLevel says which contexts are kept (PyTorch's RecordContext).
 type HistoryLevel int
@@ -113,18 +113,21 @@ type HistoryOptions struct {
 
 // The operations GatherMask can ask a context for.
 const (
-	GatherAlloc   uint32 = 1 << iota // malloc (MallocCtx, MallocAfterFrees)
-	GatherFree                       // free (FreeCtx, PendingFree.Ctx)
-	GatherRelease                    // empty_cache (EmptyCacheCtx)
+	GatherAlloc   uint32 = 1 << iota // malloc (MallocRequest.Ctx)
+	GatherFree                       // free (FreeRequest.Ctx)
+	GatherRelease                    // empty_cache (EmptyCache's ctx)
 )
 
-// history is the allocator-wide part of the memory history.
+// history is the memory history: the allocator-wide part, and each
+// device's recorder (devs, by device id: the device's rec while the
+// history is on).
 type history struct {
 	gather  atomic.Uint32                 // GatherMask
 	enabled atomic.Bool                   // written under mu
 	labels  atomic.Pointer[historyLabels] // what new trace entries record; written under mu
+	devs    []*deviceHistory              // each guarded by its device's lock
 
-	mu          sync.Mutex
+	mu          rankedMutex
 	compile     []string              // the compile-context stack; guarded by mu
 	user        string                // the user metadata; guarded by mu
 	annotations ring[AnnotationEntry] // guarded by mu
@@ -144,73 +147,6 @@ func (h *history) publish() {
 		l.compile = h.compile[n-1]
 	}
 	h.labels.Store(l)
-}
-
-// deviceHistory is one device's part; the device's lock guards it.
-type deviceHistory struct {
-	on    bool         // record trace entries: enabled, with room for entries
-	level HistoryLevel // which contexts are kept (HistoryNever when disabled)
-	skip  uint32       // actions not recorded, one bit per action
-	// op is the context of the operation in progress, 0 when it has none
-	// or its level does not keep it (begin and end bracket operations).
-	op uint64
-	// inOp is set between begin and end; now is then the operation's time,
-	// read at its first entry (0: none yet), so that an operation reads the
-	// clock once however many entries it makes.
-	inOp bool
-	now  int64
-	// The fields above are read or written by every malloc and free (one
-	// cache line); those below only while recording.
-	ring   ring[traceEntry]
-	labels *atomic.Pointer[historyLabels] // the allocator's
-}
-
-// begin starts an operation whose context is ctx, kept if the level is at
-// least need.
-func (h *deviceHistory) begin(ctx uint64, need HistoryLevel) {
-	h.op, h.inOp, h.now = 0, true, 0
-	if h.level >= need {
-		h.op = ctx
-	}
-}
-
-// end ends the operation begun last.
-func (h *deviceHistory) end() { h.op, h.inOp, h.now = 0, false, 0 }
-
-// ctxOr is the context of the operation in progress, else own.
-func (h *deviceHistory) ctxOr(own uint64) uint64 {
-	if h.op != 0 {
-		return h.op
-	}
-	return own
-}
-
-// record adds a trace entry. d.mu is held. Inlined into every malloc and
-// free (three calls per pair): while the history is off it is one test.
-func (d *device) record(act action, addr cuda.Ptr, size uint64, s cuda.Stream, pool PoolID, ctx uint64) {
-	if d.hist.on {
-		d.recordOn(act, addr, size, s, pool, ctx)
-	}
-}
-
-// recordOn is record while the history is on.
-func (d *device) recordOn(act action, addr cuda.Ptr, size uint64, s cuda.Stream, pool PoolID, ctx uint64) {
-	h := &d.hist
-	if h.skip&(1<<act) != 0 {
-		return
-	}
-	if h.level < HistoryAlloc {
-		ctx = 0
-	}
-	t := h.now
-	if t == 0 {
-		t = time.Now().UnixMicro()
-		if h.inOp {
-			h.now = t
-		}
-	}
-	h.ring.push(traceEntry{action: act, addr: addr, size: size, stream: s, timeUS: t,
-		pool: pool, ctx: ctx, labels: h.labels.Load()})
 }
 
 // RecordHistory starts, changes or stops the memory history (PyTorch's
@@ -236,14 +172,18 @@ func (a *Allocator) RecordHistory(o HistoryOptions) error {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	for _, d := range a.devs {
-		d.lock()
-		dh := &d.hist
+		d.enter()
+		dh := h.devs[d.id]
 		if clear {
 			dh.ring.clear()
 		}
 		dh.ring.setMax(entries)
 		dh.level, dh.skip, dh.on = level, skip, entries > 0
-		d.mu.Unlock()
+		d.rec = nil
+		if dh.on || dh.level > HistoryNever {
+			d.rec = dh
+		}
+		d.leave()
 	}
 	if clear {
 		h.annotations.clear()
@@ -405,7 +345,7 @@ func (e AnnotationEntry) MarshalJSON() ([]byte, error) {
 func (a *Allocator) LiveContexts(dst []uint64) []uint64 {
 	start := len(dst)
 	for _, d := range a.devs {
-		d.lock()
+		d.enter()
 		for _, s := range d.cache.Segments() {
 			if s.Context != 0 {
 				dst = append(dst, s.Context)
@@ -416,12 +356,12 @@ func (a *Allocator) LiveContexts(dst []uint64) []uint64 {
 				}
 			}
 		}
-		d.hist.ring.each(func(e *traceEntry) {
+		a.hist.devs[d.id].ring.each(func(e *traceEntry) {
 			if e.ctx != 0 {
 				dst = append(dst, e.ctx)
 			}
 		})
-		d.mu.Unlock()
+		d.leave()
 	}
 	slices.Sort(dst[start:])
 	return dst[:start+len(slices.Compact(dst[start:]))]

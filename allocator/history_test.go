@@ -22,7 +22,7 @@ func record(t testing.TB, a *allocator.Allocator, o allocator.HistoryOptions) {
 // snapshot entries that earlier snapshots recorded).
 func traceOf(a *allocator.Allocator, dev int) []allocator.TraceEntry {
 	var out []allocator.TraceEntry
-	for _, e := range a.Snapshot().DeviceTraces[dev] {
+	for _, e := range a.Snapshot(nil, true).DeviceTraces[dev] {
 		if e.Action != "snapshot" {
 			out = append(out, e)
 		}
@@ -90,9 +90,9 @@ func TestHistoryLevels(t *testing.T) {
 			require.True(t, a.HistoryEnabled())
 			require.Equal(t, tc.mask, a.GatherMask())
 
-			p, err := a.MallocCtx(0, 1000, 0, mallocCtx)
+			p, err := a.Malloc(&allocator.MallocRequest{Size: 1000, Stream: 0, Ctx: mallocCtx})
 			require.NoError(t, err)
-			snap := a.Snapshot()
+			snap := a.Snapshot(nil, true)
 			seg, blk := blockAt(t, snap, p)
 			require.Equal(t, tc.state, blk.Context, "block context")
 			require.Equal(t, tc.state, seg.Context, "segment context")
@@ -105,16 +105,16 @@ func TestHistoryLevels(t *testing.T) {
 			require.Equal(t, uint64(1000), entry(t, tr, "alloc").Size, "alloc entries record the requested size")
 			require.Equal(t, uint64(2*MiB), entry(t, tr, "segment_alloc").Size)
 
-			require.NoError(t, a.FreeCtx(0, p, 0, freeCtx))
+			require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p, Size: 0, Ctx: freeCtx}))
 			tr = traceOf(a, 0)
 			require.Equal(t, tc.freed, entry(t, tr, "free_requested").Context)
 			require.Equal(t, tc.freed, entry(t, tr, "free_completed").Context)
 			require.Equal(t, uint64(1000), entry(t, tr, "free_completed").Size)
-			_, blk = blockAt(t, a.Snapshot(), p)
+			_, blk = blockAt(t, a.Snapshot(nil, true), p)
 			require.Zero(t, blk.Context, "a free block has no context")
 			require.False(t, blk.Active)
 
-			require.NoError(t, a.EmptyCacheCtx(emptyCtx))
+			require.NoError(t, a.EmptyCache(emptyCtx))
 			tr = traceOf(a, 0)
 			require.Equal(t, tc.segmentFree, entry(t, tr, "segment_free").Context)
 			require.Equal(t, tc.live, a.LiveContexts(nil))
@@ -131,20 +131,20 @@ func TestHistoryDeferredFreeCompleted(t *testing.T) {
 		t.Run(level.String(), func(t *testing.T) {
 			a, drv := newAlloc(t, 1, GiB, "")
 			record(t, a, allocator.HistoryOptions{Enabled: true, MaxEntries: 100, When: level})
-			p, err := a.MallocCtx(0, 4096, 5, 1)
+			p, err := a.Malloc(&allocator.MallocRequest{Size: 4096, Stream: 5, Ctx: 1})
 			require.NoError(t, err)
 			require.NoError(t, a.RecordStream(p, 6))
 			drv.Submit(6)
-			require.NoError(t, a.FreeCtx(0, p, 0, 2))
+			require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p, Size: 0, Ctx: 2}))
 			tr := traceOf(a, 0)
 			require.NotContains(t, actionsOf(tr), "free_completed")
-			_, blk := blockAt(t, a.Snapshot(), p)
+			_, blk := blockAt(t, a.Snapshot(nil, true), p)
 			require.Equal(t, "active_awaiting_free", blk.State)
 			require.Equal(t, uint64(1), blk.Context, "the block keeps its context until the free completes")
 			require.Contains(t, a.LiveContexts(nil), uint64(1))
 
 			drv.CompleteAll()
-			q, err := a.MallocCtx(0, 4096, 7, 3) // processes the events
+			q, err := a.Malloc(&allocator.MallocRequest{Size: 4096, Stream: 7, Ctx: 3}) // processes the events
 			require.NoError(t, err)
 			tr = traceOf(a, 0)
 			require.Equal(t, uint64(3), entry(t, tr, "free_completed").Context, "the malloc that noticed")
@@ -153,14 +153,14 @@ func TestHistoryDeferredFreeCompleted(t *testing.T) {
 				want = 2
 			}
 			require.Equal(t, want, entry(t, tr, "free_requested").Context)
-			_, blk = blockAt(t, a.Snapshot(), p)
+			_, blk = blockAt(t, a.Snapshot(nil, true), p)
 			require.Zero(t, blk.Context)
 
 			// Completed by empty_cache: its context at level all, else the block's.
 			require.NoError(t, a.RecordStream(q, 8))
 			drv.Submit(8)
-			require.NoError(t, a.FreeCtx(0, q, 0, 4))
-			require.NoError(t, a.EmptyCacheCtx(9))
+			require.NoError(t, a.Free(allocator.FreeRequest{Ptr: q, Size: 0, Ctx: 4}))
+			require.NoError(t, a.EmptyCache(9))
 			var completed []uint64
 			for _, e := range traceOf(a, 0) {
 				if e.Action == "free_completed" {
@@ -181,16 +181,16 @@ func TestHistoryDeferredFreeCompleted(t *testing.T) {
 func TestHistoryMallocRetryAndOOM(t *testing.T) {
 	a, _ := newAlloc(t, 1, 100*MiB, "")
 	record(t, a, allocator.HistoryOptions{Enabled: true, MaxEntries: 100, When: allocator.HistoryAlloc})
-	p, err := a.MallocCtx(0, 60*MiB, 0, 1)
+	p, err := a.Malloc(&allocator.MallocRequest{Size: 60 * MiB, Stream: 0, Ctx: 1})
 	require.NoError(t, err)
-	require.NoError(t, a.Free(0, p, 0))
-	q, err := a.MallocCtx(0, 70*MiB, 1, 2) // another stream: frees p's segment first
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
+	q, err := a.Malloc(&allocator.MallocRequest{Size: 70 * MiB, Stream: 1, Ctx: 2}) // another stream: frees p's segment first
 	require.NoError(t, err)
 	tr := traceOf(a, 0)
 	require.Equal(t, []string{"segment_alloc", "alloc", "free_requested", "free_completed", "segment_free", "segment_alloc", "alloc"}, actionsOf(tr))
 	require.Equal(t, uint64(2), entry(t, tr, "segment_free").Context, "freed for the retrying malloc")
 
-	_, err = a.MallocCtx(0, 50*MiB+100, 0, 3)
+	_, err = a.Malloc(&allocator.MallocRequest{Size: 50*MiB + 100, Stream: 0, Ctx: 3})
 	require.ErrorIs(t, err, allocator.ErrOutOfMemory)
 	oom := entry(t, traceOf(a, 0), "oom")
 	require.Equal(t, uint64(3), oom.Context)
@@ -198,18 +198,18 @@ func TestHistoryMallocRetryAndOOM(t *testing.T) {
 	require.NotNil(t, oom.DeviceFree)
 	require.Equal(t, uint64(30*MiB), *oom.DeviceFree)
 	require.Equal(t, []uint64{1, 2, 3}, a.LiveContexts(nil), "q's block and segment (2), and the entries")
-	require.NoError(t, a.Free(0, q, 0))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: q}))
 }
 
 func TestHistorySkipActionsAndBadOptions(t *testing.T) {
 	a, _ := newAlloc(t, 1, GiB, "")
 	record(t, a, allocator.HistoryOptions{Enabled: true, MaxEntries: 100, When: allocator.HistoryAll,
 		SkipActions: []string{"alloc", "segment_alloc", "snapshot"}})
-	p, err := a.MallocCtx(0, 4096, 0, 1)
+	p, err := a.Malloc(&allocator.MallocRequest{Size: 4096, Stream: 0, Ctx: 1})
 	require.NoError(t, err)
-	require.NoError(t, a.FreeCtx(0, p, 0, 2))
-	a.Snapshot()
-	require.Equal(t, []string{"free_requested", "free_completed"}, actionsOf(a.Snapshot().DeviceTraces[0]),
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p, Size: 0, Ctx: 2}))
+	a.Snapshot(nil, true)
+	require.Equal(t, []string{"free_requested", "free_completed"}, actionsOf(a.Snapshot(nil, true).DeviceTraces[0]),
 		"skipped actions, snapshot entries included, are not recorded")
 
 	for _, bad := range []allocator.HistoryOptions{
@@ -230,10 +230,10 @@ func TestHistorySkipActionsAndBadOptions(t *testing.T) {
 
 	// The failed calls changed nothing: level all, skips in force.
 	require.Equal(t, allocator.GatherAlloc|allocator.GatherFree|allocator.GatherRelease, a.GatherMask())
-	q, err := a.MallocCtx(0, 4096, 0, 3)
+	q, err := a.Malloc(&allocator.MallocRequest{Size: 4096, Stream: 0, Ctx: 3})
 	require.NoError(t, err)
-	require.NotContains(t, actionsOf(a.Snapshot().DeviceTraces[0]), "alloc")
-	_, blk := blockAt(t, a.Snapshot(), q)
+	require.NotContains(t, actionsOf(a.Snapshot(nil, true).DeviceTraces[0]), "alloc")
+	_, blk := blockAt(t, a.Snapshot(nil, true), q)
 	require.Equal(t, uint64(3), blk.Context)
 }
 
@@ -241,15 +241,15 @@ func TestHistoryClear(t *testing.T) {
 	a, _ := newAlloc(t, 1, GiB, "")
 	require.NoError(t, a.RecordAnnotation(0, [][2]string{{"name", "x"}}))
 	record(t, a, allocator.HistoryOptions{Enabled: true, MaxEntries: 100, When: allocator.HistoryAlloc})
-	p, err := a.MallocCtx(0, 4096, 0, 1)
+	p, err := a.Malloc(&allocator.MallocRequest{Size: 4096, Stream: 0, Ctx: 1})
 	require.NoError(t, err)
 	require.NoError(t, a.RecordAnnotation(0, [][2]string{{"name", "x"}}))
-	snap := a.Snapshot()
+	snap := a.Snapshot(nil, true)
 	require.Len(t, snap.DeviceTraces[0], 2)
 	require.Len(t, snap.ExternalAnnotations, 1, "the annotation made while off is not kept")
 
 	record(t, a, allocator.HistoryOptions{Enabled: true, MaxEntries: 100, When: allocator.HistoryAlloc, Clear: true})
-	snap = a.Snapshot()
+	snap = a.Snapshot(nil, true)
 	require.Empty(t, snap.DeviceTraces[0])
 	require.Empty(t, snap.ExternalAnnotations)
 	_, blk := blockAt(t, snap, p)
@@ -257,27 +257,27 @@ func TestHistoryClear(t *testing.T) {
 	require.Equal(t, []uint64{1}, a.LiveContexts(nil))
 
 	// Without Clear, a new RecordHistory keeps what was recorded.
-	require.NoError(t, a.Free(0, p, 0))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
 	record(t, a, allocator.HistoryOptions{Enabled: true, MaxEntries: 100, When: allocator.HistoryAll})
-	require.Equal(t, []string{"snapshot", "free_requested", "free_completed"}, actionsOf(a.Snapshot().DeviceTraces[0]))
+	require.Equal(t, []string{"snapshot", "free_requested", "free_completed"}, actionsOf(a.Snapshot(nil, true).DeviceTraces[0]))
 }
 
 func TestHistoryDisableThenEnable(t *testing.T) {
 	a, _ := newAlloc(t, 1, GiB, "")
 	record(t, a, allocator.HistoryOptions{Enabled: true, MaxEntries: 100, When: allocator.HistoryAll})
 	a.PushCompileContext("region")
-	p, err := a.MallocCtx(0, 4096, 0, 5)
+	p, err := a.Malloc(&allocator.MallocRequest{Size: 4096, Stream: 0, Ctx: 5})
 	require.NoError(t, err)
 
 	record(t, a, allocator.HistoryOptions{Enabled: false, MaxEntries: 100, When: allocator.HistoryAll})
 	require.False(t, a.HistoryEnabled())
 	require.Zero(t, a.GatherMask())
-	require.Empty(t, a.Snapshot().DeviceTraces[0], "disabling clears the trace")
-	q, err := a.MallocCtx(0, 4096, 0, 6)
+	require.Empty(t, a.Snapshot(nil, true).DeviceTraces[0], "disabling clears the trace")
+	q, err := a.Malloc(&allocator.MallocRequest{Size: 4096, Stream: 0, Ctx: 6})
 	require.NoError(t, err)
-	require.NoError(t, a.FreeCtx(0, q, 0, 7))
-	require.Empty(t, a.Snapshot().DeviceTraces[0], "nothing is recorded while off")
-	_, blk := blockAt(t, a.Snapshot(), p)
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: q, Size: 0, Ctx: 7}))
+	require.Empty(t, a.Snapshot(nil, true).DeviceTraces[0], "nothing is recorded while off")
+	_, blk := blockAt(t, a.Snapshot(nil, true), p)
 	require.Equal(t, uint64(5), blk.Context, "blocks keep the contexts they have")
 	require.Equal(t, []uint64{5}, a.LiveContexts(nil), "context 6 came while off: not kept")
 	a.PopCompileContext() // ignored while off, as in PyTorch
@@ -285,7 +285,7 @@ func TestHistoryDisableThenEnable(t *testing.T) {
 	record(t, a, allocator.HistoryOptions{Enabled: true, MaxEntries: 100, When: allocator.HistoryAlloc})
 	require.True(t, a.HistoryEnabled())
 	require.Equal(t, allocator.GatherAlloc, a.GatherMask())
-	require.NoError(t, a.FreeCtx(0, p, 0, 8))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p, Size: 0, Ctx: 8}))
 	tr := traceOf(a, 0)
 	require.Equal(t, []string{"free_requested", "free_completed"}, actionsOf(tr))
 	require.Equal(t, uint64(5), tr[0].Context, "level alloc: the free's context is not kept, the block's is")
@@ -300,11 +300,11 @@ func TestHistoryRingOverwrite(t *testing.T) {
 	record(t, a, allocator.HistoryOptions{Enabled: true, MaxEntries: 4, When: allocator.HistoryAlloc,
 		SkipActions: []string{"snapshot"}})
 	for i := uint64(1); i <= 10; i++ {
-		p, err := a.MallocCtx(0, 4096, 0, i)
+		p, err := a.Malloc(&allocator.MallocRequest{Size: 4096, Stream: 0, Ctx: i})
 		require.NoError(t, err)
-		require.NoError(t, a.Free(0, p, 0))
+		require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
 	}
-	tr := a.Snapshot().DeviceTraces[0]
+	tr := a.Snapshot(nil, true).DeviceTraces[0]
 	require.Len(t, tr, 4)
 	require.Equal(t, []string{"free_completed", "alloc", "free_requested", "free_completed"}, actionsOf(tr))
 	var ctxs []uint64
@@ -319,23 +319,23 @@ func TestHistoryRingOverwrite(t *testing.T) {
 
 	// A smaller ring keeps the newest entries; a larger one grows.
 	record(t, a, allocator.HistoryOptions{Enabled: true, MaxEntries: 2, When: allocator.HistoryAlloc, SkipActions: []string{"snapshot"}})
-	require.Equal(t, []string{"free_requested", "free_completed"}, actionsOf(a.Snapshot().DeviceTraces[0]))
+	require.Equal(t, []string{"free_requested", "free_completed"}, actionsOf(a.Snapshot(nil, true).DeviceTraces[0]))
 	require.Equal(t, []uint64{1, 10}, a.LiveContexts(nil))
 	record(t, a, allocator.HistoryOptions{Enabled: true, MaxEntries: 1000, When: allocator.HistoryAlloc, SkipActions: []string{"snapshot"}})
 	for i := uint64(11); i <= 300; i++ {
-		p, err := a.MallocCtx(0, 4096, 0, i)
+		p, err := a.Malloc(&allocator.MallocRequest{Size: 4096, Stream: 0, Ctx: i})
 		require.NoError(t, err)
-		require.NoError(t, a.Free(0, p, 0))
+		require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
 	}
-	require.Len(t, a.Snapshot().DeviceTraces[0], 2+3*290)
+	require.Len(t, a.Snapshot(nil, true).DeviceTraces[0], 2+3*290)
 
 	// A ring of zero entries keeps no trace, but the state level still holds.
 	record(t, a, allocator.HistoryOptions{Enabled: true, MaxEntries: 0, When: allocator.HistoryState})
-	p, err := a.MallocCtx(0, 4096, 0, 400)
+	p, err := a.Malloc(&allocator.MallocRequest{Size: 4096, Stream: 0, Ctx: 400})
 	require.NoError(t, err)
-	require.Empty(t, a.Snapshot().DeviceTraces[0])
+	require.Empty(t, a.Snapshot(nil, true).DeviceTraces[0])
 	require.Equal(t, []uint64{1, 400}, a.LiveContexts(nil))
-	require.NoError(t, a.Free(0, p, 0))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
 }
 
 func TestHistoryUserMetadataAndCompileContext(t *testing.T) {
@@ -350,14 +350,14 @@ func TestHistoryUserMetadataAndCompileContext(t *testing.T) {
 	q := mustMalloc(t, a, 0, 4096, 0)
 	a.PopCompileContext()
 	a.SetUserMetadata("step 2")
-	require.NoError(t, a.Free(0, q, 0))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: q}))
 	a.PopCompileContext()
 	a.PopCompileContext() // more pops than pushes: ignored
-	require.NoError(t, a.Free(0, p, 0))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
 
 	type labels struct{ compile, user string }
 	var got []labels
-	for _, e := range a.Snapshot().DeviceTraces[0] {
+	for _, e := range a.Snapshot(nil, true).DeviceTraces[0] {
 		got = append(got, labels{e.CompileContext, e.UserMetadata})
 	}
 	require.Equal(t, []labels{
@@ -375,7 +375,7 @@ func TestHistoryAnnotations(t *testing.T) {
 	require.ErrorIs(t, a.RecordAnnotation(2, nil), allocator.ErrInvalidDevice)
 	require.NoError(t, a.RecordAnnotation(1, [][2]string{{"name", "fwd"}, {"stage", "START"}}))
 	require.NoError(t, a.RecordAnnotation(0, [][2]string{{"name", "fwd"}, {"stage", "x"}, {"stage", "END"}}))
-	snap := a.Snapshot()
+	snap := a.Snapshot(nil, true)
 	require.Len(t, snap.ExternalAnnotations, 2)
 	require.Equal(t, 1, snap.ExternalAnnotations[0].Device)
 	require.Equal(t, [][2]string{{"name", "fwd"}, {"stage", "END"}}, snap.ExternalAnnotations[1].Metadata, "a later key overrides")
@@ -393,54 +393,54 @@ func TestHistoryAnnotations(t *testing.T) {
 	for i := 0; i < 5; i++ {
 		require.NoError(t, a.RecordAnnotation(0, [][2]string{{"i", string(rune('a' + i))}}))
 	}
-	snap = a.Snapshot()
+	snap = a.Snapshot(nil, true)
 	require.Len(t, snap.ExternalAnnotations, 3, "the last MaxEntries")
 	require.Equal(t, "c", snap.ExternalAnnotations[0].Metadata[0][1])
-	require.Empty(t, a.SnapshotOf(nil, false).ExternalAnnotations, "only with traces, as PyTorch")
+	require.Empty(t, a.Snapshot(nil, false).ExternalAnnotations, "only with traces, as PyTorch")
 	record(t, a, allocator.HistoryOptions{})
-	require.Empty(t, a.Snapshot().ExternalAnnotations, "disabling clears them")
+	require.Empty(t, a.Snapshot(nil, true).ExternalAnnotations, "disabling clears them")
 }
 
 func TestHistoryLiveContexts(t *testing.T) {
 	a, drv := newAlloc(t, 2, GiB, "")
 	record(t, a, allocator.HistoryOptions{Enabled: true, MaxEntries: 100, When: allocator.HistoryState})
-	p, err := a.MallocCtx(0, 4096, 0, 30)
+	p, err := a.Malloc(&allocator.MallocRequest{Size: 4096, Stream: 0, Ctx: 30})
 	require.NoError(t, err)
-	q, err := a.MallocCtx(0, 4096, 0, 20) // same segment as p, whose context is 30
+	q, err := a.Malloc(&allocator.MallocRequest{Size: 4096, Stream: 0, Ctx: 20}) // same segment as p, whose context is 30
 	require.NoError(t, err)
-	r, err := a.MallocCtx(1, 4096, 0, 20)
+	r, err := a.Malloc(&allocator.MallocRequest{Dev: 1, Size: 4096, Stream: 0, Ctx: 20})
 	require.NoError(t, err)
 	require.NoError(t, a.RecordStream(r, 3))
 	drv.Submit(3)
-	require.NoError(t, a.FreeCtx(1, r, 0, 99)) // awaits stream 3; 99 ignored below level all
+	require.NoError(t, a.Free(allocator.FreeRequest{Dev: 1, Ptr: r, Size: 0, Ctx: 99})) // awaits stream 3; 99 ignored below level all
 	dst := a.LiveContexts([]uint64{7})
 	require.Equal(t, []uint64{7, 20, 30}, dst, "appended after dst's contents, sorted, without duplicates")
 
-	require.NoError(t, a.Free(0, q, 0))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: q}))
 	require.Equal(t, []uint64{20, 30}, a.LiveContexts(nil), "r still awaits its free")
 	drv.CompleteAll()
-	require.NoError(t, a.EmptyCache())
+	require.NoError(t, a.EmptyCache(0))
 	require.Equal(t, []uint64{30}, a.LiveContexts(nil), "device 1's segment and block are gone")
-	require.NoError(t, a.Free(0, p, 0))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
 	require.Equal(t, []uint64{30}, a.LiveContexts(nil), "the segment keeps the context that allocated it")
-	require.NoError(t, a.EmptyCache())
+	require.NoError(t, a.EmptyCache(0))
 	require.Empty(t, a.LiveContexts(nil))
 
 	// On entries, from level alloc; gone when overwritten or cleared.
 	record(t, a, allocator.HistoryOptions{Enabled: true, MaxEntries: 2, When: allocator.HistoryAlloc, SkipActions: []string{"snapshot", "segment_alloc"}})
-	p, err = a.MallocCtx(0, 4096, 0, 40)
+	p, err = a.Malloc(&allocator.MallocRequest{Size: 4096, Stream: 0, Ctx: 40})
 	require.NoError(t, err)
-	require.NoError(t, a.Free(0, p, 0))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
 	require.Equal(t, []uint64{40}, a.LiveContexts(nil), "segment and the two entries")
-	require.NoError(t, a.EmptyCache()) // segment_free with the segment's context
-	p, err = a.MallocCtx(0, 4096, 0, 50)
+	require.NoError(t, a.EmptyCache(0)) // segment_free with the segment's context
+	p, err = a.Malloc(&allocator.MallocRequest{Size: 4096, Stream: 0, Ctx: 50})
 	require.NoError(t, err)
 	require.Equal(t, []uint64{40, 50}, a.LiveContexts(nil), "40 on the segment_free entry")
-	require.NoError(t, a.Free(0, p, 0))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
 	require.Equal(t, []uint64{50}, a.LiveContexts(nil), "40's entries were overwritten, its segment freed")
 	record(t, a, allocator.HistoryOptions{Enabled: true, MaxEntries: 2, When: allocator.HistoryAlloc, Clear: true})
 	require.Equal(t, []uint64{50}, a.LiveContexts(nil), "the segment's")
-	require.NoError(t, a.EmptyCache())
+	require.NoError(t, a.EmptyCache(0))
 	require.Equal(t, []uint64{50}, a.LiveContexts(nil), "the segment_free entry's")
 	record(t, a, allocator.HistoryOptions{Enabled: false})
 	require.Empty(t, a.LiveContexts(nil))
@@ -452,17 +452,17 @@ func TestHistoryPoolSnapshotAndCapture(t *testing.T) {
 	a, drv := newAlloc(t, 1, GiB, "")
 	record(t, a, allocator.HistoryOptions{Enabled: true, MaxEntries: 100, When: allocator.HistoryAll})
 	const cs = cuda.Stream(7)
-	eager, err := a.MallocCtx(0, 4096, cs, 1)
+	eager, err := a.Malloc(&allocator.MallocRequest{Size: 4096, Stream: cs, Ctx: 1})
 	require.NoError(t, err)
 	require.NoError(t, a.RecordStream(eager, 2))
 	drv.Submit(2)
 
 	g := allocator.PoolID{A: 1}
 	beginCapture(t, a, drv, g, cs, cuda.CaptureModeGlobal)
-	x, err := a.MallocCtx(0, 4096, cs, 2)
+	x, err := a.Malloc(&allocator.MallocRequest{Size: 4096, Stream: cs, Ctx: 2})
 	require.NoError(t, err)
-	require.NoError(t, a.FreeCtx(0, eager, 0, 3)) // deferred: no event during a capture
-	y, err := a.MallocCtx(0, 3*MiB, cs, 4)
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: eager, Size: 0, Ctx: 3})) // deferred: no event during a capture
+	y, err := a.Malloc(&allocator.MallocRequest{Size: 3 * MiB, Stream: cs, Ctx: 4})
 	require.NoError(t, err)
 	require.NoError(t, drv.EndCapture(cs))
 	require.NoError(t, a.EndAllocateToPool(0, g))
@@ -479,7 +479,7 @@ func TestHistoryPoolSnapshotAndCapture(t *testing.T) {
 	require.Equal(t, [][2]uint64{{0, 0}}, pools["free_requested"])
 	require.NotContains(t, pools, "free_completed", "deferred until the capture ended")
 
-	only := a.SnapshotOf(&g, false)
+	only := a.Snapshot(&g, false)
 	require.Len(t, only.Segments, 2)
 	for _, s := range only.Segments {
 		require.Equal(t, [2]uint64{1, 0}, s.SegmentPoolID)
@@ -487,12 +487,12 @@ func TestHistoryPoolSnapshotAndCapture(t *testing.T) {
 	_, blk := blockAt(t, only, y)
 	require.Equal(t, uint64(4), blk.Context)
 	require.Empty(t, only.DeviceTraces, "no traces asked for")
-	def := a.SnapshotOf(&allocator.PoolID{}, false)
+	def := a.Snapshot(&allocator.PoolID{}, false)
 	require.Len(t, def.Segments, 1)
 	require.Equal(t, uint64(eager), def.Segments[0].Address)
-	require.Empty(t, a.SnapshotOf(&allocator.PoolID{A: 42}, false).Segments, "an unknown pool has no segments")
+	require.Empty(t, a.Snapshot(&allocator.PoolID{A: 42}, false).Segments, "an unknown pool has no segments")
 	var snaps [][2]uint64
-	for _, e := range a.Snapshot().DeviceTraces[0] {
+	for _, e := range a.Snapshot(nil, true).DeviceTraces[0] {
 		if e.Action == "snapshot" {
 			snaps = append(snaps, e.PoolID)
 		}
@@ -500,17 +500,17 @@ func TestHistoryPoolSnapshotAndCapture(t *testing.T) {
 	require.Equal(t, [][2]uint64{{0, 0}, {1, 0}, {0, 0}, {42, 0}}, snaps, "each snapshot is recorded with the pool asked for")
 
 	drv.CompleteAll()
-	z, err := a.MallocCtx(0, 4096, cs, 5) // the deferred free completes here
+	z, err := a.Malloc(&allocator.MallocRequest{Size: 4096, Stream: cs, Ctx: 5}) // the deferred free completes here
 	require.NoError(t, err)
 	fc := entry(t, traceOf(a, 0), "free_completed")
 	require.Equal(t, uint64(eager), fc.Addr)
 	require.Equal(t, uint64(5), fc.Context, "the malloc that completed it")
 	require.Equal(t, [2]uint64{0, 0}, fc.PoolID)
 	for _, p := range []cuda.Ptr{x, y, z} {
-		require.NoError(t, a.Free(0, p, 0))
+		require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
 	}
 	require.NoError(t, a.ReleasePool(0, g))
-	require.NoError(t, a.EmptyCacheCtx(6))
+	require.NoError(t, a.EmptyCache(6))
 	var freed [][2]uint64
 	for _, e := range traceOf(a, 0) {
 		if e.Action == "segment_free" {
@@ -528,11 +528,11 @@ func TestHistoryExpandable(t *testing.T) {
 	lockThread(t)
 	a, _ := newAlloc(t, 1, GiB, expandable)
 	record(t, a, allocator.HistoryOptions{Enabled: true, MaxEntries: 100, When: allocator.HistoryAlloc})
-	p, err := a.MallocCtx(0, 3*MiB, 0, 1)
+	p, err := a.Malloc(&allocator.MallocRequest{Size: 3 * MiB, Stream: 0, Ctx: 1})
 	require.NoError(t, err)
-	q, err := a.MallocCtx(0, 5*MiB, 0, 2)
+	q, err := a.Malloc(&allocator.MallocRequest{Size: 5 * MiB, Stream: 0, Ctx: 2})
 	require.NoError(t, err)
-	r, err := a.MallocCtx(0, 3*MiB, 0, 3)
+	r, err := a.Malloc(&allocator.MallocRequest{Size: 3 * MiB, Stream: 0, Ctx: 3})
 	require.NoError(t, err)
 	var maps []uint64
 	for _, e := range traceOf(a, 0) {
@@ -543,42 +543,42 @@ func TestHistoryExpandable(t *testing.T) {
 	require.Equal(t, []uint64{1, 2, 3}, maps)
 	require.NotContains(t, actionsOf(traceOf(a, 0)), "segment_alloc", "expandable segments map, as in PyTorch")
 
-	require.NoError(t, a.FreeCtx(0, q, 0, 4))
-	require.NoError(t, a.EmptyCacheCtx(5)) // level alloc: empty_cache's context not kept
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: q, Size: 0, Ctx: 4}))
+	require.NoError(t, a.EmptyCache(5)) // level alloc: empty_cache's context not kept
 	unmap := entry(t, traceOf(a, 0), "segment_unmap")
 	require.Zero(t, unmap.Context, "not the segment's start: no context")
-	snap := a.Snapshot()
+	snap := a.Snapshot(nil, true)
 	require.Len(t, snap.Segments, 2)
 	require.Equal(t, uint64(1), snap.Segments[0].Context, "the run at the segment's start")
 	require.Zero(t, snap.Segments[1].Context)
 
 	record(t, a, allocator.HistoryOptions{Enabled: true, MaxEntries: 100, When: allocator.HistoryAll, Clear: true})
-	require.NoError(t, a.Free(0, p, 0))
-	require.NoError(t, a.Free(0, r, 0))
-	require.NoError(t, a.EmptyCacheCtx(6))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: r}))
+	require.NoError(t, a.EmptyCache(6))
 	for _, e := range traceOf(a, 0) {
 		if e.Action == "segment_unmap" {
 			require.Equal(t, uint64(6), e.Context, "level all: empty_cache's context")
 		}
 	}
-	require.Empty(t, a.Snapshot().Segments, "all unmapped: the segment is gone")
+	require.Empty(t, a.Snapshot(nil, true).Segments, "all unmapped: the segment is gone")
 	require.NoError(t, a.CheckInvariants())
 
 	// At level alloc, unmapping the segment's start falls back to its context.
 	record(t, a, allocator.HistoryOptions{Enabled: true, MaxEntries: 100, When: allocator.HistoryAlloc, Clear: true})
-	p, err = a.MallocCtx(0, 3*MiB, 0, 7)
+	p, err = a.Malloc(&allocator.MallocRequest{Size: 3 * MiB, Stream: 0, Ctx: 7})
 	require.NoError(t, err)
-	require.NoError(t, a.Free(0, p, 0))
-	require.NoError(t, a.EmptyCacheCtx(8))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
+	require.NoError(t, a.EmptyCache(8))
 	require.Equal(t, uint64(7), entry(t, traceOf(a, 0), "segment_unmap").Context)
 
 	// Mapping later pages does not give a segment a context it lacks.
 	b, _ := newAlloc(t, 1, GiB, expandable)
 	p = mustMalloc(t, b, 0, 3*MiB, 0)
 	record(t, b, allocator.HistoryOptions{Enabled: true, When: allocator.HistoryState})
-	q, err = b.MallocCtx(0, 5*MiB, 0, 9)
+	q, err = b.Malloc(&allocator.MallocRequest{Size: 5 * MiB, Stream: 0, Ctx: 9})
 	require.NoError(t, err)
-	snap = b.Snapshot()
+	snap = b.Snapshot(nil, true)
 	require.Len(t, snap.Segments, 1)
 	require.Zero(t, snap.Segments[0].Context)
 	_, blk := blockAt(t, snap, q)
@@ -590,13 +590,13 @@ func TestHistoryConfigKey(t *testing.T) {
 	a, _ := newAlloc(t, 1, GiB, "record_history:8")
 	require.True(t, a.HistoryEnabled())
 	require.Zero(t, a.GatherMask(), "record_history:N gathers no stacks")
-	p, err := a.MallocCtx(0, 4096, 0, 1)
+	p, err := a.Malloc(&allocator.MallocRequest{Size: 4096, Stream: 0, Ctx: 1})
 	require.NoError(t, err)
 	tr := traceOf(a, 0)
 	require.Equal(t, []string{"segment_alloc", "alloc"}, actionsOf(tr))
 	require.Zero(t, tr[1].Context)
 	require.Empty(t, a.LiveContexts(nil))
-	require.NoError(t, a.Free(0, p, 0))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
 
 	// Other keys leave a history set by RecordHistory alone.
 	record(t, a, allocator.HistoryOptions{Enabled: true, MaxEntries: 100, When: allocator.HistoryAll})
@@ -608,19 +608,19 @@ func TestHistoryConfigKey(t *testing.T) {
 	require.NoError(t, err)
 	a.Configure(cfg)
 	require.False(t, a.HistoryEnabled(), "record_history changed to 0: off")
-	require.Empty(t, a.Snapshot().DeviceTraces[0])
+	require.Empty(t, a.Snapshot(nil, true).DeviceTraces[0])
 }
 
 func TestHistorySnapshotJSON(t *testing.T) {
 	a, _ := newAlloc(t, 1, 100*MiB, "")
 	record(t, a, allocator.HistoryOptions{Enabled: true, MaxEntries: 100, When: allocator.HistoryAll})
 	a.SetUserMetadata("meta")
-	p, err := a.MallocCtx(0, 4096, 3, 12)
+	p, err := a.Malloc(&allocator.MallocRequest{Size: 4096, Stream: 3, Ctx: 12})
 	require.NoError(t, err)
-	_, err = a.MallocCtx(0, 200*MiB, 3, 13)
+	_, err = a.Malloc(&allocator.MallocRequest{Size: 200 * MiB, Stream: 3, Ctx: 13})
 	require.ErrorIs(t, err, allocator.ErrOutOfMemory)
 	require.NoError(t, a.RecordAnnotation(0, [][2]string{{"name", "n"}}))
-	js, err := json.Marshal(a.Snapshot())
+	js, err := json.Marshal(a.Snapshot(nil, true))
 	require.NoError(t, err)
 	var m struct {
 		Segments []struct {
@@ -661,8 +661,8 @@ func TestHistoryAllocsPerRun(t *testing.T) {
 	a, _ := newAlloc(t, 1, GiB, "")
 	a.ExpectAnnouncements()
 	run := func() {
-		p, _ := a.MallocCtx(0, 4096, 0, 1)
-		_ = a.FreeCtx(0, p, 0, 2)
+		p, _ := a.Malloc(&allocator.MallocRequest{Size: 4096, Stream: 0, Ctx: 1})
+		_ = a.Free(allocator.FreeRequest{Ptr: p, Size: 0, Ctx: 2})
 	}
 	run()
 	require.Zero(t, testing.AllocsPerRun(1000, run), "history off")
@@ -675,27 +675,27 @@ func TestHistoryAllocsPerRun(t *testing.T) {
 			run() // fills the ring
 		}
 		require.Zero(t, testing.AllocsPerRun(1000, run), "history on, level %v", level)
-		batch := make([]allocator.PendingFree, 1)
+		batch := make([]allocator.FreeRequest, 1)
 		p := mustMalloc(t, a, 0, 4096, 0)
 		require.Zero(t, testing.AllocsPerRun(1000, func() {
-			batch[0] = allocator.PendingFree{Dev: 0, Ptr: p, Size: 4096, Ctx: 3}
-			p, _, _ = a.MallocAfterFrees(0, 4096, 0, 4, batch)
-		}), "MallocAfterFrees with contexts, level %v", level)
-		require.NoError(t, a.Free(0, p, 0))
+			batch[0] = allocator.FreeRequest{Ptr: p, Size: 4096, Ctx: 3}
+			p, _, _ = mallocAfterFrees(a, 0, 4096, 0, 4, batch)
+		}), "a malloc request with frees and contexts, level %v", level)
+		require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
 		a.PopCompileContext()
-		require.Len(t, a.Snapshot().DeviceTraces[0], 64)
+		require.Len(t, a.Snapshot(nil, true).DeviceTraces[0], 64)
 	}
 }
 
-// MallocAfterFrees passes each free's context and the malloc's.
-func TestHistoryMallocAfterFrees(t *testing.T) {
+// A malloc request passes each free's context and the malloc's.
+func TestHistoryMallocRequestFrees(t *testing.T) {
 	a, _ := newAlloc(t, 2, GiB, "")
 	record(t, a, allocator.HistoryOptions{Enabled: true, MaxEntries: 100, When: allocator.HistoryAll})
-	p, err := a.MallocCtx(0, 4096, 0, 1)
+	p, err := a.Malloc(&allocator.MallocRequest{Size: 4096, Stream: 0, Ctx: 1})
 	require.NoError(t, err)
-	q, err := a.MallocCtx(1, 4096, 0, 2)
+	q, err := a.Malloc(&allocator.MallocRequest{Dev: 1, Size: 4096, Stream: 0, Ctx: 2})
 	require.NoError(t, err)
-	r, err, ferr := a.MallocAfterFrees(0, 4096, 0, 5, []allocator.PendingFree{{Dev: 0, Ptr: p, Ctx: 3}, {Dev: 1, Ptr: q, Ctx: 4}})
+	r, err, ferr := mallocAfterFrees(a, 0, 4096, 0, 5, []allocator.FreeRequest{{Ptr: p, Ctx: 3}, {Dev: 1, Ptr: q, Ctx: 4}})
 	require.NoError(t, err)
 	require.NoError(t, ferr)
 	require.Equal(t, p, r)
@@ -704,10 +704,10 @@ func TestHistoryMallocAfterFrees(t *testing.T) {
 	require.Equal(t, uint64(3), entry(t, tr, "free_completed").Context)
 	require.Equal(t, []uint64{1, 5}, []uint64{tr[1].Context, tr[4].Context}, "the allocs")
 	require.Equal(t, uint64(4), entry(t, traceOf(a, 1), "free_requested").Context)
-	_, blk := blockAt(t, a.Snapshot(), r)
+	_, blk := blockAt(t, a.Snapshot(nil, true), r)
 	require.Equal(t, uint64(5), blk.Context)
 	// The early path (size 0) passes them too.
-	_, err, ferr = a.MallocAfterFrees(0, 0, 0, 6, []allocator.PendingFree{{Dev: 0, Ptr: r, Ctx: 7}})
+	_, err, ferr = mallocAfterFrees(a, 0, 0, 0, 6, []allocator.FreeRequest{{Ptr: r, Ctx: 7}})
 	require.NoError(t, err)
 	require.NoError(t, ferr)
 	var last allocator.TraceEntry
@@ -733,7 +733,7 @@ func TestHistoryConcurrent(t *testing.T) {
 				select {
 				case <-stop:
 					for _, p := range live {
-						_ = a.Free(g%2, p, 0)
+						_ = a.Free(allocator.FreeRequest{Dev: g % 2, Ptr: p})
 					}
 					return
 				default:
@@ -743,14 +743,14 @@ func TestHistoryConcurrent(t *testing.T) {
 				if mask&allocator.GatherAlloc != 0 {
 					ctx = uint64(i + 1)
 				}
-				p, err := a.MallocCtx(g%2, uint64(512+i%5000), cuda.Stream(g), ctx)
+				p, err := a.Malloc(&allocator.MallocRequest{Dev: g % 2, Size: uint64(512 + i%5000), Stream: cuda.Stream(g), Ctx: ctx})
 				if err != nil {
 					t.Error(err)
 					return
 				}
 				live = append(live, p)
 				if len(live) > 8 {
-					if err := a.FreeCtx(g%2, live[0], 0, ctx); err != nil {
+					if err := a.Free(allocator.FreeRequest{Dev: g % 2, Ptr: live[0], Size: 0, Ctx: ctx}); err != nil {
 						t.Error(err)
 						return
 					}
@@ -765,11 +765,11 @@ func TestHistoryConcurrent(t *testing.T) {
 		a.SetUserMetadata("m")
 		a.PushCompileContext("c")
 		_ = a.RecordAnnotation(i%2, [][2]string{{"i", "x"}})
-		a.Snapshot()
+		a.Snapshot(nil, true)
 		a.LiveContexts(nil)
 		a.PopCompileContext()
 		if i%50 == 0 {
-			require.NoError(t, a.EmptyCacheCtx(uint64(i+1)))
+			require.NoError(t, a.EmptyCache(uint64(i+1)))
 		}
 	}
 	close(stop)

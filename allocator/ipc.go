@@ -3,7 +3,6 @@ package allocator
 import (
 	"errors"
 	"fmt"
-	"sync"
 
 	"github.com/cudapool/cudapool/cuda"
 )
@@ -55,10 +54,10 @@ var ErrNotSupported = errors.New("not supported")
 // ipcMaps is the open-handle cache. Entries go with their mapping's last
 // IpcClose.
 var ipcMaps = struct {
-	mu       sync.Mutex
+	mu       rankedMutex
 	byHandle map[ipcKey]*ipcMapping // guarded by mu
 	byAddr   map[ipcAddr]*ipcMapping
-}{byHandle: make(map[ipcKey]*ipcMapping), byAddr: make(map[ipcAddr]*ipcMapping)}
+}{mu: rankedMutex{rank: rankIPC}, byHandle: make(map[ipcKey]*ipcMapping), byAddr: make(map[ipcAddr]*ipcMapping)}
 
 // ipcKey is a handle an Allocator opened on a device.
 type ipcKey struct {
@@ -97,7 +96,7 @@ func (a *Allocator) IpcHandle(p cuda.Ptr) (h cuda.IpcHandle, offset uint64, dev 
 	if d == nil {
 		return h, 0, 0, a.explainUnknown(op, -1, p)
 	}
-	defer d.mu.Unlock()
+	defer d.leave()
 	d.invalidate(p) // shared with another process: its free goes to Go
 	if b.Seg.Expandable {
 		return h, 0, 0, newError(op, ErrNotSupported, "CUDA IPC is not supported for memory in expandable segments (expandable_segments:True); "+
@@ -180,7 +179,7 @@ func (a *Allocator) IpcClose(p cuda.Ptr) error {
 		// mutex (this takes device locks).
 		if d, b := a.find(p); d != nil {
 			ptr, dev := b.Ptr, d.id
-			d.mu.Unlock()
+			d.leave()
 			return newError(op, ErrUnknownPointer, "pointer %#x is cudapool's own allocation on device %d, not a mapping opened with IpcOpen; free it instead", uintptr(ptr), dev)
 		}
 	}

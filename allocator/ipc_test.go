@@ -62,11 +62,11 @@ func TestIpcHandleOfBlockInSharedSegment(t *testing.T) {
 			require.NoError(t, a.IpcClose(q))
 
 			for _, p := range []cuda.Ptr{p1, p2, p3} {
-				require.NoError(t, a.Free(tc.dev, p, 0))
+				require.NoError(t, a.Free(allocator.FreeRequest{Dev: tc.dev, Ptr: p}))
 			}
 		})
 	}
-	require.NoError(t, a.EmptyCache())
+	require.NoError(t, a.EmptyCache(0))
 	require.Zero(t, drv.Violations(), "%v", drv.ViolationLog())
 	require.NoError(t, a.CheckInvariants())
 }
@@ -82,7 +82,7 @@ func TestIpcHandleRefusesExpandableSegments(t *testing.T) {
 	var ae *allocator.Error
 	require.ErrorAs(t, err, &ae)
 	require.Equal(t, "ipc_handle", ae.Op)
-	require.NoError(t, a.Free(0, p, 0))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
 }
 
 // One handle opened twice maps once; each open needs a close, the last one
@@ -118,8 +118,8 @@ func TestIpcOpenIsReferenceCounted(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, a.IpcClose(q3))
 
-	require.NoError(t, a.Free(0, p, 0))
-	require.NoError(t, a.EmptyCache())
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
+	require.NoError(t, a.EmptyCache(0))
 	require.Zero(t, drv.Violations(), "%v", drv.ViolationLog())
 }
 
@@ -165,7 +165,7 @@ func TestIpcUnknownPointers(t *testing.T) {
 	a, drv := newAlloc(t, 2, GiB, "")
 	p := mustMalloc(t, a, 0, 4*KiB, 0)
 	q := mustMalloc(t, a, 0, 4*KiB, 0)
-	require.NoError(t, a.Free(0, q, 0))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: q}))
 
 	_, _, _, err := a.IpcHandle(0x1234)
 	require.ErrorIs(t, err, allocator.ErrUnknownPointer)
@@ -187,7 +187,7 @@ func TestIpcUnknownPointers(t *testing.T) {
 	require.ErrorIs(t, err, allocator.ErrUnknownPointer)
 	require.Contains(t, err.Error(), "cudapool's own allocation")
 	require.NoError(t, a.IpcClose(m))
-	require.NoError(t, a.Free(0, p, 0))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
 	require.Zero(t, drv.Violations())
 }
 
@@ -196,8 +196,8 @@ func TestIpcOpenBadHandles(t *testing.T) {
 	p := mustMalloc(t, a, 0, 30*MiB, 0)
 	h, _, _, err := a.IpcHandle(p)
 	require.NoError(t, err)
-	require.NoError(t, a.Free(0, p, 0))
-	require.NoError(t, a.EmptyCache()) // the segment goes back to the driver
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
+	require.NoError(t, a.EmptyCache(0)) // the segment goes back to the driver
 
 	for name, x := range map[string]cuda.IpcHandle{"stale": h, "zero": {}} {
 		_, err := a.IpcOpen(0, x)
@@ -227,7 +227,7 @@ func TestIpcWithoutDriverSupport(t *testing.T) {
 
 	_, _, _, err = a.IpcHandle(0x1234)
 	require.ErrorIs(t, err, allocator.ErrUnknownPointer, "a bad pointer is named first")
-	require.NoError(t, a.Free(0, p, 0))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
 }
 
 // failingIPC's driver reports errors the allocator passes on.
@@ -292,7 +292,7 @@ func TestIpcDriverErrors(t *testing.T) {
 	drv.close = nil
 	require.ErrorIs(t, a.IpcClose(q), allocator.ErrUnknownPointer, "a failed close still forgets the mapping")
 	require.NoError(t, drv.Driver.IpcCloseMemHandle(0, q))
-	require.NoError(t, a.Free(0, p, 0))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
 }
 
 // Sharing works during a graph capture: the block is in the graph's private
@@ -314,7 +314,7 @@ func TestIpcDuringCapture(t *testing.T) {
 	require.NoError(t, drv.EndCapture(s))
 	require.NoError(t, a.EndAllocateToPool(0, pool))
 	require.Zero(t, drv.Violations(), "%v", drv.ViolationLog())
-	require.NoError(t, a.Free(0, p, 0))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
 	require.NoError(t, a.ReleasePool(0, pool))
 }
 
@@ -362,7 +362,7 @@ func TestIpcConcurrentOpenClose(t *testing.T) {
 	n, refs := drv.IpcMappings(0)
 	require.Equal(t, [2]int{0, 0}, [2]int{n, refs})
 	for _, p := range ps {
-		require.NoError(t, a.Free(0, p, 0))
+		require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
 	}
 }
 

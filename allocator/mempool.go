@@ -1,7 +1,6 @@
 package allocator
 
 import (
-	"github.com/cudapool/cudapool/cuda"
 	"github.com/cudapool/cudapool/privatepool"
 )
 
@@ -32,14 +31,8 @@ import (
 // instead; clearing use_on_oom of a pool that is gone is not an error.
 
 // SegmentSource supplies a private pool's segments instead of the driver
-// (MemPool(allocator=X)). Its methods are called with the device's lock
-// held, so they must not call back into the allocator.
-type SegmentSource interface {
-	// Alloc is called in relaxed capture mode like driver allocations;
-	// return an error wrapping cuda.ErrOutOfMemory for OOM.
-	Alloc(dev int, size uint64, s cuda.Stream) (cuda.Ptr, error)
-	Free(dev int, p cuda.Ptr, size uint64) error
-}
+// (privatepool.SegmentSource).
+type SegmentSource = privatepool.SegmentSource
 
 // CreateOrIncrefPool creates private pool id on dev with use count 1, or
 // adds a holder to it (native createOrIncrefPool). User pools are {0,n},
@@ -47,16 +40,12 @@ type SegmentSource interface {
 // again.
 func (a *Allocator) CreateOrIncrefPool(dev int, id PoolID) error {
 	const op = "create_or_incref_pool"
-	d, err := a.device(op, dev)
-	if err != nil {
-		return err
-	}
-	d.lock()
-	defer d.mu.Unlock()
-	if _, err := d.graphs.Pools.Incref(id, d.newPools); err != nil {
-		return poolError(op, err)
-	}
-	return nil
+	return a.withDevice(op, dev, func(d *device) error {
+		if _, err := d.graphs.Pools.Incref(id, d.newPools); err != nil {
+			return poolError(op, err)
+		}
+		return nil
+	})
 }
 
 // PoolUseCount returns the number of holders of pool id (native
@@ -64,35 +53,27 @@ func (a *Allocator) CreateOrIncrefPool(dev int, id PoolID) error {
 // ErrUnknownPool for a pool that does not exist (PyTorch asserts).
 func (a *Allocator) PoolUseCount(dev int, id PoolID) (int, error) {
 	const op = "get_pool_use_count"
-	d, err := a.device(op, dev)
-	if err != nil {
-		return 0, err
-	}
-	d.lock()
-	defer d.mu.Unlock()
-	n, err := d.graphs.Pools.UseCount(id)
-	if err != nil {
-		return 0, poolError(op, err)
-	}
-	return n, nil
+	return onDevice(a, op, dev, func(d *device) (int, error) {
+		n, err := d.graphs.Pools.UseCount(id)
+		if err != nil {
+			return 0, poolError(op, err)
+		}
+		return n, nil
+	})
 }
 
 // SetPoolNoSplit makes pool id hand out whole blocks, never splitting one
 // (native setNoSplit). It cannot be undone, as in PyTorch.
 func (a *Allocator) SetPoolNoSplit(dev int, id PoolID) error {
 	const op = "set_no_split"
-	d, err := a.device(op, dev)
-	if err != nil {
-		return err
-	}
-	d.lock()
-	defer d.mu.Unlock()
-	pp, err := d.knownPool(op, id)
-	if err != nil {
-		return err
-	}
-	pp.SetNoSplit()
-	return nil
+	return a.withDevice(op, dev, func(d *device) error {
+		pp, err := d.graphs.Pools.Known(dev, id)
+		if err != nil {
+			return poolError(op, err)
+		}
+		pp.SetNoSplit()
+		return nil
+	})
 }
 
 // SetPoolUseOnOOM marks pool id as a last resort for the default pools'
@@ -100,21 +81,17 @@ func (a *Allocator) SetPoolNoSplit(dev int, id PoolID) error {
 // it.
 func (a *Allocator) SetPoolUseOnOOM(dev int, id PoolID, use bool) error {
 	const op = "set_use_on_oom"
-	d, err := a.device(op, dev)
-	if err != nil {
-		return err
-	}
-	d.lock()
-	defer d.mu.Unlock()
-	pp := d.graphs.Pools.Get(id)
-	if pp == nil && !use {
-		return nil // nothing to clear (MemPool's destructor, after EmptyPool)
-	}
-	if pp, err = d.knownPool(op, id); err != nil {
-		return err
-	}
-	pp.UseOnOOM = use
-	return nil
+	return a.withDevice(op, dev, func(d *device) error {
+		if d.graphs.Pools.Get(id) == nil && !use {
+			return nil // nothing to clear (MemPool's destructor, after EmptyPool)
+		}
+		pp, err := d.graphs.Pools.Known(dev, id)
+		if err != nil {
+			return poolError(op, err)
+		}
+		pp.UseOnOOM = use
+		return nil
+	})
 }
 
 // SetPoolSource makes src supply pool id's segments (nil: the driver
@@ -122,69 +99,59 @@ func (a *Allocator) SetPoolUseOnOOM(dev int, id PoolID, use bool) error {
 // goes back to where it came from.
 func (a *Allocator) SetPoolSource(dev int, id PoolID, src SegmentSource) error {
 	const op = "set_pool_source"
-	d, err := a.device(op, dev)
-	if err != nil {
-		return err
-	}
-	d.lock()
-	defer d.mu.Unlock()
-	pp, err := d.knownPool(op, id)
-	if err != nil {
-		return err
-	}
-	if n := pp.Segments(); n > 0 {
-		return newError(op, ErrInvalidArgument, "pool {%d,%d} on device %d already holds %d segments; its source must be set before it allocates", id.A, id.B, dev, n)
-	}
-	if src == nil {
-		delete(d.sources, id)
+	return a.withDevice(op, dev, func(d *device) error {
+		pp, err := d.graphs.Pools.Known(dev, id)
+		if err != nil {
+			return poolError(op, err)
+		}
+		if n := pp.Segments(); n > 0 {
+			return newError(op, ErrInvalidArgument, "pool {%d,%d} on device %d already holds %d segments; its source must be set before it allocates", id.A, id.B, dev, n)
+		}
+		pp.Source = src
 		return nil
-	}
-	if d.sources == nil {
-		d.sources = make(map[PoolID]SegmentSource)
-	}
-	d.sources[id] = src
-	return nil
+	})
 }
 
 // EmptyPool gives back the cached memory of pool id on dev (native
-// emptyCache(mempool_id)); {0,0} is EmptyCache(). As in PyTorch only a
+// emptyCache(mempool_id)); {0,0} is EmptyCache(0). As in PyTorch only a
 // released pool gives memory back, and the pool is forgotten once it holds
 // none; a pool still held, or unknown, is left alone without error.
 func (a *Allocator) EmptyPool(dev int, id PoolID) error {
 	const op = "empty_cache"
-	d, err := a.device(op, dev)
-	if err != nil {
+	if _, err := a.device(op, dev); err != nil || id.IsDefault() {
+		if err != nil {
+			return err
+		}
+		return a.EmptyCache(0) // (outside any device's lock: it takes them all)
+	}
+	return a.withDevice(op, dev, func(d *device) error {
+		pp := d.graphs.Pools.Get(id)
+		if pp == nil || !pp.Freeable() {
+			return nil
+		}
+		if !d.enterUnsafe() {
+			// A capture, or another thread's use_mem_pool (cudapool cannot
+			// tell them apart), is under way: nothing may be freed now.
+			// PyTorch calls this from MemPool's destructor, where an error
+			// would end the process; the released pool's memory goes back
+			// at the next empty_cache or OOM retry made with no capture
+			// under way.
+			return nil
+		}
+		defer d.leaveUnsafe()
+		// Blocks of the pool may wait for other streams: wait for them
+		// (PyTorch waits for the pool's events only; cudapool for all the
+		// device's, which returns other finished blocks early and changes
+		// nothing else).
+		if err := d.syncAll(op); err != nil {
+			return err
+		}
+		err := d.releasePrivate(op, pp)
+		if d.debug {
+			d.mustCheck()
+		}
 		return err
-	}
-	if id.IsDefault() {
-		return a.EmptyCache()
-	}
-	d.lock()
-	defer d.mu.Unlock()
-	pp := d.graphs.Pools.Get(id)
-	if pp == nil || !pp.Freeable() {
-		return nil
-	}
-	if !d.enterUnsafe() {
-		// A capture, or another thread's use_mem_pool (cudapool cannot tell
-		// them apart), is under way: nothing may be freed now. PyTorch calls
-		// this from MemPool's destructor, where an error would end the
-		// process; the released pool's memory goes back at the next
-		// empty_cache or OOM retry made with no capture under way.
-		return nil
-	}
-	defer d.leaveUnsafe()
-	// Blocks of the pool may wait for other streams: wait for them (PyTorch
-	// waits for the pool's events only; cudapool for all the device's,
-	// which returns other finished blocks early and changes nothing else).
-	if err := d.syncAll(op); err != nil {
-		return err
-	}
-	err = d.releasePrivate(op, pp)
-	if d.debug {
-		d.mustCheck()
-	}
-	return err
+	})
 }
 
 // CacheInfo is PyTorch's cacheInfo, which cuDNN's benchmark mode uses to
@@ -193,54 +160,36 @@ func (a *Allocator) EmptyPool(dev int, id PoolID) error {
 // of 0 is first the device's free memory.
 func (a *Allocator) CacheInfo(dev int, largest uint64) (uint64, error) {
 	const op = "cache_info"
-	d, err := a.device(op, dev)
-	if err != nil {
-		return 0, err
-	}
-	d.lock()
-	defer d.mu.Unlock()
-	if largest == 0 {
-		free, _, err := d.drv.MemGetInfo(dev)
-		if err != nil {
-			return 0, driverError(op, err, "reading device %d's free memory", dev)
+	return onDevice(a, op, dev, func(d *device) (uint64, error) {
+		if largest == 0 {
+			free, _, err := d.drv.MemGetInfo(dev)
+			if err != nil {
+				return 0, driverError(op, err, "reading device %d's free memory", dev)
+			}
+			largest = free
 		}
-		largest = free
-	}
-	largest = max(largest, d.cache.LargestFree(d.cache.Small), d.cache.LargestFree(d.cache.Large))
-	d.graphs.Pools.Each(func(pp *privatepool.Pool) {
-		largest = max(largest, d.cache.LargestFree(pp.Small), d.cache.LargestFree(pp.Large))
+		largest = max(largest, d.cache.LargestFree(d.cache.Small), d.cache.LargestFree(d.cache.Large))
+		d.graphs.Pools.Each(func(pp *privatepool.Pool) {
+			largest = max(largest, d.cache.LargestFree(pp.Small), d.cache.LargestFree(pp.Large))
+		})
+		return largest, nil
 	})
-	return largest, nil
 }
 
 // MemoryFraction returns dev's memory fraction (native getMemoryFraction):
 // 1 when none is set, as in PyTorch.
 func (a *Allocator) MemoryFraction(dev int) (float64, error) {
-	d, err := a.device("get_memory_fraction", dev)
-	if err != nil {
-		return 0, err
-	}
-	d.lock()
-	defer d.mu.Unlock()
-	if d.fractionPending {
-		if err := d.applyFraction(); err != nil {
-			return 0, err
+	return onDevice(a, "get_memory_fraction", dev, func(d *device) (float64, error) {
+		if d.limit.pending {
+			if err := d.applyFraction(); err != nil {
+				return 0, err
+			}
 		}
-	}
-	// As PyTorch: the limit in bytes (truncated) over the device's memory,
-	// a hair under the fraction that was set.
-	if allowed, ok := d.cache.Allowed(); ok && d.total > 0 {
-		return float64(allowed) / float64(d.total), nil
-	}
-	return 1, nil
-}
-
-// knownPool returns private pool id, which must exist (held or not) and
-// not be an unannounced capture's. d.mu is held.
-func (d *device) knownPool(op string, id PoolID) (*privatepool.Pool, error) {
-	pp := d.graphs.Pools.Get(id)
-	if pp == nil || pp.Auto {
-		return nil, newError(op, ErrUnknownPool, "device %d has no pool {%d,%d} (create it first)", d.id, id.A, id.B)
-	}
-	return pp, nil
+		// As PyTorch: the limit in bytes (truncated) over the device's memory,
+		// a hair under the fraction that was set.
+		if allowed, ok := d.cache.Allowed(); ok && d.limit.total > 0 {
+			return float64(allowed) / float64(d.limit.total), nil
+		}
+		return 1, nil
+	})
 }

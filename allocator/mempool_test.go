@@ -61,14 +61,14 @@ func TestMemPoolLifecycle(t *testing.T) {
 	require.Equal(t, 1, useCount(t, a, pool))
 	z := mustMalloc(t, a, 0, 4096, 3)
 	require.True(t, inPool(t, a, pool, x, y), "the block's allocations went to the pool, z did not")
-	require.NoError(t, a.Free(0, x, 0))
-	require.NoError(t, a.Free(0, y, 0))
-	require.NoError(t, a.Free(0, z, 0))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: x}))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: y}))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: z}))
 
 	live := drv.Live(0)
 	require.NoError(t, a.EmptyPool(0, pool), "a held pool gives nothing back")
 	require.Equal(t, live, drv.Live(0))
-	require.NoError(t, a.EmptyCache())
+	require.NoError(t, a.EmptyCache(0))
 	require.Equal(t, 2, drv.Live(0), "empty_cache keeps a held pool's segments")
 
 	// ~MemPool: release, then empty the pool.
@@ -213,7 +213,7 @@ func TestMemPoolThreads(t *testing.T) {
 	require.Equal(t, 1, useCount(t, a, pool))
 	require.Equal(t, 1, useCount(t, a, other))
 	for _, p := range []cuda.Ptr{p1, p2, p3, q1, q2, r1} {
-		require.NoError(t, a.Free(0, p, 0))
+		require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
 	}
 	require.NoError(t, a.CheckInvariants())
 	require.Zero(t, drv.Violations())
@@ -233,7 +233,7 @@ func TestMemPoolThreads(t *testing.T) {
 				end()
 				r := mustMalloc(t, a, 0, 4096, 0)
 				for _, x := range []cuda.Ptr{p, q, r} {
-					require.NoError(t, a.Free(0, x, 0))
+					require.NoError(t, a.Free(allocator.FreeRequest{Ptr: x}))
 				}
 			}
 			require.Equal(t, 1, useCount(t, a, own))
@@ -260,7 +260,7 @@ func TestMemPoolNoSplit(t *testing.T) {
 	require.Equal(t, int64(2*pools.SmallBuffer+pools.LargeBuffer), st.AllocatedBytes[pools.StatAll].Current, "whole segments handed out")
 	require.Zero(t, st.InactiveSplit[pools.StatAll].Current)
 	for _, p := range []cuda.Ptr{x, y, z} {
-		require.NoError(t, a.Free(0, p, 0))
+		require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
 	}
 	// The default pool still splits.
 	p := mustMalloc(t, a, 0, 512, 0)
@@ -287,7 +287,7 @@ func TestMemPoolUseOnOOM(t *testing.T) {
 	a, drv := newAlloc(t, 1, 100*MiB, "")
 	pool := allocator.PoolID{B: 4}
 	cached := oomPoolBlock(t, a, pool)
-	require.NoError(t, a.Free(0, cached, 0)) // cached in the pool
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: cached})) // cached in the pool
 
 	p := mustMalloc(t, a, 0, 60*MiB, 5) // 40 MiB left on the device
 	require.Equal(t, cached, p, "the pool's cached block")
@@ -295,30 +295,30 @@ func TestMemPoolUseOnOOM(t *testing.T) {
 	st := stats(t, a, 0)
 	require.Zero(t, st.NumOOMs)
 	require.Zero(t, st.NumAllocRetries, "taken before any cached memory is freed")
-	require.NoError(t, a.Free(0, p, 0))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
 	require.True(t, inPool(t, a, pool))
 
 	// Another stream's request: the pool has nothing cached on it.
-	_, err := a.Malloc(0, 60*MiB, 6)
+	_, err := a.Malloc(&allocator.MallocRequest{Size: 60 * MiB, Stream: 6})
 	require.ErrorIs(t, err, allocator.ErrOutOfMemory)
 	// A failing driver (no memory limit involved) leads to the pool too.
 	drv.FailAllocs(0, 3)
 	q := mustMalloc(t, a, 0, 50*MiB, 5)
 	require.Equal(t, cached, q, "the pool's cached block, split")
-	require.NoError(t, a.Free(0, q, 0))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: q}))
 	drv.FailAllocs(0, 0)
 
 	// A request routed to another private pool does not borrow.
 	other := allocator.PoolID{B: 5}
 	require.NoError(t, a.CreateOrIncrefPool(0, other))
 	done := useMemPool(t, a, other)
-	_, err = a.Malloc(0, 60*MiB, 5)
+	_, err = a.Malloc(&allocator.MallocRequest{Size: 60 * MiB, Stream: 5})
 	require.ErrorIs(t, err, allocator.ErrOutOfMemory)
 	done()
 
 	// Unmarked, the pool lends nothing.
 	require.NoError(t, a.SetPoolUseOnOOM(0, pool, false))
-	_, err = a.Malloc(0, 60*MiB, 5)
+	_, err = a.Malloc(&allocator.MallocRequest{Size: 60 * MiB, Stream: 5})
 	require.ErrorIs(t, err, allocator.ErrOutOfMemory)
 
 	// Marked but released: its memory is given back instead, and the
@@ -408,7 +408,7 @@ func testMemPoolSegmentSource(t *testing.T, conf string) {
 	beginCapture(t, a, drv, pool, 7, cuda.CaptureModeGlobal)
 	x := mustMalloc(t, a, 0, 4096, 7)
 	y := mustMalloc(t, a, 0, 30*MiB, 7)
-	require.NoError(t, a.Free(0, y, 0))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: y}))
 	require.NoError(t, drv.EndCapture(7))
 	require.NoError(t, a.EndAllocateToPool(0, pool))
 	require.Equal(t, 2, src.allocs, "two segments, from the source")
@@ -416,7 +416,7 @@ func testMemPoolSegmentSource(t *testing.T, conf string) {
 	require.Zero(t, drv.Allocs(0), "nothing from the driver")
 	require.Zero(t, drv.Violations(), "%v", drv.ViolationLog())
 	seen := false
-	for _, s := range a.Snapshot().Segments {
+	for _, s := range a.Snapshot(nil, true).Segments {
 		if s.Address == uint64(x) {
 			seen = true
 			require.False(t, s.IsExpandable, "a source's segments are ordinary ones")
@@ -429,10 +429,10 @@ func testMemPoolSegmentSource(t *testing.T, conf string) {
 	// Out of memory from the source: an out-of-memory error.
 	done := useMemPool(t, a, pool)
 	src.failOOM = true
-	_, err := a.Malloc(0, 100*MiB, 0)
+	_, err := a.Malloc(&allocator.MallocRequest{Size: 100 * MiB})
 	require.ErrorIs(t, err, allocator.ErrOutOfMemory)
 	src.failOOM, src.failOther = false, errors.New("fake source broke")
-	_, err = a.Malloc(0, 100*MiB, 0)
+	_, err = a.Malloc(&allocator.MallocRequest{Size: 100 * MiB})
 	require.ErrorIs(t, err, allocator.ErrDriver)
 	require.ErrorContains(t, err, "segment source of pool {0,6}")
 	require.ErrorContains(t, err, "fake source broke")
@@ -442,7 +442,7 @@ func testMemPoolSegmentSource(t *testing.T, conf string) {
 	// The pool held: nothing goes back. Released: its free segments go
 	// back through the source, at empty_cache or EmptyPool, never through
 	// the driver.
-	require.NoError(t, a.EmptyCache())
+	require.NoError(t, a.EmptyCache(0))
 	require.Zero(t, src.frees)
 	require.NoError(t, a.ReleasePool(0, pool)) // the graph dies
 	require.NoError(t, a.EmptyPool(0, pool))
@@ -451,8 +451,8 @@ func testMemPoolSegmentSource(t *testing.T, conf string) {
 	require.NoError(t, a.EmptyPool(0, pool))
 	require.Equal(t, 1, src.frees, "y's segment; x's holds x")
 	require.Zero(t, drv.Frees(0))
-	require.NoError(t, a.Free(0, x, 0))
-	require.NoError(t, a.EmptyCache())
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: x}))
+	require.NoError(t, a.EmptyCache(0))
 	require.Equal(t, 2, src.frees)
 	require.Empty(t, src.live)
 	require.Zero(t, drv.Frees(0), "the default pool's segment holds a live block")
@@ -483,21 +483,21 @@ func TestCacheInfo(t *testing.T) {
 	require.NoError(t, a.BeginAllocateToPool(0, pool, nil))
 	q := mustMalloc(t, a, 0, 500*MiB, 3)
 	require.NoError(t, a.EndAllocateToPool(0, pool))
-	require.NoError(t, a.Free(0, p, 0))
-	require.NoError(t, a.Free(0, q, 0))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: q}))
 	drv.SetExternalUse(0, 1200*MiB) // 48 MiB free on the device
 	n, err = a.CacheInfo(0, 0)
 	require.NoError(t, err)
 	require.Equal(t, uint64(500*MiB), n, "a graph pool's cached block counts too")
 
 	require.NoError(t, a.ReleasePool(0, pool))
-	require.NoError(t, a.EmptyCache())
+	require.NoError(t, a.EmptyCache(0))
 	n, err = a.CacheInfo(0, 0)
 	require.NoError(t, err)
 	require.Equal(t, uint64(2*GiB-1200*MiB), n, "empty_cache gave everything back")
 	drv.SetExternalUse(0, 1700*MiB)
 	p = mustMalloc(t, a, 0, 300*MiB, 0) // 48 MiB left free
-	require.NoError(t, a.Free(0, p, 0))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
 	n, err = a.CacheInfo(0, 0)
 	require.NoError(t, err)
 	require.Equal(t, uint64(300*MiB), n)
@@ -522,7 +522,7 @@ func TestMemoryFractionQueries(t *testing.T) {
 	f, err = a.MemoryFraction(0)
 	require.NoError(t, err)
 	require.Equal(t, 1.0, f)
-	_, err = a.Malloc(0, 2000*MiB, 0)
+	_, err = a.Malloc(&allocator.MallocRequest{Size: 2000 * MiB})
 	require.ErrorIs(t, err, allocator.ErrOutOfMemory)
 	require.NotContains(t, err.Error(), "allowed", "fraction 1 is no limit")
 }
@@ -564,11 +564,11 @@ func TestPerProcessMemoryFraction(t *testing.T) {
 		require.NoError(t, err)
 		require.Equal(t, 0.25, f, "device %d", dev)
 	}
-	_, err = a.Malloc(1, 300*MiB, 0)
+	_, err = a.Malloc(&allocator.MallocRequest{Dev: 1, Size: 300 * MiB})
 	require.ErrorIs(t, err, allocator.ErrOutOfMemory)
 	require.Contains(t, err.Error(), "250.00 MiB allowed;")
 	p := mustMalloc(t, a, 1, 200*MiB, 0)
-	require.NoError(t, a.Free(1, p, 0))
+	require.NoError(t, a.Free(allocator.FreeRequest{Dev: 1, Ptr: p}))
 
 	// SetMemoryFraction overrides it on one device.
 	require.NoError(t, a.SetMemoryFraction(0, 0.5))
@@ -586,7 +586,7 @@ func TestPerProcessMemoryFraction(t *testing.T) {
 		require.Equal(t, 0.75, f)
 	}
 	mustMalloc(t, a, 1, 700*MiB, 0)
-	_, err = a.Malloc(1, 100*MiB, 0)
+	_, err = a.Malloc(&allocator.MallocRequest{Dev: 1, Size: 100 * MiB})
 	require.ErrorContains(t, err, "750.00 MiB allowed;")
 	plain, _, _ := allocator.ParseConfig("")
 	a.Configure(plain)
@@ -607,7 +607,7 @@ func TestEmptyPoolWhileAnotherPoolIsInUse(t *testing.T) {
 	done := useMemPool(t, a, mine)
 	x := mustMalloc(t, a, 0, 4096, 3)
 	done()
-	require.NoError(t, a.Free(0, x, 0))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: x}))
 
 	other := useMemPool(t, a, theirs) // another thread's use_mem_pool
 	require.NoError(t, a.ReleasePool(0, mine))
@@ -616,7 +616,7 @@ func TestEmptyPoolWhileAnotherPoolIsInUse(t *testing.T) {
 	require.Equal(t, live, drv.Live(0), "nothing freed while a routing is active")
 	other()
 
-	require.NoError(t, a.EmptyCache())
+	require.NoError(t, a.EmptyCache(0))
 	require.Zero(t, drv.Live(0), "the released pool's memory came back at the next empty_cache")
 	require.NoError(t, a.CheckInvariants())
 }

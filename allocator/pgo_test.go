@@ -7,14 +7,14 @@ import (
 	"github.com/cudapool/cudapool/cuda"
 )
 
-// BenchmarkPGOCapture is the Go part of the profile that make pgo writes
-// into capi/default.pgo (docs/hot-path.md, section 13): the mallocs of a
-// CUDA graph capture, as PyTorch's class makes them (MallocTracked with the
-// previous free queued). Each op is one capture: empty_cache, a private
-// pool, 64 mallocs on the capturing stream and 8 on a side stream that the
-// filter rejects, half the capture's blocks freed during it, the rest after
-// it, the pool released. The class path's mixed pairs and the C API come
-// from bench/c_bench.c run through the library itself.
+// BenchmarkPGOCapture is the Go part of the profile that make pgo writes into
+// capi/default.pgo (docs/hot-path.md, "Why it is built this way"): the
+// mallocs of a CUDA graph capture, as PyTorch's class makes them (one request
+// with the previous free queued). Each op is one capture: empty_cache, a
+// private pool, 64 mallocs on the capturing stream and 8 on a side stream
+// that the filter rejects, half the capture's blocks freed during it, the
+// rest after it, the pool released. The class path's mixed pairs and the C
+// API come from bench/c_bench.c run through the library itself.
 func BenchmarkPGOCapture(b *testing.B) {
 	const cs, side = cuda.Stream(7), cuda.Stream(8)
 	a, _ := newAlloc(b, 1, 80*GiB, "")
@@ -27,10 +27,10 @@ func BenchmarkPGOCapture(b *testing.B) {
 		}
 	}
 	// The queued frees (PyTorch's class queues each free for the next malloc).
-	var queue [4]allocator.PendingFree
+	var queue [4]allocator.FreeRequest
 	frees := queue[:0]
 	malloc := func(size uint64, s cuda.Stream) cuda.Ptr {
-		p, _, err, ferr := a.MallocTracked(0, size, s, 0, frees)
+		p, _, err, ferr := mallocTracked(a, 0, size, s, 0, frees)
 		if err != nil || ferr != nil {
 			b.Fatal(err, ferr)
 		}
@@ -39,12 +39,12 @@ func BenchmarkPGOCapture(b *testing.B) {
 	}
 	free := func(p cuda.Ptr) {
 		if len(frees) == len(queue) {
-			if err := a.FreeMany(frees); err != nil {
+			if err := a.Free(frees...); err != nil {
 				b.Fatal(err)
 			}
 			frees = queue[:0]
 		}
-		frees = append(frees, allocator.PendingFree{Dev: 0, Ptr: p})
+		frees = append(frees, allocator.FreeRequest{Ptr: p})
 	}
 	var live [64]cuda.Ptr
 	var sideLive [8]cuda.Ptr
@@ -52,7 +52,7 @@ func BenchmarkPGOCapture(b *testing.B) {
 	b.ReportAllocs()
 	for b.Loop() {
 		k++
-		if err := a.EmptyCache(); err != nil {
+		if err := a.EmptyCache(0); err != nil {
 			b.Fatal(err)
 		}
 		pool := allocator.PoolID{A: k}

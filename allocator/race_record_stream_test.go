@@ -10,8 +10,8 @@ import (
 	"github.com/cudapool/cudapool/cuda"
 )
 
-// The capture-time record_stream race (issue 16; gpu/race_record_stream.py
-// is its GPU twin). One thread captures a graph in thread-local mode; on
+// The capture-time record_stream race (gpu/race_record_stream.py is its
+// GPU twin). One thread captures a graph in thread-local mode; on
 // another thread a block that a side stream still reads (record_stream,
 // then a delayed kernel) is freed while that capture runs, and the same
 // size is allocated on the freeing stream right after the capture ends.
@@ -39,7 +39,7 @@ func TestRecordStreamFreedDuringOtherThreadsCapture(t *testing.T) {
 					err = drv.BeginCapture(cs, mode)
 				}
 				if err == nil {
-					_, err = a.Malloc(0, size, cs) // the graph allocates too
+					_, err = a.Malloc(&allocator.MallocRequest{Size: size, Stream: cs}) // the graph allocates too
 				}
 				begun <- err
 				<-end
@@ -54,7 +54,7 @@ func TestRecordStreamFreedDuringOtherThreadsCapture(t *testing.T) {
 			require.NoError(t, <-begun)
 			require.NoError(t, a.RecordStream(x, side))
 			drv.Submit(side) // the delayed reader of x
-			require.NoError(t, a.Free(0, x, size))
+			require.NoError(t, a.Free(allocator.FreeRequest{Ptr: x, Size: size}))
 			close(end)
 			require.NoError(t, <-ended)
 
@@ -67,7 +67,7 @@ func TestRecordStreamFreedDuringOtherThreadsCapture(t *testing.T) {
 				held = append(held, y)
 			}
 			for _, y := range held {
-				require.NoError(t, a.Free(0, y, size))
+				require.NoError(t, a.Free(allocator.FreeRequest{Ptr: y, Size: size}))
 			}
 			// Once the reader is done, x is reusable.
 			drv.Complete(side)
@@ -75,7 +75,7 @@ func TestRecordStreamFreedDuringOtherThreadsCapture(t *testing.T) {
 			for i := 0; i < 4; i++ {
 				y := mustMalloc(t, a, 0, size, s)
 				seen = seen || y == x
-				defer func() { require.NoError(t, a.Free(0, y, size)) }()
+				defer func() { require.NoError(t, a.Free(allocator.FreeRequest{Ptr: y, Size: size})) }()
 			}
 			require.True(t, seen, "x never came back after its reader finished")
 			require.Zero(t, drv.Violations(), "%v", drv.ViolationLog())

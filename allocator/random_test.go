@@ -117,7 +117,7 @@ func (m *machine) checkMemory() {
 
 func (m *machine) malloc(dev int, s cuda.Stream) {
 	size := m.size()
-	p, err := m.a.Malloc(dev, size, s)
+	p, err := m.a.Malloc(&allocator.MallocRequest{Dev: dev, Size: size, Stream: s})
 	m.placed = append(m.placed, p)
 	if err != nil {
 		require.ErrorIs(m.t, err, allocator.ErrOutOfMemory)
@@ -141,7 +141,7 @@ func (m *machine) pick() (cuda.Ptr, liveAlloc, int) {
 
 func (m *machine) free(p cuda.Ptr, i int) {
 	la := m.live[p]
-	require.NoError(m.t, m.a.Free(la.dev, p, la.size))
+	require.NoError(m.t, m.a.Free(allocator.FreeRequest{Dev: la.dev, Ptr: p, Size: la.size}))
 	delete(m.live, p)
 	m.ptrs[i] = m.ptrs[len(m.ptrs)-1]
 	m.ptrs = m.ptrs[:len(m.ptrs)-1]
@@ -172,7 +172,7 @@ func (m *machine) step() {
 			m.drv.CompleteAll()
 		}
 	case op == 11:
-		err := m.a.EmptyCache()
+		err := m.a.EmptyCache(0)
 		if m.capture != nil {
 			require.ErrorIs(m.t, err, allocator.ErrCaptureUnderway)
 		} else {
@@ -265,7 +265,7 @@ func (m *machine) drain() {
 		}
 	}
 	m.drv.CompleteAll()
-	require.NoError(m.t, m.a.EmptyCache())
+	require.NoError(m.t, m.a.EmptyCache(0))
 	require.NoError(m.t, m.a.CheckInvariants())
 	for dev := 0; dev < devices; dev++ {
 		require.Equal(m.t, 0, m.drv.Live(dev), "device %d: segments left after freeing everything", dev)
@@ -376,6 +376,6 @@ func TestDebugChecksSwitch(t *testing.T) {
 	a, _ := newAlloc(t, 1, GiB, "debug_checks:True")
 	require.True(t, a.Config().DebugChecks)
 	p := mustMalloc(t, a, 0, 4096, 0)
-	require.NoError(t, a.Free(0, p, 0))
-	require.True(t, errors.Is(a.Free(0, p, 0), allocator.ErrAlreadyFreed))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
+	require.True(t, errors.Is(a.Free(allocator.FreeRequest{Ptr: p}), allocator.ErrAlreadyFreed))
 }

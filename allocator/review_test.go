@@ -18,11 +18,11 @@ func TestOneBadEventBreaksEveryMalloc(t *testing.T) {
 	p := mustMalloc(t, a, 0, 4096, 1)
 	require.NoError(t, a.RecordStream(p, 2))
 	require.NoError(t, drv.BeginCapture(2, cuda.CaptureModeRelaxed))
-	require.NoError(t, a.Free(0, p, 0))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
 	require.NoError(t, drv.EndCapture(2))
 	var got []cuda.Ptr
 	for i := 0; i < 3; i++ {
-		q, err := a.Malloc(0, 4096, 1)
+		q, err := a.Malloc(&allocator.MallocRequest{Size: 4096, Stream: 1})
 		require.NoError(t, err, "malloc %d after the capture ended", i)
 		got = append(got, q)
 	}
@@ -38,8 +38,8 @@ func TestOversizeStatsDriftAcrossConfigure(t *testing.T) {
 	cfg, _, err := allocator.ParseConfig("max_split_size_mb:20")
 	require.NoError(t, err)
 	a.Configure(cfg)
-	require.NoError(t, a.Free(0, p, 0))
-	require.NoError(t, a.EmptyCache())
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
+	require.NoError(t, a.EmptyCache(0))
 	st := stats(t, a, 0)
 	require.GreaterOrEqual(t, st.OversizeAllocations.Current, int64(0), "oversize_allocations.current")
 	require.GreaterOrEqual(t, st.OversizeSegments.Current, int64(0), "oversize_segments.current")
@@ -53,9 +53,9 @@ func TestFirstMallocOfUnannouncedCaptureQueriesEvents(t *testing.T) {
 	p := mustMalloc(t, a, 0, 4096, 1)
 	require.NoError(t, a.RecordStream(p, 2))
 	drv.Submit(2)
-	require.NoError(t, a.Free(0, p, 0)) // one pending event
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p})) // one pending event
 	require.NoError(t, drv.BeginCapture(3, cuda.CaptureModeGlobal))
-	_, err := a.Malloc(0, 4096, 3)
+	_, err := a.Malloc(&allocator.MallocRequest{Size: 4096, Stream: 3})
 	require.NoError(t, err)
 	require.Zero(t, drv.Violations(), "%v", drv.ViolationLog())
 	require.NoError(t, drv.EndCapture(3))

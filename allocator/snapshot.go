@@ -35,7 +35,7 @@ type traceEntry struct {
 
 // Snapshot is torch.cuda.memory._snapshot()'s shape; encoding/json renders
 // it as PyTorch's dict. Context fields carry the ids the caller passed to the
-// ...Ctx operations (see history.go); the caller turns them into frames.
+// requests and EmptyCache (see history.go); the caller turns them into frames.
 type Snapshot struct {
 	Segments            []SegmentInfo     `json:"segments"`
 	DeviceTraces        [][]TraceEntry    `json:"device_traces"`
@@ -100,15 +100,11 @@ type TraceEntry struct {
 	DeviceFree *uint64 `json:"device_free,omitempty"`
 }
 
-// Snapshot returns every device's segments and blocks, the recorded traces
-// and annotations: SnapshotOf(nil, true).
-func (a *Allocator) Snapshot() Snapshot { return a.SnapshotOf(nil, true) }
-
-// SnapshotOf returns the segments of pool (nil: of every pool), with the
-// traces and annotations if includeTraces (else device_traces and
-// external_annotations are empty). Each device records a snapshot entry
-// after its trace is read, as PyTorch does.
-func (a *Allocator) SnapshotOf(pool *PoolID, includeTraces bool) Snapshot {
+// Snapshot returns the segments and blocks of pool (nil: of every pool) on
+// every device, with the recorded traces and annotations if includeTraces
+// (else device_traces and external_annotations are empty). Each device
+// records a snapshot entry after its trace is read, as PyTorch does.
+func (a *Allocator) Snapshot(pool *PoolID, includeTraces bool) Snapshot {
 	snap := Snapshot{
 		Segments:            []SegmentInfo{},
 		DeviceTraces:        [][]TraceEntry{},
@@ -127,9 +123,9 @@ func (a *Allocator) SnapshotOf(pool *PoolID, includeTraces bool) Snapshot {
 	var tr []traceEntry
 	for _, d := range a.devs {
 		tr = tr[:0]
-		d.lock()
+		d.enter()
 		if includeTraces {
-			d.hist.ring.each(func(e *traceEntry) { tr = append(tr, *e) })
+			a.hist.devs[d.id].ring.each(func(e *traceEntry) { tr = append(tr, *e) })
 		}
 		first := len(snap.Segments)
 		for _, s := range d.cache.Segments() {
@@ -141,17 +137,20 @@ func (a *Allocator) SnapshotOf(pool *PoolID, includeTraces bool) Snapshot {
 		for _, si := range snap.Segments[first:] {
 			active += si.ActiveSize
 		}
-		d.record(actionSnapshot, 0, active, 0, asked, 0)
-		d.mu.Unlock()
+		if d.rec != nil {
+			d.rec.snapshot(active, asked)
+		}
+		d.leave()
 		if includeTraces {
 			snap.DeviceTraces[d.id] = traceEntries(d.id, tr)
 		}
 	}
 	remaps, lent := make([]int64, len(a.devs)), make([]int64, len(a.devs))
 	for i, d := range a.devs {
-		d.lock()
-		remaps[i], lent[i] = d.stitch.stats.Remaps, d.stitch.stats.Lent
-		d.mu.Unlock()
+		d.enter()
+		st := d.vm.StitchStats()
+		remaps[i], lent[i] = st.Remaps, st.Lent
+		d.leave()
 	}
 	cfg := a.Config()
 	p := cfg.Pools
@@ -167,7 +166,7 @@ func (a *Allocator) SnapshotOf(pool *PoolID, includeTraces bool) Snapshot {
 		"roundup_power2_divisions":     p.RoundupDivisions,
 		"record_history":               cfg.HistoryEntries,
 		// cudapool's own: stitching and each device's count of pages
-		// moved, and of those lent (stitch.go).
+		// moved, and of those lent (vmem/stitch.go).
 		"stitch":                 cfg.Stitch,
 		"expandable_map_unit_mb": cfg.ExpandableMapUnit >> 20,
 		"stitch_remaps":          remaps,

@@ -358,7 +358,7 @@ func (w *soakWorker) step() {
 		w.releaseGraph()
 	case r < 94:
 		w.locked(func() {
-			if err := w.s.a.EmptyCache(); !w.s.expected(err, allocator.ErrCaptureUnderway) {
+			if err := w.s.a.EmptyCache(0); !w.s.expected(err, allocator.ErrCaptureUnderway) {
 				w.failf("empty_cache: %v", err)
 			}
 		})
@@ -376,7 +376,7 @@ func (w *soakWorker) step() {
 		// More than the device has: out of memory, with PyTorch's message;
 		// the allocator must keep working (checked after the batch).
 		w.locked(func() {
-			_, err := w.s.a.Malloc(w.dev, 2*soakMemory, w.main)
+			_, err := w.s.a.Malloc(&allocator.MallocRequest{Dev: w.dev, Size: 2 * soakMemory, Stream: w.main})
 			if err == nil || !w.s.expected(err, allocator.ErrOutOfMemory) {
 				w.failf("a %d-byte malloc: %v, want out of memory", 2*soakMemory, err)
 			}
@@ -415,7 +415,7 @@ func (s *soak) expected(err error, kinds ...error) bool {
 func (w *soakWorker) malloc(size uint64, s cuda.Stream) (cuda.Ptr, bool) {
 	var p cuda.Ptr
 	var err error
-	w.locked(func() { p, err = w.s.a.Malloc(w.dev, size, s) })
+	w.locked(func() { p, err = w.s.a.Malloc(&allocator.MallocRequest{Dev: w.dev, Size: size, Stream: s}) })
 	atomic.AddInt64(&w.s.counts.mallocs, 1)
 	if s == w.capS {
 		atomic.AddInt64(&w.s.counts.captureMallocs, 1)
@@ -440,7 +440,7 @@ func (w *soakWorker) free(i int) {
 	w.live = w.live[:len(w.live)-1]
 	// A driver error (an event that could not be recorded) still frees:
 	// the block waits for a later try.
-	if err := w.s.a.Free(w.dev, al.p, al.size); !w.s.expected(err) {
+	if err := w.s.a.Free(allocator.FreeRequest{Dev: w.dev, Ptr: al.p, Size: al.size}); !w.s.expected(err) {
 		w.failf("free(%#x, %d): %v", al.p, al.size, err)
 	}
 	atomic.AddInt64(&w.s.counts.frees, 1)
@@ -488,7 +488,7 @@ func (w *soakWorker) beginCapture() {
 		w.autoPools++
 		atomic.AddInt64(&w.s.counts.captures, 1)
 		sz := w.smallSize()
-		p, err := w.s.a.Malloc(w.dev, sz, w.capS)
+		p, err := w.s.a.Malloc(&allocator.MallocRequest{Dev: w.dev, Size: sz, Stream: w.capS})
 		atomic.AddInt64(&w.s.counts.mallocs, 1)
 		atomic.AddInt64(&w.s.counts.captureMallocs, 1)
 		switch {
@@ -727,12 +727,12 @@ func (s *soak) check(ws []*soakWorker) {
 		// Blocks freed with uses still count until their events are seen.
 		require.GreaterOrEqual(t, st.Allocation[pools.StatAll].Current, live[dev], "device %d: allocations counted", dev)
 		// The allocator still works after whatever the batch did.
-		p, err := s.a.Malloc(dev, 4096, 999)
+		p, err := s.a.Malloc(&allocator.MallocRequest{Dev: dev, Size: 4096, Stream: 999})
 		if err != nil {
 			require.True(t, s.expected(err, allocator.ErrOutOfMemory), "device %d: %v", dev, err)
 		} else {
 			s.checkGuards(&soakWorker{s: s, dev: dev}, p, 4096)
-			require.NoError(t, s.a.Free(dev, p, 4096))
+			require.NoError(t, s.a.Free(allocator.FreeRequest{Dev: dev, Ptr: p, Size: 4096}))
 		}
 	}
 }
@@ -751,7 +751,7 @@ func (s *soak) drain(ws []*soakWorker) {
 		require.Empty(t, w.fail)
 	}
 	s.drv.CompleteAll()
-	require.NoError(t, s.a.EmptyCache())
+	require.NoError(t, s.a.EmptyCache(0))
 	require.NoError(t, s.a.CheckInvariants())
 	for dev := range s.guard {
 		for _, g := range s.guard[dev].list {

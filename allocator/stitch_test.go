@@ -27,8 +27,8 @@ func holes(t *testing.T, a *allocator.Allocator, s cuda.Stream) (h1, h2 cuda.Ptr
 	keep = append(keep, mustMalloc(t, a, 0, 2*MiB, s))
 	h2 = mustMalloc(t, a, 0, 10*MiB, s)
 	keep = append(keep, mustMalloc(t, a, 0, 2*MiB, s))
-	require.NoError(t, a.Free(0, h1, 0))
-	require.NoError(t, a.Free(0, h2, 0))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: h1}))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: h2}))
 	return h1, h2, keep
 }
 
@@ -58,7 +58,7 @@ func TestStitchMovesIdlePages(t *testing.T) {
 	var snap struct {
 		Settings map[string]any `json:"allocator_settings"`
 	}
-	raw, err := json.Marshal(a.Snapshot())
+	raw, err := json.Marshal(a.Snapshot(nil, true))
 	require.NoError(t, err)
 	require.NoError(t, json.Unmarshal(raw, &snap))
 	require.Equal(t, []any{float64(8)}, snap.Settings["stitch_remaps"])
@@ -69,9 +69,9 @@ func TestStitchMovesIdlePages(t *testing.T) {
 	q := mustMalloc(t, a, 0, 10*MiB, 0)
 	require.True(t, drv.Accessible(0, q, 10*MiB))
 	for _, x := range append(keep, p, q) {
-		require.NoError(t, a.Free(0, x, 0))
+		require.NoError(t, a.Free(allocator.FreeRequest{Ptr: x}))
 	}
-	require.NoError(t, a.EmptyCache())
+	require.NoError(t, a.EmptyCache(0))
 	require.Zero(t, drv.Used(0))
 	require.Zero(t, drv.LiveEvents(), "the marker events went with empty_cache")
 	require.NoError(t, a.CheckInvariants())
@@ -87,7 +87,7 @@ func TestStitchWaitsForQueuedWork(t *testing.T) {
 	h1 := mustMalloc(t, a, 0, 10*MiB, 1)
 	k1 := mustMalloc(t, a, 0, 2*MiB, 1)
 	drv.Use(0, 1, h1, 10*MiB) // a kernel on h1, still running when h1 is freed
-	require.NoError(t, a.Free(0, h1, 0))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: h1}))
 
 	p := mustMalloc(t, a, 0, 16*MiB, 0)
 	st := stitchStats(t, a)
@@ -96,7 +96,7 @@ func TestStitchWaitsForQueuedWork(t *testing.T) {
 	require.Equal(t, uint64(12*MiB+16*MiB), drv.Used(0), "new memory instead")
 	require.True(t, drv.Accessible(0, h1, 10*MiB), "the busy hole is still mapped")
 	require.Zero(t, drv.Violations(), "%v", drv.ViolationLog())
-	require.NoError(t, a.Free(0, p, 0))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
 
 	// The marker recorded at that miss completes with stream 1's work:
 	// the hole's pages may move now.
@@ -106,7 +106,7 @@ func TestStitchWaitsForQueuedWork(t *testing.T) {
 	require.False(t, drv.Accessible(0, h1, 2*MiB), "the hole's pages moved")
 	require.True(t, drv.Accessible(0, q, 40*MiB))
 	for _, x := range []cuda.Ptr{k1, q} {
-		require.NoError(t, a.Free(0, x, 0))
+		require.NoError(t, a.Free(allocator.FreeRequest{Ptr: x}))
 	}
 	require.NoError(t, a.CheckInvariants())
 	require.Zero(t, drv.Violations(), "%v", drv.ViolationLog())
@@ -137,7 +137,7 @@ func TestStitchLendsOnItsOwnStream(t *testing.T) {
 	// first hole's address space goes elsewhere.
 	q := mustMalloc(t, a, 0, 10*MiB, 0)
 	require.NotEqual(t, h1, q)
-	require.NoError(t, a.Free(0, q, 0))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: q}))
 
 	// Once the stream's work is done, the next miss unmaps the old
 	// mappings.
@@ -150,13 +150,13 @@ func TestStitchLendsOnItsOwnStream(t *testing.T) {
 
 	// empty_cache synchronizes and unmaps every old mapping left.
 	drv.Use(0, 0, y, 30*MiB)
-	require.NoError(t, a.Free(0, y, 0))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: y}))
 	z := mustMalloc(t, a, 0, 30*MiB, 0) // reuses y's block: no miss
-	require.NoError(t, a.Free(0, z, 0))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: z}))
 	for _, v := range append(keep, p, x) {
-		require.NoError(t, a.Free(0, v, 0))
+		require.NoError(t, a.Free(allocator.FreeRequest{Ptr: v}))
 	}
-	require.NoError(t, a.EmptyCache())
+	require.NoError(t, a.EmptyCache(0))
 	require.Zero(t, drv.Used(0))
 	require.Zero(t, drv.Mapped(0))
 	require.NoError(t, a.CheckInvariants())
@@ -172,14 +172,14 @@ func TestStitchSourcesAndRules(t *testing.T) {
 	// Stream 1's range: a 6 MiB hole.
 	o := mustMalloc(t, a, 0, 6*MiB, 1)
 	ok := mustMalloc(t, a, 0, 2*MiB, 1)
-	require.NoError(t, a.Free(0, o, 0))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: o}))
 	// The small pool: two pages of small blocks, then all freed.
 	var small []cuda.Ptr
 	for i := 0; i < 6; i++ {
 		small = append(small, mustMalloc(t, a, 0, 700*KiB, 0))
 	}
 	for _, x := range small {
-		require.NoError(t, a.Free(0, x, 0))
+		require.NoError(t, a.Free(allocator.FreeRequest{Ptr: x}))
 	}
 	// A graph's pool with a free 8 MiB block, its graph alive.
 	g := allocator.PoolID{A: 1}
@@ -187,28 +187,28 @@ func TestStitchSourcesAndRules(t *testing.T) {
 	beginCapture(t, a, drv, g, cs, cuda.CaptureModeGlobal)
 	gx := mustMalloc(t, a, 0, 8*MiB, cs)
 	gk := mustMalloc(t, a, 0, 2*MiB, cs)
-	require.NoError(t, a.Free(0, gx, 0))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: gx}))
 	before := stitchStats(t, a).Remaps
 	side := mustMalloc(t, a, 0, 12*MiB, 0) // a miss during the capture
 	require.Equal(t, before, stitchStats(t, a).Remaps, "no stitching during a capture")
 	require.NoError(t, drv.EndCapture(cs))
 	require.NoError(t, a.EndAllocateToPool(0, g))
-	require.NoError(t, a.Free(0, side, 0))
-	require.NoError(t, a.EmptyCache()) // side's pages go: a clean start
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: side}))
+	require.NoError(t, a.EmptyCache(0)) // side's pages go: a clean start
 	require.Equal(t, int64(3), before, "the small pool's pages came from stream 1's hole")
 
 	before = stitchStats(t, a).Remaps
 	p := mustMalloc(t, a, 0, 20*MiB, 2) // stream 2: a range of its own
 	require.Equal(t, before, stitchStats(t, a).Remaps, "empty_cache unmapped the holes before")
 
-	require.NoError(t, a.Free(0, p, 0))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
 	o = mustMalloc(t, a, 0, 6*MiB, 1)
-	require.NoError(t, a.Free(0, o, 0))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: o}))
 	for i := range small {
 		small[i] = mustMalloc(t, a, 0, 700*KiB, 0)
 	}
 	for _, x := range small {
-		require.NoError(t, a.Free(0, x, 0))
+		require.NoError(t, a.Free(allocator.FreeRequest{Ptr: x}))
 	}
 	used := drv.Used(0)
 	graphMapped := mappedIn(t, a, g)
@@ -224,10 +224,10 @@ func TestStitchSourcesAndRules(t *testing.T) {
 	require.True(t, drv.Accessible(0, q, 40*MiB))
 
 	for _, x := range []cuda.Ptr{ok, gk, q} {
-		require.NoError(t, a.Free(0, x, 0))
+		require.NoError(t, a.Free(allocator.FreeRequest{Ptr: x}))
 	}
 	require.NoError(t, a.ReleasePool(0, g))
-	require.NoError(t, a.EmptyCache())
+	require.NoError(t, a.EmptyCache(0))
 	require.Zero(t, drv.Used(0))
 	require.NoError(t, a.CheckInvariants())
 	require.Zero(t, drv.Violations(), "%v", drv.ViolationLog())
@@ -237,7 +237,7 @@ func TestStitchSourcesAndRules(t *testing.T) {
 // pools' expandable segments, from the snapshot.
 func freePages(a *allocator.Allocator) int64 {
 	var n int64
-	for _, s := range a.Snapshot().Segments {
+	for _, s := range a.Snapshot(nil, true).Segments {
 		if !s.IsExpandable || s.SegmentPoolID != [2]uint64{} {
 			continue
 		}
@@ -258,7 +258,7 @@ func freePages(a *allocator.Allocator) int64 {
 func mappedIn(t *testing.T, a *allocator.Allocator, g allocator.PoolID) uint64 {
 	t.Helper()
 	var n uint64
-	for _, s := range a.SnapshotOf(&g, false).Segments {
+	for _, s := range a.Snapshot(&g, false).Segments {
 		n += s.TotalSize
 	}
 	require.NotZero(t, n)
@@ -273,8 +273,8 @@ func TestExpandableUnmapWaitsForWork(t *testing.T) {
 		a, drv := newAlloc(t, 1, GiB, conf)
 		p := mustMalloc(t, a, 0, 10*MiB, 1)
 		drv.Use(0, 1, p, 10*MiB)
-		require.NoError(t, a.Free(0, p, 0))
-		require.NoError(t, a.EmptyCache())
+		require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
+		require.NoError(t, a.EmptyCache(0))
 		require.Zero(t, drv.Used(0))
 		require.Zero(t, drv.Violations(), "%s: %v", conf, drv.ViolationLog())
 	}
@@ -300,9 +300,9 @@ func TestExpandableMapUnit(t *testing.T) {
 	ps = append(ps, mustMalloc(t, a, 0, 100*KiB, 0))
 	require.Equal(t, uint64(42*MiB), drv.Mapped(0), "the small pool maps one page")
 	for _, p := range ps {
-		require.NoError(t, a.Free(0, p, 0))
+		require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
 	}
-	require.NoError(t, a.EmptyCache())
+	require.NoError(t, a.EmptyCache(0))
 
 	// Under a memory fraction of 30 MiB: 24 MiB of blocks fit only if
 	// the last step maps just what it needs.
@@ -310,8 +310,8 @@ func TestExpandableMapUnit(t *testing.T) {
 	x := mustMalloc(t, a, 0, 20*MiB, 0)
 	y := mustMalloc(t, a, 0, 4*MiB, 0)
 	require.Equal(t, uint64(24*MiB), drv.Mapped(0))
-	require.NoError(t, a.Free(0, x, 0))
-	require.NoError(t, a.Free(0, y, 0))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: x}))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: y}))
 	require.NoError(t, a.CheckInvariants())
 	require.Zero(t, drv.Violations(), "%v", drv.ViolationLog())
 
@@ -322,8 +322,8 @@ func TestExpandableMapUnit(t *testing.T) {
 	require.Equal(t, uint64(20*MiB), drv.Mapped(0))
 	y = mustMalloc(t, a, 0, 18*MiB, 0)
 	require.Equal(t, uint64(22*MiB), drv.Mapped(0))
-	require.NoError(t, a.Free(0, x, 0))
-	require.NoError(t, a.Free(0, y, 0))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: x}))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: y}))
 	require.NoError(t, a.CheckInvariants())
 	require.Zero(t, drv.Violations(), "%v", drv.ViolationLog())
 }
@@ -350,7 +350,7 @@ func TestStitchConfig(t *testing.T) {
 	a, drv := newAlloc(t, 1, GiB, "stitch:True")
 	p := mustMalloc(t, a, 0, 3*MiB, 0)
 	require.Zero(t, drv.Allocs(0), "no cuMemAlloc: pages are mapped")
-	require.NoError(t, a.Free(0, p, 0))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
 }
 
 // On a full device, the moved pages are mapped even though the whole
@@ -360,7 +360,7 @@ func TestStitchFullDeviceUsesMovedPages(t *testing.T) {
 	a, drv := newAlloc(t, 1, 21*MiB, "stitch:True")
 	x := mustMalloc(t, a, 0, 10*MiB, 1) // stream 1 maps a 20 MiB unit
 	g := mustMalloc(t, a, 0, 2*MiB, 1)
-	require.NoError(t, a.Free(0, x, 0)) // nine whole free pages around g
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: x})) // nine whole free pages around g
 	require.Equal(t, uint64(20*MiB), drv.Used(0))
 
 	y := mustMalloc(t, a, 0, 3*MiB, 0) // wants a 20 MiB unit; 1 MiB is free
@@ -370,8 +370,8 @@ func TestStitchFullDeviceUsesMovedPages(t *testing.T) {
 	st := stats(t, a, 0)
 	require.Zero(t, st.NumAllocRetries)
 	require.Zero(t, st.NumOOMs)
-	require.NoError(t, a.Free(0, y, 0))
-	require.NoError(t, a.Free(0, g, 0))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: y}))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: g}))
 	require.NoError(t, a.CheckInvariants())
 	require.Zero(t, drv.Violations(), "%v", drv.ViolationLog())
 }
@@ -392,7 +392,7 @@ func TestCaptureTrimsPagesMappedAhead(t *testing.T) {
 	x := mustMalloc(t, a, 0, 3*MiB, cs)
 	y := mustMalloc(t, a, 0, 4*MiB, cs)
 	tmp := mustMalloc(t, a, 0, 5*MiB, cs)
-	require.NoError(t, a.Free(0, tmp, 0)) // used by the graph: stays
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: tmp})) // used by the graph: stays
 	maps, _ := drv.MapCalls(0)
 	require.Equal(t, int64(1), maps, "one 20 MiB step, one physical allocation")
 	require.Equal(t, uint64(20*MiB), drv.Mapped(0))
@@ -412,11 +412,11 @@ func TestCaptureTrimsPagesMappedAhead(t *testing.T) {
 	maps, _ = drv.MapCalls(0)
 	require.Equal(t, int64(1), maps)
 	for _, p := range []cuda.Ptr{x, y, z} {
-		require.NoError(t, a.Free(0, p, 0))
+		require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
 	}
 	require.NoError(t, a.ReleasePool(0, g)) // both graphs
 	require.NoError(t, a.ReleasePool(0, g))
-	require.NoError(t, a.EmptyCache())
+	require.NoError(t, a.EmptyCache(0))
 	require.Zero(t, drv.Mapped(0))
 	require.NoError(t, a.CheckInvariants())
 
@@ -438,11 +438,11 @@ func TestCaptureTrimsPagesMappedAhead(t *testing.T) {
 	require.NoError(t, a.EndAllocateToPool(0, g))
 	require.Equal(t, uint64(8*MiB), drv.Mapped(0), "x and y: four pages")
 	require.True(t, drv.Accessible(0, x, 8*MiB))
-	require.NoError(t, a.Free(0, x, 0))
-	require.NoError(t, a.Free(0, y, 0))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: x}))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: y}))
 	require.NoError(t, a.ReleasePool(0, g))
 	require.NoError(t, a.ReleasePool(0, g))
-	require.NoError(t, a.EmptyCache())
+	require.NoError(t, a.EmptyCache(0))
 	require.Zero(t, drv.Mapped(0))
 	require.NoError(t, a.CheckInvariants())
 	require.Zero(t, drv.Violations(), "%v", drv.ViolationLog())

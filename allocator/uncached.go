@@ -2,7 +2,6 @@ package allocator
 
 import (
 	"errors"
-	"sync"
 
 	"github.com/cudapool/cudapool/cuda"
 )
@@ -20,7 +19,7 @@ import (
 // was off (Allocator.uncN is its size, read without the lock by the free
 // path, so that it costs nothing while nothing is uncached).
 type uncached struct {
-	mu sync.Mutex
+	mu rankedMutex
 	m  map[cuda.Ptr]int // pointer -> device; guarded by mu
 }
 

@@ -26,12 +26,12 @@ func TestCachingOff(t *testing.T) {
 	require.Equal(t, int64(1), st.Allocation[pools.StatAll].Current, "only the cached block is counted")
 	require.NoError(t, a.RecordStream(p, 5), "record_stream on uncached memory is ignored")
 	frees := drv.Frees(0)
-	require.NoError(t, a.Free(0, p, 0))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
 	require.Equal(t, frees+1, drv.Frees(0), "given back at once")
-	require.ErrorIs(t, a.Free(0, p, 0), allocator.ErrUnknownPointer, "freed once only")
+	require.ErrorIs(t, a.Free(allocator.FreeRequest{Ptr: p}), allocator.ErrUnknownPointer, "freed once only")
 	a.SetCaching(true)
-	require.NoError(t, a.FreeAny(q, 0), "found on its device after caching is back on")
-	_, _, ferr := a.MallocAfterFrees(0, 4096, 0, 0, []allocator.PendingFree{{Dev: -1, Ptr: cached}})
+	require.NoError(t, a.Free(allocator.FreeRequest{Dev: -1, Ptr: q}), "found on its device after caching is back on")
+	_, _, ferr := mallocAfterFrees(a, 0, 4096, 0, 0, []allocator.FreeRequest{{Dev: -1, Ptr: cached}})
 	require.NoError(t, ferr)
 	require.NoError(t, a.CheckInvariants())
 	require.Zero(t, drv.Violations())
@@ -50,7 +50,7 @@ func TestCachingOffConcurrentDoubleFree(t *testing.T) {
 		errs := make(chan error, 2)
 		start := make(chan struct{})
 		for k := 0; k < 2; k++ {
-			go func() { <-start; errs <- a.Free(0, p, 0) }()
+			go func() { <-start; errs <- a.Free(allocator.FreeRequest{Ptr: p}) }()
 		}
 		close(start)
 		e1, e2 := <-errs, <-errs

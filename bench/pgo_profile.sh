@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # pgo_profile.sh OUT [DIR]: writes OUT (normally capi/default.pgo), the CPU
 # profile that go build uses for profile-guided optimization of
-# libcudapool.so (docs/hot-path.md, "Profile-guided optimization"). Run by
+# libcudapool.so (docs/hot-path.md, "Why it is built this way"). Run by
 # make pgo.
 #
 # Most of it is the library itself, built with -tags cudapool_cpuprofile

@@ -2,8 +2,8 @@
 # turn_pair.sh - two bench/torch_bench.py processes pinned to one CPU,
 # taking turns (BENCH_TURNS): only one runs its main thread at a time, and
 # they hand the CPU over after every timed rep, so rep k of both runs back
-# to back, to meet the host in one state (docs/benchmarks.md, 'Paired
-# measures'; a pair of cudapool against itself checks that it does).
+# to back, to meet the host in one state (docs/benchmarks.md, "The
+# measures"; a pair of cudapool against itself checks that it does).
 #
 #   bash bench/turn_pair.sh CPU KIND ROUND BASE TEST FIRST OUT [torch_bench args]
 #

@@ -4,7 +4,7 @@ package main
 
 // A CPU profile of the library as a C program uses it, for profile-guided
 // optimization (make pgo writes capi/default.pgo from such profiles; see
-// docs/hot-path.md, section 13). Only in a library built with
+// docs/hot-path.md, "Why it is built this way"). Only in a library built with
 // -tags cudapool_cpuprofile: with CUDAPOOL_CPUPROFILE=FILE set, profiling
 // starts when the library loads and stops when the process exits
 // (cpuprofile.c's destructor).

@@ -23,16 +23,20 @@ import (
 
 // The malloc export (torchabi.go's cpgo_malloc_ctx, the only one, behind
 // cudapool_malloc, cudapool_malloc_ctx, cudapool_cupy_malloc and
-// cudapool_torch_malloc) calls MallocTracked itself (a call layer less) and
-// ends as follows: *out is what the front cache may do with the block
+// cudapool_torch_malloc) builds the request in place and calls Malloc
+// itself (a call layer less; a request built as a variable is copied from a
+// temporary just written, which stalls on store forwarding) and ends as
+// follows: *out is what the front cache may do with the block
 // (allocator/front.go, Tracking); failures, and the NULL out of this
 // package's tests, are handled out of line by mallocEnd, told which public
 // function the caller called (entry, a CP_FN_* number):
 //
-//	if err != nil || ferr != nil || out == nil {
-//		return mallocEnd(entry, size, p, tr, err, ferr, out)
+//	r := &allocator.MallocRequest{Dev: int(dev), Size: uint64(size), ...}
+//	p, err := st.a.Malloc(r)
+//	if err != nil || r.FreeErr != nil || out == nil {
+//		return mallocEnd(entry, r, p, err, out)
 //	}
-//	*out = trackC(tr)
+//	*out = trackC(r.Track)
 //	return C.uintptr_t(p)
 //
 // (A helper holding those lines is not inlined: over the inliner's budget.)
@@ -42,21 +46,21 @@ func trackC(tr allocator.Tracking) C.cp_track {
 	return C.cp_track{tag: C.uint32_t(tr.Tag), route: C.uint32_t(tr.Route), phases: C.uint32_t(tr.Phases)}
 }
 
-// mallocEnd ends a malloc of size bytes through entry whose queued frees
-// (ferr) or own allocation (err) failed, or whose out is NULL. Out of
-// memory is told in PyTorch's words for the entry points PyTorch calls
+// mallocEnd ends the malloc r through entry whose queued frees (r.FreeErr)
+// or own allocation (err) failed, or whose out is NULL. Out of memory is
+// told in PyTorch's words for the entry points PyTorch calls
 // (cudapool_torch_malloc, and cudapool_malloc_ctx of the C++ class).
 //
 //go:noinline
-func mallocEnd(entry C.int, size C.size_t, p cuda.Ptr, tr allocator.Tracking, err, ferr error, out *C.cp_track) C.uintptr_t {
+func mallocEnd(entry C.int, r *allocator.MallocRequest, p cuda.Ptr, err error, out *C.cp_track) C.uintptr_t {
 	fn := entryName(entry)
-	reportFreeError(fn, ferr)
+	reportFreeError(fn, r.FreeErr)
 	if err != nil {
-		failMalloc(fn, entry == C.CP_FN_TORCH_MALLOC || entry == C.CP_FN_MALLOC_CTX, uint64(size), err)
+		failMalloc(fn, entry == C.CP_FN_TORCH_MALLOC || entry == C.CP_FN_MALLOC_CTX, r.Size, err)
 		return 0
 	}
 	if out != nil {
-		*out = trackC(tr)
+		*out = trackC(r.Track)
 	}
 	return C.uintptr_t(p)
 }
@@ -70,7 +74,7 @@ func cpgo_free_batch(frees *C.cp_pending_free, n C.size_t, entry C.int) {
 		return
 	}
 	keeper.Touch()
-	reportFreeError(fn, st.a.FreeMany(pendingFrees(frees, n)))
+	reportFreeError(fn, st.a.Free(pendingFrees(frees, n)...))
 }
 
 //export cpgo_free
@@ -81,7 +85,7 @@ func cpgo_free(p C.uintptr_t, size C.size_t, dev C.int, _ C.uintptr_t) {
 	if a == nil {
 		return
 	}
-	if err := a.Free(int(dev), cuda.Ptr(p), uint64(size)); err != nil {
+	if err := a.Free(allocator.FreeRequest{Dev: int(dev), Ptr: cuda.Ptr(p), Size: uint64(size)}); err != nil {
 		fail(fn, err)
 	}
 }
@@ -104,7 +108,7 @@ func cpgo_empty_cache() {
 	const fn = "cudapool_empty_cache"
 	defer guard(fn)
 	if a := ready(fn); a != nil {
-		if err := a.EmptyCache(); err != nil {
+		if err := a.EmptyCache(0); err != nil {
 			fail(fn, err)
 		}
 	}
@@ -302,7 +306,7 @@ func cpgo_snapshot_json() *C.char {
 	if a == nil {
 		return nil
 	}
-	b, err := json.Marshal(a.Snapshot())
+	b, err := json.Marshal(a.Snapshot(nil, true))
 	if err != nil {
 		failf(fn, "%v", err)
 		return nil
@@ -315,7 +319,7 @@ func cpgo_reset_peak_stats(dev C.int) {
 	const fn = "cudapool_reset_peak_stats"
 	defer guard(fn)
 	if a := ready(fn); a != nil {
-		if err := a.ResetPeakStats(int(dev)); err != nil {
+		if err := a.ResetStats(int(dev), allocator.ResetPeak); err != nil {
 			fail(fn, err)
 		}
 	}
@@ -326,7 +330,7 @@ func cpgo_reset_accumulated_stats(dev C.int) {
 	const fn = "cudapool_reset_accumulated_stats"
 	defer guard(fn)
 	if a := ready(fn); a != nil {
-		if err := a.ResetAccumulatedStats(int(dev)); err != nil {
+		if err := a.ResetStats(int(dev), allocator.ResetAccumulated); err != nil {
 			fail(fn, err)
 		}
 	}

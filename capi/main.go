@@ -157,7 +157,7 @@ func ready(fn string) *allocator.Allocator {
 	keeper.Touch()
 	if C.cp_freeq_n != 0 {
 		var buf [C.CP_FREEQ_CAP]allocator.PendingFree
-		reportFreeError(fn, st.a.FreeMany(takeFrees(&buf)))
+		reportFreeError(fn, st.a.Free(takeFrees(&buf)...))
 	}
 	return st.a
 }

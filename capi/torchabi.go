@@ -41,11 +41,12 @@ func cpgo_malloc_ctx(size C.size_t, dev C.int, stream C.uintptr_t, ctx C.ulonglo
 		return mallocCtxNoState(size, dev, stream, ctx, frees, nfrees, out, entry)
 	}
 	keeper.Touch()
-	p, tr, err, ferr := st.a.MallocTracked(int(dev), uint64(size), cuda.Stream(stream), uint64(ctx), pendingFrees(frees, nfrees))
-	if err != nil || ferr != nil || out == nil {
-		return mallocEnd(entry, size, p, tr, err, ferr, out)
+	r := &allocator.MallocRequest{Dev: int(dev), Size: uint64(size), Stream: cuda.Stream(stream), Ctx: uint64(ctx), Frees: pendingFrees(frees, nfrees)}
+	p, err := st.a.Malloc(r)
+	if err != nil || r.FreeErr != nil || out == nil {
+		return mallocEnd(entry, r, p, err, out)
 	}
-	*out = trackC(tr)
+	*out = trackC(r.Track)
 	return C.uintptr_t(p)
 }
 
@@ -87,10 +88,7 @@ func cpgo_free_ctx(p C.uintptr_t, size C.size_t, dev C.int, ctx C.ulonglong) (rc
 	if a == nil {
 		return -1
 	}
-	if dev < 0 {
-		return result(fn, a.FreeAnyCtx(cuda.Ptr(p), uint64(size), uint64(ctx)))
-	}
-	return result(fn, a.FreeCtx(int(dev), cuda.Ptr(p), uint64(size), uint64(ctx)))
+	return result(fn, a.Free(allocator.FreeRequest{Dev: max(int(dev), -1), Ptr: cuda.Ptr(p), Size: uint64(size), Ctx: uint64(ctx)}))
 }
 
 // cpgo_expect_announced tells the allocator that every capture is
@@ -219,7 +217,7 @@ func cpgo_empty_cache_ctx(ctx C.ulonglong) (rc C.int) {
 	if a == nil {
 		return -1
 	}
-	if err := a.EmptyCacheCtx(uint64(ctx)); err != nil {
+	if err := a.EmptyCache(uint64(ctx)); err != nil {
 		fail(fn, err)
 		return -1
 	}
@@ -634,7 +632,7 @@ func cpgo_snapshot_take(byPool C.int, a, b C.ulonglong, traces C.int) unsafe.Poi
 	if byPool != 0 {
 		pool = &allocator.PoolID{A: uint64(a), B: uint64(b)}
 	}
-	snap := al.SnapshotOf(pool, traces != 0)
+	snap := al.Snapshot(pool, traces != 0)
 	out := cmalloc[C.cudapool_snapshot](1)
 
 	nblocks := 0

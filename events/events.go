@@ -13,6 +13,23 @@
 // block freed then is deferred (Defer) and its events are recorded by the
 // first Process after the last capture ends.
 //
+// # Stream progress
+//
+// The same per-stream queues answer "has stream S run past point T?", the
+// question stitching asks before it unmaps a free page that work queued on
+// its stream may still touch (vmem). A point is a tick of the caller's
+// clock (pools.Cache.Tick, the clock that stamps Block.FreedAt). Advance
+// records a mark, an event without a block, on every watched stream right
+// after a tick; once a mark has completed, every point below its tick is
+// behind the stream (Passed). Marks and frees' events share the queues, the
+// event pool and the draining: events on one stream complete in order, so
+// a stream's queue is read from the front, whoever recorded the entries.
+// Marks are advisory: one that cannot be created, recorded or queried only
+// leaves its stream's progress where it was (and stays pending, queried
+// again at the next Advance); Synchronize drops the marks it meets without
+// waiting for them, and ResetProgress forgets what they certified. At most
+// MarkDepth marks wait on one stream.
+//
 // A Tracker belongs to one device and is guarded by that device's lock.
 package events
 
@@ -28,15 +45,27 @@ func RecordUse(b *pools.Block, s cuda.Stream) {
 	}
 }
 
+// pending is an event recorded on a stream: a free's (b set), or a mark
+// (b nil) recorded right after the caller's clock reached at.
 type pending struct {
 	ev cuda.Event
 	b  *pools.Block
+	at uint64
 }
 
-// queue is one stream's pending events in record order.
+// MarkDepth bounds the marks pending on one stream.
+const MarkDepth = 8
+
+// queue is one stream's pending events in record order, and what its
+// completed marks certified.
 type queue struct {
 	items []pending
 	head  int
+	marks int // pending marks among items
+	// passed is the tick of the last mark seen complete: the stream has
+	// run past every point below it (0: nothing known).
+	passed  uint64
+	watched bool // Advance keeps a mark pending here
 }
 
 // Tracker holds a device's pending frees. The owner's lock guards it.
@@ -49,8 +78,9 @@ type Tracker struct {
 	broken   []cuda.Event
 	queues   map[cuda.Stream]*queue
 	deferred []*pools.Block // frees waiting for the end of all captures
-	pending  int            // events in all queues
+	pending  int            // frees' events in all queues (marks not counted)
 	created  int            // events created and not destroyed
+	watched  int            // streams watched (Watch)
 }
 
 // New returns a tracker for device dev.
@@ -62,9 +92,10 @@ func New(drv Driver, dev int) *Tracker {
 // hot path makes before calling Process.
 func (t *Tracker) Idle() bool { return t.pending == 0 && len(t.deferred) == 0 }
 
-// Empty reports whether no event is alive (pending, pooled or broken) and
-// no free is deferred: nothing for Synchronize or DestroySpare to do.
-func (t *Tracker) Empty() bool { return t.created == 0 && len(t.deferred) == 0 }
+// Empty reports whether no event is alive (pending, pooled or broken), no
+// free is deferred and no stream is watched: nothing for Synchronize,
+// DestroySpare or ResetProgress to do.
+func (t *Tracker) Empty() bool { return t.created == 0 && len(t.deferred) == 0 && t.watched == 0 }
 
 // Pending returns the number of outstanding events and deferred blocks.
 func (t *Tracker) Pending() (events, deferred int) { return t.pending, len(t.deferred) }
@@ -77,7 +108,7 @@ func (t *Tracker) Defer(b *pools.Block) { t.deferred = append(t.deferred, b) }
 
 // Reclaim takes b back out of the deferred frees, for a caller that has
 // proved its uses over by other means (the capture graph's topology, see
-// allocator/capturereuse.go). It reports whether b was deferred; b keeps
+// graphs/reuse.go). It reports whether b was deferred; b keeps
 // its uses for the caller to clear.
 func (t *Tracker) Reclaim(b *pools.Block) bool {
 	for i, d := range t.deferred {
@@ -114,16 +145,22 @@ func (t *Tracker) Insert(b *pools.Block) error {
 			}
 			return err
 		}
-		q := t.queues[s]
-		if q == nil {
-			q = &queue{}
-			t.queues[s] = q
-		}
-		q.items = append(q.items, pending{ev, b})
+		q := t.queue(s)
+		q.items = append(q.items, pending{ev: ev, b: b})
 		b.EventCount++
 		t.pending++
 	}
 	return nil
+}
+
+// queue returns s's queue, made on first use.
+func (t *Tracker) queue(s cuda.Stream) *queue {
+	q := t.queues[s]
+	if q == nil {
+		q = &queue{}
+		t.queues[s] = q
+	}
+	return q
 }
 
 func (t *Tracker) event() (cuda.Event, error) {
@@ -146,8 +183,11 @@ func (t *Tracker) Process(done func(*pools.Block)) error {
 	if err := t.insertDeferred(); err != nil {
 		return err
 	}
-	return t.drain(func(ev cuda.Event) (bool, error) { return t.drv.EventQuery(t.dev, ev) }, done)
+	return t.drain(t.query, done)
 }
+
+// query is drain's test in Process and Advance.
+func (t *Tracker) query(ev cuda.Event) (bool, error) { return t.drv.EventQuery(t.dev, ev) }
 
 // Synchronize waits for every pending event and returns all waiting blocks
 // (PyTorch's synchronize_and_free_events). Not during capture.
@@ -155,9 +195,7 @@ func (t *Tracker) Synchronize(done func(*pools.Block)) error {
 	if err := t.insertDeferred(); err != nil {
 		return err
 	}
-	return t.drain(func(ev cuda.Event) (bool, error) {
-		return true, t.drv.EventSynchronize(t.dev, ev)
-	}, done)
+	return t.drain(nil, done)
 }
 
 func (t *Tracker) insertDeferred() error {
@@ -177,7 +215,8 @@ func (t *Tracker) insertDeferred() error {
 	return nil
 }
 
-// drain pops completed events from the front of each stream's queue.
+// drain pops completed events from the front of each stream's queue;
+// complete nil: synchronize every free's event (Synchronize).
 //
 // An event the driver cannot query (one recorded into a capture nobody
 // announced, or on a stream of another context) is dropped, and its stream
@@ -191,51 +230,183 @@ func (t *Tracker) drain(complete func(cuda.Event) (bool, error), done func(*pool
 	}
 	var first error
 	for s, q := range t.queues {
-		for q.head < len(q.items) {
-			p := q.items[q.head]
-			ok, err := complete(p.ev)
-			if !ok && err == nil {
-				break
-			}
-			q.items[q.head] = pending{}
-			q.head++
-			t.pending--
-			if err != nil {
-				if first == nil {
-					first = err
-				}
-				if t.drv.EventDestroy(t.dev, p.ev) == nil {
-					t.created--
-				} else {
-					t.broken = append(t.broken, p.ev)
-				}
-				p.b.Uses.Add(s)
-			} else {
-				t.spare = append(t.spare, p.ev)
-			}
-			p.b.EventCount--
-			if p.b.EventCount == 0 {
-				if p.b.Uses.Empty() {
-					done(p.b)
-				} else {
-					// Some stream still needs an event: record it anew.
-					t.Defer(p.b)
-				}
-			}
-		}
-		switch {
-		case q.head == len(q.items):
-			// Keep the emptied queue and its storage for the stream's next frees.
-			q.items, q.head = q.items[:0], 0
-		case q.head > len(q.items)/2:
-			// A stream that always has an event outstanding never empties
-			// its queue: compact it so that it does not grow without bound.
-			n := copy(q.items, q.items[q.head:])
-			clear(q.items[n:])
-			q.items, q.head = q.items[:n], 0
+		if err := t.drainQueue(s, q, complete, done); err != nil && first == nil {
+			first = err
 		}
 	}
 	return first
+}
+
+// drainQueue is drain for stream s's queue q.
+func (t *Tracker) drainQueue(s cuda.Stream, q *queue, complete func(cuda.Event) (bool, error), done func(*pools.Block)) error {
+	var first error
+	for q.head < len(q.items) {
+		p := q.items[q.head]
+		if p.b == nil {
+			if !t.markDone(q, p, complete) {
+				break
+			}
+			continue
+		}
+		var ok bool
+		var err error
+		if complete == nil {
+			ok, err = true, t.drv.EventSynchronize(t.dev, p.ev)
+		} else {
+			ok, err = complete(p.ev)
+		}
+		if !ok && err == nil {
+			break
+		}
+		q.items[q.head] = pending{}
+		q.head++
+		t.pending--
+		if err != nil {
+			if first == nil {
+				first = err
+			}
+			if t.drv.EventDestroy(t.dev, p.ev) == nil {
+				t.created--
+			} else {
+				t.broken = append(t.broken, p.ev)
+			}
+			p.b.Uses.Add(s)
+		} else {
+			t.spare = append(t.spare, p.ev)
+		}
+		p.b.EventCount--
+		if p.b.EventCount == 0 {
+			if p.b.Uses.Empty() {
+				done(p.b)
+			} else {
+				// Some stream still needs an event: record it anew.
+				t.Defer(p.b)
+			}
+		}
+	}
+	switch {
+	case q.head == len(q.items):
+		// Keep the emptied queue and its storage for the stream's next frees.
+		q.items, q.head = q.items[:0], 0
+	case q.head > len(q.items)/2:
+		// A stream that always has an event outstanding never empties
+		// its queue: compact it so that it does not grow without bound.
+		n := copy(q.items, q.items[q.head:])
+		clear(q.items[n:])
+		q.items, q.head = q.items[:n], 0
+	}
+	return first
+}
+
+// markDone pops the mark p at the front of q if it has completed (then the
+// stream has passed its tick), and reports whether it did. complete nil
+// (Synchronize): the mark is dropped unexamined. A failed query leaves the
+// mark pending, its stream uncertified until a later query.
+func (t *Tracker) markDone(q *queue, p pending, complete func(cuda.Event) (bool, error)) bool {
+	if complete != nil {
+		if ok, err := complete(p.ev); !ok || err != nil {
+			return false
+		}
+		q.passed = p.at
+	}
+	q.items[q.head] = pending{}
+	q.head++
+	q.marks--
+	t.spare = append(t.spare, p.ev)
+	return true
+}
+
+// Clock is the caller's clock, whose ticks are the points marks certify.
+type Clock interface {
+	// Tick advances the clock and returns its new value.
+	Tick() uint64
+}
+
+// Watch makes Advance keep a mark pending on s.
+func (t *Tracker) Watch(s cuda.Stream) {
+	if q := t.queue(s); !q.watched {
+		q.watched = true
+		t.watched++
+	}
+}
+
+// Watching reports whether any stream is watched.
+func (t *Tracker) Watching() bool { return t.watched > 0 }
+
+// Watched reports whether s is watched.
+func (t *Tracker) Watched(s cuda.Stream) bool {
+	q := t.queues[s]
+	return q != nil && q.watched
+}
+
+// Passed reports whether stream s is known to have run past point at: a
+// mark recorded after a tick above at has completed.
+func (t *Tracker) Passed(s cuda.Stream, at uint64) bool {
+	q := t.queues[s]
+	return q != nil && at < q.passed
+}
+
+// Advance brings every watched stream's progress up to date: it pops the
+// completed events at the front of its queue (the blocks of frees whose
+// events are all complete go to done, as in Process), then, unless
+// MarkDepth marks are pending there or recordable refuses the stream (one
+// capturing, whose events would be captured, not recorded), records a new
+// mark right after c ticks; on a stream with nothing else pending it asks
+// at once whether the mark has completed (on an idle stream it has).
+// Failures only leave a stream's progress where it was. Never during a
+// capture.
+func (t *Tracker) Advance(c Clock, recordable func(cuda.Stream) bool, done func(*pools.Block)) {
+	if t.watched == 0 {
+		return
+	}
+	for s, q := range t.queues {
+		if !q.watched {
+			continue
+		}
+		// Errors of frees' events are Process's to report: it meets them
+		// again (their blocks are deferred for new events).
+		_ = t.drainQueue(s, q, t.query, done)
+		if q.marks == MarkDepth || !recordable(s) {
+			continue
+		}
+		ev, err := t.event()
+		if err != nil {
+			continue
+		}
+		at := c.Tick()
+		if t.drv.EventRecord(t.dev, ev, s) != nil {
+			t.spare = append(t.spare, ev)
+			continue
+		}
+		q.items = append(q.items, pending{ev: ev, at: at})
+		q.marks++
+		if len(q.items)-q.head == 1 {
+			_ = t.drainQueue(s, q, t.query, done)
+		}
+	}
+}
+
+// ResetProgress drops the pending marks, without waiting for them, and
+// forgets what the completed ones certified: the caller is about to
+// synchronize or has. Watched streams stay watched; the next Advance
+// records new marks.
+func (t *Tracker) ResetProgress() {
+	for _, q := range t.queues {
+		q.passed = 0
+		if q.marks == 0 {
+			continue
+		}
+		kept := q.items[:q.head]
+		for _, p := range q.items[q.head:] {
+			if p.b == nil {
+				t.spare = append(t.spare, p.ev)
+				continue
+			}
+			kept = append(kept, p)
+		}
+		clear(q.items[len(kept):])
+		q.items, q.marks = kept, 0
+	}
 }
 
 // Each calls fn for every block waiting on events or deferred.
@@ -249,7 +420,9 @@ func (t *Tracker) Each(fn func(*pools.Block)) {
 	}
 	for _, q := range t.queues {
 		for _, p := range q.items[q.head:] {
-			visit(p.b)
+			if p.b != nil {
+				visit(p.b)
+			}
 		}
 	}
 	for _, b := range t.deferred {

@@ -121,3 +121,101 @@ func TestRecordFailureLosesNothing(t *testing.T) {
 	_, def := tr.Pending()
 	require.Equal(t, 1, def, "re-deferred for another try")
 }
+
+// clock is a Clock for the tests.
+type clock struct{ now uint64 }
+
+func (c *clock) Tick() uint64 { c.now++; return c.now }
+
+// Stream progress: a mark recorded after a tick certifies the points below
+// it once the stream has run past it; marks share the queues (and the event
+// pool) with frees, in stream order.
+func TestProgressMarks(t *testing.T) {
+	drv := sim.New(sim.Options{})
+	tr := events.New(drv, 0)
+	var c clock
+	all := func(cuda.Stream) bool { return true }
+	var done []*pools.Block
+	collect := func(b *pools.Block) { done = append(done, b) }
+
+	tr.Advance(&c, all, collect) // nothing watched: nothing recorded
+	require.Zero(t, c.now)
+	require.True(t, tr.Empty())
+	tr.Watch(1)
+	tr.Watch(1)
+	require.True(t, tr.Watching())
+	require.False(t, tr.Empty(), "a watched stream has progress to reset")
+	require.False(t, tr.Passed(1, 0))
+
+	// An idle stream: the mark completes at once and certifies its tick.
+	tr.Advance(&c, all, collect)
+	require.Equal(t, uint64(1), c.now)
+	require.True(t, tr.Passed(1, 0))
+	require.False(t, tr.Passed(1, 1))
+	require.True(t, tr.Idle(), "marks are not frees")
+	require.Equal(t, 1, tr.EventsCreated())
+
+	// A busy stream: a free's event, then the mark, wait behind the work;
+	// both complete together, in order.
+	drv.Submit(1)
+	b := block(2, 1)
+	require.NoError(t, tr.Insert(b))
+	tr.Advance(&c, all, collect)
+	require.Equal(t, uint64(2), c.now)
+	require.False(t, tr.Passed(1, 1))
+	require.Equal(t, 2, tr.EventsCreated())
+	drv.Complete(1)
+	tr.Advance(&c, all, collect)
+	require.Equal(t, []*pools.Block{b}, done, "Advance returns the frees it finds complete")
+	require.True(t, tr.Idle())
+	require.True(t, tr.Passed(1, 2), "the mark of tick 3 completed at once")
+	require.Equal(t, uint64(3), c.now)
+	require.Equal(t, 2, tr.EventsCreated(), "pooled events serve marks too")
+
+	// At most MarkDepth marks wait on a stream; a stream recordable
+	// refuses gets none.
+	drv.Submit(1)
+	for i := 0; i < events.MarkDepth+3; i++ {
+		tr.Advance(&c, all, collect)
+	}
+	require.Equal(t, uint64(3+events.MarkDepth), c.now)
+	require.Equal(t, events.MarkDepth, tr.EventsCreated())
+	tr.Watch(5)
+	tr.Advance(&c, func(s cuda.Stream) bool { return s != 5 }, collect)
+	require.False(t, tr.Passed(5, 0))
+
+	// Synchronize drops the marks without waiting for them, and certifies
+	// nothing; ResetProgress forgets what was certified.
+	require.NoError(t, tr.Synchronize(collect))
+	require.False(t, tr.Passed(1, 3))
+	require.True(t, tr.Passed(1, 2))
+	drv.Complete(1)
+	tr.ResetProgress()
+	require.False(t, tr.Passed(1, 0))
+	require.True(t, tr.Watched(1))
+	require.NoError(t, tr.DestroySpare())
+	require.Zero(t, drv.LiveEvents())
+	require.Zero(t, tr.EventsCreated())
+}
+
+// ResetProgress drops pending marks from between frees' events, which
+// still return their blocks.
+func TestResetProgressKeepsFrees(t *testing.T) {
+	drv := sim.New(sim.Options{})
+	tr := events.New(drv, 0)
+	var c clock
+	tr.Watch(1)
+	drv.Submit(1)
+	a, b := block(2, 1), block(2, 1)
+	require.NoError(t, tr.Insert(a))
+	tr.Advance(&c, func(cuda.Stream) bool { return true }, nil)
+	require.NoError(t, tr.Insert(b))
+	tr.ResetProgress()
+	drv.Complete(1)
+	var done []*pools.Block
+	require.NoError(t, tr.Process(func(x *pools.Block) { done = append(done, x) }))
+	require.Equal(t, []*pools.Block{a, b}, done)
+	require.False(t, tr.Passed(1, 0))
+	require.NoError(t, tr.DestroySpare())
+	require.Zero(t, drv.LiveEvents())
+}

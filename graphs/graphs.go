@@ -20,6 +20,10 @@
 // streams of those captures and asks the driver, when it needs to know
 // whether a capture is still under way, whether they still capture.
 //
+// Inside a capture, a block freed while other streams use it may be reused
+// before the capture ends once the capture graph orders those uses before
+// the stream's later work (graph_capture_record_stream_reuse: reuse.go).
+//
 // A Router belongs to one device and is guarded by that device's lock.
 package graphs
 
@@ -54,11 +58,14 @@ type autoCapture struct {
 	pool   *privatepool.Pool
 }
 
-// Router is one device's captures under way and its private pools.
+// Router is one device's captures under way, its private pools, and the
+// reuse of record_stream'd blocks inside a capture (reuse.go).
 type Router struct {
 	Pools    privatepool.Registry
 	captures []capture     // announced, in begin order
 	auto     []autoCapture // unannounced captures seen allocating
+	// Reuse comes last: every malloc reads captures and auto (Idle).
+	Reuse Reuse
 }
 
 // AutoPoolID is the id of the automatic pool of capture sequence id. The top

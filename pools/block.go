@@ -99,8 +99,8 @@ type Block struct {
 	// Unmapped marks a block of an expandable segment with no memory
 	// behind it: it is in its pool's Unmapped set, not in Blocks.
 	Unmapped bool
-	// Lent marks an unmapped block whose pages' physical memory was lent
-	// to another range by stitching while their old mapping waits to be
+	// Lent marks an unmapped block whose pages' physical memory stitching
+	// mapped in another range while their old mapping waits to be
 	// unmapped (pools/stitch.go): in no set, neither free nor mappable
 	// until Unlend.
 	Lent      bool

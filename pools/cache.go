@@ -178,7 +178,8 @@ func adjust(st *Stat, want int64) {
 // begin hook makes two, after the interpreter has made the caches cold, and
 // Go's allocator then costs about a microsecond per object on the
 // development box (six objects: 7 us of the hook's 15); from a batch the
-// hook takes two pointers off a slice (docs/hot-path.md section 23).
+// hook takes two pointers off a slice (docs/hot-path.md, "During graph
+// captures").
 const poolBatch = 16
 
 // NewPool returns an empty block pool for a private pool.
@@ -465,7 +466,7 @@ func (c *Cache) CountFrontCycles(b *Block, k int64) {
 // repeat, so that their hot path stays as it is. The merge lines repeat
 // Return's: a helper shared by both (inlined into Return only with a
 // regenerated PGO profile) made the C mixed pair 4-5% slower on the
-// development box (two runs of 15 interleaved rounds, twelfth session).
+// development box (two runs of 15 interleaved rounds).
 func (c *Cache) ReleaseWaiting(b *Block) {
 	if !b.Held || !b.Allocated || b.EventCount > 0 || !b.Uses.Empty() {
 		panic("pools: ReleaseWaiting of a block not held in front")

@@ -61,7 +61,7 @@ import (
 // PyTorch. The segment statistic counts ordinary segments only; snapshots
 // show each contiguous mapped run as a segment.
 //
-// The driver work is the owner's, through Mapper.
+// The driver work is the owner's (package vmem), through Mapper.
 
 // Mapper does the driver work for expandable segments.
 type Mapper interface {
@@ -137,7 +137,7 @@ func (c *Cache) FindExpandable(r *Request) *Block {
 // AddExpandable) returned until one free block covers r, and returns that
 // block, out of the free set and ready for Allocate. Each unmapped block is
 // mapped in one Mapper call of at least unit bytes where it has room (the
-// mapping unit: fewer, larger calls; see allocator/expandable.go), so up
+// mapping unit: fewer, larger calls; see vmem/space.go), so up
 // to unit bytes beyond the request may end up mapped and free. On an
 // error (the Mapper's, or ErrFraction) the pages mapped so far stay mapped
 // as free blocks.

@@ -7,7 +7,8 @@ package pools
 // (current, peak, sum of increases, sum of decreases). Kept in that shape, a
 // cache-hit malloc+free pair updated 10 to 14 Stat entries spread over 7 of
 // the 96-byte arrays, about 12 cache lines, the largest part of a pair's
-// misses once the caller has evicted them (docs/hot-path.md, 3b).
+// misses once the caller has evicted them (docs/hot-path.md, "Why it is
+// built this way").
 //
 // So the seven quantities an allocation and a free change (allocation,
 // allocated_bytes, active, active_bytes, requested_bytes, inactive_split,

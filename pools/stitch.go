@@ -1,6 +1,6 @@
 package pools
 
-// Stitching (stitch:True): the pool side of allocator/stitch.go.
+// Stitching (stitch:True): the blocks' side of the policy in vmem/stitch.go.
 //
 // # Design
 //
@@ -32,7 +32,7 @@ package pools
 //
 // Donors come only from ranges whose physical allocations are single pages
 // (Segment.ChunkSize == PageSize): the owner maps the default pools' ranges
-// page by page when stitching is on (allocator/expandable.go says why).
+// page by page when stitching is on (vmem/space.go says why).
 
 // Donor is whole pages [Lo, Hi) (offsets in its segment) of a free mapped
 // block to unmap for stitching, or, if Lend, to lend: their memory is mapped

@@ -14,9 +14,14 @@
 // User pools (torch.cuda.MemPool) are the same thing: creating one holds it
 // (CreateOrIncref, use count 1), each use_mem_pool block holds it once more
 // while it runs (begin, then end and release), and destroying it releases
-// it. Such a pool may refuse to split its blocks (no_split) and may lend its
+// it. Such a pool may refuse to split its blocks (no_split), may lend its
 // cached blocks to the default pools as a last resort before an
-// out-of-memory error (use_on_oom).
+// out-of-memory error (use_on_oom), and may get its segments from a source
+// of its own instead of the driver (Source).
+//
+// What a pool's lifetime allows is decided here: which pools a caller may
+// name (Known), restore a checkpoint into (Restorable), or forget (Drop);
+// checkpoints of a pool's layout are in checkpoint.go.
 //
 // A Registry belongs to one device and is guarded by that device's lock.
 package privatepool
@@ -27,11 +32,31 @@ import (
 	"fmt"
 	"slices"
 
+	"github.com/cudapool/cudapool/cuda"
 	"github.com/cudapool/cudapool/pools"
 )
 
 // ErrUnknownPool is returned for an id that names no live private pool.
 var ErrUnknownPool = errors.New("unknown memory pool")
+
+// SegmentSource supplies a private pool's segments instead of the driver
+// (MemPool(allocator=X)). Its methods are called with the device's lock
+// held, so they must not call back into the allocator.
+type SegmentSource interface {
+	// Alloc is called in relaxed capture mode like driver allocations;
+	// return an error wrapping cuda.ErrOutOfMemory for OOM.
+	Alloc(dev int, size uint64, s cuda.Stream) (cuda.Ptr, error)
+	Free(dev int, p cuda.Ptr, size uint64) error
+}
+
+// refusal is a lifetime rule's refusal of a pool (ErrUnknownPool); its
+// message is the whole explanation.
+type refusal struct{ msg string }
+
+func (e *refusal) Error() string { return e.msg }
+func (e *refusal) Unwrap() error { return ErrUnknownPool }
+
+func refuse(format string, args ...any) error { return &refusal{fmt.Sprintf(format, args...)} }
 
 // Pool is one private pool.
 type Pool struct {
@@ -52,6 +77,9 @@ type Pool struct {
 	// Serial is a number no other pool of the registry has had (from 1):
 	// it names this pool where a pointer cannot (the front cache's tags).
 	Serial uint32
+	// Source supplies the pool's segments (nil: the driver); set before
+	// the pool holds any, since each segment goes back where it came from.
+	Source SegmentSource
 }
 
 // SetNoSplit makes the pool hand out whole blocks from now on.
@@ -187,6 +215,44 @@ func sortByID(ps []*Pool) {
 	})
 }
 
+// Known returns pool id of device dev, which must exist (held or not) and
+// not be the automatic pool of an unannounced capture, which no caller
+// names.
+func (r *Registry) Known(dev int, id pools.PoolID) (*Pool, error) {
+	p := r.pools[id]
+	if p == nil || p.Auto {
+		return nil, refuse("device %d has no pool {%d,%d} (create it first)", dev, id.A, id.B)
+	}
+	return p, nil
+}
+
+// Existing returns pool id of device dev, automatic pools included.
+func (r *Registry) Existing(dev int, id pools.PoolID) (*Pool, error) {
+	p := r.pools[id]
+	if p == nil {
+		return nil, refuse("device %d has no private pool {%d,%d}", dev, id.A, id.B)
+	}
+	return p, nil
+}
+
+// Restorable returns pool id of device dev if a checkpoint may be
+// restored into it: it exists, is held (a restore into a released pool
+// would allocate in it again), and is not the automatic pool of an
+// unannounced capture (its capture may be under way, and nothing says when
+// it is not).
+func (r *Registry) Restorable(dev int, id pools.PoolID) (*Pool, error) {
+	p, err := r.Existing(dev, id)
+	switch {
+	case err != nil:
+		return nil, err
+	case p.Freeable():
+		return nil, refuse("pool {%d,%d} on device %d was released by all its holders; a checkpoint cannot be restored into it", id.A, id.B, dev)
+	case p.Auto:
+		return nil, refuse("pool {%d,%d} on device %d is the automatic pool of an unannounced capture; a checkpoint cannot be restored into it", id.A, id.B, dev)
+	}
+	return p, nil
+}
+
 // Drop forgets a freeable pool that has no segments left.
 func (r *Registry) Drop(p *Pool) {
 	if !p.Freeable() || p.Segments() != 0 {
@@ -194,8 +260,8 @@ func (r *Registry) Drop(p *Pool) {
 	}
 	delete(r.pools, p.ID)
 	r.released--
-	// From a batch (Acquire): lets its block pools go with it.
-	p.Small, p.Large = nil, nil
+	// From a batch (Acquire): lets its block pools and source go with it.
+	p.Small, p.Large, p.Source = nil, nil, nil
 }
 
 // Check verifies the count of released pools against the pools.

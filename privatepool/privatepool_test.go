@@ -4,6 +4,7 @@ import (
 	"math/rand/v2"
 	"testing"
 
+	"github.com/cudapool/cudapool/cuda"
 	"github.com/cudapool/cudapool/pools"
 	"github.com/cudapool/cudapool/privatepool"
 	"github.com/stretchr/testify/require"
@@ -120,4 +121,90 @@ func TestReleasedCount(t *testing.T) {
 		require.Equal(t, len(r.Freeable()), r.Released(), "step %d", i)
 		require.NoError(t, r.Check(), "step %d", i)
 	}
+}
+
+// What a pool's lifetime allows: naming it (Known: not an automatic pool),
+// looking at it (Existing) and restoring into it (Restorable: held, not
+// automatic); refusals are ErrUnknownPool and say which rule.
+func TestLifetimeRules(t *testing.T) {
+	var r privatepool.Registry
+	held, released, auto, none := pools.PoolID{A: 1}, pools.PoolID{B: 2}, pools.PoolID{A: 1 << 63}, pools.PoolID{A: 9}
+	r.Acquire(held, mk)
+	r.Acquire(released, mk)
+	require.NoError(t, r.Release(released))
+	r.Acquire(auto, mk).Auto = true
+
+	for _, tc := range []struct {
+		name string
+		fn   func(int, pools.PoolID) (*privatepool.Pool, error)
+		id   pools.PoolID
+		msg  string // "" : allowed
+	}{
+		{"known held", r.Known, held, ""},
+		{"known released", r.Known, released, ""},
+		{"known automatic", r.Known, auto, "device 3 has no pool {9223372036854775808,0} (create it first)"},
+		{"known none", r.Known, none, "device 3 has no pool {9,0} (create it first)"},
+		{"existing automatic", r.Existing, auto, ""},
+		{"existing none", r.Existing, none, "device 3 has no private pool {9,0}"},
+		{"restorable held", r.Restorable, held, ""},
+		{"restorable released", r.Restorable, released, "pool {0,2} on device 3 was released by all its holders"},
+		{"restorable automatic", r.Restorable, auto, "is the automatic pool of an unannounced capture"},
+		{"restorable none", r.Restorable, none, "device 3 has no private pool {9,0}"},
+	} {
+		p, err := tc.fn(3, tc.id)
+		if tc.msg == "" {
+			require.NoError(t, err, tc.name)
+			require.Same(t, r.Get(tc.id), p, tc.name)
+			continue
+		}
+		require.Nil(t, p, tc.name)
+		require.ErrorIs(t, err, privatepool.ErrUnknownPool, tc.name)
+		require.ErrorContains(t, err, tc.msg, tc.name)
+	}
+}
+
+// A checkpoint of a pool's layout, restored after the pool changed: the
+// blocks allocated since are freed, the checkpoint's allocated again.
+func TestCheckpointRestore(t *testing.T) {
+	c := pools.NewCache(pools.DefaultConfig())
+	var r privatepool.Registry
+	p := r.Acquire(pools.PoolID{A: 1}, func(id pools.PoolID) (*pools.BlockPool, *pools.BlockPool) {
+		return c.NewPool(true, id), c.NewPool(false, id)
+	})
+	alloc := func(size uint64) *pools.Block {
+		var req pools.Request
+		c.SetRequest(&req, size, 1, p.Small, p.Large)
+		b := c.TakeFree(&req)
+		if b == nil {
+			b = c.AddSegment(&req, cuda.Ptr(0x100000*(1+uint64(len(c.Segments())))))
+		}
+		return c.Allocate(&req, b)
+	}
+	x := alloc(4096)
+	xp := x.Ptr
+	cp, err := privatepool.Save(c, 0, p)
+	require.NoError(t, err)
+	require.Equal(t, []cuda.Ptr{x.Ptr}, cp.Allocated())
+	require.Equal(t, pools.PoolID{A: 1}, cp.Pool())
+	c.Release(x)
+	c.Return(x)
+	y := alloc(8192)
+	yp := y.Ptr // (blocks are recycled: keep the addresses)
+	require.True(t, privatepool.Live(c, p, map[cuda.Ptr]struct{}{yp: {}}))
+	require.False(t, privatepool.Live(c, p, map[cuda.Ptr]struct{}{yp + 1: {}}))
+
+	var freed, allocated []*pools.Block
+	fp, ap, err := privatepool.Restore(c, p, cp, func(b *pools.Block) {
+		freed = append(freed, b)
+		c.Release(b)
+		c.Return(b)
+	}, func(b *pools.Block) { allocated = append(allocated, b) })
+	require.NoError(t, err)
+	require.Equal(t, []cuda.Ptr{yp}, fp)
+	require.Equal(t, []cuda.Ptr{xp}, ap)
+	require.Len(t, freed, 1)
+	require.Len(t, allocated, 1)
+	require.Equal(t, uint64(4096), allocated[0].Requested)
+	require.True(t, privatepool.Live(c, p, map[cuda.Ptr]struct{}{xp: {}}))
+	require.NoError(t, c.Check())
 }

@@ -87,11 +87,11 @@ func newAlloc(mem uint64, conf string) (*allocator.Allocator, error) {
 
 // warmPair makes and frees one 4 KiB block: the segment the hot pairs reuse.
 func warmPair(a *allocator.Allocator) error {
-	p, err := a.Malloc(0, 4096, 0)
+	p, err := a.Malloc(&allocator.MallocRequest{Size: 4096})
 	if err != nil {
 		return err
 	}
-	return a.Free(0, p, 0)
+	return a.Free(allocator.FreeRequest{Ptr: p})
 }
 
 func coldPairs(n int, conf string, pair bool) error {
@@ -108,8 +108,8 @@ func coldPairs(n int, conf string, pair bool) error {
 			evict[j]++
 		}
 		if pair {
-			p, _ := a.Malloc(0, 4096, 0)
-			_ = a.Free(0, p, 0)
+			p, _ := a.Malloc(&allocator.MallocRequest{Size: 4096})
+			_ = a.Free(allocator.FreeRequest{Ptr: p})
 		}
 	}
 	sink += evict[0]
@@ -147,8 +147,8 @@ func coldPair(a *allocator.Allocator, size uint64, evict []byte, n int) float64 
 		}
 		t0 := time.Now()
 		t1 := time.Now()
-		p, _ := a.Malloc(0, size, 0)
-		_ = a.Free(0, p, 0)
+		p, _ := a.Malloc(&allocator.MallocRequest{Size: size})
+		_ = a.Free(allocator.FreeRequest{Ptr: p})
 		t2 := time.Now()
 		clock[i], pair[i] = int64(t1.Sub(t0)), int64(t2.Sub(t1))
 	}
@@ -203,9 +203,9 @@ func (m *mixed) run(n int) {
 	for k := 0; k < n; k++ {
 		slot := m.i % len(m.live)
 		if p := m.live[slot]; p != 0 {
-			_ = m.a.Free(0, p, 0)
+			_ = m.a.Free(allocator.FreeRequest{Ptr: p})
 		}
-		m.live[slot], _ = m.a.Malloc(0, m.sizes[m.i%len(m.sizes)], 0)
+		m.live[slot], _ = m.a.Malloc(&allocator.MallocRequest{Size: m.sizes[m.i%len(m.sizes)]})
 		m.i++
 	}
 }
@@ -241,7 +241,7 @@ func speed(rounds int) error {
 	kinds := []pools.FreeSetKind{pools.FreeSetTreap, pools.FreeSetSegFit}
 	rows := []string{"hot 4 KiB pair (CPU ns)", "mixed 512 B-144 MiB, 256 live (CPU ns)",
 		"mixedPairs, 256 live (CPU ns)", "hot pair after 2 MiB touched (wall ns)", "hot pair after 8 MiB touched (wall ns)",
-		"hot pair, one lock (MallocAfterFrees) (CPU ns)", "mixedPairs, expandable segments (CPU ns)"}
+		"hot pair, one lock (queued free) (CPU ns)", "mixedPairs, expandable segments (CPU ns)"}
 	res := map[string]map[pools.FreeSetKind][]float64{}
 	for _, r := range rows {
 		res[r] = map[pools.FreeSetKind][]float64{}
@@ -259,21 +259,21 @@ func speed(rounds int) error {
 				return err
 			}
 			res[rows[0]][k] = append(res[rows[0]][k], cpuPerOp(300000, func() {
-				p, _ := a.Malloc(0, 4096, 0)
-				_ = a.Free(0, p, 0)
+				p, _ := a.Malloc(&allocator.MallocRequest{Size: 4096})
+				_ = a.Free(allocator.FreeRequest{Ptr: p})
 			}))
 			res[rows[3]][k] = append(res[rows[3]][k], coldPair(a, 4096, evictS, 4000))
 			res[rows[4]][k] = append(res[rows[4]][k], coldPair(a, 4096, evictL, 1000))
 			// The C++ class's path: the previous pair's free rides with the
 			// next malloc, one lock hold for both.
-			var pend [1]allocator.PendingFree
-			var frees []allocator.PendingFree
+			var pend [1]allocator.FreeRequest
+			var frees []allocator.FreeRequest
 			res[rows[5]][k] = append(res[rows[5]][k], cpuPerOp(300000, func() {
-				p, _, _ := a.MallocAfterFrees(0, 4096, 0, 0, frees)
-				pend[0] = allocator.PendingFree{Dev: -1, Ptr: p}
+				p, _ := a.Malloc(&allocator.MallocRequest{Size: 4096, Frees: frees})
+				pend[0] = allocator.FreeRequest{Dev: -1, Ptr: p}
 				frees = pend[:]
 			}))
-			if err := a.FreeMany(frees); err != nil {
+			if err := a.Free(frees...); err != nil {
 				return err
 			}
 
@@ -286,9 +286,9 @@ func speed(rounds int) error {
 			step := func() {
 				x := j & 65535
 				if p := live[slots[x]]; p != 0 {
-					_ = a.Free(0, p, 0)
+					_ = a.Free(allocator.FreeRequest{Ptr: p})
 				}
-				live[slots[x]], _ = a.Malloc(0, sizes[x], 0)
+				live[slots[x]], _ = a.Malloc(&allocator.MallocRequest{Size: sizes[x]})
 				j++
 			}
 			cpuPerOp(65536, step)

@@ -112,7 +112,7 @@ func replay(ops []op, slots int, conf string, repeats, lag int) (result, error) 
 				drv.CompleteAll()
 			}
 			if o.alloc {
-				p, err := a.Malloc(0, o.size, o.stream)
+				p, err := a.Malloc(&allocator.MallocRequest{Size: o.size, Stream: o.stream})
 				if err != nil {
 					res.failed++
 				}
@@ -121,7 +121,7 @@ func replay(ops []op, slots int, conf string, repeats, lag int) (result, error) 
 					drv.Use(0, o.stream, p, o.size)
 				}
 			} else if p := ptrs[o.slot]; p != 0 {
-				if err := a.Free(0, p, 0); err != nil {
+				if err := a.Free(allocator.FreeRequest{Ptr: p}); err != nil {
 					return res, err
 				}
 				ptrs[o.slot] = 0
@@ -136,7 +136,7 @@ func replay(ops []op, slots int, conf string, repeats, lag int) (result, error) 
 		drv.CompleteAll()
 		for i, p := range ptrs {
 			if p != 0 {
-				if err := a.Free(0, p, 0); err != nil {
+				if err := a.Free(allocator.FreeRequest{Ptr: p}); err != nil {
 					return res, err
 				}
 				ptrs[i] = 0
@@ -158,7 +158,7 @@ func replay(ops []op, slots int, conf string, repeats, lag int) (result, error) 
 	if repeats > 1 {
 		res.laterNsPerOp = float64(later.Nanoseconds()) / float64(len(ops)*(repeats-1))
 	}
-	return res, a.EmptyCache()
+	return res, a.EmptyCache(0)
 }
 
 // capture replays n operations of ops from the from-th inside a CUDA graph
@@ -191,11 +191,11 @@ func capture(ops []op, slots int, conf string, from, n int) (poolBytes uint64, m
 	ptrs := make([]cuda.Ptr, slots)
 	for _, o := range ops[min(from, len(ops)):min(from+n, len(ops))] {
 		if o.alloc {
-			if ptrs[o.slot], err = a.Malloc(0, o.size, cs); err != nil {
+			if ptrs[o.slot], err = a.Malloc(&allocator.MallocRequest{Size: o.size, Stream: cs}); err != nil {
 				return 0, 0, err
 			}
 		} else if p := ptrs[o.slot]; p != 0 {
-			if err := a.Free(0, p, 0); err != nil {
+			if err := a.Free(allocator.FreeRequest{Ptr: p}); err != nil {
 				return 0, 0, err
 			}
 		}
@@ -207,7 +207,7 @@ func capture(ops []op, slots int, conf string, from, n int) (poolBytes uint64, m
 		return 0, 0, err
 	}
 	st, _ := a.Stats(0)
-	for _, sg := range a.SnapshotOf(&pool, false).Segments {
+	for _, sg := range a.Snapshot(&pool, false).Segments {
 		poolBytes += sg.TotalSize
 	}
 	return poolBytes, st.NumDeviceAlloc - st0.NumDeviceAlloc, nil

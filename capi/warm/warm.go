@@ -12,10 +12,11 @@
 // Every allocator call after a pause of 10 ms or more pays that, e.g. the
 // empty_cache and the beginAllocateToPool of every CUDA graph capture:
 // after 30 ms idle a near-empty call through ctypes cost 48 us on the H100
-// host and 37 us with sysmon kept awake (docs/hot-path.md 18). GODEBUG=schedtrace keeps
-// sysmon awake too, but it must be in the environment the process starts
-// with, and a process started on a host up more than 24.8 days prints a
-// trace line at once (the longest period schedtrace takes).
+// host and 37 us with sysmon kept awake (docs/hot-path.md, "The Go runtime
+// between calls"). GODEBUG=schedtrace keeps sysmon awake too,
+// but it must be in the environment the process starts with, and a process
+// started on a host up more than 24.8 days prints a trace line at once (the
+// longest period schedtrace takes).
 //
 // So while calls come, one goroutine, the keeper, naps in a system call in
 // a loop: its P is never idle, so sysmon never sleeps deeply; the P's

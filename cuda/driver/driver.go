@@ -1204,7 +1204,7 @@ func (d *Driver) pciBusID(dev int) (string, error) {
 }
 
 // The virtual memory management API, which the allocator's expandable
-// segments use (see allocator/expandable.go). Physical memory is pinned
+// segments use (see package vmem). Physical memory is pinned
 // device memory of the named device, with no shareable handle unless made
 // by MemCreateShareable; access is read-write for that device and its
 // peers (MemSetAccess).

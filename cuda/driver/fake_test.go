@@ -587,11 +587,11 @@ func TestFakeAllocatorExpandable(t *testing.T) {
 	}
 	a.SetWarningHandler(func(msg string) { t.Errorf("warning: %s", msg) })
 	allocs, mapped, reserves, handles := f.liveAllocs(), f.mappedBytes(), f.liveReserves(), f.liveHandles()
-	p, err := a.Malloc(0, 3<<20, 0)
+	p, err := a.Malloc(&allocator.MallocRequest{Size: 3 << 20})
 	if err != nil {
 		t.Fatal(err)
 	}
-	q, err := a.Malloc(0, 3<<20, 0)
+	q, err := a.Malloc(&allocator.MallocRequest{Size: 3 << 20})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -599,11 +599,11 @@ func TestFakeAllocatorExpandable(t *testing.T) {
 		t.Errorf("p %#x q %#x, cuMemAlloc'd %d, mapped %d", p, q, f.liveAllocs()-allocs, f.mappedBytes()-mapped)
 	}
 	for _, x := range []cuda.Ptr{p, q} {
-		if err := a.Free(0, x, 0); err != nil {
+		if err := a.Free(allocator.FreeRequest{Ptr: x}); err != nil {
 			t.Fatal(err)
 		}
 	}
-	if err := a.EmptyCache(); err != nil {
+	if err := a.EmptyCache(0); err != nil {
 		t.Fatal(err)
 	}
 	if f.mappedBytes() != mapped || f.liveReserves() != reserves || f.liveHandles() != handles {
@@ -821,11 +821,11 @@ func TestFakeAllocatorIPC(t *testing.T) {
 		t.Fatal(err)
 	}
 	a.ExpectAnnouncements()
-	p1, err := a.Malloc(1, 4096, 0)
+	p1, err := a.Malloc(&allocator.MallocRequest{Dev: 1, Size: 4096})
 	if err != nil {
 		t.Fatal(err)
 	}
-	p2, err := a.Malloc(1, 4096, 0)
+	p2, err := a.Malloc(&allocator.MallocRequest{Dev: 1, Size: 4096})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -865,11 +865,11 @@ func TestFakeAllocatorIPC(t *testing.T) {
 		t.Errorf("third IpcClose: %v", err)
 	}
 	for _, p := range []cuda.Ptr{p1, p2} {
-		if err := a.Free(1, p, 0); err != nil {
+		if err := a.Free(allocator.FreeRequest{Dev: 1, Ptr: p}); err != nil {
 			t.Fatal(err)
 		}
 	}
-	if err := a.EmptyCache(); err != nil {
+	if err := a.EmptyCache(0); err != nil {
 		t.Fatal(err)
 	}
 }

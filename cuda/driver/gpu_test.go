@@ -477,11 +477,11 @@ func TestGPUIpc(t *testing.T) {
 		t.Fatal(err)
 	}
 	a.ExpectAnnouncements()
-	b1, err := a.Malloc(0, 4096, 0)
+	b1, err := a.Malloc(&allocator.MallocRequest{Size: 4096})
 	if err != nil {
 		t.Fatal(err)
 	}
-	b2, err := a.Malloc(0, 4096, 0)
+	b2, err := a.Malloc(&allocator.MallocRequest{Size: 4096})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -523,11 +523,11 @@ func TestGPUIpc(t *testing.T) {
 		t.Fatal("the helper process did not run its test")
 	}
 	for _, p := range []cuda.Ptr{b1, b2} {
-		if err := a.Free(0, p, 0); err != nil {
+		if err := a.Free(allocator.FreeRequest{Ptr: p}); err != nil {
 			t.Fatal(err)
 		}
 	}
-	if err := a.EmptyCache(); err != nil {
+	if err := a.EmptyCache(0); err != nil {
 		t.Fatal(err)
 	}
 }

@@ -1,4 +1,4 @@
-package allocator
+package graphs
 
 // graph_capture_record_stream_reuse: reusing record_stream'd blocks inside
 // the capture that freed them.
@@ -21,7 +21,9 @@ package allocator
 //
 // PyTorch 2.10+ has the same rule (free_safe_blocks_in_capture). The state
 // is dropped once no capture is under way: the blocks still deferred then
-// get events the usual way.
+// get events the usual way. Reuse is the state and the walk; the owner (the
+// allocator's device) calls it under its lock, with the driver's topology
+// queries and its deferred frees.
 
 import (
 	"fmt"
@@ -44,10 +46,40 @@ func tracef(format string, args ...any) {
 	}
 }
 
-// captureReuse is a device's state for the option; the device's mu guards
-// all of it.
-type captureReuse struct {
-	on bool // the configuration asks for it
+// GraphDriver is the capture-topology queries the option needs
+// (cuStreamGetCaptureInfo's terminal nodes and cuGraphNodeGetDependencies),
+// both legal during capture. Each appends to buf and returns it, so that a
+// caller can reuse one buffer; a driver that lacks the entry points returns
+// cuda.ErrNotSupported.
+type GraphDriver interface {
+	StreamCaptureGraph(dev int, s cuda.Stream, buf []cuda.GraphNode) (cuda.CaptureStatus, uint64, []cuda.GraphNode, error)
+	GraphNodeDependencies(dev int, n cuda.GraphNode, buf []cuda.GraphNode) ([]cuda.GraphNode, error)
+}
+
+// Deferred holds the frees that wait for the end of all captures (the
+// owner's events.Tracker).
+type Deferred interface {
+	// Reclaim takes b back out of the deferred frees and reports whether
+	// it was there; b keeps its uses.
+	Reclaim(b *pools.Block) bool
+}
+
+// QueryError is a failed topology query on Stream: the blocks concerned
+// wait for the capture's end, as without the option.
+type QueryError struct {
+	Stream cuda.Stream
+	Err    error
+}
+
+func (e *QueryError) Error() string {
+	return fmt.Sprintf("reading the capture graph of stream %#x: %v", uintptr(e.Stream), e.Err)
+}
+
+func (e *QueryError) Unwrap() error { return e.Err }
+
+// Reuse is one device's state for the option; the owner's lock guards it.
+type Reuse struct {
+	On bool // the configuration asks for it
 	// markers holds the blocks freed in a capture with their free markers.
 	markers map[*pools.Block]freeMarkers
 	// seen is, per capture and stream, the nodes known to precede the
@@ -56,7 +88,6 @@ type captureReuse struct {
 	// Scratch space for driver queries and the walk.
 	buf, stack []cuda.GraphNode
 }
-
 type freeMarkers struct {
 	capture uint64
 	nodes   []cuda.GraphNode
@@ -67,32 +98,32 @@ type reuseKey struct {
 	s       cuda.Stream
 }
 
-// noteFreeMarkers records b's free markers, if the option is on and b's
-// stream and every use stream capture into one graph. b was just deferred.
-// d.mu is held.
-func (d *device) noteFreeMarkers(b *pools.Block) {
-	r := &d.reuse
-	if !r.on {
-		return
+// NoteFree records b's free markers, if the option is on and b's stream
+// and every use stream of device dev capture into one graph (drv nil: the
+// driver has no topology queries). b was just deferred. A failed query is
+// returned (a *QueryError); b then waits for the capture's end.
+func (r *Reuse) NoteFree(drv GraphDriver, dev int, b *pools.Block) error {
+	if !r.On {
+		return nil
 	}
-	drv, ok := d.drv.(captureGraphDriver)
-	if !ok {
+	if drv == nil {
 		tracef("the driver has no capture-graph queries")
-		return
+		return nil
 	}
 	var m freeMarkers
-	ok = true
+	var qerr error
+	ok := true
 	mark := func(s cuda.Stream) {
 		if !ok {
 			return
 		}
-		st, id, terms, err := drv.StreamCaptureGraph(d.id, s, r.buf[:0])
+		st, id, terms, err := drv.StreamCaptureGraph(dev, s, r.buf[:0])
 		r.buf = terms
 		if traceReuse {
 			tracef("  stream %#x: status %d capture %d terminals %v err %v", uintptr(s), st, id, terms, err)
 		}
 		if err != nil {
-			d.warnCaptureGraph(err, s)
+			qerr = &QueryError{s, err}
 		}
 		if err != nil || st != cuda.CaptureActive || (m.capture != 0 && id != m.capture) {
 			ok = false // a stream outside the capture: wait for its end
@@ -112,34 +143,34 @@ func (d *device) noteFreeMarkers(b *pools.Block) {
 	}
 	if !ok || len(m.nodes) == 0 {
 		delete(r.markers, b)
-		return
+		return qerr
 	}
 	if r.markers == nil {
 		r.markers = make(map[*pools.Block]freeMarkers)
 	}
 	r.markers[b] = m
+	return nil
 }
 
-// reclaimInCapture returns to their pools the blocks allocated on s whose
-// free markers now all precede s's terminals. Called by malloc during a
-// capture, before looking for a free block. d.mu is held.
-func (d *device) reclaimInCapture(s cuda.Stream) {
-	r := &d.reuse
-	drv, ok := d.drv.(captureGraphDriver)
-	if !ok || len(r.markers) == 0 {
-		return
+// Reclaim returns (through ret) the blocks allocated on s whose free
+// markers now all precede s's terminals, taking them out of deferred. The
+// owner calls it from malloc during a capture, before looking for a free
+// block. A failed query is returned (a *QueryError); the blocks concerned
+// wait.
+func (r *Reuse) Reclaim(drv GraphDriver, dev int, s cuda.Stream, deferred Deferred, ret func(*pools.Block)) error {
+	if drv == nil || len(r.markers) == 0 {
+		return nil
 	}
-	st, id, terms, err := drv.StreamCaptureGraph(d.id, s, r.buf[:0])
+	st, id, terms, err := drv.StreamCaptureGraph(dev, s, r.buf[:0])
 	r.buf = terms
 	if err != nil {
-		d.warnCaptureGraph(err, s)
-		return
+		return &QueryError{s, err}
 	}
 	if traceReuse {
 		tracef("malloc on stream %#x: status %d capture %d terminals %v, %d marked blocks", uintptr(s), st, id, terms, len(r.markers))
 	}
 	if st != cuda.CaptureActive || len(terms) == 0 {
-		return
+		return nil
 	}
 	if r.seen == nil {
 		r.seen = make(map[reuseKey]map[cuda.GraphNode]struct{})
@@ -157,15 +188,14 @@ func (d *device) reclaimInCapture(s cuda.Stream) {
 		if _, ok := seen[n]; ok {
 			continue
 		}
-		deps, err := drv.GraphNodeDependencies(d.id, n, r.buf[:0])
+		deps, err := drv.GraphNodeDependencies(dev, n, r.buf[:0])
 		r.buf = deps
 		if err != nil {
 			// Unknown ancestry. Nodes already marked seen may have had
 			// their dependencies dropped with the stack: forget the walk
 			// so that the next malloc walks afresh.
-			d.warnCaptureGraph(err, s)
 			delete(r.seen, key)
-			return
+			return &QueryError{s, err}
 		}
 		seen[n] = struct{}{}
 		r.stack = append(r.stack, deps...)
@@ -178,41 +208,39 @@ func (d *device) reclaimInCapture(s cuda.Stream) {
 			continue
 		}
 		delete(r.markers, b)
-		if !d.ev.Reclaim(b) {
+		if !deferred.Reclaim(b) {
 			continue // no longer deferred: its events were recorded
 		}
 		// The graph orders every use before the stream's later work: no
 		// event is needed.
 		b.Uses.Clear()
-		d.returnBlock(b)
+		ret(b)
 	}
 	if len(r.markers) == 0 {
 		clear(r.seen) // nothing left to prove; a later free walks afresh
 	}
+	return nil
 }
 
-// warnCaptureGraph reports a failed capture-graph query: the blocks
-// concerned wait for the capture's end, as without the option.
-func (d *device) warnCaptureGraph(err error, s cuda.Stream) {
-	if errorsIs(err, cuda.ErrNotSupported) {
-		d.warn("graph_capture_record_stream_reuse:True has no effect: the CUDA driver lacks cuGraphNodeGetDependencies or cuStreamGetCaptureInfo_v2")
-		return
-	}
-	d.warn(driverError("capture reuse", err, "reading the capture graph of stream %#x (record_stream'd blocks wait for the capture's end)", uintptr(s)).Error())
-}
-
-// dropCaptureReuse forgets the markers and walks once no capture is under
-// way; blocks still deferred get events the usual way. Every path that
-// hands the deferred blocks to the event tracker (malloc, syncAll, settle)
+// Drop forgets the markers and walks once no capture is under way; blocks
+// still deferred get events the usual way. Every path that hands the
+// deferred blocks to the event tracker (malloc, synchronize, checkpoints)
 // calls it first: a marker left behind would name a block that may since
 // have been merged and recycled, and would keep seen from ever being
-// cleared. d.mu is held.
-func (d *device) dropCaptureReuse() {
-	if len(d.reuse.markers)+len(d.reuse.seen) > 0 {
-		clear(d.reuse.markers)
-		clear(d.reuse.seen)
+// cleared.
+func (r *Reuse) Drop() {
+	if len(r.markers)+len(r.seen) > 0 {
+		clear(r.markers)
+		clear(r.seen)
 	}
 }
+
+// Empty reports whether Drop has nothing to forget.
+func (r *Reuse) Empty() bool { return len(r.markers)+len(r.seen) == 0 }
+
+// State returns the number of blocks with free markers and of walked
+// (capture, stream) pairs.
+func (r *Reuse) State() (markers, walks int) { return len(r.markers), len(r.seen) }
 
 func allSeen(ns []cuda.GraphNode, seen map[cuda.GraphNode]struct{}) bool {
 	for _, n := range ns {

@@ -1,0 +1,282 @@
+package vmem
+
+import (
+	"cmp"
+	"fmt"
+
+	"github.com/cudapool/cudapool/cuda"
+	"github.com/cudapool/cudapool/pools"
+)
+
+// Physical allocations: made, mapped, unmapped and released here only.
+//
+// Running out of memory leaves nothing mapped (Map creates every chunk before
+// mapping any). Nothing needs unmapping or releasing during a capture: Map
+// reports the pages it did map, handles it could not use wait in the spares
+// for the next Map, and the rare pages that must be dropped during a capture
+// (a failed cuMemSetAccess) are parked in the orphans; both are released at
+// the next Release. Unmap keeps the handles it unmaps in the spares, and its
+// callers decide: stitching maps them again at once, release and trimming
+// release them (releaseSpares).
+
+// physical is a physical allocation (cuMemCreate) not mapped in any range.
+type physical struct {
+	h    cuda.MemHandle
+	size uint64
+}
+
+// orphan is physical memory to give back once no capture is under way: a
+// mapping (p, size) to unmap, if size > 0, and its handle to release.
+type orphan struct {
+	p    cuda.Ptr
+	size uint64
+	h    cuda.MemHandle
+}
+
+// physicalMemory is the physical memory a Space holds outside its ranges'
+// mappings.
+type physicalMemory struct {
+	// spare: created or unmapped, not mapped; the next Map uses them
+	// first. A handle lent by stitching is among them until mapped.
+	spare []physical
+	// orphans: dropped while a capture may be under way.
+	orphans []orphan
+	// capturing: a capture may be under way during the Map in progress
+	// (Grow's argument): what it drops waits instead of being released.
+	capturing bool
+}
+
+// mapper is a Space's pools.Mapper. Its methods run with the owner's lock
+// held, Map on a thread in relaxed capture mode.
+type mapper struct{ s *Space }
+
+// Map creates the physical allocations (chunks of at most seg.ChunkSize,
+// one cuMemCreate and one cuMemMap each), then maps them and sets access
+// on what it mapped. It creates them all before mapping any, so that
+// running out of memory part way leaves nothing mapped: the handles made
+// are released at once, or, during a capture (when nothing may be
+// released), kept as spares for the next Map. It does not start when the
+// driver reports too little free memory, so that a request that cannot fit
+// does not take the device's last pages with it. Spare handles (moved by
+// stitching, or left by a capture) are used first and mapped even when the
+// rest cannot be had (the error is then returned after): they take no new
+// memory, and a handle lent by stitching must not be released while its
+// old mapping lives (stitch.go). A spare is used only where it fits whole
+// (at most the rest of the range and seg.ChunkSize), so that a range never
+// holds a chunk larger than its ChunkSize.
+func (m mapper) Map(seg *pools.Segment, off, size uint64) (uint64, error) {
+	s, page := m.s, seg.PageSize
+	ph := &s.phys
+	base := seg.Base + cuda.Ptr(off)
+	limit := min(size, seg.ChunkSize)
+	var short error // set: map only the spares, then fail with it
+	if fresh := size - min(size, ph.spareBytes(limit)); fresh > 0 {
+		if free, _, err := s.drv.MemGetInfo(s.dev); err == nil && free < fresh {
+			if size == fresh {
+				return 0, cuda.ErrOutOfMemory
+			}
+			size, short = size-fresh, cuda.ErrOutOfMemory
+		}
+	}
+	hs := s.handles[:0]
+	spares := 0
+	var err error
+	for n := uint64(0); n < size; {
+		if h, ok := ph.takeSpare(min(size-n, limit)); ok {
+			hs = append(hs, h)
+			n += h.size
+			spares++
+			continue
+		}
+		if short != nil {
+			break // (only spares may be mapped; none fits what is left)
+		}
+		c := min(size-n, limit)
+		var h cuda.MemHandle
+		if h, err = s.drv.MemCreate(s.dev, c); err != nil {
+			break
+		}
+		hs = append(hs, physical{h, c})
+		n += c
+	}
+	s.handles = hs[:0]
+	if err != nil {
+		if spares == 0 {
+			ph.dropHandles(s, hs)
+			return 0, err
+		}
+		short = err // map what there is
+	}
+	var done uint64
+	for i, h := range hs {
+		if err = s.drv.MemMap(s.dev, base+cuda.Ptr(done), h.size, h.h); err != nil {
+			ph.dropHandles(s, hs[i:])
+			break
+		}
+		for o := uint64(0); o < h.size; o += page {
+			seg.Pages[(off+done+o)/page] = h.h
+		}
+		done += h.size
+	}
+	if done == 0 {
+		return 0, cmp.Or(err, short)
+	}
+	if aerr := s.drv.MemSetAccess(s.dev, base, done); aerr != nil {
+		// Memory the device cannot reach must not be handed out.
+		for o := uint64(0); o < done; {
+			h := seg.Pages[(off+o)/page]
+			n := seg.ChunkAt(off + o)
+			for q := uint64(0); q < n; q += page {
+				seg.Pages[(off+o+q)/page] = 0
+			}
+			ph.dropPhysical(s, orphan{base + cuda.Ptr(o), n, h})
+			o += n
+		}
+		return 0, aerr
+	}
+	s.rec.Mapped(seg, off, done)
+	return done, cmp.Or(err, short)
+}
+
+// Unmap unmaps each physical allocation of the range in turn (the range
+// holds whole ones: pools unmaps whole chunks only) and keeps its handle in
+// the spares (see the file comment).
+func (m mapper) Unmap(seg *pools.Segment, off, size uint64) (uint64, error) {
+	s, page := m.s, seg.PageSize
+	var err error
+	o := off
+	for o < off+size {
+		i := o / page
+		p := seg.Base + cuda.Ptr(o)
+		n := seg.ChunkAt(o)
+		if o+n > off+size {
+			err = fmt.Errorf("unmapping %#x: %d bytes would split a physical allocation of %d", uintptr(p), off+size-o, n)
+			break
+		}
+		if err = s.drv.MemUnmap(s.dev, p, n); err != nil {
+			err = fmt.Errorf("unmapping %#x: %w", uintptr(p), err)
+			break
+		}
+		s.phys.spare = append(s.phys.spare, physical{seg.Pages[i], n})
+		for q := uint64(0); q < n; q += page {
+			seg.Pages[(o+q)/page] = 0
+		}
+		o += n
+	}
+	if o > off {
+		s.rec.Unmapped(seg, off, o-off, false)
+	}
+	return o - off, err
+}
+
+// Lend moves the handles of the pages of the range to the spares, for the
+// Map that follows; the old mapping stays until the stream's work allows
+// unmapping it (stitch.go: lent).
+func (m mapper) Lend(seg *pools.Segment, off, size uint64) {
+	s, page := m.s, seg.PageSize
+	for o := off; o < off+size; o += page {
+		i := o / page
+		s.phys.spare = append(s.phys.spare, physical{seg.Pages[i], page}) // (pages: pools.Donors)
+		seg.Pages[i] = 0
+	}
+	s.rec.Unmapped(seg, off, size, true)
+}
+
+// Free gives back a range with nothing mapped.
+func (m mapper) Free(seg *pools.Segment) error {
+	s := m.s
+	if err := s.drv.MemAddressFree(s.dev, seg.Base, seg.Size); err != nil {
+		return fmt.Errorf("freeing the address range %#x: %w", uintptr(seg.Base), err)
+	}
+	return nil
+}
+
+// spareBytes is the bytes of the spare handles of at most limit bytes.
+func (ph *physicalMemory) spareBytes(limit uint64) uint64 {
+	var n uint64
+	for _, h := range ph.spare {
+		if h.size <= limit {
+			n += h.size
+		}
+	}
+	return n
+}
+
+// takeSpare removes from the spares and returns the newest spare handle of
+// at most limit bytes, if any.
+func (ph *physicalMemory) takeSpare(limit uint64) (physical, bool) {
+	for i := len(ph.spare) - 1; i >= 0; i-- {
+		if h := ph.spare[i]; h.size <= limit {
+			ph.spare = append(ph.spare[:i], ph.spare[i+1:]...)
+			return h, true
+		}
+	}
+	return physical{}, false
+}
+
+// dropHandles gives back handles that were not mapped: at once, or, while a
+// capture may be under way, into the spares.
+func (ph *physicalMemory) dropHandles(s *Space, hs []physical) {
+	for _, h := range hs {
+		if ph.capturing || s.drv.MemRelease(s.dev, h.h) != nil {
+			ph.spare = append(ph.spare, h)
+		}
+	}
+}
+
+// dropPhysical gives back a mapping and its handle after a failed map: at
+// once, or after the captures if one may be under way.
+func (ph *physicalMemory) dropPhysical(s *Space, o orphan) {
+	if ph.capturing {
+		ph.orphans = append(ph.orphans, o)
+		return
+	}
+	if ph.releaseOrphan(s, &o) != nil {
+		ph.orphans = append(ph.orphans, o) // tried again at the next release
+	}
+}
+
+// releaseOrphan unmaps and releases o. Once the unmap succeeded, o records
+// it (size 0), so that a retry after a failed release does not unmap twice.
+func (ph *physicalMemory) releaseOrphan(s *Space, o *orphan) error {
+	if o.size > 0 {
+		if err := s.drv.MemUnmap(s.dev, o.p, o.size); err != nil {
+			return err
+		}
+		o.size = 0
+	}
+	return s.drv.MemRelease(s.dev, o.h)
+}
+
+// releaseSpares releases the spare handles (a release that fails leaves
+// its handle there for releaseOrphans). Never during a capture.
+func (ph *physicalMemory) releaseSpares(s *Space) {
+	kept := ph.spare[:0]
+	for _, h := range ph.spare {
+		if s.drv.MemRelease(s.dev, h.h) != nil {
+			kept = append(kept, h)
+		}
+	}
+	ph.spare = kept
+}
+
+// releaseOrphans gives back the orphans and the spare handles, or fails with the
+// first error. Never during a capture.
+func (ph *physicalMemory) releaseOrphans(s *Space, op string) error {
+	for len(ph.spare) > 0 {
+		if err := s.drv.MemRelease(s.dev, ph.spare[len(ph.spare)-1].h); err != nil {
+			return s.fail(op, fmt.Sprintf("releasing spare physical memory on device %d", s.dev), err)
+		}
+		ph.spare = ph.spare[:len(ph.spare)-1]
+	}
+	for len(ph.orphans) > 0 {
+		if err := ph.releaseOrphan(s, &ph.orphans[len(ph.orphans)-1]); err != nil {
+			return s.fail(op, fmt.Sprintf("releasing memory whose mapping failed on device %d", s.dev), err)
+		}
+		ph.orphans = ph.orphans[:len(ph.orphans)-1]
+	}
+	return nil
+}
+
+// empty reports whether nothing is held.
+func (ph *physicalMemory) empty() bool { return len(ph.spare)+len(ph.orphans) == 0 }

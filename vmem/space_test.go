@@ -1,0 +1,172 @@
+package vmem_test
+
+import (
+	"errors"
+	"fmt"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/cudapool/cudapool/cuda"
+	"github.com/cudapool/cudapool/cuda/sim"
+	"github.com/cudapool/cudapool/cuda/sim/fault"
+	"github.com/cudapool/cudapool/pools"
+	"github.com/cudapool/cudapool/vmem"
+)
+
+const MiB = 1 << 20
+
+// progress is a Progress that knows nothing of the streams but whether
+// they are watched, and counts its calls.
+type progress struct {
+	watched          map[cuda.Stream]bool
+	advances, resets int
+}
+
+func (p *progress) Watch(s cuda.Stream)                  { p.watched[s] = true }
+func (p *progress) Watched(s cuda.Stream) bool           { return p.watched[s] }
+func (p *progress) Watching() bool                       { return len(p.watched) > 0 }
+func (p *progress) Passed(cuda.Stream, uint64) bool      { return false }
+func (p *progress) Advance()                             { p.advances++ }
+func (p *progress) Reset()                               { p.resets++ }
+func (p *progress) String() string                       { return fmt.Sprint(p.watched) }
+func newProgress() *progress                             { return &progress{watched: map[cuda.Stream]bool{}} }
+func (r *recorder) Mapped(_ *pools.Segment, _, n uint64) { r.mapped += n }
+func (r *recorder) Unmapped(_ *pools.Segment, _, n uint64, lent bool) {
+	if lent {
+		r.lent += n
+	} else {
+		r.unmapped += n
+	}
+}
+
+// recorder sums the bytes it is told of.
+type recorder struct{ mapped, unmapped, lent uint64 }
+
+// env is a Space over the simulator (through the fault driver) and a cache.
+type env struct {
+	s        *vmem.Space
+	c        *pools.Cache
+	f        *fault.Driver
+	rec      *recorder
+	prog     *progress
+	warnings []string
+}
+
+func newEnv(t *testing.T, cfg vmem.Config, withDriver bool) *env {
+	t.Helper()
+	e := &env{c: pools.NewCache(pools.DefaultConfig()), f: fault.New(sim.New(sim.Options{Memory: 1 << 30})), rec: &recorder{}, prog: newProgress()}
+	var drv vmem.Driver
+	if withDriver {
+		drv = e.f
+	}
+	e.s = vmem.New(vmem.Deps{
+		Driver: drv, Cache: e.c, Progress: e.prog, Recorder: e.rec,
+		Capacity: func() (uint64, error) { return 1 << 30, nil },
+		Fail:     func(op, what string, err error) error { return fmt.Errorf("%s: %s: %w", op, what, err) },
+		Warn:     func(m string) { e.warnings = append(e.warnings, m) },
+	}, cfg)
+	if withDriver && (cfg.Expandable || cfg.Stitch) {
+		require.True(t, e.s.Expandable()) // the owner probes first
+	}
+	return e
+}
+
+// malloc grows the cache through the Space and allocates size bytes on s.
+func (e *env) malloc(t *testing.T, size uint64, s cuda.Stream, capturing bool) (*pools.Block, error) {
+	t.Helper()
+	var r pools.Request
+	e.c.SetRequest(&r, size, s, e.c.Small, e.c.Large)
+	b, err := e.s.Grow(r, capturing)
+	if b == nil || err != nil {
+		return nil, err
+	}
+	return e.c.Allocate(&r, b), nil
+}
+
+func (e *env) free(b *pools.Block) {
+	e.c.Release(b)
+	e.c.Return(b)
+}
+
+func TestNoVirtualMemoryFallsBack(t *testing.T) {
+	e := newEnv(t, vmem.Config{Expandable: true}, false)
+	require.False(t, e.s.Expandable())
+	require.False(t, e.s.Expandable())
+	require.Len(t, e.warnings, 1, "warned once")
+	require.Contains(t, e.warnings[0], "no virtual memory management API")
+	require.False(t, newEnv(t, vmem.Config{}, true).s.Expandable(), "not asked for")
+	require.True(t, newEnv(t, vmem.Config{Stitch: true}, true).s.Expandable(), "stitching implies expandable segments")
+}
+
+// Growth maps whole chunks of the mapping unit, records them, and release
+// gives every page and range back.
+func TestGrowAndRelease(t *testing.T) {
+	e := newEnv(t, vmem.Config{Expandable: true, MapUnit: 20 * MiB}, true)
+	require.True(t, e.s.Expandable())
+	b, err := e.malloc(t, 3*MiB, 1, false)
+	require.NoError(t, err)
+	require.NotNil(t, b)
+	require.Equal(t, uint64(20*MiB), e.rec.mapped, "the mapping unit, in one chunk")
+	require.Equal(t, 1, e.f.Sim.Handles(0))
+	require.Equal(t, uint64(20*MiB), e.c.Reserved)
+	require.True(t, e.s.Idle())
+
+	e.free(b)
+	require.NoError(t, e.s.UnmapFree(e.c.Large))
+	require.Equal(t, uint64(20*MiB), e.rec.unmapped)
+	require.Zero(t, e.f.Sim.Handles(0), "unmapped chunks are released at once")
+	require.Zero(t, e.f.Sim.Mapped(0))
+	n, _ := e.f.Sim.Reservations(0)
+	require.Zero(t, n, "an empty range goes back")
+	require.NoError(t, e.s.Release("empty_cache"))
+	require.Equal(t, 1, e.prog.resets, "release forgets the streams' progress")
+	require.NoError(t, e.c.Check())
+}
+
+// During a capture nothing is released: chunks made for a map that fails
+// wait as spares (Idle is false) until Release, or the next Map uses them.
+func TestCaptureKeepsSpares(t *testing.T) {
+	e := newEnv(t, vmem.Config{Expandable: true, MapUnit: 2 * MiB}, true)
+	injected := errors.New("injected")
+	e.f.Fail("MemMap", "", 1, injected)
+	_, err := e.malloc(t, 5*MiB, 1, true)
+	require.ErrorIs(t, err, injected)
+	require.Contains(t, err.Error(), "malloc: mapping memory for a 5242880-byte block on device 0")
+	require.Equal(t, uint64(2*MiB), e.rec.mapped, "the first page stays mapped")
+	require.Equal(t, 3, e.f.Sim.Handles(0))
+	require.False(t, e.s.Idle(), "two spare pages")
+	b, err := e.malloc(t, 5*MiB, 1, true)
+	require.NoError(t, err)
+	require.Equal(t, 3, e.f.Sim.Handles(0), "the spares were mapped, nothing new made")
+	require.True(t, e.s.Idle())
+	e.free(b)
+
+	e.f.Fail("MemMap", "", 0, injected)
+	_, err = e.malloc(t, 9*MiB, 1, true)
+	require.ErrorIs(t, err, injected)
+	require.False(t, e.s.Idle())
+	require.NoError(t, e.s.Release("empty_cache"))
+	require.True(t, e.s.Idle())
+	require.NoError(t, e.s.UnmapFree(e.c.Large))
+	require.Zero(t, e.f.Sim.Handles(0))
+	require.NoError(t, e.c.Check())
+}
+
+// Stitching watches the streams of the default pools that grow, and asks
+// for progress before it looks for pages to move.
+func TestStitchWatchesStreams(t *testing.T) {
+	e := newEnv(t, vmem.Config{Stitch: true, MapUnit: 2 * MiB}, true)
+	_, err := e.malloc(t, 3*MiB, 7, false)
+	require.NoError(t, err)
+	require.True(t, e.prog.Watched(7))
+	require.Zero(t, e.prog.advances, "nothing watched before the first growth")
+	_, err = e.malloc(t, 3*MiB, 7, true)
+	require.NoError(t, err)
+	require.Zero(t, e.prog.advances, "never during a capture")
+	_, err = e.malloc(t, 3*MiB, 8, false)
+	require.NoError(t, err)
+	require.Equal(t, 1, e.prog.advances)
+	require.True(t, e.prog.Watched(8))
+	require.Zero(t, e.s.StitchStats().Remaps, "below the high-water mark nothing moves")
+}

@@ -1,0 +1,253 @@
+package vmem
+
+import (
+	"cmp"
+	"fmt"
+
+	"github.com/cudapool/cudapool/cuda"
+	"github.com/cudapool/cudapool/pools"
+)
+
+// Stitching (stitch:True): free physical pages move to where a miss needs
+// them instead of new memory being mapped. The idea is GMLake's (ASPLOS
+// 2024). The policy is all here; pools/stitch.go keeps the blocks'
+// bookkeeping (splitting a free block around the pages taken, Block.Lent).
+//
+// # Design
+//
+// On a miss that grows an expandable segment (no capture under way), for
+// the part of the growth that would raise reserved memory above its
+// high-water mark (limit), stitchFor takes whole pages inside free blocks of
+// the default pools' expandable segments (any stream, either size class,
+// holes of the request's own range outside the run it grows into) and puts
+// their physical handles in the spares, which Map uses before creating any.
+// Reserved memory stays the same. Below the limit new pages cost no more
+// than moved ones and the holes stay for the requests that fit them.
+//
+// A page is taken in one of two ways:
+//   - Unmapped at once, when no queued work can touch it. cuMemUnmap does
+//     not wait for such work (PyTorch synchronizes before it unmaps), and a
+//     free block may have kernels that used it still queued on its own
+//     stream (other streams' uses were waited for before the block became
+//     free: package events). The owner's stream progress (Progress, the
+//     device's events.Tracker) tells: each stream that owns donor
+//     candidates is watched, and at each miss (stitchPrepare) it learns
+//     which ticks of the cache's clock the stream has run past; every block
+//     of the stream freed before such a tick (Block.FreedAt) is idle. On an
+//     idle stream that is known at once. Nothing waits.
+//   - Lent, when it is not certified idle but belongs to the requesting
+//     stream: its handle is mapped at the new place at once (work on the new
+//     block is queued behind the old work, as for any reuse of a cached
+//     block on its stream), and its old mapping stays, the block Lent,
+//     neither free nor mappable, until its stream has run past the lend
+//     (stitchPrepare, at a later miss) or empty_cache and the OOM retry
+//     synchronize the device (releaseStitch). Without lending a GPU running
+//     behind the host would leave almost nothing to move.
+//
+// Private pools (graphs, MemPools) neither give pages nor are searched: a
+// graph's replays use memory its pool counts as free. Nothing is stitched
+// or unlent while any capture may be under way: unmapping is illegal then.
+// Pages moved are counted (StitchStats; the snapshot's stitch_remaps and
+// stitch_lent).
+//
+// Before any other unmapping (empty_cache, the OOM retry) the device is
+// synchronized, for the same reason (UnmapFree).
+
+// stitchState is a Space's stitching state.
+type stitchState struct {
+	on     bool          // the configuration asks for stitching
+	lent   []lent        // blocks whose old mapping waits to be unmapped
+	donors []pools.Donor // scratch
+	// kind is donorKind for a request on stream (stitchFor's).
+	kind   func(*pools.Block) pools.DonorKind
+	stream cuda.Stream
+	// limit is the most memory the device has had reserved after a
+	// growth: stitching keeps growth from going above it, and growth that
+	// goes above it all the same (too few idle pages) raises it.
+	limit uint64
+	stats StitchStats
+}
+
+// StitchStats counts a device's stitching.
+type StitchStats struct {
+	// Remaps is the number of pages unmapped from a free hole and mapped
+	// again where a miss needed them; RemappedBytes their bytes.
+	Remaps        int64 `json:"remaps"`
+	RemappedBytes int64 `json:"remapped_bytes"`
+	// Lent is the number of those pages that were lent: mapped at their
+	// new place before their old mapping could be unmapped (see above).
+	Lent int64 `json:"lent"`
+	// Stitches is the number of misses that moved at least one page.
+	Stitches int64 `json:"stitches"`
+	// SkippedBusy counts candidate blocks passed over because work queued
+	// on their stream (not the requesting one) might still use them.
+	SkippedBusy int64 `json:"skipped_busy"`
+}
+
+// donorKind is the verdict on the free block b as a donor for a request
+// on stream s: unmapped now if no queued work can touch it (its stream has
+// run past a tick after b became free), else lent if it is s's (work on
+// the new block is queued behind the old), else left alone.
+func (s *Space) donorKind(b *pools.Block, rs cuda.Stream) pools.DonorKind {
+	if !s.progress.Watched(b.Stream) {
+		s.progress.Watch(b.Stream) // (stitching turned on after the stream grew)
+	} else if s.progress.Passed(b.Stream, b.FreedAt) {
+		return pools.DonorUnmap
+	}
+	if b.Stream == rs {
+		return pools.DonorLend
+	}
+	s.stitch.stats.SkippedBusy++
+	return pools.NoDonor
+}
+
+// lent is a block whose pages were lent (see the file comment): its old
+// mapping is unmapped once its stream has run past clock.
+type lent struct {
+	b     *pools.Block
+	clock uint64
+	done  uint64 // bytes of the old mapping already unmapped (a failed unlend)
+}
+
+// unlend unmaps the old mappings of the lent blocks whose streams have run
+// past their lends, or, with all set (after a device synchronize), of all
+// of them. A block whose unmap fails stays lent, its old mapping (and the
+// physical memory it holds) tried again at the next unlend (reported; op
+// names the operation). Never during a capture.
+func (s *Space) unlend(all bool, op string) error {
+	kept := s.stitch.lent[:0]
+	var first error
+	for _, l := range s.stitch.lent {
+		if !all && !s.progress.Passed(l.b.Stream, l.clock) {
+			kept = append(kept, l)
+			continue
+		}
+		if err := s.unmapLent(&l, op); err != nil {
+			first = cmp.Or(first, err)
+			kept = append(kept, l)
+			continue
+		}
+		s.cache.Unlend(l.b)
+	}
+	clear(s.stitch.lent[len(kept):])
+	s.stitch.lent = kept
+	return first
+}
+
+// unmapLent unmaps the old mapping of the lent block l.b, page by page as
+// it was mapped, from l.done on (what a failed try left).
+func (s *Space) unmapLent(l *lent, op string) error {
+	b := l.b
+	page := b.Seg.PageSize
+	for ; l.done < b.Size; l.done += page {
+		p := b.Ptr + cuda.Ptr(l.done)
+		if err := s.drv.MemUnmap(s.dev, p, page); err != nil {
+			return s.fail(op, fmt.Sprintf("unmapping the old mapping of stitched page %#x on device %d (tried again later)", uintptr(p), s.dev), err)
+		}
+	}
+	return nil
+}
+
+// stitchPrepare learns the watched streams' progress and unmaps the old
+// mappings of the lent blocks it allows; it runs before a growth looks for
+// its run, since unlent blocks merge. Never during a capture.
+func (s *Space) stitchPrepare() {
+	if !s.progress.Watching() {
+		return
+	}
+	s.progress.Advance()
+	if err := s.unlend(false, "malloc"); err != nil {
+		s.warn(err.Error())
+	}
+}
+
+// stitchFor unmaps or lends, keeping their physical memory in the spares,
+// up to the pages that growing r from start would map above the limit,
+// taken from free holes of the default pools; it returns the bytes it took.
+// start's run is left alone, but the blocks around it may have changed:
+// the caller looks for its run again. Never during a capture.
+func (s *Space) stitchFor(r *pools.Request, start *pools.Block, unit uint64) uint64 {
+	c := s.cache
+	want := c.GrowthNeed(r, start, unit)
+	// Only what would raise reserved memory above the limit moves: below
+	// it, new pages cost no more than moved ones and leave the holes to
+	// the requests that fit them (fewer misses, fewer remaps).
+	if high := s.stitch.limit; c.Reserved+want <= high {
+		want = 0
+	} else if c.Reserved < high {
+		want -= high - c.Reserved
+	}
+	if want == 0 || !s.progress.Watching() {
+		return 0
+	}
+	// The run start's growth covers: from start to what GrowthNeed counts,
+	// bounded generously by want past the request.
+	seg := start.Seg
+	lo := uint64(start.Ptr - seg.Base)
+	hi := lo + r.Size + want + seg.PageSize
+	donors := s.stitch.donors[:0]
+	var got uint64
+	if s.stitch.kind == nil {
+		// Built once: a closure over r would move every malloc's
+		// request to the heap.
+		s.stitch.kind = func(b *pools.Block) pools.DonorKind { return s.donorKind(b, s.stitch.stream) }
+	}
+	s.stitch.stream = r.Stream
+	kind := s.stitch.kind
+	for _, p := range [2]*pools.BlockPool{c.Large, c.Small} {
+		var n uint64
+		donors, n = c.Donors(p, want-got, kind, seg, lo, hi, donors)
+		if got += n; got >= want {
+			break
+		}
+	}
+	var unmapped uint64
+	for _, dn := range donors {
+		n, err := c.UnmapDonor(dn, s.mapper)
+		unmapped += n
+		if dn.Lend {
+			s.stitch.lent = append(s.stitch.lent, lent{b: dn.B, clock: c.Clock()})
+			s.stitch.stats.Lent += int64(n / dn.B.Seg.PageSize)
+		}
+		if err != nil {
+			// What was unmapped is recorded; the rest stays mapped.
+			s.warn(err.Error())
+			break
+		}
+	}
+	clear(donors) // no dangling block pointers in the scratch space
+	s.stitch.donors = donors[:0]
+	return unmapped
+}
+
+// countRemaps records that Map used moved handles: used bytes of the
+// donated ones (counted in pages of page bytes). Leftover handles are
+// released at once (Map uses every spare unless the driver failed; a lent
+// handle released then keeps its memory until its old mapping goes at
+// unlend, and the driver counts it meanwhile). Never during a capture.
+func (s *Space) countRemaps(donated, used, page uint64) {
+	n := min(donated, used) / page
+	if n > 0 {
+		s.stitch.stats.Remaps += int64(n)
+		s.stitch.stats.RemappedBytes += int64(n * page)
+		s.stitch.stats.Stitches++
+	}
+	s.phys.releaseSpares(s)
+}
+
+// releaseStitch unmaps the old mappings of every lent block, after
+// synchronizing the device, and forgets the streams' progress (empty_cache
+// and the OOM retry give back what they can); the next miss learns it
+// anew. op names the operation in errors. Never during a capture.
+func (s *Space) releaseStitch(op string) error {
+	if len(s.stitch.lent) > 0 {
+		if err := s.drv.DeviceSynchronize(s.dev); err != nil {
+			return s.fail(op, fmt.Sprintf("synchronizing device %d before unmapping the old mappings of stitched pages", s.dev), err)
+		}
+		if err := s.unlend(true, op); err != nil {
+			return err
+		}
+	}
+	s.progress.Reset()
+	return nil
+}
