@@ -132,6 +132,7 @@ type Allocator struct {
 	warned    sync.Map
 	hist      history // memory history (history.go)
 	front     frontCtl
+	imports   shareImports // memory other processes shared (share.go)
 }
 
 // device is one GPU's allocator state: what one lock, mu, guards, and the

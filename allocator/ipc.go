@@ -19,10 +19,12 @@ import (
 // alive meanwhile is the caller's business (PyTorch keeps the sender's
 // storage alive until the receivers let go of it).
 //
-// Expandable segments cannot take part: their pages are VMM allocations
-// (cuMemCreate), which the driver cannot name with an IPC handle (it
-// answers CUDA_ERROR_INVALID_VALUE), so IpcHandle refuses their blocks with
-// ErrNotSupported and says so.
+// Expandable segments cannot take part here: their pages are VMM
+// allocations (cuMemCreate), which the driver cannot name with an IPC
+// handle (it answers CUDA_ERROR_INVALID_VALUE), so IpcHandle refuses their
+// blocks with ErrNotSupported and points to ShareIpcHandle, whose handle in
+// PyTorch's format covers both kinds of memory (share.go); OpenIpcHandle
+// opens either kind and IpcClose closes either.
 //
 // Opened handles are cached: opening a handle that is already open returns
 // the same address and counts a reference, and IpcClose unmaps on the last
@@ -99,24 +101,29 @@ func (a *Allocator) IpcHandle(p cuda.Ptr) (h cuda.IpcHandle, offset uint64, dev 
 	defer d.leave()
 	d.invalidate(p) // shared with another process: its free goes to Go
 	if b.Seg.Expandable {
-		return h, 0, 0, newError(op, ErrNotSupported, "CUDA IPC is not supported for memory in expandable segments (expandable_segments:True); "+
-			"pointer %#x on device %d is in one. Its pages are CUDA virtual memory, which has no cudaIpcMemHandle; "+
-			"to share CUDA tensors between processes, run without expandable_segments:True (PYTORCH_CUDA_ALLOC_CONF or CUDAPOOL_CONF)",
+		return h, 0, 0, newError(op, ErrNotSupported, "pointer %#x on device %d is in an expandable segment, whose pages are CUDA virtual memory "+
+			"with no 64-byte cudaIpcMemHandle; share it with cudapool_ipc_share (PyTorch's handle format, which covers expandable memory)",
 			uintptr(p), d.id)
 	}
+	h, offset, err = a.segmentIpcHandle(op, d, b.Seg.Base, p)
+	return h, offset, d.id, err
+}
+
+// segmentIpcHandle returns the CUDA IPC handle of the ordinary segment at
+// base on d, which holds p, and p's offset in it. d is locked.
+func (a *Allocator) segmentIpcHandle(op string, d *device, base, p cuda.Ptr) (cuda.IpcHandle, uint64, error) {
 	drv, ok := a.drv.(ipcDriver)
 	if !ok {
-		return h, 0, 0, noIPC(op)
+		return cuda.IpcHandle{}, 0, noIPC(op)
 	}
-	base := b.Seg.Base
-	h, err = drv.IpcGetMemHandle(d.id, base)
+	h, err := drv.IpcGetMemHandle(d.id, base)
 	if err != nil {
 		if errors.Is(err, cuda.ErrNotSupported) {
-			return h, 0, 0, &Error{Op: op, Kind: ErrNotSupported, Msg: "the CUDA driver has no CUDA IPC (cuIpcGetMemHandle)", Err: err}
+			return h, 0, &Error{Op: op, Kind: ErrNotSupported, Msg: "the CUDA driver has no CUDA IPC (cuIpcGetMemHandle)", Err: err}
 		}
-		return h, 0, 0, driverError(op, err, "cuIpcGetMemHandle of the segment at %#x on device %d, which holds pointer %#x", uintptr(base), d.id, uintptr(p))
+		return h, 0, driverError(op, err, "cuIpcGetMemHandle of the segment at %#x on device %d, which holds pointer %#x", uintptr(base), d.id, uintptr(p))
 	}
-	return h, uint64(p - base), d.id, nil
+	return h, uint64(p - base), nil
 }
 
 // IpcOpen maps the memory another process shared with IpcHandle (or
@@ -165,10 +172,16 @@ func (a *Allocator) IpcOpen(dev int, h cuda.IpcHandle) (cuda.Ptr, error) {
 	return p, nil
 }
 
-// IpcClose drops one reference to a mapping IpcOpen returned; the last one
-// unmaps it. p must be the address IpcOpen returned.
+// IpcClose drops one reference to a mapping IpcOpen or OpenIpcHandle
+// returned; the last one unmaps it. p must be the address they returned.
 func (a *Allocator) IpcClose(p cuda.Ptr) error {
 	const op = "ipc_close"
+	if done, err := a.imports.closeImport(p); done {
+		if err != nil {
+			return &Error{Op: op, Kind: ErrDriver, Msg: fmt.Sprintf("closing the import at %#x", uintptr(p)), Err: err}
+		}
+		return nil
+	}
 	drv, ok := a.drv.(ipcDriver)
 	if !ok {
 		return noIPC(op)

@@ -71,14 +71,17 @@ func TestIpcHandleOfBlockInSharedSegment(t *testing.T) {
 	require.NoError(t, a.CheckInvariants())
 }
 
+// The 64-byte handle (cudaIpcMemHandle_t) cannot name memory in an
+// expandable segment: the error says so and names the entry point whose
+// handle can (ShareIpcHandle, share_test.go).
 func TestIpcHandleRefusesExpandableSegments(t *testing.T) {
 	lockThread(t)
 	a, _ := newAlloc(t, 1, GiB, expandable)
 	p := mustMalloc(t, a, 0, 3*MiB, 0)
 	_, _, _, err := a.IpcHandle(p)
 	require.ErrorIs(t, err, allocator.ErrNotSupported)
-	require.Contains(t, err.Error(), "CUDA IPC is not supported for memory in expandable segments (expandable_segments:True); ")
-	require.Contains(t, err.Error(), "run without expandable_segments:True")
+	require.Contains(t, err.Error(), "is in an expandable segment, whose pages are CUDA virtual memory with no 64-byte cudaIpcMemHandle")
+	require.Contains(t, err.Error(), "share it with cudapool_ipc_share")
 	var ae *allocator.Error
 	require.ErrorAs(t, err, &ae)
 	require.Equal(t, "ipc_handle", ae.Op)

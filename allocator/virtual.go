@@ -38,6 +38,11 @@ type virtualMemory interface {
 	// Idle reports whether Release would find nothing to do.
 	Idle() bool
 	StitchStats() vmem.StitchStats
+	// Share exports the physical allocations under the allocated block b
+	// for another process (vmem's export.go); Exported counts the
+	// exported allocations and the descriptors they hold.
+	Share(b *pools.Block, op string) (vmem.SegmentShare, uint64, error)
+	Exported() (allocations, fds int)
 }
 
 // StitchStats counts a device's stitching (vmem.StitchStats).
@@ -57,9 +62,10 @@ func vmemConfig(cfg *Config) vmem.Config {
 
 // newVirtualMemory makes d's virtual memory over drv.
 func (d *device) newVirtualMemory(drv Driver, cfg *Config) virtualMemory {
-	vd, _ := drv.(vmem.Driver) // nil: no VMM API (expandable segments fall back)
+	vd, _ := drv.(vmem.Driver)      // nil: no VMM API (expandable segments fall back)
+	sd, _ := drv.(vmem.ShareDriver) // nil: its memory cannot be shared
 	return vmem.New(vmem.Deps{
-		Dev: d.id, Driver: vd, Cache: d.cache,
+		Dev: d.id, Driver: vd, Share: sd, Cache: d.cache,
 		Progress: progress{d}, Recorder: mapRecorder{d},
 		Capacity: d.capacity,
 		Fail:     func(op, what string, err error) error { return driverError(op, err, "%s", what) },

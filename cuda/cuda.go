@@ -215,6 +215,8 @@ func (e *PidfdError) Error() string {
 			e.Call, e.PID, e.PID)
 	case syscall.ESRCH:
 		return fmt.Sprintf("%s: process %d has exited", e.Call, e.PID)
+	case syscall.EMFILE:
+		return fmt.Sprintf("%s(process %d): %v: this process has as many descriptors open as its limit of open files allows (RLIMIT_NOFILE; raise it with ulimit -n)", e.Call, e.PID, e.Errno)
 	case syscall.EBADF:
 		if e.Call == "pidfd_getfd" {
 			return fmt.Sprintf("pidfd_getfd: file descriptor %d is not open in process %d (the exporter closed it, or the handle is stale), or the pidfd is not valid", e.FD, e.PID)

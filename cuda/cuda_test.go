@@ -21,7 +21,7 @@ func TestPidfdErrorMessages(t *testing.T) {
 		{cuda.PidfdError{Call: "pidfd_getfd", PID: 42, FD: 7, Errno: syscall.EPERM}, []string{"ptrace permission to process 42 is needed", "kernel.yama.ptrace_scope", "CAP_SYS_PTRACE"}},
 		{cuda.PidfdError{Call: "pidfd_open", PID: 42, FD: -1, Errno: syscall.ESRCH}, []string{"process 42 has exited"}},
 		{cuda.PidfdError{Call: "pidfd_getfd", PID: 42, FD: 7, Errno: syscall.EBADF}, []string{"file descriptor 7 is not open in process 42"}},
-		{cuda.PidfdError{Call: "pidfd_getfd", PID: 42, FD: 7, Errno: syscall.EMFILE}, []string{"pidfd_getfd(process 42)", syscall.EMFILE.Error()}},
+		{cuda.PidfdError{Call: "pidfd_getfd", PID: 42, FD: 7, Errno: syscall.EMFILE}, []string{"pidfd_getfd(process 42)", syscall.EMFILE.Error(), "RLIMIT_NOFILE"}},
 	} {
 		err := error(&c.err)
 		for _, w := range c.want {

@@ -68,6 +68,12 @@ type Segment struct {
 	ChunkSize  uint64
 	Mapped     uint64
 	Pages      []cuda.MemHandle
+	// WholeChunks makes growth map whole chunks where there is room (and
+	// just the pages needed where there is not), so that the segment's
+	// physical allocations are all ChunkSize: the owner asks for it where
+	// memory may be shared with other processes, whose handle describes
+	// allocations of one size (vmem/export.go).
+	WholeChunks bool
 	// UsedEnd is the end of the highest block ever handed out in an
 	// expandable segment: memory above it was mapped but never used
 	// (TrimUnused).

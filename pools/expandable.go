@@ -167,7 +167,7 @@ func (c *Cache) MapExpandable(r *Request, start *Block, m Mapper, unit uint64) (
 func (c *Cache) mapAhead(u *Block, need, unit uint64, m Mapper) (*Block, error) {
 	need = min(u.Size, need)
 	page := u.Seg.PageSize
-	if ahead := roundUp(mapSize(u, need, unit), page); ahead > roundUp(need, page) && c.CanGrow(ahead) {
+	if ahead := growSize(u, need, unit); ahead > roundUp(need, page) && c.CanGrow(ahead) {
 		b, done, err := c.mapBlock(u, ahead, m)
 		switch {
 		case err == nil:
@@ -185,9 +185,16 @@ func (c *Cache) mapAhead(u *Block, need, unit uint64, m Mapper) (*Block, error) 
 	return b, err
 }
 
-// mapSize is how much of the unmapped block u to map when need bytes are
-// missing: need, or the mapping unit if larger, within u.
-func mapSize(u *Block, need, unit uint64) uint64 { return min(u.Size, max(need, unit)) }
+// growSize is how much of the unmapped block u to map when need bytes are
+// missing: need, or the mapping unit if larger, within u, in whole pages,
+// or in whole chunks where the segment asks for them (WholeChunks).
+func growSize(u *Block, need, unit uint64) uint64 {
+	g := u.Seg.PageSize
+	if u.Seg.WholeChunks {
+		g = u.Seg.ChunkSize
+	}
+	return min(u.Size, roundUp(max(need, unit), g))
+}
 
 // GrowthNeed is the bytes MapExpandable(r, start, _, unit) would map: what
 // stitching tries to find in free pages elsewhere first.
@@ -198,7 +205,7 @@ func (c *Cache) GrowthNeed(r *Request, start *Block, unit uint64) uint64 {
 			covered += b.Size
 			continue
 		}
-		k := roundUp(mapSize(b, r.Size-covered, unit), b.Seg.PageSize)
+		k := growSize(b, r.Size-covered, unit)
 		n += k
 		covered += k
 	}

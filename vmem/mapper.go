@@ -93,7 +93,12 @@ func (m mapper) Map(seg *pools.Segment, off, size uint64) (uint64, error) {
 		}
 		c := min(size-n, limit)
 		var h cuda.MemHandle
-		if h, err = s.drv.MemCreate(s.dev, c); err != nil {
+		if k := s.share.kind; k != 0 {
+			h, err = s.share.drv.MemCreateShareable(s.dev, c, k) // (export.go)
+		} else {
+			h, err = s.drv.MemCreate(s.dev, c)
+		}
+		if err != nil {
 			break
 		}
 		hs = append(hs, physical{h, c})
@@ -140,7 +145,8 @@ func (m mapper) Map(seg *pools.Segment, off, size uint64) (uint64, error) {
 
 // Unmap unmaps each physical allocation of the range in turn (the range
 // holds whole ones: pools unmaps whole chunks only) and keeps its handle in
-// the spares (see the file comment).
+// the spares (see the file comment), with its export if it has one
+// (export.go: a move keeps the descriptor, a release closes it).
 func (m mapper) Unmap(seg *pools.Segment, off, size uint64) (uint64, error) {
 	s, page := m.s, seg.PageSize
 	var err error
@@ -220,6 +226,8 @@ func (ph *physicalMemory) dropHandles(s *Space, hs []physical) {
 	for _, h := range hs {
 		if ph.capturing || s.drv.MemRelease(s.dev, h.h) != nil {
 			ph.spare = append(ph.spare, h)
+		} else {
+			s.released(h.h)
 		}
 	}
 }
@@ -245,7 +253,11 @@ func (ph *physicalMemory) releaseOrphan(s *Space, o *orphan) error {
 		}
 		o.size = 0
 	}
-	return s.drv.MemRelease(s.dev, o.h)
+	if err := s.drv.MemRelease(s.dev, o.h); err != nil {
+		return err
+	}
+	s.released(o.h)
+	return nil
 }
 
 // releaseSpares releases the spare handles (a release that fails leaves
@@ -255,6 +267,8 @@ func (ph *physicalMemory) releaseSpares(s *Space) {
 	for _, h := range ph.spare {
 		if s.drv.MemRelease(s.dev, h.h) != nil {
 			kept = append(kept, h)
+		} else {
+			s.released(h.h)
 		}
 	}
 	ph.spare = kept
@@ -264,9 +278,11 @@ func (ph *physicalMemory) releaseSpares(s *Space) {
 // first error. Never during a capture.
 func (ph *physicalMemory) releaseOrphans(s *Space, op string) error {
 	for len(ph.spare) > 0 {
-		if err := s.drv.MemRelease(s.dev, ph.spare[len(ph.spare)-1].h); err != nil {
+		h := ph.spare[len(ph.spare)-1].h
+		if err := s.drv.MemRelease(s.dev, h); err != nil {
 			return s.fail(op, fmt.Sprintf("releasing spare physical memory on device %d", s.dev), err)
 		}
+		s.released(h)
 		ph.spare = ph.spare[:len(ph.spare)-1]
 	}
 	for len(ph.orphans) > 0 {

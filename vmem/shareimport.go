@@ -110,7 +110,7 @@ func (c *ImportCache) Open(dev int, s SegmentShare) (cuda.Ptr, error) {
 	}
 	g, err := c.drv.MemGranularity(dev)
 	if err != nil {
-		return 0, fmt.Errorf("cudapool: importing memory shared by process %d: the device's granularity: %w", s.PID, err)
+		return 0, fmt.Errorf("importing memory shared by process %d: the device's granularity: %w", s.PID, err)
 	}
 	if s.SegmentSize%g != 0 {
 		return 0, fmt.Errorf("%w: its allocations of %d bytes are not a multiple of device %d's granularity (%d)", ErrBadHandle, s.SegmentSize, dev, g)
@@ -133,14 +133,14 @@ func (c *ImportCache) Open(dev int, s SegmentShare) (cuda.Ptr, error) {
 func (c *ImportCache) importHandles(e *imported, s SegmentShare) (err error) {
 	defer func() {
 		if err != nil {
-			c.releaseHandles(e)
+			_ = c.releaseHandles(e) // (best effort: the import failed already)
 		}
 	}()
 	if s.Kind == cuda.ShareableFabric {
 		for i := range s.Fabric {
 			h, err := c.drv.MemImportShareable(e.dev, cuda.ShareableHandle{Kind: cuda.ShareableFabric, FD: -1, Fabric: s.Fabric[i]})
 			if err != nil {
-				return fmt.Errorf("cudapool: importing fabric handle %d of %d shared by process %d: %w", i+1, len(s.Fabric), s.PID, err)
+				return fmt.Errorf("importing fabric handle %d of %d shared by process %d: %w", i+1, len(s.Fabric), s.PID, err)
 			}
 			e.handles = append(e.handles, h)
 		}
@@ -149,18 +149,18 @@ func (c *ImportCache) importHandles(e *imported, s SegmentShare) (err error) {
 	pid := int(s.PID)
 	pidfd, err := c.drv.PidfdOpen(pid)
 	if err != nil {
-		return fmt.Errorf("cudapool: importing memory shared by process %d: %w", pid, err)
+		return fmt.Errorf("importing memory shared by process %d: %w", pid, err)
 	}
 	defer c.drv.CloseFD(pidfd)
 	for i, fd := range s.FDs {
 		mine, err := c.drv.PidfdGetfd(pidfd, pid, int(fd))
 		if err != nil {
-			return fmt.Errorf("cudapool: importing memory shared by process %d: %w", pid, err)
+			return fmt.Errorf("importing memory shared by process %d: %w", pid, err)
 		}
 		h, err := c.drv.MemImportShareable(e.dev, cuda.ShareableHandle{Kind: cuda.ShareablePOSIXFD, FD: mine})
 		c.drv.CloseFD(mine) // the imported handle holds the memory
 		if err != nil {
-			return fmt.Errorf("cudapool: importing file descriptor %d (%d of %d) of process %d: %w", fd, i+1, len(s.FDs), pid, err)
+			return fmt.Errorf("importing file descriptor %d (%d of %d) of process %d: %w", fd, i+1, len(s.FDs), pid, err)
 		}
 		e.handles = append(e.handles, h)
 	}
@@ -172,18 +172,31 @@ func (c *ImportCache) importHandles(e *imported, s SegmentShare) (err error) {
 func (c *ImportCache) mapAll(e *imported) error {
 	base, err := c.drv.MemAddressReserve(e.dev, e.size)
 	if err != nil {
-		c.releaseHandles(e)
-		return fmt.Errorf("cudapool: reserving %d bytes of address space for an import: %w", e.size, err)
+		_ = c.releaseHandles(e)
+		return fmt.Errorf("reserving %d bytes of address space for an import: %w", e.size, err)
 	}
 	e.base = base
 	mapped := 0
 	fail := func(what string, err error) error {
+		// Undone best effort; what cannot be undone is said, since it
+		// stays (mapped memory stays allocated, an address range
+		// reserved).
+		var undo []error
 		for i := mapped - 1; i >= 0; i-- {
-			_ = c.drv.MemUnmap(e.dev, base+cuda.Ptr(uint64(i)*e.seg), e.seg)
+			if uerr := c.drv.MemUnmap(e.dev, base+cuda.Ptr(uint64(i)*e.seg), e.seg); uerr != nil {
+				undo = append(undo, fmt.Errorf("unmapping allocation %d: %w", i+1, uerr))
+			}
 		}
-		_ = c.drv.MemAddressFree(e.dev, base, e.size)
-		c.releaseHandles(e)
-		return fmt.Errorf("cudapool: %s of an import: %w", what, err)
+		if ferr := c.drv.MemAddressFree(e.dev, base, e.size); ferr != nil {
+			undo = append(undo, fmt.Errorf("freeing the %d-byte address range at %#x: %w", e.size, uintptr(base), ferr))
+		}
+		if rerr := c.releaseHandles(e); rerr != nil {
+			undo = append(undo, rerr)
+		}
+		if len(undo) > 0 {
+			return fmt.Errorf("%s of an import: %w (undoing it failed too: %w)", what, err, errors.Join(undo...))
+		}
+		return fmt.Errorf("%s of an import: %w", what, err)
 	}
 	for i, h := range e.handles {
 		if err := c.drv.MemMap(e.dev, base+cuda.Ptr(uint64(i)*e.seg), e.seg, h); err != nil {
@@ -197,12 +210,17 @@ func (c *ImportCache) mapAll(e *imported) error {
 	return nil
 }
 
-// releaseHandles releases e's imported handles, best effort.
-func (c *ImportCache) releaseHandles(e *imported) {
-	for _, h := range e.handles {
-		_ = c.drv.MemRelease(e.dev, h)
+// releaseHandles releases e's imported handles, every one tried, and
+// returns the first failure.
+func (c *ImportCache) releaseHandles(e *imported) error {
+	var first error
+	for i, h := range e.handles {
+		if err := c.drv.MemRelease(e.dev, h); err != nil && first == nil {
+			first = fmt.Errorf("releasing imported allocation %d of %d: %w", i+1, len(e.handles), err)
+		}
 	}
 	e.handles = nil
+	return first
 }
 
 // Release drops one reference to the mapping at base, which Open returned;
@@ -212,7 +230,7 @@ func (c *ImportCache) Release(base cuda.Ptr) error {
 	defer c.mu.Unlock()
 	e := c.byBase[base]
 	if e == nil {
-		return fmt.Errorf("cudapool: releasing an import at %#x: %w", uintptr(base), ErrUnknownImport)
+		return fmt.Errorf("releasing an import at %#x: %w", uintptr(base), ErrUnknownImport)
 	}
 	if e.refs--; e.refs > 0 {
 		return nil
@@ -233,12 +251,14 @@ func (c *ImportCache) unmap(e *imported) error {
 	if err := c.drv.MemUnmap(e.dev, e.base, e.size); err != nil {
 		errs = append(errs, fmt.Errorf("unmapping %#x (%d bytes): %w", uintptr(e.base), e.size, err))
 	}
-	c.releaseHandles(e)
+	if err := c.releaseHandles(e); err != nil {
+		errs = append(errs, err)
+	}
 	if err := c.drv.MemAddressFree(e.dev, e.base, e.size); err != nil {
 		errs = append(errs, fmt.Errorf("freeing the reservation at %#x: %w", uintptr(e.base), err))
 	}
 	if len(errs) > 0 {
-		return fmt.Errorf("cudapool: closing an import: %w", errors.Join(errs...))
+		return fmt.Errorf("closing an import: %w", errors.Join(errs...))
 	}
 	return nil
 }

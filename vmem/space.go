@@ -112,7 +112,8 @@ type Recorder interface {
 // Deps is what a Space needs from its owner.
 type Deps struct {
 	Dev      int
-	Driver   Driver // nil: the driver has no virtual memory management API
+	Driver   Driver      // nil: the driver has no virtual memory management API
+	Share    ShareDriver // nil: physical memory cannot be shared (export.go)
 	Cache    *pools.Cache
 	Progress Progress
 	Recorder Recorder
@@ -150,6 +151,7 @@ type Space struct {
 
 	phys    physicalMemory // spares and orphans (mapper.go)
 	stitch  stitchState    // stitch.go
+	share   shareState     // exports to other processes (export.go)
 	handles []physical     // Map's scratch space
 }
 
@@ -158,6 +160,7 @@ func New(d Deps, c Config) *Space {
 	s := &Space{dev: d.Dev, drv: d.Driver, cache: d.Cache, progress: d.Progress, rec: d.Recorder,
 		capacity: d.Capacity, fail: d.Fail, warn: d.Warn}
 	s.mapper = mapper{s}
+	s.share.drv = d.Share
 	s.Configure(c)
 	return s
 }
@@ -218,6 +221,13 @@ func (s *Space) Grow(req pools.Request, capturing bool) (*pools.Block, error) {
 			return nil, s.fail("malloc", fmt.Sprintf("reserving %d bytes of address space on device %d", size, s.dev), err)
 		}
 		start = c.AddExpandable(r, p, size, s.page, s.chunkSize(r))
+		// The default pools' blocks are what processes share: their
+		// chunked ranges grow by whole chunks (export.go, "One size").
+		// A private pool keeps to the pages its graph needs.
+		start.Seg.WholeChunks = r.Pool.ID.IsDefault()
+	}
+	if !s.share.chosen {
+		s.chooseKind(capturing)
 	}
 	unit := s.mapUnit(r)
 	var donated uint64

@@ -1,5 +1,7 @@
 package driver
 
+import "os"
+
 // Duplicating another process's file descriptors, the way an importer gets
 // hold of physical memory exported as POSIX file descriptors (PyTorch's
 // ExpandableSegment::fromShared does the same): pidfd_open(2) on the
@@ -23,3 +25,13 @@ func (d *Driver) PidfdGetfd(pidfd, pid, fd int) (int, error) { return pidfdGetfd
 // CloseFD closes a descriptor of this process: one from PidfdOpen,
 // PidfdGetfd or MemExportShareable.
 func (d *Driver) CloseFD(fd int) error { return closeFD(fd) }
+
+// PID returns this process's id: what an exporter writes in the handles it
+// makes, for importers to pidfd_open.
+func (d *Driver) PID() int { return os.Getpid() }
+
+// FDLimit returns the most descriptors this process may have open
+// (RLIMIT_NOFILE's soft limit, which the Go runtime raises to just under
+// the hard limit as the library loads), or 0 if unknown. Each physical
+// allocation exported as a file descriptor holds one.
+func (d *Driver) FDLimit() uint64 { return fdLimit() }

@@ -44,3 +44,11 @@ func closeFD(fd int) error {
 	}
 	return syscall.Close(fd)
 }
+
+func fdLimit() uint64 {
+	var lim syscall.Rlimit
+	if syscall.Getrlimit(syscall.RLIMIT_NOFILE, &lim) != nil {
+		return 0
+	}
+	return lim.Cur
+}

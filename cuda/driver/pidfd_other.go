@@ -20,3 +20,5 @@ func pidfdGetfd(pidfd, pid, fd int) (int, error) {
 }
 
 func closeFD(fd int) error { return syscall.EBADF }
+
+func fdLimit() uint64 { return 0 }

@@ -41,6 +41,8 @@ import (
 //     (from 3), so a descriptor closed and reopened gets the same number: a
 //     handle in flight that names a closed descriptor imports whatever now
 //     has its number, as on Linux. Exporting twice gives two descriptors.
+//   - SetFDLimit models RLIMIT_NOFILE: a descriptor that would be numbered
+//     at or above it is not opened (EMFILE).
 //   - pidfd_open of a process that has exited (Exit, or a Driver the
 //     garbage collector took) is ESRCH; pidfd_getfd of a descriptor the
 //     process does not have is EBADF. SetPidfdErrors makes either call fail
@@ -161,15 +163,36 @@ func process(pid int) *Driver {
 	return nil
 }
 
-// newFD enters e in d's descriptor table at the lowest free number from 3;
-// machine.mu must be held.
-func (d *Driver) newFD(e *fdEntry) int {
+// newFD enters e in d's descriptor table at the lowest free number from 3,
+// or reports false if that number is not below the limit (SetFDLimit), as
+// Linux fails with EMFILE; machine.mu must be held.
+func (d *Driver) newFD(e *fdEntry) (int, bool) {
 	fd := 3
 	for d.fds[fd] != nil {
 		fd++
 	}
+	if d.fdLimit > 0 && fd >= d.fdLimit {
+		return -1, false
+	}
 	d.fds[fd] = e
-	return fd
+	return fd, true
+}
+
+// SetFDLimit sets this process's limit of open descriptors (RLIMIT_NOFILE):
+// no descriptor numbered n or above is opened, and the calls that would
+// open one fail with EMFILE (an export with syscall.EMFILE itself; what
+// the real driver answers then is not verified). 0: no limit.
+func (d *Driver) SetFDLimit(n int) {
+	machine.mu.Lock()
+	defer machine.mu.Unlock()
+	d.fdLimit = n
+}
+
+// FDLimit returns the limit SetFDLimit set, 0 for none.
+func (d *Driver) FDLimit() uint64 {
+	machine.mu.Lock()
+	defer machine.mu.Unlock()
+	return uint64(d.fdLimit)
 }
 
 // dropPhysical gives up ph, one of dv's handles that is now both released
@@ -262,8 +285,12 @@ func (d *Driver) MemExportShareable(dev int, h cuda.MemHandle, kind cuda.Shareab
 	defer machine.mu.Unlock()
 	m := ph.mem
 	if kind == cuda.ShareablePOSIXFD {
+		fd, ok := d.newFD(&fdEntry{mem: m})
+		if !ok {
+			return cuda.ShareableHandle{}, syscall.EMFILE
+		}
 		m.refs++
-		return cuda.ShareableHandle{Kind: kind, FD: d.newFD(&fdEntry{mem: m})}, nil
+		return cuda.ShareableHandle{Kind: kind, FD: fd}, nil
 	}
 	if !m.hasFabric {
 		copy(m.fabric[:16], fabricMagic)
@@ -341,7 +368,11 @@ func (d *Driver) PidfdOpen(pid int) (int, error) {
 	if process(pid) == nil {
 		return fail(syscall.ESRCH)
 	}
-	return d.newFD(&fdEntry{pid: pid}), nil
+	fd, ok := d.newFD(&fdEntry{pid: pid})
+	if !ok {
+		return fail(syscall.EMFILE)
+	}
+	return fd, nil
 }
 
 // PidfdGetfd duplicates descriptor fd of the process pidfd refers to into
@@ -368,10 +399,14 @@ func (d *Driver) PidfdGetfd(pidfd, pid, fd int) (int, error) {
 	if e == nil {
 		return fail(syscall.EBADF)
 	}
+	nfd, ok := d.newFD(&fdEntry{mem: e.mem, pid: e.pid})
+	if !ok {
+		return fail(syscall.EMFILE)
+	}
 	if e.mem != nil {
 		e.mem.refs++
 	}
-	return d.newFD(&fdEntry{mem: e.mem, pid: e.pid}), nil
+	return nfd, nil
 }
 
 // CloseFD closes a descriptor of this process; an export's descriptor drops

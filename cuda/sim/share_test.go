@@ -398,3 +398,47 @@ func TestShareConcurrentProcesses(t *testing.T) {
 		assert.Empty(t, d.OpenFDs(), "process %d", i)
 	}
 }
+
+// RLIMIT_NOFILE: no descriptor is opened at or above the limit, and each
+// call that would open one says EMFILE; a closed number below it is taken
+// again.
+func TestShareFDLimit(t *testing.T) {
+	exp := sim.New(sim.Options{})
+	imp := sim.New(sim.Options{})
+	exp.SetFDLimit(5) // descriptors 3 and 4
+	require.Equal(t, uint64(5), exp.FDLimit())
+	var fds []int
+	h, err := exp.MemCreateShareable(0, gran, cuda.ShareablePOSIXFD)
+	require.NoError(t, err)
+	for range 2 {
+		sh, err := exp.MemExportShareable(0, h, cuda.ShareablePOSIXFD)
+		require.NoError(t, err)
+		fds = append(fds, sh.FD)
+	}
+	require.Equal(t, []int{3, 4}, fds)
+	_, err = exp.MemExportShareable(0, h, cuda.ShareablePOSIXFD)
+	require.ErrorIs(t, err, syscall.EMFILE)
+	_, err = exp.PidfdOpen(imp.PID())
+	require.ErrorIs(t, err, syscall.EMFILE)
+	require.Contains(t, err.Error(), "RLIMIT_NOFILE")
+	require.NoError(t, exp.CloseFD(3))
+	sh, err := exp.MemExportShareable(0, h, cuda.ShareablePOSIXFD)
+	require.NoError(t, err)
+	require.Equal(t, 3, sh.FD)
+
+	imp.SetFDLimit(3) // none at all
+	_, err = imp.PidfdOpen(exp.PID())
+	require.ErrorIs(t, err, syscall.EMFILE)
+	imp.SetFDLimit(0)
+	pfd, err := imp.PidfdOpen(exp.PID())
+	require.NoError(t, err)
+	imp.SetFDLimit(pfd + 1)
+	_, err = imp.PidfdGetfd(pfd, exp.PID(), 3)
+	require.ErrorIs(t, err, syscall.EMFILE)
+	require.NoError(t, imp.CloseFD(pfd))
+	for _, fd := range exp.OpenFDs() {
+		require.NoError(t, exp.CloseFD(fd))
+	}
+	require.NoError(t, exp.MemRelease(0, h))
+	require.Zero(t, exp.Used(0), "the failed calls took no reference")
+}

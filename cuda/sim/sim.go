@@ -133,6 +133,7 @@ type Driver struct {
 	// failures a test injected (share.go); both guarded by machine.mu.
 	fds           map[int]*fdEntry
 	pidfdErrs     [2]syscall.Errno
+	fdLimit       int   // SetFDLimit; guarded by machine.mu
 	eventsCreated int64 // guarded by mu
 	eventsGone    int64 // guarded by mu
 

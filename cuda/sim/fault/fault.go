@@ -386,6 +386,70 @@ func (d *Driver) IpcCloseMemHandle(dev int, p cuda.Ptr) error {
 	return d.Sim.IpcCloseMemHandle(dev, p)
 }
 
+// Sharing physical memory with other processes (CUDA IPC of expandable
+// segments). PID and FDLimit cannot fail: they forward.
+
+func (d *Driver) MemCreateShareable(dev int, size uint64, kinds cuda.ShareableKind) (cuda.MemHandle, error) {
+	if err := d.inject("MemCreateShareable"); err != nil {
+		return 0, err
+	}
+	return d.Sim.MemCreateShareable(dev, size, kinds)
+}
+
+func (d *Driver) MemExportShareable(dev int, h cuda.MemHandle, kind cuda.ShareableKind) (cuda.ShareableHandle, error) {
+	if err := d.inject("MemExportShareable"); err != nil {
+		return cuda.ShareableHandle{}, err
+	}
+	return d.Sim.MemExportShareable(dev, h, kind)
+}
+
+func (d *Driver) MemImportShareable(dev int, sh cuda.ShareableHandle) (cuda.MemHandle, error) {
+	if err := d.inject("MemImportShareable"); err != nil {
+		return 0, err
+	}
+	return d.Sim.MemImportShareable(dev, sh)
+}
+
+func (d *Driver) ShareableKinds(dev int) (cuda.ShareableKind, error) {
+	if err := d.inject("ShareableKinds"); err != nil {
+		return 0, err
+	}
+	return d.Sim.ShareableKinds(dev)
+}
+
+func (d *Driver) ProbeFabric(dev int) error {
+	if err := d.inject("ProbeFabric"); err != nil {
+		return err
+	}
+	return d.Sim.ProbeFabric(dev)
+}
+
+func (d *Driver) PidfdOpen(pid int) (int, error) {
+	if err := d.inject("PidfdOpen"); err != nil {
+		return -1, err
+	}
+	return d.Sim.PidfdOpen(pid)
+}
+
+func (d *Driver) PidfdGetfd(pidfd, pid, fd int) (int, error) {
+	if err := d.inject("PidfdGetfd"); err != nil {
+		return -1, err
+	}
+	return d.Sim.PidfdGetfd(pidfd, pid, fd)
+}
+
+// CloseFD closes fd, or, when a rule fails it, leaves it open (as a close
+// that failed would).
+func (d *Driver) CloseFD(fd int) error {
+	if err := d.inject("CloseFD"); err != nil {
+		return err
+	}
+	return d.Sim.CloseFD(fd)
+}
+
+func (d *Driver) PID() int        { return d.Sim.PID() }
+func (d *Driver) FDLimit() uint64 { return d.Sim.FDLimit() }
+
 // MemAllocRelaxed allocates with the calling thread in relaxed capture
 // mode, as the real driver's one-call version does. It locks the goroutine
 // to its thread for the three calls, which the simulator's per-thread modes
