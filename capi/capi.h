@@ -225,6 +225,9 @@ extern int cpgo_sim_end_capture(uintptr_t stream);
 extern void cpgo_sim_submit(uintptr_t stream);
 extern void cpgo_sim_complete_all(void);
 extern long long cpgo_sim_violations(void);
+extern int cpgo_sim_set_pidfd_errors(int open_errno, int getfd_errno);
+extern int cpgo_sim_write(int device, uintptr_t ptr, void *src, size_t n);
+extern int cpgo_sim_read(int device, uintptr_t ptr, void *dst, size_t n);
 
 /* ---- Go exports for PyTorch's CUDAAllocator interface (torchabi.go). ---- */
 extern uintptr_t cpgo_malloc_ctx(size_t size, int device, uintptr_t stream, unsigned long long ctx,
@@ -259,6 +262,8 @@ extern void *cpgo_snapshot_take(int by_pool, unsigned long long a, unsigned long
 extern int cpgo_ipc_handle(uintptr_t ptr, unsigned char *handle, size_t *offset, int *device);
 extern uintptr_t cpgo_ipc_open(int device, unsigned char *handle);
 extern int cpgo_ipc_close(uintptr_t ptr);
+extern int cpgo_ipc_share(uintptr_t ptr, unsigned char *buf, size_t cap, size_t *len, size_t *offset, int *device);
+extern uintptr_t cpgo_ipc_open_shared(int device, unsigned char *buf, size_t len);
 extern int cpgo_allocation_info(uintptr_t ptr, size_t *size, int *device);
 extern int cpgo_set_caching(int on);
 extern int cpgo_caching(void);

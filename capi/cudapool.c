@@ -394,6 +394,13 @@ void cudapool_sim_complete_all(void) {
 	cpgo_sim_complete_all();
 }
 
+CP_FORWARD(int, -1, cudapool_sim_set_pidfd_errors, (int open_errno, int getfd_errno),
+           sim_set_pidfd_errors(open_errno, getfd_errno))
+CP_FORWARD(int, -1, cudapool_sim_write, (int device, void *ptr, const void *src, size_t n),
+           sim_write(device, (uintptr_t)ptr, (void *)src, n))
+CP_FORWARD(int, -1, cudapool_sim_read, (int device, const void *ptr, void *dst, size_t n),
+           sim_read(device, (uintptr_t)ptr, dst, n))
+
 long long cudapool_sim_violations(void) {
 	if (cp_refused("cudapool_sim_violations"))
 		return -1;
@@ -496,6 +503,13 @@ void *cudapool_ipc_open(int device, const unsigned char handle[64]) {
 	return (void *)cpgo_ipc_open(device, (unsigned char *)handle);
 }
 CP_FORWARD(int, -1, cudapool_ipc_close, (void *ptr), ipc_close((uintptr_t)ptr))
+CP_FORWARD(int, -1, cudapool_ipc_share, (void *ptr, void *buf, size_t cap, size_t *len, size_t *offset, int *device),
+           ipc_share((uintptr_t)ptr, (unsigned char *)buf, cap, len, offset, device))
+void *cudapool_ipc_open_shared(int device, const void *buf, size_t len) {
+	if (cp_refused("cudapool_ipc_open_shared"))
+		return NULL;
+	return (void *)cpgo_ipc_open_shared(device, (unsigned char *)buf, len);
+}
 CP_FORWARD(int, -1, cudapool_set_caching, (int on), set_caching(on))
 CP_FORWARD(int, 1, cudapool_caching, (void), caching())
 CP_FORWARD(int, -1, cudapool_allocation_info, (void *ptr, size_t *size, int *device),

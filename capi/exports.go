@@ -14,6 +14,8 @@ import (
 	"encoding/json"
 	"strconv"
 	"sync"
+	"syscall"
+	"unsafe"
 
 	"github.com/cudapool/cudapool/allocator"
 	"github.com/cudapool/cudapool/cuda"
@@ -446,4 +448,63 @@ func cpgo_sim_violations() (n C.longlong) {
 		return C.longlong(d.Violations())
 	}
 	return -1
+}
+
+//export cpgo_sim_set_pidfd_errors
+func cpgo_sim_set_pidfd_errors(open, getfd C.int) (rc C.int) {
+	const fn = "cudapool_sim_set_pidfd_errors"
+	rc = -1
+	defer guard(fn)
+	d := simDriver(fn)
+	if d == nil {
+		return -1
+	}
+	if open < 0 || getfd < 0 {
+		failf(fn, "errno values are not negative (%d, %d)", int(open), int(getfd))
+		return -1
+	}
+	d.SetPidfdErrors(syscall.Errno(open), syscall.Errno(getfd))
+	return 0
+}
+
+//export cpgo_sim_write
+func cpgo_sim_write(dev C.int, p C.uintptr_t, src unsafe.Pointer, n C.size_t) (rc C.int) {
+	const fn = "cudapool_sim_write"
+	rc = -1
+	defer guard(fn)
+	d := simDriver(fn)
+	if d == nil {
+		return -1
+	}
+	if src == nil && n != 0 {
+		failf(fn, "the source is NULL")
+		return -1
+	}
+	if err := d.WriteDevice(int(dev), cuda.Ptr(p), unsafe.Slice((*byte)(src), int(n))); err != nil {
+		failf(fn, "%d bytes at %#x on device %d: %v", uint64(n), uintptr(p), int(dev), err)
+		return -1
+	}
+	return 0
+}
+
+//export cpgo_sim_read
+func cpgo_sim_read(dev C.int, p C.uintptr_t, dst unsafe.Pointer, n C.size_t) (rc C.int) {
+	const fn = "cudapool_sim_read"
+	rc = -1
+	defer guard(fn)
+	d := simDriver(fn)
+	if d == nil {
+		return -1
+	}
+	if dst == nil && n != 0 {
+		failf(fn, "the destination is NULL")
+		return -1
+	}
+	b, err := d.ReadDevice(int(dev), cuda.Ptr(p), uint64(n))
+	if err != nil {
+		failf(fn, "%d bytes at %#x on device %d: %v", uint64(n), uintptr(p), int(dev), err)
+		return -1
+	}
+	copy(unsafe.Slice((*byte)(dst), int(n)), b)
+	return 0
 }

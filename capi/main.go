@@ -74,6 +74,7 @@ import (
 
 	"github.com/cudapool/cudapool/allocator"
 	"github.com/cudapool/cudapool/capi/warm"
+	"github.com/cudapool/cudapool/cuda"
 	"github.com/cudapool/cudapool/cuda/driver"
 	"github.com/cudapool/cudapool/cuda/sim"
 )
@@ -288,7 +289,13 @@ func newState(lookup func(string) (string, bool)) *state {
 			st.err = err
 			return st
 		}
+		kinds, err := simShareable(lookup)
+		if err != nil {
+			st.err = err
+			return st
+		}
 		st.sim = sim.New(opts)
+		st.sim.SetShareableKinds(kinds)
 		drv = st.sim
 	case "", "cuda":
 		st.backend = "cuda"
@@ -333,6 +340,31 @@ func simOptions(lookup func(string) (string, bool)) (sim.Options, error) {
 		opts.Memory = n
 	}
 	return opts, nil
+}
+
+// simShareable reads CUDAPOOL_SIM_SHAREABLE, the handle kinds through
+// which the simulated devices can export physical memory: fd (the
+// default: one node without an IMEX channel, where PyTorch and cudapool
+// share expandable memory as file descriptors), fabric, "fd,fabric", or
+// none.
+func simShareable(lookup func(string) (string, bool)) (cuda.ShareableKind, error) {
+	v, ok := lookup("CUDAPOOL_SIM_SHAREABLE")
+	if !ok || strings.TrimSpace(v) == "" {
+		return cuda.ShareablePOSIXFD, nil
+	}
+	var k cuda.ShareableKind
+	for _, w := range strings.Split(v, ",") {
+		switch strings.TrimSpace(w) {
+		case "fd":
+			k |= cuda.ShareablePOSIXFD
+		case "fabric":
+			k |= cuda.ShareableFabric
+		case "none":
+		default:
+			return 0, fmt.Errorf("cudapool: CUDAPOOL_SIM_SHAREABLE=%q: expected fd, fabric, fd,fabric or none", v)
+		}
+	}
+	return k, nil
 }
 
 // parseBytes reads a byte count with an optional binary suffix: 80G,

@@ -769,6 +769,66 @@ func cpgo_ipc_open(dev C.int, handle *C.uchar) C.uintptr_t {
 	return C.uintptr_t(p)
 }
 
+// maxShareHandle bounds a handle's length: the most physical allocations
+// a handle may list (vmem) as fabric handles, and its header.
+const maxShareHandle = 2 + 24 + 64<<20
+
+//export cpgo_ipc_share
+func cpgo_ipc_share(p C.uintptr_t, buf *C.uchar, capacity C.size_t, length, offset *C.size_t, dev *C.int) (rc C.int) {
+	const fn = "cudapool_ipc_share"
+	rc = -1
+	defer guard(fn)
+	if length == nil || offset == nil || dev == nil {
+		failf(fn, "an output pointer is NULL")
+		return -1
+	}
+	a := ready(fn)
+	if a == nil {
+		return -1
+	}
+	h, off, d, err := a.ShareIpcHandle(cuda.Ptr(p))
+	if err != nil {
+		fail(fn, err)
+		return -1
+	}
+	*length = C.size_t(len(h))
+	if buf == nil || uint64(capacity) < uint64(len(h)) {
+		failf(fn, "the handle of pointer %#x is %d bytes, longer than the %d-byte buffer: call again with a buffer of *len bytes", uintptr(p), len(h), uint64(capacity))
+		return -1
+	}
+	copy(unsafe.Slice((*byte)(unsafe.Pointer(buf)), len(h)), h)
+	*offset, *dev = C.size_t(off), C.int(d)
+	return 0
+}
+
+//export cpgo_ipc_open_shared
+func cpgo_ipc_open_shared(dev C.int, buf *C.uchar, n C.size_t) C.uintptr_t {
+	const fn = "cudapool_ipc_open_shared"
+	defer guard(fn)
+	if buf == nil && n != 0 {
+		failf(fn, "the handle is NULL")
+		return 0
+	}
+	if uint64(n) > maxShareHandle {
+		failf(fn, "a handle of %d bytes is longer than any handle (%d bytes)", uint64(n), maxShareHandle)
+		return 0
+	}
+	a := ready(fn)
+	if a == nil {
+		return 0
+	}
+	var h []byte
+	if n > 0 {
+		h = C.GoBytes(unsafe.Pointer(buf), C.int(n))
+	}
+	p, err := a.OpenIpcHandle(int(dev), h)
+	if err != nil {
+		fail(fn, err)
+		return 0
+	}
+	return C.uintptr_t(p)
+}
+
 //export cpgo_ipc_close
 func cpgo_ipc_close(p C.uintptr_t) (rc C.int) {
 	const fn = "cudapool_ipc_close"

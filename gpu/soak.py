@@ -20,9 +20,11 @@ What runs, for SOAK_S seconds:
     between eager allocations, checks every replay against eager, then
     destroys both and captures again;
   - a producer thread sends CUDA tensors to a consumer process
-    (torch.multiprocessing, spawn) that checks them and answers (not with
-    expandable segments, whose memory cudapool cannot share: both
-    allocators skip it there, so that the runs compare);
+    (torch.multiprocessing, spawn) that checks them and answers, with
+    expandable segments too (the consumer then takes the producer's file
+    descriptors with pidfd_getfd: the producer names it with
+    prctl(PR_SET_PTRACER), which Yama's ptrace_scope 1 requires of a parent
+    whose child imports its memory, natively as well);
   - empty_cache now and then (never during a capture: natively that is an
     internal assert);
   - before and after: allocate under set_per_process_memory_fraction until
@@ -39,6 +41,7 @@ only if everything checked out.
 """
 
 import argparse
+import ctypes
 import faulthandler
 import json
 import math
@@ -365,6 +368,15 @@ def ipc_consumer(allocator, inq, outq):
         outq.put((i, ok))
 
 
+def allow_descriptors(pid):
+    """Let process pid (the consumer, a child) take this process's file
+    descriptors, as importing memory of expandable segments does: under
+    Yama's ptrace_scope 1 a child may not unless its parent names it."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(0x59616D61, ctypes.c_ulong(pid), 0, 0, 0) != 0:  # PR_SET_PTRACER
+        print(f"prctl(PR_SET_PTRACER, {pid}): {os.strerror(ctypes.get_errno())}", file=sys.stderr)
+
+
 def emit(res):
     rows = [("allocator", res["allocator"]), ("PYTORCH_CUDA_ALLOC_CONF", res["conf"] or "-"),
             ("seconds", res["seconds"]), ("operations", res["ops"]), ("verified tensors", res["verified"]),
@@ -411,10 +423,7 @@ def main():
     # for the run once it starts).
     s.deadline = t_start + args.seconds + args.watchdog_s
     s.beat("main")
-    expandable = "expandable_segments:true" in conf.replace(" ", "").lower()
-    # Memory in expandable segments cannot be shared through CUDA IPC by
-    # cudapool; both allocators skip it there, so that the runs compare.
-    ipc = not args.no_ipc and not expandable
+    ipc = not args.no_ipc
     oom_phases = []
     res_box = {}
     gpu = torch.cuda.get_device_name(0)  # read once: the watchdog must not call CUDA
@@ -426,8 +435,7 @@ def main():
               and len(oom_phases) == 2 and all(p["oom_raised"] and p["recovered"] for p in oom_phases))
         return dict(allocator=args.allocator, conf=conf, torch=torch.__version__, gpu=gpu,
                     seconds=round(time.monotonic() - t_start, 1), **c,
-                    ipc=f"{c['ipc_sent']} ({c['ipc_bad']})" if ipc else "skipped (expandable segments)"
-                    if not args.no_ipc else "skipped",
+                    ipc=f"{c['ipc_sent']} ({c['ipc_bad']})" if ipc else "skipped",
                     oom_phases=" / ".join(f"{p['oom_raised'] and p['recovered']}" for p in oom_phases) or "-",
                     oom_detail=oom_phases, leak_bytes=res_box.get("leak_bytes"),
                     reserved_after=res_box.get("reserved_after"), errors=s.errors[:10], hang=None, ok=ok)
@@ -448,6 +456,7 @@ def main():
             inq, outq = ctx.Queue(), ctx.Queue()
             proc = ctx.Process(target=ipc_consumer, args=(args.allocator, inq, outq), daemon=True)
             proc.start()
+            allow_descriptors(proc.pid)
             threads.append(threading.Thread(target=s.ipc_producer, args=(inq, outq, proc), name="ipc"))
         for th in threads:
             th.start()

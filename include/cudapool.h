@@ -418,14 +418,62 @@ typedef struct {
 int cudapool_last_oom(cudapool_oom_info *out);
 
 /* The CUDA IPC handle (cudaIpcMemHandle_t, 64 bytes) of the segment holding
- * the allocation ptr, and ptr's offset in it; 0 or -1 (memory in expandable
- * segments cannot be shared). */
+ * the allocation ptr, and ptr's offset in it; 0 or -1. Memory in expandable
+ * segments (so also with stitch:True) has no such handle: share it with
+ * cudapool_ipc_share. */
 int cudapool_ipc_handle(void *ptr, unsigned char handle[64], size_t *offset, int *device);
 /* Opens another process's handle on device; one handle opened twice maps
  * once. NULL on failure. */
 void *cudapool_ipc_open(int device, const unsigned char handle[64]);
-/* Drops one cudapool_ipc_open of ptr; the last closes the mapping. */
+/* Drops one cudapool_ipc_open or cudapool_ipc_open_shared of ptr (the
+ * address they returned); the last closes the mapping. */
 int cudapool_ipc_close(void *ptr);
+
+/* PyTorch's shareable handle of the memory of the allocation ptr (what
+ * torch.multiprocessing sends for a CUDA tensor; docs/interop.md, "CUDA
+ * IPC"), for another process to open with cudapool_ipc_open_shared or with
+ * PyTorch, cudapool's or native: a version byte (2), a type byte, then
+ *   'c'  the 64-byte cudaIpcMemHandle_t of ptr's ordinary segment;
+ *   'e'  for memory in an expandable segment (expandable_segments:True,
+ *        stitch:True): a 24-byte header (this process's id, the size of
+ *        each physical allocation, their number), then each physical
+ *        allocation under ptr as a file descriptor of this process (4
+ *        bytes) or, where the system supports them, a fabric handle (64).
+ * Writes it to buf if it fits in cap bytes; *len is its length either way,
+ * so a call with too small a buffer (buf may be NULL) fails having set
+ * *len: call again with *len bytes. *offset is ptr's offset from the start
+ * of the memory the handle names, *device ptr's device. 0 or -1.
+ * Errors (cudapool_last_error): ptr is not the start of an allocation;
+ * memory that cannot be shared (a driver without the sharing API, or a
+ * block over physical allocations of two sizes, which PyTorch's handle
+ * cannot describe: a range mapped short near the memory limit); an export
+ * the driver refuses. Each physical allocation exported as a file
+ * descriptor holds one descriptor until its memory is released, so the
+ * process's limit of open files (RLIMIT_NOFILE) bounds how much memory can
+ * be exported at once; the error says how many are held and the limit.
+ * The same memory gives the same bytes every time. Keep the allocation
+ * allocated until the other process has opened the handle (PyTorch keeps
+ * a shared tensor's memory until its receivers let go): descriptors stay
+ * valid while it is, whatever else this process allocates, frees, stitches
+ * or empties. */
+int cudapool_ipc_share(void *ptr, void *buf, size_t cap, size_t *len, size_t *offset, int *device);
+/* Maps the memory another process shared (a handle of len bytes from
+ * cudapool_ipc_share or PyTorch's shareIpcHandle, or a bare 64-byte
+ * cudaIpcMemHandle_t) on device and returns its address, where the
+ * handle's offset starts. Memory already open here returns the same
+ * address and counts one more reference; close each open with
+ * cudapool_ipc_close. An expandable segment's handle is imported by
+ * taking the exporter's descriptors (pidfd_open, pidfd_getfd) and maps
+ * exactly the bytes it covers, so address space grows with the memory
+ * opened, not with the device's size per import. NULL on failure
+ * (cudapool_last_error): bytes that are no handle, or a handle of a
+ * PyTorch newer than this cudapool reads; a kernel without pidfd_open
+ * (Linux 5.3) or pidfd_getfd (5.6); no ptrace permission to the exporter
+ * (same user, and kernel.yama.ptrace_scope 0, or 1 with the exporter a
+ * descendant of this process or naming it with PR_SET_PTRACER; or
+ * CAP_SYS_PTRACE); an exporter that has exited or closed the memory; the
+ * message says which. */
+void *cudapool_ipc_open_shared(int device, const void *buf, size_t len);
 
 /* ---- Other libraries' allocator interfaces (CuPy, any caller that cannot
  * pass a C callback cheaply) ---- */

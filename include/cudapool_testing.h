@@ -50,6 +50,19 @@ void cudapool_sim_submit(cudapool_stream s);
 /* Completes all pending work on every stream. */
 void cudapool_sim_complete_all(void);
 
+/* Makes this simulated process's later pidfd_open and pidfd_getfd calls
+ * fail with these errno values (0: work), as a kernel without them (ENOSYS)
+ * or a ptrace rule (EPERM) would. 0 or -1. The handle kinds the simulated
+ * devices export are CUDAPOOL_SIM_SHAREABLE's: fd (the default), fabric,
+ * "fd,fabric" or none. */
+int cudapool_sim_set_pidfd_errors(int open_errno, int getfd_errno);
+
+/* Copies n bytes to (write) or from (read) simulated device memory at ptr,
+ * which must be mapped (an allocation, or an opened IPC handle's memory).
+ * 0 or -1. */
+int cudapool_sim_write(int device, void *ptr, const void *src, size_t n);
+int cudapool_sim_read(int device, const void *ptr, void *dst, size_t n);
+
 /* The number of calls the allocator made that CUDA forbids under the stream
  * capture rules (each would have broken a CUDA graph capture); -1 when the
  * backend is not the simulator. */

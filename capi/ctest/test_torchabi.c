@@ -5,6 +5,7 @@
  * CUDAPOOL_SIM_MEMORY=8G (make test does). The last line is
  * "torch ABI: N passed, M failed"; the exit status is non-zero on failure.
  */
+#include <errno.h>
 #include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -229,11 +230,77 @@ static void test_ipc(void) {
 	cudapool_free(b, 4096, 0, NULL);
 }
 
+/* PyTorch's handle format (cudapool_ipc_share, cudapool_ipc_open_shared),
+ * for ordinary memory ('c') and expandable memory ('e'). The simulated
+ * process imports its own exports: pidfd_open of itself works as across
+ * processes (the Go tests use two simulated processes). */
+static void test_ipc_share(void) {
+	printf("-- CUDA IPC in PyTorch's handle format\n");
+	unsigned char buf[256], h64[64];
+	size_t len = 0, off = 99, off64 = 0;
+	int dev = -1, dev64 = -1;
+	void *a = cudapool_malloc_ctx(4096, 0, NULL, 0);
+	CHECK(cudapool_ipc_share(a, buf, sizeof buf, &len, &off, &dev) == 0 && len == 66 && buf[0] == 2 && buf[1] == 'c' &&
+	          dev == 0,
+	      "ordinary memory: version 2, type 'c', 66 bytes");
+	CHECK(cudapool_ipc_handle(a, h64, &off64, &dev64) == 0 && memcmp(buf + 2, h64, 64) == 0 && off == off64,
+	      "carrying the segment's cudaIpcMemHandle_t and offset");
+	void *m = cudapool_ipc_open_shared(0, buf, len);
+	CHECK(m != NULL && cudapool_ipc_open(0, h64) == m, "opened through either entry point: one mapping");
+	CHECK(cudapool_ipc_close(m) == 0 && cudapool_ipc_close(m) == 0 && cudapool_ipc_close(m) == -1, "closed as often as opened");
+	cudapool_free(a, 4096, 0, NULL);
+
+	CHECK(cudapool_configure_update("expandable_segments:True") == 0, "expandable segments on");
+	void *e = cudapool_malloc_ctx(5 * MiB, 0, NULL, 0);
+	CHECK(cudapool_ipc_handle(e, h64, &off64, &dev64) == -1 && err_has("share it with cudapool_ipc_share"),
+	      "the 64-byte handle cannot name expandable memory, and says what can");
+	len = 0;
+	CHECK(cudapool_ipc_share(e, NULL, 0, &len, &off, &dev) == -1 && len == 2 + 24 + 4 &&
+	          err_has("cudapool_ipc_share: ") && err_has("call again with a buffer of *len bytes"),
+	      "too small a buffer: -1, and *len says how long the handle is (%zu)", len);
+	CHECK(cudapool_ipc_share(e, buf, len, &len, &off, &dev) == 0 && buf[1] == 'e' && dev == 0,
+	      "expandable memory: type 'e', one descriptor");
+	unsigned char again[64];
+	size_t len2 = 0;
+	CHECK(cudapool_ipc_share(e, again, sizeof again, &len2, &off64, &dev64) == 0 && len2 == len && memcmp(buf, again, len) == 0,
+	      "the same bytes every time");
+	unsigned char data[4096], got[4096];
+	for (size_t i = 0; i < sizeof data; i++)
+		data[i] = (unsigned char)(i * 13 + 1);
+	CHECK(cudapool_sim_write(0, e, data, sizeof data) == 0, "the exporter writes");
+	m = cudapool_ipc_open_shared(0, buf, len);
+	CHECK(m != NULL && cudapool_sim_read(0, (char *)m + off, got, sizeof got) == 0 && memcmp(data, got, sizeof data) == 0,
+	      "the import shows the exporter's bytes at its address plus the offset");
+	CHECK(m != (void *)e, "at an address of its own");
+	CHECK(cudapool_ipc_open_shared(0, buf, len) == m, "a second open maps once");
+	CHECK(cudapool_ipc_close(m) == 0 && cudapool_ipc_close(m) == 0, "closed twice");
+	CHECK(cudapool_ipc_close(m) == -1 && err_has("cudapool_ipc_close: "), "a third close fails");
+
+	CHECK(cudapool_sim_set_pidfd_errors(0, EPERM) == 0, "pidfd_getfd forbidden (ptrace rules)");
+	CHECK(cudapool_ipc_open_shared(0, buf, len) == NULL && err_has("cudapool_ipc_open_shared: ") &&
+	          err_has("ptrace permission to process") && err_has("kernel.yama.ptrace_scope"),
+	      "the error says what permission is missing");
+	CHECK(cudapool_sim_set_pidfd_errors(ENOSYS, 0) == 0, "a kernel without pidfd_open");
+	CHECK(cudapool_ipc_open_shared(0, buf, len) == NULL && err_has("the kernel lacks pidfd_open (Linux 5.3+)"),
+	      "the error says what the kernel lacks");
+	cudapool_sim_set_pidfd_errors(0, 0);
+	CHECK(cudapool_ipc_open_shared(0, "\x03" "e", 2) == NULL && err_has("version 3"), "a newer PyTorch's handle is refused");
+	CHECK(cudapool_ipc_open_shared(0, NULL, 5) == NULL && err_has("the handle is NULL"), "a NULL handle is refused");
+	CHECK(cudapool_ipc_open_shared(0, buf, 3) == NULL && err_has("not a readable CUDA IPC handle"), "a cut handle is refused");
+	CHECK(cudapool_ipc_share(e, buf, sizeof buf, NULL, &off, &dev) == -1 && err_has("an output pointer is NULL"),
+	      "a NULL output is refused");
+	CHECK(cudapool_ipc_share((char *)e + 8, buf, sizeof buf, &len, &off, &dev) == -1 && err_has("not at its start"),
+	      "not the start of an allocation");
+	cudapool_free(e, 5 * MiB, 0, NULL);
+	CHECK(cudapool_configure_update("expandable_segments:False") == 0, "expandable segments off again");
+}
+
 int main(void) {
 	test_errors_and_stats();
 	test_pools_and_checkpoints();
 	test_history();
 	test_ipc();
+	test_ipc_share();
 	test_caching_off();
 	CHECK(cudapool_sim_violations() == 0, "no call broke the capture rules");
 	printf("torch ABI: %d passed, %d failed\n", passed, failed);

@@ -33,7 +33,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
         f"cudapool.numba needs numba-cuda ({e}); install it, e.g. `pip install numba-cuda`"
     ) from e
 
-__all__ = ["CudapoolNumbaManager", "install", "_numba_memory_manager"]
+__all__ = ["CudapoolNumbaManager", "SharedIpcHandle", "install", "_numba_memory_manager"]
 
 # CU_STREAM_PER_THREAD: the per-thread default stream's handle.
 _PER_THREAD_STREAM = 2
@@ -210,13 +210,20 @@ class CudapoolNumbaManager(_cuda.HostOnlyCUDAMemoryManager):
         return _driver.MemoryInfo(free=int(free) + max(cached, 0), total=int(total))
 
     def get_ipc_handle(self, memory):
-        """An IpcHandle for memory, from cudapool's segment (memory in
-        expandable segments cannot be shared: CudapoolError says so)."""
+        """An IpcHandle for memory: for an ordinary segment, Numba's own,
+        with the segment's cudaIpcMemHandle_t (any Numba process opens it);
+        for memory in an expandable segment (expandable_segments:True,
+        stitch:True), a SharedIpcHandle carrying PyTorch's handle bytes,
+        which the receiving process opens through cudapool."""
         ptr = memory.device_pointer_value
         raw = (ctypes.c_ubyte * 64)()
         offset, dev = ctypes.c_size_t(0), ctypes.c_int(-1)
+        source = self.context.device.get_device_identity()
         if _lib_c().ipc_handle(ptr, ctypes.byref(raw), ctypes.byref(offset), ctypes.byref(dev)) != 0:
-            raise _lib._error(f"cudapool_ipc_handle({ptr:#x}) failed")
+            if "expandable segment" not in (_lib.last_error() or ""):
+                raise _lib._error(f"cudapool_ipc_handle({ptr:#x}) failed")
+            handle, off, _ = _lib.ipc_share(ptr)
+            return SharedIpcHandle(memory, handle, memory.size, source, offset=off)
         binding = getattr(_driver, "binding", None)
         if binding is not None:  # numba-cuda's driver binding
             handle = binding.CUipcMemHandle()
@@ -226,8 +233,48 @@ class CudapoolNumbaManager(_cuda.HostOnlyCUDAMemoryManager):
 
             handle = drvapi.cu_ipc_mem_handle()
             ctypes.memmove(handle, raw, 64)
-        source = self.context.device.get_device_identity()
         return _driver.IpcHandle(memory, handle, memory.size, source, offset=offset.value)
+
+
+def _rebuild_shared(handle, size, source_info, offset):
+    """Unpickles a SharedIpcHandle in the receiving process."""
+    return SharedIpcHandle(None, handle, size, source_info, offset=offset)
+
+
+class SharedIpcHandle(_driver.IpcHandle):
+    """Numba's IpcHandle for memory in cudapool's expandable segments: its
+    handle is PyTorch's handle bytes (cudapool_ipc_share: the physical
+    allocations under the memory), which have no cudaIpcMemHandle_t, so the
+    receiving process opens it through cudapool (cudapool_ipc_open_shared,
+    on the device of the context it opens in) rather than with
+    cuIpcOpenMemHandle. It pickles like Numba's own (cuda.open_ipc_array,
+    a multiprocessing queue); the receiver needs cudapool installed, not as
+    its memory manager."""
+
+    def open(self, context):
+        """Map the memory in context's device; returns a MemoryPointer to it."""
+        if self.base is not None:
+            raise ValueError("opening IpcHandle from original process")
+        if self._impl is not None:
+            raise ValueError("IpcHandle is already opened")
+        base = _lib.ipc_open_shared(self.handle, context.device.id)
+        self._impl = base
+        return _driver.MemoryPointer(context, ctypes.c_void_p(base + self.offset), self.size)
+
+    def open_direct(self, context):
+        return self.open(context)
+
+    def open_staged(self, context):
+        return self.open(context)
+
+    def close(self):
+        if self._impl is None:
+            raise ValueError("IpcHandle not opened")
+        base, self._impl = self._impl, None
+        _lib.ipc_close(base)
+
+    def __reduce__(self):
+        return (_rebuild_shared, (bytes(self.handle), self.size, self.source_info, self.offset))
 
 
 #: What NUMBA_CUDA_MEMORY_MANAGER=cudapool.numba makes Numba use.

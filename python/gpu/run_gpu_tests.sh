@@ -20,6 +20,8 @@ PER_FILE_TIMEOUT=${PER_FILE_TIMEOUT:-300}
 # among them); test_gpu_multi_gpu runs FSDP2 under torchrun twice.
 PARITY_TIMEOUT=${PARITY_TIMEOUT:-1200}
 MULTI_GPU_TIMEOUT=${MULTI_GPU_TIMEOUT:-1200}
+# test_gpu_ipc_expandable: five scenarios, ten thousand tensors in one of them.
+IPC_TIMEOUT=${IPC_TIMEOUT:-1500}
 export PYTHONPATH="$PYDIR${PYTHONPATH:+:$PYTHONPATH}"
 export CUBLAS_WORKSPACE_CONFIG=${CUBLAS_WORKSPACE_CONFIG:-:4096:8}
 unset CUDAPOOL_BACKEND CUDAPOOL_CONF
@@ -63,6 +65,8 @@ for f in tests/gpu/test_*.py; do
         test_gpu_mempool) envs=(CUDAPOOL_GPU_NO_INSTALL=1) ;;  # per-pool mode: no install()
         # the pytest process only starts subprocesses (native and cudapool)
         test_gpu_parity) envs=(CUDAPOOL_GPU_NO_INSTALL=1); limit=$PARITY_TIMEOUT ;;
+        # the same: each scenario is a parent and a spawned child of its own
+        test_gpu_ipc_expandable) envs=(CUDAPOOL_GPU_NO_INSTALL=1); limit=$IPC_TIMEOUT ;;
         test_gpu_multi_gpu) limit=$MULTI_GPU_TIMEOUT ;;
     esac
     echo "=== $f ${envs[*]+${envs[*]}}"

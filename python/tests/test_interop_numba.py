@@ -6,6 +6,7 @@ Real kernels on a GPU: tests/gpu/test_gpu_interop.py."""
 
 import ctypes
 import gc
+import pickle
 import threading
 import types
 
@@ -192,11 +193,30 @@ def test_threads(mgr):
     assert cudapool.memory_stats(0)["allocation.all.allocated"] == 6 * 200
 
 
-def test_ipc_refused_in_expandable_segments(mgr):
+def test_ipc_of_expandable_memory(mgr):
+    """Memory in an expandable segment has no cudaIpcMemHandle_t: its handle
+    carries PyTorch's handle bytes, pickles, and opens through cudapool
+    (here in the same simulated process, which the simulator allows)."""
     _lib.configure("expandable_segments:True")
     mp = mgr.memalloc(4096)
     try:
-        with pytest.raises(cudapool.CudapoolError, match="expandable"):
-            mgr.get_ipc_handle(mp)
+        ptr = mp.device_pointer_value
+        _lib.sim_write(ptr, b"numba ipc")
+        h = mgr.get_ipc_handle(mp)
+        assert isinstance(h, cn.SharedIpcHandle) and isinstance(h, ndriver.IpcHandle)
+        assert h.base is mp and h.size == 4096 and h.source_info == IDENTITY
+        raw, off, _ = _lib.ipc_share(ptr)
+        assert h.handle == raw and raw[:2] == b"\x02e" and h.offset == off
+        with pytest.raises(ValueError, match="original process"):
+            h.open(context())
+        got = pickle.loads(pickle.dumps(h))
+        assert isinstance(got, cn.SharedIpcHandle) and got.base is None
+        assert got.handle == raw and got.offset == off and got.size == 4096
+        opened = got.open(context())
+        assert opened.device_pointer_value != ptr, "mapped at an address of its own"
+        assert _lib.sim_read(opened.device_pointer_value, 9) == b"numba ipc"
+        got.close()
+        with pytest.raises(ValueError, match="not opened"):
+            got.close()
     finally:
         mp.free()

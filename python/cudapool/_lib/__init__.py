@@ -135,6 +135,17 @@ _SIGNATURES = {
     "cudapool_sim_submit": (None, [stream_t]),
     "cudapool_sim_complete_all": (None, []),
     "cudapool_sim_violations": (ctypes.c_longlong, []),
+    "cudapool_sim_set_pidfd_errors": (ctypes.c_int, [ctypes.c_int, ctypes.c_int]),
+    "cudapool_sim_write": (ctypes.c_int, [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]),
+    "cudapool_sim_read": (ctypes.c_int, [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]),
+    # CUDA IPC in PyTorch's handle format.
+    "cudapool_ipc_share": (
+        ctypes.c_int,
+        [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t),
+         ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_int)],
+    ),
+    "cudapool_ipc_open_shared": (ctypes.c_void_p, [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]),
+    "cudapool_ipc_close": (ctypes.c_int, [ctypes.c_void_p]),
 }
 
 #: The C++ entry points PyTorch's CUDAPluggableAllocator hooks call.
@@ -431,3 +442,61 @@ def sim_complete_all():
 
 def sim_violations():
     return _fn("cudapool_sim_violations")()
+
+
+def sim_set_pidfd_errors(open_errno=0, getfd_errno=0):
+    """Make the simulated process's pidfd_open / pidfd_getfd fail with these
+    errno values (0: work)."""
+    if _fn("cudapool_sim_set_pidfd_errors")(open_errno, getfd_errno) != 0:
+        raise _error("cudapool_sim_set_pidfd_errors failed")
+
+
+def sim_write(ptr, data, device=0):
+    """Write bytes to simulated device memory at ptr."""
+    buf = ctypes.create_string_buffer(bytes(data), len(data))
+    if _fn("cudapool_sim_write")(device, ptr, buf, len(data)) != 0:
+        raise _error(f"cudapool_sim_write({ptr:#x}) failed")
+
+
+def sim_read(ptr, n, device=0):
+    """Read n bytes of simulated device memory at ptr."""
+    buf = ctypes.create_string_buffer(n)
+    if _fn("cudapool_sim_read")(device, ptr, buf, n) != 0:
+        raise _error(f"cudapool_sim_read({ptr:#x}) failed")
+    return buf.raw
+
+
+# ---------------------------------------------------------------------------
+# CUDA IPC in PyTorch's handle format (include/cudapool.h, cudapool_ipc_share)
+
+
+def ipc_share(ptr):
+    """PyTorch's shareable handle of the allocation at ptr: (handle bytes,
+    offset, device). Works for ordinary and expandable memory."""
+    fn = _fn("cudapool_ipc_share")
+    n, off, dev = ctypes.c_size_t(0), ctypes.c_size_t(0), ctypes.c_int(-1)
+    buf = ctypes.create_string_buffer(256)
+    if fn(ptr, buf, len(buf), ctypes.byref(n), ctypes.byref(off), ctypes.byref(dev)) != 0:
+        if n.value <= len(buf):
+            raise _error(f"cudapool_ipc_share({ptr:#x}) failed")
+        buf = ctypes.create_string_buffer(n.value)  # longer than guessed
+        if fn(ptr, buf, len(buf), ctypes.byref(n), ctypes.byref(off), ctypes.byref(dev)) != 0:
+            raise _error(f"cudapool_ipc_share({ptr:#x}) failed")
+    return buf.raw[: n.value], off.value, dev.value
+
+
+def ipc_open_shared(handle, device=0):
+    """Map the memory another process shared (a handle from ipc_share or
+    PyTorch) on device; returns its address (the handle's offset is from
+    there). Close with ipc_close."""
+    handle = bytes(handle)
+    p = _fn("cudapool_ipc_open_shared")(device, handle, len(handle))
+    if not p:
+        raise _error(f"cudapool_ipc_open_shared({len(handle)} bytes, device={device}) failed")
+    return p
+
+
+def ipc_close(ptr):
+    """Drop one open of the mapping at ptr (what ipc_open_shared returned)."""
+    if _fn("cudapool_ipc_close")(ptr) != 0:
+        raise _error(f"cudapool_ipc_close({ptr:#x}) failed")

@@ -361,11 +361,10 @@ struct PoolState : CCA::AllocatorState {
 
 // ---- IPC handles -------------------------------------------------------------
 
-// PyTorch's handle string: a version byte, a type byte ('c': a cudaMalloc'd
-// segment), then the 64-byte cudaIpcMemHandle_t (see shareIpcHandle).
-constexpr char kIpcVersion = 2;
-constexpr char kIpcCudaMalloc = 'c';
-constexpr size_t kIpcHandleSize = 64;
+// PyTorch's handle string (ShareableHandle::handle), which Go writes and
+// reads whole (cudapool_ipc_share, cudapool_ipc_open_shared): 'c' for an
+// ordinary segment, 'e' for expandable memory. Most handles fit this.
+constexpr size_t kIpcHandleGuess = 256;
 
 // ---- the allocator ---------------------------------------------------------
 
@@ -667,34 +666,23 @@ class Allocator : public Base {
 	}
 
 	CCA::ShareableHandle shareIpcHandle(void *p) override {
-		unsigned char h[kIpcHandleSize];
-		size_t offset = 0;
+		std::string s(kIpcHandleGuess, '\0');
+		size_t len = 0, offset = 0;
 		int device = -1;
 		cudapool_clear_error();
-		cudapool_ipc_handle(p, h, &offset, &device);
+		if (cudapool_ipc_share(p, s.data(), s.size(), &len, &offset, &device) != 0 && len > s.size()) {
+			s.resize(len); // longer than guessed: *len says how long
+			cudapool_clear_error();
+			cudapool_ipc_share(p, s.data(), s.size(), &len, &offset, &device);
+		}
 		check();
-		std::string s;
-		s.reserve(2 + kIpcHandleSize);
-		s.push_back(kIpcVersion);
-		s.push_back(kIpcCudaMalloc);
-		s.append(reinterpret_cast<const char *>(h), kIpcHandleSize);
+		s.resize(len);
 		return CCA::ShareableHandle{static_cast<ptrdiff_t>(offset), std::move(s)};
 	}
 
 	std::shared_ptr<void> getIpcDevPtr(std::string handle) override {
-		const unsigned char *h = nullptr;
-		if (handle.size() == 2 + kIpcHandleSize && handle[1] == kIpcCudaMalloc) {
-			h = reinterpret_cast<const unsigned char *>(handle.data()) + 2;
-		} else if (handle.size() == kIpcHandleSize) { // a bare cudaIpcMemHandle_t
-			h = reinterpret_cast<const unsigned char *>(handle.data());
-		} else {
-			TORCH_CHECK(false, "cudapool: cannot open this CUDA IPC handle (", handle.size(),
-			            " bytes, type '", handle.size() > 1 ? handle[1] : '?',
-			            "'): only handles of ordinary (cudaMalloc'd) segments are supported; memory in "
-			            "expandable segments cannot be shared between processes");
-		}
 		cudapool_clear_error();
-		void *p = cudapool_ipc_open(current_device(), h);
+		void *p = cudapool_ipc_open_shared(current_device(), handle.data(), handle.size());
 		check();
 		return std::shared_ptr<void>(p, [](void *q) {
 			if (cudapool_ipc_close(q) != 0)
