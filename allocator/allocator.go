@@ -14,8 +14,10 @@
 //	             (uncached.go), the memory history's            Allocator.gate,
 //	             allocator-wide state (history.go), the front   uncached.mu,
 //	             cache's control (front.go), the IPC cache      frontCtl.mu,
-//	             (ipc.go); per device: the lock, the request    ipcMaps.mu
-//	             paths (request.go), the retry sequence, the
+//	             (ipc.go), PyTorch's handles and the imports    ipcMaps.mu,
+//	             of other processes' memory (share.go); per     the import
+//	             device: the lock, the request paths            cache's (vmem)
+//	             (request.go), the retry sequence, the
 //	             memory fraction, the device's recorder
 //	             (recorder.go)
 //	pools        blocks, segments, free sets, best fit, split   none (device.mu)
@@ -31,9 +33,10 @@
 //	privatepool  private pools' lifetime (holders, release,     none (device.mu)
 //	             which pools may be named or restored into),
 //	             segment sources, checkpoints
-//	vmem         virtual memory: reservations, physical         none (device.mu)
-//	             allocations (map unit, spares, orphans),
-//	             map/unmap/lend, stitching's policy
+//	vmem         virtual memory: reservations, physical         none (device.mu);
+//	             allocations (map unit, spares, orphans),       ImportCache's
+//	             map/unmap/lend, stitching's policy, exports    own, alone
+//	             to other processes; the import cache
 //	cuda         the driver (cuda/driver), the simulator        the driver's and
 //	             (cuda/sim), relaxed capture mode               simulator's own
 //	capi         the C ABI and the C front cache                C's spin lock

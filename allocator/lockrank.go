@@ -45,6 +45,9 @@ const (
 	rankFront
 	// rankIPC is ipcMaps.mu: the cache of opened IPC handles; no other
 	// lock is taken while it is held, nor is it taken under a device lock.
+	// (The import cache of other processes' expandable memory,
+	// vmem.ImportCache, has its own unranked mutex, taken the same way:
+	// alone, under no lock of these.)
 	rankIPC
 )
 

@@ -623,3 +623,23 @@ func TestShareConcurrent(t *testing.T) {
 		require.Zero(t, p.d.Used(0))
 	}
 }
+
+// Opening an import runs in relaxed capture mode, like every mapping the
+// allocator makes: a capture under way (global mode, begun by this very
+// thread) stays valid.
+func TestShareOpenDuringCapture(t *testing.T) {
+	lockThread(t)
+	exp := newProc(t, "expandable_segments:True", cuda.ShareablePOSIXFD, GiB)
+	imp := newProc(t, "", cuda.ShareablePOSIXFD, GiB)
+	p := mustMalloc(t, exp.a, 0, 3*MiB, 0)
+	raw, _, _ := share(t, exp.a, p)
+	const cs = cuda.Stream(9)
+	require.NoError(t, imp.d.BeginCapture(cs, cuda.CaptureModeGlobal))
+	base, err := imp.a.OpenIpcHandle(0, raw)
+	require.NoError(t, err)
+	require.NoError(t, imp.d.EndCapture(cs), "the capture stayed valid: %v", imp.d.ViolationLog())
+	require.Zero(t, imp.d.Violations())
+	require.NoError(t, imp.a.IpcClose(base))
+	importsGone(t, imp)
+	require.NoError(t, exp.a.Free(allocator.FreeRequest{Ptr: p}))
+}

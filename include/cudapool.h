@@ -431,7 +431,7 @@ int cudapool_ipc_close(void *ptr);
 
 /* PyTorch's shareable handle of the memory of the allocation ptr (what
  * torch.multiprocessing sends for a CUDA tensor; docs/interop.md, "CUDA
- * IPC"), for another process to open with cudapool_ipc_open_shared or with
+ * IPC between processes"), for another process to open with cudapool_ipc_open_shared or with
  * PyTorch, cudapool's or native: a version byte (2), a type byte, then
  *   'c'  the 64-byte cudaIpcMemHandle_t of ptr's ordinary segment;
  *   'e'  for memory in an expandable segment (expandable_segments:True,

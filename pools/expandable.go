@@ -34,8 +34,9 @@ import (
 // piece with the free mapped neighbours, until one free block covers the
 // request: at least the owner's mapping unit per Mapper call where there
 // is room (one call per unmapped block, fewer calls for many small
-// growths), or just the pages needed when the memory fraction or the
-// device has no room for more. With no such room the owner reserves a new
+// growths), in whole chunks where the segment asks for them
+// (Segment.WholeChunks), or just the pages needed when the memory fraction
+// or the device has no room for more. With no such room the owner reserves a new
 // segment (AddExpandable). Best fit prefers, among blocks that fit, one
 // that is not the growing end of a segment (preferInterior), so that the
 // end stays free to grow. Segment.UsedEnd remembers the highest byte ever

@@ -23,10 +23,11 @@
 // Files: space.go (configuration, growth, trimming and release), mapper.go
 // (the pools.Mapper: creating, mapping, unmapping and releasing physical
 // allocations; spares and orphans), stitch.go (stitching's policy);
-// share.go (PyTorch's shareable handle of a segment, for IPC export) and
-// shareimport.go (ImportCache: mapping the segments other processes
-// shared); copy.go (copies of device memory to pinned host memory and
-// back, for pausing memory with its contents and resuming it).
+// export.go (physical memory created shareable and exported to other
+// processes), share.go (PyTorch's shareable handle of a segment: the
+// format), shareimport.go (ImportCache: mapping the segments other
+// processes shared); copy.go (copies of device memory to pinned host
+// memory and back, for pausing memory with its contents and resuming it).
 //
 // # Capture rules
 //
@@ -40,22 +41,26 @@
 //
 // # Sharing and pausing
 //
-// Two capabilities belong here. Their parts that stand alone are written:
-// PyTorch's handle codec (share.go), the import side (shareimport.go) and
-// the copies a pause keeps contents with (copy.go). What ties them to a
-// Space is to be built on this structure:
+// Two capabilities belong here. Sharing stands on this structure as
+// described below; for pausing, the copies that keep contents are written
+// (copy.go), and what ties them to a Space is to be built as described.
 //
 //   - Sharing physical allocations with other processes (CUDA IPC of
-//     expandable and stitched memory, in PyTorch's handle format). Every
-//     physical allocation is made in one place (mapper.go, Map's
-//     MemCreate): a shareable one is to be created there with the requested
-//     handle type. An export records the allocation in a table keyed by its
-//     handle, with the count of importers. While that count is not zero the
-//     allocation is pinned: stitching's donor verdict (Space.donorKind)
-//     refuses a block holding a pinned page, and release (UnmapFree,
-//     TrimUnused, unlending) skips it, so a page another process maps is
-//     neither moved nor reused here until it closes; the driver keeps the
-//     memory itself alive until every process has unmapped it.
+//     expandable and stitched memory, in PyTorch's handle format;
+//     export.go has the design). Every physical allocation is made in one
+//     place (mapper.go, Map) and is created shareable there, with the
+//     handle kind chosen at the first growth. A block's export lists the
+//     allocations under it; each is exported once, lazily, and its file
+//     descriptor stays with its handle until the handle is released,
+//     whatever moves it (stitching maps the same handle elsewhere). The
+//     rule that makes exported pages safe needs no count of importers: the
+//     memory under an allocated block is never moved or released here
+//     (stitching and release take only whole pages of free blocks), and a
+//     shared block stays allocated until its importers are done (the
+//     caller's protocol: PyTorch's reference-counter file); the driver
+//     keeps the memory itself alive until every process has unmapped it.
+//     The other side, importing what other processes shared, is
+//     ImportCache (shareimport.go), with its own lock.
 //   - Pausing and resuming tagged memory, contents kept by copy.go's
 //     Copier. A tag's ranges are its own (the owner reserves per pool,
 //     stream and tag), so pausing one tag touches no other's pages. Pause

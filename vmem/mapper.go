@@ -17,7 +17,8 @@ import (
 // (a failed cuMemSetAccess) are parked in the orphans; both are released at
 // the next Release. Unmap keeps the handles it unmaps in the spares, and its
 // callers decide: stitching maps them again at once, release and trimming
-// release them (releaseSpares).
+// release them (releaseSpares). Every successful release of a handle also
+// forgets its export and closes its descriptor (Space.released, export.go).
 
 // physical is a physical allocation (cuMemCreate) not mapped in any range.
 type physical struct {

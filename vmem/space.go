@@ -25,7 +25,10 @@ import (
 // while a capture may be under way.
 //
 // Physical allocations (chunks, one cuMemCreate and one cuMemMap each) are
-// as large as one Map call's range allows, up to the range's ChunkSize:
+// as large as one Map call's range allows, up to the range's ChunkSize
+// (in the default pools' chunked ranges growth maps whole chunks where
+// there is room, so that their allocations are one size, which PyTorch's
+// IPC handle needs: export.go):
 // the mapping unit (20 MiB, PyTorch's large-pool page) in large pools, so
 // that growth costs one create and one map per 20 MiB rather than per 2 MiB
 // page (a GPT-2 forward's capture: 87 of each before, 11 now; each costs
