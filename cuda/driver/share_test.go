@@ -11,6 +11,7 @@ import (
 	"syscall"
 	"testing"
 
+	"github.com/cudapool/cudapool/allocator"
 	"github.com/cudapool/cudapool/cuda"
 	"github.com/cudapool/cudapool/cuda/driver"
 	"github.com/cudapool/cudapool/vmem"
@@ -328,4 +329,101 @@ func TestFakeImportCacheEndToEnd(t *testing.T) {
 	if got := f.depth(); got != 0 {
 		t.Errorf("context stack depth %d", got)
 	}
+}
+
+// The allocator shares expandable memory through the real driver's code
+// and the real system calls: the handle lists the block's physical
+// allocation as a descriptor of this process (or its fabric handle where
+// fabric handles work), the import takes the descriptor with pidfd_getfd
+// (on oneself) and maps it, and the descriptor closes when the allocation
+// is released.
+func TestFakeAllocatorShareExpandable(t *testing.T) {
+	for _, c := range []struct {
+		name string
+		env  string
+		kind cuda.ShareableKind
+	}{
+		{"fd", "FAKECUDA_NO_FABRIC", cuda.ShareablePOSIXFD},
+		{"fabric export fails", "FAKECUDA_FABRIC_EXPORT_FAILS", cuda.ShareablePOSIXFD},
+		{"fabric", "", cuda.ShareableFabric},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			if c.env != "" {
+				t.Setenv(c.env, "1")
+			}
+			f := openFake(t)
+			if c.kind == cuda.ShareablePOSIXFD {
+				skipWithoutPidfd(t, f)
+			}
+			runtime.LockOSThread()
+			defer runtime.UnlockOSThread()
+			cfg, _, err := allocator.ParseConfig("expandable_segments:True")
+			if err != nil {
+				t.Fatal(err)
+			}
+			a, err := allocator.New(f.Driver, cfg)
+			if err != nil {
+				t.Fatal(err)
+			}
+			a.ExpectAnnouncements()
+			p, err := a.Malloc(&allocator.MallocRequest{Dev: 0, Size: 5 << 20})
+			if err != nil {
+				t.Fatal(err)
+			}
+			raw, off, dev, err := a.ShareIpcHandle(p)
+			if err != nil {
+				t.Fatal(err)
+			}
+			h, err := vmem.ParseStorageHandle(raw)
+			if err != nil {
+				t.Fatal(err)
+			}
+			s := h.Segment
+			if dev != 0 || h.Type != vmem.TypeExpandable || s.Kind != c.kind || s.PID != int32(os.Getpid()) || s.Len() != 1 || s.SegmentSize != 20<<20 {
+				t.Fatalf("handle %+v (type %q), offset %d, device %d", s, h.Type, off, dev)
+			}
+			imports := f.imports()
+			base, err := a.OpenIpcHandle(1, raw)
+			if err != nil {
+				t.Fatalf("OpenIpcHandle: %v", err)
+			}
+			if f.imports()-imports != 1 {
+				t.Errorf("%d imports, want 1", f.imports()-imports)
+			}
+			if again, err := a.OpenIpcHandle(1, raw); err != nil || again != base {
+				t.Fatalf("second open = %#x, %v", again, err)
+			}
+			for range 2 {
+				if err := a.IpcClose(base); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if err := a.Free(allocator.FreeRequest{Ptr: p}); err != nil {
+				t.Fatal(err)
+			}
+			if c.kind == cuda.ShareablePOSIXFD {
+				fd := int(s.FDs[0])
+				if !fdOpen(fd) {
+					t.Fatalf("the exported descriptor %d closed before its allocation's release", fd)
+				}
+				if err := a.EmptyCache(0); err != nil {
+					t.Fatal(err)
+				}
+				if fdOpen(fd) {
+					t.Errorf("descriptor %d still open after its allocation's release", fd)
+				}
+			} else if err := a.EmptyCache(0); err != nil {
+				t.Fatal(err)
+			}
+			if n, fds, err := a.ExportStats(0); err != nil || n+fds != 0 {
+				t.Errorf("exports left: %d (%d descriptors), %v", n, fds, err)
+			}
+		})
+	}
+}
+
+// fdOpen reports whether fd is an open descriptor of this process.
+func fdOpen(fd int) bool {
+	_, _, errno := syscall.Syscall(syscall.SYS_FCNTL, uintptr(fd), syscall.F_GETFD, 0)
+	return errno == 0
 }
