@@ -106,7 +106,7 @@ if _why is not None:
 # The scenario script.
 
 SCRIPT = r'''
-import ctypes, gc, json, os, sys, time, queue as _queue
+import ctypes, gc, json, os, time, queue as _queue
 
 ROLE = os.environ["IPC_ROLE"]
 if ROLE == "cudapool":
@@ -283,7 +283,7 @@ def many_child(inq, outq, n):
         ok = ok and all(bool((ts[i] == float(i)).all().item()) for i in range(0, n, max(1, n // 50)))
         ptrs = {x.untyped_storage().data_ptr() for x in ts}
         t0 = time.perf_counter()
-        del ts, x
+        del ts
         gc.collect()
         torch.cuda.synchronize()
         t_close = time.perf_counter() - t0
