@@ -99,9 +99,9 @@ func (a *Allocator) IpcHandle(p cuda.Ptr) (h cuda.IpcHandle, offset uint64, dev 
 	defer d.leave()
 	d.invalidate(p) // shared with another process: its free goes to Go
 	if b.Seg.Expandable {
-		return h, 0, 0, newError(op, ErrNotSupported, "CUDA IPC is not supported for memory in expandable segments (expandable_segments:True); "+
+		return h, 0, 0, newError(op, ErrNotSupported, "CUDA IPC is not supported for memory in expandable segments (expandable_segments:True, on by default with stitching); "+
 			"pointer %#x on device %d is in one. Its pages are CUDA virtual memory, which has no cudaIpcMemHandle; "+
-			"to share CUDA tensors between processes, run without expandable_segments:True (PYTORCH_CUDA_ALLOC_CONF or CUDAPOOL_CONF)",
+			"to share CUDA tensors between processes, set expandable_segments:False (PYTORCH_CUDA_ALLOC_CONF or CUDAPOOL_CONF)",
 			uintptr(p), d.id)
 	}
 	drv, ok := a.drv.(ipcDriver)

@@ -61,6 +61,12 @@ type stitchState struct {
 	// kind is donorKind for a request on stream (stitchFor's).
 	kind   func(*pools.Block) pools.DonorKind
 	stream cuda.Stream
+	// fresh is the index in lent of the first block lent by the growth in
+	// progress, and pages the handles of its lent pages, block after block
+	// in lent's order, page by page: restoreUnused gives back those Map
+	// did not use.
+	fresh int
+	pages []cuda.MemHandle
 	// limit is the most memory the device has had reserved after a
 	// growth: stitching keeps growth from going above it, and growth that
 	// goes above it all the same (too few idle pages) raises it.
@@ -201,14 +207,34 @@ func (s *Space) stitchFor(r *pools.Request, start *pools.Block, unit uint64) uin
 			break
 		}
 	}
+	// Lent pages go to the spares first: Map takes the newest spares
+	// first, so the pages unmapped outright are used before lent ones, and
+	// what a growth leaves unused (it failed, or the memory fraction
+	// stopped it, or it needed less than GrowthNeed foresaw) is lent pages,
+	// which go back where they were (restoreUnused), rather than pages
+	// whose memory would outlive their release until their old mapping
+	// goes.
+	s.stitch.fresh = len(s.stitch.lent)
+	s.stitch.pages = s.stitch.pages[:0]
 	var unmapped uint64
 	for _, dn := range donors {
+		if !dn.Lend {
+			continue
+		}
+		from := len(s.phys.spare)
+		n, _ := c.UnmapDonor(dn, s.mapper) // (lending makes no driver call)
+		unmapped += n
+		for _, h := range s.phys.spare[from:] {
+			s.stitch.pages = append(s.stitch.pages, h.h)
+		}
+		s.stitch.lent = append(s.stitch.lent, lent{b: dn.B, clock: c.Clock()})
+	}
+	for _, dn := range donors {
+		if dn.Lend {
+			continue
+		}
 		n, err := c.UnmapDonor(dn, s.mapper)
 		unmapped += n
-		if dn.Lend {
-			s.stitch.lent = append(s.stitch.lent, lent{b: dn.B, clock: c.Clock()})
-			s.stitch.stats.Lent += int64(n / dn.B.Seg.PageSize)
-		}
 		if err != nil {
 			// What was unmapped is recorded; the rest stays mapped.
 			s.warn(err.Error())
@@ -221,18 +247,59 @@ func (s *Space) stitchFor(r *pools.Request, start *pools.Block, unit uint64) uin
 }
 
 // countRemaps records that Map used moved handles: used bytes of the
-// donated ones (counted in pages of page bytes). Leftover handles are
-// released at once (Map uses every spare unless the driver failed; a lent
-// handle released then keeps its memory until its old mapping goes at
-// unlend, and the driver counts it meanwhile). Never during a capture.
+// donated ones (counted in pages of page bytes). The lent pages it did not
+// use go back where they were (restoreUnused); the other leftover handles
+// are released at once. Never during a capture.
 func (s *Space) countRemaps(donated, used, page uint64) {
+	restored := s.restoreUnused()
 	n := min(donated, used) / page
 	if n > 0 {
 		s.stitch.stats.Remaps += int64(n)
 		s.stitch.stats.RemappedBytes += int64(n * page)
 		s.stitch.stats.Stitches++
 	}
+	s.stitch.stats.Lent += int64(len(s.stitch.pages) - restored)
+	s.stitch.pages = s.stitch.pages[:0]
 	s.phys.releaseSpares(s)
+}
+
+// restoreUnused gives the pages the growth in progress lent but Map did
+// not use back to their blocks (pools.Restore), where their old mapping
+// still holds them, and returns how many pages that was. Were their
+// handles released instead, their memory would stay with the old mapping
+// until unlend while counted nowhere: reserved memory, and the memory
+// fraction, would understate what the device holds. Map takes the newest
+// spares first and each block's pages went in in ascending order, so a
+// block's unused pages are its first ones.
+func (s *Space) restoreUnused() (restored int) {
+	ph := &s.phys
+	k := 0
+	kept := s.stitch.lent[:s.stitch.fresh]
+	for _, l := range s.stitch.lent[s.stitch.fresh:] {
+		b, seg := l.b, l.b.Seg
+		page := seg.PageSize
+		hs := s.stitch.pages[k : k+int(b.Size/page)]
+		k += len(hs)
+		u := 0
+		for u < len(hs) && ph.takeHandle(hs[u]) {
+			u++
+		}
+		if u > 0 {
+			off := uint64(b.Ptr - seg.Base)
+			copy(seg.Pages[off/page:], hs[:u])
+			size := uint64(u) * page
+			l.b = s.cache.Restore(b, size)
+			s.rec.Mapped(seg, off, size)
+			restored += u
+			if l.b == nil {
+				continue
+			}
+		}
+		kept = append(kept, l)
+	}
+	clear(s.stitch.lent[len(kept):])
+	s.stitch.lent = kept
+	return restored
 }
 
 // releaseStitch unmaps the old mappings of every lent block, after
