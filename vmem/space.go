@@ -355,6 +355,7 @@ func (s *Space) UnmapFree(p *pools.BlockPool) error {
 	}
 	err := s.cache.UnmapFree(p, s.mapper)
 	s.phys.releaseSpares(s)
+	s.stitch.limit = min(s.stitch.limit, s.cache.Reserved)
 	return err
 }
 

@@ -68,8 +68,12 @@ type stitchState struct {
 	fresh int
 	pages []cuda.MemHandle
 	// limit is the most memory the device has had reserved after a
-	// growth: stitching keeps growth from going above it, and growth that
-	// goes above it all the same (too few idle pages) raises it.
+	// growth since memory last went back to the driver: stitching keeps
+	// growth from going above it, and growth that goes above it all the
+	// same (too few idle pages) raises it. Giving free pages back
+	// (UnmapFree: empty_cache, the OOM retry, a released private pool)
+	// lowers it to what stays reserved, so that memory once given back is
+	// not mapped again while idle pages could serve.
 	limit uint64
 	stats StitchStats
 }

@@ -213,6 +213,9 @@ static void test_caching_off(void) {
 
 static void test_ipc(void) {
 	printf("-- CUDA IPC\n");
+	/* cuIpcGetMemHandle names cuMemAlloc'd segments: ordinary segments (the
+	 * default maps pages of expandable segments). */
+	CHECK(cudapool_configure("expandable_segments:False") == 0, "ordinary segments");
 	void *a = cudapool_malloc_ctx(4096, 0, NULL, 0);
 	void *b = cudapool_malloc_ctx(4096, 0, NULL, 0);
 	unsigned char h[64];
@@ -227,6 +230,8 @@ static void test_ipc(void) {
 	CHECK(cudapool_ipc_handle((char *)b + 8, h, &off, &dev) == -1, "not the start of an allocation");
 	cudapool_free(a, 4096, 0, NULL);
 	cudapool_free(b, 4096, 0, NULL);
+	cudapool_empty_cache();
+	CHECK(cudapool_configure("") == 0, "back to the defaults");
 }
 
 int main(void) {
