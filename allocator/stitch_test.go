@@ -78,10 +78,11 @@ func TestStitchMovesIdlePages(t *testing.T) {
 	require.Zero(t, drv.Violations(), "%v", drv.ViolationLog())
 }
 
-// Stitching keeps growth below the most memory reserved since memory last
-// went back to the driver: after empty_cache a smaller working set stitches
-// again, instead of mapping new memory up to an old peak.
-func TestStitchLimitFollowsEmptyCache(t *testing.T) {
+// Stitching keeps reserved memory from rising above its peak statistic:
+// empty_cache leaves the peak where it was (growth up to it maps new
+// memory), reset_peak_memory_stats lowers it to what is reserved now, from
+// when on the holes' pages move first.
+func TestStitchLimitFollowsPeakReset(t *testing.T) {
 	lockThread(t)
 	a, drv := newAlloc(t, 1, GiB, stitch)
 	big := mustMalloc(t, a, 0, 100*MiB, 0)
@@ -90,6 +91,16 @@ func TestStitchLimitFollowsEmptyCache(t *testing.T) {
 	require.Zero(t, drv.Used(0))
 	_, _, keep := holes(t, a, 0)
 	p := mustMalloc(t, a, 0, 16*MiB, 0)
+	require.Equal(t, uint64(40*MiB), drv.Used(0), "below the 100 MiB peak: new memory")
+	require.Zero(t, stitchStats(t, a).Remaps)
+	for _, x := range append(keep, p) {
+		require.NoError(t, a.Free(allocator.FreeRequest{Ptr: x}))
+	}
+	require.NoError(t, a.EmptyCache(0))
+
+	require.NoError(t, a.ResetStats(0, allocator.ResetPeak))
+	_, _, keep = holes(t, a, 0)
+	p = mustMalloc(t, a, 0, 16*MiB, 0)
 	require.Equal(t, uint64(24*MiB), drv.Used(0), "the holes' pages moved: no new memory")
 	require.Equal(t, int64(8), stitchStats(t, a).Remaps)
 	for _, x := range append(keep, p) {

@@ -380,6 +380,19 @@ def emit(res):
     print("SOAK-RESULT " + json.dumps(res), flush=True)
 
 
+def uses_expandable_segments(conf, allocator):
+    """Whether the allocator runs with expandable segments under conf: native
+    only with expandable_segments:True; cudapool unless expandable_segments
+    is False (its default is expandable segments with stitching)."""
+    keys = {}
+    for item in conf.split(","):
+        k, _, v = item.partition(":")
+        keys[k.strip()] = v.strip().lower()
+    if "expandable_segments" in keys:
+        return keys["expandable_segments"] in ("true", "1")
+    return allocator == "cudapool"
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--allocator", choices=["native", "cudapool"], default=os.environ.get("SOAK_ALLOCATOR", "cudapool"))
@@ -411,7 +424,7 @@ def main():
     # for the run once it starts).
     s.deadline = t_start + args.seconds + args.watchdog_s
     s.beat("main")
-    expandable = "expandable_segments:true" in conf.replace(" ", "").lower()
+    expandable = uses_expandable_segments(conf, args.allocator)
     # Memory in expandable segments cannot be shared through CUDA IPC by
     # cudapool; both allocators skip it there, so that the runs compare.
     ipc = not args.no_ipc and not expandable

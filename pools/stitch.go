@@ -2,7 +2,8 @@ package pools
 
 import "github.com/cudapool/cudapool/cuda"
 
-// Stitching (stitch:True): the blocks' side of the policy in vmem/stitch.go.
+// Stitching (on by default): the blocks' side of the policy in
+// vmem/stitch.go.
 //
 // # Design
 //

@@ -263,7 +263,6 @@ func (s *Space) Grow(req pools.Request, capturing bool) (*pools.Block, error) {
 	if donated > 0 {
 		s.countRemaps(donated, spares-min(spares, s.phys.spareBytes(^uint64(0))), s.page)
 	}
-	s.stitch.limit = max(s.stitch.limit, c.Reserved)
 	switch {
 	case errors.Is(err, cuda.ErrOutOfMemory), errors.Is(err, pools.ErrFraction):
 		return nil, nil
@@ -355,7 +354,6 @@ func (s *Space) UnmapFree(p *pools.BlockPool) error {
 	}
 	err := s.cache.UnmapFree(p, s.mapper)
 	s.phys.releaseSpares(s)
-	s.stitch.limit = min(s.stitch.limit, s.cache.Reserved)
 	return err
 }
 

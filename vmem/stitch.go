@@ -8,21 +8,27 @@ import (
 	"github.com/cudapool/cudapool/pools"
 )
 
-// Stitching (stitch:True): free physical pages move to where a miss needs
-// them instead of new memory being mapped. The idea is GMLake's (ASPLOS
-// 2024). The policy is all here; pools/stitch.go keeps the blocks'
-// bookkeeping (splitting a free block around the pages taken, Block.Lent).
+// Stitching (on by default; stitch:False or expandable_segments:False turn
+// it off): free physical pages move to where a miss needs them instead of
+// new memory being mapped. The idea is GMLake's (ASPLOS 2024). The policy
+// is all here; pools/stitch.go keeps the blocks' bookkeeping (splitting a
+// free block around the pages taken, Block.Lent). doc.go's "One page pool
+// for both size classes" says what takes part.
 //
 // # Design
 //
 // On a miss that grows an expandable segment (no capture under way), for
 // the part of the growth that would raise reserved memory above its
-// high-water mark (limit), stitchFor takes whole pages inside free blocks of
+// high-water mark, stitchFor takes whole pages inside free blocks of
 // the default pools' expandable segments (any stream, either size class,
 // holes of the request's own range outside the run it grows into) and puts
 // their physical handles in the spares, which Map uses before creating any.
-// Reserved memory stays the same. Below the limit new pages cost no more
-// than moved ones and the holes stay for the requests that fit them.
+// Reserved memory stays the same. Below the mark new pages cost no more
+// than moved ones and the holes stay for the requests that fit them. The
+// mark is the peak of the reserved_bytes statistic, the figure the user
+// watches: growth that goes above it all the same (too few idle pages)
+// raises it, and reset_peak_memory_stats lowers it to what is reserved
+// now, from when on stitching keeps reserved memory there.
 //
 // A page is taken in one of two ways:
 //   - Unmapped at once, when no queued work can touch it. cuMemUnmap does
@@ -43,6 +49,12 @@ import (
 //     (stitchPrepare, at a later miss) or empty_cache and the OOM retry
 //     synchronize the device (releaseStitch). Without lending a GPU running
 //     behind the host would leave almost nothing to move.
+//
+// The growth may use fewer pages than were taken (the memory fraction or
+// the device stops it, or its run needed less than GrowthNeed foresaw):
+// the pages unmapped outright are used first, and the lent ones left over
+// go back to their blocks (restoreUnused), their old mapping intact, so
+// that no physical memory is held outside what reserved memory counts.
 //
 // Private pools (graphs, MemPools) neither give pages nor are searched: a
 // graph's replays use memory its pool counts as free. Nothing is stitched
@@ -67,14 +79,6 @@ type stitchState struct {
 	// did not use.
 	fresh int
 	pages []cuda.MemHandle
-	// limit is the most memory the device has had reserved after a
-	// growth since memory last went back to the driver: stitching keeps
-	// growth from going above it, and growth that goes above it all the
-	// same (too few idle pages) raises it. Giving free pages back
-	// (UnmapFree: empty_cache, the OOM retry, a released private pool)
-	// lowers it to what stays reserved, so that memory once given back is
-	// not mapped again while idle pages could serve.
-	limit uint64
 	stats StitchStats
 }
 
@@ -172,17 +176,18 @@ func (s *Space) stitchPrepare() {
 }
 
 // stitchFor unmaps or lends, keeping their physical memory in the spares,
-// up to the pages that growing r from start would map above the limit,
-// taken from free holes of the default pools; it returns the bytes it took.
+// up to the pages that growing r from start would map above the high-water
+// mark, taken from free holes of the default pools; it returns the bytes it
+// took.
 // start's run is left alone, but the blocks around it may have changed:
 // the caller looks for its run again. Never during a capture.
 func (s *Space) stitchFor(r *pools.Request, start *pools.Block, unit uint64) uint64 {
 	c := s.cache
 	want := c.GrowthNeed(r, start, unit)
-	// Only what would raise reserved memory above the limit moves: below
+	// Only what would raise reserved memory above its peak moves: below
 	// it, new pages cost no more than moved ones and leave the holes to
 	// the requests that fit them (fewer misses, fewer remaps).
-	if high := s.stitch.limit; c.Reserved+want <= high {
+	if high := uint64(c.Stats.ReservedBytes[pools.StatAll].Peak); c.Reserved+want <= high {
 		want = 0
 	} else if c.Reserved < high {
 		want -= high - c.Reserved

@@ -204,11 +204,17 @@ static void test_bad_input(void) {
 	          err_has("cudapool_malloc: out of memory on device 0: cannot allocate 100.00 GiB (107374182400 bytes)") &&
 	          err_has("the device has 80.00 GiB free of 80.00 GiB") && err_has("cudapool holds "),
 	      "malloc(100 GiB) on an 80 GiB device fails with cudapool's out-of-memory message: what was asked, what is free and held");
-	CHECK(err_has("CUDAPOOL_CONF=expandable_segments:True") && err_has("max_split_size_mb") &&
-	          err_has("cudapool_empty_cache()") && !err_has("PYTORCH_CUDA_ALLOC_CONF") && !err_has("pytorch.org") &&
-	          !err_has("PyTorch"),
+	CHECK(err_has("private pools (CUDA graphs, MemPools)") && err_has("cudapool_empty_cache()") &&
+	          !err_has("PYTORCH_CUDA_ALLOC_CONF") && !err_has("pytorch.org") && !err_has("PyTorch"),
 	      "... with hints in cudapool's terms, not PyTorch's");
-	CHECK(stat_of(0, "num_ooms") == 1, "num_ooms == 1");
+	CHECK(cudapool_configure("expandable_segments:False") == 0 && cudapool_malloc(100 * GiB, 0, NULL) == NULL &&
+	          err_has("leave out expandable_segments:False from CUDAPOOL_CONF") && err_has("max_split_size_mb"),
+	      "with ordinary segments, the hint names the default configuration");
+	CHECK(cudapool_configure("stitch:False") == 0 && cudapool_malloc(100 * GiB, 0, NULL) == NULL &&
+	          err_has("CUDAPOOL_CONF=stitch:True"),
+	      "without stitching, stitching");
+	CHECK(cudapool_configure("") == 0, "back to the defaults");
+	CHECK(stat_of(0, "num_ooms") == 3, "num_ooms == 3");
 
 	size_t sz = 7;
 	CHECK(cudapool_base_allocation(NULL, &sz) == NULL && err_has("pointer is NULL"), "base_allocation(NULL, size) fails");

@@ -122,7 +122,7 @@ def test_get_memory_info(mgr, monkeypatch):
     mp.free()
 
 
-def test_ipc_handle(mgr):
+def test_ipc_handle(ordinary, mgr):  # cuIpcGetMemHandle names cuMemAlloc'd segments
     first, second = mgr.memalloc(4096), mgr.memalloc(4096)
     h = mgr.get_ipc_handle(second)
     assert isinstance(h, ndriver.IpcHandle) and h.base is second and h.size == 4096
@@ -193,8 +193,7 @@ def test_threads(mgr):
 
 
 def test_ipc_refused_in_expandable_segments(mgr):
-    _lib.configure("expandable_segments:True")
-    mp = mgr.memalloc(4096)
+    mp = mgr.memalloc(4096)  # the default: expandable segments
     try:
         with pytest.raises(cudapool.CudapoolError, match="expandable"):
             mgr.get_ipc_handle(mp)
