@@ -195,6 +195,45 @@ func TestStitchLendsOnItsOwnStream(t *testing.T) {
 	require.Zero(t, drv.Violations(), "%v", drv.ViolationLog())
 }
 
+// The small and the large pool draw on one pool of pages (vmem/doc.go, "One
+// page pool for both size classes"): by default, a small request takes an
+// idle page of a free large block, and a large request the pages the small
+// pool no longer uses, instead of new memory.
+func TestStitchSizeClassesSharePages(t *testing.T) {
+	lockThread(t)
+	a, drv := newAlloc(t, 1, GiB, "")
+	big := mustMalloc(t, a, 0, 30*MiB, 0)
+	require.Equal(t, uint64(30*MiB), drv.Used(0))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: big}))
+	var small []cuda.Ptr
+	for i := 0; i < 6; i++ { // three pages of small blocks
+		small = append(small, mustMalloc(t, a, 0, 700*KiB, 0))
+	}
+	require.Equal(t, uint64(30*MiB), drv.Used(0), "the small pool's pages came from the large block")
+	require.Equal(t, int64(3), stitchStats(t, a).Remaps)
+	st := stats(t, a, 0)
+	require.Equal(t, int64(6*MiB), st.ReservedBytes[pools.StatSmall].Current)
+	require.Equal(t, int64(24*MiB), st.ReservedBytes[pools.StatLarge].Current)
+
+	for _, x := range small {
+		require.NoError(t, a.Free(allocator.FreeRequest{Ptr: x}))
+	}
+	// 24 MiB free at the start of the large range, 6 in the small pool: a
+	// 40 MiB block grows the large one by the 20 MiB unit, the small
+	// pool's three pages and 14 MiB of new memory.
+	p := mustMalloc(t, a, 0, 40*MiB, 0)
+	require.Equal(t, uint64(44*MiB), drv.Used(0), "14 MiB of new memory")
+	require.True(t, drv.Accessible(0, p, 40*MiB))
+	st = stats(t, a, 0)
+	require.Zero(t, st.ReservedBytes[pools.StatSmall].Current, "the small pool's pages moved to the large pool")
+	require.Equal(t, int64(3+3), stitchStats(t, a).Remaps)
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
+	require.NoError(t, a.EmptyCache(0))
+	require.Zero(t, drv.Used(0))
+	require.NoError(t, a.CheckInvariants())
+	require.Zero(t, drv.Violations(), "%v", drv.ViolationLog())
+}
+
 // Lent pages that the growth did not use go back to their holes: here the
 // memory fraction, lowered below what is reserved, lets the growth map 18
 // MiB of the 20 MiB unit that stitching lent pages for. Were the spare lent

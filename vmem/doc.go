@@ -66,7 +66,7 @@
 //     stay theirs while their pool lives, since a graph's replays use
 //     memory its pool counts as free; their ranges keep 20 MiB chunks.
 //     Released, their memory goes back to the driver at the next
-//     empty_cache, as before.
+//     empty_cache.
 //   - empty_cache and the OOM retry unmap the pool's idle pages and give
 //     them back. The high-water mark is the reserved_bytes peak statistic
 //     (reset_peak_memory_stats lowers it).
