@@ -195,7 +195,7 @@ func TestStitchLendsOnItsOwnStream(t *testing.T) {
 	require.Zero(t, drv.Violations(), "%v", drv.ViolationLog())
 }
 
-// The small and the large pool draw on one pool of pages (vmem/doc.go, "One
+// The small and the large pool share one pool of pages (vmem/doc.go, "One
 // page pool for both size classes"): by default, a small request takes an
 // idle page of a free large block, and a large request the pages the small
 // pool no longer uses, instead of new memory.

@@ -40,8 +40,8 @@
 // whose mix moves between small and large tensors strands memory in the
 // class it left, and a stream's free pages serve no other stream. Here the
 // default pools' free whole pages, both size classes and every stream, are
-// one pool of physical pages per device, from which any growth of the
-// default pools (and of a MemPool outside a capture) draws before creating
+// one pool of physical pages per device, which any growth of the default
+// pools (and of a MemPool outside a capture) takes from before creating
 // memory:
 //
 //   - Every physical allocation of the default pools' ranges is one page:

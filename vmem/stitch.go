@@ -231,7 +231,7 @@ func (s *Space) stitchFor(r *pools.Request, start *pools.Block, unit uint64) uin
 			continue
 		}
 		from := len(s.phys.spare)
-		n, _ := c.UnmapDonor(dn, s.mapper) // (lending makes no driver call)
+		n, _ := c.UnmapDonor(dn, s.mapper) // (a loan makes no driver call)
 		unmapped += n
 		for _, h := range s.phys.spare[from:] {
 			s.stitch.pages = append(s.stitch.pages, h.h)
