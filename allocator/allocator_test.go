@@ -18,6 +18,11 @@ const (
 	GiB = 1 << 30
 )
 
+// ordinary is the configuration of the tests of ordinary segments (one
+// cuMemAlloc each, the segment statistics): the default is expandable
+// segments with stitching.
+const ordinary = "expandable_segments:False"
+
 func newAlloc(t testing.TB, devices int, mem uint64, conf string) (*allocator.Allocator, *sim.Driver) {
 	t.Helper()
 	cfg, _, err := allocator.ParseConfig(conf)
@@ -44,7 +49,7 @@ func stats(t testing.TB, a *allocator.Allocator, dev int) pools.Stats {
 }
 
 func TestMallocFreeReuse(t *testing.T) {
-	a, drv := newAlloc(t, 1, GiB, "")
+	a, drv := newAlloc(t, 1, GiB, ordinary)
 	p := mustMalloc(t, a, 0, 4000, 0)
 	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p, Size: 4000}))
 	q := mustMalloc(t, a, 0, 4096, 0)
@@ -119,7 +124,7 @@ func nan() float64                          { z := 0.0; return z / z }
 // The OOM sequence: new segment, free oversize, free everything cached and
 // retry, then out of memory, with the stats of each step.
 func TestOOMRetrySequence(t *testing.T) {
-	a, drv := newAlloc(t, 1, 100*MiB, "")
+	a, drv := newAlloc(t, 1, 100*MiB, ordinary)
 	p := mustMalloc(t, a, 0, 60*MiB, 0)
 	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
 	st := stats(t, a, 0)
@@ -156,7 +161,7 @@ func TestOOMRetrySequence(t *testing.T) {
 }
 
 func TestOOMFreesOversizeFirst(t *testing.T) {
-	a, drv := newAlloc(t, 1, 180*MiB, "max_split_size_mb:40")
+	a, drv := newAlloc(t, 1, 180*MiB, ordinary+",max_split_size_mb:40")
 	big := mustMalloc(t, a, 0, 100*MiB, 0)
 	small := mustMalloc(t, a, 0, 30*MiB, 0)
 	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: big}))
@@ -186,7 +191,7 @@ func TestMemoryFractionLimits(t *testing.T) {
 }
 
 func TestGarbageCollectionThreshold(t *testing.T) {
-	a, drv := newAlloc(t, 1, 1000*MiB, "garbage_collection_threshold:0.5")
+	a, drv := newAlloc(t, 1, 1000*MiB, ordinary+",garbage_collection_threshold:0.5")
 	require.NoError(t, a.SetMemoryFraction(0, 0.999)) // GC needs a limit (1 is none)
 	var ps []cuda.Ptr
 	for i := 0; i < 9; i++ { // 540 MiB: above the 500 MiB threshold
@@ -204,7 +209,7 @@ func TestGarbageCollectionThreshold(t *testing.T) {
 }
 
 func TestEmptyCacheReturnsEverythingFree(t *testing.T) {
-	a, drv := newAlloc(t, 2, GiB, "")
+	a, drv := newAlloc(t, 2, GiB, ordinary)
 	keep := mustMalloc(t, a, 1, 4096, 0)
 	var ps []cuda.Ptr
 	for i := 1; i < 50; i++ {
@@ -300,7 +305,7 @@ func TestRoundupDivisionsApply(t *testing.T) {
 }
 
 func TestSnapshotShape(t *testing.T) {
-	a, drv := newAlloc(t, 1, GiB, "record_history:16")
+	a, drv := newAlloc(t, 1, GiB, ordinary+",record_history:16")
 	p := mustMalloc(t, a, 0, 1000, 5)
 	q := mustMalloc(t, a, 0, 3*MiB, 5)
 	require.NoError(t, a.RecordStream(q, 6))
@@ -349,7 +354,7 @@ func TestOOMTraceEntry(t *testing.T) {
 }
 
 func TestMultiDevice(t *testing.T) {
-	a, drv := newAlloc(t, 3, GiB, "")
+	a, drv := newAlloc(t, 3, GiB, ordinary)
 	require.Equal(t, 3, a.DeviceCount())
 	ps := map[cuda.Ptr]int{}
 	for dev := 0; dev < 3; dev++ {

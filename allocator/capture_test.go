@@ -82,7 +82,7 @@ func beginCapture(t *testing.T, a *allocator.Allocator, drv *sim.Driver, pool al
 
 func TestCaptureRoutesToPrivatePool(t *testing.T) {
 	lockThread(t)
-	a, drv := newAlloc(t, 1, GiB, "")
+	a, drv := newAlloc(t, 1, GiB, ordinary)
 	const cs = cuda.Stream(7)
 	eager := mustMalloc(t, a, 0, 4096, cs)
 	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: eager})) // cached in the default pool
@@ -118,7 +118,7 @@ func TestCaptureRoutesToPrivatePool(t *testing.T) {
 
 func TestSharedPoolAndReleaseOrder(t *testing.T) {
 	lockThread(t)
-	a, drv := newAlloc(t, 1, GiB, "")
+	a, drv := newAlloc(t, 1, GiB, ordinary)
 	const cs = cuda.Stream(7)
 	g := allocator.PoolID{B: 1} // graph_pool_handle()
 	beginCapture(t, a, drv, g, cs, cuda.CaptureModeGlobal)
@@ -147,7 +147,7 @@ func TestSharedPoolAndReleaseOrder(t *testing.T) {
 
 func TestReleaseBeforeFreeKeepsPoolUntilEmpty(t *testing.T) {
 	lockThread(t)
-	a, drv := newAlloc(t, 1, GiB, "")
+	a, drv := newAlloc(t, 1, GiB, ordinary)
 	g := allocator.PoolID{A: 3}
 	beginCapture(t, a, drv, g, 7, cuda.CaptureModeThreadLocal)
 	x := mustMalloc(t, a, 0, 30*MiB, 7)
@@ -242,7 +242,7 @@ func TestTwoConcurrentCaptures(t *testing.T) {
 
 func TestUnannouncedCaptureGetsAutomaticPool(t *testing.T) {
 	lockThread(t)
-	a, drv := newAlloc(t, 1, GiB, "")
+	a, drv := newAlloc(t, 1, GiB, ordinary)
 	const cs = cuda.Stream(9)
 	eager := mustMalloc(t, a, 0, 4096, cs)
 	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: eager}))

@@ -233,7 +233,7 @@ func TestCheckpointAwaitingEvents(t *testing.T) {
 
 func TestCheckpointErrors(t *testing.T) {
 	lockThread(t)
-	a, drv := newAlloc(t, 2, GiB, "")
+	a, drv := newAlloc(t, 2, GiB, ordinary)
 	g, gone := allocator.PoolID{A: 1}, allocator.PoolID{A: 2}
 	require.NoError(t, a.BeginAllocateToPool(0, g, onStream(7)))
 	mustMalloc(t, a, 0, 4096, 7)

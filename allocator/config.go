@@ -16,8 +16,12 @@ type Config struct {
 	Pools pools.Config
 	// ExpandableSegments grows each pool's memory by mapping pages into one
 	// reserved address range per stream instead of allocating segments
-	// (package vmem). Without the driver's virtual memory management
-	// API it falls back to ordinary segments with a warning.
+	// (package vmem). On by default (stitching is made of it);
+	// expandable_segments:False gives ordinary segments, and turns
+	// stitching off unless stitch:True is named too, which is an error.
+	// Without the driver's virtual memory management API it falls back to
+	// ordinary segments: quietly by default, with a note where the
+	// configuration named expandable_segments:True or stitch:True.
 	ExpandableSegments bool
 	// ExpandableMapUnit is the least that growth maps at once in the large
 	// pools of expandable segments, in bytes (a multiple of 2 MiB).
@@ -26,8 +30,15 @@ type Config struct {
 	ExpandableMapUnit uint64
 	// Stitch moves free physical pages of expandable segments to where a
 	// miss needs them before mapping new memory (vmem/stitch.go). It implies
-	// expandable segments. cudapool's own key: stitch.
+	// expandable segments. cudapool's own key: stitch. On by default:
+	// unless the configuration names it, it follows ExpandableSegments
+	// (see resolveStitch).
 	Stitch bool
+	// ExpandableSet and StitchSet record that the configuration named
+	// expandable_segments or stitch, rather than taking the default (a
+	// run-time update keeps what earlier configurations named): see
+	// resolveStitch.
+	ExpandableSet, StitchSet bool
 	// ReleaseLockOnMalloc is accepted for compatibility; cudapool keeps the
 	// device lock across the driver allocation.
 	ReleaseLockOnMalloc bool
@@ -63,9 +74,12 @@ type Config struct {
 	WarmRuntime bool
 }
 
-// DefaultConfig is PyTorch's default configuration.
+// DefaultConfig is PyTorch's default configuration, with cudapool's own
+// defaults: expandable segments and stitching on, the front cache and the
+// warm runtime on.
 func DefaultConfig() Config {
-	return Config{Pools: pools.DefaultConfig(), ExpandableMapUnit: DefaultMapUnit, FrontCache: true, WarmRuntime: true}
+	return Config{Pools: pools.DefaultConfig(), ExpandableSegments: true, Stitch: true,
+		ExpandableMapUnit: DefaultMapUnit, FrontCache: true, WarmRuntime: true}
 }
 
 // DefaultMapUnit is expandable_map_unit_mb's default, in bytes.
@@ -81,9 +95,13 @@ func ParseConfig(s string) (cfg Config, warnings []string, err error) {
 	return parseOnto(DefaultConfig(), s)
 }
 
-// parseOnto applies the keys of s to cfg.
+// parseOnto applies the keys of s to cfg, then resolves stitch against
+// expandable_segments (resolveStitch).
 func parseOnto(cfg Config, s string) (Config, []string, error) {
 	var warnings []string
+	// Which of stitch and expandable_segments s names, for resolveStitch.
+	earlier := cfg
+	cfg.StitchSet, cfg.ExpandableSet = false, false
 	for _, item := range splitTop(s) {
 		item = strings.TrimSpace(item)
 		if item == "" {
@@ -102,7 +120,47 @@ func parseOnto(cfg Config, s string) (Config, []string, error) {
 			warnings = append(warnings, w)
 		}
 	}
-	return cfg, warnings, nil
+	err := cfg.resolveStitch(earlier)
+	return cfg, warnings, err
+}
+
+// resolveStitch settles stitch and expandable_segments once every key of a
+// configuration string is applied, so that the order of the keys never
+// matters. c.StitchSet and c.ExpandableSet say which of the two the string
+// named; earlier is the configuration it was applied to (the defaults, or
+// for a run-time update the configuration in force, whose named keys still
+// count as named: the pair in force after an update is judged as one
+// configuration). On return the Set fields cover both.
+//
+//   - stitch:True with expandable_segments:False, both named (in the string,
+//     or one in it and the other earlier), is an error: stitching moves the
+//     pages of expandable segments, and choosing one by key order or by
+//     call order would be a silent guess.
+//   - A stitch never named follows expandable_segments: on with it (the
+//     default), off with expandable_segments:False.
+//   - A named stitch:True implies expandable segments.
+func (c *Config) resolveStitch(earlier Config) error {
+	namedStitch, namedExp := c.StitchSet, c.ExpandableSet
+	c.StitchSet = namedStitch || earlier.StitchSet
+	c.ExpandableSet = namedExp || earlier.ExpandableSet
+	if c.StitchSet && c.Stitch && c.ExpandableSet && !c.ExpandableSegments {
+		where := ""
+		if !namedStitch {
+			where = " (stitch:True is in force from an earlier configuration)"
+		} else if !namedExp {
+			where = " (expandable_segments:False is in force from an earlier configuration)"
+		}
+		return configError("stitch:True and expandable_segments:False contradict each other%s: stitching moves the pages "+
+			"of expandable segments. Keep one: expandable_segments:False alone turns stitching off too, "+
+			"stitch:False keeps expandable segments without stitching", where)
+	}
+	if !c.StitchSet {
+		c.Stitch = c.ExpandableSegments
+	}
+	if c.Stitch {
+		c.ExpandableSegments = true
+	}
+	return nil
 }
 
 // splitTop splits on commas outside brackets.
@@ -233,7 +291,7 @@ func (c *Config) set(key, val string) (warning string, err error) {
 		if err != nil {
 			return "", err
 		}
-		c.ExpandableSegments = b
+		c.ExpandableSegments, c.ExpandableSet = b, true
 	case "expandable_map_unit_mb":
 		n, err := parseUint(key, val)
 		if err != nil {
@@ -248,12 +306,9 @@ func (c *Config) set(key, val string) (warning string, err error) {
 		if err != nil {
 			return "", err
 		}
-		c.Stitch = b
-		if b {
-			// Stitching moves pages of expandable segments: what the
-			// settings report (snapshot, PyTorch's class) says so.
-			c.ExpandableSegments = true
-		}
+		// Its relation to expandable_segments is settled once the whole
+		// string is applied (resolveStitch).
+		c.Stitch, c.StitchSet = b, true
 	case "release_lock_on_cudamalloc", "release_lock_on_hipmalloc":
 		b, err := parseBool(key, val)
 		if err != nil {
@@ -455,14 +510,16 @@ func (c Config) String() string {
 	if p.GCThreshold > 0 {
 		parts = append(parts, fmt.Sprintf("garbage_collection_threshold:%g", p.GCThreshold))
 	}
-	if c.ExpandableSegments {
-		parts = append(parts, "expandable_segments:True")
+	// The two keys appear where they were named (so that the string parses
+	// back to the same configuration) or differ from the defaults.
+	if c.ExpandableSet || !c.ExpandableSegments {
+		parts = append(parts, "expandable_segments:"+pyBool(c.ExpandableSegments))
 	}
 	if c.ExpandableMapUnit != DefaultMapUnit {
 		parts = append(parts, fmt.Sprintf("expandable_map_unit_mb:%d", c.ExpandableMapUnit>>20))
 	}
-	if c.Stitch {
-		parts = append(parts, "stitch:True")
+	if c.StitchSet || c.Stitch != c.ExpandableSegments {
+		parts = append(parts, "stitch:"+pyBool(c.Stitch))
 	}
 	if c.MemoryFractionSet {
 		parts = append(parts, fmt.Sprintf("per_process_memory_fraction:%g", c.MemoryFraction))
@@ -486,4 +543,12 @@ func (c Config) String() string {
 		parts = append(parts, "warm_runtime:False")
 	}
 	return strings.Join(parts, ",")
+}
+
+// pyBool is b as PyTorch's configuration strings write it.
+func pyBool(b bool) string {
+	if b {
+		return "True"
+	}
+	return "False"
 }

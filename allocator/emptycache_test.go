@@ -12,7 +12,7 @@ import (
 // (device.nothingToRelease); each kind of cached thing turns the skip off
 // until a release gives it back.
 func TestEmptyCacheNothingToRelease(t *testing.T) {
-	a, drv := newAlloc(t, 1, 8*GiB, "")
+	a, drv := newAlloc(t, 1, 8*GiB, ordinary)
 	a.ExpectAnnouncements()
 	require.True(t, allocator.NothingToRelease(a, 0), "a new device")
 

@@ -124,8 +124,19 @@ func (a *Allocator) OOMText(err error, size uint64) (text string, ok bool) {
 		reserved := uint64(st.ReservedBytes[pools.StatAll].Current)
 		fmt.Fprintf(&b, ". cudapool holds %s on it: %s allocated, %s reserved but unallocated", FormatSize(reserved), FormatSize(allocated), FormatSize(reserved-min(allocated, reserved)))
 	}
-	b.WriteString(" (before failing, cudapool gave its cached whole segments back to the driver, as cudapool_empty_cache() does, unless a graph capture was under way)." +
-		" If reserved but unallocated memory is large, setting CUDAPOOL_CONF=expandable_segments:True" +
-		" (or max_split_size_mb:N, to keep large cached blocks whole) may avoid the fragmentation.")
+	b.WriteString(" (before failing, cudapool gave its cached whole segments back to the driver, as cudapool_empty_cache() does, unless a graph capture was under way).")
+	// What to try depends on what is on: the hint names the next step.
+	switch cfg := a.Config(); {
+	case !cfg.ExpandableSegments:
+		b.WriteString(" If reserved but unallocated memory is large, cudapool's default configuration (expandable segments with" +
+			" stitching: leave out expandable_segments:False from CUDAPOOL_CONF) or max_split_size_mb:N (to keep large cached" +
+			" blocks whole) may avoid the fragmentation.")
+	case !cfg.Stitch:
+		b.WriteString(" If reserved but unallocated memory is large, stitching (CUDAPOOL_CONF=stitch:True, cudapool's default)" +
+			" may avoid the fragmentation.")
+	default:
+		b.WriteString(" With expandable segments and stitching (the default), memory still reserved but unallocated after that" +
+			" is in partly used pages or in private pools (CUDA graphs, MemPools), which give it back once released.")
+	}
 	return b.String(), true
 }

@@ -11,9 +11,9 @@ import (
 // Out of memory in cudapool's words, for programs that call cudapool
 // directly: what was asked, what the device and cudapool hold, hints in
 // cudapool's terms; Error keeps PyTorch's message for PyTorch's entry
-// points.
+// points. The hint names the next step for the configuration in force.
 func TestOOMText(t *testing.T) {
-	a, _ := newAlloc(t, 1, 4*GiB, "")
+	a, _ := newAlloc(t, 1, 4*GiB, ordinary)
 	p := mustMalloc(t, a, 0, 100*MiB, 0)
 	_, err := a.Malloc(&allocator.MallocRequest{Size: 5 * GiB})
 	require.ErrorIs(t, err, allocator.ErrOutOfMemory)
@@ -25,7 +25,8 @@ func TestOOMText(t *testing.T) {
 		"out of memory on device 0: cannot allocate 5.00 GiB (5368709120 bytes);",
 		"the device has 3.90 GiB free of 4.00 GiB; in use on it: this process 100.00 MiB (cudapool's and any other).",
 		"cudapool holds 100.00 MiB on it: 100.00 MiB allocated, 0 bytes reserved but unallocated",
-		"cudapool_empty_cache()", "CUDAPOOL_CONF=expandable_segments:True", "max_split_size_mb",
+		"cudapool_empty_cache()", "cudapool's default configuration (expandable segments with stitching: leave out expandable_segments:False from CUDAPOOL_CONF)",
+		"max_split_size_mb",
 	} {
 		require.Contains(t, text, want)
 	}
@@ -48,4 +49,18 @@ func TestOOMText(t *testing.T) {
 	require.Error(t, err)
 	_, ok = a.OOMText(err, 0)
 	require.False(t, ok, "not out of memory")
+
+	for _, c := range []struct{ conf, hint string }{
+		{"", "With expandable segments and stitching (the default), memory still reserved but unallocated after that is in partly used pages or in private pools (CUDA graphs, MemPools)"},
+		{"stitch:False", "stitching (CUDAPOOL_CONF=stitch:True, cudapool's default) may avoid the fragmentation"},
+	} {
+		a, _ := newAlloc(t, 1, 4*GiB, c.conf)
+		_, err := a.Malloc(&allocator.MallocRequest{Size: 5 * GiB})
+		require.ErrorIs(t, err, allocator.ErrOutOfMemory)
+		text, ok := a.OOMText(err, 5*GiB)
+		require.True(t, ok)
+		require.Contains(t, text, c.hint, c.conf)
+		require.NotContains(t, text, "max_split_size_mb", c.conf)
+		require.NotContains(t, text, "PyTorch", c.conf)
+	}
 }

@@ -11,7 +11,9 @@ import (
 	"github.com/stretchr/testify/require"
 )
 
-const expandable = "expandable_segments:True,expandable_map_unit_mb:2" // page by page
+// Expandable segments without stitching (on by default with them), page by
+// page: these tests count pages and find them where they left them.
+const expandable = "expandable_segments:True,stitch:False,expandable_map_unit_mb:2"
 
 // Blocks grow across page boundaries inside one mapped range; nothing is
 // allocated with cuMemAlloc, and reserved memory is mapped memory.
@@ -139,6 +141,23 @@ func TestExpandableOOMUnmapsThenRetries(t *testing.T) {
 	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: r}))
 	require.NoError(t, a.CheckInvariants())
 	require.Zero(t, drv.Violations(), "%v", drv.ViolationLog())
+
+	// With stitching (the default), stream 1's idle pages move to stream
+	// 2's range instead: no retry, no new memory.
+	a, drv = newAlloc(t, 1, 64*MiB, "expandable_map_unit_mb:2")
+	p = mustMalloc(t, a, 0, 40*MiB, 1)
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
+	q = mustMalloc(t, a, 0, 40*MiB, 2)
+	st = stats(t, a, 0)
+	require.Zero(t, st.NumAllocRetries)
+	require.Equal(t, int64(20), stitchStats(t, a).Remaps, "stream 1's twenty pages moved")
+	require.Equal(t, uint64(40*MiB), drv.Used(0))
+	require.True(t, drv.Accessible(0, q, 40*MiB))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: q}))
+	require.NoError(t, a.EmptyCache(0))
+	require.Zero(t, drv.Used(0))
+	require.NoError(t, a.CheckInvariants())
+	require.Zero(t, drv.Violations(), "%v", drv.ViolationLog())
 }
 
 // The memory fraction bounds mapped memory.
@@ -260,7 +279,8 @@ func TestExpandableSnapshot(t *testing.T) {
 type noVMM struct{ allocator.Driver }
 
 // Without the driver's VMM API the option falls back to ordinary segments,
-// with one warning.
+// with one warning where the configuration named it; the default
+// (stitching, and so expandable segments) falls back quietly.
 func TestExpandableFallback(t *testing.T) {
 	lockThread(t)
 	cfg, _, err := allocator.ParseConfig(expandable)
@@ -274,10 +294,38 @@ func TestExpandableFallback(t *testing.T) {
 	q := mustMalloc(t, a, 0, 30*MiB, 0)
 	require.Equal(t, int64(2), drv.Allocs(0))
 	require.Len(t, warnings, 1)
-	require.Contains(t, warnings[0], "ordinary segments")
+	require.Equal(t, "expandable_segments:True: the CUDA driver has no virtual memory management API; using ordinary segments", warnings[0])
 	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
 	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: q}))
 	require.NoError(t, a.CheckInvariants())
+
+	for _, c := range []struct{ conf, note string }{
+		{"", ""},
+		{"max_split_size_mb:64", ""},
+		{"stitch:True", "stitch:True: the CUDA driver has no virtual memory management API; using ordinary segments"},
+	} {
+		cfg, _, err := allocator.ParseConfig(c.conf)
+		require.NoError(t, err)
+		drv := sim.New(sim.Options{Memory: GiB})
+		a, err := allocator.New(noVMM{drv}, cfg)
+		require.NoError(t, err)
+		var warnings []string
+		a.SetWarningHandler(func(msg string) { warnings = append(warnings, msg) })
+		p := mustMalloc(t, a, 0, 3*MiB, 0)
+		require.Equal(t, int64(1), drv.Allocs(0), c.conf)
+		if c.note == "" {
+			require.Empty(t, warnings, "%q: the default falls back quietly", c.conf)
+			// Naming it later earns the note then.
+			cfg, _, err = allocator.ParseConfigUpdate(a.Config(), "expandable_segments:True")
+			require.NoError(t, err)
+			a.Configure(cfg)
+			require.Equal(t, []string{"expandable_segments:True: the CUDA driver has no virtual memory management API; using ordinary segments"}, warnings, c.conf)
+		} else {
+			require.Equal(t, []string{c.note}, warnings, c.conf)
+		}
+		require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
+		require.NoError(t, a.CheckInvariants())
+	}
 }
 
 // Switching the option at run time: blocks already in expandable ranges
@@ -286,7 +334,7 @@ func TestExpandableToggle(t *testing.T) {
 	lockThread(t)
 	a, drv := newAlloc(t, 1, GiB, expandable)
 	p := mustMalloc(t, a, 0, 30*MiB, 0)
-	cfg, _, err := allocator.ParseConfig("")
+	cfg, _, err := allocator.ParseConfig(ordinary)
 	require.NoError(t, err)
 	a.Configure(cfg)
 	q := mustMalloc(t, a, 0, 30*MiB, 0)

@@ -202,11 +202,14 @@ type faultCase struct {
 }
 
 const (
-	confOrdinary   = ""
-	confExpandable = "expandable_segments:True"
+	// Ordinary segments: the default is expandable segments with stitching.
+	confOrdinary = "expandable_segments:False"
+	// Expandable segments without stitching (which would move the pages
+	// these cases count on finding where they were).
+	confExpandable = "expandable_segments:True,stitch:False"
 	// Page by page (the default maps 20 MiB at a time in large pools), for
 	// the tests that count pages.
-	confPages  = "expandable_segments:True,expandable_map_unit_mb:2"
+	confPages  = "expandable_segments:True,stitch:False,expandable_map_unit_mb:2"
 	confStitch = "stitch:True,expandable_map_unit_mb:2"
 )
 
@@ -403,7 +406,8 @@ var faultCases = map[string]faultCase{
 		require.Equal(t, uint64(GiB), n)
 		e.nothingLost()
 	}},
-	// The probe of VMM support fails: confOrdinary segments, with a warning.
+	// The probe of VMM support fails: ordinary segments, with a warning
+	// (expandable segments were named).
 	"vmem/space.go:(*Space).Expandable.MemGranularity": {run: func(t *testing.T) {
 		e := newFault(t, confExpandable, false)
 		r := e.fail("MemGranularity", "", 0)
@@ -411,7 +415,16 @@ var faultCases = map[string]faultCase{
 		e.fired(r)
 		require.Len(t, e.warnings, 1)
 		require.Contains(t, e.warnings[0], "does not support virtual memory management")
-		require.Equal(t, 1, e.sim().Live(0), "an confOrdinary segment")
+		require.Equal(t, 1, e.sim().Live(0), "an ordinary segment")
+		e.consistent(0)
+		e.nothingLost()
+		// By default (nothing named), quietly.
+		e = newFault(t, "", false)
+		r = e.fail("MemGranularity", "", 0)
+		e.malloc(4096, 1)
+		e.fired(r)
+		require.Empty(t, e.warnings)
+		require.Equal(t, 1, e.sim().Live(0), "an ordinary segment")
 		e.consistent(0)
 		e.nothingLost()
 	}},

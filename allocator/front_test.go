@@ -97,8 +97,12 @@ func TestFrontReplayAllocatesNothing(t *testing.T) {
 // frontAlloc is a one-device allocator of mem bytes with front f, captures
 // announced, its test pinned to one thread (as the C front's callers are).
 func frontAlloc(t *testing.T, mem uint64, f allocator.Front) *allocator.Allocator {
+	return frontAllocConf(t, mem, f, "")
+}
+
+func frontAllocConf(t *testing.T, mem uint64, f allocator.Front, conf string) *allocator.Allocator {
 	lockThread(t)
-	a, _ := newAlloc(t, 1, mem, "")
+	a, _ := newAlloc(t, 1, mem, conf)
 	a.SetFront(f)
 	a.ExpectAnnouncements()
 	return a
@@ -200,7 +204,7 @@ func TestFrontRoutesPhases(t *testing.T) {
 // size; with expandable segments only small ones may be held (see
 // privateTag). The default pools' are tracked either way, held if small.
 func TestFrontTagsExpandablePrivatePools(t *testing.T) {
-	for _, conf := range []string{"", "expandable_segments:True"} {
+	for _, conf := range []string{ordinary, ""} {
 		t.Run(conf, func(t *testing.T) {
 			lockThread(t)
 			f := &fakeFront{}
@@ -216,7 +220,7 @@ func TestFrontTagsExpandablePrivatePools(t *testing.T) {
 				inpool = append(inpool, p)
 				require.True(t, inPool(t, a, pool, inpool...))
 				want := tr.Route | allocator.TagHold
-				if conf != "" && size > 4096 {
+				if conf != ordinary && size > 4096 {
 					want = tr.Route
 				}
 				require.Equal(t, want, tr.Tag, "tracked with its pool's tag (%d bytes)", size)
@@ -242,7 +246,7 @@ func TestFrontTagsExpandablePrivatePools(t *testing.T) {
 // "Spare bytes"); a whole segment with spare bytes is.
 func TestFrontLeavesSpareBlocks(t *testing.T) {
 	f := &fakeFront{}
-	a := frontAlloc(t, 8*GiB, f)
+	a := frontAllocConf(t, 8*GiB, f, ordinary)
 	const n = 10*MiB - 512 // two per 20 MiB segment, the second with 1024 bytes to spare
 	p, tr, err, _ := mallocTracked(a, 0, n, 0, 0, nil)
 	require.NoError(t, err)
@@ -268,7 +272,7 @@ func TestFrontLeavesSpareBlocks(t *testing.T) {
 func TestFrontInvalidations(t *testing.T) {
 	lockThread(t)
 	f := &fakeFront{}
-	a, drv := newAlloc(t, 1, 8*GiB, "")
+	a, drv := newAlloc(t, 1, 8*GiB, ordinary)
 	a.SetFront(f)
 	p := mustMalloc(t, a, 0, 4096, 1)
 	q := mustMalloc(t, a, 0, 4096, 1)

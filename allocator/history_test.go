@@ -83,7 +83,7 @@ func TestHistoryLevels(t *testing.T) {
 			[]uint64{mallocCtx, freeCtx, emptyCtx}},
 	} {
 		t.Run(tc.level.String(), func(t *testing.T) {
-			a, _ := newAlloc(t, 1, GiB, "")
+			a, _ := newAlloc(t, 1, GiB, ordinary)
 			require.False(t, a.HistoryEnabled())
 			require.Zero(t, a.GatherMask(), "nothing to gather while history is off")
 			record(t, a, allocator.HistoryOptions{Enabled: true, MaxEntries: 100, When: tc.level})
@@ -129,7 +129,7 @@ func TestHistoryLevels(t *testing.T) {
 func TestHistoryDeferredFreeCompleted(t *testing.T) {
 	for _, level := range []allocator.HistoryLevel{allocator.HistoryAlloc, allocator.HistoryAll} {
 		t.Run(level.String(), func(t *testing.T) {
-			a, drv := newAlloc(t, 1, GiB, "")
+			a, drv := newAlloc(t, 1, GiB, ordinary)
 			record(t, a, allocator.HistoryOptions{Enabled: true, MaxEntries: 100, When: level})
 			p, err := a.Malloc(&allocator.MallocRequest{Size: 4096, Stream: 5, Ctx: 1})
 			require.NoError(t, err)
@@ -179,7 +179,7 @@ func TestHistoryDeferredFreeCompleted(t *testing.T) {
 // Segments freed by a malloc's retry carry the malloc's context; an oom
 // entry too, with the rounded size and the device's free memory.
 func TestHistoryMallocRetryAndOOM(t *testing.T) {
-	a, _ := newAlloc(t, 1, 100*MiB, "")
+	a, _ := newAlloc(t, 1, 100*MiB, ordinary)
 	record(t, a, allocator.HistoryOptions{Enabled: true, MaxEntries: 100, When: allocator.HistoryAlloc})
 	p, err := a.Malloc(&allocator.MallocRequest{Size: 60 * MiB, Stream: 0, Ctx: 1})
 	require.NoError(t, err)
@@ -202,7 +202,7 @@ func TestHistoryMallocRetryAndOOM(t *testing.T) {
 }
 
 func TestHistorySkipActionsAndBadOptions(t *testing.T) {
-	a, _ := newAlloc(t, 1, GiB, "")
+	a, _ := newAlloc(t, 1, GiB, ordinary)
 	record(t, a, allocator.HistoryOptions{Enabled: true, MaxEntries: 100, When: allocator.HistoryAll,
 		SkipActions: []string{"alloc", "segment_alloc", "snapshot"}})
 	p, err := a.Malloc(&allocator.MallocRequest{Size: 4096, Stream: 0, Ctx: 1})
@@ -402,7 +402,7 @@ func TestHistoryAnnotations(t *testing.T) {
 }
 
 func TestHistoryLiveContexts(t *testing.T) {
-	a, drv := newAlloc(t, 2, GiB, "")
+	a, drv := newAlloc(t, 2, GiB, ordinary)
 	record(t, a, allocator.HistoryOptions{Enabled: true, MaxEntries: 100, When: allocator.HistoryState})
 	p, err := a.Malloc(&allocator.MallocRequest{Size: 4096, Stream: 0, Ctx: 30})
 	require.NoError(t, err)
@@ -449,7 +449,7 @@ func TestHistoryLiveContexts(t *testing.T) {
 // A pool's snapshot has its segments only; entries name the pool.
 func TestHistoryPoolSnapshotAndCapture(t *testing.T) {
 	lockThread(t)
-	a, drv := newAlloc(t, 1, GiB, "")
+	a, drv := newAlloc(t, 1, GiB, ordinary)
 	record(t, a, allocator.HistoryOptions{Enabled: true, MaxEntries: 100, When: allocator.HistoryAll})
 	const cs = cuda.Stream(7)
 	eager, err := a.Malloc(&allocator.MallocRequest{Size: 4096, Stream: cs, Ctx: 1})
@@ -587,7 +587,7 @@ func TestHistoryExpandable(t *testing.T) {
 
 // The old configuration key records the trace without contexts.
 func TestHistoryConfigKey(t *testing.T) {
-	a, _ := newAlloc(t, 1, GiB, "record_history:8")
+	a, _ := newAlloc(t, 1, GiB, ordinary+",record_history:8")
 	require.True(t, a.HistoryEnabled())
 	require.Zero(t, a.GatherMask(), "record_history:N gathers no stacks")
 	p, err := a.Malloc(&allocator.MallocRequest{Size: 4096, Stream: 0, Ctx: 1})

@@ -101,8 +101,8 @@ func (a *Allocator) IpcHandle(p cuda.Ptr) (h cuda.IpcHandle, offset uint64, dev 
 	defer d.leave()
 	d.invalidate(p) // shared with another process: its free goes to Go
 	if b.Seg.Expandable {
-		return h, 0, 0, newError(op, ErrNotSupported, "pointer %#x on device %d is in an expandable segment, whose pages are CUDA virtual memory "+
-			"with no 64-byte cudaIpcMemHandle; share it with cudapool_ipc_share (PyTorch's handle format, which covers expandable memory)",
+		return h, 0, 0, newError(op, ErrNotSupported, "pointer %#x on device %d is in an expandable segment (expandable_segments:True, on by default with stitching), "+
+			"whose pages are CUDA virtual memory with no 64-byte cudaIpcMemHandle; share it with cudapool_ipc_share (PyTorch's handle format, which covers expandable memory)",
 			uintptr(p), d.id)
 	}
 	h, offset, err = a.segmentIpcHandle(op, d, b.Seg.Base, p)

@@ -16,7 +16,7 @@ import (
 // mapping another process opens, plus the offset, aliases the block.
 func TestIpcHandleOfBlockInSharedSegment(t *testing.T) {
 	lockThread(t)
-	a, drv := newAlloc(t, 2, GiB, "")
+	a, drv := newAlloc(t, 2, GiB, ordinary)
 	for _, tc := range []struct {
 		name string
 		dev  int
@@ -80,7 +80,7 @@ func TestIpcHandleRefusesExpandableSegments(t *testing.T) {
 	p := mustMalloc(t, a, 0, 3*MiB, 0)
 	_, _, _, err := a.IpcHandle(p)
 	require.ErrorIs(t, err, allocator.ErrNotSupported)
-	require.Contains(t, err.Error(), "is in an expandable segment, whose pages are CUDA virtual memory with no 64-byte cudaIpcMemHandle")
+	require.Contains(t, err.Error(), "is in an expandable segment (expandable_segments:True, on by default with stitching), whose pages are CUDA virtual memory with no 64-byte cudaIpcMemHandle")
 	require.Contains(t, err.Error(), "share it with cudapool_ipc_share")
 	var ae *allocator.Error
 	require.ErrorAs(t, err, &ae)
@@ -91,7 +91,7 @@ func TestIpcHandleRefusesExpandableSegments(t *testing.T) {
 // One handle opened twice maps once; each open needs a close, the last one
 // unmaps, and a further close is an error.
 func TestIpcOpenIsReferenceCounted(t *testing.T) {
-	a, drv := newAlloc(t, 1, GiB, "")
+	a, drv := newAlloc(t, 1, GiB, ordinary)
 	p := mustMalloc(t, a, 0, 5*MiB, 0)
 	h, _, _, err := a.IpcHandle(p)
 	require.NoError(t, err)
@@ -165,7 +165,7 @@ func TestIpcOpenTwoHandlesOfOneAllocation(t *testing.T) {
 }
 
 func TestIpcUnknownPointers(t *testing.T) {
-	a, drv := newAlloc(t, 2, GiB, "")
+	a, drv := newAlloc(t, 2, GiB, ordinary)
 	p := mustMalloc(t, a, 0, 4*KiB, 0)
 	q := mustMalloc(t, a, 0, 4*KiB, 0)
 	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: q}))
@@ -195,7 +195,7 @@ func TestIpcUnknownPointers(t *testing.T) {
 }
 
 func TestIpcOpenBadHandles(t *testing.T) {
-	a, _ := newAlloc(t, 1, GiB, "")
+	a, _ := newAlloc(t, 1, GiB, ordinary)
 	p := mustMalloc(t, a, 0, 30*MiB, 0)
 	h, _, _, err := a.IpcHandle(p)
 	require.NoError(t, err)
@@ -302,7 +302,7 @@ func TestIpcDriverErrors(t *testing.T) {
 // pool, and no IPC call breaks a capture rule.
 func TestIpcDuringCapture(t *testing.T) {
 	lockThread(t)
-	a, drv := newAlloc(t, 1, GiB, "")
+	a, drv := newAlloc(t, 1, GiB, ordinary)
 	const s = cuda.Stream(0x51)
 	pool := allocator.PoolID{A: 1}
 	require.NoError(t, a.BeginAllocateToPool(0, pool, nil))
@@ -324,7 +324,7 @@ func TestIpcDuringCapture(t *testing.T) {
 // Concurrent opens and closes of one handle keep one mapping and close it
 // exactly once.
 func TestIpcConcurrentOpenClose(t *testing.T) {
-	a, drv := newAlloc(t, 1, GiB, "")
+	a, drv := newAlloc(t, 1, GiB, ordinary)
 	ps := []cuda.Ptr{mustMalloc(t, a, 0, 30*MiB, 0), mustMalloc(t, a, 0, 30*MiB, 0)}
 	var hs []cuda.IpcHandle
 	for _, p := range ps {
@@ -369,9 +369,11 @@ func TestIpcConcurrentOpenClose(t *testing.T) {
 	}
 }
 
+// ipcTestConfig is ordinary segments: the tests of cuIpcGetMemHandle's
+// handles share cuMemAlloc'd segments.
 func ipcTestConfig(t testing.TB) allocator.Config {
 	t.Helper()
-	cfg, _, err := allocator.ParseConfig("")
+	cfg, _, err := allocator.ParseConfig(ordinary)
 	require.NoError(t, err)
 	return cfg
 }

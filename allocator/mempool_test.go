@@ -49,7 +49,7 @@ func inPool(t testing.TB, a *allocator.Allocator, id allocator.PoolID, ps ...cud
 // use_mem_pool block runs), destroyed (released, then emptied).
 func TestMemPoolLifecycle(t *testing.T) {
 	lockThread(t)
-	a, drv := newAlloc(t, 1, GiB, "")
+	a, drv := newAlloc(t, 1, GiB, ordinary)
 	pool := allocator.PoolID{B: 1}
 	require.NoError(t, a.CreateOrIncrefPool(0, pool))
 	require.Equal(t, 1, useCount(t, a, pool))
@@ -246,7 +246,7 @@ func TestMemPoolThreads(t *testing.T) {
 // no_split: every allocation of the pool keeps a segment to itself.
 func TestMemPoolNoSplit(t *testing.T) {
 	lockThread(t)
-	a, drv := newAlloc(t, 1, GiB, "")
+	a, drv := newAlloc(t, 1, GiB, ordinary)
 	pool := allocator.PoolID{B: 3}
 	require.NoError(t, a.CreateOrIncrefPool(0, pool))
 	require.NoError(t, a.SetPoolNoSplit(0, pool))
@@ -284,7 +284,7 @@ func oomPoolBlock(t testing.TB, a *allocator.Allocator, pool allocator.PoolID) c
 // pools takes a cached block of the pool before anything is freed.
 func TestMemPoolUseOnOOM(t *testing.T) {
 	lockThread(t)
-	a, drv := newAlloc(t, 1, 100*MiB, "")
+	a, drv := newAlloc(t, 1, 100*MiB, ordinary)
 	pool := allocator.PoolID{B: 4}
 	cached := oomPoolBlock(t, a, pool)
 	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: cached})) // cached in the pool

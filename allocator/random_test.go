@@ -5,7 +5,6 @@ import (
 	"errors"
 	"math/rand"
 	"sort"
-	"strings"
 	"testing"
 
 	"github.com/cudapool/cudapool/allocator"
@@ -311,11 +310,12 @@ func runFreeSets(t *testing.T, conf string, data []byte, kinds []pools.FreeSetKi
 }
 
 func TestRandomizedInvariants(t *testing.T) {
-	confs := []string{"", "max_split_size_mb:32", "roundup_power2_divisions:4",
-		"garbage_collection_threshold:0.7", "max_split_size_mb:20,max_non_split_rounding_mb:4",
-		"expandable_segments:True", "expandable_segments:True,max_split_size_mb:32",
-		"expandable_segments:True,garbage_collection_threshold:0.7,roundup_power2_divisions:4",
-		"stitch:True", "stitch:True,expandable_map_unit_mb:2,max_split_size_mb:32",
+	const ord, exp = "expandable_segments:False", "expandable_segments:True,stitch:False"
+	confs := []string{ord, ord + ",max_split_size_mb:32", ord + ",roundup_power2_divisions:4",
+		ord + ",garbage_collection_threshold:0.7", ord + ",max_split_size_mb:20,max_non_split_rounding_mb:4",
+		exp, exp + ",max_split_size_mb:32", exp + ",garbage_collection_threshold:0.7,roundup_power2_divisions:4",
+		// The default (stitching), alone and with other keys.
+		"", "max_split_size_mb:32", "stitch:True,expandable_map_unit_mb:2,max_split_size_mb:32",
 		"stitch:True,garbage_collection_threshold:0.7"}
 	seeds := 12
 	if testing.Short() || raceOn {
@@ -344,7 +344,7 @@ func TestRandomizedInvariants(t *testing.T) {
 				}
 			})
 		}
-		if strings.Contains(conf, "stitch:True") {
+		if cfg, _, err := allocator.ParseConfig(conf); err == nil && cfg.Stitch {
 			// The runs did exercise both ways of moving pages.
 			require.Positive(t, moved, "%s: pages unmapped and moved", conf)
 			require.Positive(t, lent, "%s: pages lent", conf)
@@ -362,10 +362,10 @@ func FuzzAllocator(f *testing.F) {
 	f.Fuzz(func(t *testing.T, data []byte) {
 		lockThread(t)
 		// The first byte picks ordinary or expandable segments, or
-		// stitching; every free set runs the input.
+		// stitching (the default); every free set runs the input.
 		conf := ""
 		if len(data) > 0 {
-			conf = [...]string{"", "expandable_segments:True", "stitch:True", "stitch:True,expandable_map_unit_mb:2"}[data[0]%4]
+			conf = [...]string{"expandable_segments:False", "expandable_segments:True,stitch:False", "", "stitch:True,expandable_map_unit_mb:2"}[data[0]%4]
 		}
 		runEveryFreeSet(t, conf, data)
 	})

@@ -2,7 +2,10 @@ package allocator_test
 
 import (
 	"bytes"
+	"errors"
 	"fmt"
+	"math"
+	"math/rand"
 	"sync"
 	"syscall"
 	"testing"
@@ -12,6 +15,7 @@ import (
 	"github.com/cudapool/cudapool/allocator"
 	"github.com/cudapool/cudapool/cuda"
 	"github.com/cudapool/cudapool/cuda/sim"
+	"github.com/cudapool/cudapool/pools"
 	"github.com/cudapool/cudapool/vmem"
 )
 
@@ -25,6 +29,12 @@ type proc struct {
 	a *allocator.Allocator
 	d *sim.Driver
 }
+
+// chunked is expandable segments without stitching: the default large
+// pool's 20 MiB chunks, grown whole (vmem/export.go, "One size"). The
+// default ("") is expandable segments with stitching, whose default pools
+// map 2 MiB pages.
+const chunked = "expandable_segments:True,stitch:False"
 
 // newProc makes a process with one device of mem bytes whose memory can be
 // exported through kinds (a device without an IMEX channel: file
@@ -90,8 +100,8 @@ func importsGone(t testing.TB, p proc) {
 // range (with its own offset), and two opens map once. The descriptor is
 // closed when its allocation is released, not before.
 func TestShareExpandableBothWays(t *testing.T) {
-	exp := newProc(t, "expandable_segments:True", cuda.ShareablePOSIXFD, 4*GiB)
-	imp := newProc(t, "expandable_segments:True", cuda.ShareablePOSIXFD, 4*GiB)
+	exp := newProc(t, chunked, cuda.ShareablePOSIXFD, 4*GiB)
+	imp := newProc(t, "", cuda.ShareablePOSIXFD, 4*GiB)
 	p := mustMalloc(t, exp.a, 0, 5*MiB, 0)
 	q := mustMalloc(t, exp.a, 0, 3*MiB, 0) // the same 20 MiB chunk
 	want := fill(t, exp.d, p, 5*MiB, 1)
@@ -147,11 +157,12 @@ func TestShareExpandableBothWays(t *testing.T) {
 	}
 }
 
-// A block larger than the mapping unit lies on whole 20 MiB chunks (growth
-// maps whole chunks in the default pools, as PyTorch's pages), listed in
-// order; a block of the small pool lies on one 2 MiB page.
+// Without stitching, a block larger than the mapping unit lies on whole 20
+// MiB chunks (growth maps whole chunks in the default pools, as PyTorch's
+// pages), listed in order; a block of the small pool lies on one 2 MiB
+// page.
 func TestShareLargeAndSmallBlocks(t *testing.T) {
-	exp := newProc(t, "expandable_segments:True", cuda.ShareablePOSIXFD, 4*GiB)
+	exp := newProc(t, chunked, cuda.ShareablePOSIXFD, 4*GiB)
 	imp := newProc(t, "", cuda.ShareablePOSIXFD, 4*GiB)
 	big := mustMalloc(t, exp.a, 0, 50*MiB, 0)
 	require.Equal(t, uint64(60*MiB), exp.d.Mapped(0), "three whole chunks")
@@ -186,17 +197,18 @@ func TestShareLargeAndSmallBlocks(t *testing.T) {
 
 // Where fabric handles work (ProbeFabric), physical memory is created and
 // exported with them, as PyTorch 2.11 chooses: no descriptor is held, the
-// handle's entries are 64 bytes, and the import needs no pidfd.
+// handle's entries are 64 bytes (one per 2 MiB page under the block, by
+// default), and the import needs no pidfd.
 func TestShareFabric(t *testing.T) {
-	exp := newProc(t, "expandable_segments:True", cuda.ShareablePOSIXFD|cuda.ShareableFabric, 4*GiB)
+	exp := newProc(t, "", cuda.ShareablePOSIXFD|cuda.ShareableFabric, 4*GiB)
 	imp := newProc(t, "", cuda.ShareablePOSIXFD|cuda.ShareableFabric, 4*GiB)
 	imp.d.SetPidfdErrors(syscall.ENOSYS, syscall.ENOSYS) // not needed
 	p := mustMalloc(t, exp.a, 0, 3*MiB, 0)
 	want := fill(t, exp.d, p, 3*MiB, 5)
 	raw, h, off := share(t, exp.a, p)
 	require.Equal(t, cuda.ShareableFabric, h.Segment.Kind)
-	require.Len(t, h.Segment.Fabric, 1)
-	require.Len(t, raw, 2+24+64)
+	require.Len(t, h.Segment.Fabric, 2, "3 MiB on two pages")
+	require.Len(t, raw, 2+24+2*64)
 	require.Empty(t, exp.d.OpenFDs())
 	base, err := imp.a.OpenIpcHandle(0, raw)
 	require.NoError(t, err)
@@ -212,7 +224,7 @@ func TestShareFabric(t *testing.T) {
 // is not shareable and the export says why.
 func TestShareKindChoice(t *testing.T) {
 	lockThread(t)
-	x := newProc(t, "expandable_segments:True", cuda.ShareablePOSIXFD|cuda.ShareableFabric, GiB)
+	x := newProc(t, "", cuda.ShareablePOSIXFD|cuda.ShareableFabric, GiB)
 	x.a.ExpectAnnouncements()
 	const cs = cuda.Stream(7)
 	require.NoError(t, x.a.BeginAllocateToPool(0, allocator.PoolID{A: 1}, func(cuda.Stream) bool { return true }))
@@ -224,7 +236,7 @@ func TestShareKindChoice(t *testing.T) {
 	require.Equal(t, cuda.ShareablePOSIXFD, h.Segment.Kind, "chosen during a capture: no probe")
 	require.Zero(t, x.d.Violations(), "%v", x.d.ViolationLog())
 
-	none := newProc(t, "expandable_segments:True", 0, GiB)
+	none := newProc(t, "", 0, GiB)
 	q := mustMalloc(t, none.a, 0, 3*MiB, 0)
 	_, _, _, err := none.a.ShareIpcHandle(q)
 	require.ErrorIs(t, err, allocator.ErrNotSupported)
@@ -234,7 +246,7 @@ func TestShareKindChoice(t *testing.T) {
 // A block of an ordinary segment is shared as its segment's CUDA IPC
 // handle, type 'c', which OpenIpcHandle opens with the driver's IPC.
 func TestShareCudaMalloc(t *testing.T) {
-	a, drv := newAlloc(t, 1, GiB, "")
+	a, drv := newAlloc(t, 1, GiB, ordinary)
 	p := mustMalloc(t, a, 0, 4096, 0)
 	q := mustMalloc(t, a, 0, 4096, 0)
 	raw, h, off := share(t, a, q)
@@ -262,7 +274,7 @@ func TestShareCudaMalloc(t *testing.T) {
 // not an allocation's start, and an unknown device are refused with errors
 // that say which.
 func TestShareRefusals(t *testing.T) {
-	x := newProc(t, "expandable_segments:True", cuda.ShareablePOSIXFD, GiB)
+	x := newProc(t, "", cuda.ShareablePOSIXFD, GiB)
 	p := mustMalloc(t, x.a, 0, 3*MiB, 0)
 	raw, _, _ := share(t, x.a, p)
 	for _, c := range []struct {
@@ -295,7 +307,7 @@ func TestShareRefusals(t *testing.T) {
 // returned at once, and the failed import leaves nothing behind; so is an
 // exporter that has exited.
 func TestSharePidfdErrors(t *testing.T) {
-	exp := newProc(t, "expandable_segments:True", cuda.ShareablePOSIXFD, GiB)
+	exp := newProc(t, "", cuda.ShareablePOSIXFD, GiB)
 	imp := newProc(t, "", cuda.ShareablePOSIXFD, GiB)
 	p := mustMalloc(t, exp.a, 0, 3*MiB, 0)
 	raw, _, _ := share(t, exp.a, p)
@@ -328,11 +340,11 @@ func TestSharePidfdErrors(t *testing.T) {
 	importsGone(t, imp)
 }
 
-// The allocations under a block must be of one size: a block over a whole
-// chunk and a tail mapped short (the memory fraction had no room for a
-// whole chunk) cannot be shared, and the error says why.
+// The allocations under a block must be of one size: without stitching, a
+// block over a whole chunk and a tail mapped short (the memory fraction had
+// no room for a whole chunk) cannot be shared, and the error says why.
 func TestShareRefusesMixedAllocations(t *testing.T) {
-	x := newProc(t, "expandable_segments:True", cuda.ShareablePOSIXFD, GiB)
+	x := newProc(t, chunked, cuda.ShareablePOSIXFD, GiB)
 	require.NoError(t, x.a.SetMemoryFraction(0, 30.0/1024))
 	a := mustMalloc(t, x.a, 0, 19*MiB, 0) // one 20 MiB chunk
 	b := mustMalloc(t, x.a, 0, 4*MiB, 0)  // 1 MiB of it and a 4 MiB tail
@@ -629,7 +641,7 @@ func TestShareConcurrent(t *testing.T) {
 // thread) stays valid.
 func TestShareOpenDuringCapture(t *testing.T) {
 	lockThread(t)
-	exp := newProc(t, "expandable_segments:True", cuda.ShareablePOSIXFD, GiB)
+	exp := newProc(t, "", cuda.ShareablePOSIXFD, GiB)
 	imp := newProc(t, "", cuda.ShareablePOSIXFD, GiB)
 	p := mustMalloc(t, exp.a, 0, 3*MiB, 0)
 	raw, _, _ := share(t, exp.a, p)
@@ -642,4 +654,200 @@ func TestShareOpenDuringCapture(t *testing.T) {
 	require.NoError(t, imp.a.IpcClose(base))
 	importsGone(t, imp)
 	require.NoError(t, exp.a.Free(allocator.FreeRequest{Ptr: p}))
+}
+
+// With the defaults (expandable segments with stitching) every physical
+// allocation of the default pools is one 2 MiB page, whichever size class
+// mapped it, so a block is shareable wherever stitching took its pages
+// from: a large block's pages move to the small pool and back (vmem/doc.go,
+// "One page pool for both size classes"), each keeping its descriptor, and
+// every block is shared, imported and written both ways on the way.
+func TestShareDefaultsAcrossSizeClasses(t *testing.T) {
+	lockThread(t)
+	exp := newProc(t, "", cuda.ShareablePOSIXFD, GiB)
+	imp := newProc(t, "", cuda.ShareablePOSIXFD, GiB)
+	roundTrip := func(p cuda.Ptr, n int, seed byte) vmem.StorageHandle {
+		t.Helper()
+		want := fill(t, exp.d, p, n, seed)
+		raw, h, off := share(t, exp.a, p)
+		require.Equal(t, byte(vmem.TypeExpandable), h.Type)
+		require.Equal(t, uint64(2*MiB), h.Segment.SegmentSize, "pages of one size under every block")
+		base, err := imp.a.OpenIpcHandle(0, raw)
+		require.NoError(t, err)
+		require.Equal(t, want, read(t, imp.d, base+cuda.Ptr(off), n))
+		reply := fill(t, imp.d, base+cuda.Ptr(off), n, seed+1)
+		require.Equal(t, reply, read(t, exp.d, p, n))
+		require.NoError(t, imp.a.IpcClose(base))
+		return h
+	}
+	fdOf := map[uint64]int32{}
+	record := func(p cuda.Ptr, n uint64, h vmem.StorageHandle) {
+		t.Helper()
+		ids := physIDs(t, exp.d, p-cuda.Ptr(uint64(p)%(2*MiB)), n+uint64(p)%(2*MiB))
+		require.Len(t, h.Segment.FDs, len(ids))
+		for i, id := range ids {
+			if fd, ok := fdOf[id]; ok {
+				require.Equal(t, fd, h.Segment.FDs[i], "a moved page keeps its descriptor")
+			}
+			fdOf[id] = h.Segment.FDs[i]
+		}
+	}
+
+	big := mustMalloc(t, exp.a, 0, 30*MiB, 0)
+	record(big, 30*MiB, roundTrip(big, 30*MiB, 1))
+	require.NoError(t, exp.a.Free(allocator.FreeRequest{Ptr: big}))
+	var small []cuda.Ptr
+	for range 6 { // three pages of small blocks, taken from big's
+		small = append(small, mustMalloc(t, exp.a, 0, 700*KiB, 0))
+	}
+	require.Equal(t, uint64(30*MiB), exp.d.Used(0), "the small pool's pages came from the large block")
+	for i, p := range small {
+		record(p, 700*KiB, roundTrip(p, 700*KiB, byte(10+i)))
+	}
+	for _, p := range small {
+		require.NoError(t, exp.a.Free(allocator.FreeRequest{Ptr: p}))
+	}
+	// The small pool's three pages go back to the large pool.
+	p := mustMalloc(t, exp.a, 0, 40*MiB, 0)
+	require.Zero(t, stats(t, exp.a, 0).ReservedBytes[pools.StatSmall].Current, "the small pool's pages moved")
+	require.Equal(t, int64(6), stitchStats(t, exp.a).Remaps)
+	h := roundTrip(p, 40*MiB, 30)
+	record(p, 40*MiB, h)
+	require.Len(t, h.Segment.FDs, 20)
+	require.Len(t, exp.d.OpenFDs(), len(fdOf), "one descriptor per page ever exported, held until its release")
+
+	importsGone(t, imp)
+	require.NoError(t, exp.a.Free(allocator.FreeRequest{Ptr: p}))
+	exp.d.CompleteAll()
+	require.NoError(t, exp.a.EmptyCache(0))
+	require.Empty(t, exp.d.OpenFDs())
+	require.Zero(t, exp.d.Used(0))
+	require.NoError(t, exp.a.CheckInvariants())
+	require.Zero(t, exp.d.Violations(), "%v", exp.d.ViolationLog())
+}
+
+// A MemPool's range keeps 20 MiB chunks under the defaults too (private
+// pools are not part of the page pool: vmem/doc.go) and maps only what its
+// blocks need, and nothing is stitched into it (its growth happens while
+// allocations are routed to it, which counts as a capture): a block on one
+// chunk is shared, a block over a whole chunk and the 6 MiB tail mapped for
+// it lies on allocations of two sizes, which PyTorch's handle cannot
+// describe, and sharing it is refused with an error that says so.
+func TestShareDefaultsMemPool(t *testing.T) {
+	lockThread(t)
+	x := newProc(t, "", cuda.ShareablePOSIXFD, GiB)
+	big := mustMalloc(t, x.a, 0, 30*MiB, 0)
+	require.NoError(t, x.a.Free(allocator.FreeRequest{Ptr: big}))
+	x.d.CompleteAll()
+	inPool := func(id uint64, size uint64) cuda.Ptr {
+		pool := allocator.PoolID{B: id}
+		require.NoError(t, x.a.CreateOrIncrefPool(0, pool))
+		done := useMemPool(t, x.a, pool)
+		defer done()
+		return mustMalloc(t, x.a, 0, size, 0)
+	}
+	one := inPool(7, 3*MiB)
+	two := inPool(8, 25*MiB)
+	require.Zero(t, stitchStats(t, x.a).Remaps, "the default pools' free pages stayed")
+	_, h, _ := share(t, x.a, one)
+	require.Equal(t, uint64(20*MiB), h.Segment.SegmentSize, "one chunk")
+	_, _, _, err := x.a.ShareIpcHandle(two)
+	require.ErrorIs(t, err, allocator.ErrNotSupported)
+	require.Contains(t, err.Error(), "lies on physical allocations of 20971520 and 6291456 bytes")
+	p := mustMalloc(t, x.a, 0, 4*MiB, 0)
+	_, h, _ = share(t, x.a, p)
+	require.Equal(t, uint64(2*MiB), h.Segment.SegmentSize, "the default pool's pages")
+	for _, b := range []cuda.Ptr{one, two, p} {
+		require.NoError(t, x.a.Free(allocator.FreeRequest{Ptr: b}))
+	}
+	require.NoError(t, x.a.CheckInvariants())
+	require.Zero(t, x.d.Violations(), "%v", x.d.ViolationLog())
+}
+
+// Randomized, under the defaults: blocks of every size on two streams are
+// allocated, used by kernels of a device running behind the host, shared
+// and freed while stitching moves pages (unmapped and lent) between holes,
+// streams and size classes, and empty_cache runs now and then. Every block
+// is shareable (the default pools' physical allocations are all one page),
+// the importer reads each block's own bytes, and a handle kept while its
+// block lives maps that block's memory however late it is opened.
+func TestShareRandomUnderDefaults(t *testing.T) {
+	lockThread(t)
+	ops := 4000
+	if testing.Short() {
+		ops = 1000
+	}
+	exp := newProc(t, "", cuda.ShareablePOSIXFD, 2*GiB)
+	imp := newProc(t, "", cuda.ShareablePOSIXFD, 8*GiB)
+	rng := rand.New(rand.NewSource(7))
+	type live struct {
+		p    cuda.Ptr
+		size uint64
+		tag  []byte
+		raw  []byte // its handle, kept: opened again before the free
+		off  uint64
+	}
+	var lives []live
+	openAndRead := func(l live) {
+		t.Helper()
+		base, err := imp.a.OpenIpcHandle(0, l.raw)
+		require.NoError(t, err)
+		require.Equal(t, l.tag, read(t, imp.d, base+cuda.Ptr(l.off), len(l.tag)), "the importer reads the block's bytes")
+		require.NoError(t, imp.a.IpcClose(base))
+	}
+	shared := 0
+	for i := range ops {
+		switch r := rng.Intn(10); {
+		case len(lives) < 40 && (r < 5 || len(lives) == 0):
+			size := uint64(512 * math.Pow(2, rng.Float64()*17)) // 512 B to 64 MiB, log-uniform
+			s := cuda.Stream(rng.Intn(2))
+			p, err := exp.a.Malloc(&allocator.MallocRequest{Size: size, Stream: s})
+			if errors.Is(err, allocator.ErrOutOfMemory) {
+				continue
+			}
+			require.NoError(t, err)
+			exp.d.Use(0, s, p, size)
+			l := live{p: p, size: size, tag: []byte(fmt.Sprintf("block of op %d", i))}
+			require.NoError(t, exp.d.WriteDevice(0, p, l.tag))
+			if rng.Intn(2) == 0 {
+				raw, off, _, err := exp.a.ShareIpcHandle(p)
+				require.NoError(t, err, "a block of %d bytes under the defaults is shareable", size)
+				l.raw, l.off = raw, off
+				openAndRead(l)
+				shared++
+			}
+			lives = append(lives, l)
+		case r < 9 && len(lives) > 0:
+			k := rng.Intn(len(lives))
+			l := lives[k]
+			if l.raw != nil {
+				openAndRead(l) // late: after whatever stitching did meanwhile
+			}
+			require.NoError(t, exp.a.Free(allocator.FreeRequest{Ptr: l.p}))
+			lives[k] = lives[len(lives)-1]
+			lives = lives[:len(lives)-1]
+		case rng.Intn(4) == 0:
+			exp.d.CompleteAll()
+			require.NoError(t, exp.a.EmptyCache(0))
+		default:
+			exp.d.Complete(cuda.Stream(rng.Intn(2)))
+		}
+	}
+	st := stitchStats(t, exp.a)
+	require.Positive(t, st.Remaps, "stitching moved pages")
+	require.Positive(t, st.Lent, "and lent some")
+	require.Greater(t, shared, ops/10)
+	for _, l := range lives {
+		if l.raw != nil {
+			openAndRead(l)
+		}
+		require.NoError(t, exp.a.Free(allocator.FreeRequest{Ptr: l.p}))
+	}
+	importsGone(t, imp)
+	exp.d.CompleteAll()
+	require.NoError(t, exp.a.EmptyCache(0))
+	require.Empty(t, exp.d.OpenFDs(), "every descriptor closed with its allocation's release")
+	require.Zero(t, exp.d.Used(0))
+	require.NoError(t, exp.a.CheckInvariants())
+	require.Zero(t, exp.d.Violations(), "%v", exp.d.ViolationLog())
 }

@@ -78,6 +78,38 @@ func TestStitchMovesIdlePages(t *testing.T) {
 	require.Zero(t, drv.Violations(), "%v", drv.ViolationLog())
 }
 
+// Stitching keeps reserved memory from rising above its peak statistic:
+// empty_cache leaves the peak where it was (growth up to it maps new
+// memory), reset_peak_memory_stats lowers it to what is reserved now, from
+// when on the holes' pages move first.
+func TestStitchLimitFollowsPeakReset(t *testing.T) {
+	lockThread(t)
+	a, drv := newAlloc(t, 1, GiB, stitch)
+	big := mustMalloc(t, a, 0, 100*MiB, 0)
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: big}))
+	require.NoError(t, a.EmptyCache(0))
+	require.Zero(t, drv.Used(0))
+	_, _, keep := holes(t, a, 0)
+	p := mustMalloc(t, a, 0, 16*MiB, 0)
+	require.Equal(t, uint64(40*MiB), drv.Used(0), "below the 100 MiB peak: new memory")
+	require.Zero(t, stitchStats(t, a).Remaps)
+	for _, x := range append(keep, p) {
+		require.NoError(t, a.Free(allocator.FreeRequest{Ptr: x}))
+	}
+	require.NoError(t, a.EmptyCache(0))
+
+	require.NoError(t, a.ResetStats(0, allocator.ResetPeak))
+	_, _, keep = holes(t, a, 0)
+	p = mustMalloc(t, a, 0, 16*MiB, 0)
+	require.Equal(t, uint64(24*MiB), drv.Used(0), "the holes' pages moved: no new memory")
+	require.Equal(t, int64(8), stitchStats(t, a).Remaps)
+	for _, x := range append(keep, p) {
+		require.NoError(t, a.Free(allocator.FreeRequest{Ptr: x}))
+	}
+	require.NoError(t, a.CheckInvariants())
+	require.Zero(t, drv.Violations(), "%v", drv.ViolationLog())
+}
+
 // A page of another stream that work queued before its free may still
 // touch stays where it is until a marker event recorded after the free has
 // completed.
@@ -154,6 +186,85 @@ func TestStitchLendsOnItsOwnStream(t *testing.T) {
 	z := mustMalloc(t, a, 0, 30*MiB, 0) // reuses y's block: no miss
 	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: z}))
 	for _, v := range append(keep, p, x) {
+		require.NoError(t, a.Free(allocator.FreeRequest{Ptr: v}))
+	}
+	require.NoError(t, a.EmptyCache(0))
+	require.Zero(t, drv.Used(0))
+	require.Zero(t, drv.Mapped(0))
+	require.NoError(t, a.CheckInvariants())
+	require.Zero(t, drv.Violations(), "%v", drv.ViolationLog())
+}
+
+// The small and the large pool share one pool of pages (vmem/doc.go, "One
+// page pool for both size classes"): by default, a small request takes an
+// idle page of a free large block, and a large request the pages the small
+// pool no longer uses, instead of new memory.
+func TestStitchSizeClassesSharePages(t *testing.T) {
+	lockThread(t)
+	a, drv := newAlloc(t, 1, GiB, "")
+	big := mustMalloc(t, a, 0, 30*MiB, 0)
+	require.Equal(t, uint64(30*MiB), drv.Used(0))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: big}))
+	var small []cuda.Ptr
+	for i := 0; i < 6; i++ { // three pages of small blocks
+		small = append(small, mustMalloc(t, a, 0, 700*KiB, 0))
+	}
+	require.Equal(t, uint64(30*MiB), drv.Used(0), "the small pool's pages came from the large block")
+	require.Equal(t, int64(3), stitchStats(t, a).Remaps)
+	st := stats(t, a, 0)
+	require.Equal(t, int64(6*MiB), st.ReservedBytes[pools.StatSmall].Current)
+	require.Equal(t, int64(24*MiB), st.ReservedBytes[pools.StatLarge].Current)
+
+	for _, x := range small {
+		require.NoError(t, a.Free(allocator.FreeRequest{Ptr: x}))
+	}
+	// 24 MiB free at the start of the large range, 6 in the small pool: a
+	// 40 MiB block grows the large one by the 20 MiB unit, the small
+	// pool's three pages and 14 MiB of new memory.
+	p := mustMalloc(t, a, 0, 40*MiB, 0)
+	require.Equal(t, uint64(44*MiB), drv.Used(0), "14 MiB of new memory")
+	require.True(t, drv.Accessible(0, p, 40*MiB))
+	st = stats(t, a, 0)
+	require.Zero(t, st.ReservedBytes[pools.StatSmall].Current, "the small pool's pages moved to the large pool")
+	require.Equal(t, int64(3+3), stitchStats(t, a).Remaps)
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
+	require.NoError(t, a.EmptyCache(0))
+	require.Zero(t, drv.Used(0))
+	require.NoError(t, a.CheckInvariants())
+	require.Zero(t, drv.Violations(), "%v", drv.ViolationLog())
+}
+
+// Lent pages that the growth did not use go back to their holes: here the
+// memory fraction, lowered below what is reserved, lets the growth map 18
+// MiB of the 20 MiB unit that stitching lent pages for. Were the spare lent
+// page released instead, its memory would stay behind its old mapping,
+// counted nowhere (reserved memory below what the device holds).
+func TestStitchRestoresUnusedLentPages(t *testing.T) {
+	lockThread(t)
+	a, drv := newAlloc(t, 1, GiB, "") // the default: stitching, 20 MiB unit
+	x := mustMalloc(t, a, 0, 16*MiB, 0)
+	k1 := mustMalloc(t, a, 0, 2*MiB, 0)
+	y := mustMalloc(t, a, 0, 6*MiB, 0)
+	k2 := mustMalloc(t, a, 0, 16*MiB, 0)
+	require.Equal(t, uint64(40*MiB), drv.Used(0))
+	drv.Use(0, 0, x, 16*MiB) // queued work: the holes' pages can only be lent
+	drv.Use(0, 0, y, 6*MiB)
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: x}))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: y}))
+	require.NoError(t, a.SetMemoryFraction(0, 38.0/1024))
+
+	p := mustMalloc(t, a, 0, 18*MiB, 0)
+	st := stitchStats(t, a)
+	require.Equal(t, int64(9), st.Remaps, "nine pages moved")
+	require.Equal(t, int64(9), st.Lent, "all of them lent; the tenth lent page went back")
+	require.Equal(t, uint64(40*MiB), drv.Used(0), "no new memory")
+	require.Equal(t, int64(drv.Used(0)), stats(t, a, 0).ReservedBytes[pools.StatAll].Current, "reserved is what the device holds")
+	require.True(t, drv.Accessible(0, p, 18*MiB))
+	require.True(t, drv.Accessible(0, x, 16*MiB) && drv.Accessible(0, y, 6*MiB), "old mappings stay while the work runs")
+	require.NoError(t, a.CheckInvariants())
+
+	drv.CompleteAll()
+	for _, v := range []cuda.Ptr{k1, k2, p} {
 		require.NoError(t, a.Free(allocator.FreeRequest{Ptr: v}))
 	}
 	require.NoError(t, a.EmptyCache(0))
@@ -283,10 +394,11 @@ func TestExpandableUnmapWaitsForWork(t *testing.T) {
 // Growth maps at least the mapping unit at once in large pools (one
 // cuMemSetAccess for several small steps), falls back to what is needed
 // when the memory fraction does not allow more, and small pools map page
-// by page.
+// by page. With stitching (the default) the default large pool maps the
+// same unit in page-sized physical allocations, the pieces stitching moves.
 func TestExpandableMapUnit(t *testing.T) {
 	lockThread(t)
-	a, drv := newAlloc(t, 1, GiB, "expandable_segments:True")
+	a, drv := newAlloc(t, 1, GiB, "expandable_segments:True,stitch:False")
 	require.Equal(t, uint64(allocator.DefaultMapUnit), a.Config().ExpandableMapUnit)
 	var ps []cuda.Ptr
 	for i := 0; i < 6; i++ {
@@ -317,7 +429,7 @@ func TestExpandableMapUnit(t *testing.T) {
 
 	// On a 24 MiB device: the first step maps 20 MiB; the second needs
 	// one more page, and the device has no room for a whole unit.
-	a, drv = newAlloc(t, 1, 24*MiB, "expandable_segments:True")
+	a, drv = newAlloc(t, 1, 24*MiB, "expandable_segments:True,stitch:False")
 	x = mustMalloc(t, a, 0, 3*MiB, 0)
 	require.Equal(t, uint64(20*MiB), drv.Mapped(0))
 	y = mustMalloc(t, a, 0, 18*MiB, 0)
@@ -326,31 +438,120 @@ func TestExpandableMapUnit(t *testing.T) {
 	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: y}))
 	require.NoError(t, a.CheckInvariants())
 	require.Zero(t, drv.Violations(), "%v", drv.ViolationLog())
+
+	a, drv = newAlloc(t, 1, GiB, "")
+	for i := 0; i < 6; i++ {
+		mustMalloc(t, a, 0, 3*MiB, 0)
+	}
+	maps, _ = drv.MapCalls(0)
+	require.Equal(t, uint64(20*MiB), drv.Mapped(0), "18 MiB in one 20 MiB step")
+	require.Equal(t, int64(10), maps, "ten 2 MiB physical allocations")
+	require.Equal(t, 10, drv.Handles(0))
+	require.Zero(t, drv.Violations(), "%v", drv.ViolationLog())
 }
 
+// Stitching is on by default, with expandable segments; stitch:False keeps
+// expandable segments without it, expandable_segments:False turns both off;
+// a named stitch:True with expandable_segments:False is an error whatever
+// the order of the keys; the string form parses back to the same
+// configuration.
 func TestStitchConfig(t *testing.T) {
-	cfg, _, err := allocator.ParseConfig("stitch:True,expandable_map_unit_mb:4")
-	require.NoError(t, err)
-	require.True(t, cfg.Stitch)
-	require.Equal(t, uint64(4*MiB), cfg.ExpandableMapUnit)
-	require.True(t, cfg.ExpandableSegments, "stitching implies expandable segments")
-	require.Equal(t, "expandable_segments:True,expandable_map_unit_mb:4,stitch:True", cfg.String())
-	again, _, err := allocator.ParseConfig(cfg.String())
-	require.NoError(t, err)
-	require.Equal(t, cfg, again)
 	def, _, err := allocator.ParseConfig("")
 	require.NoError(t, err)
-	require.False(t, def.Stitch, "off by default")
+	require.True(t, def.Stitch, "on by default")
+	require.True(t, def.ExpandableSegments)
+	require.False(t, def.StitchSet || def.ExpandableSet, "nothing named")
+	require.Empty(t, def.String(), "the defaults are not written out")
+	require.Equal(t, allocator.DefaultConfig(), def)
+
+	for _, c := range []struct {
+		conf, str   string
+		exp, stitch bool
+	}{
+		{"stitch:True,expandable_map_unit_mb:4", "expandable_map_unit_mb:4,stitch:True", true, true},
+		{"expandable_segments:True", "expandable_segments:True", true, true},
+		{"stitch:False", "stitch:False", true, false},
+		{"expandable_segments:False", "expandable_segments:False", false, false},
+		{"stitch:False,expandable_segments:False", "expandable_segments:False,stitch:False", false, false},
+		{"expandable_segments:False,stitch:False", "expandable_segments:False,stitch:False", false, false},
+		{"stitch:True,stitch:False,expandable_segments:False", "expandable_segments:False,stitch:False", false, false},
+		{"expandable_segments:True,stitch:True", "expandable_segments:True,stitch:True", true, true},
+		{"expandable_segments:True,stitch:False", "expandable_segments:True,stitch:False", true, false},
+	} {
+		cfg, warn, err := allocator.ParseConfig(c.conf)
+		require.NoError(t, err, c.conf)
+		require.Empty(t, warn, c.conf)
+		require.Equal(t, c.exp, cfg.ExpandableSegments, c.conf)
+		require.Equal(t, c.stitch, cfg.Stitch, c.conf)
+		require.Equal(t, c.str, cfg.String(), c.conf)
+		again, _, err := allocator.ParseConfig(cfg.String())
+		require.NoError(t, err)
+		require.Equal(t, cfg, again, c.conf)
+	}
 	for _, bad := range []string{"stitch:yes", "expandable_map_unit_mb:3", "expandable_map_unit_mb:0", "expandable_map_unit_mb:-2", "expandable_map_unit_mb:x"} {
 		_, _, err := allocator.ParseConfig(bad)
 		require.ErrorIs(t, err, allocator.ErrInvalidConfig, bad)
 	}
-	// stitch:True implies expandable segments.
+
+	// The contradictory pair, in either order, whatever lies between.
+	for _, bad := range []string{"stitch:True,expandable_segments:False", "expandable_segments:False,stitch:True",
+		"expandable_segments:False,max_split_size_mb:64,stitch:True", "stitch:False,stitch:True,expandable_segments:False"} {
+		_, _, err := allocator.ParseConfig(bad)
+		require.ErrorIs(t, err, allocator.ErrInvalidConfig, bad)
+		require.EqualError(t, err, "cudapool: configure: stitch:True and expandable_segments:False contradict each other: "+
+			"stitching moves the pages of expandable segments. Keep one: expandable_segments:False alone turns stitching off too, "+
+			"stitch:False keeps expandable segments without stitching", bad)
+	}
+
+	// Across run-time updates (PyTorch's _set_allocator_settings): the keys
+	// named earlier count as named, so the pair in force is judged as one
+	// configuration; an update that names both settles it; a stitch never
+	// named follows expandable_segments both ways.
+	named, _, err := allocator.ParseConfig("stitch:True")
+	require.NoError(t, err)
+	got, _, err := allocator.ParseConfigUpdate(named, "expandable_segments:False")
+	require.ErrorIs(t, err, allocator.ErrInvalidConfig)
+	require.Contains(t, err.Error(), "contradict each other (stitch:True is in force from an earlier configuration)")
+	require.Equal(t, named, got, "unchanged")
+	got, _, err = allocator.ParseConfigUpdate(named, "expandable_segments:False,stitch:False")
+	require.NoError(t, err)
+	require.False(t, got.ExpandableSegments || got.Stitch)
+	got, _, err = allocator.ParseConfigUpdate(got, "expandable_segments:True")
+	require.NoError(t, err)
+	require.True(t, got.ExpandableSegments)
+	require.False(t, got.Stitch, "stitch:False was named: it stays")
+
+	off, _, err := allocator.ParseConfig("expandable_segments:False")
+	require.NoError(t, err)
+	_, _, err = allocator.ParseConfigUpdate(off, "stitch:True")
+	require.ErrorIs(t, err, allocator.ErrInvalidConfig)
+	require.Contains(t, err.Error(), "contradict each other (expandable_segments:False is in force from an earlier configuration)")
+	got, _, err = allocator.ParseConfigUpdate(off, "max_split_size_mb:64")
+	require.NoError(t, err)
+	require.False(t, got.Stitch, "still off")
+
+	got, _, err = allocator.ParseConfigUpdate(def, "expandable_segments:False")
+	require.NoError(t, err)
+	require.False(t, got.Stitch, "stitch follows expandable_segments off")
+	got, _, err = allocator.ParseConfigUpdate(got, "expandable_segments:True")
+	require.NoError(t, err)
+	require.True(t, got.Stitch, "and back on")
+
+	// stitch:True implies expandable segments; so does the default.
 	lockThread(t)
-	a, drv := newAlloc(t, 1, GiB, "stitch:True")
-	p := mustMalloc(t, a, 0, 3*MiB, 0)
-	require.Zero(t, drv.Allocs(0), "no cuMemAlloc: pages are mapped")
-	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
+	for _, conf := range []string{"stitch:True", ""} {
+		a, drv := newAlloc(t, 1, GiB, conf)
+		p := mustMalloc(t, a, 0, 3*MiB, 0)
+		require.Zero(t, drv.Allocs(0), "no cuMemAlloc: pages are mapped")
+		require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
+	}
+	// The configuration in force changes the next growth.
+	a, drv := newAlloc(t, 1, GiB, "")
+	cfg, _, err := allocator.ParseConfigUpdate(a.Config(), "expandable_segments:False")
+	require.NoError(t, err)
+	a.Configure(cfg)
+	mustMalloc(t, a, 0, 3*MiB, 0)
+	require.Equal(t, int64(1), drv.Allocs(0))
 }
 
 // On a full device, the moved pages are mapped even though the whole

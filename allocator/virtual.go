@@ -57,7 +57,14 @@ func (a *Allocator) StitchStats(dev int) (StitchStats, error) {
 
 // vmemConfig is the virtual memory's part of cfg.
 func vmemConfig(cfg *Config) vmem.Config {
-	return vmem.Config{Expandable: cfg.ExpandableSegments, MapUnit: cfg.ExpandableMapUnit, Stitch: cfg.Stitch}
+	c := vmem.Config{Expandable: cfg.ExpandableSegments, MapUnit: cfg.ExpandableMapUnit, Stitch: cfg.Stitch}
+	switch {
+	case cfg.StitchSet && cfg.Stitch:
+		c.Named = "stitch:True"
+	case cfg.ExpandableSet && cfg.ExpandableSegments:
+		c.Named = "expandable_segments:True"
+	}
+	return c
 }
 
 // newVirtualMemory makes d's virtual memory over drv.

@@ -135,7 +135,7 @@ def main():
         torch_bench.use_library_b(args.config)
         cudapool.install()
         if args.config == "cudapool_exp":
-            cudapool.configure("expandable_segments:True")
+            cudapool.configure("expandable_segments:True,stitch:False")
     import torch
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard

@@ -3,8 +3,9 @@
 #
 #   bash bench/run_bench.sh            (from anywhere; QUICK=1 for a short run)
 #
-# Compares cudapool (as is, and with expandable_segments:True) with PyTorch's
-# allocator in three configurations (native, expandable_segments:True,
+# Compares cudapool (its defaults: expandable segments with stitching; and
+# cudapool_exp, expandable segments without stitching, as native's) with
+# PyTorch's allocator in three configurations (native, expandable_segments:True,
 # backend:cudaMallocAsync), each in a fresh process, same inputs, same run:
 #   1. C level (bench/workloads.h): 4 KiB hot malloc+free loop, mixed sizes
 #      with 256 live blocks, 4 and 8 threads on their own streams, and a
@@ -324,7 +325,7 @@ c_run() { # CFG REP
     if [ "$cfg" = cudapool ] || [ "$cfg" = cudapool_exp ]; then
         prog=$BUILD/c_bench
         envs=(env -u PYTORCH_CUDA_ALLOC_CONF)
-        [ "$cfg" = cudapool_exp ] && envs+=(CUDAPOOL_CONF=expandable_segments:True)
+        [ "$cfg" = cudapool_exp ] && envs+=(CUDAPOOL_CONF=expandable_segments:True,stitch:False)
         # BENCH_SIM=1: cudapool's simulator (to test this script without a GPU)
         [ "${BENCH_SIM:-0}" = 1 ] && envs+=(CUDAPOOL_BACKEND=sim)
     else

@@ -8,7 +8,9 @@ CONFIG is one of
     expandable  the same with expandable_segments:True
     async       backend:cudaMallocAsync
     cudapool    cudapool.install() (libcudapool.so from $CUDAPOOL_LIBRARY or
-                the repository's lib/), before CUDA is initialized
+                the repository's lib/), before CUDA is initialized, with its
+                defaults (expandable segments with stitching); cudapool_exp
+                and the others below set their configuration
 The allocator variables of the environment are replaced by the config's.
 Run each config in a fresh process (bench/run_bench.sh does).
 
@@ -93,10 +95,12 @@ CONFIGS = {
     "expandable": "expandable_segments:True",
     "async": "backend:cudaMallocAsync",
     "cudapool": None,
-    # cudapool with expandable_segments:True (set through cudapool.configure).
+    # cudapool with expandable segments without stitching, as native's
+    # expandable_segments:True (set through cudapool.configure); "cudapool"
+    # is its default, expandable segments with stitching.
     "cudapool_exp": None,
     # The same mapping page by page (expandable_map_unit_mb:2), and
-    # with stitching (docs/fragmentation.md): gpu/bench_stitch_train.sh.
+    # stitch:True named (docs/fragmentation.md): gpu/bench_stitch_train.sh.
     "cudapool_exp2": None,
     "cudapool_stitch": None,
     # cudapool without its front cache (allocator/front.go): for diagnostics.
@@ -111,7 +115,7 @@ CONFIGS = {
     # cudapool from the library $CUDAPOOL_LIBRARY_B names (another build, for
     # an A/B in one ring): diagnostics.
     "cudapool_b": None,
-    "cudapool_exp_b": None,  # the same with expandable_segments:True
+    "cudapool_exp_b": None,  # the same as cudapool_exp
     # A trivial C pluggable allocator (bench/floor_alloc.c): what PyTorch's
     # CUDAPluggableAllocator path costs by itself. Only the 4 KiB loop.
     "floor": None,
@@ -119,14 +123,14 @@ CONFIGS = {
 # cudapool's configurations and their settings (through cudapool.configure).
 CUDAPOOL_CONFS = {
     "cudapool": "",
-    "cudapool_exp": "expandable_segments:True",
-    "cudapool_exp2": "expandable_segments:True,expandable_map_unit_mb:2",
+    "cudapool_exp": "expandable_segments:True,stitch:False",
+    "cudapool_exp2": "expandable_segments:True,stitch:False,expandable_map_unit_mb:2",
     "cudapool_stitch": "stitch:True",
     "cudapool_nofront": "front_cache:False",
     "cudapool_treap": "free_set:treap",
     "cudapool_sched": "",
     "cudapool_b": "",
-    "cudapool_exp_b": "expandable_segments:True",
+    "cudapool_exp_b": "expandable_segments:True,stitch:False",
     "cudapool_cold": "warm_runtime:False",
 }
 SECTIONS = ("train", "graph", "empty", "alt", "altcompile")

@@ -33,7 +33,7 @@ for cfg in native expandable cudapool cudapool_exp; do
     native) prog=$BUILD/native_bench ;;
     expandable) prog=$BUILD/native_bench; envs+=(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True) ;;
     cudapool) prog=$BUILD/c_bench ;;
-    cudapool_exp) prog=$BUILD/c_bench; envs+=(CUDAPOOL_CONF=expandable_segments:True) ;;
+    cudapool_exp) prog=$BUILD/c_bench; envs+=(CUDAPOOL_CONF=expandable_segments:True,stitch:False) ;;
     esac
     case $cfg in cudapool*) [ "${BENCH_SIM:-0}" = 1 ] && envs+=(CUDAPOOL_BACKEND=sim) ;; esac
     if [ ! -x "$prog" ]; then

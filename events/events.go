@@ -81,6 +81,9 @@ type Tracker struct {
 	pending  int            // frees' events in all queues (marks not counted)
 	created  int            // events created and not destroyed
 	watched  int            // streams watched (Watch)
+	// progress: some queue may have marks or a passed point, which
+	// ResetProgress forgets (false once it has, until a mark is recorded).
+	progress bool
 }
 
 // New returns a tracker for device dev.
@@ -93,9 +96,11 @@ func New(drv Driver, dev int) *Tracker {
 func (t *Tracker) Idle() bool { return t.pending == 0 && len(t.deferred) == 0 }
 
 // Empty reports whether no event is alive (pending, pooled or broken), no
-// free is deferred and no stream is watched: nothing for Synchronize,
-// DestroySpare or ResetProgress to do.
-func (t *Tracker) Empty() bool { return t.created == 0 && len(t.deferred) == 0 && t.watched == 0 }
+// free is deferred and no stream's progress is known: nothing for
+// Synchronize, DestroySpare or ResetProgress to do. A watched stream with
+// no mark recorded since the last ResetProgress holds nothing (stitching,
+// on by default, watches its streams for the allocator's life).
+func (t *Tracker) Empty() bool { return t.created == 0 && len(t.deferred) == 0 && !t.progress }
 
 // Pending returns the number of outstanding events and deferred blocks.
 func (t *Tracker) Pending() (events, deferred int) { return t.pending, len(t.deferred) }
@@ -380,6 +385,7 @@ func (t *Tracker) Advance(c Clock, recordable func(cuda.Stream) bool, done func(
 		}
 		q.items = append(q.items, pending{ev: ev, at: at})
 		q.marks++
+		t.progress = true
 		if len(q.items)-q.head == 1 {
 			_ = t.drainQueue(s, q, t.query, done)
 		}
@@ -391,6 +397,7 @@ func (t *Tracker) Advance(c Clock, recordable func(cuda.Stream) bool, done func(
 // synchronize or has. Watched streams stay watched; the next Advance
 // records new marks.
 func (t *Tracker) ResetProgress() {
+	t.progress = false
 	for _, q := range t.queues {
 		q.passed = 0
 		if q.marks == 0 {

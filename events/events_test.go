@@ -144,13 +144,14 @@ func TestProgressMarks(t *testing.T) {
 	tr.Watch(1)
 	tr.Watch(1)
 	require.True(t, tr.Watching())
-	require.False(t, tr.Empty(), "a watched stream has progress to reset")
+	require.True(t, tr.Empty(), "watching alone records nothing: nothing to reset")
 	require.False(t, tr.Passed(1, 0))
 
 	// An idle stream: the mark completes at once and certifies its tick.
 	tr.Advance(&c, all, collect)
 	require.Equal(t, uint64(1), c.now)
 	require.True(t, tr.Passed(1, 0))
+	require.False(t, tr.Empty(), "a watched stream has progress to reset")
 	require.False(t, tr.Passed(1, 1))
 	require.True(t, tr.Idle(), "marks are not frees")
 	require.Equal(t, 1, tr.EventsCreated())
@@ -196,6 +197,7 @@ func TestProgressMarks(t *testing.T) {
 	require.NoError(t, tr.DestroySpare())
 	require.Zero(t, drv.LiveEvents())
 	require.Zero(t, tr.EventsCreated())
+	require.True(t, tr.Empty(), "streams still watched, nothing held")
 }
 
 // ResetProgress drops pending marks from between frees' events, which

@@ -5,9 +5,10 @@
 #   bash gpu/bench_stitch_train.sh        (REPS=3 interleaved rounds)
 #
 # Each round runs bench/torch_bench.py --sections train,graph in a fresh
-# process for: native expandable_segments:True (PyTorch), cudapool expandable
-# mapping page by page (expandable_map_unit_mb:2), cudapool
-# expandable (20 MiB unit), cudapool stitch:True. The configurations are
+# process for: native (PyTorch's default), native expandable_segments:True,
+# cudapool expandable without stitching mapping page by page
+# (expandable_map_unit_mb:2) and 20 MiB at a time, and cudapool's default
+# (expandable segments with stitching). The configurations are
 # interleaved so that drifts of the machine hit them alike; the table (medians
 # over the rounds) is printed last: ms/step, peak reserved / peak allocated,
 # graph capture ms, graph private pool MiB.
@@ -20,7 +21,7 @@ OUT=${OUT:-/tmp/cudapool-stitch-train-out}
 PY=${PYTHON:-python3}
 REPS=${REPS:-3}
 ARGS=(--sections train,graph ${BENCH_TORCH_ARGS:-})
-CONFIGS=(expandable cudapool_exp2 cudapool_exp cudapool_stitch)
+CONFIGS=(native expandable cudapool_exp2 cudapool_exp cudapool)
 mkdir -p "$OUT"
 RES=$OUT/results.jsonl
 : >"$RES"
@@ -41,8 +42,8 @@ def vals(cfg, section, key, f=lambda v: v):
     return [f(r[key]) for r in recs if r["config"] == cfg and r["section"] == section and key in r]
 def med(xs, fmt):
     return (fmt % statistics.median(xs)) + (f" ({len(xs)})" if len(xs) != int(sys.argv[2]) else "") if xs else "-"
-names = {"expandable": "native expandable", "cudapool_exp2": "cudapool expandable, 2 MiB unit",
-         "cudapool_exp": "cudapool expandable, 20 MiB unit", "cudapool_stitch": "cudapool stitch"}
+names = {"native": "native", "expandable": "native expandable", "cudapool_exp2": "cudapool stitch:False, 2 MiB unit",
+         "cudapool_exp": "cudapool stitch:False, 20 MiB unit", "cudapool": "cudapool (default: stitching)"}
 print(f"\nGPT-2 training and graph capture, medians of {sys.argv[2]} interleaved rounds (a count in brackets: rounds that produced the number)\n")
 print("| configuration | ms/step | reserved/allocated | peak reserved GiB | graph capture ms | graph pool MiB | errors |")
 print("|---|---:|---:|---:|---:|---:|---|")

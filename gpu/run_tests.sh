@@ -39,15 +39,19 @@ build_c() {
 }
 step build_c build_c
 [ -x build/gpu/test_gpu ] && step c_abi env KERNELS_PTX=build/gpu/kernels.ptx build/gpu/test_gpu
+# The PyTorch tests with cudapool's defaults (expandable segments with
+# stitching), then with ordinary segments, then with expandable_segments:True
+# named (cudapool reads PYTORCH_CUDA_ALLOC_CONF when CUDAPOOL_CONF is unset).
+# test_gpu_parity runs both allocators with the same PYTORCH_CUDA_ALLOC_CONF:
+# expandable_segments:False where it is unset (native's default against
+# cudapool's ordinary segments), and in torch_exp native's expandable
+# segments against cudapool's default.
 step torch bash python/gpu/run_gpu_tests.sh
-# The PyTorch tests again with expandable segments (cudapool reads
-# PYTORCH_CUDA_ALLOC_CONF when CUDAPOOL_CONF is unset).
+if [ "${SEGMENTS:-1}" = 1 ]; then
+    step torch_segments env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False bash python/gpu/run_gpu_tests.sh
+fi
 if [ "${EXPANDABLE:-1}" = 1 ]; then
     step torch_exp env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True bash python/gpu/run_gpu_tests.sh
-fi
-# STITCH=1: once more with stitch:True (docs/fragmentation.md).
-if [ "${STITCH:-0}" = 1 ]; then
-    step torch_stitch env CUDAPOOL_CONF=stitch:True bash python/gpu/run_gpu_tests.sh
 fi
 # The GPU soak (docs/reliability.md: native beside cudapool, the C twin, the record_stream
 # race) when SOAK_S is set; SEGMENTS picks the segment kinds (gpu/soak.sh).

@@ -11,6 +11,11 @@
 #   SOAK_S=480 SEGMENTS=off RACE=0 gpu/soak.sh # the 8-minute soak, ordinary segments (under 9 minutes)
 #   SOAK_S=480 SEGMENTS=on RACE=0 gpu/soak.sh  # the same with expandable_segments:True
 #
+# Each kind sets PYTORCH_CUDA_ALLOC_CONF for every process, so that the
+# allocators run in matching configurations: off is expandable_segments:False
+# (native's default; cudapool's ordinary segments), on expandable_segments:True
+# (native's expandable segments; cudapool's default, with stitching).
+#
 # SEGMENTS: off, on or both (default both); RACE=0 skips the race test;
 # WATCHDOG_S: a thread without progress for this long is a hang (default 60).
 # A run takes SOAK_S + about 40 s; a hung one is killed by SOAK_S +
@@ -69,7 +74,7 @@ case "$SEGMENTS" in
 esac
 
 for kind in $kinds; do
-    conf=""
+    conf="expandable_segments:False"
     [ "$kind" = on ] && conf="expandable_segments:True"
     echo "=== soak, expandable segments $kind, ${SOAK_S}s each: native, cudapool and the C twin at once"
     pids=()

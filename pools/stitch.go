@@ -1,6 +1,9 @@
 package pools
 
-// Stitching (stitch:True): the blocks' side of the policy in vmem/stitch.go.
+import "github.com/cudapool/cudapool/cuda"
+
+// Stitching (on by default): the blocks' side of the policy in
+// vmem/stitch.go.
 //
 // # Design
 //
@@ -120,4 +123,45 @@ func (c *Cache) Unlend(b *Block) {
 	b.Pool.Unmapped.Insert(b)
 	b.Pool.releasable = true
 	c.Stats.NumDeviceFree++
+}
+
+// Restore gives the first size bytes (whole pages) of the lent block b back
+// to its pool as a free mapped block, merged with its free mapped
+// neighbours: their physical memory was taken for a growth that did not
+// use it (it failed, or needed less than stitching foresaw), and their old
+// mapping, which never went, still holds it. It returns what stays lent
+// (the rest of b), or nil. The restored block keeps b's FreedAt: work
+// queued before b became free may still use it.
+func (c *Cache) Restore(b *Block, size uint64) *Block {
+	if !b.Lent || size == 0 || size > b.Size {
+		panic("pools: Restore of a block that is not lent, or of more than it holds")
+	}
+	seg, p := b.Seg, b.Pool
+	var rest *Block
+	if size < b.Size {
+		rest = c.newBlock()
+		rest.Ptr, rest.Size, rest.Stream, rest.Pool, rest.Seg = b.Ptr+cuda.Ptr(size), b.Size-size, b.Stream, p, seg
+		rest.Unmapped, rest.Lent, rest.FreedAt = true, true, b.FreedAt
+		rest.Prev, rest.Next = b, b.Next
+		if b.Next != nil {
+			b.Next.Prev = rest
+		}
+		b.Next = rest
+		b.Size = size
+	}
+	b.Lent, b.Unmapped = false, false
+	freedAt := b.FreedAt
+	for _, n := range [2]*Block{b.Prev, b.Next} {
+		if n != nil && n.inSet && !n.Unmapped {
+			freedAt = max(freedAt, n.FreedAt)
+		}
+	}
+	c.tryMerge(b, b.Prev)
+	c.tryMerge(b, b.Next)
+	c.insertFree(b)
+	b.FreedAt = freedAt
+	seg.Mapped += size
+	c.Reserved += size
+	c.Stats.ReservedBytes.Increase(p.Small, int64(size))
+	return rest
 }

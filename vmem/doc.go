@@ -1,7 +1,10 @@
 // Package vmem owns one device's CUDA virtual memory: the address ranges
 // it reserves, the physical allocations mapped into them, and stitching's
 // moves of physical pages between ranges. It is what expandable segments
-// (expandable_segments:True) and stitching (stitch:True) are made of.
+// and stitching are made of, both on by default (expandable_segments:False
+// turns both off, stitch:False stitching alone; where the driver has no
+// virtual memory management API, growth falls back to ordinary segments,
+// quietly unless the configuration named either key).
 //
 // # Design
 //
@@ -28,6 +31,47 @@
 // format), shareimport.go (ImportCache: mapping the segments other
 // processes shared); copy.go (copies of device memory to pinned host
 // memory and back, for pausing memory with its contents and resuming it).
+//
+// # One page pool for both size classes
+//
+// The default pools have one reserved range per size class and stream: the
+// small pool's (blocks up to 1 MiB, carved from 2 MiB pages) and the large
+// pool's. PyTorch's expandable segments keep the two apart: a page mapped
+// for small blocks serves small blocks until empty_cache, so a workload
+// whose mix moves between small and large tensors strands memory in the
+// class it left, and a stream's free pages serve no other stream. Here the
+// default pools' free whole pages, both size classes and every stream, are
+// one pool of physical pages per device, which any growth of the default
+// pools takes from before creating memory (a private pool grows only while
+// allocations are routed to it, which counts as a capture: nothing is
+// stitched then):
+//
+//   - Every physical allocation of the default pools' ranges is one page:
+//     the small pool maps page by page (its requests need less than one),
+//     and the default large pool, which maps the 20 MiB unit per growth,
+//     does so in page-sized chunks (chunkSize), so that any whole free
+//     page can move alone.
+//   - The pool is no separate free list. A free page stays mapped where it
+//     was, so that a later request of its range and stream reuses it in
+//     place (a cache hit: no driver call, no page move). Pages move only at
+//     a miss that would raise reserved memory above its high-water mark
+//     (stitch.go): the growth takes whole pages inside free blocks of
+//     either class on any stream, smallest blocks first, and maps them
+//     where it needs them; a page freed by the small pool feeds a large
+//     block and the other way round.
+//   - Whether a page may move is decided per block by its stream's
+//     progress: idle pages are unmapped and mapped again, pages busy with
+//     the requesting stream's own work are lent, other streams' busy pages
+//     stay (stitch.go). A page holding any live block, even one 512-byte
+//     small block, is not whole and stays.
+//   - Private pools (CUDA graphs, MemPools) are not part of it: their pages
+//     stay theirs while their pool lives, since a graph's replays use
+//     memory its pool counts as free; their ranges keep 20 MiB chunks.
+//     Released, their memory goes back to the driver at the next
+//     empty_cache.
+//   - empty_cache and the OOM retry unmap the pool's idle pages and give
+//     them back. The high-water mark is the reserved_bytes peak statistic
+//     (reset_peak_memory_stats lowers it).
 //
 // # Capture rules
 //

@@ -221,6 +221,17 @@ func (ph *physicalMemory) takeSpare(limit uint64) (physical, bool) {
 	return physical{}, false
 }
 
+// takeHandle removes h from the spares, and reports whether it was there.
+func (ph *physicalMemory) takeHandle(h cuda.MemHandle) bool {
+	for i := len(ph.spare) - 1; i >= 0; i-- {
+		if ph.spare[i].h == h {
+			ph.spare = append(ph.spare[:i], ph.spare[i+1:]...)
+			return true
+		}
+	}
+	return false
+}
+
 // dropHandles gives back handles that were not mapped: at once, or, while a
 // capture may be under way, into the spares.
 func (ph *physicalMemory) dropHandles(s *Space, hs []physical) {

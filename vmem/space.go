@@ -133,6 +133,12 @@ type Config struct {
 	Expandable bool   // expandable_segments:True
 	MapUnit    uint64 // expandable_map_unit_mb, in bytes
 	Stitch     bool   // stitch:True (which implies Expandable)
+	// Named is the key the configuration named to ask for expandable
+	// memory ("expandable_segments:True" or "stitch:True"), or "" where it
+	// is on by default: only a named key earns a note when the driver
+	// cannot honour it (the default falls back to ordinary segments
+	// quietly).
+	Named string
 }
 
 // Space is one device's virtual memory. Its owner's lock guards it.
@@ -148,9 +154,11 @@ type Space struct {
 	mapper   pools.Mapper // mapper{s}, made once
 
 	want    bool   // expandable segments asked for
+	named   string // Config.Named
 	unitCfg uint64 // Config.MapUnit
 	state   int8   // VMM support: 0 not probed yet, 1 usable, -1 not
 	page    uint64 // the mapping unit, once probed
+	why     string // why not, once probed (state -1)
 
 	phys    physicalMemory // spares and orphans (mapper.go)
 	stitch  stitchState    // stitch.go
@@ -168,15 +176,22 @@ func New(d Deps, c Config) *Space {
 	return s
 }
 
-// Configure applies c from the next growth on.
+// Configure applies c from the next growth on. A configuration that names
+// expandable memory where the driver was found to lack it earns the note
+// now (Expandable).
 func (s *Space) Configure(c Config) {
 	s.want = c.Expandable || c.Stitch
-	s.unitCfg, s.stitch.on = c.MapUnit, c.Stitch
+	s.unitCfg, s.stitch.on, s.named = c.MapUnit, c.Stitch, c.Named
+	if s.want && s.state == -1 {
+		s.note()
+	}
 }
 
 // Expandable reports whether growth maps pages of expandable segments. On
-// first use it probes the driver's support and warns once if it is
-// missing.
+// first use it probes the driver's support; where it is missing, growth
+// allocates ordinary segments, with a note if the configuration named
+// expandable memory (by default, quietly: a driver without it loses
+// nothing it was promised).
 func (s *Space) Expandable() bool {
 	if !s.want {
 		return false
@@ -184,17 +199,26 @@ func (s *Space) Expandable() bool {
 	if s.state == 0 {
 		s.state = -1
 		if s.drv == nil {
-			s.warn("expandable_segments:True: the CUDA driver has no virtual memory management API; using ordinary segments")
+			s.why = "the CUDA driver has no virtual memory management API"
 		} else if g, err := s.drv.MemGranularity(s.dev); err != nil || g == 0 {
-			s.warn(fmt.Sprintf("expandable_segments:True: device %d does not support virtual memory management (granularity %d, %v); using ordinary segments", s.dev, g, err))
+			s.why = fmt.Sprintf("device %d does not support virtual memory management (granularity %d, %v)", s.dev, g, err)
 		} else {
 			// Pages of at least 2 MiB: a smaller granularity would only
 			// multiply the driver calls.
 			s.page = (pools.RoundLarge + g - 1) / g * g
 			s.state = 1
 		}
+		s.note()
 	}
 	return s.state == 1
+}
+
+// note reports, if the configuration named expandable memory, that the
+// driver lacks it (the owner's Warn reports each message once).
+func (s *Space) note() {
+	if s.state == -1 && s.named != "" {
+		s.warn(s.named + ": " + s.why + "; using ordinary segments")
+	}
 }
 
 // Grow maps pages for r, reserving a new range if none has room. capturing:
@@ -252,7 +276,6 @@ func (s *Space) Grow(req pools.Request, capturing bool) (*pools.Block, error) {
 	if donated > 0 {
 		s.countRemaps(donated, spares-min(spares, s.phys.spareBytes(^uint64(0))), s.page)
 	}
-	s.stitch.limit = max(s.stitch.limit, c.Reserved)
 	switch {
 	case errors.Is(err, cuda.ErrOutOfMemory), errors.Is(err, pools.ErrFraction):
 		return nil, nil

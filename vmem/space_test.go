@@ -3,6 +3,7 @@ package vmem_test
 import (
 	"errors"
 	"fmt"
+	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -89,12 +90,28 @@ func (e *env) free(b *pools.Block) {
 	e.c.Return(b)
 }
 
+// Without the driver's VMM API growth falls back to ordinary segments:
+// with a note where the configuration named expandable memory, quietly
+// where it is on by default; a later configuration that names it gets the
+// note then.
 func TestNoVirtualMemoryFallsBack(t *testing.T) {
-	e := newEnv(t, vmem.Config{Expandable: true}, false)
+	e := newEnv(t, vmem.Config{Expandable: true, Named: "expandable_segments:True"}, false)
 	require.False(t, e.s.Expandable())
 	require.False(t, e.s.Expandable())
 	require.Len(t, e.warnings, 1, "warned once")
 	require.Contains(t, e.warnings[0], "no virtual memory management API")
+	require.True(t, strings.HasPrefix(e.warnings[0], "expandable_segments:True: "), e.warnings[0])
+
+	e = newEnv(t, vmem.Config{Expandable: true, Stitch: true}, false)
+	require.False(t, e.s.Expandable())
+	require.Empty(t, e.warnings, "the default falls back quietly")
+	e.s.Configure(vmem.Config{Expandable: true, Stitch: true, Named: "stitch:True"})
+	require.False(t, e.s.Expandable())
+	require.Len(t, e.warnings, 1, "named later: the note comes then")
+	require.True(t, strings.HasPrefix(e.warnings[0], "stitch:True: the CUDA driver has no virtual memory management API; using ordinary segments"), e.warnings[0])
+	e.s.Configure(vmem.Config{})
+	require.Len(t, e.warnings, 1, "turned off: nothing more to say")
+
 	require.False(t, newEnv(t, vmem.Config{}, true).s.Expandable(), "not asked for")
 	require.True(t, newEnv(t, vmem.Config{Stitch: true}, true).s.Expandable(), "stitching implies expandable segments")
 }

@@ -8,21 +8,27 @@ import (
 	"github.com/cudapool/cudapool/pools"
 )
 
-// Stitching (stitch:True): free physical pages move to where a miss needs
-// them instead of new memory being mapped. The idea is GMLake's (ASPLOS
-// 2024). The policy is all here; pools/stitch.go keeps the blocks'
-// bookkeeping (splitting a free block around the pages taken, Block.Lent).
+// Stitching (on by default; stitch:False or expandable_segments:False turn
+// it off): free physical pages move to where a miss needs them instead of
+// new memory being mapped. The idea is GMLake's (ASPLOS 2024). The policy
+// is all here; pools/stitch.go keeps the blocks' bookkeeping (splitting a
+// free block around the pages taken, Block.Lent). doc.go's "One page pool
+// for both size classes" says what takes part.
 //
 // # Design
 //
 // On a miss that grows an expandable segment (no capture under way), for
 // the part of the growth that would raise reserved memory above its
-// high-water mark (limit), stitchFor takes whole pages inside free blocks of
+// high-water mark, stitchFor takes whole pages inside free blocks of
 // the default pools' expandable segments (any stream, either size class,
 // holes of the request's own range outside the run it grows into) and puts
 // their physical handles in the spares, which Map uses before creating any.
-// Reserved memory stays the same. Below the limit new pages cost no more
-// than moved ones and the holes stay for the requests that fit them.
+// Reserved memory stays the same. Below the mark new pages cost no more
+// than moved ones and the holes stay for the requests that fit them. The
+// mark is the peak of the reserved_bytes statistic, the figure the user
+// watches: growth that goes above it all the same (too few idle pages)
+// raises it, and reset_peak_memory_stats lowers it to what is reserved
+// now, from when on stitching keeps reserved memory there.
 //
 // A page is taken in one of two ways:
 //   - Unmapped at once, when no queued work can touch it. cuMemUnmap does
@@ -44,6 +50,12 @@ import (
 //     synchronize the device (releaseStitch). Without lending a GPU running
 //     behind the host would leave almost nothing to move.
 //
+// The growth may use fewer pages than were taken (the memory fraction or
+// the device stops it, or its run needed less than GrowthNeed foresaw):
+// the pages unmapped outright are used first, and the lent ones left over
+// go back to their blocks (restoreUnused), their old mapping intact, so
+// that no physical memory is held outside what reserved memory counts.
+//
 // Private pools (graphs, MemPools) neither give pages nor are searched: a
 // graph's replays use memory its pool counts as free. Nothing is stitched
 // or unlent while any capture may be under way: unmapping is illegal then.
@@ -61,10 +73,12 @@ type stitchState struct {
 	// kind is donorKind for a request on stream (stitchFor's).
 	kind   func(*pools.Block) pools.DonorKind
 	stream cuda.Stream
-	// limit is the most memory the device has had reserved after a
-	// growth: stitching keeps growth from going above it, and growth that
-	// goes above it all the same (too few idle pages) raises it.
-	limit uint64
+	// fresh is the index in lent of the first block lent by the growth in
+	// progress, and pages the handles of its lent pages, block after block
+	// in lent's order, page by page: restoreUnused gives back those Map
+	// did not use.
+	fresh int
+	pages []cuda.MemHandle
 	stats StitchStats
 }
 
@@ -162,17 +176,18 @@ func (s *Space) stitchPrepare() {
 }
 
 // stitchFor unmaps or lends, keeping their physical memory in the spares,
-// up to the pages that growing r from start would map above the limit,
-// taken from free holes of the default pools; it returns the bytes it took.
+// up to the pages that growing r from start would map above the high-water
+// mark, taken from free holes of the default pools; it returns the bytes it
+// took.
 // start's run is left alone, but the blocks around it may have changed:
 // the caller looks for its run again. Never during a capture.
 func (s *Space) stitchFor(r *pools.Request, start *pools.Block, unit uint64) uint64 {
 	c := s.cache
 	want := c.GrowthNeed(r, start, unit)
-	// Only what would raise reserved memory above the limit moves: below
+	// Only what would raise reserved memory above its peak moves: below
 	// it, new pages cost no more than moved ones and leave the holes to
 	// the requests that fit them (fewer misses, fewer remaps).
-	if high := s.stitch.limit; c.Reserved+want <= high {
+	if high := uint64(c.Stats.ReservedBytes[pools.StatAll].Peak); c.Reserved+want <= high {
 		want = 0
 	} else if c.Reserved < high {
 		want -= high - c.Reserved
@@ -201,14 +216,34 @@ func (s *Space) stitchFor(r *pools.Request, start *pools.Block, unit uint64) uin
 			break
 		}
 	}
+	// Lent pages go to the spares first: Map takes the newest spares
+	// first, so the pages unmapped outright are used before lent ones, and
+	// what a growth leaves unused (it failed, or the memory fraction
+	// stopped it, or it needed less than GrowthNeed foresaw) is lent pages,
+	// which go back where they were (restoreUnused), rather than pages
+	// whose memory would outlive their release until their old mapping
+	// goes.
+	s.stitch.fresh = len(s.stitch.lent)
+	s.stitch.pages = s.stitch.pages[:0]
 	var unmapped uint64
 	for _, dn := range donors {
+		if !dn.Lend {
+			continue
+		}
+		from := len(s.phys.spare)
+		n, _ := c.UnmapDonor(dn, s.mapper) // (a loan makes no driver call)
+		unmapped += n
+		for _, h := range s.phys.spare[from:] {
+			s.stitch.pages = append(s.stitch.pages, h.h)
+		}
+		s.stitch.lent = append(s.stitch.lent, lent{b: dn.B, clock: c.Clock()})
+	}
+	for _, dn := range donors {
+		if dn.Lend {
+			continue
+		}
 		n, err := c.UnmapDonor(dn, s.mapper)
 		unmapped += n
-		if dn.Lend {
-			s.stitch.lent = append(s.stitch.lent, lent{b: dn.B, clock: c.Clock()})
-			s.stitch.stats.Lent += int64(n / dn.B.Seg.PageSize)
-		}
 		if err != nil {
 			// What was unmapped is recorded; the rest stays mapped.
 			s.warn(err.Error())
@@ -221,18 +256,59 @@ func (s *Space) stitchFor(r *pools.Request, start *pools.Block, unit uint64) uin
 }
 
 // countRemaps records that Map used moved handles: used bytes of the
-// donated ones (counted in pages of page bytes). Leftover handles are
-// released at once (Map uses every spare unless the driver failed; a lent
-// handle released then keeps its memory until its old mapping goes at
-// unlend, and the driver counts it meanwhile). Never during a capture.
+// donated ones (counted in pages of page bytes). The lent pages it did not
+// use go back where they were (restoreUnused); the other leftover handles
+// are released at once. Never during a capture.
 func (s *Space) countRemaps(donated, used, page uint64) {
+	restored := s.restoreUnused()
 	n := min(donated, used) / page
 	if n > 0 {
 		s.stitch.stats.Remaps += int64(n)
 		s.stitch.stats.RemappedBytes += int64(n * page)
 		s.stitch.stats.Stitches++
 	}
+	s.stitch.stats.Lent += int64(len(s.stitch.pages) - restored)
+	s.stitch.pages = s.stitch.pages[:0]
 	s.phys.releaseSpares(s)
+}
+
+// restoreUnused gives the pages the growth in progress lent but Map did
+// not use back to their blocks (pools.Restore), where their old mapping
+// still holds them, and returns how many pages that was. Were their
+// handles released instead, their memory would stay with the old mapping
+// until unlend while counted nowhere: reserved memory, and the memory
+// fraction, would understate what the device holds. Map takes the newest
+// spares first and each block's pages went in in ascending order, so a
+// block's unused pages are its first ones.
+func (s *Space) restoreUnused() (restored int) {
+	ph := &s.phys
+	k := 0
+	kept := s.stitch.lent[:s.stitch.fresh]
+	for _, l := range s.stitch.lent[s.stitch.fresh:] {
+		b, seg := l.b, l.b.Seg
+		page := seg.PageSize
+		hs := s.stitch.pages[k : k+int(b.Size/page)]
+		k += len(hs)
+		u := 0
+		for u < len(hs) && ph.takeHandle(hs[u]) {
+			u++
+		}
+		if u > 0 {
+			off := uint64(b.Ptr - seg.Base)
+			copy(seg.Pages[off/page:], hs[:u])
+			size := uint64(u) * page
+			l.b = s.cache.Restore(b, size)
+			s.rec.Mapped(seg, off, size)
+			restored += u
+			if l.b == nil {
+				continue
+			}
+		}
+		kept = append(kept, l)
+	}
+	clear(s.stitch.lent[len(kept):])
+	s.stitch.lent = kept
+	return restored
 }
 
 // releaseStitch unmaps the old mappings of every lent block, after

@@ -1,7 +1,9 @@
 /*
  * replay.c - replays an allocation trace through libcudapool.so and prints
- * what it cost: operations, peak allocated and reserved memory, segments and
- * time per operation.
+ * what it cost: operations, peak allocated and reserved memory (their ratio
+ * is the fragmentation: 1.000 wastes nothing), segments, pages moved by
+ * stitching and time per operation, under the configuration in force
+ * (CUDAPOOL_CONF or PYTORCH_CUDA_ALLOC_CONF; none: the defaults).
  *
  *   replay TRACE [REPEATS] [DEVICE]
  *
@@ -91,6 +93,29 @@ static long long stat_of(int dev, const char *key) {
 	long long v = p ? strtoll(p + strlen(pat), NULL, 10) : -1;
 	cudapool_string_free(js);
 	return v;
+}
+
+/* The snapshot's allocator_settings: whether key is true, and the dev-th
+ * number of the array key (-1 if absent). */
+static int setting_true(const char *js, const char *key) {
+	char pat[128];
+	snprintf(pat, sizeof pat, "\"%s\":true", key);
+	return js != NULL && strstr(js, pat) != NULL;
+}
+
+static long long setting_at(const char *js, const char *key, int dev) {
+	char pat[128];
+	snprintf(pat, sizeof pat, "\"%s\":[", key);
+	const char *p = js ? strstr(js, pat) : NULL;
+	if (p == NULL)
+		return -1;
+	p += strlen(pat);
+	for (int i = 0; i < dev && p != NULL; i++) {
+		p = strchr(p, ',');
+		if (p != NULL)
+			p++;
+	}
+	return p != NULL ? strtoll(p, NULL, 10) : -1;
 }
 
 static const char *human(long long n, char *buf, size_t sz) {
@@ -247,6 +272,11 @@ int main(int argc, char **argv) {
 	long long retries = stat_of(dev, "num_alloc_retries");
 	long long ooms = stat_of(dev, "num_ooms");
 	long long now_alloc = stat_of(dev, "allocated_bytes.all.current");
+	char *snap = cudapool_snapshot_json();
+	int expandable = setting_true(snap, "expandable_segments"), stitch = setting_true(snap, "stitch");
+	long long moved = setting_at(snap, "stitch_remaps", dev);
+	cudapool_snapshot *cfg = cudapool_snapshot_take(0, 0, 0, 0);
+	const char *settings = cfg != NULL && cfg->config.settings != NULL ? cfg->config.settings : "";
 	cudapool_empty_cache();
 	long long after = stat_of(dev, "reserved_bytes.all.current");
 	long long dev_frees = stat_of(dev, "num_device_free"); /* including empty_cache's */
@@ -254,17 +284,26 @@ int main(int argc, char **argv) {
 	char b1[32], b2[32], b3[32];
 	size_t total = nops * (size_t)repeats;
 	printf("cudapool replay of %s on device %d\n", argv[1], dev);
+	printf("  %-28s %s (%s)\n", "configuration", *settings ? settings : "the defaults",
+	       stitch ? "expandable segments with stitching" : expandable ? "expandable segments, no stitching" : "ordinary segments");
 	printf("  %-28s %zu x %d (%zu alloc, %zu free)\n", "operations", nops, repeats, nalloc, nfree);
 	if (unknown_frees || bad_lines)
 		printf("  %-28s %zu frees of unknown ids, %zu unparsable lines\n", "skipped", unknown_frees, bad_lines);
 	printf("  %-28s %lld\n", "failed allocations", failed);
 	printf("  %-28s %s\n", "peak allocated", human(peak_alloc, b1, sizeof b1));
-	printf("  %-28s %s (%.3f x peak allocated)\n", "peak reserved", human(peak_res, b2, sizeof b2),
+	printf("  %-28s %s\n", "peak reserved", human(peak_res, b2, sizeof b2));
+	printf("  %-28s %.3f (peak reserved / peak allocated; 1.000 wastes nothing)\n", "fragmentation",
 	       peak_alloc > 0 ? (double)peak_res / (double)peak_alloc : 0.0);
-	printf("  %-28s %lld\n", "segments (peak)", peak_segs);
+	if (expandable)
+		printf("  %-28s %lld (expandable segments map pages into reserved ranges, not counted as segments)\n",
+		       "segments (peak)", peak_segs);
+	else
+		printf("  %-28s %lld\n", "segments (peak)", peak_segs);
+	if (stitch)
+		printf("  %-28s %lld\n", "pages moved by stitching", moved);
 	printf("  %-28s %lld allocs, %lld frees, %lld retries, %lld OOMs\n", "driver calls", dev_allocs, dev_frees,
 	       retries, ooms);
-	printf("  %-28s %.3f ms, %.0f ns per operation (allocating the segments)\n", "time, first pass",
+	printf("  %-28s %.3f ms, %.0f ns per operation (growing the cache)\n", "time, first pass",
 	       first_ns / 1e6, nops ? first_ns / (double)nops : 0.0);
 	if (repeats > 1)
 		printf("  %-28s %.3f ms, %.0f ns per operation (from the cache)\n", "time, later passes", ns / 1e6,
@@ -272,6 +311,8 @@ int main(int argc, char **argv) {
 	printf("  %-28s %lld left live by the trace, freed; %s allocated now\n", "at the end", leftover,
 	       human(now_alloc, b3, sizeof b3));
 	printf("  %-28s %s\n", "reserved after empty_cache", human(after, b1, sizeof b1));
+	cudapool_string_free(snap);
+	cudapool_snapshot_free(cfg);
 	free(ptr);
 	free(sizes);
 	free(streams);

@@ -204,11 +204,17 @@ static void test_bad_input(void) {
 	          err_has("cudapool_malloc: out of memory on device 0: cannot allocate 100.00 GiB (107374182400 bytes)") &&
 	          err_has("the device has 80.00 GiB free of 80.00 GiB") && err_has("cudapool holds "),
 	      "malloc(100 GiB) on an 80 GiB device fails with cudapool's out-of-memory message: what was asked, what is free and held");
-	CHECK(err_has("CUDAPOOL_CONF=expandable_segments:True") && err_has("max_split_size_mb") &&
-	          err_has("cudapool_empty_cache()") && !err_has("PYTORCH_CUDA_ALLOC_CONF") && !err_has("pytorch.org") &&
-	          !err_has("PyTorch"),
+	CHECK(err_has("private pools (CUDA graphs, MemPools)") && err_has("cudapool_empty_cache()") &&
+	          !err_has("PYTORCH_CUDA_ALLOC_CONF") && !err_has("pytorch.org") && !err_has("PyTorch"),
 	      "... with hints in cudapool's terms, not PyTorch's");
-	CHECK(stat_of(0, "num_ooms") == 1, "num_ooms == 1");
+	CHECK(cudapool_configure("expandable_segments:False") == 0 && cudapool_malloc(100 * GiB, 0, NULL) == NULL &&
+	          err_has("leave out expandable_segments:False from CUDAPOOL_CONF") && err_has("max_split_size_mb"),
+	      "with ordinary segments, the hint names the default configuration");
+	CHECK(cudapool_configure("stitch:False") == 0 && cudapool_malloc(100 * GiB, 0, NULL) == NULL &&
+	          err_has("CUDAPOOL_CONF=stitch:True"),
+	      "without stitching, stitching");
+	CHECK(cudapool_configure("") == 0, "back to the defaults");
+	CHECK(stat_of(0, "num_ooms") == 3, "num_ooms == 3");
 
 	size_t sz = 7;
 	CHECK(cudapool_base_allocation(NULL, &sz) == NULL && err_has("pointer is NULL"), "base_allocation(NULL, size) fails");
@@ -246,6 +252,27 @@ static void test_bad_input(void) {
 	CHECK(snap && strstr(snap, "max_split_size_mb:200"), "the snapshot's allocator_settings show the configuration");
 	cudapool_string_free(snap);
 	CHECK(cudapool_configure("") == 0 && stat_of(0, "max_split_size") == -1, "configure(\"\") restores the defaults");
+	CHECK(snapshot_has("\"stitch\":true") && snapshot_has("\"expandable_segments\":true"),
+	      "the defaults: stitching, with expandable segments");
+	CHECK(cudapool_configure("expandable_segments:False,stitch:True") == -1 &&
+	          err_has("cudapool_configure: stitch:True and expandable_segments:False contradict each other"),
+	      "stitch:True with expandable_segments:False is an error, not a choice by key order");
+	CHECK(cudapool_configure("stitch:True,expandable_segments:False") == -1 && err_has("contradict each other"),
+	      "in either order");
+	CHECK(snapshot_has("\"stitch\":true"), "and changes nothing");
+	CHECK(cudapool_configure("expandable_segments:False") == 0 && snapshot_has("\"stitch\":false") &&
+	          snapshot_has("\"expandable_segments\":false"),
+	      "expandable_segments:False turns stitching off too");
+	CHECK(cudapool_configure("stitch:False") == 0 && snapshot_has("\"stitch\":false") &&
+	          snapshot_has("\"expandable_segments\":true"),
+	      "stitch:False keeps expandable segments");
+	CHECK(cudapool_configure("stitch:True") == 0 && cudapool_configure_update("expandable_segments:False") == -1 &&
+	          err_has("cudapool_configure_update: stitch:True and expandable_segments:False contradict each other "
+	                  "(stitch:True is in force from an earlier configuration)"),
+	      "an update contradicting the stitch:True in force is an error");
+	CHECK(cudapool_configure_update("expandable_segments:False,stitch:False") == 0 && snapshot_has("\"stitch\":false"),
+	      "an update that names both settles it");
+	CHECK(cudapool_configure("") == 0 && snapshot_has("\"stitch\":true"), "back to the defaults");
 
 	cudapool_end_allocate_to_pool(0, 42, 0);
 	CHECK(err_has("end_allocate_to_pool"), "end_allocate_to_pool of an unknown pool fails");
@@ -512,7 +539,12 @@ static void test_expandable(void) {
 	cudapool_empty_cache();
 	/* Earlier tests may keep memory (live graph pools): compare with it. */
 	long long r0 = stat_of(0, "reserved_bytes.all.current"), s0 = stat_of(0, "segment.all.current");
-	CHECK(cudapool_configure("expandable_segments:True,expandable_map_unit_mb:2") == 0, "configure expandable_segments:True, mapping page by page");
+	CHECK(cudapool_configure("expandable_segments:True,stitch:False,expandable_map_unit_mb:2") == 0,
+	      "configure expandable_segments:True without stitching, mapping page by page");
+	/* Earlier tests ran with the default (expandable segments too). */
+	char *snap = cudapool_snapshot_json();
+	int e0 = snap ? count_substr(snap, "\"is_expandable\":true") : -1;
+	cudapool_string_free(snap);
 	void *a = cudapool_malloc(3 * MiB, 0, 0);
 	void *b = cudapool_malloc(3 * MiB, 0, 0);
 	CHECK(a && b && (char *)b == (char *)a + 3 * MiB, "the second block continues the first across a page boundary");
@@ -520,8 +552,8 @@ static void test_expandable(void) {
 	CHECK(cudapool_base_allocation(b, &sz) == a && sz == 6 * MiB, "base_allocation gives the mapped run");
 	CHECK(stat_of(0, "reserved_bytes.all.current") == r0 + (long long)(6 * MiB), "reserved bytes are mapped bytes");
 	CHECK(stat_of(0, "segment.all.current") == s0, "expandable ranges are not counted as segments (as in PyTorch)");
-	char *snap = cudapool_snapshot_json();
-	CHECK(snap && count_substr(snap, "\"is_expandable\":true") == 1, "the snapshot shows one expandable segment");
+	snap = cudapool_snapshot_json();
+	CHECK(snap && count_substr(snap, "\"is_expandable\":true") == e0 + 1, "the snapshot shows one more expandable segment");
 	cudapool_string_free(snap);
 
 	/* A capture maps pages for its private pool in relaxed mode. */

@@ -214,6 +214,9 @@ static void test_caching_off(void) {
 
 static void test_ipc(void) {
 	printf("-- CUDA IPC\n");
+	/* cuIpcGetMemHandle names cuMemAlloc'd segments: ordinary segments (the
+	 * default maps pages of expandable segments). */
+	CHECK(cudapool_configure("expandable_segments:False") == 0, "ordinary segments");
 	void *a = cudapool_malloc_ctx(4096, 0, NULL, 0);
 	void *b = cudapool_malloc_ctx(4096, 0, NULL, 0);
 	unsigned char h[64];
@@ -228,17 +231,21 @@ static void test_ipc(void) {
 	CHECK(cudapool_ipc_handle((char *)b + 8, h, &off, &dev) == -1, "not the start of an allocation");
 	cudapool_free(a, 4096, 0, NULL);
 	cudapool_free(b, 4096, 0, NULL);
+	cudapool_empty_cache();
+	CHECK(cudapool_configure("") == 0, "back to the defaults");
 }
 
 /* PyTorch's handle format (cudapool_ipc_share, cudapool_ipc_open_shared),
- * for ordinary memory ('c') and expandable memory ('e'). The simulated
- * process imports its own exports: pidfd_open of itself works as across
- * processes (the Go tests use two simulated processes). */
+ * for ordinary memory ('c'), expandable memory without stitching ('e', the
+ * large pool's 20 MiB chunks) and with the defaults ('e', 2 MiB pages).
+ * The simulated process imports its own exports: pidfd_open of itself
+ * works as across processes (the Go tests use two simulated processes). */
 static void test_ipc_share(void) {
 	printf("-- CUDA IPC in PyTorch's handle format\n");
 	unsigned char buf[256], h64[64];
 	size_t len = 0, off = 99, off64 = 0;
 	int dev = -1, dev64 = -1;
+	CHECK(cudapool_configure("expandable_segments:False") == 0, "ordinary segments");
 	void *a = cudapool_malloc_ctx(4096, 0, NULL, 0);
 	CHECK(cudapool_ipc_share(a, buf, sizeof buf, &len, &off, &dev) == 0 && len == 66 && buf[0] == 2 && buf[1] == 'c' &&
 	          dev == 0,
@@ -250,7 +257,7 @@ static void test_ipc_share(void) {
 	CHECK(cudapool_ipc_close(m) == 0 && cudapool_ipc_close(m) == 0 && cudapool_ipc_close(m) == -1, "closed as often as opened");
 	cudapool_free(a, 4096, 0, NULL);
 
-	CHECK(cudapool_configure_update("expandable_segments:True") == 0, "expandable segments on");
+	CHECK(cudapool_configure_update("expandable_segments:True,stitch:False") == 0, "expandable segments on, no stitching");
 	void *e = cudapool_malloc_ctx(5 * MiB, 0, NULL, 0);
 	CHECK(cudapool_ipc_handle(e, h64, &off64, &dev64) == -1 && err_has("share it with cudapool_ipc_share"),
 	      "the 64-byte handle cannot name expandable memory, and says what can");
@@ -292,7 +299,20 @@ static void test_ipc_share(void) {
 	CHECK(cudapool_ipc_share((char *)e + 8, buf, sizeof buf, &len, &off, &dev) == -1 && err_has("not at its start"),
 	      "not the start of an allocation");
 	cudapool_free(e, 5 * MiB, 0, NULL);
-	CHECK(cudapool_configure_update("expandable_segments:False") == 0, "expandable segments off again");
+	cudapool_empty_cache(); /* the chunked range goes */
+
+	/* The defaults: stitching maps 2 MiB pages, one descriptor each. */
+	CHECK(cudapool_configure("") == 0, "the defaults");
+	void *d = cudapool_malloc_ctx(5 * MiB, 0, NULL, 0);
+	CHECK(cudapool_sim_write(0, d, data, sizeof data) == 0, "the exporter writes");
+	CHECK(cudapool_ipc_share(d, buf, sizeof buf, &len, &off, &dev) == 0 && buf[1] == 'e' && len == 2 + 24 + 3 * 4,
+	      "the defaults: type 'e', a descriptor for each of the three pages under 5 MiB (%zu bytes)", len);
+	m = cudapool_ipc_open_shared(0, buf, len);
+	CHECK(m != NULL && cudapool_sim_read(0, (char *)m + off, got, sizeof got) == 0 && memcmp(data, got, sizeof data) == 0,
+	      "the import shows the exporter's bytes");
+	CHECK(cudapool_ipc_close(m) == 0, "closed");
+	cudapool_free(d, 5 * MiB, 0, NULL);
+	cudapool_empty_cache();
 }
 
 int main(void) {

@@ -812,7 +812,7 @@ func TestFakeIPCEntryPoints(t *testing.T) {
 // places the block in it; opening twice maps once.
 func TestFakeAllocatorIPC(t *testing.T) {
 	f := openFake(t)
-	cfg, _, err := allocator.ParseConfig("")
+	cfg, _, err := allocator.ParseConfig("expandable_segments:False") // cuMemAlloc'd segments
 	if err != nil {
 		t.Fatal(err)
 	}

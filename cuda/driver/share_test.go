@@ -332,11 +332,12 @@ func TestFakeImportCacheEndToEnd(t *testing.T) {
 }
 
 // The allocator shares expandable memory through the real driver's code
-// and the real system calls: the handle lists the block's physical
-// allocation as a descriptor of this process (or its fabric handle where
-// fabric handles work), the import takes the descriptor with pidfd_getfd
-// (on oneself) and maps it, and the descriptor closes when the allocation
-// is released.
+// and the real system calls, with the defaults (stitching: 2 MiB pages)
+// and without stitching (20 MiB chunks): the handle lists the block's
+// physical allocations as descriptors of this process (or their fabric
+// handles where fabric handles work), the import takes the descriptors
+// with pidfd_getfd (on oneself) and maps them, and each descriptor closes
+// when its allocation is released.
 func TestFakeAllocatorShareExpandable(t *testing.T) {
 	for _, c := range []struct {
 		name string
@@ -347,78 +348,98 @@ func TestFakeAllocatorShareExpandable(t *testing.T) {
 		{"fabric export fails", "FAKECUDA_FABRIC_EXPORT_FAILS", cuda.ShareablePOSIXFD},
 		{"fabric", "", cuda.ShareableFabric},
 	} {
-		t.Run(c.name, func(t *testing.T) {
-			if c.env != "" {
-				t.Setenv(c.env, "1")
+		for _, conf := range []struct {
+			name       string
+			conf       string
+			pages, seg uint64 // under the 5 MiB block
+		}{
+			{"defaults", "", 3, 2 << 20},                  // stitching: 2 MiB pages
+			{"no stitching", "stitch:False", 1, 20 << 20}, // one 20 MiB chunk
+		} {
+			t.Run(c.name+"/"+conf.name, func(t *testing.T) {
+				shareExpandable(t, c.env, c.kind, conf.conf, conf.pages, conf.seg)
+			})
+		}
+	}
+}
+
+// shareExpandable exports a 5 MiB block of expandable memory under conf,
+// with the fake's environment variable env set, and checks that its handle
+// is of kind, lists pages allocations of seg bytes, imports once and keeps
+// its descriptors until their allocations' release.
+func shareExpandable(t *testing.T, env string, kind cuda.ShareableKind, conf string, pages, seg uint64) {
+	if env != "" {
+		t.Setenv(env, "1")
+	}
+	f := openFake(t)
+	if kind == cuda.ShareablePOSIXFD {
+		skipWithoutPidfd(t, f)
+	}
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	cfg, _, err := allocator.ParseConfig(conf)
+	if err != nil {
+		t.Fatal(err)
+	}
+	a, err := allocator.New(f.Driver, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	a.ExpectAnnouncements()
+	p, err := a.Malloc(&allocator.MallocRequest{Dev: 0, Size: 5 << 20})
+	if err != nil {
+		t.Fatal(err)
+	}
+	raw, off, dev, err := a.ShareIpcHandle(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h, err := vmem.ParseStorageHandle(raw)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := h.Segment
+	if dev != 0 || h.Type != vmem.TypeExpandable || s.Kind != kind || s.PID != int32(os.Getpid()) || uint64(s.Len()) != pages || s.SegmentSize != seg {
+		t.Fatalf("handle %+v (type %q), offset %d, device %d", s, h.Type, off, dev)
+	}
+	imports := f.imports()
+	base, err := a.OpenIpcHandle(1, raw)
+	if err != nil {
+		t.Fatalf("OpenIpcHandle: %v", err)
+	}
+	if got := uint64(f.imports() - imports); got != pages {
+		t.Errorf("%d imports, want %d", got, pages)
+	}
+	if again, err := a.OpenIpcHandle(1, raw); err != nil || again != base {
+		t.Fatalf("second open = %#x, %v", again, err)
+	}
+	for range 2 {
+		if err := a.IpcClose(base); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := a.Free(allocator.FreeRequest{Ptr: p}); err != nil {
+		t.Fatal(err)
+	}
+	if kind == cuda.ShareablePOSIXFD {
+		for _, fd := range s.FDs {
+			if !fdOpen(int(fd)) {
+				t.Fatalf("the exported descriptor %d closed before its allocation's release", fd)
 			}
-			f := openFake(t)
-			if c.kind == cuda.ShareablePOSIXFD {
-				skipWithoutPidfd(t, f)
+		}
+		if err := a.EmptyCache(0); err != nil {
+			t.Fatal(err)
+		}
+		for _, fd := range s.FDs {
+			if fdOpen(int(fd)) {
+				t.Errorf("descriptor %d still open after its allocation's release", fd)
 			}
-			runtime.LockOSThread()
-			defer runtime.UnlockOSThread()
-			cfg, _, err := allocator.ParseConfig("expandable_segments:True")
-			if err != nil {
-				t.Fatal(err)
-			}
-			a, err := allocator.New(f.Driver, cfg)
-			if err != nil {
-				t.Fatal(err)
-			}
-			a.ExpectAnnouncements()
-			p, err := a.Malloc(&allocator.MallocRequest{Dev: 0, Size: 5 << 20})
-			if err != nil {
-				t.Fatal(err)
-			}
-			raw, off, dev, err := a.ShareIpcHandle(p)
-			if err != nil {
-				t.Fatal(err)
-			}
-			h, err := vmem.ParseStorageHandle(raw)
-			if err != nil {
-				t.Fatal(err)
-			}
-			s := h.Segment
-			if dev != 0 || h.Type != vmem.TypeExpandable || s.Kind != c.kind || s.PID != int32(os.Getpid()) || s.Len() != 1 || s.SegmentSize != 20<<20 {
-				t.Fatalf("handle %+v (type %q), offset %d, device %d", s, h.Type, off, dev)
-			}
-			imports := f.imports()
-			base, err := a.OpenIpcHandle(1, raw)
-			if err != nil {
-				t.Fatalf("OpenIpcHandle: %v", err)
-			}
-			if f.imports()-imports != 1 {
-				t.Errorf("%d imports, want 1", f.imports()-imports)
-			}
-			if again, err := a.OpenIpcHandle(1, raw); err != nil || again != base {
-				t.Fatalf("second open = %#x, %v", again, err)
-			}
-			for range 2 {
-				if err := a.IpcClose(base); err != nil {
-					t.Fatal(err)
-				}
-			}
-			if err := a.Free(allocator.FreeRequest{Ptr: p}); err != nil {
-				t.Fatal(err)
-			}
-			if c.kind == cuda.ShareablePOSIXFD {
-				fd := int(s.FDs[0])
-				if !fdOpen(fd) {
-					t.Fatalf("the exported descriptor %d closed before its allocation's release", fd)
-				}
-				if err := a.EmptyCache(0); err != nil {
-					t.Fatal(err)
-				}
-				if fdOpen(fd) {
-					t.Errorf("descriptor %d still open after its allocation's release", fd)
-				}
-			} else if err := a.EmptyCache(0); err != nil {
-				t.Fatal(err)
-			}
-			if n, fds, err := a.ExportStats(0); err != nil || n+fds != 0 {
-				t.Errorf("exports left: %d (%d descriptors), %v", n, fds, err)
-			}
-		})
+		}
+	} else if err := a.EmptyCache(0); err != nil {
+		t.Fatal(err)
+	}
+	if n, fds, err := a.ExportStats(0); err != nil || n+fds != 0 {
+		t.Errorf("exports left: %d (%d descriptors), %v", n, fds, err)
 	}
 }
 

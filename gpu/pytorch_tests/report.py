@@ -7,7 +7,8 @@
 Reads the JUnit XML files run.sh leaves in OUT_DIR: NAME.native.xml and
 NAME.cudapool.xml (several NAMEs, e.g. one per file or per chunk, are
 merged by test file), with NAME.MODE.run (exit status, time, timeout),
-NAME.cudapool.installs (processes that installed cudapool) and NAME.env
+NAME.cudapool.installs (processes that installed cudapool), NAME.env and
+NAME.conf (the PYTORCH_CUDA_ALLOC_CONF both sides ran with: run.sh -c)
 when present. The report gives totals per file; the tests that pass
 natively and, of those, how many pass with cudapool; each one that does not,
 with the first line of its failure message; and the tests skipped or failing
@@ -202,6 +203,25 @@ def env_lines(dirs):
     return seen
 
 
+def conf_lines(dirs):
+    """The configurations both sides ran with (NAME.conf), each once; an
+    empty file is each allocator's defaults."""
+    seen = []
+    for d in dirs:
+        for p in sorted(glob.glob(os.path.join(d, "*.conf"))):
+            with open(p, errors="replace") as f:
+                conf = f.read().strip()
+            if conf not in seen:
+                seen.append(conf)
+    return seen
+
+
+def describe_conf(conf):
+    if not conf:
+        return "each allocator's defaults (PYTORCH_CUDA_ALLOC_CONF unset)"
+    return f"`PYTORCH_CUDA_ALLOC_CONF={conf}` on both sides"
+
+
 def md(text):
     """Safe inside a Markdown table cell."""
     return (text or "").replace("|", "\\|").replace("\n", " ").replace("`", "'")
@@ -228,7 +248,7 @@ def short(tid):
     return tid.split("::", 1)[1] if "::" in tid else tid
 
 
-def render(files, runs, reasons, env, sources):
+def render(files, runs, reasons, env, sources, confs=()):
     out = []
     w = out.append
     w("# PyTorch's own tests with cudapool")
@@ -240,6 +260,9 @@ def render(files, runs, reasons, env, sources):
     w("")
     if env:
         w("Machine: " + "; ".join(env) + ".")
+        w("")
+    if confs:
+        w("Configuration: " + "; ".join(describe_conf(c) for c in confs) + ".")
         w("")
     w("## Totals")
     w("")
@@ -330,7 +353,7 @@ def main(argv=None):
     if not files and not runs:
         print(f"no NAME.native.xml / NAME.cudapool.xml in {', '.join(args.dirs)}", file=sys.stderr)
         return 1
-    text = render(files, runs, read_reasons(args.reasons), env_lines(args.dirs), args.dirs)
+    text = render(files, runs, read_reasons(args.reasons), env_lines(args.dirs), args.dirs, conf_lines(args.dirs))
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w", encoding="utf-8") as f:

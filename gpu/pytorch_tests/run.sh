@@ -6,6 +6,19 @@
 #
 #   gpu/pytorch_tests/run.sh [options] TEST_FILE OUT_DIR
 #
+#   -c CONF      PYTORCH_CUDA_ALLOC_CONF for both sides (PyTorch reads it; so
+#                does cudapool, CUDAPOOL_CONF being unset), so that each side
+#                runs in the configuration that matches the other's, as
+#                PyTorch's test_cuda_expandable_segments.py runs test_cuda.py.
+#                The two matching pairs:
+#                  -c expandable_segments:False  native's default against
+#                                cudapool's ordinary segments
+#                  -c expandable_segments:True   native's expandable segments
+#                                against cudapool's default (expandable
+#                                segments with stitching)
+#                Give each pair its own OUT_DIR: report.py merges the runs of
+#                one directory by test file. Without -c both sides run with
+#                their own defaults (or with PYTORCH_CUDA_ALLOC_CONF as set).
 #   -k EXPR      pytest -k expression
 #   -s FILE      selection file, one per line ('#' starts a comment):
 #                  Class::test        exactly that test (a device-type class also
@@ -25,7 +38,8 @@
 # NAME.MODE.log, NAME.MODE.run (rc, seconds, timeout), and NAME.cudapool.installs
 # (one line per Python process that installed cudapool, or failed to);
 # NAME.selection (the node ids run), NAME.unmatched (selection lines that
-# matched no collected test), NAME.env (torch, GPU).
+# matched no collected test), NAME.env (torch, GPU), NAME.conf (the
+# PYTORCH_CUDA_ALLOC_CONF both sides ran with; report.py prints it).
 #
 # The test files come from a checkout of PyTorch's test/ directory (for
 # example in .ref/pytorch-tests/, which select_tests.py reads by default;
@@ -42,9 +56,11 @@ REPO=$(cd "$HERE/../.." && pwd)
 PY=${PYTHON:-python3}
 
 kexpr=""; selfile=""; modes="native cudapool"; run_timeout=1800; test_timeout=600; name=""; extra=""
-usage() { sed -n '2,36p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
-while getopts "k:s:m:t:T:n:x:h" opt; do
+conf=""; conf_set=0
+usage() { sed -n '2,/^[^#]/p' "$0" | sed -n 's/^# \{0,1\}//p'; exit 2; }
+while getopts "c:k:s:m:t:T:n:x:h" opt; do
     case "$opt" in
+        c) conf=$OPTARG; conf_set=1 ;;
         k) kexpr=$OPTARG ;;
         s) selfile=$OPTARG ;;
         m) modes=$OPTARG ;;
@@ -75,7 +91,14 @@ pypath="$HERE/site:$REPO/python"  # site/ only: the scripts here stay out of the
 [ -d "$REPO/python/gpu/.pydeps" ] && pypath="$pypath:$REPO/python/gpu/.pydeps"
 export PYTHONPATH="$pypath${PYTHONPATH:+:$PYTHONPATH}"
 unset CUDAPOOL_BACKEND CUDAPOOL_CONF CUDAPOOL_AUTOINSTALL CUDAPOOL_AUTOINSTALL_LOG
-if [ -n "${PYTORCH_CUDA_ALLOC_CONF:-}${PYTORCH_ALLOC_CONF:-}" ]; then
+if [ "$conf_set" = 1 ]; then
+    if [ -n "${PYTORCH_CUDA_ALLOC_CONF:-}${PYTORCH_ALLOC_CONF:-}" ]; then
+        echo "note: -c replaces PYTORCH_CUDA_ALLOC_CONF/PYTORCH_ALLOC_CONF from the environment"
+    fi
+    unset PYTORCH_ALLOC_CONF
+    export PYTORCH_CUDA_ALLOC_CONF=$conf
+    echo "both sides run with PYTORCH_CUDA_ALLOC_CONF=$conf"
+elif [ -n "${PYTORCH_CUDA_ALLOC_CONF:-}${PYTORCH_ALLOC_CONF:-}" ]; then
     echo "WARNING: PYTORCH_CUDA_ALLOC_CONF/PYTORCH_ALLOC_CONF is set; both modes run with it"
 fi
 
@@ -106,6 +129,7 @@ for i in range(torch.cuda.device_count()):
     print(f"GPU {i}: {p.name}, {p.total_memory / 2**30:.1f} GiB")
 PYEOF
 cat "$out/$name.env"
+printf '%s\n' "${PYTORCH_CUDA_ALLOC_CONF:-${PYTORCH_ALLOC_CONF:-}}" >"$out/$name.conf"
 
 # cudapool: build the C++ class once (cached) before the run, and fail early.
 case " $modes " in *" cudapool "*)

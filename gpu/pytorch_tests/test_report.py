@@ -188,6 +188,21 @@ class ReportTest(unittest.TestCase):
         self.assertIn("no JUnit XML (crashed or killed)", text)
         self.assertIn("NVIDIA H100", text)
         self.assertIn("Pass natively and with cudapool (2)", text)
+        self.assertNotIn("Configuration:", text, "no NAME.conf: nothing said")
+
+    def test_configuration_of_the_pair(self):
+        write(self.d, "test_cuda.conf", "expandable_segments:True\n")
+        write(self.d, "chunk2.conf", "expandable_segments:True\n")
+        out = os.path.join(self.d, "r.md")
+        self.assertEqual(report.main([self.d, "-o", out, "--reasons", self.reasons]), 0)
+        with open(out) as f:
+            text = f.read()
+        self.assertIn("Configuration: `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` on both sides.", text)
+        write(self.d, "test_cuda.conf", "\n")
+        write(self.d, "chunk2.conf", "\n")
+        self.assertEqual(report.main([self.d, "-o", out, "--reasons", self.reasons]), 0)
+        with open(out) as f:
+            self.assertIn("Configuration: each allocator's defaults", f.read())
 
     def test_empty_dir_fails(self):
         empty = os.path.join(self.d, "empty")

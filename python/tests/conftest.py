@@ -142,6 +142,14 @@ class Allocations:
 
 
 @pytest.fixture
+def ordinary():
+    """Ordinary segments (one cuMemAlloc each), for the tests of their
+    statistics: the default is expandable segments with stitching. The
+    clean-up after the test restores the defaults."""
+    _lib.configure("expandable_segments:False")
+
+
+@pytest.fixture
 def allocs():
     a = Allocations()
     yield a

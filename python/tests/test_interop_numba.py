@@ -123,7 +123,7 @@ def test_get_memory_info(mgr, monkeypatch):
     mp.free()
 
 
-def test_ipc_handle(mgr):
+def test_ipc_handle(ordinary, mgr):  # cuIpcGetMemHandle names cuMemAlloc'd segments
     first, second = mgr.memalloc(4096), mgr.memalloc(4096)
     h = mgr.get_ipc_handle(second)
     assert isinstance(h, ndriver.IpcHandle) and h.base is second and h.size == 4096
@@ -193,11 +193,14 @@ def test_threads(mgr):
     assert cudapool.memory_stats(0)["allocation.all.allocated"] == 6 * 200
 
 
-def test_ipc_of_expandable_memory(mgr):
-    """Memory in an expandable segment has no cudaIpcMemHandle_t: its handle
-    carries PyTorch's handle bytes, pickles, and opens through cudapool
-    (here in the same simulated process, which the simulator allows)."""
-    _lib.configure("expandable_segments:True")
+@pytest.mark.parametrize("conf", [None, "expandable_segments:True,stitch:False"], ids=["default", "expandable"])
+def test_ipc_of_expandable_memory(mgr, conf):
+    """Memory in an expandable segment (the default, with stitching) has no
+    cudaIpcMemHandle_t: its handle carries PyTorch's handle bytes, pickles,
+    and opens through cudapool (here in the same simulated process, which
+    the simulator allows)."""
+    if conf:
+        _lib.configure(conf)
     mp = mgr.memalloc(4096)
     try:
         ptr = mp.device_pointer_value

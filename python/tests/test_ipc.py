@@ -26,15 +26,19 @@ def parse(handle):
     return version, kind, pid, seg, list(struct.unpack_from(f"<{n}i", handle, 26))
 
 
-def test_expandable_memory_round_trip(allocs):
-    _lib.configure("expandable_segments:True")
+@pytest.mark.parametrize("conf, seg_size, pages", [("", 2 * MiB, 3), ("stitch:False", 20 * MiB, 1)],
+                         ids=["default", "expandable"])
+def test_expandable_memory_round_trip(allocs, conf, seg_size, pages):
+    """The defaults (stitching) map 2 MiB pages, one descriptor each under
+    the block; without stitching the large pool's 20 MiB chunks."""
+    _lib.configure(conf)
     p = allocs.malloc(5 * MiB)
     data = bytes(range(256)) * 16
     _lib.sim_write(p, data)
     handle, off, dev = _lib.ipc_share(p)
     version, kind, pid, seg, fds = parse(handle)
     assert (version, kind, dev) == (2, "e", 0)
-    assert seg == 20 * MiB and len(fds) == 1 and len(handle) == 2 + 24 + 4
+    assert seg == seg_size and len(fds) == pages and len(handle) == 2 + 24 + 4 * pages
     assert _lib.ipc_share(p) == (handle, off, dev), "the same bytes every time"
     base = _lib.ipc_open_shared(handle)
     assert base != p - off, "mapped at an address of its own"
@@ -48,7 +52,7 @@ def test_expandable_memory_round_trip(allocs):
         _lib.ipc_close(base)
 
 
-def test_ordinary_memory_is_type_c(allocs):
+def test_ordinary_memory_is_type_c(ordinary, allocs):
     p = allocs.malloc(4096)
     handle, off, _ = _lib.ipc_share(p)
     assert handle[:2] == b"\x02c" and len(handle) == 66
@@ -67,8 +71,7 @@ def test_ordinary_memory_is_type_c(allocs):
 def test_pidfd_errors_raise(allocs, open_errno, getfd_errno, want):
     """A kernel or permission without pidfd_getfd is an exception that says
     what is missing, raised at once (never a hang)."""
-    _lib.configure("expandable_segments:True")
-    p = allocs.malloc(3 * MiB)
+    p = allocs.malloc(3 * MiB)  # the defaults: expandable segments
     handle, _, _ = _lib.ipc_share(p)
     _lib.sim_set_pidfd_errors(open_errno, getfd_errno)
     try:
@@ -94,10 +97,9 @@ def test_fabric_handles_where_the_system_has_them():
     chooses); a fresh process, since the kind is chosen once."""
     code = (
         "from cudapool import _lib\n"
-        "_lib.configure('expandable_segments:True')\n"
         "p = _lib.malloc(3 << 20)\n"
         "h, off, _ = _lib.ipc_share(p)\n"
-        "assert len(h) == 2 + 24 + 64, len(h)\n"
+        "assert len(h) == 2 + 24 + 2 * 64, len(h)  # the defaults: two 2 MiB pages\n"
         "_lib.sim_write(p, b'fabric')\n"
         "b = _lib.ipc_open_shared(h)\n"
         "assert _lib.sim_read(b + off, 6) == b'fabric'\n"

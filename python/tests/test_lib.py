@@ -45,7 +45,7 @@ def test_freed_block_is_reused_on_its_stream(allocs):
     assert r != p
 
 
-def test_base_allocation_finds_the_segment(allocs):
+def test_base_allocation_finds_the_segment(ordinary, allocs):
     p = allocs.malloc(1000)
     q = allocs.malloc(3000)
     base, size = _lib.base_allocation(q)

@@ -44,7 +44,7 @@ def test_no_traces_without_history(allocs):
     assert cudapool.snapshot()["device_traces"] == [[], []]
 
 
-def test_history(allocs):
+def test_history(ordinary, allocs):
     cudapool.record_memory_history(100)
     p = allocs.malloc(5 * MiB, device=1)
     allocs.free(p)

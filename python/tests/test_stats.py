@@ -38,7 +38,7 @@ SMALL = [(100, 512), (512, 512), (513, 1024), (4000, 4096), (MiB, MiB)]
 LARGE = [(MiB + 1, MiB + 512), (5 * MiB, 5 * MiB), (16 * MiB, 16 * MiB)]
 
 
-def test_values_follow_allocations(allocs):
+def test_values_follow_allocations(ordinary, allocs):
     ptrs = [allocs.malloc(r) for r, _ in SMALL + LARGE]
     s = cudapool.memory_stats()
     small = sum(x for _, x in SMALL)
@@ -75,12 +75,40 @@ def test_values_follow_allocations(allocs):
     assert s["num_device_free"] == s["segment.all.freed"] == 3
 
 
-def test_peaks_and_their_reset(allocs):
+def test_values_follow_allocations_by_default(allocs):
+    """The default, expandable segments with stitching: the same allocation
+    statistics; memory is mapped, not allocated in segments."""
+    ptrs = [allocs.malloc(r) for r, _ in SMALL + LARGE]
+    s = cudapool.memory_stats()
+    small = sum(x for _, x in SMALL)
+    large = sum(x for _, x in LARGE)
+    assert s["allocated_bytes.all.current"] == s["active_bytes.all.current"] == small + large
+    assert s["requested_bytes.all.current"] == sum(r for r, _ in SMALL + LARGE)
+    assert s["allocation.all.current"] == len(ptrs)
+    # one mapped page for the small pool; the large pool's range maps 20 MiB
+    # for the first two requests, 20 more when the 16 MiB one does not fit
+    assert s["reserved_bytes.small_pool.current"] == 2 * MiB
+    assert s["reserved_bytes.large_pool.current"] == 40 * MiB
+    assert s["segment.all.current"] == 0  # expandable ranges are not segments (as in PyTorch)
+    assert s["num_device_alloc"] == 3  # three mappings
+    assert s["inactive_split_bytes.all.current"] == 0  # not counted in expandable segments (as in PyTorch)
+    allocs.free_all()
+    s = cudapool.memory_stats()
+    assert s["allocated_bytes.all.current"] == 0
+    assert s["reserved_bytes.all.current"] == 42 * MiB  # cached
+
+
+# Ordinary segments: the small request gets a 2 MiB segment of its own. By
+# default stitching gives it one of the free 30 MiB block's idle pages
+# instead: the small and large pools share physical pages.
+@pytest.mark.parametrize("conf,peak", [("expandable_segments:False", 32 * MiB), ("", 30 * MiB)])
+def test_peaks_and_their_reset(allocs, conf, peak):
+    cudapool.configure(conf)
     p = allocs.malloc(30 * MiB)
     allocs.free(p)
     allocs.malloc(MiB)
     assert cudapool.max_memory_allocated() == 30 * MiB
-    assert cudapool.max_memory_reserved() == 30 * MiB + 2 * MiB
+    assert cudapool.max_memory_reserved() == peak
     cudapool.reset_peak_memory_stats()
     assert cudapool.max_memory_allocated() == MiB
     assert cudapool.max_memory_reserved() == cudapool.memory_reserved()

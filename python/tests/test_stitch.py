@@ -36,7 +36,7 @@ def test_holes_feed_a_larger_request(allocs):
 
 
 def test_without_stitching_the_request_maps_new_memory(allocs):
-    cudapool.configure("expandable_segments:True,expandable_map_unit_mb:2")
+    cudapool.configure("expandable_segments:True,stitch:False,expandable_map_unit_mb:2")
     before = remaps()  # (the counts are the library's, since it started)
     h1 = allocs.malloc(10 * MiB)
     allocs.malloc(2 * MiB)
@@ -52,3 +52,22 @@ def test_without_stitching_the_request_maps_new_memory(allocs):
 def test_bad_values_are_refused(conf, msg):
     with pytest.raises(cudapool.CudapoolError, match=msg):
         cudapool.configure(conf)
+
+
+def test_on_by_default_and_turned_off_by_either_key():
+    settings = cudapool.snapshot()["allocator_settings"]
+    assert settings["stitch"] is True and settings["expandable_segments"] is True
+    assert settings["PYTORCH_CUDA_ALLOC_CONF"] == ""
+    cudapool.configure("expandable_segments:False")
+    settings = cudapool.snapshot()["allocator_settings"]
+    assert settings["stitch"] is False and settings["expandable_segments"] is False
+    cudapool.configure("stitch:False")
+    settings = cudapool.snapshot()["allocator_settings"]
+    assert settings["stitch"] is False and settings["expandable_segments"] is True
+
+
+@pytest.mark.parametrize("conf", ["stitch:True,expandable_segments:False", "expandable_segments:False,stitch:True"])
+def test_contradictory_pair_is_refused(conf):
+    with pytest.raises(cudapool.CudapoolError, match="stitch:True and expandable_segments:False contradict each other"):
+        cudapool.configure(conf)
+    assert cudapool.snapshot()["allocator_settings"]["stitch"] is True, "the configuration in force stays"

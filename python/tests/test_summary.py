@@ -63,7 +63,7 @@ def test_abbreviated_has_no_pool_rows():
     assert len(text.split("\n")) - 1 == 6 + 9 * 2 + 2 * 2 + 1
 
 
-def test_live_summary(allocs):
+def test_live_summary(ordinary, allocs):
     allocs.malloc(5 * MiB, device=1)
     text = cudapool.memory_summary(device=1)
     assert "device ID 1" in text

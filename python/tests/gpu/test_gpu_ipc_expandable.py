@@ -1,8 +1,9 @@
 """CUDA IPC of memory in expandable segments on the GPU, in PyTorch's own
 handle format: CUDA tensors sent through torch.multiprocessing queues
-(spawn) between a cudapool process and a native PyTorch process with
+(spawn) between a cudapool process (its defaults, expandable segments
+with stitching, or stitch:False) and a native PyTorch process with
 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, in both directions;
-between two cudapool processes with stitch:True, the sender stitching
+between two cudapool processes with stitching, the sender stitching
 (moving pages) while its tensor is shared; ten thousand distinct tensors
 opened at once in one cudapool consumer (timed); and, where
 kernel.yama.ptrace_scope is 1, the clear error a child gets when its parent
@@ -421,22 +422,23 @@ def check_pair(r, parent, child):
 # parent's tensor goes to the child, the child's back to the parent.
 def test_native_parent_cudapool_child(tmp_path):
     r = run(tmp_path, "pair_native", "native", "expandable_segments:True",
-            IPC_CHILD_ROLE="cudapool", IPC_CHILD_CONF="expandable_segments:True")
+            IPC_CHILD_ROLE="cudapool", IPC_CHILD_CONF="")  # cudapool's defaults
     assert r["_mode"] == "native"
     check_pair(r, "native", "cudapool")
 
 
 def test_cudapool_parent_native_child(tmp_path):
-    r = run(tmp_path, "pair_cudapool", "cudapool", "expandable_segments:True",
+    # Without stitching: the large pool's 20 MiB chunks, grown whole.
+    r = run(tmp_path, "pair_cudapool", "cudapool", "expandable_segments:True,stitch:False",
             IPC_CHILD_ROLE="native", IPC_CHILD_CONF="expandable_segments:True")
     assert r["_mode"] == "class"
     check_pair(r, "cudapool", "native")
 
 
 def test_cudapool_stitching_parent_native_child(tmp_path):
-    """stitch:True maps the default pools page by page: 2 MiB pages, which
-    native PyTorch imports as well."""
-    r = run(tmp_path, "pair_cudapoolstitch", "cudapool", "stitch:True",
+    """cudapool's defaults (stitching) map the default pools page by page:
+    2 MiB pages, which native PyTorch imports as well."""
+    r = run(tmp_path, "pair_cudapoolstitch", "cudapool", "",
             IPC_CHILD_ROLE="native", IPC_CHILD_CONF="expandable_segments:True")
     check_pair(r, "cudapool", "native")
 

@@ -15,6 +15,13 @@ seconds, default 420) after which its whole process group is killed. The two
 runs of a scenario go in parallel (different processes on the same GPU);
 CUDAPOOL_PARITY_SERIAL=1 runs them one after the other.
 
+Both runs get the same PYTORCH_CUDA_ALLOC_CONF, so that the two allocators
+run in matching configurations (their defaults differ: cudapool's are
+expandable segments with stitching): the one this module runs with, else
+expandable_segments:False (native's default; cudapool's ordinary segments).
+PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True runs the other pair:
+native's expandable segments against cudapool's default.
+
 run_gpu_tests.sh runs this module with CUDAPOOL_GPU_NO_INSTALL=1 (the pytest
 process itself needs no allocator). One scenario:
     cd python && python -m pytest --confcutdir=tests/gpu tests/gpu/test_gpu_parity.py -k ipc
@@ -42,6 +49,8 @@ MiB = gpu_common.MiB
 MARK = "PARITY-RESULT "
 TIMEOUT = int(os.environ.get("CUDAPOOL_PARITY_TIMEOUT", "420"))
 PARALLEL = os.environ.get("CUDAPOOL_PARITY_SERIAL") != "1"
+# The configuration both runs share (see the module's comment).
+PAIR_CONF = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or "expandable_segments:False"
 # Variables that would change either run's allocator: each scenario sets its own.
 SCRUB = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "CUDAPOOL_CONF", "CUDAPOOL_BACKEND",
          "CUDAPOOL_GPU_NO_INSTALL", "CUDAPOOL_AUTOINSTALL", "CUDAPOOL_TORCH_EXT")
@@ -291,6 +300,11 @@ def main():
     inq, outq, ackq = ctx.Queue(), ctx.Queue(), ctx.Queue()
     p = ctx.Process(target=child, args=(inq, outq, ackq), daemon=True)
     p.start()
+    # Expandable memory is imported by taking this process's descriptors
+    # (pidfd_getfd): under Yama's ptrace_scope 1 a child may only if its
+    # parent names it, natively as well.
+    import ctypes
+    ctypes.CDLL(None).prctl(0x59616D61, ctypes.c_ulong(p.pid), 0, 0, 0)  # PR_SET_PTRACER
     t = torch.full((N,), 3.0, device="cuda")
     torch.cuda.synchronize()
     inq.put(t)
@@ -726,7 +740,9 @@ def _env(mode, extra):
     env["CUDAPOOL_PARITY_MODE"] = mode
     env["PYTHONUNBUFFERED"] = "1"
     env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    env.update(extra or {})
+    env["PYTORCH_CUDA_ALLOC_CONF"] = PAIR_CONF
+    for k, v in (extra or {}).items():
+        env[k] = PAIR_CONF + "," + v if k == "PYTORCH_CUDA_ALLOC_CONF" else v
     return env
 
 
