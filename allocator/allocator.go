@@ -132,6 +132,8 @@ type Allocator struct {
 	warned    sync.Map
 	hist      history // memory history (history.go)
 	front     frontCtl
+	tags      tagTable // the tags' names (tags.go)
+	pauser    pauser   // pause and resume by tag (pause.go)
 }
 
 // device is one GPU's allocator state: what one lock, mu, guards, and the
@@ -160,6 +162,7 @@ type device struct {
 	graphs   graphs.Router // captures, private pools, capture reuse; guarded by mu
 	rec      recorder      // the memory history (nil: off); guarded by mu
 	front    frontState    // the front cache's side (front.go); its fields name their guards
+	tags     deviceTags    // the tags' pools (tags.go); guarded by mu
 
 	id    int
 	drv   Driver
@@ -189,6 +192,7 @@ func New(drv Driver, cfg Config) (*Allocator, error) {
 	}
 	a := &Allocator{drv: drv}
 	a.cfgMu.rank, a.gate.rank, a.hist.mu.rank, a.unc.mu.rank, a.front.mu.rank = rankConfig, rankGate, rankHistory, rankUncached, rankFront
+	a.pauser.mu.rank, a.tags.mu.rank = rankPause, rankTags
 	a.cfg.Store(&cfg)
 	a.hist.publish()
 	for i := 0; i < n; i++ {
@@ -198,7 +202,11 @@ func New(drv Driver, cfg Config) (*Allocator, error) {
 		d.debug = cfg.DebugChecks
 		d.freeSeg = d.freeSegment
 		d.newPools = func(id pools.PoolID) (*pools.BlockPool, *pools.BlockPool) {
-			return d.cache.NewPool(true, id), d.cache.NewPool(false, id)
+			small, large := d.cache.NewPool(true, id), d.cache.NewPool(false, id)
+			// An automatic pool made for a tagged malloc is the tag's
+			// (tags.go); a begun pool gets its tag from the begin.
+			small.Tag, large.Tag = d.tags.cur, d.tags.cur
+			return small, large
 		}
 		d.query = func(s cuda.Stream) (cuda.CaptureStatus, uint64, error) {
 			return drv.StreamCaptureInfo(d.id, s)
@@ -500,23 +508,9 @@ func (a *Allocator) SetMemoryFraction(dev int, fraction float64) error {
 
 // BeginAllocateToPool routes the allocations on dev whose stream filter
 // accepts (nil: all streams) to the private pool id until EndAllocateToPool.
+// (BeginAllocateToPoolTagged, tags.go, does it for a thread under a tag.)
 func (a *Allocator) BeginAllocateToPool(dev int, id PoolID, filter func(cuda.Stream) bool) error {
-	const op = "begin_allocate_to_pool"
-	return a.withDevice(op, dev, func(d *device) error {
-		if err := d.graphs.Begin(id, filter, d.newPools); err != nil {
-			return poolError(op, err)
-		}
-		d.pushPhases()
-		a.announced.Store(true)
-		d.countCaptures()
-		// The capture is counted: wait for the unsafe sections of the
-		// other devices that began before it was, so that none is still
-		// freeing memory or querying events when the caller begins
-		// capturing.
-		a.gate.Lock()
-		a.gate.Unlock() // an empty critical section: a barrier
-		return nil
-	})
+	return a.BeginAllocateToPoolTagged(dev, id, 0, filter)
 }
 
 // EndAllocateToPool stops routing to the pool id.

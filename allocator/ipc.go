@@ -116,6 +116,7 @@ func (a *Allocator) IpcHandle(p cuda.Ptr) (h cuda.IpcHandle, offset uint64, dev 
 		}
 		return h, 0, 0, driverError(op, err, "cuIpcGetMemHandle of the segment at %#x on device %d, which holds pointer %#x", uintptr(base), d.id, uintptr(p))
 	}
+	b.Shared = true // until its free: a pause of its tag is refused (pause.go)
 	return h, uint64(p - base), d.id, nil
 }
 

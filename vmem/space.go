@@ -146,6 +146,7 @@ type Space struct {
 	want    bool   // expandable segments asked for
 	unitCfg uint64 // Config.MapUnit
 	state   int8   // VMM support: 0 not probed yet, 1 usable, -1 not
+	noVMM   bool   // VMM found missing by VMM (pause.go), which does not warn
 	page    uint64 // the mapping unit, once probed
 
 	phys    physicalMemory // spares and orphans (mapper.go)
@@ -197,7 +198,8 @@ func (s *Space) Expandable() bool {
 // (nil, nil): the owner decides what to try next.
 func (s *Space) Grow(req pools.Request, capturing bool) (*pools.Block, error) {
 	c, r := s.cache, &req
-	if s.stitch.on && !capturing {
+	stitch := s.stitch.on && !capturing && !tagged(r) // (tags are never stitched: pause.go)
+	if stitch {
 		s.stitchPrepare()
 	}
 	start := c.FindExpandable(r)
@@ -221,7 +223,7 @@ func (s *Space) Grow(req pools.Request, capturing bool) (*pools.Block, error) {
 	}
 	unit := s.mapUnit(r)
 	var donated uint64
-	if s.stitch.on && !capturing {
+	if stitch {
 		if r.Pool == c.Large || r.Pool == c.Small {
 			s.progress.Watch(r.Stream)
 		}
@@ -280,6 +282,9 @@ func (s *Space) mapUnit(r *pools.Request) uint64 {
 // in the default large pool when stitching is on, whose holes give single
 // pages (pools.Donors).
 func (s *Space) chunkSize(r *pools.Request) uint64 {
+	if tagged(r) && !r.Pool.Small {
+		return max(tagChunk/s.page*s.page, s.mapUnit(r)) // (pause.go)
+	}
 	if s.stitch.on && r.Pool == s.cache.Large {
 		return s.page
 	}
@@ -294,8 +299,8 @@ func (s *Space) reserveSize(r *pools.Request) (uint64, error) {
 		return 0, err
 	}
 	size := total / 8
-	if r.Pool == s.cache.Large {
-		size += total
+	if r.Pool == s.cache.Large || tagged(r) && !r.Pool.Small && r.Pool.ID.IsDefault() {
+		size += total // (a tag's large pool may hold most of the device)
 	}
 	size = max(size, r.Size)
 	return (size + s.page - 1) / s.page * s.page, nil
