@@ -147,3 +147,29 @@ func TestLockRanksFront(t *testing.T) {
 	require.Equal(t, 1, f.invalid)
 	require.Zero(t, heldRanks.n.Load(), "every hold released")
 }
+
+// Tags, pause and resume respect the ranks too: the pause mutex, then each
+// device, then the gate; the tags' names alone.
+func TestLockRanksPause(t *testing.T) {
+	a := debugAllocator(t, 2)
+	id, err := a.TagID("kv")
+	require.NoError(t, err)
+	p, err := a.Malloc(&MallocRequest{Dev: 1, Size: 4 << 20, Tag: id})
+	require.NoError(t, err)
+	pool := PoolID{A: 1}
+	require.NoError(t, a.BeginAllocateToPoolTagged(0, pool, id, nil)) // device, gate, then the pause mutex
+	q, err := a.Malloc(&MallocRequest{Size: 4096})
+	require.NoError(t, err)
+	require.NoError(t, a.EndAllocateToPool(0, pool))
+	require.NoError(t, a.Pause("", true)) // the pause mutex, the tags' names, each device, the gate
+	require.Len(t, a.Paused(), 1)
+	require.NoError(t, a.EmptyCache(0))
+	require.NoError(t, a.Resume("kv"))
+	_, err = a.ReleaseHostMemory()
+	require.NoError(t, err)
+	require.NoError(t, a.Free(FreeRequest{Dev: -1, Ptr: p}, FreeRequest{Dev: -1, Ptr: q}))
+	require.NoError(t, a.ReleasePool(0, pool))
+	a.Snapshot(nil, false)
+	require.NoError(t, a.CheckInvariants())
+	require.Zero(t, heldRanks.n.Load(), "every hold released")
+}

@@ -2,7 +2,9 @@ package allocator_test
 
 import (
 	"bytes"
+	"runtime"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 
@@ -260,5 +262,64 @@ func failedResume(t *testing.T, method, what string) {
 	e.consistent(0)
 	require.NoError(t, e.a.Resume("kv"))
 	e.usable(id, ps, data)
+	e.nothingLost()
+}
+
+// A capture announced while a pause copies (outside any device lock)
+// begins only once the pause is done: its begin waits for the pause, so
+// no copy or synchronization runs during it, and the pause, which then
+// sees the capture counted, gives up before unmapping anything (the tag
+// stays usable). Likewise for a resume's restore.
+func TestPauseHoldsCapturesBack(t *testing.T) {
+	e, id, ps, data := tagged(t, confOrdinary)
+	const cs = cuda.Stream(7)
+	g := allocator.PoolID{A: 1}
+	began, end, ended := make(chan error, 1), make(chan struct{}), make(chan error, 1)
+	capture := func() {
+		go func() { // a capture on a thread of its own, begun, then ended when told
+			runtime.LockOSThread()
+			defer runtime.UnlockOSThread()
+			err := e.a.BeginAllocateToPool(1, g, func(s cuda.Stream) bool { return s == cs })
+			if err == nil {
+				err = e.sim().BeginCapture(cs, cuda.CaptureModeGlobal)
+			}
+			began <- err
+			<-end
+			if err == nil {
+				err = e.sim().EndCapture(cs)
+			}
+			if err == nil {
+				err = e.a.EndAllocateToPool(1, g)
+			}
+			ended <- err
+		}()
+		select {
+		case err := <-began:
+			t.Error("a capture began while the pause (or resume) copied")
+			began <- err
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
+	endCapture := func() {
+		require.NoError(t, <-began, "it began once the pause was done")
+		end <- struct{}{}
+		require.NoError(t, <-ended)
+	}
+	r := e.f.Before("MemcpyDtoHAsync", "", capture)
+	err := e.a.Pause("kv", true)
+	e.fired(r)
+	require.ErrorIs(t, err, allocator.ErrCaptureUnderway)
+	require.ErrorContains(t, err, "began while the memory was being paused")
+	endCapture()
+	e.usable(id, ps, data)
+
+	require.NoError(t, e.a.Pause("kv", true))
+	r = e.f.Before("MemcpyHtoDAsync", "", capture)
+	require.NoError(t, e.a.Resume("kv"))
+	e.fired(r)
+	endCapture()
+	e.usable(id, ps, data)
+	require.NoError(t, e.a.ReleasePool(1, g))
+	e.consistent(0)
 	e.nothingLost()
 }

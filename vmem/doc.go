@@ -26,7 +26,8 @@
 // share.go (PyTorch's shareable handle of a segment, for IPC export) and
 // shareimport.go (ImportCache: mapping the segments other processes
 // shared); copy.go (copies of device memory to pinned host memory and
-// back, for pausing memory with its contents and resuming it).
+// back, for pausing memory with its contents and resuming it); pause.go
+// (giving a tag's physical memory back and mapping it again).
 //
 // # Capture rules
 //
@@ -42,8 +43,8 @@
 //
 // Two capabilities belong here. Their parts that stand alone are written:
 // PyTorch's handle codec (share.go), the import side (shareimport.go) and
-// the copies a pause keeps contents with (copy.go). What ties them to a
-// Space is to be built on this structure:
+// the copies a pause keeps contents with (copy.go). How they tie to a
+// Space:
 //
 //   - Sharing physical allocations with other processes (CUDA IPC of
 //     expandable and stitched memory, in PyTorch's handle format). Every
@@ -56,15 +57,16 @@
 //     TrimUnused, unlending) skips it, so a page another process maps is
 //     neither moved nor reused here until it closes; the driver keeps the
 //     memory itself alive until every process has unmapped it.
-//   - Pausing and resuming tagged memory, contents kept by copy.go's
-//     Copier. A tag's ranges are its own (the owner reserves per pool,
-//     stream and tag), so pausing one tag touches no other's pages. Pause
-//     walks the tag's ranges, records each mapped chunk's offset and size
-//     from the page record, saves their contents, unmaps and releases them
-//     (the reservations and the pools' blocks stay as they are, the
-//     reserved bytes drop), and marks the ranges paused; Grow and stitching
-//     skip paused ranges. Resume creates and maps the recorded chunks at the
-//     same offsets and restores their contents, so addresses, and the CUDA
-//     graphs that hold them, stay valid. Stitching never moves pages between
-//     tags.
+//   - Pausing and resuming tagged memory (pause.go; the allocator's
+//     pause.go has the policy and saves contents with copy.go's Copier). A
+//     tag's ranges are its own (its pools are its own, and ranges are per
+//     pool and stream), mapped here whatever expandable_segments says
+//     (VMM), in large chunks, and never stitched: pausing one tag touches
+//     no other's pages. Pause walks a segment's page record, unmaps and
+//     releases each mapped chunk and records it paused
+//     (pools.Segment.Paused: the reservation and the blocks stay as they
+//     are, the reserved bytes drop); Resume creates and maps a chunk of the
+//     same size at each paused offset, so addresses, and the CUDA graphs
+//     that hold them, stay valid. The allocator allocates nothing from a
+//     paused tag and releases nothing of it.
 package vmem

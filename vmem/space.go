@@ -42,9 +42,10 @@ import (
 // which with 20 MiB chunks would rarely hold a whole one (its private pools,
 // never donors, are chunked).
 //
-// Reservation sizes: the default large pool reserves the device's capacity
-// plus an eighth (as PyTorch does, so that pages unmapped in the middle of
-// the range can be mapped again at its end); the small pools and the private
+// Reservation sizes: the default large pool (and a tag's, which may hold
+// most of the device: pause.go) reserves the device's capacity plus an
+// eighth (as PyTorch does, so that pages unmapped in the middle of the range
+// can be mapped again at its end); the small pools and the private
 // pools an eighth of the capacity, since virtual address space, though large,
 // is not endless and a process may hold many graphs. A request larger than
 // that gets a range of its own size.
