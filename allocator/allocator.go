@@ -10,18 +10,19 @@
 //	package      owns                                           locks
 //	allocator    the devices and what crosses them: the         Allocator.cfgMu,
 //	             configuration, captures under way and the      history.mu,
-//	             capture gate (device.go), caching off          device.mu,
-//	             (uncached.go), the memory history's            Allocator.gate,
-//	             allocator-wide state (history.go), the front   uncached.mu,
-//	             cache's control (front.go), the IPC cache      frontCtl.mu,
-//	             (ipc.go); per device: the lock, the request    ipcMaps.mu
-//	             paths (request.go), the retry sequence, the
-//	             memory fraction, the device's recorder
-//	             (recorder.go)
+//	             capture gate (device.go), caching off          pauser.mu,
+//	             (uncached.go), the memory history's            device.mu,
+//	             allocator-wide state (history.go), the front   Allocator.gate,
+//	             cache's control (front.go), the IPC cache      uncached.mu,
+//	             (ipc.go), tags and their pools (tags.go),      frontCtl.mu,
+//	             pause and resume (pause.go); per device: the   ipcMaps.mu,
+//	             lock, the request paths (request.go), the      tagTable.mu
+//	             retry sequence, the memory fraction, the
+//	             device's recorder (recorder.go)
 //	pools        blocks, segments, free sets, best fit, split   none (device.mu)
 //	             and merge, statistics, the clock of frees,
-//	             the block side of expandable segments and
-//	             stitching
+//	             the block side of expandable segments,
+//	             stitching and paused memory
 //	events       deferred frees and stream progress: per-       none (device.mu)
 //	             stream queues of events, pooled events,
 //	             "has stream S run past point T"
@@ -31,9 +32,10 @@
 //	privatepool  private pools' lifetime (holders, release,     none (device.mu)
 //	             which pools may be named or restored into),
 //	             segment sources, checkpoints
-//	vmem         virtual memory: reservations, physical         none (device.mu)
-//	             allocations (map unit, spares, orphans),
-//	             map/unmap/lend, stitching's policy
+//	vmem         virtual memory: reservations, physical         none (device.mu;
+//	             allocations (map unit, spares, orphans),       the Copier's own)
+//	             map/unmap/lend, stitching's policy, a paused
+//	             tag's release and remapping, pinned copies
 //	cuda         the driver (cuda/driver), the simulator        the driver's and
 //	             (cuda/sim), relaxed capture mode               simulator's own
 //	capi         the C ABI and the C front cache                C's spin lock
