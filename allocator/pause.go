@@ -452,7 +452,7 @@ func (d *device) resumeMap(op string, want map[uint32]bool) error {
 			paused += s.PausedBytes
 		}
 		return &Error{Op: op, Kind: ErrOutOfMemory, Err: err, Msg: fmt.Sprintf(
-			"device %d has too little free memory to map back %s of paused memory, after giving back cudapool's cache; free memory and resume again",
+			"out of memory: device %d has too little free memory to map back %s of paused memory, after giving back cudapool's cache; free memory and resume again",
 			d.id, FormatSize(paused))}
 	}
 	if d.debug {

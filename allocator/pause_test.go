@@ -206,8 +206,11 @@ func TestPauseResumeKeep(t *testing.T) {
 			// leaves the paused tag alone.
 			x := e.malloc(0, 32*MiB, 0, 0)
 			e.free(x)
+			ranges, _ := e.drv.Reservations(0)
 			require.NoError(t, e.a.EmptyCache(0))
 			require.Equal(t, tagHeld, e.paused(0))
+			after, _ := e.drv.Reservations(0)
+			require.Equal(t, ranges, after, "the paused tag's reservations stay")
 			e.ok()
 
 			require.NoError(t, e.a.Resume("kv"))
