@@ -117,19 +117,21 @@ extern __thread uint32_t cp_tag_cur __attribute__((tls_model("initial-exec")));
 /* ---- The malloc every entry point makes (cudapool.c) ----
  *
  * A malloc without a context or a tag tries the front, then goes to Go
- * with the queued frees and applies Go's answer: cp_malloc_go. (A context
- * is for memory history, which the front's log cannot carry; a tagged
- * block is Go's alone.) fn (CP_FN_*) names the public function called, for
- * Go's errors and the wording of out of memory; tag is the thread's tag. */
-void *cp_malloc_go(size_t size, int device, uintptr_t stream, unsigned long long ctx, int fn, uint32_t tag);
+ * with the queued frees and the thread's tag, and applies Go's answer:
+ * cp_malloc_go. (A context is for memory history, which the front's log
+ * cannot carry; a tagged block is Go's alone.) fn (CP_FN_*) names the
+ * public function called, for Go's errors and the wording of out of
+ * memory. cp_malloc_go reads the tag again rather than being passed it:
+ * a value kept across the front's call costs the hit path a saved
+ * register. */
+void *cp_malloc_go(size_t size, int device, uintptr_t stream, unsigned long long ctx, int fn);
 static inline void *cp_malloc(size_t size, int device, uintptr_t stream, unsigned long long ctx, int fn) {
-	uint32_t tag = cp_tag_cur;
-	if ((ctx | tag) == 0) {
+	if ((ctx | cp_tag_cur) == 0) {
 		void *p = cp_front_malloc(size, device, stream);
 		if (p != 0)
 			return p;
 	}
-	return cp_malloc_go(size, device, stream, ctx, fn, tag);
+	return cp_malloc_go(size, device, stream, ctx, fn);
 }
 
 /* ---- Entry points refused (cudapool.c) ----

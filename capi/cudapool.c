@@ -344,11 +344,11 @@ int cudapool_abi_version(void) { return cudapool_version() != NULL ? cp_abi : -1
 /* The malloc of every entry point past the front (cp_malloc): the queued
  * frees go along, and Go's answer goes to the front. fn (CP_FN_*) names
  * the public function called. */
-void *cp_malloc_go(size_t size, int device, uintptr_t stream, unsigned long long ctx, int fn, uint32_t tag) {
+void *cp_malloc_go(size_t size, int device, uintptr_t stream, unsigned long long ctx, int fn) {
 	cp_pending_free frees[CP_FREEQ_CAP];
 	size_t n = cp_freeq_n != 0 ? cp_take_frees(frees, CP_FREEQ_CAP) : 0;
 	cp_track t = {0, 0, 0};
-	uintptr_t r = cpgo_malloc_ctx(size, device, stream, ctx, frees, n, &t, fn, tag);
+	uintptr_t r = cpgo_malloc_ctx(size, device, stream, ctx, frees, n, &t, fn, cp_tag_cur);
 	cp_front_track(r, size, stream, device, t);
 	return (void *)r;
 }
