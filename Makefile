@@ -146,6 +146,10 @@ $(BUILD)/test_interop: capi/ctest/test_interop.c capi/ctest/check.h $(HEADERS) $
 	@mkdir -p $(BUILD)
 	$(CC) -std=c11 $(TEST_CFLAGS) -o $@ $< $(TEST_LDFLAGS)
 
+$(BUILD)/test_tags: capi/ctest/test_tags.c capi/ctest/check.h $(HEADERS) $(LIB)
+	@mkdir -p $(BUILD)
+	$(CC) -std=c11 $(TEST_CFLAGS) -o $@ $< $(TEST_LDFLAGS)
+
 $(BUILD)/test_front: capi/ctest/test_front.c capi/ctest/check.h $(HEADERS) $(LIB)
 	@mkdir -p $(BUILD)
 	$(CC) -std=c11 $(TEST_CFLAGS) -o $@ $< $(TEST_LDFLAGS)
@@ -165,9 +169,11 @@ $(BUILD)/test_front_cold: capi/ctest/test_front_cold.c capi/front.c capi/capi.h
 FRONT_CONF := debug_checks:True,max_split_size_mb:40
 FRONT_EXP_ARGS := 1 30000 10000
 
-test-c: $(BUILD)/test_cudapool $(BUILD)/test_torchabi $(BUILD)/test_interop $(BUILD)/test_front $(BUILD)/test_front_cold $(BUILD)/c_bench
+test-c: $(BUILD)/test_cudapool $(BUILD)/test_torchabi $(BUILD)/test_interop $(BUILD)/test_tags $(BUILD)/test_front $(BUILD)/test_front_cold $(BUILD)/c_bench
 	$(call section,C ABI test (simulator))
 	$(SIM_ENV) ./$(BUILD)/test_cudapool
+	$(call section,C ABI for tags: pause and resume (simulator))
+	$(SIM_ENV) ./$(BUILD)/test_tags
 	$(call section,C ABI for the PyTorch allocator class (simulator))
 	$(SIM_ENV) CUDAPOOL_SIM_MEMORY=8G ./$(BUILD)/test_torchabi
 	$(call section,C ABI for CuPy and other libraries (simulator))
@@ -203,10 +209,12 @@ $(BUILD)/c_bench: bench/c_bench.c bench/workloads.h $(HEADERS) $(LIB)
 	@mkdir -p $(BUILD)
 	$(CC) -std=c11 -O2 -Wall -I include -I bench -o $@ $< $(TEST_LDFLAGS) -ldl -pthread
 
-# test-c-abi: the C ABI test alone (make check).
-test-c-abi: $(BUILD)/test_cudapool
+# test-c-abi: the C ABI tests of the allocator and of tags (make check).
+test-c-abi: $(BUILD)/test_cudapool $(BUILD)/test_tags
 	$(call section,C ABI test (simulator))
 	$(SIM_ENV) ./$(BUILD)/test_cudapool
+	$(call section,C ABI for tags: pause and resume (simulator))
+	$(SIM_ENV) ./$(BUILD)/test_tags
 
 test-cxx: $(BUILD)/test_cudapool_cpp
 	$(call section,C++ ABI test (simulator))

@@ -10,20 +10,21 @@
 //	package      owns                                           locks
 //	allocator    the devices and what crosses them: the         Allocator.cfgMu,
 //	             configuration, captures under way and the      history.mu,
-//	             capture gate (device.go), caching off          device.mu,
-//	             (uncached.go), the memory history's            Allocator.gate,
-//	             allocator-wide state (history.go), the front   uncached.mu,
-//	             cache's control (front.go), the IPC cache      frontCtl.mu,
-//	             (ipc.go), PyTorch's handles and the imports    ipcMaps.mu,
-//	             of other processes' memory (share.go); per     the import
-//	             device: the lock, the request paths            cache's (vmem)
-//	             (request.go), the retry sequence, the
-//	             memory fraction, the device's recorder
-//	             (recorder.go)
+//	             capture gate (device.go), caching off          pauser.mu,
+//	             (uncached.go), the memory history's            device.mu,
+//	             allocator-wide state (history.go), the front   Allocator.gate,
+//	             cache's control (front.go), the IPC cache      uncached.mu,
+//	             (ipc.go), PyTorch's handles and the imports    frontCtl.mu,
+//	             of other processes' memory (share.go), tags    ipcMaps.mu,
+//	             and their pools (tags.go), pause and resume    tagTable.mu,
+//	             (pause.go); per device: the lock, the          the import
+//	             request paths (request.go), the retry          cache's (vmem)
+//	             sequence, the memory fraction, the device's
+//	             recorder (recorder.go)
 //	pools        blocks, segments, free sets, best fit, split   none (device.mu)
 //	             and merge, statistics, the clock of frees,
-//	             the block side of expandable segments and
-//	             stitching
+//	             the block side of expandable segments,
+//	             stitching and paused memory
 //	events       deferred frees and stream progress: per-       none (device.mu)
 //	             stream queues of events, pooled events,
 //	             "has stream S run past point T"
@@ -35,8 +36,10 @@
 //	             segment sources, checkpoints
 //	vmem         virtual memory: reservations, physical         none (device.mu);
 //	             allocations (map unit, spares, orphans),       ImportCache's
-//	             map/unmap/lend, stitching's policy, exports    own, alone
-//	             to other processes; the import cache
+//	             map/unmap/lend, stitching's policy, exports    own, alone; the
+//	             to other processes, a paused tag's release     Copier's own
+//	             and remapping, pinned copies; the import
+//	             cache
 //	cuda         the driver (cuda/driver), the simulator        the driver's and
 //	             (cuda/sim), relaxed capture mode               simulator's own
 //	capi         the C ABI and the C front cache                C's spin lock
@@ -136,6 +139,8 @@ type Allocator struct {
 	hist      history // memory history (history.go)
 	front     frontCtl
 	imports   shareImports // memory other processes shared (share.go)
+	tags      tagTable     // the tags' names (tags.go)
+	pauser    pauser       // pause and resume by tag (pause.go)
 }
 
 // device is one GPU's allocator state: what one lock, mu, guards, and the
@@ -164,6 +169,7 @@ type device struct {
 	graphs   graphs.Router // captures, private pools, capture reuse; guarded by mu
 	rec      recorder      // the memory history (nil: off); guarded by mu
 	front    frontState    // the front cache's side (front.go); its fields name their guards
+	tags     deviceTags    // the tags' pools (tags.go); guarded by mu
 
 	id    int
 	drv   Driver
@@ -193,6 +199,7 @@ func New(drv Driver, cfg Config) (*Allocator, error) {
 	}
 	a := &Allocator{drv: drv}
 	a.cfgMu.rank, a.gate.rank, a.hist.mu.rank, a.unc.mu.rank, a.front.mu.rank = rankConfig, rankGate, rankHistory, rankUncached, rankFront
+	a.pauser.mu.rank, a.tags.mu.rank = rankPause, rankTags
 	a.cfg.Store(&cfg)
 	a.hist.publish()
 	for i := 0; i < n; i++ {
@@ -202,7 +209,11 @@ func New(drv Driver, cfg Config) (*Allocator, error) {
 		d.debug = cfg.DebugChecks
 		d.freeSeg = d.freeSegment
 		d.newPools = func(id pools.PoolID) (*pools.BlockPool, *pools.BlockPool) {
-			return d.cache.NewPool(true, id), d.cache.NewPool(false, id)
+			small, large := d.cache.NewPool(true, id), d.cache.NewPool(false, id)
+			// An automatic pool made for a tagged malloc is the tag's
+			// (tags.go); a begun pool gets its tag from the begin.
+			small.Tag, large.Tag = d.tags.cur, d.tags.cur
+			return small, large
 		}
 		d.query = func(s cuda.Stream) (cuda.CaptureStatus, uint64, error) {
 			return drv.StreamCaptureInfo(d.id, s)
@@ -504,23 +515,9 @@ func (a *Allocator) SetMemoryFraction(dev int, fraction float64) error {
 
 // BeginAllocateToPool routes the allocations on dev whose stream filter
 // accepts (nil: all streams) to the private pool id until EndAllocateToPool.
+// (BeginAllocateToPoolTagged, tags.go, does it for a thread under a tag.)
 func (a *Allocator) BeginAllocateToPool(dev int, id PoolID, filter func(cuda.Stream) bool) error {
-	const op = "begin_allocate_to_pool"
-	return a.withDevice(op, dev, func(d *device) error {
-		if err := d.graphs.Begin(id, filter, d.newPools); err != nil {
-			return poolError(op, err)
-		}
-		d.pushPhases()
-		a.announced.Store(true)
-		d.countCaptures()
-		// The capture is counted: wait for the unsafe sections of the
-		// other devices that began before it was, so that none is still
-		// freeing memory or querying events when the caller begins
-		// capturing.
-		a.gate.Lock()
-		a.gate.Unlock() // an empty critical section: a barrier
-		return nil
-	})
+	return a.BeginAllocateToPoolTagged(dev, id, 0, filter)
 }
 
 // EndAllocateToPool stops routing to the pool id.

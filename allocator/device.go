@@ -221,8 +221,8 @@ func (d *device) applyFraction() error {
 // use_on_oom, which the block then belongs to (its free returns it there).
 // It changes r's pool to that pool's. d.mu is held.
 func (d *device) borrow(r *pools.Request) *pools.Block {
-	if !r.Pool.ID.IsDefault() {
-		return nil // already in a private pool: no other pool is tried
+	if !r.Pool.ID.IsDefault() || r.Pool.Tag != 0 {
+		return nil // already in a private pool, or a tag's: no other pool is tried
 	}
 	def := r.Pool
 	for _, pp := range d.graphs.Pools.UseOnOOM() {
@@ -246,7 +246,8 @@ func (d *device) newSegment(r *pools.Request, retry bool) (*pools.Block, error) 
 		d.cache.Stats.NumAllocRetries++
 	}
 	src := d.sourceOf(r.Pool)
-	if src == nil && d.vm.Expandable() {
+	// A tag's pools map pages whenever the driver can (tags.go).
+	if src == nil && (d.vm.Expandable() || r.Pool.Tag != 0 && d.vm.VMM()) {
 		// Outside the gate a capture may begin at any time: what a
 		// failed map would release waits for the next release instead.
 		return d.vm.Grow(*r, !d.inUnsafe || d.capturing())
@@ -366,7 +367,7 @@ func (d *device) releaseCached(op string) error {
 			return err
 		}
 	}
-	return nil
+	return d.releaseTags(op)
 }
 
 // nothingToRelease reports whether releaseCached would find nothing to do:
@@ -381,7 +382,8 @@ func (d *device) releaseCached(op string) error {
 func (d *device) nothingToRelease() bool {
 	return d.ev.Empty() && d.graphs.Reuse.Empty() &&
 		d.vm.Idle() &&
-		!d.cache.Large.Releasable() && !d.cache.Small.Releasable() && d.graphs.Pools.Released() == 0
+		!d.cache.Large.Releasable() && !d.cache.Small.Releasable() && d.graphs.Pools.Released() == 0 &&
+		!d.tagsReleasable()
 }
 
 // syncAll waits for the events of every pending free and returns those
@@ -400,6 +402,9 @@ func (d *device) syncAll(op string) error {
 // released private pool pp, and forgets the pool once it holds nothing.
 // Never during a capture.
 func (d *device) releasePrivate(op string, pp *privatepool.Pool) error {
+	if !d.a.tagActive(pp.Large.Tag) {
+		return nil // its tag is paused: its memory stays as it is (pause.go)
+	}
 	for _, p := range []*pools.BlockPool{pp.Small, pp.Large} {
 		if err := d.cache.ReleasePool(p, d.freeFor(p)); err != nil {
 			return driverError(op, err, "freeing the segments of released pool {%d,%d} on device %d", pp.ID.A, pp.ID.B, d.id)

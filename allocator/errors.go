@@ -24,6 +24,12 @@ var (
 	ErrCaptureUnderway  = errors.New("capture under way")
 	ErrInvalidConfig    = errors.New("invalid configuration")
 	ErrDriver           = errors.New("CUDA driver error")
+	// ErrPaused: a malloc from a paused tag (tags.go), or a capture begun
+	// into a paused tag's pool.
+	ErrPaused = errors.New("tag paused")
+	// ErrInUse: a pause of memory another process may be using (exported
+	// through CUDA IPC).
+	ErrInUse = errors.New("memory in use by another process")
 )
 
 // Error is a failure of one allocator operation.

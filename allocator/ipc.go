@@ -91,7 +91,9 @@ type ipcMapping struct {
 //
 // p must be an allocated block's address. A block of an expandable segment
 // (expandable_segments:True) cannot be shared: ErrNotSupported, as with a
-// driver without CUDA IPC.
+// driver without CUDA IPC. As with ShareIpcHandle, a shared block's tag
+// cannot be paused until the block is freed, and a paused tag's block
+// cannot be shared (ErrPaused).
 func (a *Allocator) IpcHandle(p cuda.Ptr) (h cuda.IpcHandle, offset uint64, dev int, err error) {
 	const op = "ipc_handle"
 	d, b := a.find(p)
@@ -100,12 +102,18 @@ func (a *Allocator) IpcHandle(p cuda.Ptr) (h cuda.IpcHandle, offset uint64, dev 
 	}
 	defer d.leave()
 	d.invalidate(p) // shared with another process: its free goes to Go
+	if err := d.shareable(op, b); err != nil {
+		return h, 0, 0, err
+	}
 	if b.Seg.Expandable {
 		return h, 0, 0, newError(op, ErrNotSupported, "pointer %#x on device %d is in an expandable segment (expandable_segments:True, on by default with stitching), "+
 			"whose pages are CUDA virtual memory with no 64-byte cudaIpcMemHandle; share it with cudapool_ipc_share (PyTorch's handle format, which covers expandable memory)",
 			uintptr(p), d.id)
 	}
 	h, offset, err = a.segmentIpcHandle(op, d, b.Seg.Base, p)
+	if err == nil {
+		b.Shared = true // until its free: a pause of its tag is refused (pause.go)
+	}
 	return h, offset, d.id, err
 }
 

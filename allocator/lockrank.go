@@ -29,6 +29,10 @@ const (
 	// rankHistory is history.mu: the history's allocator-wide state
 	// (labels, annotations); RecordHistory then takes each device.
 	rankHistory
+	// rankPause is pauser.mu: pause and resume by tag (pause.go), which
+	// take each device in turn; BeginAllocateToPool takes it shared, as a
+	// barrier, after its device lock is released.
+	rankPause
 	// rankDevice is device.mu: one device's state, everything below it.
 	rankDevice
 	// rankGate is Allocator.gate, shared or exclusive: the unsafe sections
@@ -49,9 +53,12 @@ const (
 	// vmem.ImportCache, has its own unranked mutex, taken the same way:
 	// alone, under no lock of these.)
 	rankIPC
+	// rankTags is tagTable.mu: the tags' names (tags.go); a leaf, taken
+	// alone or under pauser.mu.
+	rankTags
 )
 
-var rankNames = [...]string{"none", "Allocator.cfgMu", "history.mu", "device.mu", "Allocator.gate", "uncached.mu", "frontCtl.mu", "ipcMaps.mu"}
+var rankNames = [...]string{"none", "Allocator.cfgMu", "history.mu", "pauser.mu", "device.mu", "Allocator.gate", "uncached.mu", "frontCtl.mu", "ipcMaps.mu", "tagTable.mu"}
 
 func (r lockRank) String() string { return rankNames[r] }
 
@@ -186,6 +193,8 @@ func (a *Allocator) checkRanks(on bool) {
 	a.gate.check.Store(on)
 	a.unc.mu.check.Store(on)
 	a.front.mu.check.Store(on)
+	a.pauser.mu.check.Store(on)
+	a.tags.mu.check.Store(on)
 	if on {
 		ipcMaps.mu.check.Store(true)
 	}

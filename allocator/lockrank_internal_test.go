@@ -67,21 +67,25 @@ func TestLockRanksViolated(t *testing.T) {
 		outer, inner func()
 		undo         []func()
 	}{
-		{"configuration under a device", "taking Allocator.cfgMu (rank 1) while holding device.mu (rank 3)",
+		{"configuration under a device", "taking Allocator.cfgMu (rank 1) while holding device.mu (rank 4)",
 			d0.enter, a.cfgMu.Lock, []func(){d0.leave}},
-		{"history under a device", "taking history.mu (rank 2) while holding device.mu (rank 3)",
+		{"history under a device", "taking history.mu (rank 2) while holding device.mu (rank 4)",
 			d0.enter, a.hist.mu.Lock, []func(){d0.leave}},
 		// A device lock is checked once taken: the panic leaves it held.
-		{"two devices", "taking device.mu (rank 3) while holding device.mu (rank 3)",
+		{"two devices", "taking device.mu (rank 4) while holding device.mu (rank 4)",
 			d0.enter, d1.enter, []func(){d1.leave, d0.leave}},
-		{"a device under the gate", "taking device.mu (rank 3) while holding Allocator.gate (rank 4)",
+		{"a device under the gate", "taking device.mu (rank 4) while holding Allocator.gate (rank 5)",
 			a.gate.RLock, d0.enter, []func(){d0.leave, a.gate.RUnlock}},
-		{"the gate under the uncached record", "taking Allocator.gate (rank 4) while holding uncached.mu (rank 5)",
+		{"the gate under the uncached record", "taking Allocator.gate (rank 5) while holding uncached.mu (rank 6)",
 			a.unc.mu.Lock, a.gate.RLock, []func(){a.unc.mu.Unlock}},
-		{"a device under the front's policy", "taking device.mu (rank 3) while holding frontCtl.mu (rank 6)",
+		{"a device under the front's policy", "taking device.mu (rank 4) while holding frontCtl.mu (rank 7)",
 			a.front.mu.Lock, d0.enter, []func(){d0.leave, a.front.mu.Unlock}},
-		{"a device under the IPC cache", "taking device.mu (rank 3) while holding ipcMaps.mu (rank 7)",
+		{"a device under the IPC cache", "taking device.mu (rank 4) while holding ipcMaps.mu (rank 8)",
 			ipcMaps.mu.Lock, d1.enter, []func(){d1.leave, ipcMaps.mu.Unlock}},
+		{"the pause mutex under a device", "taking pauser.mu (rank 3) while holding device.mu (rank 4)",
+			d0.enter, a.pauser.mu.RLock, []func(){d0.leave}},
+		{"a device under the tags' names", "taking device.mu (rank 4) while holding tagTable.mu (rank 9)",
+			a.tags.mu.Lock, d0.enter, []func(){d0.leave, a.tags.mu.Unlock}},
 	} {
 		tc.outer()
 		require.PanicsWithValue(t, "cudapool: lock order violated (debug_checks): "+tc.msg+"; see allocator/lockrank.go", tc.inner, tc.name)
@@ -141,5 +145,31 @@ func TestLockRanksFront(t *testing.T) {
 	require.True(t, a.FrontEnabled())
 	require.GreaterOrEqual(t, f.policies, 6, "the policy was pushed at each change")
 	require.Equal(t, 1, f.invalid)
+	require.Zero(t, heldRanks.n.Load(), "every hold released")
+}
+
+// Tags, pause and resume respect the ranks too: the pause mutex, then each
+// device, then the gate; the tags' names alone.
+func TestLockRanksPause(t *testing.T) {
+	a := debugAllocator(t, 2)
+	id, err := a.TagID("kv")
+	require.NoError(t, err)
+	p, err := a.Malloc(&MallocRequest{Dev: 1, Size: 4 << 20, Tag: id})
+	require.NoError(t, err)
+	pool := PoolID{A: 1}
+	require.NoError(t, a.BeginAllocateToPoolTagged(0, pool, id, nil)) // device, gate, then the pause mutex
+	q, err := a.Malloc(&MallocRequest{Size: 4096})
+	require.NoError(t, err)
+	require.NoError(t, a.EndAllocateToPool(0, pool))
+	require.NoError(t, a.Pause("", true)) // the pause mutex, the tags' names, each device, the gate
+	require.Len(t, a.Paused(), 1)
+	require.NoError(t, a.EmptyCache(0))
+	require.NoError(t, a.Resume("kv"))
+	_, err = a.ReleaseHostMemory()
+	require.NoError(t, err)
+	require.NoError(t, a.Free(FreeRequest{Dev: -1, Ptr: p}, FreeRequest{Dev: -1, Ptr: q}))
+	require.NoError(t, a.ReleasePool(0, pool))
+	a.Snapshot(nil, false)
+	require.NoError(t, a.CheckInvariants())
 	require.Zero(t, heldRanks.n.Load(), "every hold released")
 }

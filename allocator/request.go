@@ -22,6 +22,10 @@ type MallocRequest struct {
 	// Ctx is the id of the caller's context (0: none), gathered when
 	// GatherMask has GatherAlloc (history.go).
 	Ctx uint64
+	// Tag is the id of the tag the block belongs to (0: none; TagID names
+	// one): it comes from the tag's pools (tags.go), and is never tracked
+	// by a Front.
+	Tag uint32
 	// Frees are performed first: those of Dev, and those of unknown device
 	// (Dev -1) that Dev holds, under the allocation's lock hold.
 	Frees []FreeRequest
@@ -65,7 +69,7 @@ type PendingFree = FreeRequest
 func (a *Allocator) Malloc(r *MallocRequest) (cuda.Ptr, error) {
 	dev, size := r.Dev, r.Size
 	// size-1 >= MaxRequest-1: size is 0 or at least MaxRequest.
-	if uint(dev) >= uint(len(a.devs)) || size-1 >= pools.MaxRequest-1 || a.cachingOff.Load() || a.uncN.Load() != 0 {
+	if uint(dev) >= uint(len(a.devs)) || size-1 >= pools.MaxRequest-1 || a.cachingOff.Load() || a.uncN.Load() != 0 || r.Tag != 0 {
 		return a.mallocElse(r)
 	}
 	var capture uint64
@@ -124,8 +128,8 @@ func (a *Allocator) Malloc(r *MallocRequest) (cuda.Ptr, error) {
 }
 
 // mallocElse is Malloc for a device that does not exist, a size of 0 or 1
-// EiB or more, or while blocks go to the driver (uncached): the frees, then
-// the allocation, under a lock hold of its own.
+// EiB or more, while blocks go to the driver (uncached), or under a tag:
+// the frees, then the allocation, under a lock hold of its own.
 //
 //go:noinline
 func (a *Allocator) mallocElse(r *MallocRequest) (cuda.Ptr, error) {
@@ -150,7 +154,12 @@ func (a *Allocator) mallocElse(r *MallocRequest) (cuda.Ptr, error) {
 	}
 	d.enter()
 	d.begin(r.Ctx, HistoryState)
-	p, err := d.malloc(size, r.Stream, capture)
+	var p cuda.Ptr
+	if r.Tag != 0 {
+		p, err = d.mallocTagged(size, r.Stream, capture, r.Tag)
+	} else {
+		p, err = d.malloc(size, r.Stream, capture)
+	}
 	d.end()
 	if d.debug {
 		d.mustCheck()

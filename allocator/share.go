@@ -39,7 +39,9 @@ import (
 // Another process opens it with OpenIpcHandle (or PyTorch's getIpcDevPtr)
 // and finds p's memory at the returned address plus offset. The block must
 // stay allocated until the other process has opened the handle (PyTorch
-// keeps a shared storage alive until its receivers let go).
+// keeps a shared storage alive until its receivers let go). A shared
+// block's tag cannot be paused until the block is freed, and a block of a
+// paused tag cannot be shared (ErrPaused).
 func (a *Allocator) ShareIpcHandle(p cuda.Ptr) (handle []byte, offset uint64, dev int, err error) {
 	const op = "ipc_share"
 	d, b := a.find(p)
@@ -48,11 +50,15 @@ func (a *Allocator) ShareIpcHandle(p cuda.Ptr) (handle []byte, offset uint64, de
 	}
 	defer d.leave()
 	d.invalidate(p) // shared with another process: its free goes to Go
+	if err := d.shareable(op, b); err != nil {
+		return nil, 0, 0, err
+	}
 	if !b.Seg.Expandable {
 		h, off, err := a.segmentIpcHandle(op, d, b.Seg.Base, p)
 		if err != nil {
 			return nil, 0, 0, err
 		}
+		b.Shared = true // until its free: a pause of its tag is refused (pause.go)
 		return vmem.EncodeCudaMalloc(h), off, d.id, nil
 	}
 	s, off, err := d.vm.Share(b, op)
@@ -66,6 +72,7 @@ func (a *Allocator) ShareIpcHandle(p cuda.Ptr) (handle []byte, offset uint64, de
 	if err != nil {
 		return nil, 0, 0, newError(op, ErrInvalidArgument, "encoding the handle of pointer %#x on device %d: %v", uintptr(p), d.id, err)
 	}
+	b.Shared = true // as above
 	return h, off, d.id, nil
 }
 

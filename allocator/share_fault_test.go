@@ -77,7 +77,7 @@ func (s *importScene) clean() {
 var shareFaultCases = map[string]faultCase{
 	// Exporter: the creation of shareable memory fails part way, as
 	// MemCreate's case.
-	"vmem/mapper.go:mapper.Map.MemCreateShareable": {run: func(t *testing.T) {
+	"vmem/mapper.go:(*Space).create.MemCreateShareable": {run: func(t *testing.T) {
 		e := shareFault(t, confPages, cuda.ShareablePOSIXFD)
 		r := e.fail("MemCreateShareable", "", 1)
 		_, err := e.a.Malloc(&allocator.MallocRequest{Size: 5 * MiB, Stream: 1})

@@ -61,6 +61,11 @@ type SegmentInfo struct {
 	Context uint64      `json:"context,omitempty"`
 	Frames  []any       `json:"frames"`
 	Blocks  []BlockInfo `json:"blocks"`
+	// Tag is the tag whose memory the segment holds (tags.go; absent for
+	// none). Paused: a pause gave its physical memory back (pause.go); the
+	// blocks are as they were, and come back at the same addresses.
+	Tag    string `json:"tag,omitempty"`
+	Paused bool   `json:"paused,omitempty"`
 }
 
 // BlockInfo describes one block of a segment.
@@ -130,7 +135,7 @@ func (a *Allocator) Snapshot(pool *PoolID, includeTraces bool) Snapshot {
 		first := len(snap.Segments)
 		for _, s := range d.cache.Segments() {
 			if pool == nil || s.Pool.ID == *pool {
-				snap.Segments = appendSegmentInfo(snap.Segments, d.id, s)
+				snap.Segments = appendSegmentInfo(snap.Segments, d.id, s, a.TagName(s.Pool.Tag))
 			}
 		}
 		var active uint64
@@ -171,6 +176,8 @@ func (a *Allocator) Snapshot(pool *PoolID, includeTraces bool) Snapshot {
 		"expandable_map_unit_mb": cfg.ExpandableMapUnit >> 20,
 		"stitch_remaps":          remaps,
 		"stitch_lent":            lent,
+		// The tags and their state (tags.go, pause.go).
+		"tags": a.tagStates(),
 	}
 	return snap
 }
@@ -196,7 +203,7 @@ func traceEntries(dev int, tr []traceEntry) []TraceEntry {
 // appendSegmentInfo describes s: one segment, or for an expandable segment
 // one per contiguous mapped run (PyTorch's convention; unmapped space is not
 // memory and its blocks are not shown).
-func appendSegmentInfo(out []SegmentInfo, dev int, s *pools.Segment) []SegmentInfo {
+func appendSegmentInfo(out []SegmentInfo, dev int, s *pools.Segment, tag string) []SegmentInfo {
 	typ := "large"
 	if s.Pool.Small {
 		typ = "small"
@@ -209,7 +216,8 @@ func appendSegmentInfo(out []SegmentInfo, dev int, s *pools.Segment) []SegmentIn
 		}
 		if si == nil {
 			out = append(out, SegmentInfo{Device: dev, Address: uint64(b.Ptr), Stream: uint64(s.Stream), SegmentType: typ,
-				SegmentPoolID: [2]uint64{s.Pool.ID.A, s.Pool.ID.B}, IsExpandable: s.Expandable, Frames: []any{}})
+				SegmentPoolID: [2]uint64{s.Pool.ID.A, s.Pool.ID.B}, IsExpandable: s.Expandable, Frames: []any{},
+				Tag: tag, Paused: s.PausedBytes > 0})
 			si = &out[len(out)-1]
 			if b.Ptr == s.Base {
 				si.Context = s.Context

@@ -43,6 +43,14 @@ type virtualMemory interface {
 	// exported allocations and the descriptors they hold.
 	Share(b *pools.Block, op string) (vmem.SegmentShare, uint64, error)
 	Exported() (allocations, fds int)
+	// VMM reports whether the driver's virtual memory management works
+	// (probing it once, quietly): a tag's pools grow through Grow then.
+	VMM() bool
+	// Pause unmaps and releases the mapped chunks of a tag's segment,
+	// Resume maps new memory for its paused ones (pause.go); each returns
+	// the bytes it did. The caller holds the gate.
+	Pause(seg *pools.Segment) (uint64, error)
+	Resume(seg *pools.Segment) (uint64, error)
 }
 
 // StitchStats counts a device's stitching (vmem.StitchStats).

@@ -13,7 +13,7 @@ allocator before CUDA starts; torch_memory_saver needs PyTorch's), with
     (within 1%).
 The first keep=True pause of a process is reported apart: it pins the host
 memory that later pauses reuse. Medians and min-max over --reps reps; one
-short table last.
+short table, then the same as a markdown table (the README's).
 
     python3 bench/pause_bench.py                    # cudapool and torch_memory_saver
     python3 bench/pause_bench.py --impl cudapool --size-gib 4 --reps 3
@@ -217,6 +217,45 @@ def format_table(results):
                      for row in rows)
 
 
+# The markdown table's rows: (label, what, unit, the link's row for the
+# same direction).
+MARKDOWN_ROWS = (
+    ("pause, contents kept", "pause keep=True", "GiB/s", "link D2H (pinned copy_)"),
+    ("resume, contents kept", "resume keep=True", "GiB/s", "link H2D (pinned copy_)"),
+    ("pause, contents discarded", "pause keep=False", "ms", None),
+    ("resume, contents discarded", "resume keep=False", "ms", None),
+    ("driver memory given back by pause", "freed by pause keep=True", "% of tag", None),
+)
+IMPL_NAMES = {"cudapool": "cudapool", "tms": "torch_memory_saver 0.0.10", "pinned": "pinned copy_"}
+
+
+def format_markdown(results, size_gib):
+    """One markdown table: medians (min-max) per implementation, and the
+    plain pinned copy_ of the same bytes beside the copying rows."""
+    by = {(r["impl"], r["what"]): r for r in results}
+    impls = [i for i in ("cudapool", "tms") if any(r["impl"] == i for r in results)]
+    link_impl = next((i for i in ("cudapool", "pinned", "tms") if (i, "link D2H (pinned copy_)") in by), None)
+
+    def cell(r):
+        if r is None:
+            return "-"
+        med, lo, hi = spread(r["values"])
+        fmt = "{:.1f}" if r["unit"] in ("ms", "% of tag") else "{:.2f}"
+        out = fmt.format(med)
+        if len(r["values"]) > 1:
+            out += f" ({fmt.format(lo)}-{fmt.format(hi)})"
+        return out
+
+    head = [f"{size_gib} GiB"] + [IMPL_NAMES[i] for i in impls] + (["pinned copy_ (the link)"] if link_impl else [])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for label, what, unit, link in MARKDOWN_ROWS:
+        row = [f"{label} ({unit})"] + [cell(by.get((i, what))) for i in impls]
+        if link_impl:
+            row.append(cell(by.get((link_impl, link))) if link else "")
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
 def main(argv=None):
     a = parse_args(argv)
     impls = ("cudapool", "tms") if a.impl == "all" else (a.impl,)
@@ -229,6 +268,7 @@ def main(argv=None):
         results = {"cudapool": run_cudapool, "tms": run_tms, "pinned": run_pinned}[a.impl](a)
         print(RESULT + json.dumps(results), flush=True)
         print(format_table(results))
+        print("\n" + format_markdown(results, a.size_gib))
         return 0
     results = []
     for impl in impls:
@@ -244,6 +284,7 @@ def main(argv=None):
     if not results:
         return 1
     print(format_table(results))
+    print("\n" + format_markdown(results, a.size_gib))
     return 0
 
 

@@ -102,3 +102,18 @@ def test_table():
     assert t[0].split()[:4] == ["impl", "what", "median", "min-max"]
     assert "42.00" in t[1] and "40.00-44.00" in t[1] and t[1].endswith("  n")
     assert "9.5" in t[2] and "9.0-10.0" in t[2]
+
+
+def test_markdown_table():
+    rows = [
+        {"impl": "cudapool", "what": "pause keep=True", "unit": "GiB/s", "values": [44.0, 45.0, 46.0]},
+        {"impl": "cudapool", "what": "link D2H (pinned copy_)", "unit": "GiB/s", "values": [48.0]},
+        {"impl": "cudapool", "what": "pause keep=False", "unit": "ms", "values": [3.0, 4.0]},
+        {"impl": "tms", "what": "pause keep=True", "unit": "GiB/s", "values": [2.09]},
+    ]
+    t = pause_bench.format_markdown(rows, 16).splitlines()
+    assert t[0] == "| 16 GiB | cudapool | torch_memory_saver 0.0.10 | pinned copy_ (the link) |"
+    assert t[1] == "|---|---|---|---|"
+    assert t[2] == "| pause, contents kept (GiB/s) | 45.00 (44.00-46.00) | 2.09 | 48.00 |"
+    assert t[4] == "| pause, contents discarded (ms) | 3.5 (3.0-4.0) | - |  |"
+    assert len(t) == 2 + len(pause_bench.MARKDOWN_ROWS)

@@ -107,16 +107,26 @@ size_t cp_front_take(int dev, int keep);
 /* cudapool_get_front_counters's four counters of device dev; 0 or -1. */
 int cp_front_counters(int dev, unsigned long long out[4]);
 
+/* ---- Tags (cudapool.c) ----
+ *
+ * The id of the tag on top of the calling thread's stack (0: none), which
+ * every malloc reads: one initial-exec TLS load. The rest of the stack is
+ * on the heap; Go alone knows what an id means (allocator/tags.go). */
+extern __thread uint32_t cp_tag_cur __attribute__((tls_model("initial-exec")));
+
 /* ---- The malloc every entry point makes (cudapool.c) ----
  *
- * A malloc without a context tries the front, then goes to Go with the
- * queued frees and applies Go's answer: cp_malloc_go. (A context is for
- * memory history, which the front's log cannot carry.) fn (CP_FN_*) names
- * the public function called, for Go's errors and the wording of out of
- * memory. */
+ * A malloc without a context or a tag tries the front, then goes to Go
+ * with the queued frees and the thread's tag, and applies Go's answer:
+ * cp_malloc_go. (A context is for memory history, which the front's log
+ * cannot carry; a tagged block is Go's alone.) fn (CP_FN_*) names the
+ * public function called, for Go's errors and the wording of out of
+ * memory. cp_malloc_go reads the tag again rather than being passed it:
+ * a value kept across the front's call costs the hit path a saved
+ * register. */
 void *cp_malloc_go(size_t size, int device, uintptr_t stream, unsigned long long ctx, int fn);
 static inline void *cp_malloc(size_t size, int device, uintptr_t stream, unsigned long long ctx, int fn) {
-	if (ctx == 0) {
+	if ((ctx | cp_tag_cur) == 0) {
 		void *p = cp_front_malloc(size, device, stream);
 		if (p != 0)
 			return p;
@@ -210,9 +220,9 @@ extern void cpgo_set_memory_fraction(double fraction, int device);
 extern uintptr_t cpgo_base_allocation(uintptr_t ptr, size_t *size);
 extern void cpgo_record_stream(uintptr_t ptr, uintptr_t stream);
 extern void cpgo_begin_allocate_to_pool(int device, unsigned long long a, unsigned long long b, uintptr_t filter,
-                                        uintptr_t ctx);
+                                        uintptr_t ctx, uint32_t tag);
 extern void cpgo_torch_begin_allocate_to_pool(int device, unsigned long long a, unsigned long long b,
-                                              uintptr_t handle);
+                                              uintptr_t handle, uint32_t tag);
 extern void cpgo_end_allocate_to_pool(int device, unsigned long long a, unsigned long long b, int fn);
 extern void cpgo_release_pool(int device, unsigned long long a, unsigned long long b, int fn);
 extern char *cpgo_memory_stats_json(int device);
@@ -231,7 +241,7 @@ extern int cpgo_sim_read(int device, uintptr_t ptr, void *dst, size_t n);
 
 /* ---- Go exports for PyTorch's CUDAAllocator interface (torchabi.go). ---- */
 extern uintptr_t cpgo_malloc_ctx(size_t size, int device, uintptr_t stream, unsigned long long ctx,
-                                 cp_pending_free *frees, size_t nfrees, cp_track *out, int fn);
+                                 cp_pending_free *frees, size_t nfrees, cp_track *out, int fn, uint32_t tag);
 extern int cpgo_expect_announced(int fn);
 extern int cpgo_free_ctx(uintptr_t ptr, size_t size, int device, unsigned long long ctx);
 extern int cpgo_configure_update(char *conf);
@@ -267,6 +277,13 @@ extern uintptr_t cpgo_ipc_open_shared(int device, unsigned char *buf, size_t len
 extern int cpgo_allocation_info(uintptr_t ptr, size_t *size, int *device);
 extern int cpgo_set_caching(int on);
 extern int cpgo_caching(void);
+
+/* ---- Go exports for tags, pause and resume (tags.go). ---- */
+extern uint32_t cpgo_tag_id(char *name);
+extern int cpgo_pause(char *tag, int keep);
+extern int cpgo_resume(char *tag);
+extern long long cpgo_paused_bytes(int device);
+extern int cpgo_release_host_memory(void);
 
 /* Segment sources of MemPools (cudapool.c): call the C function pointers. */
 uintptr_t cp_call_segment_alloc(uintptr_t fn, uintptr_t ctx, size_t size, int device, uintptr_t stream);

@@ -121,6 +121,85 @@ int cp_refuse(const char *fn) {
 	return 1;
 }
 
+/* ---- tags ----
+ *
+ * Each thread's stack of tags (cudapool_tag_push): cp_tag_cur is its top,
+ * which every malloc reads (cp_malloc); the stack below it is allocated at
+ * a thread's first push and freed when the thread exits, so that the
+ * static TLS holds one word and one pointer. Ids come from Go
+ * (cpgo_tag_id), on this cold path only. */
+#define CP_TAG_DEPTH 1024
+
+__thread uint32_t cp_tag_cur __attribute__((tls_model("initial-exec")));
+
+struct cp_tag_stack {
+	uint32_t n, cap;
+	uint32_t ids[];
+};
+static __thread struct cp_tag_stack *cp_tags;
+static pthread_key_t cp_tags_key;
+static pthread_once_t cp_tags_once = PTHREAD_ONCE_INIT;
+
+static void cp_tags_free(void *st) {
+	if (cp_tags == st) {
+		cp_tags = NULL;
+		cp_tag_cur = 0;
+	}
+	free(st);
+}
+
+static void cp_tags_key_init(void) { pthread_key_create(&cp_tags_key, cp_tags_free); }
+
+static void cp_tag_error(const char *msg) { cp_set_error(msg, strlen(msg)); }
+
+int cudapool_tag_push(const char *tag) {
+	if (cp_refused("cudapool_tag_push"))
+		return -1;
+	if (tag == NULL) {
+		cp_tag_error("cudapool_tag_push: the tag is NULL");
+		return -1;
+	}
+	struct cp_tag_stack *st = cp_tags;
+	if (st != NULL && st->n >= CP_TAG_DEPTH) {
+		cp_tag_error("cudapool_tag_push: 1024 tags are pushed on this thread already (pop one first)");
+		return -1;
+	}
+	uint32_t id = cpgo_tag_id((char *)tag);
+	if (id == 0)
+		return -1; /* Go said why */
+	if (st == NULL || st->n == st->cap) {
+		uint32_t cap = st == NULL ? 8 : 2 * st->cap;
+		struct cp_tag_stack *grown = realloc(st, sizeof *st + cap * sizeof st->ids[0]);
+		if (grown == NULL) {
+			cp_tag_error("cudapool_tag_push: out of host memory");
+			return -1;
+		}
+		if (st == NULL) {
+			grown->n = 0;
+			pthread_once(&cp_tags_once, cp_tags_key_init);
+		}
+		grown->cap = cap;
+		pthread_setspecific(cp_tags_key, grown); /* frees it at thread exit */
+		cp_tags = st = grown;
+	}
+	st->ids[st->n++] = id;
+	cp_tag_cur = id;
+	return 0;
+}
+
+int cudapool_tag_pop(void) {
+	if (cp_refused("cudapool_tag_pop"))
+		return -1;
+	struct cp_tag_stack *st = cp_tags;
+	if (st == NULL || st->n == 0) {
+		cp_tag_error("cudapool_tag_pop: no tag is pushed on this thread");
+		return -1;
+	}
+	st->n--;
+	cp_tag_cur = st->n > 0 ? st->ids[st->n - 1] : 0;
+	return 0;
+}
+
 /* ---- PyTorch's frees, queued ----
  *
  * A call from C into Go costs a few hundred nanoseconds when it comes from
@@ -269,7 +348,7 @@ void *cp_malloc_go(size_t size, int device, uintptr_t stream, unsigned long long
 	cp_pending_free frees[CP_FREEQ_CAP];
 	size_t n = cp_freeq_n != 0 ? cp_take_frees(frees, CP_FREEQ_CAP) : 0;
 	cp_track t = {0, 0, 0};
-	uintptr_t r = cpgo_malloc_ctx(size, device, stream, ctx, frees, n, &t, fn);
+	uintptr_t r = cpgo_malloc_ctx(size, device, stream, ctx, frees, n, &t, fn, cp_tag_cur);
 	cp_front_track(r, size, stream, device, t);
 	return (void *)r;
 }
@@ -322,7 +401,7 @@ void cudapool_begin_allocate_to_pool(int device, unsigned long long pool_a, unsi
                                      cudapool_stream_filter filter, void *ctx) {
 	if (cp_refused("cudapool_begin_allocate_to_pool"))
 		return;
-	cpgo_begin_allocate_to_pool(device, pool_a, pool_b, (uintptr_t)filter, (uintptr_t)ctx);
+	cpgo_begin_allocate_to_pool(device, pool_a, pool_b, (uintptr_t)filter, (uintptr_t)ctx, cp_tag_cur);
 }
 
 void cudapool_end_allocate_to_pool(int device, unsigned long long pool_a, unsigned long long pool_b) {
@@ -510,6 +589,11 @@ void *cudapool_ipc_open_shared(int device, const void *buf, size_t len) {
 		return NULL;
 	return (void *)cpgo_ipc_open_shared(device, (unsigned char *)buf, len);
 }
+/* Tags: pause and resume (cudapool_tag_push and _pop are above). */
+CP_FORWARD(int, -1, cudapool_pause, (const char *tag, int keep), pause((char *)tag, keep))
+CP_FORWARD(int, -1, cudapool_resume, (const char *tag), resume((char *)tag))
+CP_FORWARD(long long, -1, cudapool_paused_bytes, (int device), paused_bytes(device))
+CP_FORWARD(int, -1, cudapool_release_host_memory, (void), release_host_memory())
 CP_FORWARD(int, -1, cudapool_set_caching, (int on), set_caching(on))
 CP_FORWARD(int, 1, cudapool_caching, (void), caching())
 CP_FORWARD(int, -1, cudapool_allocation_info, (void *ptr, size_t *size, int *device),

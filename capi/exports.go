@@ -186,7 +186,7 @@ var stdFilters struct {
 }
 
 //export cpgo_begin_allocate_to_pool
-func cpgo_begin_allocate_to_pool(dev C.int, a, b C.ulonglong, filter, ctx C.uintptr_t) {
+func cpgo_begin_allocate_to_pool(dev C.int, a, b C.ulonglong, filter, ctx C.uintptr_t, tag C.uint32_t) {
 	const fn = "cudapool_begin_allocate_to_pool"
 	defer guard(fn)
 	al := ready(fn)
@@ -196,13 +196,13 @@ func cpgo_begin_allocate_to_pool(dev C.int, a, b C.ulonglong, filter, ctx C.uint
 	k := key(dev, a, b)
 	stdFilters.mu.Lock()
 	defer stdFilters.mu.Unlock()
-	if err := al.BeginAllocateToPool(k.dev, k.id, cFilter(filter, ctx)); err != nil {
+	if err := al.BeginAllocateToPoolTagged(k.dev, k.id, uint32(tag), cFilter(filter, ctx)); err != nil {
 		fail(fn, err)
 	}
 }
 
 //export cpgo_torch_begin_allocate_to_pool
-func cpgo_torch_begin_allocate_to_pool(dev C.int, a, b C.ulonglong, handle C.uintptr_t) {
+func cpgo_torch_begin_allocate_to_pool(dev C.int, a, b C.ulonglong, handle C.uintptr_t, tag C.uint32_t) {
 	const fn = "cudapool_torch_begin_allocate_to_pool"
 	defer guard(fn)
 	owned := true // the copy is deleted on every path that does not keep it
@@ -218,7 +218,7 @@ func cpgo_torch_begin_allocate_to_pool(dev C.int, a, b C.ulonglong, handle C.uin
 	k := key(dev, a, b)
 	stdFilters.mu.Lock()
 	defer stdFilters.mu.Unlock()
-	if err := al.BeginAllocateToPool(k.dev, k.id, stdFilter(handle)); err != nil {
+	if err := al.BeginAllocateToPoolTagged(k.dev, k.id, uint32(tag), stdFilter(handle)); err != nil {
 		fail(fn, err)
 		return
 	}

@@ -39,11 +39,11 @@ func TestFaultThroughCABI(t *testing.T) {
 	}
 
 	f.Fail("MemAlloc", "", 0, cuda.ErrUnknown)
-	if p := cpgo_malloc_ctx(4096, 0, 1, 0, nil, 0, nil, fnMalloc); p != 0 {
+	if p := cpgo_malloc_ctx(4096, 0, 1, 0, nil, 0, nil, fnMalloc, 0); p != 0 {
 		t.Fatalf("malloc with a failing driver returned %#x", p)
 	}
 	expect("malloc", "cudapool_malloc: allocating a 2097152-byte segment on device 0")
-	p := cpgo_malloc_ctx(4096, 0, 1, 0, nil, 0, nil, fnMalloc)
+	p := cpgo_malloc_ctx(4096, 0, 1, 0, nil, 0, nil, fnMalloc, 0)
 	if p == 0 {
 		t.Fatalf("the next malloc failed: %s", lastError())
 	}
@@ -54,7 +54,7 @@ func TestFaultThroughCABI(t *testing.T) {
 	f.Fail("EventRecord", "", 0, cuda.ErrUnknown)
 	cpgo_free(p, 4096, 0, 1)
 	expect("free", "cudapool_free: recording events for the streams that use")
-	if q := cpgo_malloc_ctx(4096, 0, 1, 0, nil, 0, nil, fnMalloc); q == 0 || q == p {
+	if q := cpgo_malloc_ctx(4096, 0, 1, 0, nil, 0, nil, fnMalloc, 0); q == 0 || q == p {
 		t.Fatalf("malloc after the failed free: %#x (the freed block is %#x; it is still read)", q, p)
 	} else {
 		cpgo_free(q, 4096, 0, 1)

@@ -175,7 +175,7 @@ void cudapool_torch_begin_allocate_to_pool(int device, MempoolId id, StreamFilte
 	}
 	// Go owns the copy from here: it deletes it when the pool's end is
 	// processed, or at once if begin fails.
-	cpgo_torch_begin_allocate_to_pool(device, id.first, id.second, handle);
+	cpgo_torch_begin_allocate_to_pool(device, id.first, id.second, handle, cp_tag_cur);
 }
 
 void cudapool_torch_end_allocate_to_pool(int device, MempoolId id) {

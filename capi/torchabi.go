@@ -26,7 +26,7 @@ import (
 )
 
 //export cpgo_malloc_ctx
-func cpgo_malloc_ctx(size C.size_t, dev C.int, stream C.uintptr_t, ctx C.ulonglong, frees *C.cp_pending_free, nfrees C.size_t, out *C.cp_track, entry C.int) C.uintptr_t {
+func cpgo_malloc_ctx(size C.size_t, dev C.int, stream C.uintptr_t, ctx C.ulonglong, frees *C.cp_pending_free, nfrees C.size_t, out *C.cp_track, entry C.int, tag C.uint32_t) C.uintptr_t {
 	// guard, written out: a literal deferred is called directly, with no
 	// wrapper around a deferred call's arguments (a call less per malloc).
 	defer func() {
@@ -38,10 +38,10 @@ func cpgo_malloc_ctx(size C.size_t, dev C.int, stream C.uintptr_t, ctx C.ulonglo
 	if st == nil || st.err != nil {
 		// The process's first call (load initializes the state, and this
 		// function runs again), or a failed state; out of line.
-		return mallocCtxNoState(size, dev, stream, ctx, frees, nfrees, out, entry)
+		return mallocCtxNoState(size, dev, stream, ctx, frees, nfrees, out, entry, tag)
 	}
 	keeper.Touch()
-	r := &allocator.MallocRequest{Dev: int(dev), Size: uint64(size), Stream: cuda.Stream(stream), Ctx: uint64(ctx), Frees: pendingFrees(frees, nfrees)}
+	r := &allocator.MallocRequest{Dev: int(dev), Size: uint64(size), Stream: cuda.Stream(stream), Ctx: uint64(ctx), Tag: uint32(tag), Frees: pendingFrees(frees, nfrees)}
 	p, err := st.a.Malloc(r)
 	if err != nil || r.FreeErr != nil || out == nil {
 		return mallocEnd(entry, r, p, err, out)
@@ -51,11 +51,11 @@ func cpgo_malloc_ctx(size C.size_t, dev C.int, stream C.uintptr_t, ctx C.ulonglo
 }
 
 //go:noinline
-func mallocCtxNoState(size C.size_t, dev C.int, stream C.uintptr_t, ctx C.ulonglong, frees *C.cp_pending_free, nfrees C.size_t, out *C.cp_track, entry C.int) C.uintptr_t {
+func mallocCtxNoState(size C.size_t, dev C.int, stream C.uintptr_t, ctx C.ulonglong, frees *C.cp_pending_free, nfrees C.size_t, out *C.cp_track, entry C.int, tag C.uint32_t) C.uintptr_t {
 	if st := load(); st.err != nil {
 		return failState(entryName(entry), st)
 	}
-	return cpgo_malloc_ctx(size, dev, stream, ctx, frees, nfrees, out, entry)
+	return cpgo_malloc_ctx(size, dev, stream, ctx, frees, nfrees, out, entry, tag)
 }
 
 // failMalloc records a failed malloc of size bytes through the public

@@ -457,7 +457,8 @@ int cudapool_ipc_close(void *ptr);
  * *len: call again with *len bytes. *offset is ptr's offset from the start
  * of the memory the handle names, *device ptr's device. 0 or -1.
  * Errors (cudapool_last_error): ptr is not the start of an allocation;
- * memory that cannot be shared (a driver without the sharing API, or a
+ * an allocation of a paused tag (a shared allocation keeps its tag from
+ * pausing until it is freed: cudapool_pause); memory that cannot be shared (a driver without the sharing API, or a
  * block over physical allocations of two sizes, which PyTorch's handle
  * cannot describe: a range mapped short near the memory limit); an export
  * the driver refuses. Each physical allocation exported as a file
@@ -487,6 +488,69 @@ int cudapool_ipc_share(void *ptr, void *buf, size_t cap, size_t *len, size_t *of
  * CAP_SYS_PTRACE); an exporter that has exited or closed the memory; the
  * message says which. */
 void *cudapool_ipc_open_shared(int device, const void *buf, size_t len);
+
+/* ---- Pause and resume by tag ----
+ *
+ * A tag names memory that can be given back to the driver and brought
+ * back at the same addresses: an inference engine's weights, KV cache and
+ * CUDA graphs, paused while a trainer uses the same GPU, and resumed for
+ * the next generation, its graphs replayed without being captured again.
+ *
+ * Every allocation a thread makes while a tag is pushed belongs to the tag,
+ * whichever entry point it goes through (cudapool_malloc, the PyTorch
+ * class, cudapool_cupy_malloc, Numba's plugin): the tag stack is the
+ * thread's, read on the malloc path. So does the private pool of a graph
+ * capture (or an allocate-to-pool phase, such as use_mem_pool) begun by a
+ * thread under the tag (a pool keeps the tag it was first begun under, and
+ * cannot be begun under another), and the automatic pool of a capture
+ * nobody announced, met by a tagged malloc. A tag's memory comes from
+ * ranges of its own on each device, CUDA virtual memory whatever
+ * expandable_segments says, so pausing one tag never touches another's
+ * memory. While caching is off (cudapool_set_caching(0)), allocations go
+ * to the driver and belong to no tag.
+ *
+ * Errors are recorded as everywhere (cudapool_last_error): a tag is 1 to
+ * 256 bytes of UTF-8; a tag never pushed cannot be paused or resumed. */
+
+/* Pushes tag on the calling thread's stack (at most 1024 deep): the
+ * thread's allocations belong to it until the matching pop. 0 or -1. */
+int cudapool_tag_push(const char *tag);
+/* Pops the calling thread's top tag; -1 when none is pushed. */
+int cudapool_tag_pop(void);
+
+/* Gives back the device memory of tag (NULL: every tag) on every device:
+ * it waits for the work already queued on the memory, copies the contents
+ * of the live allocations to pinned host memory if keep != 0, then unmaps
+ * and releases the physical memory; the addresses stay reserved, and the
+ * allocations stay allocated (cudapool's reserved_bytes drops by what was
+ * released; cudapool_paused_bytes rises by as much). While a tag is paused
+ * its allocations fail ("tag X is paused") and freeing its pointers is
+ * allowed; its memory must not be touched. Pausing a paused tag does
+ * nothing more (after a pause that failed part way, it releases the rest).
+ * 0, or -1:
+ *   - a graph capture, or an allocate-to-pool phase, is under way;
+ *   - a block of the tag is shared with another process (CUDA IPC:
+ *     cudapool_ipc_handle or cudapool_ipc_share), until it is freed;
+ *   - the tag holds ordinary segments (a driver without virtual memory
+ *     management, or a pool with its own allocator): not supported;
+ *   - a driver call failed: before anything was released, the tag is
+ *     usable as before; part way, the tag is paused and another
+ *     cudapool_pause releases the rest.
+ * The pinned host memory the copies use is kept for the next pause (see
+ * cudapool_release_host_memory). */
+int cudapool_pause(const char *tag, int keep);
+/* Maps new memory at the addresses of tag's paused memory (NULL: every
+ * paused tag), restores the contents kept, and lets the tag allocate again.
+ * A tag that is not paused is left alone (0). A device short of memory
+ * gives back cudapool's cached memory first. 0, or -1 with the tag still
+ * paused (what was mapped stays mapped; call it again). */
+int cudapool_resume(const char *tag);
+/* The device memory of device that pauses gave back and no resume has
+ * mapped again, in bytes; -1 for a device that does not exist. */
+long long cudapool_paused_bytes(int device);
+/* Frees the pinned host memory kept for the copies of later pauses (not
+ * the contents a paused tag keeps) and the copy streams. 0 or -1. */
+int cudapool_release_host_memory(void);
 
 /* ---- Other libraries' allocator interfaces (CuPy, any caller that cannot
  * pass a C callback cheaply) ---- */

@@ -78,6 +78,11 @@ type Segment struct {
 	// expandable segment: memory above it was mapped but never used
 	// (TrimUnused).
 	UsedEnd cuda.Ptr
+	// Paused lists the chunks of an expandable segment whose physical
+	// memory a pause released while their blocks stayed (paused.go), in
+	// address order; PausedBytes is their sum, left out of Reserved.
+	Paused      []Chunk
+	PausedBytes uint64
 
 	// Context is the owner's opaque id of the caller's context (stack)
 	// when the segment was allocated, or its first page mapped; 0: none.
@@ -109,7 +114,11 @@ type Block struct {
 	// mapped in another range while their old mapping waits to be
 	// unmapped (pools/stitch.go): in no set, neither free nor mappable
 	// until Unlend.
-	Lent      bool
+	Lent bool
+	// Shared marks an allocated block the allocator exported to another
+	// process (CUDA IPC): its memory may be in use there until the block
+	// is freed (Release clears it).
+	Shared    bool
 	Requested uint64 // the size the user asked for (allocated blocks)
 	Context   uint64 // opaque id of the caller's context (stack) when allocated; 0: none
 	Pool      *BlockPool

@@ -15,7 +15,11 @@ type BlockPool struct {
 	// in the same order as Blocks.
 	Unmapped FreeSet
 	Small    bool
-	ID       PoolID
+	// Tag is the tag whose memory the pool holds (0: none): the
+	// allocator's (pause by tag), carried here so that every segment and
+	// block names it. A tagged pool's segments are expandable ones.
+	Tag uint32
+	ID  PoolID
 	// NoSplit (a MemPool made with no_split=True) hands out whole free
 	// blocks: a block of this pool is never split, so each allocation
 	// keeps a segment, or an expandable run, to itself.
@@ -509,7 +513,7 @@ func (c *Cache) Release(b *Block) {
 		panic("pools: Release of a block that is not allocated")
 	}
 	c.active.del(b.Ptr)
-	b.Allocated = false
+	b.Allocated, b.Shared = false, false
 	c.hot.released(b.Pool.Small, int64(b.Size))
 	if b.Size >= c.cfg.MaxSplitSize {
 		c.Stats.OversizeAllocations.Decrease(1)
@@ -790,6 +794,10 @@ func (c *Cache) Check() error {
 			resB[t] += int64(s.Size)
 			reserved += s.Size
 		}
+		paused, err := checkPaused(s)
+		if err != nil {
+			return err
+		}
 		var mapped uint64
 		next := s.Base
 		for b := s.Head; b != nil; b = b.Next {
@@ -805,9 +813,14 @@ func (c *Cache) Check() error {
 				// touches has memory, no page of an unmapped block has.
 				first := uint64(b.Ptr-s.Base) / s.PageSize
 				last := (uint64(b.End()-s.Base) - 1) / s.PageSize
+				// A paused page has none, under a mapped block.
 				for i := first; i <= last && i < uint64(len(s.Pages)); i++ {
-					if (s.Pages[i] == 0) != b.Unmapped {
-						return fmt.Errorf("expandable segment %#x: page %d has handle %d, block %#x unmapped=%v", base, i, s.Pages[i], b.Ptr, b.Unmapped)
+					p := paused != nil && paused[i]
+					if p && b.Unmapped {
+						return fmt.Errorf("expandable segment %#x: paused page %d under the unmapped block %#x", base, i, b.Ptr)
+					}
+					if (s.Pages[i] == 0) != (b.Unmapped || p) {
+						return fmt.Errorf("expandable segment %#x: page %d has handle %d, block %#x unmapped=%v paused=%v", base, i, s.Pages[i], b.Ptr, b.Unmapped, p)
 					}
 				}
 			}
@@ -853,7 +866,7 @@ func (c *Cache) Check() error {
 				if !b.Pool.releasable && !b.IsSplit() && !s.Expandable {
 					return fmt.Errorf("block %#x: a whole free segment its pool does not flag (releasable)", b.Ptr)
 				}
-				if s.Expandable && !b.Pool.releasable {
+				if s.Expandable && !b.Pool.releasable && s.PausedBytes == 0 {
 					if lo, hi := wholePages(b); hi > lo {
 						return fmt.Errorf("block %#x: free whole pages its pool does not flag (releasable)", b.Ptr)
 					}
@@ -885,8 +898,8 @@ func (c *Cache) Check() error {
 			if mapped != s.Mapped {
 				return fmt.Errorf("expandable segment %#x: blocks map %d bytes, segment says %d", base, mapped, s.Mapped)
 			}
-			resB[t] += int64(mapped)
-			reserved += mapped
+			resB[t] += int64(mapped - s.PausedBytes)
+			reserved += mapped - s.PausedBytes
 		}
 	}
 	for p, n := range inSets {

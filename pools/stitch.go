@@ -69,6 +69,11 @@ func (c *Cache) Tick() uint64 {
 // [skipLo, skipHi) of segment skip (the run the request will grow into).
 func (c *Cache) Donors(p *BlockPool, want uint64, kind func(*Block) DonorKind, skip *Segment, skipLo, skipHi uint64, out []Donor) ([]Donor, uint64) {
 	var got uint64
+	if p.Tag != 0 {
+		// A tag's pages stay in its ranges, so that pausing it gives back
+		// its memory and no other's (paused.go): never a donor.
+		return out, 0
+	}
 	p.Blocks.Ascend(func(b *Block) bool {
 		if got >= want {
 			return false

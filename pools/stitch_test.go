@@ -90,3 +90,28 @@ func TestStitchDonorsLendUnlend(t *testing.T) {
 	expFree(t, c, g2)
 	require.Panics(t, func() { c.Unlend(lentBlock) })
 }
+
+// A tag's pool is never a donor, though its small pool maps page by page
+// as the default ones do: pausing a tag gives back its pages, so none of
+// them may be mapped elsewhere (paused.go).
+func TestStitchDonorsSkipTags(t *testing.T) {
+	c := NewCache(DefaultConfig())
+	m := newFakeMapper()
+	tp := c.NewPool(true, PoolID{})
+	tp.Tag = 1
+	r := c.NewRequest(MiB, 0, tp, tp)
+	start := c.AddExpandable(&r, 0x20000000000, 64*page, page, page)
+	b, err := c.MapExpandable(&r, start, m, 4*page)
+	require.NoError(t, err)
+	b = c.Allocate(&r, b)
+	require.True(t, b.Seg.Expandable && b.Seg.ChunkSize == b.Seg.PageSize, "page by page")
+	expFree(t, c, b)
+	require.True(t, c.HasUnmappable(tp), "whole free pages a default pool would give")
+	all := func(*Block) DonorKind { return DonorUnmap }
+	ds, got := c.Donors(tp, 4*page, all, nil, 0, 0, nil)
+	require.Zero(t, got)
+	require.Empty(t, ds)
+	tp.Tag = 0
+	_, got = c.Donors(tp, 4*page, all, nil, 0, 0, nil)
+	require.Positive(t, got, "the same pool untagged gives pages")
+}

@@ -30,7 +30,8 @@
 // processes), share.go (PyTorch's shareable handle of a segment: the
 // format), shareimport.go (ImportCache: mapping the segments other
 // processes shared); copy.go (copies of device memory to pinned host
-// memory and back, for pausing memory with its contents and resuming it).
+// memory and back, for pausing memory with its contents and resuming it);
+// pause.go (giving a tag's physical memory back and mapping it again).
 //
 // # One page pool for both size classes
 //
@@ -69,6 +70,9 @@
 //     memory its pool counts as free; their ranges keep 20 MiB chunks.
 //     Released, their memory goes back to the driver at the next
 //     empty_cache.
+//   - Nor are a tag's pools (pause.go), though a tag's small pool maps page
+//     by page too: they are pools of their own, neither donors nor
+//     receivers, so that a pause gives back the tag's pages and no other's.
 //   - empty_cache and the OOM retry unmap the pool's idle pages and give
 //     them back. The high-water mark is the reserved_bytes peak statistic
 //     (reset_peak_memory_stats lowers it).
@@ -85,35 +89,36 @@
 //
 // # Sharing and pausing
 //
-// Two capabilities belong here. Sharing stands on this structure as
-// described below; for pausing, the copies that keep contents are written
-// (copy.go), and what ties them to a Space is to be built as described.
+// Two capabilities stand on this structure:
 //
 //   - Sharing physical allocations with other processes (CUDA IPC of
 //     expandable and stitched memory, in PyTorch's handle format;
-//     export.go has the design). Every physical allocation is made in one
-//     place (mapper.go, Map) and is created shareable there, with the
-//     handle kind chosen at the first growth. A block's export lists the
-//     allocations under it; each is exported once, lazily, and its file
-//     descriptor stays with its handle until the handle is released,
-//     whatever moves it (stitching maps the same handle elsewhere). The
+//     export.go has the design). Every physical allocation is created in
+//     two places, growth (mapper.go, Map) and a resume (pause.go), both
+//     shareable with the handle kind chosen at the first growth. A block's
+//     export lists the allocations under it; each is exported once,
+//     lazily, and its file descriptor stays with its handle until the
+//     handle is released, whatever moves it (stitching maps the same
+//     handle elsewhere); every release forgets the export (released). The
 //     rule that makes exported pages safe needs no count of importers: the
 //     memory under an allocated block is never moved or released here
-//     (stitching and release take only whole pages of free blocks), and a
-//     shared block stays allocated until its importers are done (the
-//     caller's protocol: PyTorch's reference-counter file); the driver
-//     keeps the memory itself alive until every process has unmapped it.
-//     The other side, importing what other processes shared, is
-//     ImportCache (shareimport.go), with its own lock.
-//   - Pausing and resuming tagged memory, contents kept by copy.go's
-//     Copier. A tag's ranges are its own (the owner reserves per pool,
-//     stream and tag), so pausing one tag touches no other's pages. Pause
-//     walks the tag's ranges, records each mapped chunk's offset and size
-//     from the page record, saves their contents, unmaps and releases them
-//     (the reservations and the pools' blocks stay as they are, the
-//     reserved bytes drop), and marks the ranges paused; Grow and stitching
-//     skip paused ranges. Resume creates and maps the recorded chunks at the
-//     same offsets and restores their contents, so addresses, and the CUDA
-//     graphs that hold them, stay valid. Stitching never moves pages between
-//     tags.
+//     (stitching and release take only whole pages of free blocks, and the
+//     allocator refuses to pause a tag with a block shared: pools.Block's
+//     Shared), and a shared block stays allocated until its importers are
+//     done (the caller's protocol: PyTorch's reference-counter file); the
+//     driver keeps the memory itself alive until every process has
+//     unmapped it. The other side, importing what other processes shared,
+//     is ImportCache (shareimport.go), with its own lock.
+//   - Pausing and resuming tagged memory (pause.go; the allocator's
+//     pause.go has the policy and saves contents with copy.go's Copier). A
+//     tag's ranges are its own (its pools are its own, and ranges are per
+//     pool and stream), mapped here whatever expandable_segments says
+//     (VMM), in large chunks, and never stitched: pausing one tag touches
+//     no other's pages. Pause walks a segment's page record, unmaps and
+//     releases each mapped chunk and records it paused
+//     (pools.Segment.Paused: the reservation and the blocks stay as they
+//     are, the reserved bytes drop); Resume creates and maps a chunk of the
+//     same size at each paused offset, so addresses, and the CUDA graphs
+//     that hold them, stay valid. The allocator allocates nothing from a
+//     paused tag and releases nothing of it.
 package vmem

@@ -94,12 +94,7 @@ func (m mapper) Map(seg *pools.Segment, off, size uint64) (uint64, error) {
 		}
 		c := min(size-n, limit)
 		var h cuda.MemHandle
-		if k := s.share.kind; k != 0 {
-			h, err = s.share.drv.MemCreateShareable(s.dev, c, k) // (export.go)
-		} else {
-			h, err = s.drv.MemCreate(s.dev, c)
-		}
-		if err != nil {
+		if h, err = s.create(c); err != nil {
 			break
 		}
 		hs = append(hs, physical{h, c})
@@ -142,6 +137,16 @@ func (m mapper) Map(seg *pools.Segment, off, size uint64) (uint64, error) {
 	}
 	s.rec.Mapped(seg, off, done)
 	return done, cmp.Or(err, short)
+}
+
+// create creates a physical allocation of size bytes, shareable with the
+// device's handle kind once chosen (export.go): Map and a resume
+// (pause.go) create every allocation a Space maps.
+func (s *Space) create(size uint64) (cuda.MemHandle, error) {
+	if k := s.share.kind; k != 0 {
+		return s.share.drv.MemCreateShareable(s.dev, size, k)
+	}
+	return s.drv.MemCreate(s.dev, size)
 }
 
 // Unmap unmaps each physical allocation of the range in turn (the range

@@ -45,9 +45,10 @@ import (
 // which with 20 MiB chunks would rarely hold a whole one (its private pools,
 // never donors, are chunked).
 //
-// Reservation sizes: the default large pool reserves the device's capacity
-// plus an eighth (as PyTorch does, so that pages unmapped in the middle of
-// the range can be mapped again at its end); the small pools and the private
+// Reservation sizes: the default large pool (and a tag's, which may hold
+// most of the device: pause.go) reserves the device's capacity plus an
+// eighth (as PyTorch does, so that pages unmapped in the middle of the range
+// can be mapped again at its end); the small pools and the private
 // pools an eighth of the capacity, since virtual address space, though large,
 // is not endless and a process may hold many graphs. A request larger than
 // that gets a range of its own size.
@@ -157,6 +158,7 @@ type Space struct {
 	named   string // Config.Named
 	unitCfg uint64 // Config.MapUnit
 	state   int8   // VMM support: 0 not probed yet, 1 usable, -1 not
+	noVMM   bool   // VMM found missing by VMM (pause.go), which does not warn
 	page    uint64 // the mapping unit, once probed
 	why     string // why not, once probed (state -1)
 
@@ -227,7 +229,8 @@ func (s *Space) note() {
 // (nil, nil): the owner decides what to try next.
 func (s *Space) Grow(req pools.Request, capturing bool) (*pools.Block, error) {
 	c, r := s.cache, &req
-	if s.stitch.on && !capturing {
+	stitch := s.stitch.on && !capturing && !tagged(r) // (tags are never stitched: pause.go)
+	if stitch {
 		s.stitchPrepare()
 	}
 	start := c.FindExpandable(r)
@@ -250,15 +253,16 @@ func (s *Space) Grow(req pools.Request, capturing bool) (*pools.Block, error) {
 		start = c.AddExpandable(r, p, size, s.page, s.chunkSize(r))
 		// The default pools' blocks are what processes share: their
 		// chunked ranges grow by whole chunks (export.go, "One size").
-		// A private pool keeps to the pages its graph needs.
-		start.Seg.WholeChunks = r.Pool.ID.IsDefault()
+		// A private pool keeps to the pages its graph needs, and a tag's
+		// to what it asks for (its chunks are up to 1 GiB: pause.go).
+		start.Seg.WholeChunks = r.Pool.ID.IsDefault() && !tagged(r)
 	}
 	if !s.share.chosen {
 		s.chooseKind(capturing)
 	}
 	unit := s.mapUnit(r)
 	var donated uint64
-	if s.stitch.on && !capturing {
+	if stitch {
 		if r.Pool == c.Large || r.Pool == c.Small {
 			s.progress.Watch(r.Stream)
 		}
@@ -316,6 +320,9 @@ func (s *Space) mapUnit(r *pools.Request) uint64 {
 // in the default large pool when stitching is on, whose holes give single
 // pages (pools.Donors).
 func (s *Space) chunkSize(r *pools.Request) uint64 {
+	if tagged(r) && !r.Pool.Small {
+		return max(tagChunk/s.page*s.page, s.mapUnit(r)) // (pause.go)
+	}
 	if s.stitch.on && r.Pool == s.cache.Large {
 		return s.page
 	}
@@ -330,8 +337,8 @@ func (s *Space) reserveSize(r *pools.Request) (uint64, error) {
 		return 0, err
 	}
 	size := total / 8
-	if r.Pool == s.cache.Large {
-		size += total
+	if r.Pool == s.cache.Large || tagged(r) && !r.Pool.Small && r.Pool.ID.IsDefault() {
+		size += total // (a tag's large pool may hold most of the device)
 	}
 	size = max(size, r.Size)
 	return (size + s.page - 1) / s.page * s.page, nil

@@ -16,6 +16,7 @@ memory_summary(), snapshot() (readable by torch.cuda._memory_viz), ...
 """
 
 import collections
+import contextlib
 import json
 import operator
 import sys
@@ -52,6 +53,12 @@ __all__ = [
     "record_memory_history",
     "empty_cache",
     "set_per_process_memory_fraction",
+    "region",
+    "pause",
+    "resume",
+    "paused",
+    "paused_bytes",
+    "release_host_memory",
 ]
 
 
@@ -277,3 +284,62 @@ def set_per_process_memory_fraction(fraction, device=None):
     if fraction < 0 or fraction > 1:
         raise ValueError(f"Invalid fraction value: {fraction}. Allowed range: 0~1")
     _lib.set_memory_fraction(fraction, _device_index(device))
+
+
+# ---- Pause and resume by tag (include/cudapool.h, "Pause and resume by tag")
+
+
+@contextlib.contextmanager
+def region(tag):
+    """Allocations the calling thread makes inside the block (PyTorch's,
+    CuPy's, Numba's: every entry point of the library) belong to tag, and
+    so does the private pool of a CUDA graph captured in it
+    (torch.cuda.graph, torch.compile(mode="reduce-overhead"), a CuPy
+    capture). pause(tag) gives that memory back to the driver; resume(tag)
+    brings it back at the same addresses, so that captured graphs replay
+    as they were. Regions nest (the innermost tag wins) and belong to the
+    thread that enters them. Also usable as a decorator."""
+    _lib.tag_push(tag)
+    try:
+        yield
+    finally:
+        _lib.tag_pop()
+
+
+def pause(tag=None, keep=False):
+    """Give back the device memory of tag (None: every tag), on every
+    device: wait for the work queued on it, copy the contents of its live
+    allocations to pinned host memory if keep, then release the physical
+    memory; the addresses stay reserved and the tensors allocated. While it
+    is paused, allocating under the tag raises and its memory must not be
+    touched; freeing its tensors is allowed. Raises CudapoolError during a
+    CUDA graph capture, for a tag never used, or for a tag whose memory is
+    shared with another process."""
+    _lib.pause(tag, keep)
+
+
+def resume(tag=None):
+    """Map new memory at the addresses of tag's paused memory (None: every
+    paused tag) and restore the contents a pause with keep kept. A tag that
+    is not paused is left alone. On failure (out of memory, for one) the
+    tag stays paused and resume can be called again."""
+    _lib.resume(tag)
+
+
+def paused():
+    """The paused tags: {tag: bytes of device memory given back, summed over
+    the devices}."""
+    tags = snapshot()["allocator_settings"].get("tags") or []
+    return {t["tag"]: sum(t["paused_bytes"]) for t in tags if t["paused"]}
+
+
+def paused_bytes(device=None):
+    """Bytes of device memory of device that pauses gave back and no resume
+    has mapped again."""
+    return _lib.paused_bytes(_device_index(device))
+
+
+def release_host_memory():
+    """Free the pinned host memory cudapool keeps for the copies of later
+    pauses (the contents a paused tag keeps stay)."""
+    _lib.release_host_memory()

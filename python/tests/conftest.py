@@ -97,6 +97,7 @@ def _clean():
     """Return the allocator to a known state: nothing cached, stats reset,
     no history, default configuration."""
     _lib.configure("")
+    cudapool.resume()  # no tag left paused
     cudapool.empty_cache()
     for d in range(DEVICES):
         cudapool.set_per_process_memory_fraction(1.0, d)

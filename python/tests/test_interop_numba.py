@@ -223,3 +223,18 @@ def test_ipc_of_expandable_memory(mgr, conf):
             got.close()
     finally:
         mp.free()
+
+
+def test_region_tags_numba_memory(mgr):
+    """Numba allocates through the C ABI on the calling thread: inside
+    cudapool.region its memory is the tag's, paused and resumed with it."""
+    mgr.initialize()
+    with cudapool.region("numba"):
+        mp = mgr.memalloc(8 * MiB)
+    ptr = mp.device_pointer_value
+    assert segment_of(ptr).get("tag") == "numba"
+    cudapool.pause("numba", keep=True)
+    assert segment_of(ptr).get("paused") is True and cudapool.paused_bytes(0) > 0
+    cudapool.resume("numba")
+    assert cudapool.paused_bytes(0) == 0
+    mp.free()

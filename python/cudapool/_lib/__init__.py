@@ -129,6 +129,13 @@ _SIGNATURES = {
     "cudapool_get_memory_fraction": (ctypes.c_double, [ctypes.c_int]),
     "cudapool_version": (ctypes.c_char_p, []),
     "cudapool_abi_version": (ctypes.c_int, []),
+    # Tags: pause and resume.
+    "cudapool_tag_push": (ctypes.c_int, [ctypes.c_char_p]),
+    "cudapool_tag_pop": (ctypes.c_int, []),
+    "cudapool_pause": (ctypes.c_int, [ctypes.c_char_p, ctypes.c_int]),
+    "cudapool_resume": (ctypes.c_int, [ctypes.c_char_p]),
+    "cudapool_paused_bytes": (ctypes.c_longlong, [ctypes.c_int]),
+    "cudapool_release_host_memory": (ctypes.c_int, []),
     # Simulator controls (include/cudapool_testing.h; meaningful with CUDAPOOL_BACKEND=sim).
     "cudapool_sim_begin_capture": (ctypes.c_int, [stream_t, ctypes.c_int]),
     "cudapool_sim_end_capture": (ctypes.c_int, [stream_t]),
@@ -418,6 +425,48 @@ def configure(conf):
     """Apply a PYTORCH_CUDA_ALLOC_CONF-style string (see cudapool.configure)."""
     if _fn("cudapool_configure")(c_string(conf)) != 0:
         raise _error("cudapool_configure failed")
+
+
+def tag_push(tag):
+    """Push tag (a str) on the calling thread's tag stack."""
+    if _fn("cudapool_tag_push")(c_string(tag, "the tag")) != 0:
+        raise _error("cudapool_tag_push failed")
+
+
+def tag_pop():
+    """Pop the calling thread's top tag."""
+    if _fn("cudapool_tag_pop")() != 0:
+        raise _error("cudapool_tag_pop failed")
+
+
+def _tag_arg(tag):
+    return None if tag is None else c_string(tag, "the tag")
+
+
+def pause(tag=None, keep=False):
+    """Pause tag (None: every tag); keep: keep the contents."""
+    if _fn("cudapool_pause")(_tag_arg(tag), 1 if keep else 0) != 0:
+        raise _error("cudapool_pause failed")
+
+
+def resume(tag=None):
+    """Resume tag (None: every paused tag)."""
+    if _fn("cudapool_resume")(_tag_arg(tag)) != 0:
+        raise _error("cudapool_resume failed")
+
+
+def paused_bytes(device=0):
+    """Device memory of device given back by pauses and not yet resumed."""
+    n = _fn("cudapool_paused_bytes")(device)
+    if n < 0:
+        raise _error(f"cudapool_paused_bytes({device}) failed")
+    return n
+
+
+def release_host_memory():
+    """Free the pinned host memory kept for the copies of later pauses."""
+    if _fn("cudapool_release_host_memory")() != 0:
+        raise _error("cudapool_release_host_memory failed")
 
 
 def sim_begin_capture(stream, mode=0):
