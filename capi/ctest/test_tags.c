@@ -165,6 +165,33 @@ static void test_pause_resume(void) {
 		cudapool_free(ps[k], 0, -1, NULL);
 }
 
+/* A tag's allocation shared with another process (PyTorch's handle format,
+ * expandable memory under the defaults) keeps the tag from pausing until it
+ * is freed; a paused tag's allocation cannot be shared. */
+static void test_shared(void) {
+	printf("-- pause and CUDA IPC\n");
+	unsigned char buf[256];
+	size_t len = 0, off = 0;
+	int dev = -1;
+	CHECK(cudapool_tag_push("ipc") == 0, "push ipc");
+	void *a = cudapool_malloc(4 * MiB, 0, NULL);
+	void *b = cudapool_malloc(4 * MiB, 0, NULL);
+	CHECK(cudapool_tag_pop() == 0 && a && b, "two tagged allocations");
+	CHECK(cudapool_ipc_share(a, buf, sizeof buf, &len, &off, &dev) == 0 && buf[1] == 'e', "a tag's memory is shared as expandable memory");
+	CHECK(cudapool_pause("ipc", 0) == -1 && err_has("cudapool_pause: tag \"ipc\": the block at") &&
+	          err_has("shared with another process"),
+	      "the pause is refused, and says which block");
+	CHECK(cudapool_paused_bytes(0) == 0, "nothing paused");
+	cudapool_free(a, 0, -1, NULL);
+	CHECK(cudapool_pause("ipc", 0) == 0 && cudapool_paused_bytes(0) > 0, "freed, the tag pauses");
+	CHECK(cudapool_ipc_share(b, buf, sizeof buf, &len, &off, &dev) == -1 && err_has("cudapool_ipc_share: ") &&
+	          err_has("which is paused or being paused"),
+	      "a paused tag's allocation cannot be shared");
+	CHECK(cudapool_resume("ipc") == 0, "resume");
+	CHECK(cudapool_ipc_share(b, buf, sizeof buf, &len, &off, &dev) == 0, "resumed memory is shared again");
+	cudapool_free(b, 0, -1, NULL);
+}
+
 static void test_capture(void) {
 	printf("-- a capture begun under a tag\n");
 	cudapool_stream cs = STREAM(0x7100);
@@ -225,6 +252,7 @@ int main(void) {
 	test_stack();
 	test_threads();
 	test_pause_resume();
+	test_shared();
 	test_capture();
 	test_front();
 	CHECK(cudapool_sim_violations() == 0, "no capture violations in the whole run");
