@@ -18,9 +18,11 @@ package allocator
 //     is refused, and the tag unfrozen, while a capture (or an
 //     allocate-to-pool phase, which cudapool cannot tell apart) is under
 //     way, while a block of the tag is shared with another process
-//     (Block.Shared: exported through CUDA IPC, until its free), or when
-//     part of its memory is in ordinary segments (a driver without virtual
-//     memory management, a MemPool with its own allocator): ErrNotSupported.
+//     (Block.Shared: exported through CUDA IPC in either handle format,
+//     until its free; a frozen tag's blocks are not exported: shareable),
+//     or when part of its memory is in ordinary segments (a driver without
+//     virtual memory management, a MemPool with its own allocator):
+//     ErrNotSupported.
 //     The same pass lists the tag's segments, the streams that may have work
 //     queued on them, and, with keep, its live blocks.
 //  2. Wait for the work queued on the tag's memory: each stream its

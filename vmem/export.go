@@ -39,8 +39,10 @@ import (
 //
 // Exported pages and stitching. The memory under an allocated block never
 // moves and is never released: stitching takes only whole pages inside
-// free blocks (pools.Donors), and release (empty_cache, the OOM retry,
-// TrimUnused) only whole chunks inside free blocks. A shared block stays
+// free blocks (pools.Donors), release (empty_cache, the OOM retry,
+// TrimUnused) only whole chunks inside free blocks, and a pause by tag
+// (pause.go) only a tag none of whose allocated blocks was exported (the
+// allocator refuses the others: pools.Block.Shared). A shared block stays
 // allocated until its importers are done (the caller's protocol; PyTorch's
 // reference-counter file keeps the sender's storage alive), so an exported
 // page keeps its handle and its descriptor as long as a handle naming them
