@@ -124,6 +124,7 @@ CONFIGS = {
 CUDAPOOL_CONFS = {
     "cudapool": "",
     "cudapool_exp": "expandable_segments:True,stitch:False",
+    "cudapool_segments": "expandable_segments:False",
     "cudapool_exp2": "expandable_segments:True,stitch:False,expandable_map_unit_mb:2",
     "cudapool_stitch": "stitch:True",
     "cudapool_nofront": "front_cache:False",
