@@ -4,9 +4,8 @@
     python3 bench/cupy_alloc_bench.py [--rounds 8] [--iters 200000] [--size 4096]
 
 Fresh processes taking turns: each round runs one process per allocator,
-the order rotating from round to round (cupy, cudapool, cudapool-wrapped;
-cudapool, cudapool-wrapped, cupy; ...), so that all meet the host in its
-states alike. A process times
+the order alternating from round to round (cupy, cudapool; cudapool, cupy;
+...), so that both meet the host in its states alike. A process times
 `cupy.cuda.alloc(size)` followed by dropping the pointer (the pair CuPy
 code makes for every temporary) --reps times over --iters pairs, and gives
 the median rep:
@@ -14,13 +13,10 @@ the median rep:
   cupy      CuPy's default MemoryPool: `alloc` (cupy.cuda.alloc), and
             `pool` (MemoryPool.malloc called directly: alloc's own share is
             the difference).
-  cudapool  cudapool.cupy.install() (with CuPy 14.1 and later CuPy calls
-            the C allocator directly: "direct" in the summary), and its
-            layers one by one:
+  cudapool  cudapool.cupy.install(), and its layers one by one:
             `alloc`      cupy.cuda.alloc, as CuPy code calls it;
             `installed`  the function install() gave cupy.cuda.set_allocator
-                         (cudapool.cupy's NULL check around the next layer,
-                         or that layer itself where CuPy checks for NULL);
+                         (cudapool.cupy's NULL check around the next layer);
             `cfunc`      CuPy's CFunctionAllocator.malloc alone: the memory
                          objects CuPy makes and the C calls;
             `raw`        cudapool_cupy_malloc + cudapool_cupy_free called
@@ -30,13 +26,10 @@ the median rep:
                          through ctypes: what ctypes adds to `raw` (raw -
                          ctypes is the C calls' own cost);
             `loop`       the timing loop with nothing in it.
-  cudapool-wrapped  the same with CUDAPOOL_CUPY_DIRECT=0: cudapool.cupy's
-            Python check around CFunctionAllocator.malloc (what the direct
-            path saves).
 
 Prints, per allocator and layer, the median (min-max) over the processes in
-us per pair; per cudapool mode the ratio to cupy of the `alloc` medians,
-and the median (min-max) of the per-round ratios (each round's processes). The last
+us per pair; the ratio cudapool/cupy of the `alloc` medians; and the median
+(min-max) of the per-round ratios (each round's two processes). The last
 line is the whole result as JSON ("kind": "cupy_alloc").
 
 Needs CuPy and a GPU; cudapool from python/ (PYTHONPATH is set for the
@@ -57,9 +50,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 PYTHON_DIR = os.path.join(REPO, "python")
 
-MODES = ("cupy", "cudapool", "cudapool-wrapped")
-CUDAPOOL_LAYERS = ("alloc", "installed", "cfunc", "raw", "ctypes", "loop")
-LAYERS = {"cupy": ("alloc", "pool", "loop"), "cudapool": CUDAPOOL_LAYERS, "cudapool-wrapped": CUDAPOOL_LAYERS}
+MODES = ("cupy", "cudapool")
+LAYERS = {
+    "cupy": ("alloc", "pool", "loop"),
+    "cudapool": ("alloc", "installed", "cfunc", "raw", "ctypes", "loop"),
+}
 
 
 # ---------------------------------------------------------------------------
@@ -117,7 +112,6 @@ def child_cudapool(cupy, args):
     out["installed"] = timed(loops(installed, args.size), args.iters, args.reps)
     if c_alloc is not None and mode == "c":
         out["cfunc"] = timed(loops(c_alloc.malloc, args.size), args.iters, args.reps)
-    out["direct"] = bool(getattr(state, "direct", False))
 
     # The C functions through ctypes, with the GIL held (PYFUNCTYPE), as
     # CuPy calls them: the current-stream function needs it.
@@ -163,8 +157,6 @@ def run_child(args):
         cupy.cuda.Device(0).use()
         cupy.zeros(1)  # the device and CuPy initialized before the clock
         res = child_cupy(cupy, args) if args.child == "cupy" else child_cudapool(cupy, args)
-        if args.child == "cudapool-wrapped" and res.get("direct"):
-            raise RuntimeError("CUDAPOOL_CUPY_DIRECT=0 did not keep the Python check")
         res.update(mode=args.child, cupy_version=cupy.__version__, size=args.size, iters=args.iters, reps=args.reps)
     except Exception as e:  # noqa: BLE001  (the parent reports it)
         res = {"mode": args.child, "error": f"{type(e).__name__}: {str(e)[:300]}"}
@@ -176,19 +168,15 @@ def run_child(args):
 # Parent
 
 
-def round_order(r, modes=MODES):
-    """The order of round r's processes: rotated by one from round to round."""
-    k = r % len(modes)
-    return tuple(modes[k:]) + tuple(modes[:k])
+def round_order(r):
+    """The order of round r's processes: the first allocator alternates."""
+    return MODES if r % 2 == 0 else MODES[::-1]
 
 
 def spawn(args, mode, timeout=300):
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([PYTHON_DIR] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     env.pop("CUDAPOOL_BACKEND", None)
-    env.pop("CUDAPOOL_CUPY_DIRECT", None)
-    if mode == "cudapool-wrapped":
-        env["CUDAPOOL_CUPY_DIRECT"] = "0"
     cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, "--size", str(args.size),
            "--iters", str(args.iters), "--reps", str(args.reps)]
     try:
@@ -208,37 +196,31 @@ def spread(vals):
     return (statistics.median(vals), min(vals), max(vals)) if vals else None
 
 
-def summarize(rounds, modes=MODES):
+def summarize(rounds):
     """rounds: [{mode: result}] in order. Returns the summary: per mode and
-    layer (median, min, max) over the processes; per cudapool mode the ratio
-    to cupy of the alloc medians, the per-round ratios and their (median,
-    min, max); raw - ctypes; the errors."""
-    out = {"layers": {}, "errors": [], "ratio_of_medians": {}, "round_ratios": {}, "round_ratio": {},
-           "raw_minus_ctypes": {}}
-    for mode in modes:
+    layer (median, min, max) over the processes; the ratio of the alloc
+    medians; the per-round ratios and their (median, min, max); the errors."""
+    out = {"layers": {}, "errors": []}
+    for mode in MODES:
         good = [r[mode] for r in rounds if mode in r and "error" not in r[mode]]
         out["errors"] += [f"round {i + 1} {mode}: {r[mode]['error']}" for i, r in enumerate(rounds)
                           if mode in r and "error" in r[mode]]
-        layers = {layer: spread([g.get(layer) for g in good]) for layer in LAYERS[mode]}
-        out["layers"][mode] = {k: v for k, v in layers.items() if v}
-        if any(g.get("direct") for g in good):
-            out.setdefault("direct", []).append(mode)
-    base = out["layers"].get("cupy", {}).get("alloc")
-    for mode in modes:
-        if mode == "cupy":
-            continue
-        a = out["layers"][mode].get("alloc")
-        if a and base:
-            out["ratio_of_medians"][mode] = a[0] / base[0]
-        per = [r[mode]["alloc"] / r["cupy"]["alloc"] for r in rounds
-               if all(m in r and isinstance(r[m].get("alloc"), (int, float)) for m in ("cupy", mode))
-               and r["cupy"]["alloc"] > 0]
-        if per:
-            out["round_ratios"][mode] = per
-            out["round_ratio"][mode] = spread(per)
-        lay = out["layers"][mode]
-        if lay.get("raw") and lay.get("ctypes"):
-            out["raw_minus_ctypes"][mode] = lay["raw"][0] - lay["ctypes"][0]
+        out["layers"][mode] = {layer: spread([g.get(layer) for g in good]) for layer in LAYERS[mode]}
+        out["layers"][mode] = {k: v for k, v in out["layers"][mode].items() if v}
+        modes = sorted({g.get("install_mode") for g in good if g.get("install_mode")})
+        if modes:
+            out[f"{mode}_install_mode"] = "/".join(modes)
+    a, b = out["layers"]["cupy"].get("alloc"), out["layers"]["cudapool"].get("alloc")
+    if a and b:
+        out["ratio_of_medians"] = b[0] / a[0]
+    per = [r["cudapool"]["alloc"] / r["cupy"]["alloc"] for r in rounds
+           if all(m in r and isinstance(r[m].get("alloc"), (int, float)) for m in MODES) and r["cupy"]["alloc"] > 0]
+    if per:
+        out["round_ratios"] = per
+        out["round_ratio"] = spread(per)
+    cp = out["layers"]["cudapool"]
+    if cp.get("raw") and cp.get("ctypes"):
+        out["raw_minus_ctypes"] = cp["raw"][0] - cp["ctypes"][0]
     return out
 
 
@@ -246,22 +228,22 @@ def fmt(s):
     return "-" if not s else f"{s[0]:.3f} ({s[1]:.3f}-{s[2]:.3f})"
 
 
-def report(summary, n, modes=MODES):
+def report(summary, n):
     lines = [f"cupy.cuda.alloc + drop, us per pair: median (min-max) of {n} processes per allocator, "
              "fresh processes taking turns", "",
              "| allocator | layer | us/pair |", "|---|---|---:|"]
-    for mode in modes:
+    for mode in MODES:
         for layer in LAYERS[mode]:
-            if layer in summary["layers"].get(mode, {}):
+            if layer in summary["layers"][mode]:
                 lines.append(f"| {mode} | {layer} | {fmt(summary['layers'][mode][layer])} |")
     lines.append("")
-    for mode, r in summary["ratio_of_medians"].items():
-        lines.append(f"{mode} / cupy (alloc): {r:.3f}x of the medians; per round "
-                     f"{fmt(summary['round_ratio'].get(mode))}")
-    for mode, d in summary["raw_minus_ctypes"].items():
-        lines.append(f"{mode}: its C functions without ctypes (raw - ctypes) {d:.3f} us")
-    if summary.get("direct"):
-        lines.append("CuPy calls the C allocator directly (no Python of cudapool's) in: " + ", ".join(summary["direct"]))
+    if "ratio_of_medians" in summary:
+        lines.append(f"cudapool / cupy (alloc): {summary['ratio_of_medians']:.3f}x of the medians; per round "
+                     f"{fmt(summary.get('round_ratio'))}")
+    if "raw_minus_ctypes" in summary:
+        lines.append(f"cudapool's C functions without ctypes (raw - ctypes): {summary['raw_minus_ctypes']:.3f} us")
+    if summary.get("cudapool_install_mode"):
+        lines.append(f"cudapool.cupy mode: {summary['cudapool_install_mode']}")
     lines += summary["errors"]
     return "\n".join(lines)
 
@@ -280,7 +262,6 @@ def preflight():
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
-    ap.add_argument("--modes", default=",".join(MODES), help="the allocators measured (cupy first)")
     ap.add_argument("--rounds", type=int, default=8, help="rounds of one process per allocator")
     ap.add_argument("--iters", type=int, default=200_000, help="pairs per rep")
     ap.add_argument("--reps", type=int, default=5, help="reps per layer and process (their median)")
@@ -289,9 +270,6 @@ def parse_args(argv=None):
     for name in ("rounds", "iters", "reps", "size"):
         if getattr(args, name) < 1:
             ap.error(f"--{name} must be positive")
-    args.modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
-    if not args.modes or args.modes[0] != "cupy" or any(m not in MODES for m in args.modes):
-        ap.error(f"--modes: cupy first, then some of {', '.join(MODES[1:])}")
     return args
 
 
@@ -306,13 +284,13 @@ def main(argv=None):
     rounds = []
     for r in range(args.rounds):
         res = {}
-        for mode in round_order(r, args.modes):
+        for mode in round_order(r):
             res[mode] = spawn(args, mode)
             print(f"round {r + 1} {mode}: {json.dumps(res[mode])}", flush=True)
         rounds.append(res)
-    summary = summarize(rounds, args.modes)
+    summary = summarize(rounds)
     print()
-    print(report(summary, args.rounds, args.modes))
+    print(report(summary, args.rounds))
     print(json.dumps({"kind": "cupy_alloc", "size": args.size, "iters": args.iters, "reps": args.reps,
                       "rounds": rounds, "summary": summary}))
     return 0

@@ -188,12 +188,10 @@ class BuildPyWithLibrary(build_py):
         how = provide_library(os.path.join(dest_dir, LIB))
         self.announce(f"cudapool: {how}", level=2)
         print(f"cudapool: {how}")
-        # The C++ allocator class's source and the C ABI header it includes,
-        # and CuPy's checked malloc (cudapool.cupy builds it on first use).
+        # The C++ allocator class's source and the C ABI header it includes.
         csrc = os.path.join(pkg_dir, "csrc")
         os.makedirs(csrc, exist_ok=True)
-        for name in ("torch_allocator.cpp", "cupy_checked.c"):
-            _copy(os.path.join(HERE, "cudapool", "csrc", name), os.path.join(csrc, name))
+        _copy(os.path.join(HERE, "cudapool", "csrc", "torch_allocator.cpp"), os.path.join(csrc, "torch_allocator.cpp"))
         header = os.path.join(REPO, "include", "cudapool.h")
         if os.path.isfile(header):
             _copy(header, os.path.join(csrc, "cudapool.h"))

@@ -14,17 +14,10 @@ The hot path has no Python of cudapool's: CuPy's ``CFunctionAllocator`` calls
 ``cudapool_cupy_malloc``/``cudapool_cupy_free`` (include/cudapool.h) directly,
 and the malloc asks CuPy's own C function ``get_current_stream_ptr`` (from
 ``cupy.cuda.stream.__pyx_capi__``) for the stream, as CuPy's memory pool
-does. ``CFunctionAllocator`` hands out whatever its malloc returns, NULL
-included, so a failed allocation must be caught: it raises
-``cupy.cuda.memory.OutOfMemoryError`` (cudapool's message as its cause)
-instead of handing out address 0. Where CuPy checks for a Python exception
-after its C malloc (CuPy 14.1 and later), the check is in C: CuPy gets
-``CFunctionAllocator.malloc`` itself, with a malloc (csrc/cupy_checked.c,
-compiled once with the C compiler and cached) that calls
-``cudapool_cupy_malloc`` and raises on NULL, so an allocation runs no Python
-of cudapool's. Elsewhere (an older CuPy, no C compiler or Python headers,
-``CUDAPOOL_CUPY_DIRECT=0``) the function given to ``cupy.cuda.set_allocator``
-is a Python function that checks the result.
+does. The function given to ``cupy.cuda.set_allocator`` adds one check,
+because ``CFunctionAllocator`` does not check for NULL: a failed allocation
+raises ``cupy.cuda.memory.OutOfMemoryError`` (cudapool's message as its
+cause) instead of handing out address 0.
 
 Without that C function (a CuPy that does not export it) the allocator falls
 back to ``PythonFunctionAllocator`` with a Python function that reads
@@ -34,14 +27,7 @@ back to ``PythonFunctionAllocator`` with a Python function that reads
 import ctypes
 import gc
 import itertools
-import os
-import re
-import shlex
-import shutil
-import subprocess
 import sys
-import sysconfig
-import tempfile
 import threading
 import weakref
 
@@ -108,17 +94,13 @@ def current_stream_function(cupy):
 class _Installed:
     """What install() changed, to undo it."""
 
-    def __init__(self, cupy, mode, allocator, previous, owner, direct_why=None):
+    def __init__(self, cupy, mode, allocator, previous, owner):
         self.cupy = cupy
         self.mode = mode
         self.allocator = allocator  # the function given to set_allocator
         self.previous = previous  # CuPy's allocator before install()
         self.owner = owner  # keeps the C allocator and its functions alive
         self.patched = {}  # (class, name) -> original function
-        # CuPy calls the C allocator with no Python of cudapool's between
-        # (the checked malloc), or why not.
-        self.direct = mode == "c" and direct_why is None
-        self.direct_why = direct_why
 
 
 def _raise_failure(cupy, size, device):
@@ -134,108 +116,12 @@ def _raise_failure(cupy, size, device):
     raise err
 
 
-# CuPy releases whose CFunctionAllocator checks for a Python exception after
-# calling its C malloc (cupy/cuda/memory.pyx: _call_malloc is "except *"
-# from 14.1 on; before, an exception set there would be left pending).
-_CHECKED_SINCE = (14, 1)
-_CHECKED_SOURCE = "cupy_checked.c"
-
-
-def _cupy_version(cupy):
-    m = re.match(r"\s*(\d+)\.(\d+)", str(getattr(cupy, "__version__", "")))
-    return (int(m.group(1)), int(m.group(2))) if m else None
-
-
-def _direct_refused(cupy, environ=None):
-    """Why CuPy cannot be handed CFunctionAllocator.malloc itself, or None."""
-    environ = os.environ if environ is None else environ
-    if environ.get("CUDAPOOL_CUPY_DIRECT", "1").strip() == "0":
-        return "CUDAPOOL_CUPY_DIRECT=0"
-    v = _cupy_version(cupy)
-    if v is None or v < _CHECKED_SINCE:
-        return (f"CuPy {getattr(cupy, '__version__', None) or '?'} does not check for an exception after its C malloc "
-                f"(CuPy {_CHECKED_SINCE[0]}.{_CHECKED_SINCE[1]} and later do)")
-    return None
-
-
-def _build_checked(environ=None):
-    """The compiled checked malloc (csrc/cupy_checked.c): built once for this
-    Python and cached beside the C++ class. Raises CudapoolError with the
-    reason when it cannot be built."""
-    from . import _ext
-
-    environ = os.environ if environ is None else environ
-    src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", _CHECKED_SOURCE)
-    include = sysconfig.get_paths().get("include") or ""
-    if not os.path.isfile(os.path.join(include, "Python.h")):
-        raise CudapoolError(f"no Python headers (Python.h in {include!r}): install this Python's development files")
-    cc = shlex.split(environ.get("CC") or "") or [shutil.which("cc") or shutil.which("gcc") or ""]
-    if not cc[0]:
-        raise CudapoolError("no C compiler (cc, gcc or $CC)")
-    try:
-        with open(src, "rb") as f:
-            text = f.read()
-    except OSError as e:
-        raise CudapoolError(f"{src} is missing from the package ({e})") from e
-    key = _ext._key([text, include, sys.version, " ".join(cc)])
-    out = os.path.join(os.path.dirname(_ext.cache_dir(environ)), "cupy", f"cupy_checked_{key}.so")
-    if os.path.isfile(out):
-        return out
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    tmp = tempfile.NamedTemporaryFile(dir=os.path.dirname(out), suffix=".so", delete=False)
-    tmp.close()
-    try:
-        proc = subprocess.run(cc + ["-O2", "-fPIC", "-shared", "-I", include, src, "-o", tmp.name],
-                              capture_output=True, text=True)
-    except OSError as e:
-        os.unlink(tmp.name)
-        raise CudapoolError(f"running {cc[0]} failed: {e}") from e
-    if proc.returncode != 0:
-        os.unlink(tmp.name)
-        err = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-        raise CudapoolError(f"compiling {_CHECKED_SOURCE} failed: " + " | ".join(err))
-    os.replace(tmp.name, out)  # atomic: concurrent builders race harmlessly
-    return out
-
-
-def _checked_malloc(cupy, stream_fn, malloc_addr):
-    """(address of the checked malloc, what keeps it alive): NULL from
-    cudapool_cupy_malloc reaches Python only then, in on_null."""
-    handle = ctypes.PyDLL(_build_checked())  # PyDLL: called with the GIL held, exceptions checked
-    raw = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)(malloc_addr)
-
-    def on_null(size, device):
-        # Arrays waiting in reference cycles may hold enough memory: collect
-        # them and try once more, as CuPy's own pool does.
-        gc.collect()
-        p = raw(stream_fn, size, device)
-        if p:
-            return p
-        _raise_failure(cupy, size, device)
-
-    init = handle.cudapool_cupy_checked_init
-    init.restype, init.argtypes = ctypes.c_int, [ctypes.c_void_p, ctypes.py_object]
-    if init(malloc_addr, on_null) != 0:
-        raise CudapoolError("cudapool_cupy_checked_init failed")
-    return ctypes.cast(handle.cudapool_cupy_malloc_checked, ctypes.c_void_p).value, (handle, raw, on_null)
-
-
 def _c_allocator(cupy, stream_fn):
-    """The CFunctionAllocator path: CuPy calls cudapool's C functions.
-    Returns (the function for set_allocator, what keeps it alive, why CuPy
-    does not get CFunctionAllocator.malloc itself or None)."""
+    """The CFunctionAllocator path: CuPy calls cudapool's C functions."""
     lib = _lib.load()
-    malloc_addr, free_addr = _lib.address("cudapool_cupy_malloc"), _lib.address("cudapool_cupy_free")
-    why = _direct_refused(cupy)
-    if why is None:
-        try:
-            checked, keep = _checked_malloc(cupy, stream_fn, malloc_addr)
-        except (CudapoolError, OSError, AttributeError) as e:
-            why = f"the checked malloc is unavailable: {e}"
-        else:
-            c_alloc = cupy.cuda.memory.CFunctionAllocator(stream_fn, checked, free_addr, (lib, keep))
-            return c_alloc.malloc, c_alloc, None
-    c_alloc = cupy.cuda.memory.CFunctionAllocator(stream_fn, malloc_addr, free_addr, lib)
+    c_alloc = cupy.cuda.memory.CFunctionAllocator(
+        stream_fn, _lib.address("cudapool_cupy_malloc"), _lib.address("cudapool_cupy_free"), lib
+    )
     c_malloc = c_alloc.malloc
     device_id = cupy.cuda.runtime.getDevice
 
@@ -251,7 +137,7 @@ def _c_allocator(cupy, stream_fn):
             return mem
         _raise_failure(cupy, size, device_id())
 
-    return malloc, c_alloc, why
+    return malloc, c_alloc
 
 
 def _python_allocator(cupy):
@@ -314,13 +200,12 @@ def install(mode=None, capture=True, free_cupy_pool=True):
             chosen = "c" if stream_fn is not None else "python"
         else:
             chosen = "python"
-        why = None
         if chosen == "c":
-            allocator, owner, why = _c_allocator(cupy, stream_fn)
+            allocator, owner = _c_allocator(cupy, stream_fn)
         else:
             allocator, owner = _python_allocator(cupy)
         previous = cupy.cuda.memory.get_allocator()
-        state = _Installed(cupy, chosen, allocator, previous, owner, why)
+        state = _Installed(cupy, chosen, allocator, previous, owner)
         if capture:
             _patch_capture(state)
             # Every CuPy capture is now announced (as PyTorch's are), so

@@ -19,85 +19,13 @@ MiB = 1 << 20
 GiB = 1 << 30
 
 
-@pytest.fixture(params=["direct", "wrapped"])
-def cupy(request, monkeypatch, tmp_path_factory):
-    """The stand-in CuPy (14.2's behaviour), each test run twice: CuPy
-    handed CFunctionAllocator.malloc itself with the checked C malloc
-    (csrc/cupy_checked.c, built into a temporary cache), and with
-    cudapool.cupy's Python check around it (CUDAPOOL_CUPY_DIRECT=0)."""
-    monkeypatch.setenv("CUDAPOOL_CACHE", str(tmp_path_factory.getbasetemp() / "cudapool-cache"))
-    if request.param == "wrapped":
-        monkeypatch.setenv("CUDAPOOL_CUPY_DIRECT", "0")
-    elif not _can_build_checked():
-        pytest.skip("no C compiler or Python headers: the checked malloc cannot be built here")
+@pytest.fixture
+def cupy(monkeypatch):
     cp = fake_cupy.installed_into(monkeypatch)
     yield cp
     cpc.uninstall()
     gc.collect()
     _lib.sim_complete_all()
-
-
-def _can_build_checked():
-    try:
-        cpc._build_checked()
-        return True
-    except cudapool.CudapoolError:
-        return False
-
-
-def test_direct_path_hands_cupy_the_c_malloc(cupy):
-    assert cpc.install() == "c"
-    st = cpc._state
-    alloc = cupy.cuda.memory.get_allocator()
-    assert alloc is st.allocator
-    if st.direct:
-        # No Python of cudapool's per allocation: CuPy's own bound method,
-        # over the checked C malloc (not cudapool_cupy_malloc itself).
-        assert alloc.__self__ is st.owner and alloc.__func__ is fake_cupy.CFunctionAllocator.malloc
-        assert st.owner._malloc_func not in (0, _lib.address("cudapool_cupy_malloc"))
-        assert st.direct_why is None
-    else:
-        assert st.direct_why == "CUDAPOOL_CUPY_DIRECT=0"
-        assert getattr(alloc, "__self__", None) is None, "the Python check wraps the C allocator"
-    m = cupy.alloc(4096)
-    assert m.ptr and allocated() == 4096
-    del m
-    assert allocated() == 0
-
-
-def test_older_cupy_keeps_the_python_check(monkeypatch):
-    # Before 14.1 CuPy does not look for an exception after its C malloc:
-    # one set there would be left pending, so the check stays in Python.
-    cp = fake_cupy.installed_into(monkeypatch)
-    cp.__version__ = "14.0.1"
-    try:
-        assert cpc.install() == "c"
-        st = cpc._state
-        assert not st.direct and "does not check for an exception" in st.direct_why
-        with pytest.raises(cp.cuda.memory.OutOfMemoryError):
-            cp.alloc(20 * GiB)
-    finally:
-        cpc.uninstall()
-    for v, why in (("15.0.0a1", None), ("14.1.0", None), ("13.6.0", "13.6.0"), ("", "?")):
-        cp.__version__ = v
-        got = cpc._direct_refused(cp, {})
-        assert (got is None) if why is None else (why in got), (v, got)
-    assert cpc._direct_refused(cp, {"CUDAPOOL_CUPY_DIRECT": "0"}) == "CUDAPOOL_CUPY_DIRECT=0"
-
-
-def test_checked_malloc_that_cannot_be_built_falls_back(monkeypatch, tmp_path):
-    monkeypatch.setenv("CUDAPOOL_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setenv("CC", "false")
-    cp = fake_cupy.installed_into(monkeypatch)
-    try:
-        assert cpc.install() == "c"
-        st = cpc._state
-        assert not st.direct and "compiling cupy_checked.c failed" in st.direct_why
-        m = cp.alloc(4096)
-        assert m.ptr and allocated() == 4096
-        del m
-    finally:
-        cpc.uninstall()
 
 
 def allocated(dev=0):
