@@ -784,6 +784,13 @@ class TestTorchBenchArgs(unittest.TestCase):
                     finally:
                         sys.stderr = old
 
+    def test_every_cudapool_configuration_is_a_choice(self):
+        # A configuration named only in CUDAPOOL_CONFS would be refused by
+        # the argument parser, and its processes would fail in a ring.
+        self.assertEqual(set(torch_bench.CUDAPOOL_CONFS) - set(torch_bench.CONFIGS), set())
+        for name in torch_bench.CUDAPOOL_CONFS:
+            self.assertEqual(torch_bench.parse_args([name]).config, name)
+
     def test_warm_forward(self):
         # A stand-in for torch.cuda that records the calls in order.
         calls = []

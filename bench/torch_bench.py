@@ -102,6 +102,9 @@ CONFIGS = {
     # The same mapping page by page (expandable_map_unit_mb:2), and
     # stitch:True named (docs/fragmentation.md): gpu/bench_stitch_train.sh.
     "cudapool_exp2": None,
+    # cudapool with ordinary segments (expandable_segments:False): native's
+    # default layout, and cudapool's before stitching became the default.
+    "cudapool_segments": None,
     "cudapool_stitch": None,
     # cudapool without its front cache (allocator/front.go): for diagnostics.
     "cudapool_nofront": None,
