@@ -34,7 +34,6 @@ scenario (default 10000).
 """
 
 import ctypes
-import errno
 import json
 import os
 import resource
@@ -108,7 +107,7 @@ if _why is not None:
 # The scenario script.
 
 SCRIPT = r'''
-import ctypes, gc, json, os, time, queue as _queue
+import ctypes, errno, gc, json, os, time, queue as _queue
 
 ROLE = os.environ["IPC_ROLE"]
 if ROLE == "cudapool":
