@@ -22,7 +22,8 @@
 #   make soak       10^7 randomized operations from many goroutines on the
 #                   simulator, invariants checked after every batch
 #                   (SOAK_OPS=N sets the count; make test runs 10^5)
-#   make demo       replay demo/trace.txt through the library
+#   make demo       replay demo/trace.txt through the library, with the
+#                   defaults and with expandable_segments:True (stitching)
 #   make pgo        regenerate capi/default.pgo, the profile for profile-guided
 #                   optimization (commit it; see the target)
 #   make clean
@@ -161,11 +162,11 @@ $(BUILD)/test_front_cold: capi/ctest/test_front_cold.c capi/front.c capi/capi.h
 
 # test_front runs twice, with the front cache on and off (debug_checks in
 # both); its "cmp" lines are statistics that do not depend on placement, so
-# the two runs' must be identical. It does so for ordinary segments, for
-# expandable segments without stitching, and for the default (expandable
-# segments with stitching): the front serves expandable private pools
-# holding only small blocks (shorter runs: every operation's invariant check
-# walks the pages).
+# the two runs' must be identical. It does so for ordinary segments (the
+# default), for expandable segments without stitching, and for expandable
+# segments with stitching (expandable_segments:True): the front serves
+# expandable private pools holding only small blocks (shorter runs: every
+# operation's invariant check walks the pages).
 FRONT_CONF := debug_checks:True,max_split_size_mb:40
 FRONT_EXP_ARGS := 1 30000 10000
 
@@ -183,7 +184,7 @@ test-c: $(BUILD)/test_cudapool $(BUILD)/test_torchabi $(BUILD)/test_interop $(BU
 	$(call section,front cache: randomized; front on and off (simulator))
 	@rc=0; for kind in plain exp stitch; do \
 		args='$(FRONT_EXP_ARGS)'; extra=; \
-		case $$kind in plain) args=; extra=,expandable_segments:False;; exp) extra=,expandable_segments:True,stitch:False;; esac; \
+		case $$kind in plain) args=;; exp) extra=,expandable_segments:True,stitch:False;; stitch) extra=,expandable_segments:True;; esac; \
 		for mode in on off; do \
 			conf='$(FRONT_CONF)'$$extra; if [ $$mode = off ]; then conf="$$conf,front_cache:False"; fi; \
 			out=$(BUILD)/test_front.$$kind.$$mode; \
@@ -259,14 +260,31 @@ soak:
 	SOAK_OPS=$(SOAK_OPS) $(GO) test -count=1 -timeout 0 -run '^TestSoak$$' -v ./allocator/
 
 # demo: replay a recorded allocation trace through the library, on the GPU
-# if there is one, else on the simulator. make demo TRACE=... REPEATS=...
+# if there is one, else on the simulator, with the default configuration
+# (ordinary segments) and with expandable_segments:True (expandable segments
+# with stitching), then print both fragmentation figures (peak reserved /
+# peak allocated). make demo TRACE=... REPEATS=...
 TRACE   ?= demo/trace.txt
 REPEATS ?= 5
+DEMO_CONFS := default expandable_segments:True
 demo: $(BUILD)/replay
 	$(call section,replay $(TRACE))
 	@if [ -e /dev/nvidia0 ] || nvidia-smi -L >/dev/null 2>&1; then backend=cuda; else backend=sim; fi; \
 	echo "backend: $$backend"; \
-	env CUDAPOOL_BACKEND=$$backend ./$(BUILD)/replay $(TRACE) $(REPEATS)
+	rc=0; for conf in $(DEMO_CONFS); do \
+		out=$(BUILD)/demo.$$conf.out; echo; \
+		cf=CUDAPOOL_CONF=$$conf; [ $$conf = default ] && cf=CUDAPOOL_BACKEND=$$backend; \
+		env -u CUDAPOOL_CONF -u PYTORCH_CUDA_ALLOC_CONF CUDAPOOL_BACKEND=$$backend $$cf \
+			./$(BUILD)/replay $(TRACE) $(REPEATS) >$$out || rc=1; \
+		cat $$out; \
+	done; \
+	echo; echo "fragmentation of $(TRACE) (peak reserved / peak allocated; 1.000 wastes nothing):"; \
+	for conf in $(DEMO_CONFS); do \
+		f=$$(awk '$$1 == "fragmentation" { print $$2 }' $(BUILD)/demo.$$conf.out); \
+		case $$conf in default) name="the defaults (ordinary segments)";; *) name="$$conf (stitching)";; esac; \
+		printf '  %-44s %s\n' "$$name" "$${f:-failed}"; \
+	done; \
+	exit $$rc
 
 # pgo: rewrites capi/default.pgo, the CPU profile go build uses for
 # profile-guided optimization of the library: hotter inlining along the

@@ -25,7 +25,7 @@ func TestOOMText(t *testing.T) {
 		"out of memory on device 0: cannot allocate 5.00 GiB (5368709120 bytes);",
 		"the device has 3.90 GiB free of 4.00 GiB; in use on it: this process 100.00 MiB (cudapool's and any other).",
 		"cudapool holds 100.00 MiB on it: 100.00 MiB allocated, 0 bytes reserved but unallocated",
-		"cudapool_empty_cache()", "cudapool's default configuration (expandable segments with stitching: leave out expandable_segments:False from CUDAPOOL_CONF)",
+		"cudapool_empty_cache()", "expandable segments with stitching (CUDAPOOL_CONF=expandable_segments:True)",
 		"max_split_size_mb",
 	} {
 		require.Contains(t, text, want)
@@ -50,9 +50,14 @@ func TestOOMText(t *testing.T) {
 	_, ok = a.OOMText(err, 0)
 	require.False(t, ok, "not out of memory")
 
-	for _, c := range []struct{ conf, hint string }{
-		{"", "With expandable segments and stitching (the default), memory still reserved but unallocated after that is in partly used pages or in private pools (CUDA graphs, MemPools)"},
-		{"stitch:False", "stitching (CUDAPOOL_CONF=stitch:True, cudapool's default) may avoid the fragmentation"},
+	for _, c := range []struct {
+		conf, hint string
+		maxSplit   bool
+	}{
+		{"", "expandable segments with stitching (CUDAPOOL_CONF=expandable_segments:True) or max_split_size_mb:N", true},
+		{"expandable_segments:True", "With expandable segments and stitching, memory still reserved but unallocated after that is in partly used pages or in private pools (CUDA graphs, MemPools)", false},
+		{"stitch:True", "With expandable segments and stitching, memory still reserved but unallocated after that is in partly used pages or in private pools (CUDA graphs, MemPools)", false},
+		{"expandable_segments:True,stitch:False", "stitching (CUDAPOOL_CONF=expandable_segments:True,stitch:True) may avoid the fragmentation", false},
 	} {
 		a, _ := newAlloc(t, 1, 4*GiB, c.conf)
 		_, err := a.Malloc(&allocator.MallocRequest{Size: 5 * GiB})
@@ -60,7 +65,11 @@ func TestOOMText(t *testing.T) {
 		text, ok := a.OOMText(err, 5*GiB)
 		require.True(t, ok)
 		require.Contains(t, text, c.hint, c.conf)
-		require.NotContains(t, text, "max_split_size_mb", c.conf)
+		if c.maxSplit {
+			require.Contains(t, text, "max_split_size_mb", c.conf)
+		} else {
+			require.NotContains(t, text, "max_split_size_mb", c.conf)
+		}
 		require.NotContains(t, text, "PyTorch", c.conf)
 	}
 }

@@ -11,8 +11,8 @@ import (
 	"github.com/stretchr/testify/require"
 )
 
-// Expandable segments without stitching (on by default with them), page by
-// page: these tests count pages and find them where they left them.
+// Expandable segments without stitching (expandable_segments:True alone
+// turns it on with them), page by page: these tests count pages and find them where they left them.
 const expandable = "expandable_segments:True,stitch:False,expandable_map_unit_mb:2"
 
 // Blocks grow across page boundaries inside one mapped range; nothing is
@@ -142,9 +142,9 @@ func TestExpandableOOMUnmapsThenRetries(t *testing.T) {
 	require.NoError(t, a.CheckInvariants())
 	require.Zero(t, drv.Violations(), "%v", drv.ViolationLog())
 
-	// With stitching (the default), stream 1's idle pages move to stream
-	// 2's range instead: no retry, no new memory.
-	a, drv = newAlloc(t, 1, 64*MiB, "expandable_map_unit_mb:2")
+	// With stitching, stream 1's idle pages move to stream 2's range
+	// instead: no retry, no new memory.
+	a, drv = newAlloc(t, 1, 64*MiB, "expandable_segments:True,expandable_map_unit_mb:2")
 	p = mustMalloc(t, a, 0, 40*MiB, 1)
 	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
 	q = mustMalloc(t, a, 0, 40*MiB, 2)
@@ -279,8 +279,9 @@ func TestExpandableSnapshot(t *testing.T) {
 type noVMM struct{ allocator.Driver }
 
 // Without the driver's VMM API the option falls back to ordinary segments,
-// with one warning where the configuration named it; the default
-// (stitching, and so expandable segments) falls back quietly.
+// with one warning where the configuration named it. The default (ordinary
+// segments) never asks for it; a configuration made in Go that turns it on
+// without naming it falls back quietly.
 func TestExpandableFallback(t *testing.T) {
 	lockThread(t)
 	cfg, _, err := allocator.ParseConfig(expandable)
@@ -299,13 +300,25 @@ func TestExpandableFallback(t *testing.T) {
 	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: q}))
 	require.NoError(t, a.CheckInvariants())
 
-	for _, c := range []struct{ conf, note string }{
-		{"", ""},
-		{"max_split_size_mb:64", ""},
-		{"stitch:True", "stitch:True: the CUDA driver has no virtual memory management API; using ordinary segments"},
+	unnamed := allocator.DefaultConfig()
+	unnamed.ExpandableSegments, unnamed.Stitch = true, true
+	for _, c := range []struct {
+		conf, note string
+		cfg        *allocator.Config
+	}{
+		{"", "", nil},
+		{"max_split_size_mb:64", "", nil},
+		{"(made in Go)", "", &unnamed},
+		{"stitch:True", "stitch:True: the CUDA driver has no virtual memory management API; using ordinary segments", nil},
+		{"expandable_segments:True", "expandable_segments:True: the CUDA driver has no virtual memory management API; using ordinary segments", nil},
 	} {
-		cfg, _, err := allocator.ParseConfig(c.conf)
-		require.NoError(t, err)
+		var cfg allocator.Config
+		if c.cfg != nil {
+			cfg = *c.cfg
+		} else {
+			cfg, _, err = allocator.ParseConfig(c.conf)
+			require.NoError(t, err)
+		}
 		drv := sim.New(sim.Options{Memory: GiB})
 		a, err := allocator.New(noVMM{drv}, cfg)
 		require.NoError(t, err)
@@ -314,12 +327,15 @@ func TestExpandableFallback(t *testing.T) {
 		p := mustMalloc(t, a, 0, 3*MiB, 0)
 		require.Equal(t, int64(1), drv.Allocs(0), c.conf)
 		if c.note == "" {
-			require.Empty(t, warnings, "%q: the default falls back quietly", c.conf)
-			// Naming it later earns the note then.
+			require.Empty(t, warnings, "%q: no note", c.conf)
+			// Naming it later earns the note at the next growth.
 			cfg, _, err = allocator.ParseConfigUpdate(a.Config(), "expandable_segments:True")
 			require.NoError(t, err)
 			a.Configure(cfg)
+			q := mustMalloc(t, a, 0, 30*MiB, 0)
+			require.Equal(t, int64(2), drv.Allocs(0), c.conf)
 			require.Equal(t, []string{"expandable_segments:True: the CUDA driver has no virtual memory management API; using ordinary segments"}, warnings, c.conf)
+			require.NoError(t, a.Free(allocator.FreeRequest{Ptr: q}))
 		} else {
 			require.Equal(t, []string{c.note}, warnings, c.conf)
 		}

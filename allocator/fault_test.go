@@ -202,7 +202,7 @@ type faultCase struct {
 }
 
 const (
-	// Ordinary segments: the default is expandable segments with stitching.
+	// Ordinary segments (the default, named: these cases do not follow it).
 	confOrdinary = "expandable_segments:False"
 	// Expandable segments without stitching (which would move the pages
 	// these cases count on finding where they were).
@@ -418,11 +418,11 @@ var faultCases = map[string]faultCase{
 		require.Equal(t, 1, e.sim().Live(0), "an ordinary segment")
 		e.consistent(0)
 		e.nothingLost()
-		// By default (nothing named), quietly.
+		// The default (ordinary segments) never probes.
 		e = newFault(t, "", false)
 		r = e.fail("MemGranularity", "", 0)
 		e.malloc(4096, 1)
-		e.fired(r)
+		require.Zero(t, e.f.Hits(r), "the default asks nothing of virtual memory management")
 		require.Empty(t, e.warnings)
 		require.Equal(t, 1, e.sim().Live(0), "an ordinary segment")
 		e.consistent(0)

@@ -1,6 +1,7 @@
 package allocator
 
 import (
+	"fmt"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -9,10 +10,15 @@ import (
 	"github.com/cudapool/cudapool/cuda/sim"
 )
 
-func debugAllocator(t *testing.T, devices int) *Allocator {
+// debugAllocator is an allocator under debug_checks: with the default
+// configuration (ordinary segments), or with expandable segments and
+// stitching where stitch (mapping, unmapping and moving pages take locks of
+// their own).
+func debugAllocator(t *testing.T, devices int, stitch bool) *Allocator {
 	t.Helper()
 	cfg := DefaultConfig()
 	cfg.DebugChecks = true
+	cfg.ExpandableSegments, cfg.Stitch = stitch, stitch
 	a, err := New(sim.New(sim.Options{Devices: devices, Memory: 1 << 30}), cfg)
 	require.NoError(t, err)
 	return a
@@ -23,7 +29,13 @@ func debugAllocator(t *testing.T, devices int) *Allocator {
 // and the gate, empty_cache, caching off) runs without a violation, and
 // every recorded hold is released.
 func TestLockRanksHeld(t *testing.T) {
-	a := debugAllocator(t, 2)
+	for _, stitch := range []bool{false, true} {
+		t.Run(fmt.Sprintf("stitch=%v", stitch), func(t *testing.T) { testLockRanksHeld(t, stitch) })
+	}
+}
+
+func testLockRanksHeld(t *testing.T, stitch bool) {
+	a := debugAllocator(t, 2, stitch)
 	require.Zero(t, heldRanks.n.Load())
 	cfg := a.Config()
 	a.Configure(cfg) // cfgMu, then each device, then the front
@@ -60,7 +72,7 @@ func TestLockRanksHeld(t *testing.T) {
 // A path that takes locks out of order fails under debug_checks, naming
 // both locks; without the checks nothing is recorded.
 func TestLockRanksViolated(t *testing.T) {
-	a := debugAllocator(t, 2)
+	a := debugAllocator(t, 2, false)
 	d0, d1 := a.devs[0], a.devs[1]
 	for _, tc := range []struct {
 		name, msg    string
@@ -120,7 +132,13 @@ func (f *nopFront) Capacity() int                                       { return
 // lock (phases, captures counted), the history's (its start and stop) and
 // the uncached record's (caching off) without a violation.
 func TestLockRanksFront(t *testing.T) {
-	a := debugAllocator(t, 1)
+	for _, stitch := range []bool{false, true} {
+		t.Run(fmt.Sprintf("stitch=%v", stitch), func(t *testing.T) { testLockRanksFront(t, stitch) })
+	}
+}
+
+func testLockRanksFront(t *testing.T, stitch bool) {
+	a := debugAllocator(t, 1, stitch)
 	f := &nopFront{}
 	a.SetFront(f)
 	a.ExpectAnnouncements()
@@ -151,7 +169,13 @@ func TestLockRanksFront(t *testing.T) {
 // Tags, pause and resume respect the ranks too: the pause mutex, then each
 // device, then the gate; the tags' names alone.
 func TestLockRanksPause(t *testing.T) {
-	a := debugAllocator(t, 2)
+	for _, stitch := range []bool{false, true} {
+		t.Run(fmt.Sprintf("stitch=%v", stitch), func(t *testing.T) { testLockRanksPause(t, stitch) })
+	}
+}
+
+func testLockRanksPause(t *testing.T, stitch bool) {
+	a := debugAllocator(t, 2, stitch)
 	id, err := a.TagID("kv")
 	require.NoError(t, err)
 	p, err := a.Malloc(&MallocRequest{Dev: 1, Size: 4 << 20, Tag: id})

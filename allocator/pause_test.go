@@ -170,12 +170,18 @@ func TestTagNames(t *testing.T) {
 // allocated stays), mallocs of the tag are refused, frees are allowed;
 // resume maps memory at the same addresses with the same bytes.
 func TestPauseResumeKeep(t *testing.T) {
-	for _, conf := range []string{"expandable_segments:False", "expandable_segments:True", "expandable_segments:True,stitch:True"} {
+	for _, conf := range []string{"expandable_segments:False", "expandable_segments:True,stitch:False", "expandable_segments:True"} {
 		t.Run(conf, func(t *testing.T) {
 			e := newTagEnv(t, 1, 4*GiB, conf)
 			kv := e.tag("kv")
 			other := e.malloc(0, 64*MiB, 0, 0)
 			otherData := e.fill(0, other, 64*MiB, 9)
+			untagged := e.reserved(0)
+			wantUntagged := int64(64 * MiB)
+			if conf == "expandable_segments:True,stitch:False" {
+				wantUntagged = 80 * MiB // whole 20 MiB chunks
+			}
+			require.Equal(t, wantUntagged, untagged, "the untagged block's memory")
 			var ptrs []cuda.Ptr
 			var want [][]byte
 			for i, size := range []uint64{256 * MiB, 3 * MiB, 5000, 100 * MiB} {
@@ -185,7 +191,7 @@ func TestPauseResumeKeep(t *testing.T) {
 			}
 			doomed := e.malloc(0, 10*MiB, 0, kv)
 			res, alloc, used := e.reserved(0), e.allocated(0), e.drv.Used(0)
-			tagHeld := uint64(res) - 64*MiB
+			tagHeld := uint64(res - untagged)
 			require.NoError(t, e.a.Pause("kv", true))
 			e.ok()
 			require.Equal(t, tagHeld, e.paused(0))
@@ -311,9 +317,17 @@ func TestPauseAllTagsDevices(t *testing.T) {
 
 // A graph captured under a tag: its private pool is the tag's, paused with
 // it, and its addresses are the same after resume. So is the automatic
-// pool of a capture nobody announced, made by a tagged malloc.
+// pool of a capture nobody announced, made by a tagged malloc. The untagged
+// pools hold ordinary segments (the default) or expandable ones with
+// stitching.
 func TestPauseGraphPools(t *testing.T) {
-	e := newTagEnv(t, 1, 4*GiB, "")
+	for _, conf := range []string{"", stitching} {
+		t.Run(conf, func(t *testing.T) { testPauseGraphPools(t, conf) })
+	}
+}
+
+func testPauseGraphPools(t *testing.T, conf string) {
+	e := newTagEnv(t, 1, 4*GiB, conf)
 	eng := e.tag("engine")
 	pool := allocator.PoolID{A: 1}
 	cs := cuda.Stream(7)
@@ -353,7 +367,7 @@ func TestPauseGraphPools(t *testing.T) {
 	require.ErrorContains(t, err, "holds memory allocated under no tag")
 
 	// Unannounced: the automatic pool of a capture met by a tagged malloc.
-	f := newTagEnv(t, 1, 4*GiB, "")
+	f := newTagEnv(t, 1, 4*GiB, conf)
 	ft := f.tag("cupy")
 	require.NoError(t, f.drv.BeginCapture(cs, cuda.CaptureModeThreadLocal))
 	g := f.malloc(0, 8*MiB, cs, ft)
@@ -445,10 +459,17 @@ type noVMMIPC struct{ *sim.Driver }
 
 func (d noVMMIPC) MemGranularity(int) (uint64, error) { return 0, cuda.ErrNotSupported }
 
-// Resume of a device short of memory gives back the cache first, then
-// fails clearly when that is not enough; a later resume maps the rest.
+// Resume of a device short of memory gives back the cache first (ordinary
+// segments, the default, or expandable ones with stitching), then fails
+// clearly when that is not enough; a later resume maps the rest.
 func TestResumeOutOfMemory(t *testing.T) {
-	e := newTagEnv(t, 1, 512*MiB, "")
+	for _, conf := range []string{"", stitching} {
+		t.Run(conf, func(t *testing.T) { testResumeOutOfMemory(t, conf) })
+	}
+}
+
+func testResumeOutOfMemory(t *testing.T, conf string) {
+	e := newTagEnv(t, 1, 512*MiB, conf)
 	kv := e.tag("kv")
 	p := e.malloc(0, 300*MiB, 0, kv)
 	require.NoError(t, e.a.Pause("kv", true))
@@ -499,12 +520,12 @@ func TestStitchingKeepsTags(t *testing.T) {
 	e.ok()
 }
 
-// Under the defaults the small and large pools share one page pool, and a
+// With stitching the small and large pools share one page pool, and a
 // tag's small pool maps page by page like theirs: its free pages are
 // still no donors (stitching takes the default pools' pages only), and
 // its growth takes none of theirs.
 func TestStitchingKeepsTagSmallPages(t *testing.T) {
-	e := newTagEnv(t, 1, 4*GiB, "")
+	e := newTagEnv(t, 1, 4*GiB, stitching)
 	kv := e.tag("kv")
 	var tagged, plain []cuda.Ptr
 	for i := 0; i < 16; i++ { // 1 MiB blocks, two to a 2 MiB page: 8 pages each

@@ -31,9 +31,11 @@ type proc struct {
 }
 
 // chunked is expandable segments without stitching: the default large
-// pool's 20 MiB chunks, grown whole (vmem/export.go, "One size"). The
-// default ("") is expandable segments with stitching, whose default pools
-// map 2 MiB pages.
+// pool's 20 MiB chunks, grown whole (vmem/export.go, "One size").
+// stitching (expandable_segments:True) is expandable segments with
+// stitching, whose default pools map 2 MiB pages. Importers run the default
+// configuration (ordinary segments): an import maps the exporter's memory
+// whatever the importer's own segments are.
 const chunked = "expandable_segments:True,stitch:False"
 
 // newProc makes a process with one device of mem bytes whose memory can be
@@ -197,10 +199,10 @@ func TestShareLargeAndSmallBlocks(t *testing.T) {
 
 // Where fabric handles work (ProbeFabric), physical memory is created and
 // exported with them, as PyTorch 2.11 chooses: no descriptor is held, the
-// handle's entries are 64 bytes (one per 2 MiB page under the block, by
-// default), and the import needs no pidfd.
+// handle's entries are 64 bytes (one per 2 MiB page under the block, with
+// stitching), and the import needs no pidfd.
 func TestShareFabric(t *testing.T) {
-	exp := newProc(t, "", cuda.ShareablePOSIXFD|cuda.ShareableFabric, 4*GiB)
+	exp := newProc(t, stitching, cuda.ShareablePOSIXFD|cuda.ShareableFabric, 4*GiB)
 	imp := newProc(t, "", cuda.ShareablePOSIXFD|cuda.ShareableFabric, 4*GiB)
 	imp.d.SetPidfdErrors(syscall.ENOSYS, syscall.ENOSYS) // not needed
 	p := mustMalloc(t, exp.a, 0, 3*MiB, 0)
@@ -224,7 +226,7 @@ func TestShareFabric(t *testing.T) {
 // is not shareable and the export says why.
 func TestShareKindChoice(t *testing.T) {
 	lockThread(t)
-	x := newProc(t, "", cuda.ShareablePOSIXFD|cuda.ShareableFabric, GiB)
+	x := newProc(t, stitching, cuda.ShareablePOSIXFD|cuda.ShareableFabric, GiB)
 	x.a.ExpectAnnouncements()
 	const cs = cuda.Stream(7)
 	require.NoError(t, x.a.BeginAllocateToPool(0, allocator.PoolID{A: 1}, func(cuda.Stream) bool { return true }))
@@ -236,7 +238,7 @@ func TestShareKindChoice(t *testing.T) {
 	require.Equal(t, cuda.ShareablePOSIXFD, h.Segment.Kind, "chosen during a capture: no probe")
 	require.Zero(t, x.d.Violations(), "%v", x.d.ViolationLog())
 
-	none := newProc(t, "", 0, GiB)
+	none := newProc(t, stitching, 0, GiB)
 	q := mustMalloc(t, none.a, 0, 3*MiB, 0)
 	_, _, _, err := none.a.ShareIpcHandle(q)
 	require.ErrorIs(t, err, allocator.ErrNotSupported)
@@ -274,7 +276,7 @@ func TestShareCudaMalloc(t *testing.T) {
 // not an allocation's start, and an unknown device are refused with errors
 // that say which.
 func TestShareRefusals(t *testing.T) {
-	x := newProc(t, "", cuda.ShareablePOSIXFD, GiB)
+	x := newProc(t, stitching, cuda.ShareablePOSIXFD, GiB)
 	p := mustMalloc(t, x.a, 0, 3*MiB, 0)
 	raw, _, _ := share(t, x.a, p)
 	for _, c := range []struct {
@@ -307,7 +309,7 @@ func TestShareRefusals(t *testing.T) {
 // returned at once, and the failed import leaves nothing behind; so is an
 // exporter that has exited.
 func TestSharePidfdErrors(t *testing.T) {
-	exp := newProc(t, "", cuda.ShareablePOSIXFD, GiB)
+	exp := newProc(t, stitching, cuda.ShareablePOSIXFD, GiB)
 	imp := newProc(t, "", cuda.ShareablePOSIXFD, GiB)
 	p := mustMalloc(t, exp.a, 0, 3*MiB, 0)
 	raw, _, _ := share(t, exp.a, p)
@@ -641,7 +643,7 @@ func TestShareConcurrent(t *testing.T) {
 // thread) stays valid.
 func TestShareOpenDuringCapture(t *testing.T) {
 	lockThread(t)
-	exp := newProc(t, "", cuda.ShareablePOSIXFD, GiB)
+	exp := newProc(t, stitching, cuda.ShareablePOSIXFD, GiB)
 	imp := newProc(t, "", cuda.ShareablePOSIXFD, GiB)
 	p := mustMalloc(t, exp.a, 0, 3*MiB, 0)
 	raw, _, _ := share(t, exp.a, p)
@@ -656,15 +658,15 @@ func TestShareOpenDuringCapture(t *testing.T) {
 	require.NoError(t, exp.a.Free(allocator.FreeRequest{Ptr: p}))
 }
 
-// With the defaults (expandable segments with stitching) every physical
+// With expandable segments and stitching every physical
 // allocation of the default pools is one 2 MiB page, whichever size class
 // mapped it, so a block is shareable wherever stitching took its pages
 // from: a large block's pages move to the small pool and back (vmem/doc.go,
 // "One page pool for both size classes"), each keeping its descriptor, and
 // every block is shared, imported and written both ways on the way.
-func TestShareDefaultsAcrossSizeClasses(t *testing.T) {
+func TestShareStitchingAcrossSizeClasses(t *testing.T) {
 	lockThread(t)
-	exp := newProc(t, "", cuda.ShareablePOSIXFD, GiB)
+	exp := newProc(t, stitching, cuda.ShareablePOSIXFD, GiB)
 	imp := newProc(t, "", cuda.ShareablePOSIXFD, GiB)
 	roundTrip := func(p cuda.Ptr, n int, seed byte) vmem.StorageHandle {
 		t.Helper()
@@ -726,16 +728,16 @@ func TestShareDefaultsAcrossSizeClasses(t *testing.T) {
 	require.Zero(t, exp.d.Violations(), "%v", exp.d.ViolationLog())
 }
 
-// A MemPool's range keeps 20 MiB chunks under the defaults too (private
+// A MemPool's range keeps 20 MiB chunks with stitching too (private
 // pools are not part of the page pool: vmem/doc.go) and maps only what its
 // blocks need, and nothing is stitched into it (its growth happens while
 // allocations are routed to it, which counts as a capture): a block on one
 // chunk is shared, a block over a whole chunk and the 6 MiB tail mapped for
 // it lies on allocations of two sizes, which PyTorch's handle cannot
 // describe, and sharing it is refused with an error that says so.
-func TestShareDefaultsMemPool(t *testing.T) {
+func TestShareStitchingMemPool(t *testing.T) {
 	lockThread(t)
-	x := newProc(t, "", cuda.ShareablePOSIXFD, GiB)
+	x := newProc(t, stitching, cuda.ShareablePOSIXFD, GiB)
 	big := mustMalloc(t, x.a, 0, 30*MiB, 0)
 	require.NoError(t, x.a.Free(allocator.FreeRequest{Ptr: big}))
 	x.d.CompleteAll()
@@ -764,20 +766,20 @@ func TestShareDefaultsMemPool(t *testing.T) {
 	require.Zero(t, x.d.Violations(), "%v", x.d.ViolationLog())
 }
 
-// Randomized, under the defaults: blocks of every size on two streams are
+// Randomized, with stitching: blocks of every size on two streams are
 // allocated, used by kernels of a device running behind the host, shared
 // and freed while stitching moves pages (unmapped and lent) between holes,
 // streams and size classes, and empty_cache runs now and then. Every block
 // is shareable (the default pools' physical allocations are all one page),
 // the importer reads each block's own bytes, and a handle kept while its
 // block lives maps that block's memory however late it is opened.
-func TestShareRandomUnderDefaults(t *testing.T) {
+func TestShareRandomUnderStitching(t *testing.T) {
 	lockThread(t)
 	ops := 4000
 	if testing.Short() {
 		ops = 1000
 	}
-	exp := newProc(t, "", cuda.ShareablePOSIXFD, 2*GiB)
+	exp := newProc(t, stitching, cuda.ShareablePOSIXFD, 2*GiB)
 	imp := newProc(t, "", cuda.ShareablePOSIXFD, 8*GiB)
 	rng := rand.New(rand.NewSource(7))
 	type live struct {
@@ -811,7 +813,7 @@ func TestShareRandomUnderDefaults(t *testing.T) {
 			require.NoError(t, exp.d.WriteDevice(0, p, l.tag))
 			if rng.Intn(2) == 0 {
 				raw, off, _, err := exp.a.ShareIpcHandle(p)
-				require.NoError(t, err, "a block of %d bytes under the defaults is shareable", size)
+				require.NoError(t, err, "a block of %d bytes with stitching is shareable", size)
 				l.raw, l.off = raw, off
 				openAndRead(l)
 				shared++

@@ -97,12 +97,12 @@ var soakPhases = []soakPhase{
 	{"gc+rounding", "expandable_segments:False,garbage_collection_threshold:0.7,roundup_power2_divisions:4", true, false},
 	{"expandable+gc+unannounced", "expandable_segments:True,stitch:False,garbage_collection_threshold:0.8", false, false},
 	{"capture reuse", "graph_capture_record_stream_reuse:True,expandable_segments:True,stitch:False", true, false},
-	{"default (stitch)", "", true, false},
-	{"default+unannounced+split limit", "max_split_size_mb:40", false, false},
+	{"stitch", "expandable_segments:True", true, false},
+	{"stitch+unannounced+split limit", "expandable_segments:True,max_split_size_mb:40", false, false},
 	{"stitch+unannounced, page by page", "stitch:True,expandable_map_unit_mb:2", false, false},
 	{"driver faults", "expandable_segments:True,stitch:False", true, true},
 	{"driver faults, ordinary segments", "expandable_segments:False", true, true},
-	{"driver faults, stitch", "", true, true},
+	{"driver faults, stitch", "expandable_segments:True", true, true},
 }
 
 // soakFaultMethods fail at random in the fault phases: every driver call

@@ -196,12 +196,12 @@ func TestStitchLendsOnItsOwnStream(t *testing.T) {
 }
 
 // The small and the large pool share one pool of pages (vmem/doc.go, "One
-// page pool for both size classes"): by default, a small request takes an
+// page pool for both size classes"): with stitching, a small request takes an
 // idle page of a free large block, and a large request the pages the small
 // pool no longer uses, instead of new memory.
 func TestStitchSizeClassesSharePages(t *testing.T) {
 	lockThread(t)
-	a, drv := newAlloc(t, 1, GiB, "")
+	a, drv := newAlloc(t, 1, GiB, stitching)
 	big := mustMalloc(t, a, 0, 30*MiB, 0)
 	require.Equal(t, uint64(30*MiB), drv.Used(0))
 	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: big}))
@@ -241,7 +241,7 @@ func TestStitchSizeClassesSharePages(t *testing.T) {
 // counted nowhere (reserved memory below what the device holds).
 func TestStitchRestoresUnusedLentPages(t *testing.T) {
 	lockThread(t)
-	a, drv := newAlloc(t, 1, GiB, "") // the default: stitching, 20 MiB unit
+	a, drv := newAlloc(t, 1, GiB, stitching) // 20 MiB unit
 	x := mustMalloc(t, a, 0, 16*MiB, 0)
 	k1 := mustMalloc(t, a, 0, 2*MiB, 0)
 	y := mustMalloc(t, a, 0, 6*MiB, 0)
@@ -394,7 +394,7 @@ func TestExpandableUnmapWaitsForWork(t *testing.T) {
 // Growth maps at least the mapping unit at once in large pools (one
 // cuMemSetAccess for several small steps), falls back to what is needed
 // when the memory fraction does not allow more, and small pools map page
-// by page. With stitching (the default) the default large pool maps the
+// by page. With stitching the default large pool maps the
 // same unit in page-sized physical allocations, the pieces stitching moves.
 func TestExpandableMapUnit(t *testing.T) {
 	lockThread(t)
@@ -439,7 +439,7 @@ func TestExpandableMapUnit(t *testing.T) {
 	require.NoError(t, a.CheckInvariants())
 	require.Zero(t, drv.Violations(), "%v", drv.ViolationLog())
 
-	a, drv = newAlloc(t, 1, GiB, "")
+	a, drv = newAlloc(t, 1, GiB, stitching)
 	for i := 0; i < 6; i++ {
 		mustMalloc(t, a, 0, 3*MiB, 0)
 	}
@@ -450,16 +450,17 @@ func TestExpandableMapUnit(t *testing.T) {
 	require.Zero(t, drv.Violations(), "%v", drv.ViolationLog())
 }
 
-// Stitching is on by default, with expandable segments; stitch:False keeps
-// expandable segments without it, expandable_segments:False turns both off;
-// a named stitch:True with expandable_segments:False is an error whatever
-// the order of the keys; the string form parses back to the same
-// configuration.
+// The default is ordinary segments, without stitching;
+// expandable_segments:True turns on expandable segments with stitching,
+// stitch:False keeps expandable segments without it, stitch:True alone
+// implies expandable segments; a named stitch:True with
+// expandable_segments:False is an error whatever the order of the keys; the
+// string form parses back to the same configuration.
 func TestStitchConfig(t *testing.T) {
 	def, _, err := allocator.ParseConfig("")
 	require.NoError(t, err)
-	require.True(t, def.Stitch, "on by default")
-	require.True(t, def.ExpandableSegments)
+	require.False(t, def.Stitch, "off by default")
+	require.False(t, def.ExpandableSegments, "ordinary segments by default")
 	require.False(t, def.StitchSet || def.ExpandableSet, "nothing named")
 	require.Empty(t, def.String(), "the defaults are not written out")
 	require.Equal(t, allocator.DefaultConfig(), def)
@@ -470,7 +471,8 @@ func TestStitchConfig(t *testing.T) {
 	}{
 		{"stitch:True,expandable_map_unit_mb:4", "expandable_map_unit_mb:4,stitch:True", true, true},
 		{"expandable_segments:True", "expandable_segments:True", true, true},
-		{"stitch:False", "stitch:False", true, false},
+		{"stitch:True", "stitch:True", true, true},
+		{"stitch:False", "stitch:False", false, false},
 		{"expandable_segments:False", "expandable_segments:False", false, false},
 		{"stitch:False,expandable_segments:False", "expandable_segments:False,stitch:False", false, false},
 		{"expandable_segments:False,stitch:False", "expandable_segments:False,stitch:False", false, false},
@@ -530,24 +532,44 @@ func TestStitchConfig(t *testing.T) {
 	require.NoError(t, err)
 	require.False(t, got.Stitch, "still off")
 
-	got, _, err = allocator.ParseConfigUpdate(def, "expandable_segments:False")
+	got, _, err = allocator.ParseConfigUpdate(def, "expandable_segments:True")
 	require.NoError(t, err)
-	require.False(t, got.Stitch, "stitch follows expandable_segments off")
-	got, _, err = allocator.ParseConfigUpdate(got, "expandable_segments:True")
+	require.True(t, got.Stitch, "stitch follows expandable_segments on")
+	got, _, err = allocator.ParseConfigUpdate(got, "expandable_segments:False")
 	require.NoError(t, err)
-	require.True(t, got.Stitch, "and back on")
+	require.False(t, got.Stitch, "and back off")
+	got, _, err = allocator.ParseConfigUpdate(def, "stitch:True")
+	require.NoError(t, err)
+	require.True(t, got.ExpandableSegments, "a named stitch:True implies expandable segments")
+	require.True(t, got.Stitch)
 
-	// stitch:True implies expandable segments; so does the default.
+	// stitch:True implies expandable segments, and expandable_segments:True
+	// brings stitching; the default allocates ordinary segments.
 	lockThread(t)
-	for _, conf := range []string{"stitch:True", ""} {
+	for _, conf := range []string{"stitch:True", stitching} {
 		a, drv := newAlloc(t, 1, GiB, conf)
 		p := mustMalloc(t, a, 0, 3*MiB, 0)
 		require.Zero(t, drv.Allocs(0), "no cuMemAlloc: pages are mapped")
+		require.True(t, a.Config().Stitch, conf)
 		require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
 	}
-	// The configuration in force changes the next growth.
 	a, drv := newAlloc(t, 1, GiB, "")
-	cfg, _, err := allocator.ParseConfigUpdate(a.Config(), "expandable_segments:False")
+	p := mustMalloc(t, a, 0, 3*MiB, 0)
+	require.Equal(t, int64(1), drv.Allocs(0), "the default: one cuMemAlloc")
+	maps, _ := drv.MapCalls(0)
+	require.Zero(t, maps, "the default maps nothing")
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
+
+	// The configuration in force changes the next growth, both ways.
+	cfg, _, err := allocator.ParseConfigUpdate(a.Config(), "expandable_segments:True")
+	require.NoError(t, err)
+	a.Configure(cfg)
+	mustMalloc(t, a, 0, 30*MiB, 0)
+	require.Equal(t, int64(1), drv.Allocs(0), "pages are mapped")
+	maps, _ = drv.MapCalls(0)
+	require.NotZero(t, maps)
+	a, drv = newAlloc(t, 1, GiB, stitching)
+	cfg, _, err = allocator.ParseConfigUpdate(a.Config(), "expandable_segments:False")
 	require.NoError(t, err)
 	a.Configure(cfg)
 	mustMalloc(t, a, 0, 3*MiB, 0)

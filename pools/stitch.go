@@ -2,7 +2,7 @@ package pools
 
 import "github.com/cudapool/cudapool/cuda"
 
-// Stitching (on by default): the blocks' side of the policy in
+// Stitching (with expandable_segments:True): the blocks' side of the policy in
 // vmem/stitch.go.
 //
 // # Design

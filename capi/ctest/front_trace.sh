@@ -3,10 +3,12 @@
 # (demo/train75.txt.gz: bench/record_trace.py bench, 75 GPT-2 steps of varying
 # lengths), replayed on the simulator with frees deferred as PyTorch's class
 # path makes them: with the front the peak reserved memory must be no higher
-# than without it. Held blocks are not merged or seen by best fit, and large
-# ones fragmented the segments over the run (6.195 GiB holding any size
-# against 6.160 without the front; holding the newest, 6.266 here and 6.29
-# on the GPU): capi/front.c holds small ones only.
+# than without it, with ordinary segments (the default) and with expandable
+# segments and stitching (expandable_segments:True). Held blocks are not
+# merged or seen by best fit, and large ones fragmented the ordinary
+# segments over the run (6.195 GiB holding any size against 6.160 without
+# the front; holding the newest, 6.266 here and 6.29 on the GPU):
+# capi/front.c holds small ones only.
 set -eu
 bench=$1
 trace=${TMPDIR:-/tmp}/cudapool_front_trace.$$
@@ -16,14 +18,19 @@ run() {
 	CUDAPOOL_BACKEND=sim C_BENCH_FREE=deferred CUDAPOOL_CONF=$1 "$bench" --config cudapool \
 		--sections trace --trace "$trace" --trace-repeats 1 2>/dev/null | grep '"section":"trace"'
 }
-on=$(run "") off=$(run "front_cache:False")
-python3 - "$on" "$off" <<'PY'
+rc=0
+for conf in "" "expandable_segments:True"; do
+	on=$(run "$conf") off=$(run "${conf:+$conf,}front_cache:False")
+	python3 - "${conf:-the default}" "$on" "$off" <<'PY' || rc=1
 import json, sys
-on, off = (json.loads(a) for a in sys.argv[1:3])
+name = sys.argv[1]
+on, off = (json.loads(a) for a in sys.argv[2:4])
 gib = 2**30
 hits = on["trace_front_hits"] / on["trace_allocs"]
 ok = on["trace_peak_reserved"] <= off["trace_peak_reserved"]
-print(("ok    " if ok else "FAIL  ") + "peak reserved with the front %.3f GiB, without %.3f GiB (the front served %.1f%% of %d mallocs)"
-      % (on["trace_peak_reserved"] / gib, off["trace_peak_reserved"] / gib, 100 * hits, on["trace_allocs"]))
+print(("ok    " if ok else "FAIL  ") + "%s: peak reserved with the front %.3f GiB, without %.3f GiB (the front served %.1f%% of %d mallocs)"
+      % (name, on["trace_peak_reserved"] / gib, off["trace_peak_reserved"] / gib, 100 * hits, on["trace_allocs"]))
 sys.exit(0 if ok else 1)
 PY
+done
+exit $rc

@@ -165,9 +165,10 @@ static void test_pause_resume(void) {
 		cudapool_free(ps[k], 0, -1, NULL);
 }
 
-/* A tag's allocation shared with another process (PyTorch's handle format,
- * expandable memory under the defaults) keeps the tag from pausing until it
- * is freed; a paused tag's allocation cannot be shared. */
+/* A tag's allocation shared with another process (PyTorch's handle format:
+ * a tag's memory is expandable memory whatever the configuration) keeps the
+ * tag from pausing until it is freed; a paused tag's allocation cannot be
+ * shared. */
 static void test_shared(void) {
 	printf("-- pause and CUDA IPC\n");
 	unsigned char buf[256];

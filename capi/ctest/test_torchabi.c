@@ -215,7 +215,7 @@ static void test_caching_off(void) {
 static void test_ipc(void) {
 	printf("-- CUDA IPC\n");
 	/* cuIpcGetMemHandle names cuMemAlloc'd segments: ordinary segments (the
-	 * default maps pages of expandable segments). */
+	 * default, named: expandable segments map pages). */
 	CHECK(cudapool_configure("expandable_segments:False") == 0, "ordinary segments");
 	void *a = cudapool_malloc_ctx(4096, 0, NULL, 0);
 	void *b = cudapool_malloc_ctx(4096, 0, NULL, 0);
@@ -236,8 +236,9 @@ static void test_ipc(void) {
 }
 
 /* PyTorch's handle format (cudapool_ipc_share, cudapool_ipc_open_shared),
- * for ordinary memory ('c'), expandable memory without stitching ('e', the
- * large pool's 20 MiB chunks) and with the defaults ('e', 2 MiB pages).
+ * for ordinary memory ('c', the default), expandable memory without
+ * stitching ('e', the large pool's 20 MiB chunks) and with stitching
+ * (expandable_segments:True: 'e', 2 MiB pages).
  * The simulated process imports its own exports: pidfd_open of itself
  * works as across processes (the Go tests use two simulated processes). */
 static void test_ipc_share(void) {
@@ -301,18 +302,19 @@ static void test_ipc_share(void) {
 	cudapool_free(e, 5 * MiB, 0, NULL);
 	cudapool_empty_cache(); /* the chunked range goes */
 
-	/* The defaults: stitching maps 2 MiB pages, one descriptor each. */
-	CHECK(cudapool_configure("") == 0, "the defaults");
+	/* Stitching maps 2 MiB pages, one descriptor each. */
+	CHECK(cudapool_configure("expandable_segments:True") == 0, "expandable segments with stitching");
 	void *d = cudapool_malloc_ctx(5 * MiB, 0, NULL, 0);
 	CHECK(cudapool_sim_write(0, d, data, sizeof data) == 0, "the exporter writes");
 	CHECK(cudapool_ipc_share(d, buf, sizeof buf, &len, &off, &dev) == 0 && buf[1] == 'e' && len == 2 + 24 + 3 * 4,
-	      "the defaults: type 'e', a descriptor for each of the three pages under 5 MiB (%zu bytes)", len);
+	      "with stitching: type 'e', a descriptor for each of the three pages under 5 MiB (%zu bytes)", len);
 	m = cudapool_ipc_open_shared(0, buf, len);
 	CHECK(m != NULL && cudapool_sim_read(0, (char *)m + off, got, sizeof got) == 0 && memcmp(data, got, sizeof data) == 0,
 	      "the import shows the exporter's bytes");
 	CHECK(cudapool_ipc_close(m) == 0, "closed");
 	cudapool_free(d, 5 * MiB, 0, NULL);
 	cudapool_empty_cache();
+	CHECK(cudapool_configure("") == 0, "back to the defaults");
 }
 
 int main(void) {

@@ -332,8 +332,8 @@ func TestFakeImportCacheEndToEnd(t *testing.T) {
 }
 
 // The allocator shares expandable memory through the real driver's code
-// and the real system calls, with the defaults (stitching: 2 MiB pages)
-// and without stitching (20 MiB chunks): the handle lists the block's
+// and the real system calls, with stitching (expandable_segments:True:
+// 2 MiB pages) and without (20 MiB chunks): the handle lists the block's
 // physical allocations as descriptors of this process (or their fabric
 // handles where fabric handles work), the import takes the descriptors
 // with pidfd_getfd (on oneself) and maps them, and each descriptor closes
@@ -353,8 +353,8 @@ func TestFakeAllocatorShareExpandable(t *testing.T) {
 			conf       string
 			pages, seg uint64 // under the 5 MiB block
 		}{
-			{"defaults", "", 3, 2 << 20},                  // stitching: 2 MiB pages
-			{"no stitching", "stitch:False", 1, 20 << 20}, // one 20 MiB chunk
+			{"stitching", "expandable_segments:True", 3, 2 << 20},                  // 2 MiB pages
+			{"no stitching", "expandable_segments:True,stitch:False", 1, 20 << 20}, // one 20 MiB chunk
 		} {
 			t.Run(c.name+"/"+conf.name, func(t *testing.T) {
 				shareExpandable(t, c.env, c.kind, conf.conf, conf.pages, conf.seg)

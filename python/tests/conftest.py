@@ -145,9 +145,17 @@ class Allocations:
 @pytest.fixture
 def ordinary():
     """Ordinary segments (one cuMemAlloc each), for the tests of their
-    statistics: the default is expandable segments with stitching. The
-    clean-up after the test restores the defaults."""
+    statistics: the default, named so that these tests do not follow it.
+    The clean-up after the test restores the defaults."""
     _lib.configure("expandable_segments:False")
+
+
+@pytest.fixture
+def stitching():
+    """Expandable segments with stitching (expandable_segments:True), for
+    the tests of expandable memory as users opt into it. The clean-up after
+    the test restores the defaults."""
+    _lib.configure("expandable_segments:True")
 
 
 @pytest.fixture

@@ -68,12 +68,18 @@ def test_out_of_memory():
     # cudapool_malloc is a C entry point: cudapool's words, not PyTorch's.
     assert msg.startswith("cudapool_malloc: out of memory on device 0: cannot allocate 9.00 GiB")
     assert "free of 8.00 GiB" in msg
-    assert "PYTORCH_CUDA_ALLOC_CONF" not in msg and "private pools (CUDA graphs, MemPools)" in msg
-    cudapool.configure("expandable_segments:False")
-    with pytest.raises(cudapool.OutOfMemoryError, match="leave out expandable_segments:False"):
+    # The hint names the next step for the configuration in force: with
+    # ordinary segments (the default), stitching.
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in msg
+    assert "expandable segments with stitching (CUDAPOOL_CONF=expandable_segments:True)" in msg
+    cudapool.configure("expandable_segments:True,stitch:False")
+    with pytest.raises(cudapool.OutOfMemoryError, match=r"stitching \(CUDAPOOL_CONF=expandable_segments:True,stitch:True\)"):
+        _lib.malloc(9 * GiB)
+    cudapool.configure("expandable_segments:True")
+    with pytest.raises(cudapool.OutOfMemoryError, match=r"private pools \(CUDA graphs, MemPools\)"):
         _lib.malloc(9 * GiB)
     cudapool.configure("")
-    assert cudapool.memory_stats()["num_ooms"] == 2
+    assert cudapool.memory_stats()["num_ooms"] == 3
 
 
 def test_memory_fraction_limits_and_validates(allocs):

@@ -193,14 +193,14 @@ def test_threads(mgr):
     assert cudapool.memory_stats(0)["allocation.all.allocated"] == 6 * 200
 
 
-@pytest.mark.parametrize("conf", [None, "expandable_segments:True,stitch:False"], ids=["default", "expandable"])
+@pytest.mark.parametrize("conf", ["expandable_segments:True", "expandable_segments:True,stitch:False"],
+                         ids=["stitching", "expandable"])
 def test_ipc_of_expandable_memory(mgr, conf):
-    """Memory in an expandable segment (the default, with stitching) has no
-    cudaIpcMemHandle_t: its handle carries PyTorch's handle bytes, pickles,
-    and opens through cudapool (here in the same simulated process, which
-    the simulator allows)."""
-    if conf:
-        _lib.configure(conf)
+    """Memory in an expandable segment (expandable_segments:True, with or
+    without stitching) has no cudaIpcMemHandle_t: its handle carries
+    PyTorch's handle bytes, pickles, and opens through cudapool (here in the
+    same simulated process, which the simulator allows)."""
+    _lib.configure(conf)
     mp = mgr.memalloc(4096)
     try:
         ptr = mp.device_pointer_value

@@ -26,11 +26,13 @@ def parse(handle):
     return version, kind, pid, seg, list(struct.unpack_from(f"<{n}i", handle, 26))
 
 
-@pytest.mark.parametrize("conf, seg_size, pages", [("", 2 * MiB, 3), ("stitch:False", 20 * MiB, 1)],
-                         ids=["default", "expandable"])
+@pytest.mark.parametrize("conf, seg_size, pages",
+                         [("expandable_segments:True", 2 * MiB, 3), ("expandable_segments:True,stitch:False", 20 * MiB, 1)],
+                         ids=["stitching", "expandable"])
 def test_expandable_memory_round_trip(allocs, conf, seg_size, pages):
-    """The defaults (stitching) map 2 MiB pages, one descriptor each under
-    the block; without stitching the large pool's 20 MiB chunks."""
+    """Stitching (expandable_segments:True) maps 2 MiB pages, one descriptor
+    each under the block; without stitching the large pool's 20 MiB
+    chunks."""
     _lib.configure(conf)
     p = allocs.malloc(5 * MiB)
     data = bytes(range(256)) * 16
@@ -68,10 +70,10 @@ def test_ordinary_memory_is_type_c(ordinary, allocs):
         (errno.ENOSYS, 0, r"the kernel lacks pidfd_open \(Linux 5.3\+\)"),
     ],
 )
-def test_pidfd_errors_raise(allocs, open_errno, getfd_errno, want):
+def test_pidfd_errors_raise(stitching, allocs, open_errno, getfd_errno, want):
     """A kernel or permission without pidfd_getfd is an exception that says
     what is missing, raised at once (never a hang)."""
-    p = allocs.malloc(3 * MiB)  # the defaults: expandable segments
+    p = allocs.malloc(3 * MiB)  # expandable segments: shared as descriptors
     handle, _, _ = _lib.ipc_share(p)
     _lib.sim_set_pidfd_errors(open_errno, getfd_errno)
     try:
@@ -99,13 +101,14 @@ def test_fabric_handles_where_the_system_has_them():
         "from cudapool import _lib\n"
         "p = _lib.malloc(3 << 20)\n"
         "h, off, _ = _lib.ipc_share(p)\n"
-        "assert len(h) == 2 + 24 + 2 * 64, len(h)  # the defaults: two 2 MiB pages\n"
+        "assert len(h) == 2 + 24 + 2 * 64, len(h)  # stitching: two 2 MiB pages\n"
         "_lib.sim_write(p, b'fabric')\n"
         "b = _lib.ipc_open_shared(h)\n"
         "assert _lib.sim_read(b + off, 6) == b'fabric'\n"
         "_lib.ipc_close(b)\n"
         "print('ok')\n"
     )
-    env = {"PYTHONPATH": PYTHON_DIR, "CUDAPOOL_BACKEND": "sim", "CUDAPOOL_SIM_SHAREABLE": "fd,fabric", "PATH": ""}
+    env = {"PYTHONPATH": PYTHON_DIR, "CUDAPOOL_BACKEND": "sim", "CUDAPOOL_SIM_SHAREABLE": "fd,fabric", "PATH": "",
+           "CUDAPOOL_CONF": "expandable_segments:True"}
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr

@@ -1,6 +1,7 @@
-"""stitch:True through the library (on the simulator): free pages of holes
+"""Stitching through the library (on the simulator): free pages of holes
 move to a request that no hole fits, reserved memory stays, the snapshot
-counts the moves; bad values of the keys are refused with a clear error."""
+counts the moves; off by default, on with expandable_segments:True or
+stitch:True; bad values of the keys are refused with a clear error."""
 
 import pytest
 
@@ -15,8 +16,9 @@ def remaps():
     return s["stitch_remaps"][0], s["stitch_lent"][0]
 
 
-def test_holes_feed_a_larger_request(allocs):
-    cudapool.configure("stitch:True,expandable_map_unit_mb:2")
+@pytest.mark.parametrize("conf", ["expandable_segments:True", "stitch:True"])
+def test_holes_feed_a_larger_request(allocs, conf):
+    cudapool.configure(conf + ",expandable_map_unit_mb:2")
     settings = cudapool.snapshot()["allocator_settings"]
     assert settings["stitch"] is True and settings["expandable_segments"] is True
     h1 = allocs.malloc(10 * MiB)
@@ -54,20 +56,29 @@ def test_bad_values_are_refused(conf, msg):
         cudapool.configure(conf)
 
 
-def test_on_by_default_and_turned_off_by_either_key():
-    settings = cudapool.snapshot()["allocator_settings"]
-    assert settings["stitch"] is True and settings["expandable_segments"] is True
-    assert settings["PYTORCH_CUDA_ALLOC_CONF"] == ""
-    cudapool.configure("expandable_segments:False")
-    settings = cudapool.snapshot()["allocator_settings"]
-    assert settings["stitch"] is False and settings["expandable_segments"] is False
+def settings():
+    s = cudapool.snapshot()["allocator_settings"]
+    return s["expandable_segments"], s["stitch"]
+
+
+def test_off_by_default_and_on_with_expandable_segments():
+    assert settings() == (False, False), "the default: ordinary segments"
+    assert cudapool.snapshot()["allocator_settings"]["PYTORCH_CUDA_ALLOC_CONF"] == ""
+    cudapool.configure("expandable_segments:True")
+    assert settings() == (True, True), "stitching follows expandable_segments"
+    cudapool.configure("expandable_segments:True,stitch:False")
+    assert settings() == (True, False), "stitch:False keeps expandable segments without stitching"
+    cudapool.configure("stitch:True")
+    assert settings() == (True, True), "stitch:True alone implies expandable segments"
     cudapool.configure("stitch:False")
-    settings = cudapool.snapshot()["allocator_settings"]
-    assert settings["stitch"] is False and settings["expandable_segments"] is True
+    assert settings() == (False, False)
+    cudapool.configure("expandable_segments:False")
+    assert settings() == (False, False)
 
 
 @pytest.mark.parametrize("conf", ["stitch:True,expandable_segments:False", "expandable_segments:False,stitch:True"])
 def test_contradictory_pair_is_refused(conf):
+    cudapool.configure("expandable_segments:True")
     with pytest.raises(cudapool.CudapoolError, match="stitch:True and expandable_segments:False contradict each other"):
         cudapool.configure(conf)
-    assert cudapool.snapshot()["allocator_settings"]["stitch"] is True, "the configuration in force stays"
+    assert settings() == (True, True), "the configuration in force stays"

@@ -1,7 +1,7 @@
 """CUDA IPC of memory in expandable segments on the GPU, in PyTorch's own
 handle format: CUDA tensors sent through torch.multiprocessing queues
-(spawn) between a cudapool process (its defaults, expandable segments
-with stitching, or stitch:False) and a native PyTorch process with
+(spawn) between a cudapool process (expandable_segments:True, with
+stitching, or with stitch:False) and a native PyTorch process with
 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, in both directions;
 between two cudapool processes with stitching, the sender stitching
 (moving pages) while its tensor is shared; ten thousand distinct tensors
@@ -425,7 +425,7 @@ def check_pair(r, parent, child):
 # parent's tensor goes to the child, the child's back to the parent.
 def test_native_parent_cudapool_child(tmp_path):
     r = run(tmp_path, "pair_native", "native", "expandable_segments:True",
-            IPC_CHILD_ROLE="cudapool", IPC_CHILD_CONF="")  # cudapool's defaults
+            IPC_CHILD_ROLE="cudapool", IPC_CHILD_CONF="expandable_segments:True")  # with stitching
     assert r["_mode"] == "native"
     check_pair(r, "native", "cudapool")
 
@@ -439,9 +439,9 @@ def test_cudapool_parent_native_child(tmp_path):
 
 
 def test_cudapool_stitching_parent_native_child(tmp_path):
-    """cudapool's defaults (stitching) map the default pools page by page:
-    2 MiB pages, which native PyTorch imports as well."""
-    r = run(tmp_path, "pair_cudapoolstitch", "cudapool", "",
+    """Stitching (expandable_segments:True) maps the default pools page by
+    page: 2 MiB pages, which native PyTorch imports as well."""
+    r = run(tmp_path, "pair_cudapoolstitch", "cudapool", "expandable_segments:True",
             IPC_CHILD_ROLE="native", IPC_CHILD_CONF="expandable_segments:True")
     check_pair(r, "cudapool", "native")
 
