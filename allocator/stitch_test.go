@@ -53,6 +53,7 @@ func TestStitchMovesIdlePages(t *testing.T) {
 	require.Equal(t, int64(8), st.Remaps)
 	require.Equal(t, int64(16*MiB), st.RemappedBytes)
 	require.Equal(t, int64(1), st.Stitches)
+	require.Zero(t, st.Fragmented, "20 MiB free for 16: the range is short of free memory")
 
 	// The snapshot shows the count, and the moved pages are no memory.
 	var snap struct {
@@ -104,6 +105,68 @@ func TestStitchLimitFollowsPeakReset(t *testing.T) {
 	require.Equal(t, uint64(24*MiB), drv.Used(0), "the holes' pages moved: no new memory")
 	require.Equal(t, int64(8), stitchStats(t, a).Remaps)
 	for _, x := range append(keep, p) {
+		require.NoError(t, a.Free(allocator.FreeRequest{Ptr: x}))
+	}
+	require.NoError(t, a.CheckInvariants())
+	require.Zero(t, drv.Violations(), "%v", drv.ViolationLog())
+}
+
+// A miss in a range that holds plenty of free memory (four times the
+// request, an eighth of the range) leaves the range's own holes mapped:
+// it takes another range's idle pages, and maps new memory for the rest.
+func TestStitchLeavesAFragmentedRangesHoles(t *testing.T) {
+	lockThread(t)
+	a, drv := newAlloc(t, 1, GiB, stitch)
+	// Stream 0: ten 4 MiB holes between 2 MiB live blocks, 40 MiB free of
+	// 60 mapped, none large enough for 8 MiB; stream 1: an idle 6 MiB
+	// hole (made last: a growth takes the idle holes there are).
+	var holes, keep []cuda.Ptr
+	for i := 0; i < 10; i++ {
+		holes = append(holes, mustMalloc(t, a, 0, 4*MiB, 0))
+		keep = append(keep, mustMalloc(t, a, 0, 2*MiB, 0))
+	}
+	o := mustMalloc(t, a, 0, 6*MiB, 1)
+	keep = append(keep, mustMalloc(t, a, 0, 2*MiB, 1))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: o}))
+	for _, h := range holes {
+		require.NoError(t, a.Free(allocator.FreeRequest{Ptr: h}))
+	}
+	used := drv.Used(0)
+	require.Equal(t, uint64(68*MiB), used)
+
+	p := mustMalloc(t, a, 0, 8*MiB, 0)
+	st := stitchStats(t, a)
+	require.Equal(t, int64(1), st.Fragmented)
+	require.Equal(t, int64(3), st.Remaps, "stream 1's three pages moved")
+	require.False(t, drv.Accessible(0, o, 2*MiB))
+	require.Equal(t, used+2*MiB, drv.Used(0), "one page of new memory for the rest")
+	for _, h := range holes {
+		require.True(t, drv.Accessible(0, h, 4*MiB), "stream 0's holes stay mapped")
+	}
+	require.True(t, drv.Accessible(0, p, 8*MiB))
+
+	// With no other range's page left, a miss maps new memory only.
+	q := mustMalloc(t, a, 0, 8*MiB, 0)
+	st = stitchStats(t, a)
+	require.Equal(t, int64(2), st.Fragmented)
+	require.Equal(t, int64(3), st.Remaps)
+	require.Equal(t, used+10*MiB, drv.Used(0))
+	for _, h := range holes {
+		require.True(t, drv.Accessible(0, h, 4*MiB))
+	}
+
+	// Filled, the range is short of free memory again: its holes move.
+	var fill []cuda.Ptr
+	for i := 0; i < 8; i++ {
+		fill = append(fill, mustMalloc(t, a, 0, 4*MiB, 0))
+	}
+	r := mustMalloc(t, a, 0, 8*MiB, 0)
+	st = stitchStats(t, a)
+	require.Equal(t, int64(2), st.Fragmented, "8 MiB free for 8: not plenty")
+	require.Equal(t, int64(7), st.Remaps, "the last two holes' pages moved")
+	require.Equal(t, used+10*MiB, drv.Used(0), "no new memory")
+	require.True(t, drv.Accessible(0, r, 8*MiB))
+	for _, x := range append(append(keep, fill...), p, q, r) {
 		require.NoError(t, a.Free(allocator.FreeRequest{Ptr: x}))
 	}
 	require.NoError(t, a.CheckInvariants())

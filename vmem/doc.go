@@ -59,7 +59,11 @@
 //     (stitch.go): the growth takes whole pages inside free blocks of
 //     either class on any stream, smallest blocks first, and maps them
 //     where it needs them; a page freed by the small pool feeds a large
-//     block and the other way round.
+//     block and the other way round. The holes of the request's own
+//     range are left alone when that range holds plenty of free memory:
+//     its miss comes from fragmentation, which a steady working set would
+//     renew at every miss, and the range grows instead (stitch.go,
+//     "Fragmented ranges").
 //   - Whether a page may move is decided per block by its stream's
 //     progress: idle pages are unmapped and mapped again, pages busy with
 //     the requesting stream's own work are lent, other streams' busy pages

@@ -21,7 +21,8 @@ import (
 // the part of the growth that would raise reserved memory above its
 // high-water mark, stitchFor takes whole pages inside free blocks of
 // the default pools' expandable segments (any stream, either size class,
-// holes of the request's own range outside the run it grows into) and puts
+// holes of the request's own range outside the run it grows into, unless
+// that range holds plenty of free memory: "Fragmented ranges") and puts
 // their physical handles in the spares, which Map uses before creating any.
 // Reserved memory stays the same. Below the mark new pages cost no more
 // than moved ones and the holes stay for the requests that fit them. The
@@ -49,6 +50,27 @@ import (
 //     (stitchPrepare, at a later miss) or empty_cache and the OOM retry
 //     synchronize the device (releaseStitch). Without lending a GPU running
 //     behind the host would leave almost nothing to move.
+//
+// # Fragmented ranges
+//
+// A miss in a range that holds plenty of free memory (roomy: at least
+// four times the request, and an eighth of what the range has mapped)
+// comes from fragmentation: the range's free memory lies in pieces between
+// live blocks, none large enough. Taking pages from the range's own holes
+// would mend it for this request only: a working set that keeps replacing
+// blocks of other sizes fragments the range again at once, and each later
+// miss would move pages again, two driver calls per page (tens of
+// microseconds each on the GPU), for as long as the working set lives.
+// Such a miss leaves its own range's holes alone: it takes pages from other
+// ranges only (other streams, the other size class), whose idle pages serve
+// no request of its range otherwise, and maps new memory for the rest, as
+// expandable segments without stitching do. The range grows once to the
+// slack at which its working set fits, and its misses stop
+// (allocator/steadycalls_test.go holds bench/workloads.h's mix of 256 live
+// blocks of 512 B to 144 MiB to no driver call in its steady state). Near a
+// peak of live memory a range holds little free memory, so the misses that
+// would raise the high-water mark there still take pages from its holes:
+// stitching's saving is kept where the peak is made.
 //
 // The growth may use fewer pages than were taken (the memory fraction or
 // the device stops it, or its run needed less than GrowthNeed foresaw):
@@ -96,6 +118,37 @@ type StitchStats struct {
 	// SkippedBusy counts candidate blocks passed over because work queued
 	// on their stream (not the requesting one) might still use them.
 	SkippedBusy int64 `json:"skipped_busy"`
+	// Fragmented counts the misses whose own range held plenty of free
+	// memory, and whose holes were left alone (see "Fragmented ranges").
+	Fragmented int64 `json:"fragmented"`
+}
+
+// A range holds plenty of free memory for a request (see "Fragmented
+// ranges") when its free mapped blocks sum to at least roomyRequests times
+// the request and to at least 1/roomyShare of its mapped bytes. Both are
+// needed: a small request finds four times its size free in any large
+// range, and a large range's eighth may be less than a large request. The
+// recorded training and serving traces (bench/simreplay) keep their
+// figures: their misses find less free memory in their range than that,
+// but for a few of the two-stream serving trace's, which the other
+// stream's idle pages serve. A looser share (a sixteenth) would let the
+// single-stream serving trace grow by a tenth.
+const (
+	roomyRequests = 4
+	roomyShare    = 8
+)
+
+// roomy reports whether seg holds plenty of free memory for a request of
+// size bytes.
+func roomy(seg *pools.Segment, size uint64) bool {
+	need := max(roomyRequests*size, seg.Mapped/roomyShare, 1)
+	var free uint64
+	for b := seg.Head; b != nil && free < need; b = b.Next {
+		if !b.Unmapped && !b.Active() {
+			free += b.Size
+		}
+	}
+	return free >= need
 }
 
 // donorKind is the verdict on the free block b as a donor for a request
@@ -196,10 +249,15 @@ func (s *Space) stitchFor(r *pools.Request, start *pools.Block, unit uint64) uin
 		return 0
 	}
 	// The run start's growth covers: from start to what GrowthNeed counts,
-	// bounded generously by want past the request.
+	// bounded generously by want past the request; or, where the range
+	// holds plenty of free memory, all of the range.
 	seg := start.Seg
 	lo := uint64(start.Ptr - seg.Base)
 	hi := lo + r.Size + want + seg.PageSize
+	if roomy(seg, r.Size) {
+		lo, hi = 0, seg.Size
+		s.stitch.stats.Fragmented++
+	}
 	donors := s.stitch.donors[:0]
 	var got uint64
 	if s.stitch.kind == nil {
