@@ -135,10 +135,9 @@ type Config struct {
 	MapUnit    uint64 // expandable_map_unit_mb, in bytes
 	Stitch     bool   // stitch:True (which implies Expandable)
 	// Named is the key the configuration named to ask for expandable
-	// memory ("expandable_segments:True" or "stitch:True"), or "" where it
-	// is on by default: only a named key earns a note when the driver
-	// cannot honour it (the default falls back to ordinary segments
-	// quietly).
+	// memory ("expandable_segments:True" or "stitch:True"), or "" where
+	// nothing named it: only a named key earns a note when the driver
+	// cannot honour it.
 	Named string
 }
 
@@ -192,7 +191,7 @@ func (s *Space) Configure(c Config) {
 // Expandable reports whether growth maps pages of expandable segments. On
 // first use it probes the driver's support; where it is missing, growth
 // allocates ordinary segments, with a note if the configuration named
-// expandable memory (by default, quietly: a driver without it loses
+// expandable memory (without one, quietly: a driver without it loses
 // nothing it was promised).
 func (s *Space) Expandable() bool {
 	if !s.want {
