@@ -150,8 +150,8 @@ func TestStitchWaitsForQueuedWork(t *testing.T) {
 // again: a stream's progress marks are recorded at its own misses only, so
 // the misses of other streams, empty_cache, and the blocks still cached on
 // the dead stream leave it alone. (Recording on a destroyed stream is
-// undefined behaviour in CUDA: the driver read the freed stream and crashed
-// in a CuPy, Numba and PyTorch process.) Its idle pages still move.
+// undefined behaviour in CUDA: the driver reads the freed stream, and may
+// crash.) Its pages go back at empty_cache.
 func TestStitchNeverNamesADestroyedStream(t *testing.T) {
 	lockThread(t)
 	for i, conf := range []string{"", stitch, "", stitch} {

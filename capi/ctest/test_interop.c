@@ -140,13 +140,13 @@ static void test_capture_filter(void) {
 	current_stream = 0;
 }
 
-/* The GPU interop tests' order, which crashed in the driver: a CuPy stream
+/* The GPU interop tests' order: a CuPy stream
  * allocates large and small blocks, frees them and is destroyed (CuPy
  * destroys its Stream when the object dies) while its memory stays cached;
  * then CuPy, Numba (cudapool_malloc_ctx on the legacy stream) and PyTorch
  * grow the device, before and after empty_cache, with stitching (the
  * default). The allocator must never name the dead stream to the driver
- * again: recording an event on it read freed driver memory. Announced
+ * again: recording an event on it reads freed driver memory. Announced
  * captures, as under cudapool.cupy.install() and PyTorch. Run last: the
  * announcement stays for the process. */
 static void test_destroyed_stream(void) {

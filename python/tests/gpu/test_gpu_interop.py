@@ -127,8 +127,8 @@ def test_cupy_stream_destroyed_while_its_memory_is_cached(cupy):
     """CuPy destroys a Stream when the object dies, while cudapool keeps the
     memory allocated on it cached. Later growth on other streams (each miss
     records stitching's progress marks) must never name the dead stream to
-    the driver: recording an event on it read freed driver memory and
-    crashed the process at a later CuPy allocation."""
+    the driver: recording an event on it reads freed driver memory, and the
+    process may crash at a later allocation."""
     for k in range(4):
         s = cupy.cuda.Stream(non_blocking=True)
         with s:
