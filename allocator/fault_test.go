@@ -608,12 +608,12 @@ var faultCases = map[string]faultCase{
 	// cached memory. The same for the pages empty_cache unmaps.
 	"vmem/mapper.go:(*physicalMemory).releaseSpares.MemRelease": {run: func(t *testing.T) {
 		e := newFault(t, "stitch:True", false) // the 20 MiB unit
-		x := e.malloc(10*MiB, 1)               // stream 1 maps 20 MiB
-		e.malloc(2*MiB, 1)
+		x := e.malloc(10*MiB, 0)               // stream 0 maps 20 MiB
+		e.malloc(2*MiB, 0)
 		e.free(x) // nine whole free pages around the 2 MiB block
 		require.NoError(t, e.a.SetMemoryFraction(0, 21.0/1024))
 		r := e.fail("MemRelease", "releaseSpares", 0)
-		p := e.malloc(3*MiB, 0) // nine pages moved, two mapped
+		p := e.malloc(3*MiB, 1) // nine pages moved, two mapped
 		e.fired(r)
 		require.True(t, e.sim().Accessible(0, p, 3*MiB))
 		st, err := e.a.StitchStats(0)
@@ -641,7 +641,7 @@ var faultCases = map[string]faultCase{
 	// OOM retry and at empty_cache, and the next empty_cache unmaps them.
 	"vmem/stitch.go:(*Space).releaseStitch.DeviceSynchronize": {run: func(t *testing.T) {
 		e, h := stitchScene(t, true)
-		e.malloc(40*MiB, 1) // the busy hole's pages are lent
+		e.malloc(40*MiB, 0) // the busy hole's pages are lent
 		st, err := e.a.StitchStats(0)
 		require.NoError(t, err)
 		require.Equal(t, int64(5), st.Lent)
@@ -668,8 +668,8 @@ var faultCases = map[string]faultCase{
 	// empty_cache unmaps the rest.
 	"vmem/stitch.go:(*Space).unmapLent.MemUnmap": {run: func(t *testing.T) {
 		e, h := stitchScene(t, true)
-		e.malloc(40*MiB, 1) // the busy hole's pages are lent
-		e.sim().Complete(1)
+		e.malloc(40*MiB, 0) // the busy hole's pages are lent
+		e.sim().Complete(0)
 		r := e.fail("MemUnmap", "unmapLent", 2)
 		e.malloc(20*MiB, 2) // a miss: the markers allow unlending
 		e.fired(r)
@@ -685,7 +685,7 @@ var faultCases = map[string]faultCase{
 		e.nothingLost()
 
 		e, h = stitchScene(t, true)
-		e.malloc(40*MiB, 1)
+		e.malloc(40*MiB, 0)
 		r = e.fail("MemUnmap", "unmapLent", 0)
 		err := e.a.EmptyCache(0)
 		e.fired(r)
@@ -865,7 +865,7 @@ var faultCases = map[string]faultCase{
 		require.Equal(t, 1, e.sim().LiveEvents())
 		r = e.fail("EventCreate", "Advance", 0)
 		used := e.sim().Used(0)
-		e.malloc(40*MiB, 0)
+		e.malloc(40*MiB, 3) // (stream 3's first growth: stream 0 alone is marked)
 		e.fired(r)
 		st, err := e.a.StitchStats(0)
 		require.NoError(t, err)
@@ -874,7 +874,7 @@ var faultCases = map[string]faultCase{
 		require.Equal(t, used+40*MiB, e.sim().Used(0), "new memory instead")
 		require.True(t, e.sim().Accessible(0, h, 10*MiB), "the hole's pages stay")
 		e.consistent(0)
-		e.sim().Complete(1)
+		e.sim().Complete(0)
 		used = e.sim().Used(0)
 		e.malloc(20*MiB, 2)
 		st, err = e.a.StitchStats(0)
@@ -887,7 +887,7 @@ var faultCases = map[string]faultCase{
 	}},
 	// A stitching mark cannot be recorded: its event goes back to the
 	// pool, the stream stays uncertified for this miss.
-	"events/events.go:(*Tracker).Advance.EventRecord": {run: func(t *testing.T) {
+	"events/events.go:(*Tracker).mark.EventRecord": {run: func(t *testing.T) {
 		e, h := stitchScene(t, false)
 		r := e.fail("EventRecord", "Advance", 0)
 		e.stitchMiss(r, h)
@@ -912,7 +912,7 @@ var faultCases = map[string]faultCase{
 		e.notReusedUntil(p, 4096, 1, 5)
 		e.nothingLost()
 
-		// The query of the mark just recorded (stream 1 has none pending,
+		// The query of the mark just recorded (stream 0 has none pending,
 		// so it is queried at once).
 		e, h := stitchScene(t, false)
 		r = e.fail("EventQuery", "Advance", 0)
@@ -922,7 +922,7 @@ var faultCases = map[string]faultCase{
 		// behind the kernel; the kernel completes; the query fails.
 		e, h = stitchScene(t, true)
 		e.malloc(12*MiB, 1) // 24 MiB reserved: no stitching
-		e.sim().Complete(1)
+		e.sim().Complete(0)
 		r = e.fail("EventQuery", "Advance", 0)
 		e.stitchMiss(r, h)
 	}},
@@ -1012,30 +1012,32 @@ func (e *fenv) endReuseScene() {
 }
 
 // stitchScene returns a stitching allocator whose limit is 40 MiB (a
-// 40 MiB block was mapped and emptied) holding 12 MiB on stream 1: a free
-// 10 MiB hole of five pages h before a live 2 MiB block; with busy, a
-// kernel queued on stream 1 still uses the hole.
+// 40 MiB block was mapped and emptied) holding 12 MiB on the legacy stream
+// (0), which every miss marks (events' "Stream progress"; another stream
+// is marked at its own misses only): a free 10 MiB hole of five pages h
+// before a live 2 MiB block; with busy, a kernel queued on stream 0 still
+// uses the hole.
 func stitchScene(t *testing.T, busy bool) (*fenv, cuda.Ptr) {
 	e := newFault(t, confStitch, false)
-	e.free(e.malloc(40*MiB, 1))
+	e.free(e.malloc(40*MiB, 0))
 	require.NoError(t, e.a.EmptyCache(0))
-	h := e.malloc(10*MiB, 1)
-	e.malloc(2*MiB, 1)
+	h := e.malloc(10*MiB, 0)
+	e.malloc(2*MiB, 0)
 	if busy {
-		e.sim().Use(0, 1, h, 10*MiB)
+		e.sim().Use(0, 0, h, 10*MiB)
 	}
 	e.free(h)
 	e.consistent(0)
 	return e, h
 }
 
-// stitchMiss: the fault r, met by a miss on stream 0 that would move the
+// stitchMiss: the fault r, met by a miss on stream 1 that would move the
 // pages of stitchScene's hole h, leaves them where they are (new memory is
 // mapped instead); the next miss moves them.
 func (e *fenv) stitchMiss(r *fault.Rule, h cuda.Ptr) {
 	e.t.Helper()
 	used := e.sim().Used(0)
-	e.malloc(40*MiB, 0)
+	e.malloc(40*MiB, 1)
 	e.fired(r)
 	st, err := e.a.StitchStats(0)
 	require.NoError(e.t, err)

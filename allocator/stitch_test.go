@@ -117,16 +117,17 @@ func TestStitchLimitFollowsPeakReset(t *testing.T) {
 func TestStitchLeavesAFragmentedRangesHoles(t *testing.T) {
 	lockThread(t)
 	a, drv := newAlloc(t, 1, GiB, stitch)
-	// Stream 0: ten 4 MiB holes between 2 MiB live blocks, 40 MiB free of
-	// 60 mapped, none large enough for 8 MiB; stream 1: an idle 6 MiB
-	// hole (made last: a growth takes the idle holes there are).
+	// Stream 1: ten 4 MiB holes between 2 MiB live blocks, 40 MiB free of
+	// 60 mapped, none large enough for 8 MiB; the legacy stream 0 (marked
+	// at every miss, so its idle pages are known idle): an idle 6 MiB hole
+	// (made last: a growth takes the idle holes there are).
 	var holes, keep []cuda.Ptr
 	for i := 0; i < 10; i++ {
-		holes = append(holes, mustMalloc(t, a, 0, 4*MiB, 0))
-		keep = append(keep, mustMalloc(t, a, 0, 2*MiB, 0))
+		holes = append(holes, mustMalloc(t, a, 0, 4*MiB, 1))
+		keep = append(keep, mustMalloc(t, a, 0, 2*MiB, 1))
 	}
-	o := mustMalloc(t, a, 0, 6*MiB, 1)
-	keep = append(keep, mustMalloc(t, a, 0, 2*MiB, 1))
+	o := mustMalloc(t, a, 0, 6*MiB, 0)
+	keep = append(keep, mustMalloc(t, a, 0, 2*MiB, 0))
 	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: o}))
 	for _, h := range holes {
 		require.NoError(t, a.Free(allocator.FreeRequest{Ptr: h}))
@@ -134,19 +135,19 @@ func TestStitchLeavesAFragmentedRangesHoles(t *testing.T) {
 	used := drv.Used(0)
 	require.Equal(t, uint64(68*MiB), used)
 
-	p := mustMalloc(t, a, 0, 8*MiB, 0)
+	p := mustMalloc(t, a, 0, 8*MiB, 1)
 	st := stitchStats(t, a)
 	require.Equal(t, int64(1), st.Fragmented)
-	require.Equal(t, int64(3), st.Remaps, "stream 1's three pages moved")
+	require.Equal(t, int64(3), st.Remaps, "stream 0's three pages moved")
 	require.False(t, drv.Accessible(0, o, 2*MiB))
 	require.Equal(t, used+2*MiB, drv.Used(0), "one page of new memory for the rest")
 	for _, h := range holes {
-		require.True(t, drv.Accessible(0, h, 4*MiB), "stream 0's holes stay mapped")
+		require.True(t, drv.Accessible(0, h, 4*MiB), "stream 1's holes stay mapped")
 	}
 	require.True(t, drv.Accessible(0, p, 8*MiB))
 
 	// With no other range's page left, a miss maps new memory only.
-	q := mustMalloc(t, a, 0, 8*MiB, 0)
+	q := mustMalloc(t, a, 0, 8*MiB, 1)
 	st = stitchStats(t, a)
 	require.Equal(t, int64(2), st.Fragmented)
 	require.Equal(t, int64(3), st.Remaps)
@@ -158,9 +159,9 @@ func TestStitchLeavesAFragmentedRangesHoles(t *testing.T) {
 	// Filled, the range is short of free memory again: its holes move.
 	var fill []cuda.Ptr
 	for i := 0; i < 8; i++ {
-		fill = append(fill, mustMalloc(t, a, 0, 4*MiB, 0))
+		fill = append(fill, mustMalloc(t, a, 0, 4*MiB, 1))
 	}
-	r := mustMalloc(t, a, 0, 8*MiB, 0)
+	r := mustMalloc(t, a, 0, 8*MiB, 1)
 	st = stitchStats(t, a)
 	require.Equal(t, int64(2), st.Fragmented, "8 MiB free for 8: not plenty")
 	require.Equal(t, int64(7), st.Remaps, "the last two holes' pages moved")
@@ -175,34 +176,127 @@ func TestStitchLeavesAFragmentedRangesHoles(t *testing.T) {
 
 // A page of another stream that work queued before its free may still
 // touch stays where it is until a marker event recorded after the free has
-// completed.
+// completed. The legacy stream (0) is marked at every miss; another stream
+// at its own misses only (TestStitchNeverNamesADestroyedStream).
 func TestStitchWaitsForQueuedWork(t *testing.T) {
 	lockThread(t)
 	a, drv := newAlloc(t, 1, GiB, stitch)
-	h1 := mustMalloc(t, a, 0, 10*MiB, 1)
-	k1 := mustMalloc(t, a, 0, 2*MiB, 1)
-	drv.Use(0, 1, h1, 10*MiB) // a kernel on h1, still running when h1 is freed
+	h1 := mustMalloc(t, a, 0, 10*MiB, 0)
+	k1 := mustMalloc(t, a, 0, 2*MiB, 0)
+	drv.Use(0, 0, h1, 10*MiB) // a kernel on h1, still running when h1 is freed
 	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: h1}))
 
-	p := mustMalloc(t, a, 0, 16*MiB, 0)
+	p := mustMalloc(t, a, 0, 16*MiB, 1)
 	st := stitchStats(t, a)
-	require.Zero(t, st.Remaps, "stream 1 is busy")
+	require.Zero(t, st.Remaps, "stream 0 is busy")
 	require.Greater(t, st.SkippedBusy, int64(0))
 	require.Equal(t, uint64(12*MiB+16*MiB), drv.Used(0), "new memory instead")
 	require.True(t, drv.Accessible(0, h1, 10*MiB), "the busy hole is still mapped")
 	require.Zero(t, drv.Violations(), "%v", drv.ViolationLog())
 	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
 
-	// The marker recorded at that miss completes with stream 1's work:
+	// The marker recorded at that miss completes with stream 0's work:
 	// the hole's pages may move now.
-	drv.Complete(1)
-	q := mustMalloc(t, a, 0, 40*MiB, 0)
+	drv.Complete(0)
+	q := mustMalloc(t, a, 0, 40*MiB, 1)
 	require.Equal(t, int64(5), stitchStats(t, a).Remaps, "the hole's five whole pages")
 	require.False(t, drv.Accessible(0, h1, 2*MiB), "the hole's pages moved")
 	require.True(t, drv.Accessible(0, q, 40*MiB))
 	for _, x := range []cuda.Ptr{k1, q} {
 		require.NoError(t, a.Free(allocator.FreeRequest{Ptr: x}))
 	}
+	require.NoError(t, a.CheckInvariants())
+	require.Zero(t, drv.Violations(), "%v", drv.ViolationLog())
+}
+
+// A stream the application destroyed (CuPy's and Numba's streams come and
+// go while memory allocated on them lives on) is never named to the driver
+// again: a stream's progress marks are recorded at its own misses only, so
+// the misses of other streams, empty_cache, and the blocks still cached on
+// the dead stream leave it alone. (Recording on a destroyed stream is
+// undefined behaviour in CUDA: the driver reads the freed stream, and may
+// crash.) Its pages go back at empty_cache.
+func TestStitchNeverNamesADestroyedStream(t *testing.T) {
+	lockThread(t)
+	for i, conf := range []string{"", stitch, "", stitch} {
+		a, drv := newAlloc(t, 1, GiB, conf)
+		if i >= 2 {
+			a.ExpectAnnouncements() // as under PyTorch: no capture query at all
+		}
+		const gone = cuda.Stream(0x5551000)
+		// Large and small blocks on the stream, each size class missing
+		// twice: the stream is watched and has marks.
+		var ps []cuda.Ptr
+		for _, size := range []uint64{4 * MiB, 4 * MiB, 30 * MiB, 512, 4096, 2 * MiB} {
+			ps = append(ps, mustMalloc(t, a, 0, size, gone))
+		}
+		last := ps[len(ps)-1]
+		for _, p := range ps[:len(ps)-1] {
+			require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
+		}
+		drv.DestroyStream(gone)
+
+		// Misses on stream 0, before and after empty_cache, both size
+		// classes; and a block of the dead stream freed in between.
+		p := mustMalloc(t, a, 0, 64*MiB, 0)
+		small := mustMalloc(t, a, 0, 1*MiB, 0)
+		require.NoError(t, a.Free(allocator.FreeRequest{Ptr: last}))
+		require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
+		require.NoError(t, a.EmptyCache(0))
+		q := mustMalloc(t, a, 0, 256*MiB, 0)
+		r := mustMalloc(t, a, 0, 300*MiB, 0)
+		for _, x := range []cuda.Ptr{small, q, r} {
+			require.NoError(t, a.Free(allocator.FreeRequest{Ptr: x}))
+		}
+		require.NoError(t, a.EmptyCache(0))
+		require.Zero(t, drv.Used(0), conf)
+		require.NoError(t, a.CheckInvariants())
+		require.Zero(t, drv.Violations(), "%d %q: %v", i, conf, drv.ViolationLog())
+	}
+}
+
+// A stream other than the legacy one is marked at its own misses only: its
+// pages freed after its last miss stay where they are at other streams'
+// misses, and move once a miss of its own has marked it.
+func TestStitchMarksAStreamAtItsOwnMisses(t *testing.T) {
+	lockThread(t)
+	a, drv := newAlloc(t, 1, GiB, stitch)
+	const s1, s2 = cuda.Stream(1), cuda.Stream(2)
+	h := mustMalloc(t, a, 0, 10*MiB, s1)
+	k := mustMalloc(t, a, 0, 2*MiB, s1)
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: h}))
+
+	p := mustMalloc(t, a, 0, 16*MiB, s2)
+	st := stitchStats(t, a)
+	require.Zero(t, st.Remaps, "no mark of stream 1 since its free")
+	require.Positive(t, st.SkippedBusy)
+	require.True(t, drv.Accessible(0, h, 10*MiB))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
+
+	// Stream 1's own miss marks it; idle, the mark completes at once, and
+	// the miss takes one of the hole's pages for its small pool.
+	mapped := func() (n int) {
+		for o := uint64(0); o < 10*MiB; o += 2 * MiB {
+			if drv.Accessible(0, h+cuda.Ptr(o), 2*MiB) {
+				n++
+			}
+		}
+		return n
+	}
+	small := mustMalloc(t, a, 0, 4096, s1)
+	require.Equal(t, int64(1), stitchStats(t, a).Remaps)
+	require.Equal(t, 4, mapped())
+
+	// Stream 2's next miss moves the rest.
+	q := mustMalloc(t, a, 0, 40*MiB, s2)
+	require.Equal(t, int64(5), stitchStats(t, a).Remaps, "the hole's other four pages")
+	require.Zero(t, mapped())
+	require.True(t, drv.Accessible(0, q, 40*MiB))
+	for _, x := range []cuda.Ptr{k, small, q} {
+		require.NoError(t, a.Free(allocator.FreeRequest{Ptr: x}))
+	}
+	require.NoError(t, a.EmptyCache(0))
+	require.Zero(t, drv.Used(0))
 	require.NoError(t, a.CheckInvariants())
 	require.Zero(t, drv.Violations(), "%v", drv.ViolationLog())
 }
@@ -339,18 +433,20 @@ func TestStitchRestoresUnusedLentPages(t *testing.T) {
 
 // Pages come from other streams' ranges and from the small pool's empty
 // pages; a private pool's free pages never move, and nothing moves during a
-// capture.
+// capture. Another stream's pages move once a mark recorded after their
+// free has completed: the legacy stream's (0) at any miss, a stream's own
+// at its own misses (TestStitchNeverNamesADestroyedStream).
 func TestStitchSourcesAndRules(t *testing.T) {
 	lockThread(t)
 	a, drv := newAlloc(t, 1, GiB, stitch)
-	// Stream 1's range: a 6 MiB hole.
-	o := mustMalloc(t, a, 0, 6*MiB, 1)
-	ok := mustMalloc(t, a, 0, 2*MiB, 1)
+	// The legacy stream's range: a 6 MiB hole.
+	o := mustMalloc(t, a, 0, 6*MiB, 0)
+	ok := mustMalloc(t, a, 0, 2*MiB, 0)
 	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: o}))
-	// The small pool: two pages of small blocks, then all freed.
+	// Stream 1's small pool: two pages of small blocks, then all freed.
 	var small []cuda.Ptr
 	for i := 0; i < 6; i++ {
-		small = append(small, mustMalloc(t, a, 0, 700*KiB, 0))
+		small = append(small, mustMalloc(t, a, 0, 700*KiB, 1))
 	}
 	for _, x := range small {
 		require.NoError(t, a.Free(allocator.FreeRequest{Ptr: x}))
@@ -369,14 +465,14 @@ func TestStitchSourcesAndRules(t *testing.T) {
 	require.NoError(t, a.EndAllocateToPool(0, g))
 	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: side}))
 	require.NoError(t, a.EmptyCache(0)) // side's pages go: a clean start
-	require.Equal(t, int64(3), before, "the small pool's pages came from stream 1's hole")
+	require.Equal(t, int64(3), before, "the small pool's pages came from the legacy stream's hole")
 
 	before = stitchStats(t, a).Remaps
 	p := mustMalloc(t, a, 0, 20*MiB, 2) // stream 2: a range of its own
 	require.Equal(t, before, stitchStats(t, a).Remaps, "empty_cache unmapped the holes before")
 
 	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
-	o = mustMalloc(t, a, 0, 6*MiB, 1)
+	o = mustMalloc(t, a, 0, 6*MiB, 0)
 	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: o}))
 	for i := range small {
 		small[i] = mustMalloc(t, a, 0, 700*KiB, 0)
@@ -384,16 +480,17 @@ func TestStitchSourcesAndRules(t *testing.T) {
 	for _, x := range small {
 		require.NoError(t, a.Free(allocator.FreeRequest{Ptr: x}))
 	}
+	// Stream 2 freed p after its last request: no mark certifies that free.
 	used := drv.Used(0)
 	graphMapped := mappedIn(t, a, g)
 	before = stitchStats(t, a).Remaps
-	idle := freePages(a)
-	require.GreaterOrEqual(t, idle, int64(8), "stream 1's hole, the small pool's pages, what is left of stream 2's")
-	require.Less(t, idle, int64(20))
+	legacy, others := freePagesOf(a, 0), freePagesOf(a, 2)
+	require.Equal(t, int64(3), legacy, "the legacy stream's hole, moved to its small pool")
+	require.Equal(t, int64(10), others, "stream 2's")
 	q := mustMalloc(t, a, 0, 40*MiB, 3)
-	require.Equal(t, before+idle, stitchStats(t, a).Remaps, "every idle free page moved")
-	require.Zero(t, freePages(a))
-	require.Equal(t, used+uint64(20-idle)*2*MiB, drv.Used(0), "the rest is new memory")
+	require.Equal(t, before+legacy, stitchStats(t, a).Remaps, "every idle free page of the legacy stream moved")
+	require.Equal(t, others, freePages(a), "the other streams' pages stay")
+	require.Equal(t, used+uint64(20-legacy)*2*MiB, drv.Used(0), "the rest is new memory")
 	require.Equal(t, graphMapped, mappedIn(t, a, g), "the live graph's pool kept its pages")
 	require.True(t, drv.Accessible(0, q, 40*MiB))
 
@@ -409,10 +506,13 @@ func TestStitchSourcesAndRules(t *testing.T) {
 
 // freePages counts the whole pages inside free blocks of the default
 // pools' expandable segments, from the snapshot.
-func freePages(a *allocator.Allocator) int64 {
+func freePages(a *allocator.Allocator) int64 { return freePagesOf(a, -1) }
+
+// freePagesOf is freePages of stream s's segments (-1: every stream's).
+func freePagesOf(a *allocator.Allocator, stream int64) int64 {
 	var n int64
 	for _, s := range a.Snapshot(nil, true).Segments {
-		if !s.IsExpandable || s.SegmentPoolID != [2]uint64{} {
+		if !s.IsExpandable || s.SegmentPoolID != [2]uint64{} || stream >= 0 && s.Stream != uint64(stream) {
 			continue
 		}
 		for _, b := range s.Blocks {
@@ -644,12 +744,12 @@ func TestStitchConfig(t *testing.T) {
 func TestStitchFullDeviceUsesMovedPages(t *testing.T) {
 	lockThread(t)
 	a, drv := newAlloc(t, 1, 21*MiB, "stitch:True")
-	x := mustMalloc(t, a, 0, 10*MiB, 1) // stream 1 maps a 20 MiB unit
-	g := mustMalloc(t, a, 0, 2*MiB, 1)
+	x := mustMalloc(t, a, 0, 10*MiB, 0) // stream 0 maps a 20 MiB unit
+	g := mustMalloc(t, a, 0, 2*MiB, 0)
 	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: x})) // nine whole free pages around g
 	require.Equal(t, uint64(20*MiB), drv.Used(0))
 
-	y := mustMalloc(t, a, 0, 3*MiB, 0) // wants a 20 MiB unit; 1 MiB is free
+	y := mustMalloc(t, a, 0, 3*MiB, 1) // wants a 20 MiB unit; 1 MiB is free
 	require.True(t, drv.Accessible(0, y, 3*MiB))
 	require.Equal(t, uint64(20*MiB), drv.Used(0))
 	require.Equal(t, int64(9), stitchStats(t, a).Remaps)

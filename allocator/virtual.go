@@ -97,7 +97,7 @@ func (p progress) Watch(s cuda.Stream)                  { p.d.ev.Watch(s) }
 func (p progress) Watched(s cuda.Stream) bool           { return p.d.ev.Watched(s) }
 func (p progress) Watching() bool                       { return p.d.ev.Watching() }
 func (p progress) Passed(s cuda.Stream, at uint64) bool { return p.d.ev.Passed(s, at) }
-func (p progress) Advance()                             { p.d.ev.Advance(p.d.cache, p.d.recordable, p.d.ret) }
+func (p progress) Advance(rs cuda.Stream)               { p.d.ev.Advance(p.d.cache, rs, p.d.recordable, p.d.ret) }
 func (p progress) Reset()                               { p.d.ev.ResetProgress() }
 
 // recordable reports whether a mark may be recorded on s now: not while s

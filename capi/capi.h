@@ -234,6 +234,7 @@ extern int cpgo_sim_begin_capture(uintptr_t stream, int mode);
 extern int cpgo_sim_end_capture(uintptr_t stream);
 extern void cpgo_sim_submit(uintptr_t stream);
 extern void cpgo_sim_complete_all(void);
+extern void cpgo_sim_destroy_stream(uintptr_t stream);
 extern long long cpgo_sim_violations(void);
 extern int cpgo_sim_set_pidfd_errors(int open_errno, int getfd_errno);
 extern int cpgo_sim_write(int device, uintptr_t ptr, void *src, size_t n);

@@ -473,6 +473,12 @@ void cudapool_sim_complete_all(void) {
 	cpgo_sim_complete_all();
 }
 
+void cudapool_sim_destroy_stream(cudapool_stream s) {
+	if (cp_refused("cudapool_sim_destroy_stream"))
+		return;
+	cpgo_sim_destroy_stream((uintptr_t)s);
+}
+
 CP_FORWARD(int, -1, cudapool_sim_set_pidfd_errors, (int open_errno, int getfd_errno),
            sim_set_pidfd_errors(open_errno, getfd_errno))
 CP_FORWARD(int, -1, cudapool_sim_write, (int device, void *ptr, const void *src, size_t n),

@@ -439,6 +439,15 @@ func cpgo_sim_complete_all() {
 	}
 }
 
+//export cpgo_sim_destroy_stream
+func cpgo_sim_destroy_stream(stream C.uintptr_t) {
+	const fn = "cudapool_sim_destroy_stream"
+	defer guard(fn)
+	if d := simDriver(fn); d != nil {
+		d.DestroyStream(cuda.Stream(stream))
+	}
+}
+
 //export cpgo_sim_violations
 func cpgo_sim_violations() (n C.longlong) {
 	const fn = "cudapool_sim_violations"

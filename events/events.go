@@ -19,11 +19,20 @@
 // question stitching asks before it unmaps a free page that work queued on
 // its stream may still touch (vmem). A point is a tick of the caller's
 // clock (pools.Cache.Tick, the clock that stamps Block.FreedAt). Advance
-// records a mark, an event without a block, on every watched stream right
-// after a tick; once a mark has completed, every point below its tick is
-// behind the stream (Passed). Marks and frees' events share the queues, the
-// event pool and the draining: events on one stream complete in order, so
-// a stream's queue is read from the front, whoever recorded the entries.
+// records a mark, an event without a block, right after a tick; once a mark
+// has completed, every point below its tick is behind the stream (Passed).
+// A mark goes on the stream of the caller's request, the one stream known
+// to exist at that moment, and on the legacy default stream, which always
+// exists (and is the same stream on every thread): a stream named in an
+// earlier call may have been destroyed since (CuPy's and Numba's streams
+// come and go while memory allocated on them lives on), and naming a
+// destroyed stream to the driver is undefined behaviour (the driver reads
+// the freed stream, and crashes). So other streams learn their progress
+// from marks recorded at their own requests. Events recorded on a stream
+// stay valid after it is destroyed: pending marks are still queried.
+// Marks and frees' events share the queues, the event pool and the
+// draining: events on one stream complete in order, so a stream's queue is
+// read from the front, whoever recorded the entries.
 // Marks are advisory: one that cannot be created, recorded or queried only
 // leaves its stream's progress where it was (and stays pending, queried
 // again at the next Advance); Synchronize drops the marks it meets without
@@ -327,7 +336,8 @@ type Clock interface {
 	Tick() uint64
 }
 
-// Watch makes Advance keep a mark pending on s.
+// Watch makes Advance follow s: drain its queue, and mark it when s is the
+// request's stream (or the legacy default stream).
 func (t *Tracker) Watch(s cuda.Stream) {
 	if q := t.queue(s); !q.watched {
 		q.watched = true
@@ -351,44 +361,55 @@ func (t *Tracker) Passed(s cuda.Stream, at uint64) bool {
 	return q != nil && at < q.passed
 }
 
-// Advance brings every watched stream's progress up to date: it pops the
-// completed events at the front of its queue (the blocks of frees whose
-// events are all complete go to done, as in Process), then, unless
-// MarkDepth marks are pending there or recordable refuses the stream (one
-// capturing, whose events would be captured, not recorded), records a new
-// mark right after c ticks; on a stream with nothing else pending it asks
-// at once whether the mark has completed (on an idle stream it has).
-// Failures only leave a stream's progress where it was. Never during a
+// Advance brings the watched streams' progress up to date: it pops the
+// completed events at the front of their queues (the blocks of frees whose
+// events are all complete go to done, as in Process). Then it records a new
+// mark right after a tick of c on rs, the stream of the caller's request,
+// and on the legacy default stream (0), if they are watched: no other
+// stream is named to the driver (see the package comment). Never during a
 // capture.
-func (t *Tracker) Advance(c Clock, recordable func(cuda.Stream) bool, done func(*pools.Block)) {
+func (t *Tracker) Advance(c Clock, rs cuda.Stream, recordable func(cuda.Stream) bool, done func(*pools.Block)) {
 	if t.watched == 0 {
 		return
 	}
 	for s, q := range t.queues {
-		if !q.watched {
-			continue
-		}
-		// Errors of frees' events are Process's to report: it meets them
-		// again (their blocks are deferred for new events).
-		_ = t.drainQueue(s, q, t.query, done)
-		if q.marks == MarkDepth || !recordable(s) {
-			continue
-		}
-		ev, err := t.event()
-		if err != nil {
-			continue
-		}
-		at := c.Tick()
-		if t.drv.EventRecord(t.dev, ev, s) != nil {
-			t.spare = append(t.spare, ev)
-			continue
-		}
-		q.items = append(q.items, pending{ev: ev, at: at})
-		q.marks++
-		t.progress = true
-		if len(q.items)-q.head == 1 {
+		if q.watched {
+			// Errors of frees' events are Process's to report: it meets
+			// them again (their blocks are deferred for new events).
 			_ = t.drainQueue(s, q, t.query, done)
 		}
+	}
+	t.mark(c, rs, recordable, done)
+	if rs != 0 {
+		t.mark(c, 0, recordable, done)
+	}
+}
+
+// mark records a mark on s right after a tick of c, unless s is not
+// watched, MarkDepth marks are pending there or recordable refuses s (a
+// capturing stream's events would be captured, not recorded); on a stream
+// with nothing else pending it asks at once whether the mark has completed
+// (on an idle stream it has). A failure only leaves s's progress where it
+// was.
+func (t *Tracker) mark(c Clock, s cuda.Stream, recordable func(cuda.Stream) bool, done func(*pools.Block)) {
+	q := t.queues[s]
+	if q == nil || !q.watched || q.marks == MarkDepth || !recordable(s) {
+		return
+	}
+	ev, err := t.event()
+	if err != nil {
+		return
+	}
+	at := c.Tick()
+	if t.drv.EventRecord(t.dev, ev, s) != nil {
+		t.spare = append(t.spare, ev)
+		return
+	}
+	q.items = append(q.items, pending{ev: ev, at: at})
+	q.marks++
+	t.progress = true
+	if len(q.items)-q.head == 1 {
+		_ = t.drainQueue(s, q, t.query, done)
 	}
 }
 

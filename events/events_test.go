@@ -129,7 +129,8 @@ func (c *clock) Tick() uint64 { c.now++; return c.now }
 
 // Stream progress: a mark recorded after a tick certifies the points below
 // it once the stream has run past it; marks share the queues (and the event
-// pool) with frees, in stream order.
+// pool) with frees, in stream order. Marks are recorded on the stream of
+// the request only.
 func TestProgressMarks(t *testing.T) {
 	drv := sim.New(sim.Options{})
 	tr := events.New(drv, 0)
@@ -138,7 +139,7 @@ func TestProgressMarks(t *testing.T) {
 	var done []*pools.Block
 	collect := func(b *pools.Block) { done = append(done, b) }
 
-	tr.Advance(&c, all, collect) // nothing watched: nothing recorded
+	tr.Advance(&c, 1, all, collect) // nothing watched: nothing recorded
 	require.Zero(t, c.now)
 	require.True(t, tr.Empty())
 	tr.Watch(1)
@@ -148,7 +149,7 @@ func TestProgressMarks(t *testing.T) {
 	require.False(t, tr.Passed(1, 0))
 
 	// An idle stream: the mark completes at once and certifies its tick.
-	tr.Advance(&c, all, collect)
+	tr.Advance(&c, 1, all, collect)
 	require.Equal(t, uint64(1), c.now)
 	require.True(t, tr.Passed(1, 0))
 	require.False(t, tr.Empty(), "a watched stream has progress to reset")
@@ -161,12 +162,12 @@ func TestProgressMarks(t *testing.T) {
 	drv.Submit(1)
 	b := block(2, 1)
 	require.NoError(t, tr.Insert(b))
-	tr.Advance(&c, all, collect)
+	tr.Advance(&c, 1, all, collect)
 	require.Equal(t, uint64(2), c.now)
 	require.False(t, tr.Passed(1, 1))
 	require.Equal(t, 2, tr.EventsCreated())
 	drv.Complete(1)
-	tr.Advance(&c, all, collect)
+	tr.Advance(&c, 1, all, collect)
 	require.Equal(t, []*pools.Block{b}, done, "Advance returns the frees it finds complete")
 	require.True(t, tr.Idle())
 	require.True(t, tr.Passed(1, 2), "the mark of tick 3 completed at once")
@@ -177,13 +178,22 @@ func TestProgressMarks(t *testing.T) {
 	// refuses gets none.
 	drv.Submit(1)
 	for i := 0; i < events.MarkDepth+3; i++ {
-		tr.Advance(&c, all, collect)
+		tr.Advance(&c, 1, all, collect)
 	}
 	require.Equal(t, uint64(3+events.MarkDepth), c.now)
 	require.Equal(t, events.MarkDepth, tr.EventsCreated())
 	tr.Watch(5)
-	tr.Advance(&c, func(s cuda.Stream) bool { return s != 5 }, collect)
+	tr.Advance(&c, 5, func(s cuda.Stream) bool { return s != 5 }, collect)
 	require.False(t, tr.Passed(5, 0))
+
+	// Another stream's request marks that stream alone, watched or not:
+	// a stream named earlier may have been destroyed since.
+	drv.DestroyStream(1)
+	tr.Advance(&c, 5, all, collect)
+	require.True(t, tr.Passed(5, c.now-1), "stream 5 is idle")
+	tr.Advance(&c, 6, all, collect)
+	require.False(t, tr.Passed(6, 0), "stream 6 is not watched")
+	require.Zero(t, drv.Violations(), "%v", drv.ViolationLog())
 
 	// Synchronize drops the marks without waiting for them, and certifies
 	// nothing; ResetProgress forgets what was certified.
@@ -210,7 +220,7 @@ func TestResetProgressKeepsFrees(t *testing.T) {
 	drv.Submit(1)
 	a, b := block(2, 1), block(2, 1)
 	require.NoError(t, tr.Insert(a))
-	tr.Advance(&c, func(cuda.Stream) bool { return true }, nil)
+	tr.Advance(&c, 1, func(cuda.Stream) bool { return true }, nil)
 	require.NoError(t, tr.Insert(b))
 	tr.ResetProgress()
 	drv.Complete(1)

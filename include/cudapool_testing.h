@@ -50,6 +50,12 @@ void cudapool_sim_submit(cudapool_stream s);
 /* Completes all pending work on every stream. */
 void cudapool_sim_complete_all(void);
 
+/* Destroys the application's stream s (as cudaStreamDestroy on a CuPy or
+ * Numba stream): its pending work still completes, and every later call in
+ * which the allocator names s to the driver is refused and counted as a
+ * violation (CUDA's behaviour is undefined there: the driver may crash). */
+void cudapool_sim_destroy_stream(cudapool_stream s);
+
 /* Makes this simulated process's later pidfd_open and pidfd_getfd calls
  * fail with these errno values (0: work), as a kernel without them (ENOSYS)
  * or a ptrace rule (EPERM) would. 0 or -1. The handle kinds the simulated
@@ -64,8 +70,8 @@ int cudapool_sim_write(int device, void *ptr, const void *src, size_t n);
 int cudapool_sim_read(int device, const void *ptr, void *dst, size_t n);
 
 /* The number of calls the allocator made that CUDA forbids under the stream
- * capture rules (each would have broken a CUDA graph capture); -1 when the
- * backend is not the simulator. */
+ * capture rules (each would have broken a CUDA graph capture) or that named
+ * a destroyed stream; -1 when the backend is not the simulator. */
 long long cudapool_sim_violations(void);
 
 #ifdef __cplusplus

@@ -67,8 +67,12 @@
 //   - Whether a page may move is decided per block by its stream's
 //     progress: idle pages are unmapped and mapped again, pages busy with
 //     the requesting stream's own work are lent, other streams' busy pages
-//     stay (stitch.go). A page holding any live block, even one 512-byte
-//     small block, is not whole and stays.
+//     stay (stitch.go). A stream's progress is learned from marks recorded
+//     at its own misses (the legacy default stream's at every miss): a
+//     stream may be destroyed while memory allocated on it lives on, so
+//     stitching names it to the driver only in a call that names it. A page
+//     holding any live block, even one 512-byte small block, is not whole
+//     and stays.
 //   - Private pools (CUDA graphs, MemPools) are not part of it: their pages
 //     stay theirs while their pool lives, since a graph's replays use
 //     memory its pool counts as free; their ranges keep 20 MiB chunks.

@@ -90,7 +90,7 @@ type Driver interface {
 // progress (events.Tracker), whose points are ticks of the cache's clock
 // (pools.cache.Tick; Block.FreedAt).
 type Progress interface {
-	// Watch makes Advance keep stream s's progress up to date.
+	// Watch makes Advance follow stream s's progress.
 	Watch(s cuda.Stream)
 	// Watched reports whether s is watched; Watching whether any is.
 	Watched(s cuda.Stream) bool
@@ -98,8 +98,10 @@ type Progress interface {
 	// Passed reports whether stream s is known to have run past tick at.
 	Passed(s cuda.Stream, at uint64) bool
 	// Advance learns what the watched streams have run past, and asks to
-	// learn more by the next call. Never during a capture.
-	Advance()
+	// learn more of rs, the stream of the request at hand, by the next
+	// call: rs is the one stream it may name to the driver (a stream named
+	// earlier may have been destroyed since). Never during a capture.
+	Advance(rs cuda.Stream)
 	// Reset forgets what is known (the device is being synchronized).
 	Reset()
 }
@@ -230,7 +232,7 @@ func (s *Space) Grow(req pools.Request, capturing bool) (*pools.Block, error) {
 	c, r := s.cache, &req
 	stitch := s.stitch.on && !capturing && !tagged(r) // (tags are never stitched: pause.go)
 	if stitch {
-		s.stitchPrepare()
+		s.stitchPrepare(r.Stream)
 	}
 	start := c.FindExpandable(r)
 	if start == nil {

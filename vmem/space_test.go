@@ -18,17 +18,18 @@ import (
 const MiB = 1 << 20
 
 // progress is a Progress that knows nothing of the streams but whether
-// they are watched, and counts its calls.
+// they are watched, and records its calls.
 type progress struct {
-	watched          map[cuda.Stream]bool
-	advances, resets int
+	watched  map[cuda.Stream]bool
+	advanced []cuda.Stream // Advance's streams, in order
+	resets   int
 }
 
 func (p *progress) Watch(s cuda.Stream)                  { p.watched[s] = true }
 func (p *progress) Watched(s cuda.Stream) bool           { return p.watched[s] }
 func (p *progress) Watching() bool                       { return len(p.watched) > 0 }
 func (p *progress) Passed(cuda.Stream, uint64) bool      { return false }
-func (p *progress) Advance()                             { p.advances++ }
+func (p *progress) Advance(rs cuda.Stream)               { p.advanced = append(p.advanced, rs) }
 func (p *progress) Reset()                               { p.resets++ }
 func (p *progress) String() string                       { return fmt.Sprint(p.watched) }
 func newProgress() *progress                             { return &progress{watched: map[cuda.Stream]bool{}} }
@@ -171,19 +172,20 @@ func TestCaptureKeepsSpares(t *testing.T) {
 }
 
 // Stitching watches the streams of the default pools that grow, and asks
-// for progress before it looks for pages to move.
+// for progress, naming the growth's stream (the one it may mark), before it
+// looks for pages to move.
 func TestStitchWatchesStreams(t *testing.T) {
 	e := newEnv(t, vmem.Config{Stitch: true, MapUnit: 2 * MiB}, true)
 	_, err := e.malloc(t, 3*MiB, 7, false)
 	require.NoError(t, err)
 	require.True(t, e.prog.Watched(7))
-	require.Zero(t, e.prog.advances, "nothing watched before the first growth")
+	require.Empty(t, e.prog.advanced, "nothing watched before the first growth")
 	_, err = e.malloc(t, 3*MiB, 7, true)
 	require.NoError(t, err)
-	require.Zero(t, e.prog.advances, "never during a capture")
+	require.Empty(t, e.prog.advanced, "never during a capture")
 	_, err = e.malloc(t, 3*MiB, 8, false)
 	require.NoError(t, err)
-	require.Equal(t, 1, e.prog.advances)
+	require.Equal(t, []cuda.Stream{8}, e.prog.advanced, "the growth's stream is named")
 	require.True(t, e.prog.Watched(8))
 	require.Zero(t, e.s.StitchStats().Remaps, "below the high-water mark nothing moves")
 }

@@ -40,16 +40,22 @@ import (
 //     device's events.Tracker) tells: each stream that owns donor
 //     candidates is watched, and at each miss (stitchPrepare) it learns
 //     which ticks of the cache's clock the stream has run past; every block
-//     of the stream freed before such a tick (Block.FreedAt) is idle. On an
-//     idle stream that is known at once. Nothing waits.
+//     of the stream freed before such a tick (Block.FreedAt) is idle. A
+//     tick is certified by a mark recorded on the stream after it, and
+//     marks go only on the missing stream and the legacy default stream: a
+//     stream named in an earlier call may have been destroyed since, and
+//     naming it to the driver would be undefined behaviour (events'
+//     "Stream progress"). So another stream's pages freed after its last
+//     miss move once a miss of its own has marked it. On an idle stream
+//     the mark completes at once. Nothing waits.
 //   - Lent, when it is not certified idle but belongs to the requesting
 //     stream: its handle is mapped at the new place at once (work on the new
 //     block is queued behind the old work, as for any reuse of a cached
 //     block on its stream), and its old mapping stays, the block Lent,
 //     neither free nor mappable, until its stream has run past the lend
-//     (stitchPrepare, at a later miss) or empty_cache and the OOM retry
-//     synchronize the device (releaseStitch). Without lending a GPU running
-//     behind the host would leave almost nothing to move.
+//     (stitchPrepare, at a later miss that marks it) or empty_cache and
+//     the OOM retry synchronize the device (releaseStitch). Without lending
+//     a GPU running behind the host would leave almost nothing to move.
 //
 // # Fragmented ranges
 //
@@ -215,14 +221,15 @@ func (s *Space) unmapLent(l *lent, op string) error {
 	return nil
 }
 
-// stitchPrepare learns the watched streams' progress and unmaps the old
-// mappings of the lent blocks it allows; it runs before a growth looks for
-// its run, since unlent blocks merge. Never during a capture.
-func (s *Space) stitchPrepare() {
+// stitchPrepare learns the watched streams' progress (and asks to learn
+// more of rs, the stream of the growth) and unmaps the old mappings of the
+// lent blocks it allows; it runs before a growth looks for its run, since
+// unlent blocks merge. Never during a capture.
+func (s *Space) stitchPrepare(rs cuda.Stream) {
 	if !s.progress.Watching() {
 		return
 	}
-	s.progress.Advance()
+	s.progress.Advance(rs)
 	if err := s.unlend(false, "malloc"); err != nil {
 		s.warn(err.Error())
 	}

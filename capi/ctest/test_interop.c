@@ -140,13 +140,56 @@ static void test_capture_filter(void) {
 	current_stream = 0;
 }
 
+/* The GPU interop tests' order: a CuPy stream
+ * allocates large and small blocks, frees them and is destroyed (CuPy
+ * destroys its Stream when the object dies) while its memory stays cached;
+ * then CuPy, Numba (cudapool_malloc_ctx on the legacy stream) and PyTorch
+ * grow the device, before and after empty_cache, with stitching (the
+ * default). The allocator must never name the dead stream to the driver
+ * again: recording an event on it reads freed driver memory. Announced
+ * captures, as under cudapool.cupy.install() and PyTorch. Run last: the
+ * announcement stays for the process. */
+static void test_destroyed_stream(void) {
+	printf("-- a CuPy stream destroyed while its memory is cached; other streams grow the device\n");
+	cudapool_expect_announced_captures();
+	long long violations = cudapool_sim_violations();
+	cudapool_stream s = STREAM(0x6500);
+	current_stream = (intptr_t)s;
+	void *on_s[] = {cmalloc((void *)get_current_stream, 4 * MiB, 0), cmalloc((void *)get_current_stream, 4 * MiB, 0),
+	                cmalloc((void *)get_current_stream, 512, 0), cmalloc((void *)get_current_stream, 4096, 0)};
+	for (int i = 0; i < 4; i++) {
+		CHECK(on_s[i] != NULL, "malloc on the CuPy stream");
+		cfree((void *)get_current_stream, on_s[i], 0);
+	}
+	cudapool_sim_destroy_stream(s);
+	current_stream = 0; /* CuPy's null stream from now on */
+
+	void *x = cmalloc((void *)get_current_stream, 256 * KiB, 0);
+	void *n = cudapool_malloc_ctx(1 * MiB, 0, STREAM(0), 0);
+	CHECK(x != NULL && n != NULL, "CuPy and Numba allocate on the legacy stream");
+	cfree((void *)get_current_stream, x, 0);
+	CHECK(cudapool_free_ctx(n, 1 * MiB, 0, 0) == 0, "Numba's free");
+	cudapool_clear_error();
+	cudapool_empty_cache();
+	CHECK(cudapool_last_error() == NULL, "empty_cache");
+	void *big = cmalloc((void *)get_current_stream, 256 * MiB, 0);
+	CHECK(big != NULL, "256 MiB after empty_cache");
+	cfree((void *)get_current_stream, big, 0);
+	void *t = cudapool_malloc_ctx(300 * MiB, 0, STREAM(0), 0);
+	CHECK(t != NULL, "PyTorch's class grows the device further");
+	cudapool_free_deferred(t, 0, -1, 0);
+	cudapool_empty_cache();
+	CHECK(cudapool_sim_violations() == violations, "the destroyed stream was never named to the driver");
+}
+
 int main(void) {
 	setvbuf(stdout, NULL, _IOLBF, 0);
 	test_cupy_default_stream();
 	test_cupy_current_stream();
 	test_cupy_bad_free();
 	test_capture_filter();
-	CHECK(cudapool_sim_violations() == 0, "no capture violations in the whole run");
+	test_destroyed_stream();
+	CHECK(cudapool_sim_violations() == 0, "no violations in the whole run");
 	printf("C interop ABI: %d passed, %d failed\n", passed, failed);
 	return failed == 0 ? 0 : 1;
 }

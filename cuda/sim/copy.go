@@ -163,8 +163,9 @@ func (d *Driver) StreamCreate(dev int) (cuda.Stream, error) {
 }
 
 // StreamDestroy destroys a stream StreamCreate made on dev; work queued on
-// it still completes as usual. A stream taking part in a capture cannot be
-// destroyed (ErrInvalidValue).
+// it still completes as usual, and a later call naming it is a violation
+// (refuseDestroyed). A stream taking part in a capture cannot be destroyed
+// (ErrInvalidValue).
 func (d *Driver) StreamDestroy(dev int, s cuda.Stream) error {
 	d.mu.Lock()
 	defer d.mu.Unlock()
@@ -179,6 +180,7 @@ func (d *Driver) StreamDestroy(dev int, s cuda.Stream) error {
 		return cuda.ErrInvalidValue
 	}
 	delete(cs.streams, s)
+	d.stream(s).destroyed = true // (refuseDestroyed)
 	return nil
 }
 
@@ -204,6 +206,9 @@ func (d *Driver) StreamSynchronize(dev int, s cuda.Stream) error {
 		return err
 	}
 	call := fmt.Sprintf("StreamSynchronize(dev=%d, stream=%#x)", dev, uintptr(s))
+	if d.destroyed(s) {
+		return d.refuseDestroyed(call, s)
+	}
 	if err := d.checkUnsafe(tid, call); err != nil {
 		return err
 	}
@@ -238,6 +243,13 @@ func (d *Driver) memcpyAsync(dev int, toHost bool, p cuda.Ptr, hp cuda.HostPtr, 
 	}
 	if err := d.checkStream(dev, s); err != nil {
 		return err
+	}
+	if d.destroyed(s) {
+		call := "MemcpyHtoDAsync"
+		if toHost {
+			call = "MemcpyDtoHAsync"
+		}
+		return d.refuseDestroyed(fmt.Sprintf("%s(dev=%d)", call, dev), s)
 	}
 	if size == 0 {
 		return nil

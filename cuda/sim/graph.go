@@ -19,6 +19,7 @@ package sim
 // Nodes stand for work only; they are not replayed.
 
 import (
+	"fmt"
 	"slices"
 
 	"github.com/cudapool/cudapool/cuda"
@@ -74,6 +75,9 @@ func (d *Driver) StreamWaitEvent(dev int, s cuda.Stream, e cuda.Event) error {
 	ev, err := d.event(dev, e)
 	if err != nil {
 		return err
+	}
+	if d.destroyed(s) {
+		return d.refuseDestroyed(fmt.Sprintf("StreamWaitEvent(dev=%d, event=%d)", dev, e), s)
 	}
 	mine := d.captureOf(s)
 	if ev.captureID == 0 {

@@ -18,6 +18,10 @@
 //     completes only when the test says so (Submit, Complete, CompleteAll) or
 //     when a synchronising call models waiting, which makes event order
 //     deterministic. Any cuda.Stream value is a stream; 0 is the legacy one.
+//     The application may destroy one of its streams (DestroyStream): CUDA's
+//     behaviour is undefined when a destroyed stream's handle is used again
+//     (the driver reads the freed stream: a crash, or another stream), so
+//     every later call that names it is refused and logged as a violation.
 //   - Events, which snapshot their stream's submitted count when recorded.
 //   - Stream capture and per-thread capture modes, as documented for
 //     cudaStreamCaptureMode and cudaThreadExchangeStreamCaptureMode: a thread
@@ -193,6 +197,7 @@ func (dv *device) free() uint64 {
 
 type stream struct {
 	submitted, completed uint64
+	destroyed            bool // DestroyStream, or StreamDestroy of a stream StreamCreate made
 }
 
 type event struct {
@@ -300,6 +305,31 @@ func (d *Driver) stream(s cuda.Stream) *stream {
 		d.streams[s] = st
 	}
 	return st
+}
+
+// destroyed reports whether s was destroyed; mu must be held. A call that
+// names it is refused (refuseDestroyed).
+func (d *Driver) destroyed(s cuda.Stream) bool {
+	st := d.streams[s]
+	return st != nil && st.destroyed
+}
+
+// refuseDestroyed records call, which named the destroyed stream s, as a
+// violation and returns its error; mu must be held.
+func (d *Driver) refuseDestroyed(call string, s cuda.Stream) error {
+	d.violate(fmt.Sprintf("%s: stream %#x was destroyed (using its handle again is undefined behaviour in CUDA)", call, uintptr(s)), nil)
+	return cuda.ErrInvalidHandle
+}
+
+// DestroyStream models the application destroying one of its own streams
+// (PyTorch's, CuPy's, Numba's: not one StreamCreate made, which
+// StreamDestroy destroys): work queued on it still completes, and every
+// later call that names it is a violation (refuseDestroyed). Events
+// recorded on it before stay valid, as in CUDA.
+func (d *Driver) DestroyStream(s cuda.Stream) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.stream(s).destroyed = true
 }
 
 // event returns a live event, checking that dev is the device it was created
@@ -502,6 +532,9 @@ func (d *Driver) StreamCaptureInfo(dev int, s cuda.Stream) (cuda.CaptureStatus, 
 	if _, err := d.device(dev); err != nil {
 		return cuda.CaptureNone, 0, err
 	}
+	if d.destroyed(s) {
+		return cuda.CaptureNone, 0, d.refuseDestroyed(fmt.Sprintf("StreamCaptureInfo(dev=%d)", dev), s)
+	}
 	c := d.captureOf(s)
 	switch {
 	case c == nil:
@@ -567,6 +600,9 @@ func (d *Driver) EventRecord(dev int, e cuda.Event, s cuda.Stream) error {
 	ev, err := d.event(dev, e)
 	if err != nil {
 		return err
+	}
+	if d.destroyed(s) {
+		return d.refuseDestroyed(fmt.Sprintf("EventRecord(dev=%d, event=%d)", dev, e), s)
 	}
 	if c := d.captureOf(s); c != nil {
 		if c.invalidated {

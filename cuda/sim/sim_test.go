@@ -358,6 +358,43 @@ func TestEventLifecycle(t *testing.T) {
 	assert.False(t, seen[e], "handles are not reused after destroy")
 }
 
+// A stream the application destroyed must not be named again: each call
+// that does is refused and is a violation. Its queued work still completes,
+// and an event recorded on it before stays valid.
+func TestDestroyedStream(t *testing.T) {
+	d := sim.New(sim.Options{})
+	e, err := d.EventCreate(0)
+	require.NoError(t, err)
+	d.Submit(7)
+	require.NoError(t, d.EventRecord(0, e, 7))
+	d.DestroyStream(7)
+	require.Zero(t, d.Violations(), "destroying names nothing")
+
+	done, err := d.EventQuery(0, e)
+	require.NoError(t, err, "an event recorded before stays valid")
+	require.False(t, done)
+	d.Complete(7)
+	done, err = d.EventQuery(0, e)
+	require.NoError(t, err)
+	require.True(t, done, "the queued work completes")
+
+	require.ErrorIs(t, d.EventRecord(0, e, 7), cuda.ErrInvalidHandle)
+	_, _, err = d.StreamCaptureInfo(0, 7)
+	require.ErrorIs(t, err, cuda.ErrInvalidHandle)
+	require.ErrorIs(t, d.StreamSynchronize(0, 7), cuda.ErrInvalidHandle)
+	require.ErrorIs(t, d.StreamWaitEvent(0, 7, e), cuda.ErrInvalidHandle)
+	require.Equal(t, int64(4), d.Violations())
+	require.Contains(t, d.ViolationLog()[0], "EventRecord(dev=0, event=1): stream 0x7 was destroyed")
+
+	require.NoError(t, d.EventRecord(0, e, 8), "other streams are untouched")
+	s, err := d.StreamCreate(0)
+	require.NoError(t, err)
+	require.NoError(t, d.StreamSynchronize(0, s))
+	require.NoError(t, d.StreamDestroy(0, s))
+	require.ErrorIs(t, d.StreamSynchronize(0, s), cuda.ErrInvalidHandle, "nor may one StreamCreate made, once destroyed")
+	require.Equal(t, int64(5), d.Violations())
+}
+
 func TestCaptureIDsAndState(t *testing.T) {
 	d := sim.New(sim.Options{})
 	th := newThread(t)

@@ -1,6 +1,7 @@
 """CuPy and Numba on cudapool beside PyTorch (installed by conftest): kernels
-of each library on cudapool memory with results checked, memory freed by one
-library reused by another without reserving more, a CuPy graph captured
+of each library on cudapool memory with results checked, a CuPy stream
+destroyed while its memory stays cached, memory freed by one library reused
+by another without reserving more, a CuPy graph captured
 (while PyTorch announces its own captures) and replayed, CuPy's
 out-of-memory error, Numba IPC handles, several threads mixing the three,
 and no allocation left behind by any test.
@@ -120,6 +121,31 @@ def test_cupy_on_its_current_stream(cupy):
     s.synchronize()
     assert float(b.sum()) == 3 * (1 << 20)
     del a, b
+
+
+def test_cupy_stream_destroyed_while_its_memory_is_cached(cupy):
+    """CuPy destroys a Stream when the object dies, while cudapool keeps the
+    memory allocated on it cached. Later growth on other streams (each miss
+    records stitching's progress marks) must never name the dead stream to
+    the driver: recording an event on it reads freed driver memory, and the
+    process may crash at a later allocation."""
+    for k in range(4):
+        s = cupy.cuda.Stream(non_blocking=True)
+        with s:
+            a = cupy.full(1 << 20, k, dtype=cupy.float32)  # large pool, on s
+            b = cupy.full(64, k, dtype=cupy.float32)  # small pool, on s
+            assert float(a[-1]) == k and float(b[-1]) == k
+        del a, b, s  # the stream is destroyed; its blocks stay cached
+        settle()
+        x = cupy.full(32 * MiB, k + 1, dtype=cupy.uint8)  # misses on the null stream
+        t = torch.full((48 * MiB,), k + 2, dtype=torch.uint8, device="cuda")
+        assert int(x[-1]) == k + 1 and int(t[-1]) == k + 2
+        del x, t
+        settle()
+        cudapool.empty_cache()
+        y = cupy.full(96 * MiB, k + 3, dtype=cupy.uint8)  # and after empty_cache
+        assert int(y[-1]) == k + 3
+        del y
 
 
 def test_numba_kernels(numba):
