@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 # cudapool: build libcudapool.so and run its tests.
 #
 # Build

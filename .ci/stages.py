@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """stages.py - runs make targets as the stages of `make test` and `make check`.
 
     stages.py --make MAKE --logs DIR [--tail N] [--title T] TARGET... [-- VAR=VALUE...]

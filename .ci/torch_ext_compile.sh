@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Compiles cudapool's C++ allocator class (python/cudapool/csrc), and the
 # benchmark's build of it (bench/torch_allocator_bench.cpp), against
 # PyTorch 2.11.0 and against the newest torch on the package index, on a

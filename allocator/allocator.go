@@ -1,3 +1,5 @@
+// SPDX-License-Identifier: Apache-2.0
+
 // Package allocator is cudapool's caching allocator: it orchestrates, for
 // each device of a CUDA driver, the owners of the allocator's mechanisms.
 //

@@ -1,3 +1,5 @@
+// SPDX-License-Identifier: Apache-2.0
+
 package allocator_test
 
 // Driver fault injection: every place where the allocator calls the driver

@@ -1,3 +1,5 @@
+// SPDX-License-Identifier: Apache-2.0
+
 package allocator
 
 // Pause and resume by tag: a tag's device memory goes back to the driver

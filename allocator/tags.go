@@ -1,3 +1,5 @@
+// SPDX-License-Identifier: Apache-2.0
+
 package allocator
 
 // Tags: memory that can be paused and resumed as a whole (pause.go).

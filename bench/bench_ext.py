@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The benchmark's build of cudapool's C++ allocator class
 (bench/torch_allocator_bench.cpp): the shipped class with the benchmark's
 switches in a subclass, built and cached like the shipped one (under

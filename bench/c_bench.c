@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /*
  * c_bench.c - the C-level workloads of bench/workloads.h through
  * libcudapool.so (cudapool_malloc / cudapool_free on device 0).

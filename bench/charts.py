@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Charts of a benchmark run (matplotlib, SVG), for the README:
 
   ratios.svg  each operation's time with every allocator relative to

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """What one CuPy allocation costs through cudapool and through CuPy's own pool.
 
     python3 bench/cupy_alloc_bench.py [--rounds 8] [--iters 200000] [--size 4096]

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /*
  * floor_alloc.c - the cheapest possible pluggable allocator, to measure what
  * PyTorch's CUDAPluggableAllocator path itself costs per torch.empty.

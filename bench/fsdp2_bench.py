@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """FSDP2 training step of a small GPT-2 on 2 GPUs, timed for the benchmark:
 
     python3 -m torch.distributed.run --standalone --nproc_per_node=2 bench/fsdp2_bench.py CONFIG [--steps N]

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /*
  * hot_path.c - where one cache-hit malloc+free pair spends its time, seen
  * from C (docs/hot-path.md): the cost of a call, of a call into Go (on a

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """One pool for CuPy and PyTorch, measured on a GPU.
 
     python3 bench/interop_bench.py [--repeats 3] [--chunk-mib 256] [--chunks 32]

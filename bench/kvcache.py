@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Generate a synthetic LLM-inference allocation trace: many variable-length
 requests whose KV-cache tensors grow and die out of order (continuous
 batching with a growing, reallocated KV cache, as in Hugging Face style

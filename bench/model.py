@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """A GPT-2-style decoder used by the benchmarks and the trace recorder.
 
 Defined here so nothing is downloaded. Sizes default to GPT-2 small

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // native_bench.cpp - the C-level workloads of bench/workloads.h through
 // PyTorch's CUDA allocator in libc10_cuda:
 // c10::cuda::CUDACachingAllocator::raw_alloc_with_stream / raw_delete.

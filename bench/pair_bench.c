@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /*
  * pair_bench.c - cudapool and PyTorch's native allocator in one process,
  * their C-level reps alternated (docs/benchmarks.md, "The measures").

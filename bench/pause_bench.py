@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Pause and resume by tag, timed on the GPU: cudapool against
 torch_memory_saver and against the host link itself.
 

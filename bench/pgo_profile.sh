@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # pgo_profile.sh OUT [DIR]: writes OUT (normally capi/default.pgo), the CPU
 # profile that go build uses for profile-guided optimization of
 # libcudapool.so (docs/hot-path.md, "Why it is built this way"). Run by

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Record the allocation trace of real GPT training steps with PyTorch's
 native allocator, in the replay format of demo/trace.txt:
 

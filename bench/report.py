@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Builds the benchmark comparison from the JSON result lines of a run.
 
     python3 bench/report.py --results DIR [--md bench/RESULTS.md] [--readme README.md]

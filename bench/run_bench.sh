@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # run_bench.sh - cudapool's benchmark suite, on a GPU machine (docs/benchmarks.md).
 #
 #   bash bench/run_bench.sh            (from anywhere; QUICK=1 for a short run)

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Tests of bench/charts.py and of the --trace-series recording.
 
     python3 -m pytest bench/test_charts.py

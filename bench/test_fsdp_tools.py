@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Tests of the FSDP2 tools' pure parts: the trace converter of
 bench/record_trace.py, the thread accounting of bench/fsdp2_bench.py and
 gpu/fsdp_counters.py's table. None needs torch or a GPU."""

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """bench/kvcache.py: the trace is reproducible, well formed, and has what
 makes it hard (caches that grow by reallocation and die out of order)."""
 import io

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """bench/pause_bench.py without a GPU: arguments, the message when cudapool
 lacks pause, the bookkeeping of a pause/resume measurement (over a fake
 torch), and the table."""

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Unit tests of the benchmark suite's pure-Python parts (no torch, no GPU).
 
     python3 bench/test_report.py        or        python3 -m pytest bench/test_report.py

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // torch_allocator_bench.cpp - the benchmark's build of cudapool's C++
 // allocator class: the shipped class (python/cudapool/csrc/torch_allocator.cpp,
 // compiled here as part of this file) with the benchmark's switches in a

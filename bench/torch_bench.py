@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """PyTorch-level benchmarks of one allocator configuration, in this process.
 
     python3 bench/torch_bench.py CONFIG [--sections train,graph,empty] [...]

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # trace_series.sh - reserved and allocated bytes over the trace replay
 # (demo/trace.txt, 5 passes as in the benchmark), sampled about SERIES_N
 # times, for native, native expandable, cudapool and cudapool expandable;

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # turn_pair.sh - two bench/torch_bench.py processes pinned to one CPU,
 # taking turns (BENCH_TURNS): only one runs its main thread at a time, and
 # they hand the CPU over after every timed rep, so rep k of both runs back

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """turn_ring.py - several bench/torch_bench.py processes taking turns on one CPU.
 
     python3 bench/turn_ring.py [--cpu CPUS] [--pin thread|process|none]

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Paired ratios of torch_bench.py processes that took turns on one CPU.
 
     python3 bench/turns.py FILE...

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /*
  * workloads.h - the C-level allocator workloads, defined once and compiled
  * into both benchmark programs:

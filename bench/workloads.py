@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Python twin of bench/workloads.h's size generator (no torch needed), and the
 training benchmarks' warm-up lengths (warmup_lens).
 

@@ -1,3 +1,5 @@
+// SPDX-License-Identifier: Apache-2.0
+
 package main
 
 // Calls from Go into the C and C++ parts of the library. The preamble may

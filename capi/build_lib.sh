@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # capi/build_lib.sh OUT [go build flags...] - builds libcudapool.so at OUT.
 #
 # The one recipe for the library (the Makefile's lib and install, and

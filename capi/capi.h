@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /*
  * capi.h - declarations shared by the Go, C and C++ parts of libcudapool.so.
  * Internal: nothing here is exported (see exports.map).

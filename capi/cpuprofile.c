@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //go:build cudapool_cpuprofile
 
 /* Stops cpuprofile.go's profile when the process exits (the library's

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /*
  * cudapool.c - the public C entry points of libcudapool.so.
  *

@@ -1,3 +1,5 @@
+// SPDX-License-Identifier: Apache-2.0
+
 package main
 
 // The Go exports, called only by the wrappers in cudapool.c and torch.cpp

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /*
  * front.c - the front cache, C half: capi/FRONT.md is its protocol (entry
  * states, log records, which side owns which rule, lock ranks) and

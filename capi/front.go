@@ -1,3 +1,5 @@
+// SPDX-License-Identifier: Apache-2.0
+
 package main
 
 // The Go side of the front cache (front.c; the protocol is FRONT.md, the

@@ -1,3 +1,5 @@
+// SPDX-License-Identifier: Apache-2.0
+
 // Command capi is libcudapool.so, cudapool's C ABI (include/cudapool.h),
 // built with go build -buildmode=c-shared.
 //

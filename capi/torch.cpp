@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // torch.cpp - the C++ entry points PyTorch calls, with its exact types.
 //
 // PyTorch casts the hook addresses to C++ function types taking

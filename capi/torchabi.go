@@ -1,3 +1,5 @@
+// SPDX-License-Identifier: Apache-2.0
+
 package main
 
 // Exports for PyTorch's CUDAAllocator interface, called by the C wrappers in

@@ -1,3 +1,5 @@
+// SPDX-License-Identifier: Apache-2.0
+
 // Package cuda holds the vocabulary shared by every layer of cudapool:
 // opaque CUDA handles, capture states and driver result codes.
 //

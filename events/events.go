@@ -1,3 +1,5 @@
+// SPDX-License-Identifier: Apache-2.0
+
 // Package events delays the return of freed blocks that other streams still
 // use, with CUDA events, as PyTorch's caching allocator does.
 //

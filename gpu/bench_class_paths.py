@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """torch.empty + free per allocator path, each in a fresh process, interleaved,
 repeated: the C++ class's direct path, the same class on the pluggable base's
 malloc/free path (and, with --modes, the benchmark's build of the class with

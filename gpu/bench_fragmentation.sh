@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # bench_fragmentation.sh - peak reserved / peak allocated of every allocator on
 # two allocation traces, on the GPU, in one command (docs/fragmentation.md):
 #

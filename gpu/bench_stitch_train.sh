@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # bench_stitch_train.sh - GPT-2 training and CUDA graph capture with
 # stitching (docs/fragmentation.md), in one command on the GPU machine:
 #

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Per FSDP2 launch (bench/fsdp2_bench.py result lines in the files named):
 the GPU step and rank 0's host time to issue it (ms, medians over the timed
 steps), and per step the allocations, the driver's allocations and frees,

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Kernels for the GPU tests, compiled to PTX on the GPU machine and loaded
 // with cuModuleLoad by test_gpu.c (which is plain C).
 extern "C" __global__ void fill(unsigned *p, unsigned n, unsigned v) {

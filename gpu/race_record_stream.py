@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The capture-time record_stream race, as small as it can be (docs/reliability.md).
 
 One thread captures a CUDA graph in thread-local mode. Meanwhile, on another

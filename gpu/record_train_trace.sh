@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # gpu/record_train_trace.sh - record the training row's 75 steps (warm-up and
 # timed lengths as torch_bench.py runs them) as an allocation trace, for
 # replaying front and fit policies on the simulator (c_bench --trace; a

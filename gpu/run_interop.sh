@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # CuPy and Numba on cudapool, on a GPU machine, in one command (docs/interop.md):
 #   1. python/tests/gpu/test_gpu_interop.py through python/gpu/run_gpu_tests.sh
 #      (PyTorch on cudapool, CuPy and Numba adapters, a fresh process),

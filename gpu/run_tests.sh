@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Every GPU test of cudapool in one go, on a GPU machine:
 #   1. the C ABI test program (gpu/test_gpu.c, built here with gcc; kernels
 #      compiled to PTX by nvcc),

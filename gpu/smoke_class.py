@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Quick end-to-end check of cudapool's C++ allocator class on a GPU: one
 process, each step printed as ok/FAIL with a short reason, a table at the
 end. Run: PYTHONPATH=python CUDAPOOL_LIBRARY=lib/libcudapool.so python3 gpu/smoke_class.py

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """A GPU soak of one allocator (docs/reliability.md): PyTorch's native one or cudapool.
 
     python gpu/soak.py --allocator cudapool          # SOAK_S seconds (default 60)

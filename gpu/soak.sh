@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # The GPU soak (docs/reliability.md), in one command on a GPU machine: gpu/soak.py with
 # PyTorch's native allocator and with cudapool, side by side (two processes
 # on one GPU, SOAK_S seconds each, at the same time), plus the C twin

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* The C twin of gpu/soak.py: a GPU soak of libcudapool.so through its C ABI
  * only (no torch), with the same structure:
  *   - 4 worker threads, each on its own stream, allocate and free blocks of

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Kernels of the C soak (gpu/soak_c.c), compiled to PTX by gpu/soak.sh and
 // loaded with cuModuleLoad (the soak itself is plain C, through the driver
 // API and cudapool's C ABI).

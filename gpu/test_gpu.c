@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* GPU test of libcudapool.so on a real device, through the C ABI only.
  * Built on the GPU machine: gcc test_gpu.c -I include -L lib -lcudapool -lcuda
  * (kernels come from kernels.ptx, made by nvcc -ptx). Run by gpu/run_tests.sh.

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # wheel_check.sh - the wheel alone, on the GPU machine (no Go, no network):
 #
 #   bash gpu/wheel_check.sh            (needs dist/: build it with `make wheel`)

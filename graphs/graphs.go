@@ -1,3 +1,5 @@
+// SPDX-License-Identifier: Apache-2.0
+
 // Package graphs routes allocations made during CUDA graph capture to the
 // private pool of the capture they belong to.
 //

@@ -1,3 +1,5 @@
+// SPDX-License-Identifier: Apache-2.0
+
 package graphs
 
 // graph_capture_record_stream_reuse: reusing record_stream'd blocks inside

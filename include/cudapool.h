@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /*
  * cudapool.h - the C ABI of libcudapool.so, a CUDA caching memory allocator.
  *

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /*
  * cudapool_testing.h - libcudapool.so's testing and diagnostic interface:
  * the simulated device's controls and the front cache's counters.

@@ -1,3 +1,5 @@
+// SPDX-License-Identifier: Apache-2.0
+
 // Package pools holds the caching allocator's data and policy: blocks and
 // segments, the free-block sets, size rounding, the small and large pools,
 // splitting and merging, the max_split_size rules, garbage collection and the

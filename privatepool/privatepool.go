@@ -1,3 +1,5 @@
+// SPDX-License-Identifier: Apache-2.0
+
 // Package privatepool keeps the private memory pools that CUDA graphs
 // allocate from.
 //

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Build step for the cudapool Python package: puts libcudapool.so into the
 package (cudapool/_lib/libcudapool.so). Metadata lives in pyproject.toml.
 

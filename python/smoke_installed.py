@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Checks an installed cudapool package (from a wheel or `pip install`), not
 the source tree: run it from outside the checkout with the environment's
 python, the backend chosen in the environment (CUDAPOOL_BACKEND=sim on a

@@ -1,3 +1,5 @@
+// SPDX-License-Identifier: Apache-2.0
+
 // Package vmem owns one device's CUDA virtual memory: the address ranges
 // it reserves, the physical allocations mapped into them, and stitching's
 // moves of physical pages between ranges. It is what expandable segments

@@ -1,3 +1,5 @@
+// SPDX-License-Identifier: Apache-2.0
+
 // Command gospeed measures the allocator package's own work on the
 // simulator, one thread, no GPU: the free-set comparison and the hot-path
 // breakdown of docs/hot-path.md.

@@ -1,3 +1,5 @@
+// SPDX-License-Identifier: Apache-2.0
+
 // Command simreplay replays allocation traces (the format of demo/trace.txt)
 // through cudapool on the simulator, once per configuration, and prints peak
 // reserved / peak allocated, the driver work and stitching's remaps: the

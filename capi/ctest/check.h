@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /*
  * check.h - the checks the C test programs share: CHECK(cond, description...)
  * prints one "ok"/"FAIL" line and counts it in passed/failed; err_has tests

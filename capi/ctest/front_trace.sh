@@ -1,4 +1,5 @@
 #!/bin/sh
+# SPDX-License-Identifier: Apache-2.0
 # front_trace.sh C_BENCH TRACE_GZ - the front cache on a recorded training run
 # (demo/train75.txt.gz: bench/record_trace.py bench, 75 GPT-2 steps of varying
 # lengths), replayed on the simulator with frees deferred as PyTorch's class

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /*
  * replay.c - replays an allocation trace through libcudapool.so and prints
  * what it cost: operations, peak allocated and reserved memory (their ratio

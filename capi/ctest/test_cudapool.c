@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /*
  * test_cudapool.c - tests libcudapool.so through its C ABI (include/cudapool.h),
  * on the simulated device: run with CUDAPOOL_BACKEND=sim CUDAPOOL_SIM_DEVICES=2

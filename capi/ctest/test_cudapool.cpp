@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // test_cudapool.cpp - tests libcudapool.so from C++: the header compiles as
 // C++, every C function works from C++, and the PyTorch entry points
 // (cudapool_torch_*) behave as PyTorch needs: the throwing malloc, and the

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /*
  * test_front.c - a randomized test of the front cache (allocator/front.go,
  * capi/front.c) through the public C ABI, on the simulated devices: run with

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /*
  * test_front_cold.c - the front cache's cold mode (capi/front.c), tested on
  * front.c alone: it is compiled into this program, with no library and no

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /*
  * test_interop.c - the entry points for other libraries' allocator
  * interfaces (CuPy's CFunctionAllocator, a stream-equality capture filter),

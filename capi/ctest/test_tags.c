@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /*
  * test_tags.c - tags, pause and resume through the C ABI (include/cudapool.h,
  * "Pause and resume by tag"), on the simulated device: run with

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /*
  * test_torchabi.c - the C ABI that cudapool's C++ allocator class for
  * PyTorch uses (include/cudapool.h, "PyTorch's CUDAAllocator interface"), on

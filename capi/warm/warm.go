@@ -1,3 +1,5 @@
+// SPDX-License-Identifier: Apache-2.0
+
 // Package warm keeps the library's Go runtime ready for the next call from
 // C while the library is in use.
 //

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //go:build linux && cgo && amd64
 
 // NVML trampoline shim: the run-time half. See nvml.go for why it exists.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Shared declarations of the NVML trampoline shim (see nvml_shim.c).
 // Everything here is hidden: it links go-nvml's references inside
 // libcudapool.so and never appears in its dynamic symbol table.

@@ -1,3 +1,5 @@
+// SPDX-License-Identifier: Apache-2.0
+
 package sim
 
 // Capture graphs: the topology of the work captured so far.

@@ -1,3 +1,5 @@
+// SPDX-License-Identifier: Apache-2.0
+
 // Package sim is a simulated CUDA driver that enforces the rules of stream
 // capture, so that cudapool's allocator can be tested on machines with no GPU.
 //

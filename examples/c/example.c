@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /*
  * example.c - a C program using an installed libcudapool:
  *

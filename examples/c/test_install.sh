@@ -1,4 +1,5 @@
 #!/bin/sh
+# SPDX-License-Identifier: Apache-2.0
 # test_install.sh - `make install` into a temporary DESTDIR, then, as a user
 # would: build examples/c/example.c with `cc example.c $(pkg-config --cflags
 # --libs cudapool)`, run it on the simulator against the installed library,

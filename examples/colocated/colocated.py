@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """A colocated RL-style loop on one GPU: a trainer and a generation engine
 share the device, and the engine's memory is given back while the trainer
 runs.

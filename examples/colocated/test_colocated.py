@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """examples/colocated/colocated.py without a GPU: arguments, the message
 when cudapool lacks pause, the reference run's arguments and the report."""
 import os

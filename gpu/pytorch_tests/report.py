@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Markdown report of PyTorch's own tests run natively and with cudapool.
 
     python3 gpu/pytorch_tests/report.py OUT_DIR [OUT_DIR ...] [-o REPORT.md]

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Runs a selection of one of PyTorch's own test files twice: natively, and
 # with cudapool installed in every Python process (site/sitecustomize.py,
 # CUDAPOOL_AUTOINSTALL=1). Leaves JUnit XML and logs in OUT_DIR for

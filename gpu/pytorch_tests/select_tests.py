@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Selections of PyTorch's own tests for run.sh.
 
     python3 gpu/pytorch_tests/select_tests.py build [--tests-dir .ref/pytorch-tests] [--out-dir gpu/pytorch_tests/selections]

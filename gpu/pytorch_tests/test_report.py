@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Unit tests of report.py (and of select_tests.py's expansion) with small
 synthetic JUnit XML files: no torch, no GPU.
 

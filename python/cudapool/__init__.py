@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """cudapool: a CUDA caching memory allocator for PyTorch, written in Go.
 
 Whole-process mode (before CUDA is initialized)::

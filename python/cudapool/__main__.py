@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """python -m cudapool [--no-patch] SCRIPT [ARGS...]
 python -m cudapool [--no-patch] -m MODULE [ARGS...]
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Build and load cudapool's C++ allocator class (csrc/torch_allocator.cpp).
 
 The class derives from torch's CUDAPluggableAllocator and implements every

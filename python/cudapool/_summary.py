@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """memory_summary(): the table torch.cuda.memory_summary() prints, from a
 flat stats dict. Written for cudapool; the layout matches PyTorch's so that
 people and tools reading one can read the other."""

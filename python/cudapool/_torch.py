@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """PyTorch integration: install() (whole-process mode), allocator()
 (per-pool mode) and the routing of torch.cuda's statistics to cudapool."""
 

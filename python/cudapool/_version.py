@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The package's version and the library ABI it needs. VERSION at the
 repository root is the one version string: this file, capi/version.go and
 include/cudapool.h copy it (capi/version_test.go checks that they agree).

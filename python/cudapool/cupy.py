@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """cudapool as CuPy's allocator: one pool for CuPy and PyTorch.
 
     import cudapool.cupy

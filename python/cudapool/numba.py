@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """cudapool as Numba's device memory manager (an External Memory Management
 plugin, numba-cuda's ``BaseCUDAMemoryManager`` interface, version 1).
 

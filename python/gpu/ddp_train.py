@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Two-process DDP training with cudapool installed in every rank:
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 gpu/ddp_train.py

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """FSDP2 (torch.distributed.fsdp.fully_shard) training of a small residual
 MLP whose blocks are compiled with torch.compile, on two (or more) GPUs:
 

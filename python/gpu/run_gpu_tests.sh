@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # cudapool's GPU tests (PyTorch + CUDA). Each test module runs in a fresh
 # Python process, since cudapool.install() must precede CUDA initialization;
 # then, with two GPUs, a two-process DDP run. Ends with a summary table and

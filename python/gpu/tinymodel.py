@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """A tiny GPT-style transformer and a deterministic training loop, for the
 GPU tests (no downloads: synthetic data from a fixed Markov chain).
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Unit tests run against the simulator: no GPU, no torch.
 
 The library reads its environment on its first call, so the simulator is

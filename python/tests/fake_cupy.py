@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """A stand-in for the parts of CuPy 14 that cudapool.cupy uses, running on
 cudapool's simulator, so that the adapter is tested without a GPU or CuPy.
 

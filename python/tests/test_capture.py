@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """CUDA graph capture on the simulator: allocations routed to a private pool
 through begin_allocate_to_pool with a Python stream filter, and no call that
 CUDA forbids during capture (the simulator counts them as violations)."""

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Failures raise CudapoolError with the library's message."""
 
 import threading

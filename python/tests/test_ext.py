@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The C++ allocator class's build and the fallback when it cannot be built
 (no torch here: a stand-in torch without headers, or a fake unpacked torch
 tree). Compiling against real torch headers is checked by

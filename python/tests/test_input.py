@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Bad input through the Python API: devices, types and NULs are checked
 before the library sees them (TypeError, ValueError), configuration keys
 are checked by the library, and a bad configuration in the environment

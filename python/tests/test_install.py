@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """install() and allocator() against a stand-in torch (tests/fake_torch)
 that mimics PyTorch 2.11's pluggable-allocator surface; each case runs in a
 fresh process, as install() must come before CUDA initialization."""

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """cudapool.cupy on the simulator, through a stand-in for CuPy (fake_cupy.py)
 that calls the allocator exactly as CuPy 14's Cython code does: the C
 functions through CFunctionAllocator, the current stream through the

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """cudapool.numba (Numba's External Memory Management plugin) on the
 simulator, with the real numba-cuda but no GPU: the manager is given a
 stand-in for Numba's context (it reads only context.device.id and

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """CUDA IPC in PyTorch's handle format through the C ABI
 (cudapool_ipc_share, cudapool_ipc_open_shared, cudapool_ipc_close) on the
 simulator. A simulated process can import what it exported itself (its

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """malloc/free through the thin ctypes binding, on the simulator."""
 
 import random

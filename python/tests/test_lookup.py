@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Where libcudapool.so is looked for, and the error when it is nowhere."""
 
 import os

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The README's examples, run so that they cannot rot.
 
 Every ```c and ```python block of README.md is preceded by a marker:

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """snapshot(): torch.cuda.memory._snapshot()'s dict."""
 
 import pickle

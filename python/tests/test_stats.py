@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """memory_stats() and friends: PyTorch's 122 keys, values that follow the
 allocations made."""
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Stitching through the library (on the simulator): free pages of holes
 move to a request that no hole fits, reserved memory stays, the snapshot
 counts the moves; off by default, on with expandable_segments:True or

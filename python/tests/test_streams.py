@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """record_stream: a block used by another stream is not reused before that
 stream's work (queued when it was freed) completes."""
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """memory_summary(): torch.cuda.memory_summary()'s table."""
 
 import pytest

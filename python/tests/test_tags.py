@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Tags, pause and resume from Python (cudapool.region, pause, resume,
 paused, paused_bytes, release_host_memory) on the simulator; CuPy through
 the stand-in (fake_cupy.py), whose allocations and captures reach the same

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The package's version against the library's: one version string, and a
 library of another version or ABI is refused with a clear message."""
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """setup.py's platform tag: manylinux_2_N for the newest glibc symbol
 version the bundled library needs, read from its ELF version needs."""
 

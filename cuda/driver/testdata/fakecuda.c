@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // A fake libcuda for the tests: enough of the driver API for cuda/driver,
 // with checks that the right context is current and probes (fake_*) that the
 // tests call through purego. Device d's primary context is 0x1000+d; its

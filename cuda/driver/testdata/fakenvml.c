@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // A fake libnvidia-ml.so.1 for the tests. It defines only what cuda/driver's
 // DeviceProcesses path uses, plus one function with a made-up signature that
 // checks every argument register (to test the lazy resolver), and

@@ -1,3 +1,5 @@
+// SPDX-License-Identifier: Apache-2.0
+
 // Package fault wraps the simulated driver (cuda/sim) to make chosen driver
 // calls fail, for the allocator's fault-injection tests.
 //

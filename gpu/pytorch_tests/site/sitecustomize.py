@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Makes cudapool PyTorch's CUDA allocator in every Python process that
 starts with this directory on PYTHONPATH and CUDAPOOL_AUTOINSTALL=1, so
 that the subprocesses PyTorch's tests start get it too (run.sh sets both).

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Thin ctypes binding of libcudapool.so's C ABI (include/cudapool.h).
 
 The library is found by :func:`find_library` and loaded once per process (a Go

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // torch_allocator.cpp - cudapool as PyTorch's CUDA allocator, at full
 // fidelity: a C++ class compiled against the user's installed torch.
 //

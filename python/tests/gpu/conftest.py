@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """GPU tests (PyTorch + CUDA). Each module must run in a fresh process
 (python/gpu/run_gpu_tests.sh does), because cudapool.install() has to come
 before CUDA is initialized: this conftest installs cudapool when it is

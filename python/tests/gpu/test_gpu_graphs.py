@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """CUDA graphs with cudapool as the allocator: capture with allocations and
 frees inside, replay, outputs freed while the graph lives, pools shared
 between graphs, memory returned when the graph dies, make_graphed_callables."""

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """CuPy and Numba on cudapool beside PyTorch (installed by conftest): kernels
 of each library on cudapool memory with results checked, a CuPy stream
 destroyed while its memory stays cached, memory freed by one library reused

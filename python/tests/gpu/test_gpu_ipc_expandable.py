@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """CUDA IPC of memory in expandable segments on the GPU, in PyTorch's own
 handle format: CUDA tensors sent through torch.multiprocessing queues
 (spawn) between a cudapool process (expandable_segments:True, with

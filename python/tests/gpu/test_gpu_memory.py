@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Statistics, empty_cache, the memory fraction, and out-of-memory with
 recovery, with cudapool installed."""
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Per-pool mode, in a process WITHOUT install(): PyTorch's own caching
 allocator takes one MemPool's segments from cudapool.
 (run_gpu_tests.sh runs this module with CUDAPOOL_GPU_NO_INSTALL=1.)"""

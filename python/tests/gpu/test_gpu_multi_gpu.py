@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Two GPUs with cudapool installed; FSDP2 with torch.compile under
 torchrun, natively and with cudapool (gpu/fsdp2_compile.py)."""
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Parity with PyTorch's own allocator for what needs cudapool's C++
 allocator class: torch.compile(mode="reduce-overhead") (CUDA graph trees,
 graph-pool checkpoints), cuDNN benchmark mode (cacheInfo), CUDA IPC, torch._C

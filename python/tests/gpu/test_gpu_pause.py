@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Pause and resume by tag on the GPU, with expandable segments and
 stitching on: the memory goes back to the driver (its free memory rises by
 what the tag held, within 1%), comes back at the same addresses with the

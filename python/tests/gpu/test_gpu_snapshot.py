@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """torch.cuda.memory._snapshot() (routed to cudapool) renders through
 torch.cuda._memory_viz."""
 

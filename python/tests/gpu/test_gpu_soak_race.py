@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The capture-time record_stream race (docs/reliability.md), on the GPU: with cudapool
 a tensor freed with a record_stream use during another thread's
 thread-local capture is never reused while the reading kernel runs.

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Data integrity across stitching (stitch:True, docs/fragmentation.md): kernels write a
 known pattern into every live block, pages move between ranges while the
 GPU is still running queued work (loaned pages of the allocating stream) and

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """record_stream across a side stream, and allocation from many threads."""
 
 import concurrent.futures

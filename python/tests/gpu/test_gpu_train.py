@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """A small transformer trains to the same losses with cudapool as with
 PyTorch's own allocator (same seed, deterministic settings)."""
 

@@ -1,3 +1,5 @@
+// SPDX-License-Identifier: Apache-2.0
+
 // Command nvmlgen writes cuda/driver's NVML trampoline file from the go-nvml
 // sources in the module cache (see package nvmlsyms). Run from cuda/driver:
 //

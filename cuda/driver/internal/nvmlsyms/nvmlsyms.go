@@ -1,3 +1,5 @@
+// SPDX-License-Identifier: Apache-2.0
+
 // Package nvmlsyms finds the NVML C functions that go-nvml's cgo bindings call
 // and renders the x86-64 trampolines that define them inside cudapool.
 //

@@ -1,3 +1,5 @@
+// SPDX-License-Identifier: Apache-2.0
+
 // Command cshared is built by the tests with -buildmode=c-shared to check that
 // a library importing cuda/driver leaves no CUDA or NVML symbol undefined.
 package main
