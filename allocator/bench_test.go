@@ -3,11 +3,11 @@
 package allocator_test
 
 import (
-	"math/rand"
 	"testing"
 	"time"
 
 	"github.com/cudapool/cudapool/allocator"
+	"github.com/cudapool/cudapool/bench/workload"
 	"github.com/cudapool/cudapool/cuda"
 	"github.com/cudapool/cudapool/pools"
 	"github.com/stretchr/testify/require"
@@ -63,9 +63,9 @@ func testHotPathAllocatesNothing(t *testing.T, conf string) {
 	})
 	require.Zero(t, allocs, "cache-hit malloc+free of one size")
 
-	m := newMixed(a, 256)
-	m.run(20000) // warm: segments, block free list and index at their high water
-	allocs = testing.AllocsPerRun(2000, func() { m.run(1) })
+	m := workload.NewMixed(a, 256)
+	m.Run(20000) // warm: segments, block free list and index at their high water
+	allocs = testing.AllocsPerRun(2000, func() { m.Run(1) })
 	require.Zero(t, allocs, "mixed sizes with many live blocks (splits and merges)")
 
 	// The same holds with stream uses recorded on the allocating stream.
@@ -74,44 +74,6 @@ func testHotPathAllocatesNothing(t *testing.T, conf string) {
 		_ = a.RecordStream(p, 0)
 	})
 	require.Zero(t, allocs)
-}
-
-// mixed keeps n live blocks of sizes from 512 B to 144 MiB (the facts
-// document's reference mix) and replaces one per step.
-type mixed struct {
-	a     *allocator.Allocator
-	live  []cuda.Ptr
-	sizes []uint64
-	i     int
-}
-
-func newMixed(a *allocator.Allocator, n int) *mixed {
-	rng := rand.New(rand.NewSource(1))
-	m := &mixed{a: a, live: make([]cuda.Ptr, n)}
-	for i := 0; i < 4096; i++ {
-		var s uint64
-		switch r := rng.Intn(100); {
-		case r < 70:
-			s = uint64(rng.Intn(64*KiB) + 512)
-		case r < 95:
-			s = uint64(rng.Intn(8*MiB) + 1)
-		default:
-			s = uint64(rng.Intn(144*MiB) + 1)
-		}
-		m.sizes = append(m.sizes, s)
-	}
-	return m
-}
-
-func (m *mixed) run(n int) {
-	for k := 0; k < n; k++ {
-		slot := m.i % len(m.live)
-		if p := m.live[slot]; p != 0 {
-			_ = m.a.Free(allocator.FreeRequest{Ptr: p})
-		}
-		m.live[slot], _ = m.a.Malloc(&allocator.MallocRequest{Size: m.sizes[m.i%len(m.sizes)]})
-		m.i++
-	}
 }
 
 func BenchmarkHotPair(b *testing.B) {
@@ -144,11 +106,11 @@ func BenchmarkMixedPairs(b *testing.B) {
 func benchmarkMixedPairs(b *testing.B, conf string) {
 	a, _ := newAlloc(b, 1, 80*GiB, conf)
 	a.ExpectAnnouncements()
-	m := newMixed(a, 256)
-	m.run(20000)
+	m := workload.NewMixed(a, 256)
+	m.Run(20000)
 	b.ReportAllocs()
 	for b.Loop() {
-		m.run(1)
+		m.Run(1)
 	}
 }
 
@@ -174,31 +136,6 @@ func BenchmarkParallelPairs(b *testing.B) {
 	})
 }
 
-// benchSequence is bench/workloads.h's mixed workload (sizes log-uniform in
-// 512 B-144 MiB, 256 live slots, splitmix64 from the same seed), so the Go
-// profile matches what the GPU benchmark measures through the C ABI.
-func benchSequence() (sizes []uint64, slots []int) {
-	st := uint64(0x5EED0001)
-	next := func() uint64 {
-		st += 0x9E3779B97F4A7C15
-		z := st
-		z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9
-		z = (z ^ (z >> 27)) * 0x94D049BB133111EB
-		return z ^ (z >> 31)
-	}
-	for i := 0; i < 65536; i++ {
-		e := 9 + next()%19
-		lo := uint64(1) << e
-		span := lo
-		if e == 27 {
-			span = 16 << 20
-		}
-		sizes = append(sizes, lo+next()%span)
-		slots = append(slots, int(next()%256))
-	}
-	return sizes, slots
-}
-
 func BenchmarkMixedWorkloadsH(b *testing.B) {
 	for _, fs := range freeSetConfs() {
 		b.Run(fs, func(b *testing.B) { benchmarkMixedWorkloadsH(b, fs) })
@@ -208,23 +145,13 @@ func BenchmarkMixedWorkloadsH(b *testing.B) {
 func benchmarkMixedWorkloadsH(b *testing.B, conf string) {
 	a, _ := newAlloc(b, 1, 140*GiB, conf)
 	a.ExpectAnnouncements()
-	sizes, slots := benchSequence()
-	live := make([]cuda.Ptr, 256)
-	i := 0
-	step := func() {
-		j := i & 65535
-		if p := live[slots[j]]; p != 0 {
-			_ = a.Free(allocator.FreeRequest{Ptr: p})
-		}
-		live[slots[j]], _ = a.Malloc(&allocator.MallocRequest{Size: sizes[j]})
-		i++
-	}
-	for k := 0; k < 65536; k++ {
-		step()
+	w := workload.NewSlots(a)
+	for k := 0; k < workload.SequenceLen; k++ {
+		w.Step()
 	}
 	b.ReportAllocs()
 	for b.Loop() {
-		step()
+		w.Step()
 	}
 }
 
@@ -258,7 +185,7 @@ func BenchmarkCaptureEnterCold(b *testing.B) {
 	setup := func(b *testing.B) *allocator.Allocator {
 		a, _ := newAlloc(b, 1, 80*GiB, "")
 		a.ExpectAnnouncements()
-		sizes, _ := benchSequence()
+		sizes, _ := workload.Sequence()
 		var live []cuda.Ptr
 		for i := 0; i < 600; i++ {
 			live = append(live, mustMalloc(b, a, 0, sizes[i]%(64*MiB)+512, 0))

@@ -189,7 +189,7 @@ func TestDeferredFreesDuringCapture(t *testing.T) {
 
 func TestTwoConcurrentCaptures(t *testing.T) {
 	a, drv := newAlloc(t, 1, GiB, "")
-	type result struct{ inside, reuse []cuda.Ptr }
+	type result struct{ inside []cuda.Ptr }
 	var wg sync.WaitGroup
 	var mu sync.Mutex
 	ready := make(chan struct{})

@@ -576,7 +576,7 @@ func TestHistoryExpandable(t *testing.T) {
 
 	// Mapping later pages does not give a segment a context it lacks.
 	b, _ := newAlloc(t, 1, GiB, expandable)
-	p = mustMalloc(t, b, 0, 3*MiB, 0)
+	mustMalloc(t, b, 0, 3*MiB, 0)
 	record(t, b, allocator.HistoryOptions{Enabled: true, When: allocator.HistoryState})
 	q, err = b.Malloc(&allocator.MallocRequest{Size: 5 * MiB, Stream: 0, Ctx: 9})
 	require.NoError(t, err)

@@ -24,7 +24,7 @@ import (
 type lockRank uint8
 
 const (
-	rankNone lockRank = iota
+	_ lockRank = iota // 0: no rank ("none")
 	// rankConfig is Allocator.cfgMu: Configure, which then takes each
 	// device in turn, and the history (record_history).
 	rankConfig

@@ -6,6 +6,7 @@ import (
 	"testing"
 
 	"github.com/cudapool/cudapool/allocator"
+	"github.com/cudapool/cudapool/bench/workload"
 	"github.com/cudapool/cudapool/cuda"
 )
 
@@ -21,7 +22,7 @@ func BenchmarkPGOCapture(b *testing.B) {
 	const cs, side = cuda.Stream(7), cuda.Stream(8)
 	a, _ := newAlloc(b, 1, 80*GiB, "")
 	a.ExpectAnnouncements()
-	all, _ := benchSequence()
+	all, _ := workload.Sequence()
 	var sizes []uint64
 	for _, s := range all {
 		if s < 16*MiB {

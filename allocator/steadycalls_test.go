@@ -7,6 +7,7 @@ import (
 	"testing"
 
 	"github.com/cudapool/cudapool/allocator"
+	"github.com/cudapool/cudapool/bench/workload"
 	"github.com/cudapool/cudapool/cuda"
 	"github.com/cudapool/cudapool/cuda/sim"
 	"github.com/cudapool/cudapool/cuda/sim/fault"
@@ -76,7 +77,7 @@ func newSteadyMixed(t testing.TB, conf string) *steadyMixed {
 	m.a, err = allocator.New(m.f, cfg)
 	require.NoError(t, err)
 	m.a.ExpectAnnouncements() // as PyTorch: no capture-status query per malloc
-	m.sizes, m.slots = benchSequence()
+	m.sizes, m.slots = workload.Sequence()
 	for s := range m.live {
 		m.live[s] = mustMalloc(t, m.a, 0, m.sizes[s], 0)
 	}

@@ -26,7 +26,6 @@ package main
 import (
 	"flag"
 	"fmt"
-	"math/rand"
 	"os"
 	"runtime"
 	"sort"
@@ -36,16 +35,12 @@ import (
 	"unsafe"
 
 	"github.com/cudapool/cudapool/allocator"
-	"github.com/cudapool/cudapool/cuda"
+	"github.com/cudapool/cudapool/bench/workload"
 	"github.com/cudapool/cudapool/cuda/sim"
 	"github.com/cudapool/cudapool/pools"
 )
 
-const (
-	kiB = 1 << 10
-	miB = 1 << 20
-	giB = 1 << 30
-)
+const giB = 1 << 30
 
 func main() {
 	rounds := flag.Int("rounds", 7, "interleaved rounds of every configuration")
@@ -114,7 +109,6 @@ func coldPairs(n int, conf string, pair bool) error {
 			_ = a.Free(allocator.FreeRequest{Ptr: p})
 		}
 	}
-	sink += evict[0]
 	return nil
 }
 
@@ -136,8 +130,6 @@ func cpuPerOp(n int, fn func()) float64 {
 	return float64(threadCPU()-t0) / float64(n)
 }
 
-var sink byte
-
 // coldPair returns the median wall time of one malloc+free after touching
 // evict bytes of other memory, less the median cost of reading the clock.
 func coldPair(a *allocator.Allocator, size uint64, evict []byte, n int) float64 {
@@ -154,7 +146,6 @@ func coldPair(a *allocator.Allocator, size uint64, evict []byte, n int) float64 
 		t2 := time.Now()
 		clock[i], pair[i] = int64(t1.Sub(t0)), int64(t2.Sub(t1))
 	}
-	sink += evict[0]
 	return median64(pair) - median64(clock)
 }
 
@@ -171,70 +162,6 @@ func medianF(v []float64) float64 {
 		return s[len(s)/2]
 	}
 	return (s[len(s)/2-1] + s[len(s)/2]) / 2
-}
-
-// mixed keeps n live blocks of sizes from 512 B to 144 MiB (the facts
-// document's reference mix) and replaces one per step; the allocator
-// package's BenchmarkMixedPairs runs the same.
-type mixed struct {
-	a     *allocator.Allocator
-	live  []cuda.Ptr
-	sizes []uint64
-	i     int
-}
-
-func newMixed(a *allocator.Allocator, n int) *mixed {
-	rng := rand.New(rand.NewSource(1))
-	m := &mixed{a: a, live: make([]cuda.Ptr, n)}
-	for i := 0; i < 4096; i++ {
-		var s uint64
-		switch r := rng.Intn(100); {
-		case r < 70:
-			s = uint64(rng.Intn(64*kiB) + 512)
-		case r < 95:
-			s = uint64(rng.Intn(8*miB) + 1)
-		default:
-			s = uint64(rng.Intn(144*miB) + 1)
-		}
-		m.sizes = append(m.sizes, s)
-	}
-	return m
-}
-
-func (m *mixed) run(n int) {
-	for k := 0; k < n; k++ {
-		slot := m.i % len(m.live)
-		if p := m.live[slot]; p != 0 {
-			_ = m.a.Free(allocator.FreeRequest{Ptr: p})
-		}
-		m.live[slot], _ = m.a.Malloc(&allocator.MallocRequest{Size: m.sizes[m.i%len(m.sizes)]})
-		m.i++
-	}
-}
-
-// benchSequence is bench/workloads.h's mixed workload (sizes log-uniform in
-// 512 B-144 MiB, 256 live slots, splitmix64 from the same seed), so that the
-// Go figures match what the GPU benchmark measures through the C ABI.
-func benchSequence() (sizes []uint64, slots []int) {
-	st := uint64(0x5EED0001)
-	next := func() uint64 {
-		st += 0x9E3779B97F4A7C15
-		z := st
-		z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9
-		z = (z ^ (z >> 27)) * 0x94D049BB133111EB
-		return z ^ (z >> 31)
-	}
-	for i := 0; i < 65536; i++ {
-		e := 9 + next()%19
-		lo := uint64(1) << e
-		span := lo
-		if e == 27 {
-			span = 16 << 20
-		}
-		sizes = append(sizes, lo+next()%span)
-		slots = append(slots, int(next()%256))
-	}
-	return sizes, slots
 }
 
 func speed(rounds int) error {
@@ -282,33 +209,23 @@ func speed(rounds int) error {
 			if a, err = newAlloc(140*giB, conf); err != nil {
 				return err
 			}
-			sizes, slots := benchSequence()
-			live := make([]cuda.Ptr, 256)
-			j := 0
-			step := func() {
-				x := j & 65535
-				if p := live[slots[x]]; p != 0 {
-					_ = a.Free(allocator.FreeRequest{Ptr: p})
-				}
-				live[slots[x]], _ = a.Malloc(&allocator.MallocRequest{Size: sizes[x]})
-				j++
-			}
-			cpuPerOp(65536, step)
-			res[rows[1]][k] = append(res[rows[1]][k], cpuPerOp(200000, step))
+			w := workload.NewSlots(a)
+			cpuPerOp(workload.SequenceLen, w.Step)
+			res[rows[1]][k] = append(res[rows[1]][k], cpuPerOp(200000, w.Step))
 
 			if a, err = newAlloc(80*giB, conf); err != nil {
 				return err
 			}
-			m := newMixed(a, 256)
-			m.run(20000)
-			res[rows[2]][k] = append(res[rows[2]][k], cpuPerOp(200000, func() { m.run(1) }))
+			m := workload.NewMixed(a, 256)
+			m.Run(20000)
+			res[rows[2]][k] = append(res[rows[2]][k], cpuPerOp(200000, func() { m.Run(1) }))
 
 			if a, err = newAlloc(80*giB, conf+",expandable_segments:True"); err != nil {
 				return err
 			}
-			m = newMixed(a, 256)
-			m.run(20000)
-			res[rows[6]][k] = append(res[rows[6]][k], cpuPerOp(200000, func() { m.run(1) }))
+			m = workload.NewMixed(a, 256)
+			m.Run(20000)
+			res[rows[6]][k] = append(res[rows[6]][k], cpuPerOp(200000, func() { m.Run(1) }))
 		}
 	}
 	out := fmt.Sprintf("allocator package, one thread, %d interleaved rounds: median (min-max)\n%-48s", rounds, "")
