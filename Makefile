@@ -163,9 +163,9 @@ $(BUILD)/test_front_cold: capi/ctest/test_front_cold.c capi/front.c capi/capi.h
 
 # test_front runs twice, with the front cache on and off (debug_checks in
 # both); its "cmp" lines are statistics that do not depend on placement, so
-# the two runs' must be identical. It does so for ordinary segments (the
-# default), for expandable segments without stitching, and for expandable
-# segments with stitching (expandable_segments:True): the front serves
+# the two runs' must be identical. It does so for ordinary segments
+# (expandable_segments:False), for expandable segments without stitching,
+# and for the default (expandable segments with stitching): the front serves
 # expandable private pools holding only small blocks (shorter runs: every
 # operation's invariant check walks the pages).
 FRONT_CONF := debug_checks:True,max_split_size_mb:40
@@ -185,7 +185,7 @@ test-c: $(BUILD)/test_cudapool $(BUILD)/test_torchabi $(BUILD)/test_interop $(BU
 	$(call section,front cache: randomized; front on and off (simulator))
 	@rc=0; for kind in plain exp stitch; do \
 		args='$(FRONT_EXP_ARGS)'; extra=; \
-		case $$kind in plain) args=;; exp) extra=,expandable_segments:True,stitch:False;; stitch) extra=,expandable_segments:True;; esac; \
+		case $$kind in plain) args=; extra=,expandable_segments:False;; exp) extra=,expandable_segments:True,stitch:False;; esac; \
 		for mode in on off; do \
 			conf='$(FRONT_CONF)'$$extra; if [ $$mode = off ]; then conf="$$conf,front_cache:False"; fi; \
 			out=$(BUILD)/test_front.$$kind.$$mode; \

@@ -67,8 +67,8 @@
 //     pool; otherwise the default pools. Small or large by rounded size.
 //  3. Best fit on the stream in that pool.
 //  4. Else grow: garbage-collect old cached segments if configured; allocate
-//     a new segment (with expandable_segments:True, map pages into the
-//     pool's reserved range instead: package vmem); else, for a request
+//     a new segment (with expandable segments, the default, map pages into
+//     the pool's reserved range instead: package vmem); else, for a request
 //     of the default pools, take a cached block of a user pool marked
 //     use_on_oom (mempool.go); else free cached oversize segments and
 //     retry; else wait for all pending events, free every cached whole

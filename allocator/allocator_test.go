@@ -21,14 +21,14 @@ const (
 )
 
 // ordinary is the configuration of the tests of ordinary segments (one
-// cuMemAlloc each, the segment statistics), named although it is the
-// default: these tests do not follow the default.
+// cuMemAlloc each, the segment statistics): the default is expandable
+// segments with stitching.
 const ordinary = "expandable_segments:False"
 
 // stitching is expandable segments with stitching (stitch follows
-// expandable_segments), with the default 20 MiB map unit: the configuration
-// of the tests of stitching's placements and of expandable memory as users
-// opt into it.
+// expandable_segments), with the default 20 MiB map unit: the default,
+// named by the tests of stitching's placements so that they do not depend
+// on what the default is.
 const stitching = "expandable_segments:True"
 
 func newAlloc(t testing.TB, devices int, mem uint64, conf string) (*allocator.Allocator, *sim.Driver) {

@@ -16,7 +16,7 @@ import (
 // The hot path allocates no Go memory: a cache-hit malloc and its free, on
 // one size and on a mix, once the cache is warm.
 func TestHotPathAllocatesNothing(t *testing.T) {
-	for _, conf := range []string{"", "expandable_segments:True,stitch:False", stitching, "stitch:True", "graph_capture_record_stream_reuse:True"} {
+	for _, conf := range []string{ordinary, "expandable_segments:True,stitch:False", "", "stitch:True", "graph_capture_record_stream_reuse:True"} {
 		for _, k := range pools.FreeSetKinds {
 			c := join(conf, "free_set:"+k.String())
 			t.Run(c, func(t *testing.T) { testHotPathAllocatesNothing(t, c) })
@@ -95,7 +95,7 @@ func benchmarkHotPair(b *testing.B, conf string) {
 }
 
 func BenchmarkMixedPairs(b *testing.B) {
-	for _, conf := range []string{"", "expandable_segments:True,stitch:False", stitching, "stitch:True", "graph_capture_record_stream_reuse:True"} {
+	for _, conf := range []string{ordinary, "expandable_segments:True,stitch:False", "", "stitch:True", "graph_capture_record_stream_reuse:True"} {
 		for _, fs := range freeSetConfs() {
 			c := join(conf, fs)
 			b.Run(c, func(b *testing.B) { benchmarkMixedPairs(b, c) })

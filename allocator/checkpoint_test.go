@@ -65,7 +65,7 @@ func requireLayoutRestored(t testing.TB, a *allocator.Allocator, cp *allocator.C
 }
 
 func TestCheckpointRestore(t *testing.T) {
-	for _, conf := range []string{"", "expandable_segments:True"} {
+	for _, conf := range []string{ordinary, ""} {
 		t.Run(conf, func(t *testing.T) { testCheckpointRestore(t, conf) })
 	}
 }
@@ -330,7 +330,7 @@ func TestCheckpointErrors(t *testing.T) {
 }
 
 func TestCheckpointRandomized(t *testing.T) {
-	for _, conf := range []string{"", "expandable_segments:True", "max_split_size_mb:40,roundup_power2_divisions:4"} {
+	for _, conf := range []string{ordinary, "", "max_split_size_mb:40,roundup_power2_divisions:4"} {
 		for seed := int64(1); seed <= 4; seed++ {
 			t.Run(fmt.Sprintf("%s/%d", conf, seed), func(t *testing.T) {
 				newCheckpointMachine(t, conf, seed).run(1500)

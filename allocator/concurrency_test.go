@@ -17,7 +17,7 @@ import (
 // Many goroutines allocate, free and record uses on several streams and two
 // devices at once; run with -race.
 func TestConcurrentMallocFree(t *testing.T) {
-	for _, conf := range []string{"", "expandable_segments:True"} {
+	for _, conf := range []string{ordinary, ""} {
 		t.Run(conf, func(t *testing.T) { testConcurrentMallocFree(t, conf) })
 	}
 }

@@ -18,13 +18,12 @@ type Config struct {
 	Pools pools.Config
 	// ExpandableSegments grows each pool's memory by mapping pages into one
 	// reserved address range per stream instead of allocating segments
-	// (package vmem). Off by default (ordinary segments);
-	// expandable_segments:True turns it on with stitching unless
-	// stitch:False is named too; stitch:True implies it, and with
-	// expandable_segments:False is an error. Without the driver's virtual
-	// memory management API it falls back to ordinary segments, with a note
-	// where the configuration named expandable_segments:True or
-	// stitch:True (quietly for a Config made in Go that never named them).
+	// (package vmem). On by default, with stitching (stitch:False keeps it
+	// without); expandable_segments:False gives ordinary segments and turns
+	// stitching off too, and with a named stitch:True is an error. Without
+	// the driver's virtual memory management API it falls back to ordinary
+	// segments: quietly by default, with a note where the configuration
+	// named expandable_segments:True or stitch:True.
 	ExpandableSegments bool
 	// ExpandableMapUnit is the least that growth maps at once in the large
 	// pools of expandable segments, in bytes (a multiple of 2 MiB).
@@ -33,9 +32,9 @@ type Config struct {
 	ExpandableMapUnit uint64
 	// Stitch moves free physical pages of expandable segments to where a
 	// miss needs them before mapping new memory (vmem/stitch.go). It implies
-	// expandable segments. cudapool's own key: stitch. Unless the
-	// configuration names it, it follows ExpandableSegments: off by
-	// default, on with expandable_segments:True (see resolveStitch).
+	// expandable segments. cudapool's own key: stitch. On by default:
+	// unless the configuration names it, it follows ExpandableSegments (on
+	// by default, off with expandable_segments:False; see resolveStitch).
 	Stitch bool
 	// ExpandableSet and StitchSet record that the configuration named
 	// expandable_segments or stitch, rather than taking the default (a
@@ -77,11 +76,13 @@ type Config struct {
 	WarmRuntime bool
 }
 
-// DefaultConfig is PyTorch's default configuration (ordinary segments:
-// expandable segments and stitching off), with cudapool's own defaults: the
-// front cache and the warm runtime on.
+// DefaultConfig is PyTorch's default configuration, with cudapool's own
+// defaults: expandable segments with stitching (less memory reserved for
+// the same allocations: docs/fragmentation.md), the front cache and the
+// warm runtime on.
 func DefaultConfig() Config {
-	return Config{Pools: pools.DefaultConfig(), ExpandableMapUnit: DefaultMapUnit, FrontCache: true, WarmRuntime: true}
+	return Config{Pools: pools.DefaultConfig(), ExpandableSegments: true, Stitch: true,
+		ExpandableMapUnit: DefaultMapUnit, FrontCache: true, WarmRuntime: true}
 }
 
 // DefaultMapUnit is expandable_map_unit_mb's default, in bytes.
@@ -138,8 +139,8 @@ func parseOnto(cfg Config, s string) (Config, []string, error) {
 //     or one in it and the other earlier), is an error: stitching moves the
 //     pages of expandable segments, and choosing one by key order or by
 //     call order would be a silent guess.
-//   - A stitch never named follows expandable_segments: off with it (the
-//     default, ordinary segments), on with expandable_segments:True.
+//   - A stitch never named follows expandable_segments: on with it (the
+//     default), off with expandable_segments:False (ordinary segments).
 //   - A named stitch:True implies expandable segments.
 func (c *Config) resolveStitch(earlier Config) error {
 	namedStitch, namedExp := c.StitchSet, c.ExpandableSet
@@ -513,10 +514,9 @@ func (c Config) String() string {
 		parts = append(parts, fmt.Sprintf("garbage_collection_threshold:%g", p.GCThreshold))
 	}
 	// The two keys appear where they were named (so that the string parses
-	// back to the same configuration) or differ from what the rest of the
-	// string implies: expandable segments are off by default, on with a
-	// named stitch:True; stitch follows expandable_segments.
-	if c.ExpandableSet || c.ExpandableSegments && !(c.StitchSet && c.Stitch) {
+	// back to the same configuration) or differ from the defaults
+	// (expandable segments on; stitch follows expandable_segments).
+	if c.ExpandableSet || !c.ExpandableSegments {
 		parts = append(parts, "expandable_segments:"+pyBool(c.ExpandableSegments))
 	}
 	if c.ExpandableMapUnit != DefaultMapUnit {

@@ -82,7 +82,7 @@ func TestEmptyCacheNothingToReleaseExpandable(t *testing.T) {
 // pool), so a flag missing where it is needed is caught by those
 // invariants (Cache.Check), not by the comparison.
 func TestEmptyCacheSkipMatchesFullPath(t *testing.T) {
-	confs := []string{"", "garbage_collection_threshold:0.7", "expandable_segments:True,stitch:False", stitching}
+	confs := []string{ordinary, ordinary + ",garbage_collection_threshold:0.7", "expandable_segments:True,stitch:False", ""}
 	seeds := 4
 	if testing.Short() || raceOn {
 		seeds = 2

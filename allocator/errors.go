@@ -136,14 +136,14 @@ func (a *Allocator) OOMText(err error, size uint64) (text string, ok bool) {
 	// What to try depends on what is on: the hint names the next step.
 	switch cfg := a.Config(); {
 	case !cfg.ExpandableSegments:
-		b.WriteString(" If reserved but unallocated memory is large, expandable segments with stitching" +
-			" (CUDAPOOL_CONF=expandable_segments:True) or max_split_size_mb:N (to keep large cached blocks whole)" +
-			" may avoid the fragmentation.")
+		b.WriteString(" If reserved but unallocated memory is large, cudapool's default configuration (expandable segments with" +
+			" stitching: leave out expandable_segments:False from CUDAPOOL_CONF) or max_split_size_mb:N (to keep large cached" +
+			" blocks whole) may avoid the fragmentation.")
 	case !cfg.Stitch:
-		b.WriteString(" If reserved but unallocated memory is large, stitching" +
-			" (CUDAPOOL_CONF=expandable_segments:True,stitch:True) may avoid the fragmentation.")
+		b.WriteString(" If reserved but unallocated memory is large, stitching (cudapool's default: leave out stitch:False" +
+			" from CUDAPOOL_CONF) may avoid the fragmentation.")
 	default:
-		b.WriteString(" With expandable segments and stitching, memory still reserved but unallocated after that" +
+		b.WriteString(" With expandable segments and stitching (the default), memory still reserved but unallocated after that" +
 			" is in partly used pages or in private pools (CUDA graphs, MemPools), which give it back once released.")
 	}
 	return b.String(), true

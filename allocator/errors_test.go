@@ -27,7 +27,7 @@ func TestOOMText(t *testing.T) {
 		"out of memory on device 0: cannot allocate 5.00 GiB (5368709120 bytes);",
 		"the device has 3.90 GiB free of 4.00 GiB; in use on it: this process 100.00 MiB (cudapool's and any other).",
 		"cudapool holds 100.00 MiB on it: 100.00 MiB allocated, 0 bytes reserved but unallocated",
-		"cudapool_empty_cache()", "expandable segments with stitching (CUDAPOOL_CONF=expandable_segments:True)",
+		"cudapool_empty_cache()", "cudapool's default configuration (expandable segments with stitching: leave out expandable_segments:False from CUDAPOOL_CONF)",
 		"max_split_size_mb",
 	} {
 		require.Contains(t, text, want)
@@ -56,10 +56,12 @@ func TestOOMText(t *testing.T) {
 		conf, hint string
 		maxSplit   bool
 	}{
-		{"", "expandable segments with stitching (CUDAPOOL_CONF=expandable_segments:True) or max_split_size_mb:N", true},
-		{"expandable_segments:True", "With expandable segments and stitching, memory still reserved but unallocated after that is in partly used pages or in private pools (CUDA graphs, MemPools)", false},
-		{"stitch:True", "With expandable segments and stitching, memory still reserved but unallocated after that is in partly used pages or in private pools (CUDA graphs, MemPools)", false},
-		{"expandable_segments:True,stitch:False", "stitching (CUDAPOOL_CONF=expandable_segments:True,stitch:True) may avoid the fragmentation", false},
+		{"", "With expandable segments and stitching (the default), memory still reserved but unallocated after that is in partly used pages or in private pools (CUDA graphs, MemPools)", false},
+		{"expandable_segments:True", "With expandable segments and stitching (the default), memory still reserved but unallocated after that is in partly used pages or in private pools (CUDA graphs, MemPools)", false},
+		{"stitch:True", "With expandable segments and stitching (the default), memory still reserved but unallocated after that is in partly used pages or in private pools (CUDA graphs, MemPools)", false},
+		{"stitch:False", "stitching (cudapool's default: leave out stitch:False from CUDAPOOL_CONF) may avoid the fragmentation", false},
+		{"expandable_segments:True,stitch:False", "stitching (cudapool's default: leave out stitch:False from CUDAPOOL_CONF) may avoid the fragmentation", false},
+		{ordinary, "cudapool's default configuration (expandable segments with stitching: leave out expandable_segments:False from CUDAPOOL_CONF) or max_split_size_mb:N", true},
 	} {
 		a, _ := newAlloc(t, 1, 4*GiB, c.conf)
 		_, err := a.Malloc(&allocator.MallocRequest{Size: 5 * GiB})

@@ -13,8 +13,8 @@ import (
 	"github.com/stretchr/testify/require"
 )
 
-// Expandable segments without stitching (expandable_segments:True alone
-// turns it on with them), page by page: these tests count pages and find them where they left them.
+// Expandable segments without stitching (on by default with them), page by
+// page: these tests count pages and find them where they left them.
 const expandable = "expandable_segments:True,stitch:False,expandable_map_unit_mb:2"
 
 // Blocks grow across page boundaries inside one mapped range; nothing is
@@ -290,9 +290,9 @@ func TestExpandableSnapshot(t *testing.T) {
 type noVMM struct{ allocator.Driver }
 
 // Without the driver's VMM API the option falls back to ordinary segments,
-// with one warning where the configuration named it. The default (ordinary
-// segments) never asks for it; a configuration made in Go that turns it on
-// without naming it falls back quietly.
+// with one warning where the configuration named it; the default
+// (stitching, and so expandable segments) falls back quietly, and
+// expandable_segments:False never asks for it.
 func TestExpandableFallback(t *testing.T) {
 	lockThread(t)
 	cfg, _, err := allocator.ParseConfig(expandable)
@@ -311,25 +311,15 @@ func TestExpandableFallback(t *testing.T) {
 	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: q}))
 	require.NoError(t, a.CheckInvariants())
 
-	unnamed := allocator.DefaultConfig()
-	unnamed.ExpandableSegments, unnamed.Stitch = true, true
-	for _, c := range []struct {
-		conf, note string
-		cfg        *allocator.Config
-	}{
-		{"", "", nil},
-		{"max_split_size_mb:64", "", nil},
-		{"(made in Go)", "", &unnamed},
-		{"stitch:True", "stitch:True: the CUDA driver has no virtual memory management API; using ordinary segments", nil},
-		{"expandable_segments:True", "expandable_segments:True: the CUDA driver has no virtual memory management API; using ordinary segments", nil},
+	for _, c := range []struct{ conf, note string }{
+		{"", ""},
+		{"max_split_size_mb:64", ""},
+		{ordinary, ""},
+		{"stitch:True", "stitch:True: the CUDA driver has no virtual memory management API; using ordinary segments"},
+		{"expandable_segments:True", "expandable_segments:True: the CUDA driver has no virtual memory management API; using ordinary segments"},
 	} {
-		var cfg allocator.Config
-		if c.cfg != nil {
-			cfg = *c.cfg
-		} else {
-			cfg, _, err = allocator.ParseConfig(c.conf)
-			require.NoError(t, err)
-		}
+		cfg, _, err := allocator.ParseConfig(c.conf)
+		require.NoError(t, err)
 		drv := sim.New(sim.Options{Memory: GiB})
 		a, err := allocator.New(noVMM{drv}, cfg)
 		require.NoError(t, err)

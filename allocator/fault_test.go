@@ -204,7 +204,7 @@ type faultCase struct {
 }
 
 const (
-	// Ordinary segments (the default, named: these cases do not follow it).
+	// Ordinary segments: the default is expandable segments with stitching.
 	confOrdinary = "expandable_segments:False"
 	// Expandable segments without stitching (which would move the pages
 	// these cases count on finding where they were).
@@ -420,11 +420,20 @@ var faultCases = map[string]faultCase{
 		require.Equal(t, 1, e.sim().Live(0), "an ordinary segment")
 		e.consistent(0)
 		e.nothingLost()
-		// The default (ordinary segments) never probes.
+		// By default (nothing named), quietly.
 		e = newFault(t, "", false)
 		r = e.fail("MemGranularity", "", 0)
 		e.malloc(4096, 1)
-		require.Zero(t, e.f.Hits(r), "the default asks nothing of virtual memory management")
+		e.fired(r)
+		require.Empty(t, e.warnings)
+		require.Equal(t, 1, e.sim().Live(0), "an ordinary segment")
+		e.consistent(0)
+		e.nothingLost()
+		// Ordinary segments never probe.
+		e = newFault(t, confOrdinary, false)
+		r = e.fail("MemGranularity", "", 0)
+		e.malloc(4096, 1)
+		require.Zero(t, e.f.Hits(r), "expandable_segments:False asks nothing of virtual memory management")
 		require.Empty(t, e.warnings)
 		require.Equal(t, 1, e.sim().Live(0), "an ordinary segment")
 		e.consistent(0)

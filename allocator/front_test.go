@@ -206,7 +206,7 @@ func TestFrontRoutesPhases(t *testing.T) {
 // size; with expandable segments only small ones may be held (see
 // privateTag). The default pools' are tracked either way, held if small.
 func TestFrontTagsExpandablePrivatePools(t *testing.T) {
-	for _, conf := range []string{"", "expandable_segments:True,stitch:False", stitching} {
+	for _, conf := range []string{ordinary, "expandable_segments:True,stitch:False", ""} {
 		t.Run(conf, func(t *testing.T) {
 			lockThread(t)
 			f := &fakeFront{}
@@ -222,7 +222,7 @@ func TestFrontTagsExpandablePrivatePools(t *testing.T) {
 				inpool = append(inpool, p)
 				require.True(t, inPool(t, a, pool, inpool...))
 				want := tr.Route | allocator.TagHold
-				if conf != "" && size > 4096 {
+				if conf != ordinary && size > 4096 {
 					want = tr.Route
 				}
 				require.Equal(t, want, tr.Tag, "tracked with its pool's tag (%d bytes)", size)

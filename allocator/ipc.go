@@ -108,7 +108,7 @@ func (a *Allocator) IpcHandle(p cuda.Ptr) (h cuda.IpcHandle, offset uint64, dev 
 		return h, 0, 0, err
 	}
 	if b.Seg.Expandable {
-		return h, 0, 0, newError(op, ErrNotSupported, "pointer %#x on device %d is in an expandable segment (expandable_segments:True or stitch:True), "+
+		return h, 0, 0, newError(op, ErrNotSupported, "pointer %#x on device %d is in an expandable segment (expandable_segments:True, on by default with stitching), "+
 			"whose pages are CUDA virtual memory with no 64-byte cudaIpcMemHandle; share it with cudapool_ipc_share (PyTorch's handle format, which covers expandable memory)",
 			uintptr(p), d.id)
 	}

@@ -82,7 +82,7 @@ func TestIpcHandleRefusesExpandableSegments(t *testing.T) {
 	p := mustMalloc(t, a, 0, 3*MiB, 0)
 	_, _, _, err := a.IpcHandle(p)
 	require.ErrorIs(t, err, allocator.ErrNotSupported)
-	require.Contains(t, err.Error(), "is in an expandable segment (expandable_segments:True or stitch:True), whose pages are CUDA virtual memory with no 64-byte cudaIpcMemHandle")
+	require.Contains(t, err.Error(), "is in an expandable segment (expandable_segments:True, on by default with stitching), whose pages are CUDA virtual memory with no 64-byte cudaIpcMemHandle")
 	require.Contains(t, err.Error(), "share it with cudapool_ipc_share")
 	var ae *allocator.Error
 	require.ErrorAs(t, err, &ae)

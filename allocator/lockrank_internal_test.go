@@ -13,9 +13,9 @@ import (
 )
 
 // debugAllocator is an allocator under debug_checks: with the default
-// configuration (ordinary segments), or with expandable segments and
-// stitching where stitch (mapping, unmapping and moving pages take locks of
-// their own).
+// configuration (expandable segments with stitching: mapping, unmapping and
+// moving pages take locks of their own) where stitch, else with ordinary
+// segments.
 func debugAllocator(t *testing.T, devices int, stitch bool) *Allocator {
 	t.Helper()
 	cfg := DefaultConfig()

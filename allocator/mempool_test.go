@@ -393,7 +393,7 @@ func (f *fakeSource) Free(dev int, p cuda.Ptr, size uint64) error {
 }
 
 func TestMemPoolSegmentSource(t *testing.T) {
-	for _, conf := range []string{"", "expandable_segments:True"} {
+	for _, conf := range []string{ordinary, ""} {
 		t.Run(conf, func(t *testing.T) { testMemPoolSegmentSource(t, conf) })
 	}
 }

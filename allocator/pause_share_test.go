@@ -18,10 +18,10 @@ import (
 // tag's block cannot be exported; the pause's release closes the
 // descriptors of the chunks it gives back, and resumed memory is
 // shareable again. A tag's pools map pages whatever expandable_segments
-// says, so both the default (ordinary segments) and expandable segments
-// with stitching are tried.
+// says, so both the default (expandable segments with stitching) and
+// ordinary segments are tried.
 func TestPauseRefusesSharedTaggedBlock(t *testing.T) {
-	for _, conf := range []string{"", stitching} {
+	for _, conf := range []string{"", ordinary} {
 		t.Run(conf, func(t *testing.T) {
 			lockThread(t)
 			exp := newProc(t, conf, cuda.ShareablePOSIXFD, 4*GiB)

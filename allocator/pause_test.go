@@ -320,10 +320,10 @@ func TestPauseAllTagsDevices(t *testing.T) {
 // A graph captured under a tag: its private pool is the tag's, paused with
 // it, and its addresses are the same after resume. So is the automatic
 // pool of a capture nobody announced, made by a tagged malloc. The untagged
-// pools hold ordinary segments (the default) or expandable ones with
-// stitching.
+// pools hold expandable segments with stitching (the default) or ordinary
+// segments.
 func TestPauseGraphPools(t *testing.T) {
-	for _, conf := range []string{"", stitching} {
+	for _, conf := range []string{"", ordinary} {
 		t.Run(conf, func(t *testing.T) { testPauseGraphPools(t, conf) })
 	}
 }
@@ -461,11 +461,11 @@ type noVMMIPC struct{ *sim.Driver }
 
 func (d noVMMIPC) MemGranularity(int) (uint64, error) { return 0, cuda.ErrNotSupported }
 
-// Resume of a device short of memory gives back the cache first (ordinary
-// segments, the default, or expandable ones with stitching), then fails
-// clearly when that is not enough; a later resume maps the rest.
+// Resume of a device short of memory gives back the cache first
+// (expandable segments with stitching, the default, or ordinary segments),
+// then fails clearly when that is not enough; a later resume maps the rest.
 func TestResumeOutOfMemory(t *testing.T) {
-	for _, conf := range []string{"", stitching} {
+	for _, conf := range []string{"", ordinary} {
 		t.Run(conf, func(t *testing.T) { testResumeOutOfMemory(t, conf) })
 	}
 }

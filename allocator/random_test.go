@@ -316,7 +316,7 @@ func TestRandomizedInvariants(t *testing.T) {
 	confs := []string{ord, ord + ",max_split_size_mb:32", ord + ",roundup_power2_divisions:4",
 		ord + ",garbage_collection_threshold:0.7", ord + ",max_split_size_mb:20,max_non_split_rounding_mb:4",
 		exp, exp + ",max_split_size_mb:32", exp + ",garbage_collection_threshold:0.7,roundup_power2_divisions:4",
-		// Stitching (expandable_segments:True), alone and with other keys.
+		// Stitching (the default, named), alone and with other keys.
 		stitching, stitching + ",max_split_size_mb:32", "stitch:True,expandable_map_unit_mb:2,max_split_size_mb:32",
 		"stitch:True,garbage_collection_threshold:0.7"}
 	seeds := 12
@@ -363,12 +363,12 @@ func FuzzAllocator(f *testing.F) {
 	f.Add(seed)
 	f.Fuzz(func(t *testing.T, data []byte) {
 		lockThread(t)
-		// The first byte picks ordinary segments (the default) or
-		// expandable ones, without or with stitching (20 MiB at a time or
+		// The first byte picks ordinary segments or expandable ones,
+		// without or with stitching (the default: 20 MiB at a time, or
 		// page by page); every free set runs the input.
 		conf := ""
 		if len(data) > 0 {
-			conf = [...]string{"", "expandable_segments:True,stitch:False", stitching, "stitch:True,expandable_map_unit_mb:2"}[data[0]%4]
+			conf = [...]string{ordinary, "expandable_segments:True,stitch:False", "", "stitch:True,expandable_map_unit_mb:2"}[data[0]%4]
 		}
 		runEveryFreeSet(t, conf, data)
 	})

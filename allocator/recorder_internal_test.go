@@ -43,10 +43,10 @@ func (e *told) snapshot(active uint64, _ PoolID)      { e.add("snapshot %d", act
 // The device tells its recorder what happens, and nothing while it has
 // none (history off): blocks then carry no context.
 func TestDeviceTellsItsRecorder(t *testing.T) {
-	expandable, stitched := DefaultConfig(), DefaultConfig() // the default: ordinary segments
-	expandable.ExpandableSegments = true
-	stitched.ExpandableSegments, stitched.Stitch = true, true
-	for _, conf := range []Config{DefaultConfig(), expandable, stitched} {
+	ordinary, expandable := DefaultConfig(), DefaultConfig() // the default: expandable segments with stitching
+	ordinary.ExpandableSegments, ordinary.Stitch = false, false
+	expandable.Stitch = false
+	for _, conf := range []Config{ordinary, expandable, DefaultConfig()} {
 		a, err := New(sim.New(sim.Options{Memory: 1 << 30}), conf)
 		require.NoError(t, err)
 		d := a.devs[0]

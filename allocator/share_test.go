@@ -34,10 +34,10 @@ type proc struct {
 
 // chunked is expandable segments without stitching: the default large
 // pool's 20 MiB chunks, grown whole (vmem/export.go, "One size").
-// stitching (expandable_segments:True) is expandable segments with
-// stitching, whose default pools map 2 MiB pages. Importers run the default
-// configuration (ordinary segments): an import maps the exporter's memory
-// whatever the importer's own segments are.
+// stitching (expandable_segments:True, the default) is expandable segments
+// with stitching, whose default pools map 2 MiB pages. Importers run the
+// default configuration: an import maps the exporter's memory whatever the
+// importer's own segments are.
 const chunked = "expandable_segments:True,stitch:False"
 
 // newProc makes a process with one device of mem bytes whose memory can be

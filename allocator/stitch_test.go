@@ -615,17 +615,17 @@ func TestExpandableMapUnit(t *testing.T) {
 	require.Zero(t, drv.Violations(), "%v", drv.ViolationLog())
 }
 
-// The default is ordinary segments, without stitching;
-// expandable_segments:True turns on expandable segments with stitching,
-// stitch:False keeps expandable segments without it, stitch:True alone
-// implies expandable segments; a named stitch:True with
-// expandable_segments:False is an error whatever the order of the keys; the
-// string form parses back to the same configuration.
+// Stitching is on by default, with expandable segments
+// (expandable_segments:True means the same); stitch:False keeps expandable
+// segments without it, expandable_segments:False turns both off (ordinary
+// segments), stitch:True alone implies expandable segments; a named
+// stitch:True with expandable_segments:False is an error whatever the order
+// of the keys; the string form parses back to the same configuration.
 func TestStitchConfig(t *testing.T) {
 	def, _, err := allocator.ParseConfig("")
 	require.NoError(t, err)
-	require.False(t, def.Stitch, "off by default")
-	require.False(t, def.ExpandableSegments, "ordinary segments by default")
+	require.True(t, def.Stitch, "on by default")
+	require.True(t, def.ExpandableSegments, "expandable segments by default")
 	require.False(t, def.StitchSet || def.ExpandableSet, "nothing named")
 	require.Empty(t, def.String(), "the defaults are not written out")
 	require.Equal(t, allocator.DefaultConfig(), def)
@@ -637,7 +637,7 @@ func TestStitchConfig(t *testing.T) {
 		{"stitch:True,expandable_map_unit_mb:4", "expandable_map_unit_mb:4,stitch:True", true, true},
 		{"expandable_segments:True", "expandable_segments:True", true, true},
 		{"stitch:True", "stitch:True", true, true},
-		{"stitch:False", "stitch:False", false, false},
+		{"stitch:False", "stitch:False", true, false},
 		{"expandable_segments:False", "expandable_segments:False", false, false},
 		{"stitch:False,expandable_segments:False", "expandable_segments:False,stitch:False", false, false},
 		{"expandable_segments:False,stitch:False", "expandable_segments:False,stitch:False", false, false},
@@ -697,32 +697,38 @@ func TestStitchConfig(t *testing.T) {
 	require.NoError(t, err)
 	require.False(t, got.Stitch, "still off")
 
-	got, _, err = allocator.ParseConfigUpdate(def, "expandable_segments:True")
+	got, _, err = allocator.ParseConfigUpdate(def, "expandable_segments:False")
 	require.NoError(t, err)
-	require.True(t, got.Stitch, "stitch follows expandable_segments on")
-	got, _, err = allocator.ParseConfigUpdate(got, "expandable_segments:False")
+	require.False(t, got.Stitch, "stitch follows expandable_segments off")
+	got, _, err = allocator.ParseConfigUpdate(got, "expandable_segments:True")
 	require.NoError(t, err)
-	require.False(t, got.Stitch, "and back off")
+	require.True(t, got.Stitch, "and back on")
+	got, _, err = allocator.ParseConfigUpdate(def, "stitch:False")
+	require.NoError(t, err)
+	require.True(t, got.ExpandableSegments, "stitch:False keeps expandable segments")
+	require.False(t, got.Stitch)
 	got, _, err = allocator.ParseConfigUpdate(def, "stitch:True")
 	require.NoError(t, err)
 	require.True(t, got.ExpandableSegments, "a named stitch:True implies expandable segments")
 	require.True(t, got.Stitch)
 
-	// stitch:True implies expandable segments, and expandable_segments:True
-	// brings stitching; the default allocates ordinary segments.
+	// The default, stitch:True and expandable_segments:True all map pages
+	// with stitching; expandable_segments:False allocates ordinary segments.
 	lockThread(t)
-	for _, conf := range []string{"stitch:True", stitching} {
+	for _, conf := range []string{"", "stitch:True", stitching} {
 		a, drv := newAlloc(t, 1, GiB, conf)
 		p := mustMalloc(t, a, 0, 3*MiB, 0)
-		require.Zero(t, drv.Allocs(0), "no cuMemAlloc: pages are mapped")
+		require.Zero(t, drv.Allocs(0), "%q: no cuMemAlloc: pages are mapped", conf)
+		maps, _ := drv.MapCalls(0)
+		require.NotZero(t, maps, conf)
 		require.True(t, a.Config().Stitch, conf)
 		require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
 	}
-	a, drv := newAlloc(t, 1, GiB, "")
+	a, drv := newAlloc(t, 1, GiB, ordinary)
 	p := mustMalloc(t, a, 0, 3*MiB, 0)
-	require.Equal(t, int64(1), drv.Allocs(0), "the default: one cuMemAlloc")
+	require.Equal(t, int64(1), drv.Allocs(0), "ordinary segments: one cuMemAlloc")
 	maps, _ := drv.MapCalls(0)
-	require.Zero(t, maps, "the default maps nothing")
+	require.Zero(t, maps, "ordinary segments map nothing")
 	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
 
 	// The configuration in force changes the next growth, both ways.
@@ -733,7 +739,7 @@ func TestStitchConfig(t *testing.T) {
 	require.Equal(t, int64(1), drv.Allocs(0), "pages are mapped")
 	maps, _ = drv.MapCalls(0)
 	require.NotZero(t, maps)
-	a, drv = newAlloc(t, 1, GiB, stitching)
+	a, drv = newAlloc(t, 1, GiB, "")
 	cfg, _, err = allocator.ParseConfigUpdate(a.Config(), "expandable_segments:False")
 	require.NoError(t, err)
 	a.Configure(cfg)

@@ -107,9 +107,8 @@ void cudapool_set_memory_fraction(double fraction, int device);
 
 /* Returns the base of the segment that contains ptr and writes its size to
  * *size; NULL (and an error) if ptr is not in any segment or an argument is
- * NULL. With expandable segments (expandable_segments:True) the "segment"
- * is the contiguous mapped range around ptr (what snapshots show as one
- * segment). */
+ * NULL. With expandable segments (the default) the "segment" is the
+ * contiguous mapped range around ptr (what snapshots show as one segment). */
 void *cudapool_base_allocation(void *ptr, size_t *size);
 
 /* Notes that stream uses the allocation ptr: after cudapool_free(ptr), the
@@ -165,19 +164,19 @@ void cudapool_reset_accumulated_stats(int device);
  * own record_history:N, debug_checks:True, free_set:segfit|treap|sorted,
  * expandable_map_unit_mb:N, stitch:True|False, front_cache:False,
  * warm_runtime:False); keys left out take their defaults.
- * The default is PyTorch's: ordinary segments (one cuMemAlloc each), without
- * stitching. expandable_segments:True turns on expandable segments with
- * stitching (free physical pages move to where a request needs them, for
- * less memory reserved: docs/fragmentation.md); stitch:False with it keeps
- * expandable segments without stitching; stitch:True alone implies
- * expandable segments. Memory of either kind is shared with
- * cudapool_ipc_share. stitch:True with expandable_segments:False is an
- * error in either order; so is, in
+ * Defaults that differ from PyTorch's: expandable segments with stitching
+ * (expandable_segments:True means the same; free physical pages move to
+ * where a request needs them, for less memory reserved:
+ * docs/fragmentation.md). stitch:False keeps expandable segments without
+ * stitching; expandable_segments:False gives ordinary segments (one
+ * cuMemAlloc each, PyTorch's default) and turns stitching off too. Memory of
+ * either kind is shared with cudapool_ipc_share. stitch:True with
+ * expandable_segments:False is an error in either order; so is, in
  * cudapool_configure_update, one of the two contradicting the other in force
  * (from CUDAPOOL_CONF or an earlier update): name both to change both. Where
  * the driver has no virtual memory management API, growth falls back to
- * ordinary segments, with a note on stderr only if the configuration named
- * expandable_segments:True or stitch:True.
+ * ordinary segments: quietly by default, with a note on stderr only if the
+ * configuration named expandable_segments:True or stitch:True.
  * Keys are case-sensitive, as in PyTorch. The other keys PyTorch accepts are
  * accepted and have no effect: the pinned-memory ones (PyTorch's host
  * allocator reads them), throw_on_cudamalloc_oom, expandable_segments_reserve
@@ -434,10 +433,10 @@ typedef struct {
 int cudapool_last_oom(cudapool_oom_info *out);
 
 /* The CUDA IPC handle (cudaIpcMemHandle_t, 64 bytes) of the segment holding
- * the allocation ptr, and ptr's offset in it; 0 or -1. Memory in ordinary
- * segments (the default) has one; memory in expandable segments
- * (expandable_segments:True, and a tag's memory) has no such handle: share
- * it with cudapool_ipc_share. */
+ * the allocation ptr, and ptr's offset in it; 0 or -1. Memory in
+ * expandable segments (the default, and a tag's memory) has no such handle:
+ * share it with cudapool_ipc_share; with expandable_segments:False it is in
+ * ordinary segments, which this handle names. */
 int cudapool_ipc_handle(void *ptr, unsigned char handle[64], size_t *offset, int *device);
 /* Opens another process's handle on device; one handle opened twice maps
  * once. NULL on failure. */
@@ -451,8 +450,8 @@ int cudapool_ipc_close(void *ptr);
  * IPC between processes"), for another process to open with cudapool_ipc_open_shared or with
  * PyTorch, cudapool's or native: a version byte (2), a type byte, then
  *   'c'  the 64-byte cudaIpcMemHandle_t of ptr's ordinary segment;
- *   'e'  for memory in an expandable segment (expandable_segments:True,
- *        stitched or not, and a tag's memory): a 24-byte header (this process's id, the size of
+ *   'e'  for memory in an expandable segment (the default, stitched or
+ *        not, and a tag's memory): a 24-byte header (this process's id, the size of
  *        each physical allocation, their number), then each physical
  *        allocation under ptr as a file descriptor of this process (4
  *        bytes) or, where the system supports them, a fabric handle (64).

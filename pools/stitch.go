@@ -4,7 +4,7 @@ package pools
 
 import "github.com/cudapool/cudapool/cuda"
 
-// Stitching (with expandable_segments:True): the blocks' side of the policy in
+// Stitching (on by default): the blocks' side of the policy in
 // vmem/stitch.go.
 //
 // # Design

@@ -3,10 +3,10 @@
 // Package vmem owns one device's CUDA virtual memory: the address ranges
 // it reserves, the physical allocations mapped into them, and stitching's
 // moves of physical pages between ranges. It is what expandable segments
-// and stitching are made of, both off by default and on with
-// expandable_segments:True (stitch:False keeps expandable segments without
-// stitching; where the driver has no virtual memory management API, growth
-// falls back to ordinary segments, with a note).
+// and stitching are made of, both on by default (expandable_segments:False
+// turns both off, stitch:False stitching alone; where the driver has no
+// virtual memory management API, growth falls back to ordinary segments,
+// quietly unless the configuration named either key).
 //
 // # Design
 //

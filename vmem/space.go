@@ -12,7 +12,7 @@ import (
 
 // Expandable segments: growth maps pages instead of allocating segments.
 //
-// With expandable_segments:True, growth no longer allocates a segment: each
+// With expandable segments (the default), growth allocates no segment: each
 // (pool, stream) pair, private pools included, has one reserved address range
 // (or more, should one fill up) whose pages are mapped on demand. The page
 // size is the driver's allocation granularity (2 MiB on current GPUs), the
@@ -140,8 +140,9 @@ type Config struct {
 	Stitch     bool   // stitch:True (which implies Expandable)
 	// Named is the key the configuration named to ask for expandable
 	// memory ("expandable_segments:True" or "stitch:True"), or "" where
-	// nothing named it: only a named key earns a note when the driver
-	// cannot honour it.
+	// it is on by default: only a named key earns a note when the driver
+	// cannot honour it (the default falls back to ordinary segments
+	// quietly).
 	Named string
 }
 
@@ -195,7 +196,7 @@ func (s *Space) Configure(c Config) {
 // Expandable reports whether growth maps pages of expandable segments. On
 // first use it probes the driver's support; where it is missing, growth
 // allocates ordinary segments, with a note if the configuration named
-// expandable memory (without one, quietly: a driver without it loses
+// expandable memory (by default, quietly: a driver without it loses
 // nothing it was promised).
 func (s *Space) Expandable() bool {
 	if !s.want {

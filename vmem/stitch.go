@@ -10,8 +10,8 @@ import (
 	"github.com/cudapool/cudapool/pools"
 )
 
-// Stitching (on with expandable_segments:True unless stitch:False is
-// named): free physical pages move to where a miss needs them instead of
+// Stitching (on by default; stitch:False or expandable_segments:False turn
+// it off): free physical pages move to where a miss needs them instead of
 // new memory being mapped. The idea is GMLake's (ASPLOS 2024). The policy
 // is all here; pools/stitch.go keeps the blocks' bookkeeping (splitting a
 // free block around the pages taken, Block.Lent). doc.go's "One page pool

@@ -4,8 +4,8 @@
 # (demo/train75.txt.gz: bench/record_trace.py bench, 75 GPT-2 steps of varying
 # lengths), replayed on the simulator with frees deferred as PyTorch's class
 # path makes them: with the front the peak reserved memory must be no higher
-# than without it, with ordinary segments (the default) and with expandable
-# segments and stitching (expandable_segments:True). Held blocks are not
+# than without it, with the default (expandable segments and stitching) and
+# with ordinary segments (expandable_segments:False). Held blocks are not
 # merged or seen by best fit, and large ones fragmented the ordinary
 # segments over the run (6.195 GiB holding any size against 6.160 without
 # the front; holding the newest, 6.266 here and 6.29 on the GPU):
@@ -20,7 +20,7 @@ run() {
 		--sections trace --trace "$trace" --trace-repeats 1 2>/dev/null | grep '"section":"trace"'
 }
 rc=0
-for conf in "" "expandable_segments:True"; do
+for conf in "" "expandable_segments:False"; do
 	on=$(run "$conf") off=$(run "${conf:+$conf,}front_cache:False")
 	python3 - "${conf:-the default}" "$on" "$off" <<'PY' || rc=1
 import json, sys

@@ -205,15 +205,15 @@ static void test_bad_input(void) {
 	          err_has("cudapool_malloc: out of memory on device 0: cannot allocate 100.00 GiB (107374182400 bytes)") &&
 	          err_has("the device has 80.00 GiB free of 80.00 GiB") && err_has("cudapool holds "),
 	      "malloc(100 GiB) on an 80 GiB device fails with cudapool's out-of-memory message: what was asked, what is free and held");
-	CHECK(err_has("expandable segments with stitching (CUDAPOOL_CONF=expandable_segments:True)") &&
-	          err_has("max_split_size_mb") && err_has("cudapool_empty_cache()") &&
+	CHECK(err_has("With expandable segments and stitching (the default)") && err_has("private pools (CUDA graphs, MemPools)") &&
+	          !err_has("max_split_size_mb") && err_has("cudapool_empty_cache()") &&
 	          !err_has("PYTORCH_CUDA_ALLOC_CONF") && !err_has("pytorch.org") && !err_has("PyTorch"),
-	      "... with hints in cudapool's terms, not PyTorch's: with ordinary segments (the default), stitching");
-	CHECK(cudapool_configure("expandable_segments:True") == 0 && cudapool_malloc(100 * GiB, 0, NULL) == NULL &&
-	          err_has("private pools (CUDA graphs, MemPools)") && !err_has("max_split_size_mb"),
-	      "with stitching, where reserved memory may still be");
+	      "... with hints in cudapool's terms, not PyTorch's: with stitching (the default), where reserved memory may still be");
+	CHECK(cudapool_configure("expandable_segments:False") == 0 && cudapool_malloc(100 * GiB, 0, NULL) == NULL &&
+	          err_has("leave out expandable_segments:False from CUDAPOOL_CONF") && err_has("max_split_size_mb"),
+	      "with ordinary segments, the hint names the default configuration");
 	CHECK(cudapool_configure("expandable_segments:True,stitch:False") == 0 && cudapool_malloc(100 * GiB, 0, NULL) == NULL &&
-	          err_has("CUDAPOOL_CONF=expandable_segments:True,stitch:True"),
+	          err_has("leave out stitch:False from CUDAPOOL_CONF") && !err_has("max_split_size_mb"),
 	      "with expandable segments without stitching, stitching");
 	CHECK(cudapool_configure("") == 0, "back to the defaults");
 	CHECK(stat_of(0, "num_ooms") == 3, "num_ooms == 3");
@@ -254,8 +254,8 @@ static void test_bad_input(void) {
 	CHECK(snap && strstr(snap, "max_split_size_mb:200"), "the snapshot's allocator_settings show the configuration");
 	cudapool_string_free(snap);
 	CHECK(cudapool_configure("") == 0 && stat_of(0, "max_split_size") == -1, "configure(\"\") restores the defaults");
-	CHECK(snapshot_has("\"stitch\":false") && snapshot_has("\"expandable_segments\":false"),
-	      "the defaults: ordinary segments, without stitching");
+	CHECK(snapshot_has("\"stitch\":true") && snapshot_has("\"expandable_segments\":true"),
+	      "the defaults: stitching, with expandable segments");
 	CHECK(cudapool_configure("expandable_segments:True") == 0 && snapshot_has("\"stitch\":true") &&
 	          snapshot_has("\"expandable_segments\":true"),
 	      "expandable_segments:True turns stitching on too");
@@ -279,7 +279,7 @@ static void test_bad_input(void) {
 	      "an update contradicting the stitch:True in force is an error");
 	CHECK(cudapool_configure_update("expandable_segments:False,stitch:False") == 0 && snapshot_has("\"stitch\":false"),
 	      "an update that names both settles it");
-	CHECK(cudapool_configure("") == 0 && snapshot_has("\"stitch\":false") && snapshot_has("\"expandable_segments\":false"),
+	CHECK(cudapool_configure("") == 0 && snapshot_has("\"stitch\":true") && snapshot_has("\"expandable_segments\":true"),
 	      "back to the defaults");
 
 	cudapool_end_allocate_to_pool(0, 42, 0);
@@ -549,7 +549,7 @@ static void test_expandable(void) {
 	long long r0 = stat_of(0, "reserved_bytes.all.current"), s0 = stat_of(0, "segment.all.current");
 	CHECK(cudapool_configure("expandable_segments:True,stitch:False,expandable_map_unit_mb:2") == 0,
 	      "configure expandable_segments:True without stitching, mapping page by page");
-	/* Earlier tests may keep expandable segments (live graph pools). */
+	/* Earlier tests ran with the default (expandable segments too). */
 	char *snap = cudapool_snapshot_json();
 	int e0 = snap ? count_substr(snap, "\"is_expandable\":true") : -1;
 	cudapool_string_free(snap);

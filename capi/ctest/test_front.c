@@ -199,7 +199,7 @@ static unsigned ring_next;
 /* TEST_FRONT_TRACE=1: print every operation and check the statistics after
  * each (to cut a failing seed down to a reproduction). */
 static int trace;
-static int expandable; /* expandable segments are on (expandable_segments:True) */
+static int expandable; /* expandable segments are on (the default) */
 #define TRACE(...)                           \
 	do {                                 \
 		if (trace)                   \
@@ -1446,9 +1446,9 @@ int main(int argc, char **argv) {
 	cudapool_clear_error();
 	cudapool_snapshot *s = cudapool_snapshot_take(0, 0, 0, 0);
 	front_expected = s != NULL && s->config.settings != NULL && strstr(s->config.settings, "front_cache:False") == NULL;
-	/* Expandable segments' memory (expandable_segments:True, with or without
-	 * stitching) has no 64-byte IPC handle: the random part skips that
-	 * operation (the "cmp" lines do not depend on it). */
+	/* Expandable segments' memory (the default, with or without stitching)
+	 * has no 64-byte IPC handle: the random part skips that operation (the
+	 * "cmp" lines do not depend on it). */
 	expandable = s != NULL && s->config.expandable_segments;
 	printf("      settings \"%s\": front %s, %d device(s)\n", s && s->config.settings ? s->config.settings : "?",
 	       front_expected ? "on" : "off", ndev);

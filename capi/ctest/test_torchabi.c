@@ -216,7 +216,7 @@ static void test_caching_off(void) {
 static void test_ipc(void) {
 	printf("-- CUDA IPC\n");
 	/* cuIpcGetMemHandle names cuMemAlloc'd segments: ordinary segments (the
-	 * default, named: expandable segments map pages). */
+	 * default maps pages of expandable segments). */
 	CHECK(cudapool_configure("expandable_segments:False") == 0, "ordinary segments");
 	void *a = cudapool_malloc_ctx(4096, 0, NULL, 0);
 	void *b = cudapool_malloc_ctx(4096, 0, NULL, 0);
@@ -237,9 +237,9 @@ static void test_ipc(void) {
 }
 
 /* PyTorch's handle format (cudapool_ipc_share, cudapool_ipc_open_shared),
- * for ordinary memory ('c', the default), expandable memory without
- * stitching ('e', the large pool's 20 MiB chunks) and with stitching
- * (expandable_segments:True: 'e', 2 MiB pages).
+ * for ordinary memory ('c', expandable_segments:False), expandable memory
+ * without stitching ('e', the large pool's 20 MiB chunks) and with the
+ * default, stitching ('e', 2 MiB pages).
  * The simulated process imports its own exports: pidfd_open of itself
  * works as across processes (the Go tests use two simulated processes). */
 static void test_ipc_share(void) {
@@ -303,8 +303,8 @@ static void test_ipc_share(void) {
 	cudapool_free(e, 5 * MiB, 0, NULL);
 	cudapool_empty_cache(); /* the chunked range goes */
 
-	/* Stitching maps 2 MiB pages, one descriptor each. */
-	CHECK(cudapool_configure("expandable_segments:True") == 0, "expandable segments with stitching");
+	/* The default, stitching, maps 2 MiB pages, one descriptor each. */
+	CHECK(cudapool_configure("") == 0, "the defaults: expandable segments with stitching");
 	void *d = cudapool_malloc_ctx(5 * MiB, 0, NULL, 0);
 	CHECK(cudapool_sim_write(0, d, data, sizeof data) == 0, "the exporter writes");
 	CHECK(cudapool_ipc_share(d, buf, sizeof buf, &len, &off, &dev) == 0 && buf[1] == 'e' && len == 2 + 24 + 3 * 4,

@@ -470,8 +470,7 @@ func TestGPUIpc(t *testing.T) {
 	}
 
 	// A block that is not at its segment's start, filled with 0x5a, in a
-	// cuMemAlloc'd segment (the default, named: expandable segments would
-	// map pages).
+	// cuMemAlloc'd segment (the default maps pages of expandable segments).
 	cfg, _, err := allocator.ParseConfig("expandable_segments:False")
 	if err != nil {
 		t.Fatal(err)

@@ -334,8 +334,8 @@ func TestFakeImportCacheEndToEnd(t *testing.T) {
 }
 
 // The allocator shares expandable memory through the real driver's code
-// and the real system calls, with stitching (expandable_segments:True:
-// 2 MiB pages) and without (20 MiB chunks): the handle lists the block's
+// and the real system calls, with stitching (the default, named: 2 MiB
+// pages) and without (20 MiB chunks): the handle lists the block's
 // physical allocations as descriptors of this process (or their fabric
 // handles where fabric handles work), the import takes the descriptors
 // with pidfd_getfd (on oneself) and maps them, and each descriptor closes
