@@ -4,7 +4,7 @@
 #
 #   bash bench/run_bench.sh            (from anywhere; QUICK=1 for a short run)
 #
-# Compares cudapool (its defaults: ordinary segments, as native's; and
+# Compares cudapool (its defaults: expandable segments with stitching; and
 # cudapool_exp, expandable segments without stitching, as native's) with
 # PyTorch's allocator in three configurations (native, expandable_segments:True,
 # backend:cudaMallocAsync), each in a fresh process, same inputs, same run:

@@ -10,8 +10,9 @@ CONFIG is one of
     async       backend:cudaMallocAsync
     cudapool    cudapool.install() (libcudapool.so from $CUDAPOOL_LIBRARY or
                 the repository's lib/), before CUDA is initialized, with its
-                defaults (ordinary segments); cudapool_exp, cudapool_stitch
-                and the others below set their configuration
+                defaults (expandable segments with stitching); cudapool_exp,
+                cudapool_segments and the others below set their
+                configuration
 The allocator variables of the environment are replaced by the config's.
 Run each config in a fresh process (bench/run_bench.sh does).
 
@@ -98,14 +99,14 @@ CONFIGS = {
     "cudapool": None,
     # cudapool with expandable segments without stitching, as native's
     # expandable_segments:True (set through cudapool.configure); "cudapool"
-    # is its default, ordinary segments.
+    # is its default, expandable segments with stitching.
     "cudapool_exp": None,
     # The same mapping page by page (expandable_map_unit_mb:2), and
     # stitch:True named (docs/fragmentation.md): gpu/bench_stitch_train.sh.
     "cudapool_exp2": None,
-    # cudapool with ordinary segments named (expandable_segments:False):
-    # native's default layout, and cudapool's default ("cudapool"); and with
-    # expandable segments and stitching (stitch:True).
+    # cudapool with ordinary segments (expandable_segments:False): native's
+    # default layout, and cudapool's before stitching became the default;
+    # and with stitch:True named (the default's settings, named).
     "cudapool_segments": None,
     "cudapool_stitch": None,
     # cudapool without its front cache (allocator/front.go): for diagnostics.

@@ -10,10 +10,10 @@
 # the same as on any machine), with prefills on the decode stream and on a
 # stream of their own. Allocators, each in a fresh process:
 # PyTorch's native, native expandable_segments:True, cudaMallocAsync
-# (bench/native_bench.cpp over libc10_cuda) and cudapool with its defaults
-# (ordinary segments), cudapool with expandable_segments:True,stitch:False
-# (expandable segments without stitching), cudapool with
-# expandable_segments:True (expandable segments with stitching;
+# (bench/native_bench.cpp over libc10_cuda) and cudapool with
+# expandable_segments:False (ordinary segments), cudapool with
+# expandable_segments:True,stitch:False (expandable segments without
+# stitching), cudapool with its defaults (expandable segments with stitching;
 # bench/c_bench.c over lib/libcudapool.so). The replays launch no kernels: they measure memory
 # and the allocator's host time per operation.
 #
@@ -103,9 +103,9 @@ for trace in "${TRACES[@]}"; do
         run native_expandable "$trace" PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "$BUILD/native_bench"
         run native_async "$trace" PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync "$BUILD/native_bench"
     fi
-    run cudapool "$trace" -u CUDAPOOL_CONF "${SIMENV[@]}" "$BUILD/c_bench"
+    run cudapool_segments "$trace" "${SIMENV[@]}" CUDAPOOL_CONF=expandable_segments:False "$BUILD/c_bench"
     run cudapool_expandable "$trace" "${SIMENV[@]}" CUDAPOOL_CONF=expandable_segments:True,stitch:False "$BUILD/c_bench"
-    run cudapool_stitch "$trace" "${SIMENV[@]}" CUDAPOOL_CONF=expandable_segments:True "$BUILD/c_bench"
+    run cudapool "$trace" -u CUDAPOOL_CONF "${SIMENV[@]}" "$BUILD/c_bench"
 done
 
 "$PY" - "$RES" "$REPEATS" >"$OUT/table.md" <<'EOF'

@@ -9,8 +9,8 @@
 # process for: native (PyTorch's default), native expandable_segments:True,
 # cudapool expandable without stitching mapping page by page
 # (expandable_map_unit_mb:2) and 20 MiB at a time, and cudapool with
-# expandable segments and stitching (cudapool_stitch: stitch:True, as
-# expandable_segments:True gives). The configurations are
+# expandable segments and stitching (cudapool_stitch: stitch:True named,
+# cudapool's default). The configurations are
 # interleaved so that drifts of the machine hit them alike; the table (medians
 # over the rounds) is printed last: ms/step, peak reserved / peak allocated,
 # graph capture ms, graph private pool MiB.
@@ -45,7 +45,7 @@ def vals(cfg, section, key, f=lambda v: v):
 def med(xs, fmt):
     return (fmt % statistics.median(xs)) + (f" ({len(xs)})" if len(xs) != int(sys.argv[2]) else "") if xs else "-"
 names = {"native": "native", "expandable": "native expandable", "cudapool_exp2": "cudapool stitch:False, 2 MiB unit",
-         "cudapool_exp": "cudapool stitch:False, 20 MiB unit", "cudapool_stitch": "cudapool stitching"}
+         "cudapool_exp": "cudapool stitch:False, 20 MiB unit", "cudapool_stitch": "cudapool stitching (default)"}
 print(f"\nGPT-2 training and graph capture, medians of {sys.argv[2]} interleaved rounds (a count in brackets: rounds that produced the number)\n")
 print("| configuration | ms/step | reserved/allocated | peak reserved GiB | graph capture ms | graph pool MiB | errors |")
 print("|---|---:|---:|---:|---:|---:|---|")

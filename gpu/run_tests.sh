@@ -40,18 +40,19 @@ build_c() {
 }
 step build_c build_c
 [ -x build/gpu/test_gpu ] && step c_abi env KERNELS_PTX=build/gpu/kernels.ptx build/gpu/test_gpu
-# The PyTorch tests with cudapool's defaults (ordinary segments), then with
-# expandable_segments:True (expandable segments with stitching; cudapool reads
-# PYTORCH_CUDA_ALLOC_CONF when CUDAPOOL_CONF is unset). SEGMENTS=1 runs them
-# with expandable_segments:False named too (the default's settings, named).
-# test_gpu_parity runs both allocators with the same PYTORCH_CUDA_ALLOC_CONF:
-# expandable_segments:False where it is unset (the default of both), and in
-# torch_exp native's expandable segments against cudapool's, with stitching.
+# The PyTorch tests with cudapool's defaults (expandable segments with
+# stitching), then with expandable_segments:False (ordinary segments;
+# SEGMENTS=0 skips it; cudapool reads PYTORCH_CUDA_ALLOC_CONF when
+# CUDAPOOL_CONF is unset). EXPANDABLE=1 runs them with expandable_segments:True
+# named too (the default's settings, named). test_gpu_parity runs both
+# allocators with the same PYTORCH_CUDA_ALLOC_CONF: expandable_segments:False
+# where it is unset (native's default against cudapool's ordinary segments),
+# and in torch_exp native's expandable segments against cudapool's default.
 step torch bash python/gpu/run_gpu_tests.sh
-if [ "${SEGMENTS:-0}" = 1 ]; then
+if [ "${SEGMENTS:-1}" = 1 ]; then
     step torch_segments env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False bash python/gpu/run_gpu_tests.sh
 fi
-if [ "${EXPANDABLE:-1}" = 1 ]; then
+if [ "${EXPANDABLE:-0}" = 1 ]; then
     step torch_exp env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True bash python/gpu/run_gpu_tests.sh
 fi
 # The GPU soak (docs/reliability.md: native beside cudapool, the C twin, the record_stream

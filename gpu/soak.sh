@@ -14,8 +14,8 @@
 #
 # Each kind sets PYTORCH_CUDA_ALLOC_CONF for every process, so that the
 # allocators run in matching configurations: off is expandable_segments:False
-# (both allocators' default, ordinary segments), on expandable_segments:True
-# (native's expandable segments; cudapool's expandable segments with stitching).
+# (native's default; cudapool's ordinary segments), on expandable_segments:True
+# (native's expandable segments; cudapool's default, with stitching).
 #
 # SEGMENTS: off, on or both (default both); RACE=0 skips the race test;
 # WATCHDOG_S: a thread without progress for this long is a hang (default 60).

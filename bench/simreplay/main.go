@@ -7,13 +7,13 @@
 //
 //	go run ./bench/simreplay [-repeats 3] [-conf CONF]... TRACE...
 //
-// Without -conf it runs cudapool's four configurations: ordinary segments
-// (the default), expandable segments without stitching mapping page by page
-// and 20 MiB at a time, and expandable segments with stitching
-// (expandable_segments:True). Each configuration starts from a fresh allocator; every pass
-// replays the whole trace and frees what the trace left live. Time is the
-// host time on this machine with the simulated driver (no GPU): it counts
-// the allocator's work, not CUDA's.
+// Without -conf it runs cudapool's four configurations: ordinary segments,
+// expandable segments without stitching mapping page by page and 20 MiB at
+// a time, and the default (expandable segments with stitching). Each
+// configuration starts from a fresh allocator; every pass replays the whole
+// trace and frees what the trace left live. Time is the host time on this
+// machine with the simulated driver (no GPU): it counts the allocator's
+// work, not CUDA's.
 //
 // -lag N models a GPU running behind the host: every allocation is used by
 // a kernel on its stream, and the device completes the work submitted so far
@@ -235,7 +235,7 @@ func main() {
 	}
 	if len(cs) == 0 {
 		cs = confs{"expandable_segments:False", "expandable_segments:True,stitch:False,expandable_map_unit_mb:2",
-			"expandable_segments:True,stitch:False", "expandable_segments:True"}
+			"expandable_segments:True,stitch:False", ""}
 	}
 	fmt.Printf("cudapool on the simulator (80 GiB device, host time of this machine), %d passes per trace, GPU lag %d operations\n\n", *repeats, *lag)
 	fmt.Printf("| trace | configuration | peak allocated GiB | peak reserved GiB | reserved/allocated | map calls | unmap calls | remaps | stitching misses | first pass ms | later ns/op |\n")
@@ -255,7 +255,7 @@ func main() {
 			}
 			name := c
 			if name == "" {
-				name = "(default)"
+				name = "(default: stitching)"
 			}
 			fmt.Printf("| %s | %s | %.2f | %.2f | %.3f | %d | %d | %d | %d | %.1f | %.0f |\n", path, name,
 				float64(r.peakAlloc)/(1<<30), float64(r.peakRes)/(1<<30), float64(r.peakRes)/float64(max(r.peakAlloc, 1)),
@@ -275,7 +275,7 @@ func main() {
 				}
 				name := c
 				if name == "" {
-					name = "(default)"
+					name = "(default: stitching)"
 				}
 				fmt.Printf("| %s | %s | %.0f | %d |\n", path, name, float64(pb)/(1<<20), calls)
 			}

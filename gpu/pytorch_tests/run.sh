@@ -12,11 +12,11 @@
 #                runs in the configuration that matches the other's, as
 #                PyTorch's test_cuda_expandable_segments.py runs test_cuda.py.
 #                The two matching pairs:
-#                  -c expandable_segments:False  both sides' default,
-#                                ordinary segments
+#                  -c expandable_segments:False  native's default against
+#                                cudapool's ordinary segments
 #                  -c expandable_segments:True   native's expandable segments
-#                                against cudapool's (expandable segments
-#                                with stitching)
+#                                against cudapool's default (expandable
+#                                segments with stitching)
 #                Give each pair its own OUT_DIR: report.py merges the runs of
 #                one directory by test file. Without -c both sides run with
 #                their own defaults (or with PYTORCH_CUDA_ALLOC_CONF as set).

@@ -211,11 +211,12 @@ class CudapoolNumbaManager(_cuda.HostOnlyCUDAMemoryManager):
         return _driver.MemoryInfo(free=int(free) + max(cached, 0), total=int(total))
 
     def get_ipc_handle(self, memory):
-        """An IpcHandle for memory: for an ordinary segment, Numba's own,
-        with the segment's cudaIpcMemHandle_t (any Numba process opens it);
-        for memory in an expandable segment (expandable_segments:True,
-        stitch:True), a SharedIpcHandle carrying PyTorch's handle bytes,
-        which the receiving process opens through cudapool."""
+        """An IpcHandle for memory: for an ordinary segment
+        (expandable_segments:False), Numba's own, with the segment's
+        cudaIpcMemHandle_t (any Numba process opens it); for memory in an
+        expandable segment (the default, stitched or not), a SharedIpcHandle
+        carrying PyTorch's handle bytes, which the receiving process opens
+        through cudapool."""
         ptr = memory.device_pointer_value
         raw = (ctypes.c_ubyte * 64)()
         offset, dev = ctypes.c_size_t(0), ctypes.c_int(-1)

@@ -3,7 +3,10 @@
 # cudapool's GPU tests (PyTorch + CUDA). Each test module runs in a fresh
 # Python process, since cudapool.install() must precede CUDA initialization;
 # then, with two GPUs, a two-process DDP run. Ends with a summary table and
-# exits non-zero if anything failed.
+# exits non-zero if anything failed. The tests run with cudapool's defaults
+# (expandable segments with stitching) unless PYTORCH_CUDA_ALLOC_CONF says
+# otherwise: gpu/run_tests.sh runs them again with expandable_segments:False
+# (ordinary segments).
 #
 #   python/gpu/run_gpu_tests.sh            # from anywhere; PYTHON=python3.12 to choose
 #   GPU_TESTS="parity multi" python/gpu/run_gpu_tests.sh   # only the files (and "ddp")

@@ -146,16 +146,17 @@ class Allocations:
 @pytest.fixture
 def ordinary():
     """Ordinary segments (one cuMemAlloc each), for the tests of their
-    statistics: the default, named so that these tests do not follow it.
-    The clean-up after the test restores the defaults."""
+    statistics: the default is expandable segments with stitching. The
+    clean-up after the test restores the defaults."""
     _lib.configure("expandable_segments:False")
 
 
 @pytest.fixture
 def stitching():
-    """Expandable segments with stitching (expandable_segments:True), for
-    the tests of expandable memory as users opt into it. The clean-up after
-    the test restores the defaults."""
+    """Expandable segments with stitching (expandable_segments:True): the
+    default, named by the tests of stitched memory so that they do not
+    depend on what the default is. The clean-up after the test restores the
+    defaults."""
     _lib.configure("expandable_segments:True")
 
 

@@ -70,14 +70,17 @@ def test_out_of_memory():
     assert msg.startswith("cudapool_malloc: out of memory on device 0: cannot allocate 9.00 GiB")
     assert "free of 8.00 GiB" in msg
     # The hint names the next step for the configuration in force: with
-    # ordinary segments (the default), stitching.
+    # stitching (the default), where reserved memory may still be.
     assert "PYTORCH_CUDA_ALLOC_CONF" not in msg
-    assert "expandable segments with stitching (CUDAPOOL_CONF=expandable_segments:True)" in msg
+    assert "With expandable segments and stitching (the default)" in msg
+    assert "private pools (CUDA graphs, MemPools)" in msg and "max_split_size_mb" not in msg
     cudapool.configure("expandable_segments:True,stitch:False")
-    with pytest.raises(cudapool.OutOfMemoryError, match=r"stitching \(CUDAPOOL_CONF=expandable_segments:True,stitch:True\)"):
+    with pytest.raises(cudapool.OutOfMemoryError, match=r"stitching \(cudapool's default: leave out stitch:False from CUDAPOOL_CONF\)"):
         _lib.malloc(9 * GiB)
-    cudapool.configure("expandable_segments:True")
-    with pytest.raises(cudapool.OutOfMemoryError, match=r"private pools \(CUDA graphs, MemPools\)"):
+    cudapool.configure("expandable_segments:False")
+    with pytest.raises(cudapool.OutOfMemoryError,
+                       match=r"cudapool's default configuration \(expandable segments with stitching: leave out "
+                             r"expandable_segments:False from CUDAPOOL_CONF\) or max_split_size_mb:N"):
         _lib.malloc(9 * GiB)
     cudapool.configure("")
     assert cudapool.memory_stats()["num_ooms"] == 3

@@ -197,8 +197,8 @@ def test_threads(mgr):
 @pytest.mark.parametrize("conf", ["expandable_segments:True", "expandable_segments:True,stitch:False"],
                          ids=["stitching", "expandable"])
 def test_ipc_of_expandable_memory(mgr, conf):
-    """Memory in an expandable segment (expandable_segments:True, with or
-    without stitching) has no cudaIpcMemHandle_t: its handle carries
+    """Memory in an expandable segment (the default, with stitching, or
+    without) has no cudaIpcMemHandle_t: its handle carries
     PyTorch's handle bytes, pickles, and opens through cudapool (here in the
     same simulated process, which the simulator allows)."""
     _lib.configure(conf)

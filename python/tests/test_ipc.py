@@ -31,9 +31,8 @@ def parse(handle):
                          [("expandable_segments:True", 2 * MiB, 3), ("expandable_segments:True,stitch:False", 20 * MiB, 1)],
                          ids=["stitching", "expandable"])
 def test_expandable_memory_round_trip(allocs, conf, seg_size, pages):
-    """Stitching (expandable_segments:True) maps 2 MiB pages, one descriptor
-    each under the block; without stitching the large pool's 20 MiB
-    chunks."""
+    """Stitching (the default, named) maps 2 MiB pages, one descriptor each
+    under the block; without stitching the large pool's 20 MiB chunks."""
     _lib.configure(conf)
     p = allocs.malloc(5 * MiB)
     data = bytes(range(256)) * 16

@@ -77,9 +77,8 @@ def test_values_follow_allocations(ordinary, allocs):
 
 
 def test_values_follow_allocations_with_stitching(stitching, allocs):
-    """Expandable segments with stitching (expandable_segments:True): the
-    same allocation statistics; memory is mapped, not allocated in
-    segments."""
+    """Expandable segments with stitching (the default, named): the same
+    allocation statistics; memory is mapped, not allocated in segments."""
     ptrs = [allocs.malloc(r) for r, _ in SMALL + LARGE]
     s = cudapool.memory_stats()
     small = sum(x for _, x in SMALL)
@@ -100,11 +99,11 @@ def test_values_follow_allocations_with_stitching(stitching, allocs):
     assert s["reserved_bytes.all.current"] == 42 * MiB  # cached
 
 
-# Ordinary segments (the default): the small request gets a 2 MiB segment of
-# its own. With stitching (expandable_segments:True) it gets one of the free
-# 30 MiB block's idle pages instead: the small and large pools share
-# physical pages.
-@pytest.mark.parametrize("conf,peak", [("", 32 * MiB), ("expandable_segments:True", 30 * MiB)])
+# Ordinary segments: the small request gets a 2 MiB segment of its own. By
+# default stitching gives it one of the free 30 MiB block's idle pages
+# instead: the small and large pools share physical pages.
+@pytest.mark.parametrize("conf,peak", [("expandable_segments:False", 32 * MiB), ("", 30 * MiB),
+                                       ("expandable_segments:True", 30 * MiB)])
 def test_peaks_and_their_reset(allocs, conf, peak):
     cudapool.configure(conf)
     p = allocs.malloc(30 * MiB)

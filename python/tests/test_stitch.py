@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """Stitching through the library (on the simulator): free pages of holes
 move to a request that no hole fits, reserved memory stays, the snapshot
-counts the moves; off by default, on with expandable_segments:True or
-stitch:True; bad values of the keys are refused with a clear error."""
+counts the moves; on by default (expandable_segments:False turns it off
+with expandable segments, stitch:False alone); bad values of the keys are
+refused with a clear error."""
 
 import pytest
 
@@ -17,9 +18,9 @@ def remaps():
     return s["stitch_remaps"][0], s["stitch_lent"][0]
 
 
-@pytest.mark.parametrize("conf", ["expandable_segments:True", "stitch:True"])
+@pytest.mark.parametrize("conf", ["", "expandable_segments:True", "stitch:True"], ids=["default", "expandable", "stitch"])
 def test_holes_feed_a_larger_request(allocs, conf):
-    cudapool.configure(conf + ",expandable_map_unit_mb:2")
+    cudapool.configure(",".join(c for c in (conf, "expandable_map_unit_mb:2") if c))
     settings = cudapool.snapshot()["allocator_settings"]
     assert settings["stitch"] is True and settings["expandable_segments"] is True
     h1 = allocs.malloc(10 * MiB)
@@ -62,19 +63,21 @@ def settings():
     return s["expandable_segments"], s["stitch"]
 
 
-def test_off_by_default_and_on_with_expandable_segments():
-    assert settings() == (False, False), "the default: ordinary segments"
+def test_on_by_default_and_turned_off_by_either_key():
+    assert settings() == (True, True), "the default: expandable segments with stitching"
     assert cudapool.snapshot()["allocator_settings"]["PYTORCH_CUDA_ALLOC_CONF"] == ""
+    cudapool.configure("expandable_segments:False")
+    assert settings() == (False, False), "expandable_segments:False: ordinary segments, stitching off with them"
     cudapool.configure("expandable_segments:True")
     assert settings() == (True, True), "stitching follows expandable_segments"
-    cudapool.configure("expandable_segments:True,stitch:False")
+    cudapool.configure("stitch:False")
     assert settings() == (True, False), "stitch:False keeps expandable segments without stitching"
+    cudapool.configure("expandable_segments:True,stitch:False")
+    assert settings() == (True, False)
     cudapool.configure("stitch:True")
     assert settings() == (True, True), "stitch:True alone implies expandable segments"
-    cudapool.configure("stitch:False")
-    assert settings() == (False, False)
-    cudapool.configure("expandable_segments:False")
-    assert settings() == (False, False)
+    cudapool.configure("")
+    assert settings() == (True, True), "back to the defaults"
 
 
 @pytest.mark.parametrize("conf", ["stitch:True,expandable_segments:False", "expandable_segments:False,stitch:True"])

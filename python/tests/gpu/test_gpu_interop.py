@@ -193,7 +193,7 @@ def test_numba_memory_info_and_ipc(numba):
     d = numba.device_array(1 << 20, dtype=np.uint8)
     ptr = d.device_ctypes_pointer.value
     seg = next(g for g in cudapool.snapshot()["segments"] if g["address"] <= ptr < g["address"] + g["total_size"])
-    if seg["is_expandable"]:  # expandable_segments:True: PyTorch's handle bytes ('e'), from cudapool_ipc_share
+    if seg["is_expandable"]:  # the default: PyTorch's handle bytes ('e'), from cudapool_ipc_share
         h = ctx.memory_manager.get_ipc_handle(d.gpu_data)
         raw, off, _ = cudapool._lib.ipc_share(ptr)
         assert isinstance(h, cudapool.numba.SharedIpcHandle) and h.handle == raw and raw[:2] == b"\x02e"

@@ -2,7 +2,7 @@
 """CUDA IPC of memory in expandable segments on the GPU, in PyTorch's own
 handle format: CUDA tensors sent through torch.multiprocessing queues
 (spawn) between a cudapool process (expandable_segments:True, with
-stitching, or with stitch:False) and a native PyTorch process with
+stitching as by default, or with stitch:False) and a native PyTorch process with
 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, in both directions;
 between two cudapool processes with stitching, the sender stitching
 (moving pages) while its tensor is shared; ten thousand distinct tensors

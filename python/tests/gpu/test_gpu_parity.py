@@ -17,10 +17,11 @@ runs of a scenario go in parallel (different processes on the same GPU);
 CUDAPOOL_PARITY_SERIAL=1 runs them one after the other.
 
 Both runs get the same PYTORCH_CUDA_ALLOC_CONF, so that the two allocators
-run in matching configurations: the one this module runs with, else
-expandable_segments:False (the default of both: ordinary segments, named).
+run in matching configurations (their defaults differ: cudapool's are
+expandable segments with stitching): the one this module runs with, else
+expandable_segments:False (native's default; cudapool's ordinary segments).
 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True runs the other pair:
-native's expandable segments against cudapool's, with stitching.
+native's expandable segments against cudapool's default, with stitching.
 
 run_gpu_tests.sh runs this module with CUDAPOOL_GPU_NO_INSTALL=1 (the pytest
 process itself needs no allocator). One scenario:
