@@ -13,7 +13,8 @@
 // configuration starts from a fresh allocator; every pass replays the whole
 // trace and frees what the trace left live. Time is the host time on this
 // machine with the simulated driver (no GPU): it counts the allocator's
-// work, not CUDA's.
+// work, not CUDA's. The "later" columns are per pass after the first: a
+// loop replaying the trace, once its pools have taken shape.
 //
 // -lag N models a GPU running behind the host: every allocation is used by
 // a kernel on its stream, and the device completes the work submitted so far
@@ -91,6 +92,23 @@ type result struct {
 	remaps, stitches      int64
 	firstNs, laterNsPerOp float64
 	failed                int
+	// Per pass after the first (the steady state of a loop that replays
+	// the trace): page moves, and mapping plus unmapping calls.
+	laterRemaps, laterCalls float64
+}
+
+// counters reads the totals a pass's figures are differences of: page
+// moves and mapping plus unmapping calls.
+func counters(a *allocator.Allocator) (remaps, calls int64, err error) {
+	st, err := a.Stats(0)
+	if err != nil {
+		return 0, 0, err
+	}
+	ss, err := a.StitchStats(0)
+	if err != nil {
+		return 0, 0, err
+	}
+	return ss.Remaps, st.NumDeviceAlloc + st.NumDeviceFree, nil
 }
 
 func replay(ops []op, slots int, conf string, repeats, lag int) (result, error) {
@@ -108,6 +126,7 @@ func replay(ops []op, slots int, conf string, repeats, lag int) (result, error) 
 	a.ExpectAnnouncements() // as PyTorch: no capture-status query per malloc
 	ptrs := make([]cuda.Ptr, slots)
 	var later time.Duration
+	var remaps1, calls1 int64 // after the first pass
 	for r := 0; r < repeats; r++ {
 		t0 := time.Now()
 		for i, o := range ops {
@@ -145,6 +164,11 @@ func replay(ops []op, slots int, conf string, repeats, lag int) (result, error) 
 				ptrs[i] = 0
 			}
 		}
+		if r == 0 {
+			if remaps1, calls1, err = counters(a); err != nil {
+				return res, err
+			}
+		}
 	}
 	st, err := a.Stats(0)
 	if err != nil {
@@ -160,6 +184,8 @@ func replay(ops []op, slots int, conf string, repeats, lag int) (result, error) 
 	res.maps, res.unmaps = st.NumDeviceAlloc, st.NumDeviceFree
 	if repeats > 1 {
 		res.laterNsPerOp = float64(later.Nanoseconds()) / float64(len(ops)*(repeats-1))
+		res.laterRemaps = float64(res.remaps-remaps1) / float64(repeats-1)
+		res.laterCalls = float64(res.maps+res.unmaps-calls1) / float64(repeats-1)
 	}
 	return res, a.EmptyCache(0)
 }
@@ -238,8 +264,8 @@ func main() {
 			"expandable_segments:True,stitch:False", ""}
 	}
 	fmt.Printf("cudapool on the simulator (80 GiB device, host time of this machine), %d passes per trace, GPU lag %d operations\n\n", *repeats, *lag)
-	fmt.Printf("| trace | configuration | peak allocated GiB | peak reserved GiB | reserved/allocated | map calls | unmap calls | remaps | stitching misses | first pass ms | later ns/op |\n")
-	fmt.Printf("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+	fmt.Printf("| trace | configuration | peak allocated GiB | peak reserved GiB | reserved/allocated | map calls | unmap calls | remaps | stitching misses | later remaps/pass | later map+unmap calls/pass | first pass ms | later ns/op |\n")
+	fmt.Printf("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
 	status := 0
 	for _, path := range flag.Args() {
 		ops, slots, err := load(path)
@@ -257,9 +283,9 @@ func main() {
 			if name == "" {
 				name = "(default: stitching)"
 			}
-			fmt.Printf("| %s | %s | %.2f | %.2f | %.3f | %d | %d | %d | %d | %.1f | %.0f |\n", path, name,
+			fmt.Printf("| %s | %s | %.2f | %.2f | %.3f | %d | %d | %d | %d | %.0f | %.0f | %.1f | %.0f |\n", path, name,
 				float64(r.peakAlloc)/(1<<30), float64(r.peakRes)/(1<<30), float64(r.peakRes)/float64(max(r.peakAlloc, 1)),
-				r.maps, r.unmaps, r.remaps, r.stitches, r.firstNs/1e6, r.laterNsPerOp)
+				r.maps, r.unmaps, r.remaps, r.stitches, r.laterRemaps, r.laterCalls, r.firstNs/1e6, r.laterNsPerOp)
 		}
 	}
 	if *graph > 0 {
