@@ -65,15 +65,24 @@ def test_memory_summary_is_torchs_table():
 
 
 def test_empty_cache_gives_memory_back():
-    x = torch.empty(512 * MiB, dtype=torch.uint8, device="cuda")
-    del x
-    torch.cuda.synchronize()
-    reserved = cudapool.memory_reserved()
-    assert reserved >= 512 * MiB
-    free_before = torch.cuda.mem_get_info()[0]
-    torch.cuda.empty_cache()
-    assert torch.cuda.mem_get_info()[0] - free_before >= 500 * MiB
-    assert cudapool.memory_reserved() <= reserved - 512 * MiB
+    # The driver's free memory is the whole device's: another process
+    # allocating on the same GPU meanwhile hides the rise, so a round whose
+    # rise falls short is tried again (at most three rounds); cudapool's own
+    # reserved bytes must drop every round.
+    rises = []
+    for _ in range(3):
+        x = torch.empty(512 * MiB, dtype=torch.uint8, device="cuda")
+        del x
+        torch.cuda.synchronize()
+        reserved = cudapool.memory_reserved()
+        assert reserved >= 512 * MiB
+        free_before = torch.cuda.mem_get_info()[0]
+        torch.cuda.empty_cache()
+        rises.append(torch.cuda.mem_get_info()[0] - free_before)
+        assert cudapool.memory_reserved() <= reserved - 512 * MiB
+        if rises[-1] >= 500 * MiB:
+            break
+    assert rises[-1] >= 500 * MiB, f"the driver's free memory rose by {rises} bytes per round"
 
 
 def test_memory_fraction_limits_allocation():
