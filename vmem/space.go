@@ -237,7 +237,7 @@ func (s *Space) Grow(req pools.Request, capturing bool) (*pools.Block, error) {
 	if stitch {
 		s.stitchPrepare(r.Stream)
 	}
-	start := c.FindExpandable(r)
+	start := c.FindExpandable(r, pools.LowestRun)
 	if start == nil {
 		size, err := s.reserveSize(r)
 		if err != nil {
@@ -271,7 +271,7 @@ func (s *Space) Grow(req pools.Request, capturing bool) (*pools.Block, error) {
 			s.progress.Watch(r.Stream)
 		}
 		if donated = s.stitchFor(r, start, unit); donated > 0 {
-			start = c.FindExpandable(r) // the blocks around start may have merged
+			start = c.FindExpandable(r, pools.LowestRun) // the blocks around start may have merged
 		}
 	}
 	var b *pools.Block
