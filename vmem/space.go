@@ -237,7 +237,14 @@ func (s *Space) Grow(req pools.Request, capturing bool) (*pools.Block, error) {
 	if stitch {
 		s.stitchPrepare(r.Stream)
 	}
-	start := c.FindExpandable(r, pools.LowestRun)
+	choice := s.runChoice(r)
+	start := c.FindExpandable(r, choice)
+	if choice == pools.LeastGrowth && start != nil && roomy(start.Seg, r.Size) {
+		// A fragmented range grows as without stitching (stitch.go,
+		// "Fragmented ranges"), so that its working set settles.
+		choice = pools.LowestRun
+		start = c.FindExpandable(r, choice)
+	}
 	if start == nil {
 		size, err := s.reserveSize(r)
 		if err != nil {
@@ -271,7 +278,7 @@ func (s *Space) Grow(req pools.Request, capturing bool) (*pools.Block, error) {
 			s.progress.Watch(r.Stream)
 		}
 		if donated = s.stitchFor(r, start, unit); donated > 0 {
-			start = c.FindExpandable(r, pools.LowestRun) // the blocks around start may have merged
+			start = c.FindExpandable(r, choice) // the blocks around start may have merged
 		}
 	}
 	var b *pools.Block
@@ -291,6 +298,17 @@ func (s *Space) Grow(req pools.Request, capturing bool) (*pools.Block, error) {
 		return nil, s.fail("malloc", fmt.Sprintf("mapping memory for a %d-byte block on device %d", r.Size, s.dev), err)
 	}
 	return b, nil
+}
+
+// runChoice is the run growth maps into (pools/expandable.go, "Which
+// run"): the one needing the fewest new pages in the pools whose pages
+// stitching moves, the lowest-addressed one elsewhere (and, Grow decides,
+// in a fragmented range).
+func (s *Space) runChoice(r *pools.Request) pools.RunChoice {
+	if s.stitch.on && (r.Pool == s.cache.Large || r.Pool == s.cache.Small) {
+		return pools.LeastGrowth
+	}
+	return pools.LowestRun
 }
 
 // withThreadRelaxed runs fn with the calling thread in relaxed capture
