@@ -61,9 +61,14 @@ import (
 // mapped free memory needs fewer new pages at all: on the 75-step training
 // trace with the GPU 200 operations behind (bench/simreplay -lag 200),
 // reserved/allocated fell from 1.078, above expandable segments without
-// stitching, to 1.009. A range that holds plenty of free memory (vmem's
-// "Fragmented ranges") still grows at its lowest run, as without stitching,
-// so that a steady working set settles. The scan visits each unmapped block
+// stitching, to 1.011. The owner keeps the lowest run where that saves
+// little: in a range that holds plenty of free memory (vmem's "Fragmented
+// ranges"), as without stitching, and where the run needing the fewest new
+// pages needs no more than one mapping unit less than the lowest run (about
+// what one growth maps ahead anyway). Each growth moved away from the
+// lowest run scatters the working set, and with the small savings too a
+// steady mixed working set still created and moved pages after 100,000
+// pairs (allocator/steadycalls_test.go). The scan visits each unmapped block
 // of the stream, as the lowest-run one does, and leaves a candidate's walk
 // once it needs more than the best so far; it runs on misses only. Private
 // pools grow during captures, where nothing is unmapped, and keep LowestRun
@@ -172,6 +177,19 @@ func (c *Cache) FindExpandable(r *Request, choice RunChoice) *Block {
 		}
 	}
 	return best
+}
+
+// RunNeed is LeastGrowth's measure of the run at start (FindExpandable's
+// answer): the new pages, in bytes, that r's first r.Size bytes take there.
+func RunNeed(r *Request, start *Block) uint64 {
+	var n, need uint64
+	for b := start; n < r.Size && allocatable(b); b = b.Next {
+		if b.Unmapped {
+			need += min(b.Size, r.Size-n)
+		}
+		n += b.Size
+	}
+	return roundUp(need, start.Seg.PageSize)
 }
 
 // RunChoice is FindExpandable's rule among the runs that can hold a

@@ -238,12 +238,18 @@ func (s *Space) Grow(req pools.Request, capturing bool) (*pools.Block, error) {
 		s.stitchPrepare(r.Stream)
 	}
 	choice := s.runChoice(r)
+	unit := s.mapUnit(r)
 	start := c.FindExpandable(r, choice)
-	if choice == pools.LeastGrowth && start != nil && roomy(start.Seg, r.Size) {
-		// A fragmented range grows as without stitching (stitch.go,
-		// "Fragmented ranges"), so that its working set settles.
-		choice = pools.LowestRun
-		start = c.FindExpandable(r, choice)
+	if choice == pools.LeastGrowth && start != nil {
+		// The lowest run all the same (pools/expandable.go, "Which run")
+		// in a fragmented range, which grows as without stitching
+		// (stitch.go, "Fragmented ranges"), and where the run needing the
+		// fewest new pages saves no more than one mapping unit: so that a
+		// steady working set settles.
+		low := c.FindExpandable(r, pools.LowestRun)
+		if roomy(start.Seg, r.Size) || pools.RunNeed(r, low) <= pools.RunNeed(r, start)+unit {
+			choice, start = pools.LowestRun, low
+		}
 	}
 	if start == nil {
 		size, err := s.reserveSize(r)
@@ -271,7 +277,6 @@ func (s *Space) Grow(req pools.Request, capturing bool) (*pools.Block, error) {
 	if !s.share.chosen {
 		s.chooseKind(capturing)
 	}
-	unit := s.mapUnit(r)
 	var donated uint64
 	if stitch {
 		if r.Pool == c.Large || r.Pool == c.Small {
@@ -303,7 +308,8 @@ func (s *Space) Grow(req pools.Request, capturing bool) (*pools.Block, error) {
 // runChoice is the run growth maps into (pools/expandable.go, "Which
 // run"): the one needing the fewest new pages in the pools whose pages
 // stitching moves, the lowest-addressed one elsewhere (and, Grow decides,
-// in a fragmented range).
+// in a fragmented range or where the fewest new pages save no more than a
+// mapping unit).
 func (s *Space) runChoice(r *pools.Request) pools.RunChoice {
 	if s.stitch.on && (r.Pool == s.cache.Large || r.Pool == s.cache.Small) {
 		return pools.LeastGrowth
