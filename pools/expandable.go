@@ -30,12 +30,12 @@ import (
 // reserved_bytes.
 //
 // Growth (no mapped free block fits): FindExpandable picks, on the request's
-// stream, the lowest-addressed unmapped block that, with the free mapped
-// block just before it and the free and unmapped blocks after it, spans the
-// request; MapExpandable maps pages at its start, merging each newly mapped
-// piece with the free mapped neighbours, until one free block covers the
-// request: at least the owner's mapping unit per Mapper call where there
-// is room (one call per unmapped block, fewer calls for many small
+// stream, a run: an unmapped block that, with the free mapped block just
+// before it and the free and unmapped blocks after it, spans the request
+// (Which run, below); MapExpandable maps pages at its start, merging each
+// newly mapped piece with the free mapped neighbours, until one free block
+// covers the request: at least the owner's mapping unit per Mapper call
+// where there is room (one call per unmapped block, fewer calls for many small
 // growths), in whole chunks where the segment asks for them
 // (Segment.WholeChunks), or just the pages needed when the memory fraction
 // or the device has no room for more. With no such room the owner reserves a new
@@ -44,6 +44,35 @@ import (
 // end stays free to grow. Segment.UsedEnd remembers the highest byte ever
 // handed out; TrimUnused unmaps the pages mapped ahead above it, which no
 // work has touched, when a capture into the pool ends.
+//
+// # Which run
+//
+// Without stitching a range is unmapped only at its end, save after
+// empty_cache, and growth takes the lowest-addressed run (LowestRun), as
+// PyTorch's expandable segments grow at the end of their range. With
+// stitching (the owner's choice: the default pools, whose pages stitching
+// moves) holes open at every stitching miss, and growth takes the run whose
+// first request-size bytes take the fewest new pages, that is hold the most
+// free mapped memory (LeastGrowth; ties to the lower address). Why: the
+// part of a growth above the reserved high-water mark is what stitching
+// must find as idle pages elsewhere, and while the GPU runs behind the host
+// most free pages are still busy, so what stitching cannot move is new
+// memory, which raises the mark for good. Reusing the run with the most
+// mapped free memory needs fewer new pages at all: on the 75-step training
+// trace with the GPU 200 operations behind (bench/simreplay -lag 200),
+// reserved/allocated fell from 1.078, above expandable segments without
+// stitching, to 1.011. The owner keeps the lowest run where that saves
+// little: in a range that holds plenty of free memory (vmem's "Fragmented
+// ranges"), as without stitching, and where the run needing the fewest new
+// pages needs no more than one mapping unit less than the lowest run (about
+// what one growth maps ahead anyway). Each growth moved away from the
+// lowest run scatters the working set, and with the small savings too a
+// steady mixed working set still created and moved pages after 100,000
+// pairs (allocator/steadycalls_test.go). The scan visits each unmapped block
+// of the stream, as the lowest-run one does, and leaves a candidate's walk
+// once it needs more than the best so far; it runs on misses only. Private
+// pools grow during captures, where nothing is unmapped, and keep LowestRun
+// (the same on the traces measured).
 //
 // Stitching (stitch.go) may take whole pages out of free mapped blocks,
 // unmapping them, or lending them: a lent block (Block.Lent) is unmapped
@@ -111,30 +140,69 @@ func (c *Cache) AddExpandable(r *Request, base cuda.Ptr, size, page, chunk uint6
 // neither).
 func allocatable(b *Block) bool { return b != nil && !b.Active() && !b.Lent }
 
-// FindExpandable returns the start of the lowest-addressed run of free and
-// unmapped blocks on r's stream, in r's pool, that contains an unmapped
-// block and spans r.Size, or nil.
-func (c *Cache) FindExpandable(r *Request) *Block {
+// FindExpandable returns the start of a run of free and unmapped blocks on
+// r's stream, in r's pool, that contains an unmapped block and spans
+// r.Size, or nil. LowestRun takes the lowest-addressed such run;
+// LeastGrowth the one whose first r.Size bytes take the fewest new pages
+// (the most free mapped memory), ties to the lower address.
+func (c *Cache) FindExpandable(r *Request, choice RunChoice) *Block {
 	p := r.Pool
 	var best *Block
+	bestNeed := ^uint64(0) // LowestRun leaves it so: no bound
 	for u := p.Unmapped.LowerBound(r.Stream, 0); u != nil && u.Stream == r.Stream; u = p.Unmapped.After(u) {
 		start := u
 		if allocatable(u.Prev) {
 			start = u.Prev
 		}
-		if best != nil && best.Ptr <= start.Ptr {
+		if choice == LowestRun && best != nil && best.Ptr <= start.Ptr {
 			continue
 		}
-		var n uint64
-		for b := start; n < r.Size && allocatable(b); b = b.Next {
+		// need: the new pages (in bytes) that the run's first r.Size
+		// take. A run that needs more than best already is left at once,
+		// so each candidate's walk stays short.
+		var n, need uint64
+		for b := start; n < r.Size && allocatable(b) && need <= bestNeed; b = b.Next {
+			if b.Unmapped {
+				need += min(b.Size, r.Size-n)
+			}
 			n += b.Size
 		}
-		if n >= r.Size {
+		need = roundUp(need, start.Seg.PageSize)
+		// (The set is in size order: ties compare addresses.)
+		if n >= r.Size && (need < bestNeed || need == bestNeed && start.Ptr < best.Ptr) {
 			best = start
+			if choice == LeastGrowth {
+				bestNeed = need
+			}
 		}
 	}
 	return best
 }
+
+// RunNeed is LeastGrowth's measure of the run at start (FindExpandable's
+// answer): the new pages, in bytes, that r's first r.Size bytes take there.
+func RunNeed(r *Request, start *Block) uint64 {
+	var n, need uint64
+	for b := start; n < r.Size && allocatable(b); b = b.Next {
+		if b.Unmapped {
+			need += min(b.Size, r.Size-n)
+		}
+		n += b.Size
+	}
+	return roundUp(need, start.Seg.PageSize)
+}
+
+// RunChoice is FindExpandable's rule among the runs that can hold a
+// request (see the design note).
+type RunChoice int
+
+const (
+	// LowestRun takes the lowest-addressed run: PyTorch's expandable
+	// segments grow at the end of their one range.
+	LowestRun RunChoice = iota
+	// LeastGrowth takes the run that needs the fewest new pages.
+	LeastGrowth
+)
 
 // MapExpandable maps pages at the start of the run that FindExpandable (or
 // AddExpandable) returned until one free block covers r, and returns that

@@ -73,7 +73,7 @@ func expAlloc(t *testing.T, c *Cache, m Mapper, size uint64, s cuda.Stream) *Blo
 	r := c.NewRequest(size, s, c.Small, c.Large)
 	b := c.TakeFree(&r)
 	if b == nil {
-		start := c.FindExpandable(&r)
+		start := c.FindExpandable(&r, LowestRun)
 		if start == nil {
 			start = c.AddExpandable(&r, cuda.Ptr(0x10000000000)*cuda.Ptr(len(c.segments)+1), 64*page, page, page)
 		}
@@ -159,7 +159,7 @@ func TestExpandablePreferInteriorAndFailures(t *testing.T) {
 
 	m.fail = cuda.ErrOutOfMemory
 	r := c.NewRequest(40*MiB, 0, c.Small, c.Large)
-	start := c.FindExpandable(&r)
+	start := c.FindExpandable(&r, LowestRun)
 	require.NotNil(t, start)
 	_, err := c.MapExpandable(&r, start, m, page)
 	require.ErrorIs(t, err, cuda.ErrOutOfMemory)
@@ -185,7 +185,7 @@ func TestExpandablePreferInteriorAndFailures(t *testing.T) {
 	require.NoError(t, c.Check())
 	require.Len(t, m.mapped, int(c.Reserved/page))
 	mapped := c.Reserved
-	big, err := c.MapExpandable(&r, c.FindExpandable(&r), m, page) // the unmapped pages are mapped again
+	big, err := c.MapExpandable(&r, c.FindExpandable(&r, LowestRun), m, page) // the unmapped pages are mapped again
 	require.NoError(t, err)
 	require.Greater(t, c.Reserved, mapped)
 	expFree(t, c, c.Allocate(&r, big))
@@ -193,8 +193,71 @@ func TestExpandablePreferInteriorAndFailures(t *testing.T) {
 	require.NoError(t, c.Check())
 
 	c.SetFraction(0.5, 40*MiB) // 20 MiB allowed
-	start = c.FindExpandable(&r)
+	start = c.FindExpandable(&r, LowestRun)
 	_, err = c.MapExpandable(&r, start, m, page)
 	require.ErrorIs(t, err, ErrFraction)
 	require.NoError(t, c.Check())
+}
+
+// LeastGrowth takes the run whose first request-size bytes hold the most
+// free mapped memory (the fewest new pages), ties to the lower address;
+// LowestRun the lowest-addressed run that fits.
+func TestFindExpandableLeastGrowth(t *testing.T) {
+	c := NewCache(DefaultConfig())
+	m := newFakeMapper()
+	a := expAlloc(t, c, m, 5*page, 0) // pages 0-4
+	g1 := expAlloc(t, c, m, page, 0)  // 5 (guards keep the runs apart)
+	b := expAlloc(t, c, m, 5*page, 0) // 6-10
+	g2 := expAlloc(t, c, m, page, 0)  // 11
+	d := expAlloc(t, c, m, 5*page, 0) // 12-16
+	g3 := expAlloc(t, c, m, page, 0)  // 17; 18-63 unmapped
+	base := a.Ptr
+	for _, x := range []*Block{a, b, d} {
+		expFree(t, c, x)
+	}
+	// Runs: [0, 1) mapped + [1, 5) unmapped; [6, 9) + [9, 11);
+	// [12, 15) + [15, 16) + [16, 17) mapped; the end, [18, 64), unmapped.
+	// (The unmapped set is in size order: [15, 16) comes first.)
+	for _, hole := range []struct {
+		b      *Block
+		lo, hi uint64
+	}{{a, 1, 5}, {b, 9, 11}, {d, 15, 16}} {
+		_, err := c.UnmapDonor(Donor{B: hole.b, Lo: hole.lo * page, Hi: hole.hi * page}, m)
+		require.NoError(t, err)
+	}
+	require.NoError(t, c.Check())
+	at := func(pg uint64) cuda.Ptr { return base + cuda.Ptr(pg*page) }
+
+	r := c.NewRequest(4*page, 0, c.Small, c.Large)
+	require.Equal(t, at(0), c.FindExpandable(&r, LowestRun).Ptr, "the lowest run that fits")
+	// Needs: 3 pages at 0, 1 at 6 and at 12, 4 at the end: the tie goes
+	// to the lower address.
+	start := c.FindExpandable(&r, LeastGrowth)
+	require.Equal(t, at(6), start.Ptr, "the higher run needs fewer new pages")
+	require.Equal(t, uint64(page), c.GrowthNeed(&r, start, page))
+	before := c.Reserved
+	got, err := c.MapExpandable(&r, start, m, page)
+	require.NoError(t, err)
+	require.Equal(t, before+page, c.Reserved, "one new page")
+	x := c.Allocate(&r, got)
+	require.Equal(t, at(6), x.Ptr)
+	require.NoError(t, c.Check())
+
+	// 7 MiB: 2 MiB mapped at 0 and 5 new; 6 MiB mapped at 12 and 1 new.
+	// (At 6 only page 10 is left: x ends at 10.)
+	r = c.NewRequest(7*MiB, 0, c.Small, c.Large)
+	require.Equal(t, at(0), c.FindExpandable(&r, LowestRun).Ptr)
+	require.Equal(t, at(12), c.FindExpandable(&r, LeastGrowth).Ptr)
+	// Larger than every hole: only the end fits, whatever the rule.
+	r = c.NewRequest(20*page, 0, c.Small, c.Large)
+	require.Equal(t, at(18), c.FindExpandable(&r, LeastGrowth).Ptr)
+	require.Equal(t, at(18), c.FindExpandable(&r, LowestRun).Ptr)
+	// Another stream has no run.
+	r = c.NewRequest(page, 1, c.Small, c.Large)
+	require.Nil(t, c.FindExpandable(&r, LeastGrowth))
+
+	expFree(t, c, x)
+	for _, g := range []*Block{g1, g2, g3} {
+		expFree(t, c, g)
+	}
 }

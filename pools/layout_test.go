@@ -37,7 +37,7 @@ func (h *poolHarness) malloc(size uint64, s cuda.Stream) *Block {
 		h.next += cuda.Ptr(r.SegSize) + 2*MiB
 	}
 	if b == nil {
-		start := h.c.FindExpandable(&r)
+		start := h.c.FindExpandable(&r, LowestRun)
 		if start == nil {
 			start = h.c.AddExpandable(&r, h.next, 64*page, page, page)
 			h.next += 66 * page

@@ -61,7 +61,7 @@ func TestStitchDonorsLendUnlend(t *testing.T) {
 	// Growth never maps over a lent range: a 6 MiB request's run is the
 	// unmapped end, not [8, 14).
 	r := c.NewRequest(6*MiB, 0, c.Small, c.Large)
-	start := c.FindExpandable(&r)
+	start := c.FindExpandable(&r, LowestRun)
 	require.NotNil(t, start)
 	require.Greater(t, start.Ptr, lentBlock.End())
 	got8, err := c.MapExpandable(&r, start, m, page)
@@ -78,7 +78,7 @@ func TestStitchDonorsLendUnlend(t *testing.T) {
 	require.False(t, lentBlock.Lent)
 	require.NoError(t, c.Check())
 	r = c.NewRequest(5*MiB, 0, c.Small, c.Large)
-	start = c.FindExpandable(&r)
+	start = c.FindExpandable(&r, LowestRun)
 	require.Equal(t, g1.End(), start.Ptr, "b's unmapped pages span 5 MiB")
 	require.Equal(t, uint64(3*page), c.GrowthNeed(&r, start, page), "5 MiB in whole pages")
 

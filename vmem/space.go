@@ -237,7 +237,20 @@ func (s *Space) Grow(req pools.Request, capturing bool) (*pools.Block, error) {
 	if stitch {
 		s.stitchPrepare(r.Stream)
 	}
-	start := c.FindExpandable(r)
+	choice := s.runChoice(r)
+	unit := s.mapUnit(r)
+	start := c.FindExpandable(r, choice)
+	if choice == pools.LeastGrowth && start != nil {
+		// The lowest run all the same (pools/expandable.go, "Which run")
+		// in a fragmented range, which grows as without stitching
+		// (stitch.go, "Fragmented ranges"), and where the run needing the
+		// fewest new pages saves no more than one mapping unit: so that a
+		// steady working set settles.
+		low := c.FindExpandable(r, pools.LowestRun)
+		if roomy(start.Seg, r.Size) || pools.RunNeed(r, low) <= pools.RunNeed(r, start)+unit {
+			choice, start = pools.LowestRun, low
+		}
+	}
 	if start == nil {
 		size, err := s.reserveSize(r)
 		if err != nil {
@@ -264,14 +277,13 @@ func (s *Space) Grow(req pools.Request, capturing bool) (*pools.Block, error) {
 	if !s.share.chosen {
 		s.chooseKind(capturing)
 	}
-	unit := s.mapUnit(r)
 	var donated uint64
 	if stitch {
 		if r.Pool == c.Large || r.Pool == c.Small {
 			s.progress.Watch(r.Stream)
 		}
 		if donated = s.stitchFor(r, start, unit); donated > 0 {
-			start = c.FindExpandable(r) // the blocks around start may have merged
+			start = c.FindExpandable(r, choice) // the blocks around start may have merged
 		}
 	}
 	var b *pools.Block
@@ -291,6 +303,18 @@ func (s *Space) Grow(req pools.Request, capturing bool) (*pools.Block, error) {
 		return nil, s.fail("malloc", fmt.Sprintf("mapping memory for a %d-byte block on device %d", r.Size, s.dev), err)
 	}
 	return b, nil
+}
+
+// runChoice is the run growth maps into (pools/expandable.go, "Which
+// run"): the one needing the fewest new pages in the pools whose pages
+// stitching moves, the lowest-addressed one elsewhere (and, Grow decides,
+// in a fragmented range or where the fewest new pages save no more than a
+// mapping unit).
+func (s *Space) runChoice(r *pools.Request) pools.RunChoice {
+	if s.stitch.on && (r.Pool == s.cache.Large || r.Pool == s.cache.Small) {
+		return pools.LeastGrowth
+	}
+	return pools.LowestRun
 }
 
 // withThreadRelaxed runs fn with the calling thread in relaxed capture

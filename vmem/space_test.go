@@ -191,3 +191,41 @@ func TestStitchWatchesStreams(t *testing.T) {
 	require.True(t, e.prog.Watched(8))
 	require.Zero(t, e.s.StitchStats().Remaps, "below the high-water mark nothing moves")
 }
+
+// With stitching a growth maps into the run that needs the fewest new
+// pages where that saves more than a mapping unit; otherwise, and without
+// stitching, into the lowest-addressed run, as PyTorch's expandable
+// segments grow at their end.
+func TestGrowthRunChoice(t *testing.T) {
+	for _, cfg := range []vmem.Config{{Stitch: true, MapUnit: 2 * MiB}, {Stitch: true, MapUnit: 4 * MiB}, {Expandable: true, MapUnit: 2 * MiB}} {
+		e := newEnv(t, cfg, true)
+		const page = 2 * MiB
+		var bs []*pools.Block
+		for _, n := range []uint64{5, 1, 3, 3, 1} { // a, guard, b, c, guard
+			b, err := e.malloc(t, n*page, 1, false)
+			require.NoError(t, err)
+			bs = append(bs, b)
+		}
+		base := bs[0].Ptr
+		require.Equal(t, base+9*page, bs[3].Ptr)
+		e.free(bs[0])
+		e.free(bs[2])
+		require.NoError(t, e.s.UnmapFree(e.c.Large)) // a's and b's pages
+		e.free(bs[3])                                // c: 3 mapped pages after b's hole
+		reserved := e.c.Reserved
+		// 5 pages: a's hole needs 5 new ones, b's hole and c 3, the end 4
+		// or 5 (with a 2-page unit a page is mapped ahead of the last
+		// guard). The 2 pages saved are more than a 1-page unit, and no
+		// more than a 2-page one.
+		got, err := e.malloc(t, 5*page, 1, false)
+		require.NoError(t, err)
+		if cfg.Stitch && cfg.MapUnit == page {
+			require.Equal(t, base+6*page, got.Ptr, "the run needing the fewest new pages")
+			require.Equal(t, reserved+3*page, e.c.Reserved)
+		} else {
+			require.Equal(t, base, got.Ptr, "the lowest run")
+			require.Equal(t, reserved+5*page, e.c.Reserved)
+		}
+		require.NoError(t, e.c.Check())
+	}
+}

@@ -72,7 +72,9 @@ import (
 // Such a miss leaves its own range's holes alone: it takes pages from other
 // ranges only (other streams, the other size class), whose idle pages serve
 // no request of its range otherwise, and maps new memory for the rest, as
-// expandable segments without stitching do. The range grows once to the
+// expandable segments without stitching do, at the range's lowest run
+// (Grow; elsewhere growth takes the run needing the fewest new pages where
+// that saves more than a mapping unit: pools/expandable.go, "Which run"). The range grows once to the
 // slack at which its working set fits, and its misses stop
 // (allocator/steadycalls_test.go holds bench/workloads.h's mix of 256 live
 // blocks of 512 B to 144 MiB to no driver call in its steady state). Near a
