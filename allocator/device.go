@@ -83,16 +83,10 @@ func (d *device) malloc(size uint64, s cuda.Stream, capture uint64) (cuda.Ptr, e
 	}
 	var r pools.Request
 	d.cache.SetRequest(&r, size, s, small, large)
-	b := d.cache.TakeFree(&r)
-	if b == nil {
-		if b = d.heldFit(&r); b == nil {
-			var err error
-			if b, err = d.grow(&r, capturing); err != nil {
-				return 0, err
-			}
-		}
+	b, err := d.take(&r, capturing)
+	if err != nil {
+		return 0, err
 	}
-	b = d.cache.Allocate(&r, b)
 	// A block borrowed from a private pool under OOM (grow) is not tracked.
 	if d.front.tag = TagDefault; d.front.routed || !b.Pool.ID.IsDefault() {
 		d.front.tag = d.privateTag(b)
@@ -634,4 +628,19 @@ func (d *device) mustCheck() {
 	if err := d.check(); err != nil {
 		panic("cudapool: invariant violated (debug_checks): " + err.Error())
 	}
+}
+
+// take finds r its block (a cached free one, else one the front held, else
+// new memory: grow) and allocates from it. d.mu is held.
+func (d *device) take(r *pools.Request, capturing bool) (*pools.Block, error) {
+	b := d.cache.TakeFree(r)
+	if b == nil {
+		if b = d.heldFit(r); b == nil {
+			var err error
+			if b, err = d.grow(r, capturing); err != nil {
+				return nil, err
+			}
+		}
+	}
+	return d.cache.Allocate(r, b), nil
 }

@@ -214,16 +214,10 @@ func (d *device) mallocTagged(size uint64, s cuda.Stream, capture uint64, id uin
 	}
 	var r pools.Request
 	d.cache.SetRequest(&r, size, s, small, large)
-	b := d.cache.TakeFree(&r)
-	if b == nil {
-		if b = d.heldFit(&r); b == nil {
-			var err error
-			if b, err = d.grow(&r, capturing); err != nil {
-				return 0, err
-			}
-		}
+	b, err := d.take(&r, capturing)
+	if err != nil {
+		return 0, err
 	}
-	b = d.cache.Allocate(&r, b)
 	d.front.tag = TagNone // a tag's blocks are Go's alone
 	b.Context = 0
 	if d.rec != nil {
