@@ -2,7 +2,8 @@
 /*
  * check.h - the checks the C test programs share: CHECK(cond, description...)
  * prints one "ok"/"FAIL" line and counts it in passed/failed; err_has tests
- * the calling thread's last cudapool error. Include once per program.
+ * the calling thread's last cudapool error; snapshot_count counts a string
+ * in the snapshot's JSON. Include once per program.
  */
 #ifndef CUDAPOOL_CTEST_CHECK_H
 #define CUDAPOOL_CTEST_CHECK_H
@@ -46,6 +47,16 @@ static void check_at(int ok, const char *file, int line, const char *what, const
 static int err_has(const char *sub) {
 	const char *e = cudapool_last_error();
 	return e != NULL && strstr(e, sub) != NULL;
+}
+
+/* The snapshot's count of occurrences of sub. */
+static inline int snapshot_count(const char *sub) {
+	char *js = cudapool_snapshot_json();
+	int n = 0;
+	for (const char *p = js; p && (p = strstr(p, sub)) != NULL; p += strlen(sub))
+		n++;
+	cudapool_string_free(js);
+	return n;
 }
 
 #endif

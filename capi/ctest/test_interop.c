@@ -27,15 +27,6 @@ static long long stat_of(int dev, const char *key) {
 	return v;
 }
 
-static int snapshot_count(const char *sub) {
-	char *js = cudapool_snapshot_json();
-	int n = 0;
-	for (const char *p = js; p && (p = strstr(p, sub)) != NULL; p += strlen(sub))
-		n++;
-	cudapool_string_free(js);
-	return n;
-}
-
 /* The "current stream" CuPy would report: what cudapool_cupy_malloc asks. */
 static intptr_t current_stream;
 static int stream_calls;

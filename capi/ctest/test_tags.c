@@ -18,16 +18,6 @@
 
 #include "check.h"
 
-/* The snapshot's count of occurrences of sub. */
-static int snapshot_count(const char *sub) {
-	char *js = cudapool_snapshot_json();
-	int n = 0;
-	for (const char *p = js; p && (p = strstr(p, sub)) != NULL; p += strlen(sub))
-		n++;
-	cudapool_string_free(js);
-	return n;
-}
-
 /* Whether the snapshot's segment holding p says "tag":tag (tag NULL: has
  * no tag). Segments are printed in address order, one object each. */
 static int segment_tag_is(void *p, const char *tag) {
