@@ -98,15 +98,11 @@ type ipcMapping struct {
 // cannot be shared (ErrPaused).
 func (a *Allocator) IpcHandle(p cuda.Ptr) (h cuda.IpcHandle, offset uint64, dev int, err error) {
 	const op = "ipc_handle"
-	d, b := a.find(p)
-	if d == nil {
-		return h, 0, 0, a.explainUnknown(op, -1, p)
-	}
-	defer d.leave()
-	d.invalidate(p) // shared with another process: its free goes to Go
-	if err := d.shareable(op, b); err != nil {
+	d, b, err := a.findShared(op, p)
+	if err != nil {
 		return h, 0, 0, err
 	}
+	defer d.leave()
 	if b.Seg.Expandable {
 		return h, 0, 0, newError(op, ErrNotSupported, "pointer %#x on device %d is in an expandable segment (expandable_segments:True, on by default with stitching), "+
 			"whose pages are CUDA virtual memory with no 64-byte cudaIpcMemHandle; share it with cudapool_ipc_share (PyTorch's handle format, which covers expandable memory)",

@@ -10,6 +10,7 @@ import (
 	"syscall"
 
 	"github.com/cudapool/cudapool/cuda"
+	"github.com/cudapool/cudapool/pools"
 	"github.com/cudapool/cudapool/vmem"
 )
 
@@ -46,15 +47,11 @@ import (
 // paused tag cannot be shared (ErrPaused).
 func (a *Allocator) ShareIpcHandle(p cuda.Ptr) (handle []byte, offset uint64, dev int, err error) {
 	const op = "ipc_share"
-	d, b := a.find(p)
-	if d == nil {
-		return nil, 0, 0, a.explainUnknown(op, -1, p)
-	}
-	defer d.leave()
-	d.invalidate(p) // shared with another process: its free goes to Go
-	if err := d.shareable(op, b); err != nil {
+	d, b, err := a.findShared(op, p)
+	if err != nil {
 		return nil, 0, 0, err
 	}
+	defer d.leave()
 	if !b.Seg.Expandable {
 		h, off, err := a.segmentIpcHandle(op, d, b.Seg.Base, p)
 		if err != nil {
@@ -193,4 +190,21 @@ func (a *Allocator) ExportStats(dev int) (allocations, fds int, err error) {
 		return nil
 	})
 	return allocations, fds, err
+}
+
+// findShared is the prologue of an export named op: p's block, its device
+// entered (the caller leaves it), p taken from the front cache (shared with
+// another process, its free goes to Go), and the tag's refusal (shareable).
+// On error no device is held.
+func (a *Allocator) findShared(op string, p cuda.Ptr) (*device, *pools.Block, error) {
+	d, b := a.find(p)
+	if d == nil {
+		return nil, nil, a.explainUnknown(op, -1, p)
+	}
+	d.invalidate(p)
+	if err := d.shareable(op, b); err != nil {
+		d.leave()
+		return nil, nil, err
+	}
+	return d, b, nil
 }
