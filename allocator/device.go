@@ -87,6 +87,11 @@ func (d *device) malloc(size uint64, s cuda.Stream, capture uint64) (cuda.Ptr, e
 	if err != nil {
 		return 0, err
 	}
+	if d.ev.Wanted() && !capturing {
+		// A miss of another stream met s's free pages uncertified: s is
+		// marked at this request, hit or miss (vmem's stitching).
+		d.ev.MarkWanted(d.cache, s, d.recordable, d.ret)
+	}
 	// A block borrowed from a private pool under OOM (grow) is not tracked.
 	if d.front.tag = TagDefault; d.front.routed || !b.Pool.ID.IsDefault() {
 		d.front.tag = d.privateTag(b)

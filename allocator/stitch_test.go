@@ -257,9 +257,10 @@ func TestStitchNeverNamesADestroyedStream(t *testing.T) {
 	}
 }
 
-// A stream other than the legacy one is marked at its own misses only: its
-// pages freed after its last miss stay where they are at other streams'
-// misses, and move once a miss of its own has marked it.
+// A stream other than the legacy one is marked at its own requests only:
+// its pages freed after its last mark stay where they are at other
+// streams' misses, and move once a request of its own (here a miss) has
+// marked it.
 func TestStitchMarksAStreamAtItsOwnMisses(t *testing.T) {
 	lockThread(t)
 	a, drv := newAlloc(t, 1, GiB, stitch)
@@ -295,6 +296,45 @@ func TestStitchMarksAStreamAtItsOwnMisses(t *testing.T) {
 	require.Zero(t, mapped())
 	require.True(t, drv.Accessible(0, q, 40*MiB))
 	for _, x := range []cuda.Ptr{k, small, q} {
+		require.NoError(t, a.Free(allocator.FreeRequest{Ptr: x}))
+	}
+	require.NoError(t, a.EmptyCache(0))
+	require.Zero(t, drv.Used(0))
+	require.NoError(t, a.CheckInvariants())
+	require.Zero(t, drv.Violations(), "%v", drv.ViolationLog())
+}
+
+// A stream whose free pages a miss of another stream passed over is marked
+// at its next request, a cache hit too: a stream that only ever hits its
+// cache still lets its idle pages go.
+func TestStitchMarksAWantedStreamAtAHit(t *testing.T) {
+	lockThread(t)
+	a, drv := newAlloc(t, 1, GiB, stitch)
+	const s1, s2 = cuda.Stream(1), cuda.Stream(2)
+	j := mustMalloc(t, a, 0, 2*MiB, s1)
+	k1 := mustMalloc(t, a, 0, 2*MiB, s1)
+	h := mustMalloc(t, a, 0, 10*MiB, s1)
+	k2 := mustMalloc(t, a, 0, 2*MiB, s1)
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: j}))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: h}))
+
+	p := mustMalloc(t, a, 0, 16*MiB, s2)
+	st := stitchStats(t, a)
+	require.Zero(t, st.Remaps, "no mark of stream 1 since its frees")
+	require.Positive(t, st.SkippedBusy)
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
+
+	// Stream 1's next request hits its cache (j's block) and marks it.
+	hit := mustMalloc(t, a, 0, 2*MiB, s1)
+	require.Equal(t, j, hit, "a cache hit")
+	require.Zero(t, stitchStats(t, a).Remaps)
+
+	// Stream 2's next miss takes the hole's five pages.
+	q := mustMalloc(t, a, 0, 40*MiB, s2)
+	require.Equal(t, int64(5), stitchStats(t, a).Remaps)
+	require.False(t, drv.Accessible(0, h, 2*MiB), "the hole's pages moved")
+	require.True(t, drv.Accessible(0, q, 40*MiB))
+	for _, x := range []cuda.Ptr{k1, k2, hit, q} {
 		require.NoError(t, a.Free(allocator.FreeRequest{Ptr: x}))
 	}
 	require.NoError(t, a.EmptyCache(0))

@@ -30,8 +30,12 @@
 // come and go while memory allocated on them lives on), and naming a
 // destroyed stream to the driver is undefined behaviour (the driver reads
 // the freed stream, and crashes). So other streams learn their progress
-// from marks recorded at their own requests. Events recorded on a stream
-// stay valid after it is destroyed: pending marks are still queried.
+// from marks recorded at their own requests: at their own misses
+// (Advance), and at any request of theirs after a caller found their free
+// blocks uncertified (WantMark, MarkWanted), so that a stream whose
+// requests all hit its cache still lets its idle pages go. Events recorded
+// on a stream stay valid after it is destroyed: pending marks are still
+// queried.
 // Marks and frees' events share the queues, the event pool and the
 // draining: events on one stream complete in order, so a stream's queue is
 // read from the front, whoever recorded the entries.
@@ -92,6 +96,9 @@ type Tracker struct {
 	pending  int            // frees' events in all queues (marks not counted)
 	created  int            // events created and not destroyed
 	watched  int            // streams watched (Watch)
+	// want holds the streams to mark at their next request (WantMark):
+	// few at a time, scanned on every malloc while any is there.
+	want []cuda.Stream
 	// progress: some queue may have marks or a passed point, which
 	// ResetProgress forgets (false once it has, until a mark is recorded).
 	progress bool
@@ -412,6 +419,46 @@ func (t *Tracker) mark(c Clock, s cuda.Stream, recordable func(cuda.Stream) bool
 	t.progress = true
 	if len(q.items)-q.head == 1 {
 		_ = t.drainQueue(s, q, t.query, done)
+	}
+}
+
+// maxWanted bounds Tracker.want: a stream asked for beyond it is marked at
+// its own next miss, as before it was asked for.
+const maxWanted = 8
+
+// WantMark asks that watched stream s be marked at its next request
+// (MarkWanted): a caller met free blocks of s that no completed mark
+// certifies. s is not named to the driver here (see the package comment).
+func (t *Tracker) WantMark(s cuda.Stream) {
+	if q := t.queues[s]; q == nil || !q.watched {
+		return
+	}
+	for _, w := range t.want {
+		if w == s {
+			return
+		}
+	}
+	if len(t.want) < maxWanted {
+		t.want = append(t.want, s)
+	}
+}
+
+// Wanted reports whether some stream waits for a mark at its next request:
+// the test the malloc path makes before MarkWanted.
+func (t *Tracker) Wanted() bool { return len(t.want) > 0 }
+
+// MarkWanted records the mark WantMark asked for on rs, the stream of the
+// request at hand (the one stream known to exist now), if one was asked
+// for, as Advance records one on it. Never during a capture.
+func (t *Tracker) MarkWanted(c Clock, rs cuda.Stream, recordable func(cuda.Stream) bool, done func(*pools.Block)) {
+	for i, w := range t.want {
+		if w == rs {
+			last := len(t.want) - 1
+			t.want[i] = t.want[last]
+			t.want = t.want[:last]
+			t.mark(c, rs, recordable, done)
+			return
+		}
 	}
 }
 

@@ -233,3 +233,59 @@ func TestResetProgressKeepsFrees(t *testing.T) {
 	require.NoError(t, tr.DestroySpare())
 	require.Zero(t, drv.LiveEvents())
 }
+
+// A stream asked for (WantMark) is marked at its next request, and only at
+// its own: another stream's request names nothing, and a stream not
+// watched is never asked for. At most maxWanted streams wait at once.
+func TestWantedMarks(t *testing.T) {
+	drv := sim.New(sim.Options{})
+	tr := events.New(drv, 0)
+	var c clock
+	all := func(cuda.Stream) bool { return true }
+	tr.WantMark(1)
+	require.False(t, tr.Wanted(), "stream 1 is not watched")
+	tr.Watch(1)
+	tr.Watch(2)
+	tr.WantMark(1)
+	tr.WantMark(1)
+	require.True(t, tr.Wanted())
+
+	drv.DestroyStream(3)
+	tr.MarkWanted(&c, 2, all, nil)
+	tr.MarkWanted(&c, 3, all, nil)
+	require.Zero(t, c.now, "no mark for streams nobody asked for")
+	require.False(t, tr.Passed(1, 0))
+	require.True(t, tr.Wanted())
+
+	tr.MarkWanted(&c, 1, all, nil)
+	require.Equal(t, uint64(1), c.now, "one mark, though asked for twice")
+	require.True(t, tr.Passed(1, 0), "idle: the mark completed at once")
+	require.False(t, tr.Wanted())
+	tr.MarkWanted(&c, 1, all, nil)
+	require.Equal(t, uint64(1), c.now, "asked for once, marked once")
+
+	// A stream recordable refuses (capturing) is not marked, and is no
+	// longer asked for: its next miss marks it as before.
+	tr.WantMark(2)
+	tr.MarkWanted(&c, 2, func(s cuda.Stream) bool { return s != 2 }, nil)
+	require.False(t, tr.Passed(2, 0))
+	require.False(t, tr.Wanted())
+
+	for s := cuda.Stream(10); s < 30; s++ {
+		tr.Watch(s)
+		tr.WantMark(s)
+	}
+	n := 0
+	for s := cuda.Stream(10); s < 30; s++ {
+		before := c.now
+		tr.MarkWanted(&c, s, all, nil)
+		if c.now != before {
+			n++
+		}
+	}
+	require.Equal(t, 8, n, "the first eight asked for")
+	require.False(t, tr.Wanted())
+	require.NoError(t, tr.Synchronize(nil))
+	require.NoError(t, tr.DestroySpare())
+	require.Zero(t, drv.Violations(), "%v", drv.ViolationLog())
+}

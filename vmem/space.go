@@ -104,6 +104,9 @@ type Progress interface {
 	// call: rs is the one stream it may name to the driver (a stream named
 	// earlier may have been destroyed since). Never during a capture.
 	Advance(rs cuda.Stream)
+	// WantMark asks that s be marked at its next request, whatever it
+	// asks for: a miss found its free blocks uncertified.
+	WantMark(s cuda.Stream)
 	// Reset forgets what is known (the device is being synchronized).
 	Reset()
 }

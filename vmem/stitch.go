@@ -44,12 +44,15 @@ import (
 //     which ticks of the cache's clock the stream has run past; every block
 //     of the stream freed before such a tick (Block.FreedAt) is idle. A
 //     tick is certified by a mark recorded on the stream after it, and
-//     marks go only on the missing stream and the legacy default stream: a
-//     stream named in an earlier call may have been destroyed since, and
-//     naming it to the driver would be undefined behaviour (events'
-//     "Stream progress"). So another stream's pages freed after its last
-//     miss move once a miss of its own has marked it. On an idle stream
-//     the mark completes at once. Nothing waits.
+//     marks go only on the stream of a request at hand and the legacy
+//     default stream: a stream named in an earlier call may have been
+//     destroyed since, and naming it to the driver would be undefined
+//     behaviour (events' "Stream progress"). So another stream's pages
+//     freed after its last mark move once a request of its own has marked
+//     it: its own miss, or any request of it after a miss here passed over
+//     its pages (donorKind asks for that mark: Progress.WantMark), so that
+//     a stream whose requests all hit its cache still gives its idle pages
+//     up. On an idle stream the mark completes at once. Nothing waits.
 //   - Lent, when it is not certified idle but belongs to the requesting
 //     stream: its handle is mapped at the new place at once (work on the new
 //     block is queued behind the old work, as for any reuse of a cached
@@ -175,6 +178,7 @@ func (s *Space) donorKind(b *pools.Block, rs cuda.Stream) pools.DonorKind {
 		return pools.DonorLend
 	}
 	s.stitch.stats.SkippedBusy++
+	s.progress.WantMark(b.Stream)
 	return pools.NoDonor
 }
 
