@@ -87,10 +87,12 @@ func (d *device) malloc(size uint64, s cuda.Stream, capture uint64) (cuda.Ptr, e
 	if err != nil {
 		return 0, err
 	}
-	if d.ev.Wanted() && !capturing {
+	if d.ev.Wanted() && !capturing && d.ev.WantedOn(s) && d.enterUnsafe() {
 		// A miss of another stream met s's free pages uncertified: s is
-		// marked at this request, hit or miss (vmem's stitching).
+		// marked at this request, hit or miss (vmem's stitching), under
+		// the capture gate as any event query outside a capture.
 		d.ev.MarkWanted(d.cache, s, d.recordable, d.ret)
+		d.leaveUnsafe()
 	}
 	// A block borrowed from a private pool under OOM (grow) is not tracked.
 	if d.front.tag = TagDefault; d.front.routed || !b.Pool.ID.IsDefault() {

@@ -144,23 +144,19 @@ func TestExpandableOOMUnmapsThenRetries(t *testing.T) {
 	require.NoError(t, a.CheckInvariants())
 	require.Zero(t, drv.Violations(), "%v", drv.ViolationLog())
 
-	// With stitching, the legacy stream's idle pages move to
-	// stream 2's range instead: no retry, no new memory. (Every miss marks
-	// the legacy stream; stream 1, marked at its own misses only, has no
-	// mark after its free, and its pages go back by the retry as above.)
+	// With stitching, the other stream's idle pages move to stream 2's
+	// range instead: no retry, no new memory. (Every miss marks the legacy
+	// stream; stream 1 has no mark after its free, and the device is
+	// synchronized to certify its pages.)
 	for _, from := range []cuda.Stream{0, 1} {
 		a, drv = newAlloc(t, 1, 64*MiB, "expandable_segments:True,expandable_map_unit_mb:2")
 		p = mustMalloc(t, a, 0, 40*MiB, from)
 		require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
 		q = mustMalloc(t, a, 0, 40*MiB, 2)
 		st = stats(t, a, 0)
-		if from == 0 {
-			require.Zero(t, st.NumAllocRetries)
-			require.Equal(t, int64(20), stitchStats(t, a).Remaps, "stream 0's twenty pages moved")
-		} else {
-			require.Equal(t, int64(1), st.NumAllocRetries)
-			require.Zero(t, stitchStats(t, a).Remaps)
-		}
+		require.Zero(t, st.NumAllocRetries)
+		require.Equal(t, int64(20), stitchStats(t, a).Remaps, "the twenty pages moved")
+		require.Equal(t, int64(from), stitchStats(t, a).Syncs)
 		require.Equal(t, uint64(40*MiB), drv.Used(0))
 		require.True(t, drv.Accessible(0, q, 40*MiB))
 		require.NoError(t, a.Free(allocator.FreeRequest{Ptr: q}))

@@ -707,6 +707,37 @@ var faultCases = map[string]faultCase{
 		require.False(t, e.sim().Accessible(0, h, 2*MiB))
 		e.nothingLost()
 	}},
+	// Synchronizing the device for other streams' pages fails: a warning,
+	// and new memory is mapped; the hole's pages move at the next miss
+	// that synchronizes.
+	"vmem/stitch.go:(*Space).stitchFor.DeviceSynchronize": {run: func(t *testing.T) {
+		e := newFault(t, confStitch, false)
+		h := e.malloc(20*MiB, 1)
+		e.malloc(2*MiB, 1)
+		e.free(h)
+		used := e.sim().Used(0)
+		r := e.fail("DeviceSynchronize", "stitchFor", 0)
+		e.malloc(16*MiB, 2)
+		e.fired(r)
+		require.Len(t, e.warnings, 1)
+		require.Contains(t, e.warnings[0], "synchronizing device 0 to move other streams' idle pages (new memory is mapped instead)")
+		st, err := e.a.StitchStats(0)
+		require.NoError(t, err)
+		require.Zero(t, st.Remaps)
+		require.Zero(t, st.Syncs)
+		require.Equal(t, used+16*MiB, e.sim().Used(0), "new memory instead")
+		require.True(t, e.sim().Accessible(0, h, 20*MiB), "the hole's pages stay")
+		e.consistent(0)
+		used = e.sim().Used(0)
+		e.malloc(20*MiB, 3)
+		st, err = e.a.StitchStats(0)
+		require.NoError(t, err)
+		require.Equal(t, int64(1), st.Syncs)
+		require.Equal(t, int64(10), st.Remaps, "the hole's pages moved at the next miss")
+		require.Equal(t, used, e.sim().Used(0))
+		e.consistent(0)
+		e.nothingLost()
+	}},
 	"uncached.go:(*Allocator).mallocUncached.MemAlloc": {run: func(t *testing.T) {
 		e := newFault(t, confOrdinary, false)
 		e.a.SetCaching(false)

@@ -152,11 +152,11 @@ func (a *Allocator) Snapshot(pool *PoolID, includeTraces bool) Snapshot {
 			snap.DeviceTraces[d.id] = traceEntries(d.id, tr)
 		}
 	}
-	remaps, lent := make([]int64, len(a.devs)), make([]int64, len(a.devs))
+	remaps, lent, syncs := make([]int64, len(a.devs)), make([]int64, len(a.devs)), make([]int64, len(a.devs))
 	for i, d := range a.devs {
 		d.enter()
 		st := d.vm.StitchStats()
-		remaps[i], lent[i] = st.Remaps, st.Lent
+		remaps[i], lent[i], syncs[i] = st.Remaps, st.Lent, st.Syncs
 		d.leave()
 	}
 	cfg := a.Config()
@@ -173,11 +173,13 @@ func (a *Allocator) Snapshot(pool *PoolID, includeTraces bool) Snapshot {
 		"roundup_power2_divisions":     p.RoundupDivisions,
 		"record_history":               cfg.HistoryEntries,
 		// cudapool's own: stitching and each device's count of pages
-		// moved, and of those lent (vmem/stitch.go).
+		// moved, of those lent, and of the synchronizations that
+		// certified other streams' pages idle (vmem/stitch.go).
 		"stitch":                 cfg.Stitch,
 		"expandable_map_unit_mb": cfg.ExpandableMapUnit >> 20,
 		"stitch_remaps":          remaps,
 		"stitch_lent":            lent,
+		"stitch_syncs":           syncs,
 		// The tags and their state (tags.go, pause.go).
 		"tags": a.tagStates(),
 	}

@@ -343,6 +343,46 @@ func TestStitchMarksAWantedStreamAtAHit(t *testing.T) {
 	require.Zero(t, drv.Violations(), "%v", drv.ViolationLog())
 }
 
+// A growth above the high-water mark that lacks certified pages, where the
+// other streams' free pages it passed over would make up for them,
+// synchronizes the device (naming no stream) and takes them, work queued on
+// them included once done; where they would not, nothing waits and new
+// memory is mapped.
+func TestStitchSynchronizesForOtherStreams(t *testing.T) {
+	lockThread(t)
+	a, drv := newAlloc(t, 1, GiB, stitch)
+	const s1, s2 = cuda.Stream(1), cuda.Stream(2)
+	h := mustMalloc(t, a, 0, 20*MiB, s1)
+	k := mustMalloc(t, a, 0, 2*MiB, s1)
+	drv.Use(0, s1, h, 20*MiB) // a kernel on h, queued
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: h}))
+	used := drv.Used(0)
+
+	p := mustMalloc(t, a, 0, 16*MiB, s2)
+	st := stitchStats(t, a)
+	require.Equal(t, int64(1), st.Syncs)
+	require.Equal(t, int64(8), st.Remaps, "eight of the hole's ten pages")
+	require.Equal(t, used, drv.Used(0), "no new memory")
+	require.True(t, drv.Accessible(0, p, 16*MiB))
+	require.Zero(t, drv.Violations(), "%v", drv.ViolationLog())
+
+	// Stream 1's last two free pages cannot make up for a 40 MiB growth:
+	// no synchronization, new memory.
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
+	drv.Use(0, s1, k, 2*MiB)
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: k}))
+	q := mustMalloc(t, a, 0, 40*MiB, 3)
+	st = stitchStats(t, a)
+	require.Equal(t, int64(1), st.Syncs, "two pages do not make up for the rest")
+	require.True(t, drv.Accessible(0, q, 40*MiB))
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: q}))
+	drv.CompleteAll()
+	require.NoError(t, a.EmptyCache(0))
+	require.Zero(t, drv.Used(0))
+	require.NoError(t, a.CheckInvariants())
+	require.Zero(t, drv.Violations(), "%v", drv.ViolationLog())
+}
+
 // A busy page of the request's own stream is lent: its memory is mapped at
 // the new place at once (work on the new block is queued behind the old
 // work), and its old mapping stays until the stream has finished that work.
@@ -513,7 +553,6 @@ func TestStitchSourcesAndRules(t *testing.T) {
 	p := mustMalloc(t, a, 0, 20*MiB, 2) // stream 2: a range of its own
 	require.Equal(t, before, stitchStats(t, a).Remaps, "empty_cache unmapped the holes before")
 
-	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
 	o = mustMalloc(t, a, 0, 6*MiB, 0)
 	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: o}))
 	for i := range small {
@@ -522,7 +561,10 @@ func TestStitchSourcesAndRules(t *testing.T) {
 	for _, x := range small {
 		require.NoError(t, a.Free(allocator.FreeRequest{Ptr: x}))
 	}
-	// Stream 2 freed p after its last request: no mark certifies that free.
+	// Stream 2 frees p after its last request: no mark certifies that
+	// free, and its ten pages are fewer than the miss below lacks, so the
+	// device is not synchronized for them (TestStitchSynchronizesForOtherStreams).
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
 	used := drv.Used(0)
 	graphMapped := mappedIn(t, a, g)
 	before = stitchStats(t, a).Remaps
@@ -535,6 +577,7 @@ func TestStitchSourcesAndRules(t *testing.T) {
 	require.Equal(t, used+uint64(20-legacy)*2*MiB, drv.Used(0), "the rest is new memory")
 	require.Equal(t, graphMapped, mappedIn(t, a, g), "the live graph's pool kept its pages")
 	require.True(t, drv.Accessible(0, q, 40*MiB))
+	require.Zero(t, stitchStats(t, a).Syncs)
 
 	for _, x := range []cuda.Ptr{ok, gk, q} {
 		require.NoError(t, a.Free(allocator.FreeRequest{Ptr: x}))

@@ -102,6 +102,7 @@ func (p progress) Passed(s cuda.Stream, at uint64) bool { return p.d.ev.Passed(s
 func (p progress) Advance(rs cuda.Stream)               { p.d.ev.Advance(p.d.cache, rs, p.d.recordable, p.d.ret) }
 func (p progress) Reset()                               { p.d.ev.ResetProgress() }
 func (p progress) WantMark(s cuda.Stream)               { p.d.ev.WantMark(s) }
+func (p progress) Synchronized()                        { p.d.ev.Synchronized(p.d.cache) }
 
 // recordable reports whether a mark may be recorded on s now: not while s
 // is in a capture nobody announced, where the event would be captured, not

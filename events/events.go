@@ -33,9 +33,10 @@
 // from marks recorded at their own requests: at their own misses
 // (Advance), and at any request of theirs after a caller found their free
 // blocks uncertified (WantMark, MarkWanted), so that a stream whose
-// requests all hit its cache still lets its idle pages go. Events recorded
-// on a stream stay valid after it is destroyed: pending marks are still
-// queried.
+// requests all hit its cache still lets its idle pages go. After the
+// caller synchronizes the device, Synchronized certifies every watched
+// stream at once, naming none. Events recorded on a stream stay valid
+// after it is destroyed: pending marks are still queried.
 // Marks and frees' events share the queues, the event pool and the
 // draining: events on one stream complete in order, so a stream's queue is
 // read from the front, whoever recorded the entries.
@@ -447,6 +448,16 @@ func (t *Tracker) WantMark(s cuda.Stream) {
 // the test the malloc path makes before MarkWanted.
 func (t *Tracker) Wanted() bool { return len(t.want) > 0 }
 
+// WantedOn reports whether a mark is wanted on s (WantMark).
+func (t *Tracker) WantedOn(s cuda.Stream) bool {
+	for _, w := range t.want {
+		if w == s {
+			return true
+		}
+	}
+	return false
+}
+
 // MarkWanted records the mark WantMark asked for on rs, the stream of the
 // request at hand (the one stream known to exist now), if one was asked
 // for, as Advance records one on it. Never during a capture.
@@ -460,6 +471,32 @@ func (t *Tracker) MarkWanted(c Clock, rs cuda.Stream, recordable func(cuda.Strea
 			return
 		}
 	}
+}
+
+// Synchronized certifies every watched stream up to now: the caller has
+// just synchronized the device, so every point below a new tick of c is
+// behind every stream. Pending marks are dropped (they completed).
+func (t *Tracker) Synchronized(c Clock) {
+	at := c.Tick()
+	for _, q := range t.queues {
+		if !q.watched {
+			continue
+		}
+		if q.marks > 0 {
+			kept := q.items[:q.head]
+			for _, p := range q.items[q.head:] {
+				if p.b == nil {
+					t.spare = append(t.spare, p.ev)
+					continue
+				}
+				kept = append(kept, p)
+			}
+			clear(q.items[len(kept):])
+			q.items, q.marks = kept, 0
+		}
+		q.passed = at
+	}
+	t.progress = true
 }
 
 // ResetProgress drops the pending marks, without waiting for them, and

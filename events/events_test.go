@@ -249,6 +249,8 @@ func TestWantedMarks(t *testing.T) {
 	tr.WantMark(1)
 	tr.WantMark(1)
 	require.True(t, tr.Wanted())
+	require.True(t, tr.WantedOn(1))
+	require.False(t, tr.WantedOn(2))
 
 	drv.DestroyStream(3)
 	tr.MarkWanted(&c, 2, all, nil)
@@ -287,5 +289,37 @@ func TestWantedMarks(t *testing.T) {
 	require.False(t, tr.Wanted())
 	require.NoError(t, tr.Synchronize(nil))
 	require.NoError(t, tr.DestroySpare())
+	require.Zero(t, drv.Violations(), "%v", drv.ViolationLog())
+}
+
+// After a device synchronize every watched stream has run past every point
+// before it: Synchronized certifies them all without naming any, and drops
+// their pending marks (their events go back to the pool); frees' events
+// stay for Process.
+func TestSynchronizedCertifiesEveryStream(t *testing.T) {
+	drv := sim.New(sim.Options{})
+	tr := events.New(drv, 0)
+	var c clock
+	all := func(cuda.Stream) bool { return true }
+	tr.Watch(1)
+	tr.Watch(2)
+	drv.Submit(1)
+	b := block(3, 1)
+	require.NoError(t, tr.Insert(b))
+	tr.Advance(&c, 1, all, nil) // a mark behind stream 1's work
+	require.False(t, tr.Passed(1, 0))
+	drv.DestroyStream(2)
+
+	require.NoError(t, drv.DeviceSynchronize(0))
+	tr.Synchronized(&c)
+	require.True(t, tr.Passed(1, c.now-1))
+	require.True(t, tr.Passed(2, c.now-1), "a stream never marked, and destroyed since")
+	require.False(t, tr.Passed(1, c.now))
+	require.False(t, tr.Passed(7, 0), "not watched")
+	var done []*pools.Block
+	require.NoError(t, tr.Process(func(x *pools.Block) { done = append(done, x) }))
+	require.Equal(t, []*pools.Block{b}, done)
+	require.NoError(t, tr.DestroySpare())
+	require.Zero(t, drv.LiveEvents(), "the dropped mark's event was pooled, then destroyed")
 	require.Zero(t, drv.Violations(), "%v", drv.ViolationLog())
 }

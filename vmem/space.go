@@ -107,6 +107,9 @@ type Progress interface {
 	// WantMark asks that s be marked at its next request, whatever it
 	// asks for: a miss found its free blocks uncertified.
 	WantMark(s cuda.Stream)
+	// Synchronized tells that the device was just synchronized: every
+	// stream has run past every point before now.
+	Synchronized()
 	// Reset forgets what is known (the device is being synchronized).
 	Reset()
 }

@@ -35,6 +35,7 @@ func (p *progress) Passed(cuda.Stream, uint64) bool      { return false }
 func (p *progress) Advance(rs cuda.Stream)               { p.advanced = append(p.advanced, rs) }
 func (p *progress) Reset()                               { p.resets++ }
 func (p *progress) WantMark(s cuda.Stream)               { p.wanted = append(p.wanted, s) }
+func (p *progress) Synchronized()                        {}
 func (p *progress) String() string                       { return fmt.Sprint(p.watched) }
 func newProgress() *progress                             { return &progress{watched: map[cuda.Stream]bool{}} }
 func (r *recorder) Mapped(_ *pools.Segment, _, n uint64) { r.mapped += n }

@@ -52,7 +52,8 @@ import (
 //     it: its own miss, or any request of it after a miss here passed over
 //     its pages (donorKind asks for that mark: Progress.WantMark), so that
 //     a stream whose requests all hit its cache still gives its idle pages
-//     up. On an idle stream the mark completes at once. Nothing waits.
+//     up. On an idle stream the mark completes at once. Nothing waits
+//     for a mark (but see "Synchronizing").
 //   - Lent, when it is not certified idle but belongs to the requesting
 //     stream: its handle is mapped at the new place at once (work on the new
 //     block is queued behind the old work, as for any reuse of a cached
@@ -61,6 +62,23 @@ import (
 //     (stitchPrepare, at a later miss that marks it) or empty_cache and
 //     the OOM retry synchronize the device (releaseStitch). Without lending
 //     a GPU running behind the host would leave almost nothing to move.
+//
+// # Synchronizing
+//
+// A growth above the mark that finds too few certified pages, where the
+// other streams' free blocks it passed over hold at least the missing
+// whole pages, synchronizes the device (which names no stream) and
+// searches again: every page freed before then is idle. Without it, the
+// pages a stream freed wait for its next request (a prefill stream
+// between prefills, while the decode stream frees the KV caches the
+// prefills allocated), and the misses in between map new memory, which
+// raises the mark for good: bench/kvcache.py's trace with a prefill
+// stream crept to 1.160 reserved / allocated over three passes, and stays
+// at 1.011 with it (bench/simreplay). It happens only where reserved
+// memory would otherwise rise above its peak and other streams' memory
+// would serve: never with one stream, and about 40 times per pass of
+// that trace's 2,451 decode steps once warm. Like empty_cache and the OOM
+// retry it runs under the device lock, and never during a capture.
 //
 // # Fragmented ranges
 //
@@ -108,6 +126,9 @@ type stitchState struct {
 	// kind is donorKind for a request on stream (stitchFor's).
 	kind   func(*pools.Block) pools.DonorKind
 	stream cuda.Stream
+	// skipped is the bytes of whole pages in the other streams' free blocks
+	// the donor search in progress passed over as not certified idle.
+	skipped uint64
 	// fresh is the index in lent of the first block lent by the growth in
 	// progress, and pages the handles of its lent pages, block after block
 	// in lent's order, page by page: restoreUnused gives back those Map
@@ -134,6 +155,9 @@ type StitchStats struct {
 	// Fragmented counts the misses whose own range held plenty of free
 	// memory, and whose holes were left alone (see "Fragmented ranges").
 	Fragmented int64 `json:"fragmented"`
+	// Syncs counts the device synchronizations that certified other
+	// streams' idle pages (see "Synchronizing").
+	Syncs int64 `json:"syncs"`
 }
 
 // A range holds plenty of free memory for a request (see "Fragmented
@@ -179,6 +203,10 @@ func (s *Space) donorKind(b *pools.Block, rs cuda.Stream) pools.DonorKind {
 	}
 	s.stitch.stats.SkippedBusy++
 	s.progress.WantMark(b.Stream)
+	page := b.Seg.PageSize
+	if lo, hi := (uint64(b.Ptr)+page-1)/page*page, (uint64(b.Ptr)+b.Size)/page*page; hi > lo {
+		s.stitch.skipped += hi - lo
+	}
 	return pools.NoDonor
 }
 
@@ -273,20 +301,24 @@ func (s *Space) stitchFor(r *pools.Request, start *pools.Block, unit uint64) uin
 		lo, hi = 0, seg.Size
 		s.stitch.stats.Fragmented++
 	}
-	donors := s.stitch.donors[:0]
-	var got uint64
 	if s.stitch.kind == nil {
 		// Built once: a closure over r would move every malloc's
 		// request to the heap.
 		s.stitch.kind = func(b *pools.Block) pools.DonorKind { return s.donorKind(b, s.stitch.stream) }
 	}
 	s.stitch.stream = r.Stream
-	kind := s.stitch.kind
-	for _, p := range [2]*pools.BlockPool{c.Large, c.Small} {
-		var n uint64
-		donors, n = c.Donors(p, want-got, kind, seg, lo, hi, donors)
-		if got += n; got >= want {
-			break
+	s.stitch.skipped = 0
+	donors, got := s.gatherDonors(want, seg, lo, hi, s.stitch.donors[:0])
+	if got < want && s.stitch.skipped >= want-got {
+		// Other streams hold enough free pages that no mark certifies
+		// idle: synchronizing certifies them all ("Synchronizing", above).
+		if err := s.drv.DeviceSynchronize(s.dev); err != nil {
+			s.warn(s.fail("malloc", fmt.Sprintf("synchronizing device %d to move other streams' idle pages (new memory is mapped instead)", s.dev), err).Error())
+		} else {
+			s.progress.Synchronized()
+			s.stitch.stats.Syncs++
+			clear(donors)
+			donors, got = s.gatherDonors(want, seg, lo, hi, donors[:0])
 		}
 	}
 	// Lent pages go to the spares first: Map takes the newest spares
@@ -326,6 +358,23 @@ func (s *Space) stitchFor(r *pools.Request, start *pools.Block, unit uint64) uin
 	clear(donors) // no dangling block pointers in the scratch space
 	s.stitch.donors = donors[:0]
 	return unmapped
+}
+
+// gatherDonors appends to donors the free blocks whose pages a growth
+// takes, up to want bytes, large pool first, and returns them with their
+// bytes; donorKind counts in stitchState.skipped the whole pages of the
+// other streams' blocks it passes over.
+func (s *Space) gatherDonors(want uint64, seg *pools.Segment, lo, hi uint64, donors []pools.Donor) ([]pools.Donor, uint64) {
+	c := s.cache
+	var got uint64
+	for _, p := range [2]*pools.BlockPool{c.Large, c.Small} {
+		var n uint64
+		donors, n = c.Donors(p, want-got, s.stitch.kind, seg, lo, hi, donors)
+		if got += n; got >= want {
+			break
+		}
+	}
+	return donors, got
 }
 
 // countRemaps records that Map used moved handles: used bytes of the

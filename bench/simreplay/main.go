@@ -90,6 +90,7 @@ type result struct {
 	peakAlloc, peakRes    int64
 	maps, unmaps          int64
 	remaps, stitches      int64
+	syncs                 int64 // device synchronizations for other streams' pages
 	firstNs, laterNsPerOp float64
 	failed                int
 	// Per pass after the first (the steady state of a loop that replays
@@ -180,7 +181,7 @@ func replay(ops []op, slots int, conf string, repeats, lag int) (result, error) 
 	if err != nil {
 		return res, err
 	}
-	res.remaps, res.stitches = ss.Remaps, ss.Stitches
+	res.remaps, res.stitches, res.syncs = ss.Remaps, ss.Stitches, ss.Syncs
 	res.maps, res.unmaps = st.NumDeviceAlloc, st.NumDeviceFree
 	if repeats > 1 {
 		res.laterNsPerOp = float64(later.Nanoseconds()) / float64(len(ops)*(repeats-1))
@@ -264,8 +265,8 @@ func main() {
 			"expandable_segments:True,stitch:False", ""}
 	}
 	fmt.Printf("cudapool on the simulator (80 GiB device, host time of this machine), %d passes per trace, GPU lag %d operations\n\n", *repeats, *lag)
-	fmt.Printf("| trace | configuration | peak allocated GiB | peak reserved GiB | reserved/allocated | map calls | unmap calls | remaps | stitching misses | later remaps/pass | later map+unmap calls/pass | first pass ms | later ns/op |\n")
-	fmt.Printf("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+	fmt.Printf("| trace | configuration | peak allocated GiB | peak reserved GiB | reserved/allocated | map calls | unmap calls | remaps | stitching misses | synchronizations | later remaps/pass | later map+unmap calls/pass | first pass ms | later ns/op |\n")
+	fmt.Printf("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
 	status := 0
 	for _, path := range flag.Args() {
 		ops, slots, err := load(path)
@@ -283,9 +284,9 @@ func main() {
 			if name == "" {
 				name = "(default: stitching)"
 			}
-			fmt.Printf("| %s | %s | %.2f | %.2f | %.3f | %d | %d | %d | %d | %.0f | %.0f | %.1f | %.0f |\n", path, name,
+			fmt.Printf("| %s | %s | %.2f | %.2f | %.3f | %d | %d | %d | %d | %d | %.0f | %.0f | %.1f | %.0f |\n", path, name,
 				float64(r.peakAlloc)/(1<<30), float64(r.peakRes)/(1<<30), float64(r.peakRes)/float64(max(r.peakAlloc, 1)),
-				r.maps, r.unmaps, r.remaps, r.stitches, r.laterRemaps, r.laterCalls, r.firstNs/1e6, r.laterNsPerOp)
+				r.maps, r.unmaps, r.remaps, r.stitches, r.syncs, r.laterRemaps, r.laterCalls, r.firstNs/1e6, r.laterNsPerOp)
 		}
 	}
 	if *graph > 0 {
