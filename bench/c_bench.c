@@ -186,14 +186,17 @@ static void bk_trace_extras(char *buf, size_t len) {
 	char *snap = cudapool_snapshot_json();
 	const char *r = snap ? strstr(snap, "\"stitch_remaps\":[") : NULL;
 	long long remaps = r ? strtoll(r + strlen("\"stitch_remaps\":["), NULL, 10) : -1;
+	/* and its synchronizations for other streams' pages (stitch_syncs) */
+	const char *y = snap ? strstr(snap, "\"stitch_syncs\":[") : NULL;
+	long long syncs = y ? strtoll(y + strlen("\"stitch_syncs\":["), NULL, 10) : -1;
 	/* Over every pass: mallocs the front served without entering Go, and
 	 * blocks it left untracked in cold mode (-1: no counters). */
 	cudapool_front_counters fc = {0};
 	int ok = cudapool_get_front_counters(0, &fc) == 0;
 	snprintf(buf, len,
 	         "\"trace_device_allocs\":%lld,\"trace_alloc_retries\":%lld,\"trace_stitch_remaps\":%lld,"
-	         "\"trace_front_hits\":%lld,\"trace_front_cold_skipped\":%lld",
-	         stat_of(js, "num_device_alloc"), stat_of(js, "num_alloc_retries"), remaps, ok ? (long long)fc.hits : -1,
+	         "\"trace_stitch_syncs\":%lld,\"trace_front_hits\":%lld,\"trace_front_cold_skipped\":%lld",
+	         stat_of(js, "num_device_alloc"), stat_of(js, "num_alloc_retries"), remaps, syncs, ok ? (long long)fc.hits : -1,
 	         ok ? (long long)fc.cold_skipped : -1);
 	cudapool_string_free(snap);
 	cudapool_string_free(js);
