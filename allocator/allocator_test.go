@@ -301,6 +301,21 @@ func TestConfigParse(t *testing.T) {
 	require.NotContains(t, cfg.String(), "warm_runtime")
 	_, _, err = allocator.ParseConfig("warm_runtime:sometimes")
 	require.ErrorIs(t, err, allocator.ErrInvalidConfig)
+
+	// stitch_sync: on by default, off by key, printed when off.
+	require.False(t, cfg.NoStitchSync)
+	nosync, warn, err := allocator.ParseConfig("stitch_sync:False")
+	require.NoError(t, err)
+	require.Empty(t, warn)
+	require.True(t, nosync.NoStitchSync)
+	require.True(t, nosync.Stitch, "stitching itself stays on")
+	require.Contains(t, nosync.String(), "stitch_sync:False")
+	back, _, err = allocator.ParseConfig(nosync.String())
+	require.NoError(t, err)
+	require.True(t, back.NoStitchSync)
+	require.NotContains(t, cfg.String(), "stitch_sync")
+	_, _, err = allocator.ParseConfig("stitch_sync:maybe")
+	require.ErrorIs(t, err, allocator.ErrInvalidConfig)
 }
 
 func TestRoundupDivisionsApply(t *testing.T) {

@@ -36,6 +36,10 @@ type Config struct {
 	// unless the configuration names it, it follows ExpandableSegments (on
 	// by default, off with expandable_segments:False; see resolveStitch).
 	Stitch bool
+	// NoStitchSync keeps stitching from synchronizing the device to take
+	// other streams' idle pages (vmem/stitch.go, "Synchronizing"):
+	// cudapool's key stitch_sync:False.
+	NoStitchSync bool
 	// ExpandableSet and StitchSet record that the configuration named
 	// expandable_segments or stitch, rather than taking the default (a
 	// run-time update keeps what earlier configurations named): see
@@ -234,7 +238,8 @@ var (
 		"throw_on_cudamalloc_oom",
 	}
 	cudapoolKeys = []string{
-		"debug_checks", "expandable_map_unit_mb", "free_set", "front_cache", "record_history", "stitch", "warm_runtime",
+		"debug_checks", "expandable_map_unit_mb", "free_set", "front_cache", "record_history", "stitch", "stitch_sync",
+		"warm_runtime",
 	}
 )
 
@@ -312,6 +317,12 @@ func (c *Config) set(key, val string) (warning string, err error) {
 		// Its relation to expandable_segments is settled once the whole
 		// string is applied (resolveStitch).
 		c.Stitch, c.StitchSet = b, true
+	case "stitch_sync":
+		b, err := parseBool(key, val)
+		if err != nil {
+			return "", err
+		}
+		c.NoStitchSync = !b
 	case "release_lock_on_cudamalloc", "release_lock_on_hipmalloc":
 		b, err := parseBool(key, val)
 		if err != nil {
@@ -524,6 +535,9 @@ func (c Config) String() string {
 	}
 	if c.StitchSet || c.Stitch != c.ExpandableSegments {
 		parts = append(parts, "stitch:"+pyBool(c.Stitch))
+	}
+	if c.NoStitchSync {
+		parts = append(parts, "stitch_sync:False")
 	}
 	if c.MemoryFractionSet {
 		parts = append(parts, fmt.Sprintf("per_process_memory_fraction:%g", c.MemoryFraction))

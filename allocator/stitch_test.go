@@ -381,6 +381,20 @@ func TestStitchSynchronizesForOtherStreams(t *testing.T) {
 	require.Zero(t, drv.Used(0))
 	require.NoError(t, a.CheckInvariants())
 	require.Zero(t, drv.Violations(), "%v", drv.ViolationLog())
+
+	// stitch_sync:False: no synchronization, new memory.
+	a, drv = newAlloc(t, 1, GiB, stitch+",stitch_sync:False")
+	h = mustMalloc(t, a, 0, 20*MiB, s1)
+	mustMalloc(t, a, 0, 2*MiB, s1)
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: h}))
+	used = drv.Used(0)
+	mustMalloc(t, a, 0, 16*MiB, s2)
+	st = stitchStats(t, a)
+	require.Zero(t, st.Syncs)
+	require.Zero(t, st.Remaps)
+	require.Equal(t, used+16*MiB, drv.Used(0))
+	require.True(t, drv.Accessible(0, h, 20*MiB), "stream 1's hole stays")
+	require.NoError(t, a.CheckInvariants())
 }
 
 // A busy page of the request's own stream is lent: its memory is mapped at

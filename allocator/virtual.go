@@ -67,7 +67,7 @@ func (a *Allocator) StitchStats(dev int) (StitchStats, error) {
 
 // vmemConfig is the virtual memory's part of cfg.
 func vmemConfig(cfg *Config) vmem.Config {
-	c := vmem.Config{Expandable: cfg.ExpandableSegments, MapUnit: cfg.ExpandableMapUnit, Stitch: cfg.Stitch}
+	c := vmem.Config{Expandable: cfg.ExpandableSegments, MapUnit: cfg.ExpandableMapUnit, Stitch: cfg.Stitch, NoSync: cfg.NoStitchSync}
 	switch {
 	case cfg.StitchSet && cfg.Stitch:
 		c.Named = "stitch:True"

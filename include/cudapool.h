@@ -162,8 +162,11 @@ void cudapool_reset_accumulated_stats(int device);
  * large_segment_size_mb, expandable_segments, release_lock_on_cudamalloc,
  * per_process_memory_fraction, graph_capture_record_stream_reuse; cudapool's
  * own record_history:N, debug_checks:True, free_set:segfit|treap|sorted,
- * expandable_map_unit_mb:N, stitch:True|False, front_cache:False,
- * warm_runtime:False); keys left out take their defaults.
+ * expandable_map_unit_mb:N, stitch:True|False, stitch_sync:False,
+ * front_cache:False, warm_runtime:False); keys left out take their
+ * defaults. stitch_sync:False keeps stitching from synchronizing the device
+ * in a malloc that would raise reserved memory above its peak, to take
+ * other streams' idle pages.
  * Defaults that differ from PyTorch's: expandable segments with stitching
  * (expandable_segments:True means the same; free physical pages move to
  * where a request needs them, for less memory reserved:

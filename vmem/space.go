@@ -144,6 +144,7 @@ type Config struct {
 	Expandable bool   // expandable_segments:True
 	MapUnit    uint64 // expandable_map_unit_mb, in bytes
 	Stitch     bool   // stitch:True (which implies Expandable)
+	NoSync     bool   // stitch_sync:False (stitch.go, "Synchronizing")
 	// Named is the key the configuration named to ask for expandable
 	// memory ("expandable_segments:True" or "stitch:True"), or "" where
 	// it is on by default: only a named key earns a note when the driver
@@ -194,6 +195,7 @@ func New(d Deps, c Config) *Space {
 func (s *Space) Configure(c Config) {
 	s.want = c.Expandable || c.Stitch
 	s.unitCfg, s.stitch.on, s.named = c.MapUnit, c.Stitch, c.Named
+	s.stitch.noSync = c.NoSync
 	if s.want && s.state == -1 {
 		s.note()
 	}

@@ -79,6 +79,7 @@ import (
 // would serve: never with one stream, and about 40 times per pass of
 // that trace's 2,451 decode steps once warm. Like empty_cache and the OOM
 // retry it runs under the device lock, and never during a capture.
+// stitch_sync:False turns it off (new memory is mapped instead).
 //
 // # Fragmented ranges
 //
@@ -126,6 +127,7 @@ type stitchState struct {
 	// kind is donorKind for a request on stream (stitchFor's).
 	kind   func(*pools.Block) pools.DonorKind
 	stream cuda.Stream
+	noSync bool // stitch_sync:False: never synchronize ("Synchronizing")
 	// skipped is the bytes of whole pages in the other streams' free blocks
 	// the donor search in progress passed over as not certified idle.
 	skipped uint64
@@ -309,7 +311,7 @@ func (s *Space) stitchFor(r *pools.Request, start *pools.Block, unit uint64) uin
 	s.stitch.stream = r.Stream
 	s.stitch.skipped = 0
 	donors, got := s.gatherDonors(want, seg, lo, hi, s.stitch.donors[:0])
-	if got < want && s.stitch.skipped >= want-got {
+	if got < want && s.stitch.skipped >= want-got && !s.stitch.noSync {
 		// Other streams hold enough free pages that no mark certifies
 		// idle: synchronizing certifies them all ("Synchronizing", above).
 		if err := s.drv.DeviceSynchronize(s.dev); err != nil {
