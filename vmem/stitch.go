@@ -76,8 +76,8 @@ import (
 // stream crept to 1.160 reserved / allocated over three passes, and stays
 // at 1.011 with it (bench/simreplay). It happens only where reserved
 // memory would otherwise rise above its peak and other streams' memory
-// would serve: never with one stream, and about 40 times per pass of
-// that trace's 2,451 decode steps once warm. Like empty_cache and the OOM
+// would serve: never with one stream; on that trace 102 times in the
+// first pass, then about 11 per pass of its 2,451 decode steps. Like empty_cache and the OOM
 // retry it runs under the device lock, and never during a capture.
 // stitch_sync:False turns it off (new memory is mapped instead).
 //
