@@ -479,22 +479,10 @@ func (t *Tracker) MarkWanted(c Clock, rs cuda.Stream, recordable func(cuda.Strea
 func (t *Tracker) Synchronized(c Clock) {
 	at := c.Tick()
 	for _, q := range t.queues {
-		if !q.watched {
-			continue
+		if q.watched {
+			t.dropMarks(q)
+			q.passed = at
 		}
-		if q.marks > 0 {
-			kept := q.items[:q.head]
-			for _, p := range q.items[q.head:] {
-				if p.b == nil {
-					t.spare = append(t.spare, p.ev)
-					continue
-				}
-				kept = append(kept, p)
-			}
-			clear(q.items[len(kept):])
-			q.items, q.marks = kept, 0
-		}
-		q.passed = at
 	}
 	t.progress = true
 }
@@ -507,20 +495,26 @@ func (t *Tracker) ResetProgress() {
 	t.progress = false
 	for _, q := range t.queues {
 		q.passed = 0
-		if q.marks == 0 {
+		t.dropMarks(q)
+	}
+}
+
+// dropMarks takes q's pending marks out of its queue, their events back to
+// the pool, and keeps the frees' events in order.
+func (t *Tracker) dropMarks(q *queue) {
+	if q.marks == 0 {
+		return
+	}
+	kept := q.items[:q.head]
+	for _, p := range q.items[q.head:] {
+		if p.b == nil {
+			t.spare = append(t.spare, p.ev)
 			continue
 		}
-		kept := q.items[:q.head]
-		for _, p := range q.items[q.head:] {
-			if p.b == nil {
-				t.spare = append(t.spare, p.ev)
-				continue
-			}
-			kept = append(kept, p)
-		}
-		clear(q.items[len(kept):])
-		q.items, q.marks = kept, 0
+		kept = append(kept, p)
 	}
+	clear(q.items[len(kept):])
+	q.items, q.marks = kept, 0
 }
 
 // Each calls fn for every block waiting on events or deferred.
