@@ -331,7 +331,9 @@ func (t *Tracker) markDone(q *queue, p pending, complete func(cuda.Event) (bool,
 		if ok, err := complete(p.ev); !ok || err != nil {
 			return false
 		}
-		q.passed = p.at
+		// A mark recorded before a synchronization completes after it:
+		// it certifies no more than Synchronized already did.
+		q.passed = max(q.passed, p.at)
 	}
 	q.items[q.head] = pending{}
 	q.head++
@@ -390,8 +392,10 @@ func (t *Tracker) Advance(c Clock, rs cuda.Stream, recordable func(cuda.Stream) 
 		}
 	}
 	t.mark(c, rs, recordable, done)
+	t.unwant(rs)
 	if rs != 0 {
 		t.mark(c, 0, recordable, done)
+		t.unwant(0)
 	}
 }
 
@@ -462,15 +466,23 @@ func (t *Tracker) WantedOn(s cuda.Stream) bool {
 // request at hand (the one stream known to exist now), if one was asked
 // for, as Advance records one on it. Never during a capture.
 func (t *Tracker) MarkWanted(c Clock, rs cuda.Stream, recordable func(cuda.Stream) bool, done func(*pools.Block)) {
+	if t.unwant(rs) {
+		t.mark(c, rs, recordable, done)
+	}
+}
+
+// unwant takes s off the streams waiting for a mark, and reports whether it
+// was there.
+func (t *Tracker) unwant(s cuda.Stream) bool {
 	for i, w := range t.want {
-		if w == rs {
+		if w == s {
 			last := len(t.want) - 1
 			t.want[i] = t.want[last]
 			t.want = t.want[:last]
-			t.mark(c, rs, recordable, done)
-			return
+			return true
 		}
 	}
+	return false
 }
 
 // Synchronized certifies every watched stream up to now: the caller has
@@ -484,6 +496,7 @@ func (t *Tracker) Synchronized(c Clock) {
 			q.passed = at
 		}
 	}
+	t.want = t.want[:0] // all certified: nothing to ask of any stream
 	t.progress = true
 }
 
@@ -497,6 +510,9 @@ func (t *Tracker) ResetProgress() {
 		q.passed = 0
 		t.dropMarks(q)
 	}
+	// The caller synchronizes: every free page is idle, and streams that
+	// will never make a request again (destroyed ones) leave the list.
+	t.want = t.want[:0]
 }
 
 // dropMarks takes q's pending marks out of its queue, their events back to

@@ -287,6 +287,21 @@ func TestWantedMarks(t *testing.T) {
 	}
 	require.Equal(t, 8, n, "the first eight asked for")
 	require.False(t, tr.Wanted())
+
+	// A miss of the stream (Advance) marks it: no second mark. A device
+	// synchronization, or ResetProgress before one, certifies everything:
+	// nothing stays asked for (a destroyed stream would never make the
+	// request that takes it off the list).
+	tr.WantMark(2)
+	tr.Advance(&c, 2, all, nil)
+	require.False(t, tr.WantedOn(2))
+	tr.WantMark(1)
+	tr.WantMark(2)
+	tr.Synchronized(&c)
+	require.False(t, tr.Wanted())
+	tr.WantMark(1)
+	tr.ResetProgress()
+	require.False(t, tr.Wanted())
 	require.NoError(t, tr.Synchronize(nil))
 	require.NoError(t, tr.DestroySpare())
 	require.Zero(t, drv.Violations(), "%v", drv.ViolationLog())
@@ -319,6 +334,8 @@ func TestSynchronizedCertifiesEveryStream(t *testing.T) {
 	var done []*pools.Block
 	require.NoError(t, tr.Process(func(x *pools.Block) { done = append(done, x) }))
 	require.Equal(t, []*pools.Block{b}, done)
+	tr.Advance(&c, 1, all, nil) // drains stream 1's queue: no older mark takes the certification back
+	require.True(t, tr.Passed(1, c.now-2))
 	require.NoError(t, tr.DestroySpare())
 	require.Zero(t, drv.LiveEvents(), "the dropped mark's event was pooled, then destroyed")
 	require.Zero(t, drv.Violations(), "%v", drv.ViolationLog())

@@ -74,10 +74,10 @@ import (
 // prefills allocated), and the misses in between map new memory, which
 // raises the mark for good: bench/kvcache.py's trace with a prefill
 // stream crept to 1.160 reserved / allocated over three passes, and stays
-// at 1.011 with it (bench/simreplay). It happens only where reserved
+// at 1.009 with it (bench/simreplay). It happens only where reserved
 // memory would otherwise rise above its peak and other streams' memory
-// would serve: never with one stream; on that trace 102 times in the
-// first pass, then about 11 per pass of its 2,451 decode steps. Like empty_cache and the OOM
+// would serve: never with one stream; on that trace 110 times in the
+// first pass, then about 12 per pass of its 2,451 decode steps. Like empty_cache and the OOM
 // retry it runs under the device lock, and never during a capture.
 // stitch_sync:False turns it off (new memory is mapped instead).
 //
