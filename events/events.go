@@ -435,15 +435,7 @@ const maxWanted = 8
 // (MarkWanted): a caller met free blocks of s that no completed mark
 // certifies. s is not named to the driver here (see the package comment).
 func (t *Tracker) WantMark(s cuda.Stream) {
-	if q := t.queues[s]; q == nil || !q.watched {
-		return
-	}
-	for _, w := range t.want {
-		if w == s {
-			return
-		}
-	}
-	if len(t.want) < maxWanted {
+	if q := t.queues[s]; q != nil && q.watched && !t.WantedOn(s) && len(t.want) < maxWanted {
 		t.want = append(t.want, s)
 	}
 }

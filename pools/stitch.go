@@ -66,15 +66,16 @@ func (c *Cache) Tick() uint64 {
 	return c.clock
 }
 
-// Donors appends to out whole pages of p's free expandable blocks for
-// which ok is true, up to want bytes in all, and returns out. skip excludes
-// [skipLo, skipHi) of segment skip (the run the request will grow into).
-func (c *Cache) Donors(p *BlockPool, want uint64, kind func(*Block) DonorKind, skip *Segment, skipLo, skipHi uint64, out []Donor) ([]Donor, uint64) {
-	var got uint64
+// Donors appends to out whole pages of p's free expandable blocks that
+// kind accepts, up to want bytes in all, and returns out, their bytes, and
+// the bytes of whole pages in the blocks kind refused (NoDonor) on the way.
+// skip excludes [skipLo, skipHi) of segment skip (the run the request will
+// grow into).
+func (c *Cache) Donors(p *BlockPool, want uint64, kind func(*Block) DonorKind, skip *Segment, skipLo, skipHi uint64, out []Donor) (_ []Donor, got, refused uint64) {
 	if p.Tag != 0 {
 		// A tag's pages stay in its ranges, so that pausing it gives back
 		// its memory and no other's (paused.go): never a donor.
-		return out, 0
+		return out, 0, 0
 	}
 	p.Blocks.Ascend(func(b *Block) bool {
 		if got >= want {
@@ -92,6 +93,7 @@ func (c *Cache) Donors(p *BlockPool, want uint64, kind func(*Block) DonorKind, s
 		}
 		k := kind(b)
 		if k == NoDonor {
+			refused += hi - lo
 			return true
 		}
 		if n := hi - lo; n > want-got {
@@ -101,7 +103,7 @@ func (c *Cache) Donors(p *BlockPool, want uint64, kind func(*Block) DonorKind, s
 		got += hi - lo
 		return true
 	})
-	return out, got
+	return out, got, refused
 }
 
 // UnmapDonor unmaps d's pages through m (which keeps their physical

@@ -25,8 +25,9 @@ func TestStitchDonorsLendUnlend(t *testing.T) {
 	require.True(t, c.HasUnmappable(c.Large))
 	all := func(*Block) DonorKind { return DonorUnmap }
 
-	ds, got := c.Donors(c.Large, 4*page, all, nil, 0, 0, nil)
+	ds, got, refused := c.Donors(c.Large, 4*page, all, nil, 0, 0, nil)
 	require.Equal(t, uint64(4*page), got)
+	require.Zero(t, refused)
 	require.Len(t, ds, 2)
 	require.Equal(t, base, ds[0].B.Ptr, "equal sizes: the lower address first")
 	require.Equal(t, [2]uint64{0, 3 * page}, [2]uint64{ds[0].Lo, ds[0].Hi})
@@ -38,11 +39,12 @@ func TestStitchDonorsLendUnlend(t *testing.T) {
 		}
 		return DonorLend
 	}
-	ds, got = c.Donors(c.Large, 8*page, notA, nil, 0, 0, nil)
+	ds, got, refused = c.Donors(c.Large, 8*page, notA, nil, 0, 0, nil)
 	require.Equal(t, uint64(3*page), got)
+	require.Equal(t, uint64(3*page), refused, "a's three pages")
 	require.Len(t, ds, 1)
 	require.True(t, ds[0].Lend)
-	ds2, got2 := c.Donors(c.Large, 8*page, all, a.Seg, 4*page, 16*page, nil)
+	ds2, got2, _ := c.Donors(c.Large, 8*page, all, a.Seg, 4*page, 16*page, nil)
 	require.Equal(t, uint64(3*page), got2, "b lies in the skipped run")
 	require.Len(t, ds2, 1)
 
@@ -110,10 +112,10 @@ func TestStitchDonorsSkipTags(t *testing.T) {
 	expFree(t, c, b)
 	require.True(t, c.HasUnmappable(tp), "whole free pages a default pool would give")
 	all := func(*Block) DonorKind { return DonorUnmap }
-	ds, got := c.Donors(tp, 4*page, all, nil, 0, 0, nil)
+	ds, got, _ := c.Donors(tp, 4*page, all, nil, 0, 0, nil)
 	require.Zero(t, got)
 	require.Empty(t, ds)
 	tp.Tag = 0
-	_, got = c.Donors(tp, 4*page, all, nil, 0, 0, nil)
+	_, got, _ = c.Donors(tp, 4*page, all, nil, 0, 0, nil)
 	require.Positive(t, got, "the same pool untagged gives pages")
 }

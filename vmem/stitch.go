@@ -128,9 +128,6 @@ type stitchState struct {
 	kind   func(*pools.Block) pools.DonorKind
 	stream cuda.Stream
 	noSync bool // stitch_sync:False: never synchronize ("Synchronizing")
-	// skipped is the bytes of whole pages in the other streams' free blocks
-	// the donor search in progress passed over as not certified idle.
-	skipped uint64
 	// fresh is the index in lent of the first block lent by the growth in
 	// progress, and pages the handles of its lent pages, block after block
 	// in lent's order, page by page: restoreUnused gives back those Map
@@ -205,10 +202,6 @@ func (s *Space) donorKind(b *pools.Block, rs cuda.Stream) pools.DonorKind {
 	}
 	s.stitch.stats.SkippedBusy++
 	s.progress.WantMark(b.Stream)
-	page := b.Seg.PageSize
-	if lo, hi := (uint64(b.Ptr)+page-1)/page*page, (uint64(b.Ptr)+b.Size)/page*page; hi > lo {
-		s.stitch.skipped += hi - lo
-	}
 	return pools.NoDonor
 }
 
@@ -309,9 +302,8 @@ func (s *Space) stitchFor(r *pools.Request, start *pools.Block, unit uint64) uin
 		s.stitch.kind = func(b *pools.Block) pools.DonorKind { return s.donorKind(b, s.stitch.stream) }
 	}
 	s.stitch.stream = r.Stream
-	s.stitch.skipped = 0
-	donors, got := s.gatherDonors(want, seg, lo, hi, s.stitch.donors[:0])
-	if got < want && s.stitch.skipped >= want-got && !s.stitch.noSync {
+	donors, got, refused := s.gatherDonors(want, seg, lo, hi, s.stitch.donors[:0])
+	if got < want && refused >= want-got && !s.stitch.noSync {
 		// Other streams hold enough free pages that no mark certifies
 		// idle: synchronizing certifies them all ("Synchronizing", above).
 		if err := s.drv.DeviceSynchronize(s.dev); err != nil {
@@ -320,7 +312,7 @@ func (s *Space) stitchFor(r *pools.Request, start *pools.Block, unit uint64) uin
 			s.progress.Synchronized()
 			s.stitch.stats.Syncs++
 			clear(donors)
-			donors, got = s.gatherDonors(want, seg, lo, hi, donors[:0])
+			donors, got, _ = s.gatherDonors(want, seg, lo, hi, donors[:0])
 		}
 	}
 	// Lent pages go to the spares first: Map takes the newest spares
@@ -364,19 +356,19 @@ func (s *Space) stitchFor(r *pools.Request, start *pools.Block, unit uint64) uin
 
 // gatherDonors appends to donors the free blocks whose pages a growth
 // takes, up to want bytes, large pool first, and returns them with their
-// bytes; donorKind counts in stitchState.skipped the whole pages of the
-// other streams' blocks it passes over.
-func (s *Space) gatherDonors(want uint64, seg *pools.Segment, lo, hi uint64, donors []pools.Donor) ([]pools.Donor, uint64) {
+// bytes and those of the whole pages it passed over (other streams' pages
+// no mark certifies idle: donorKind).
+func (s *Space) gatherDonors(want uint64, seg *pools.Segment, lo, hi uint64, donors []pools.Donor) (_ []pools.Donor, got, refused uint64) {
 	c := s.cache
-	var got uint64
 	for _, p := range [2]*pools.BlockPool{c.Large, c.Small} {
-		var n uint64
-		donors, n = c.Donors(p, want-got, s.stitch.kind, seg, lo, hi, donors)
+		var n, r uint64
+		donors, n, r = c.Donors(p, want-got, s.stitch.kind, seg, lo, hi, donors)
+		refused += r
 		if got += n; got >= want {
 			break
 		}
 	}
-	return donors, got
+	return donors, got, refused
 }
 
 // countRemaps records that Map used moved handles: used bytes of the
