@@ -7,6 +7,9 @@
 //
 //	go run ./bench/simreplay [-repeats 3] [-conf CONF]... TRACE...
 //
+// A TRACE whose name ends in .gz is read through gzip (demo/train75.txt.gz,
+// demo/fsdp2.txt.gz).
+//
 // Without -conf it runs cudapool's four configurations: ordinary segments,
 // expandable segments without stitching mapping page by page and 20 MiB at
 // a time, and the default (expandable segments with stitching). Each
@@ -24,8 +27,10 @@ package main
 
 import (
 	"bufio"
+	"compress/gzip"
 	"flag"
 	"fmt"
+	"io"
 	"os"
 	"runtime"
 	"strconv"
@@ -51,10 +56,19 @@ func load(path string) ([]op, int, error) {
 		return nil, 0, err
 	}
 	defer f.Close()
+	var r io.Reader = f
+	if strings.HasSuffix(path, ".gz") {
+		z, err := gzip.NewReader(f)
+		if err != nil {
+			return nil, 0, fmt.Errorf("%s: %w", path, err)
+		}
+		defer z.Close()
+		r = z
+	}
 	var ops []op
 	ids := map[uint64]int{}
 	slots := 0
-	sc := bufio.NewScanner(f)
+	sc := bufio.NewScanner(r)
 	for n := 1; sc.Scan(); n++ {
 		fs := strings.Fields(sc.Text())
 		if len(fs) == 0 || strings.HasPrefix(fs[0], "#") {
