@@ -5,10 +5,11 @@
 #
 #   bash gpu/bench_fragmentation.sh          (from anywhere; REPEATS=3)
 #
-# Traces: demo/trace.txt (3 recorded GPT-2 training steps) and a synthetic LLM
+# Traces: demo/trace.txt (3 recorded GPT-2 training steps), a synthetic LLM
 # inference trace (bench/kvcache.py, seeded: generated here, byte for byte
 # the same as on any machine), with prefills on the decode stream and on a
-# stream of their own. Allocators, each in a fresh process:
+# stream of their own, and demo/fsdp2.txt.gz (21 recorded FSDP2 training
+# steps of one rank: three streams). Allocators, each in a fresh process:
 # PyTorch's native, native expandable_segments:True, cudaMallocAsync
 # (bench/native_bench.cpp over libc10_cuda) and cudapool with
 # expandable_segments:False (ordinary segments), cudapool with
@@ -42,7 +43,9 @@ KV=$BUILD/kvcache.txt
 KV2=$BUILD/kvcache_2streams.txt
 { "$PY" bench/kvcache.py "$KV" && "$PY" bench/kvcache.py "$KV2" --prefill-stream 1; } 2>"$OUT/logs/kvcache.log" ||
     { cat "$OUT/logs/kvcache.log"; exit 1; }
-TRACES=(demo/trace.txt "$KV" "$KV2")
+FSDP=$BUILD/fsdp2.txt
+gzip -dc demo/fsdp2.txt.gz >"$FSDP" || exit 1
+TRACES=(demo/trace.txt "$KV" "$KV2" "$FSDP")
 
 if [ ! -f lib/libcudapool.so ]; then
     echo "lib/libcudapool.so is missing: run make where Go is, and copy lib/ here"
