@@ -108,22 +108,42 @@ type result struct {
 	firstNs, laterNsPerOp float64
 	failed                int
 	// Per pass after the first (the steady state of a loop that replays
-	// the trace): page moves, and mapping plus unmapping calls.
-	laterRemaps, laterCalls float64
+	// the trace): page moves, mapping plus unmapping calls,
+	// synchronizations, and the driver's host time those would take on a
+	// GPU (driverMs).
+	laterRemaps, laterCalls, laterSyncs, laterDriverMs float64
+}
+
+// The host time of the driver's mapping work on an H100 (driver 580),
+// measured inside a training process (docs/fragmentation.md, "Where the
+// page moves go"): per cuMemMap call, per mapping cuMemSetAccess covers,
+// and per accessible mapping cuMemUnmap removes. A synchronization's cost
+// depends on the work queued, so it is counted, not priced.
+const (
+	usPerMap      = 1.5
+	usPerAccess   = 32
+	usPerUnmapped = 26
+)
+
+// driverMs prices drv's mapping work on device 0 so far (see above).
+func driverMs(drv *sim.Driver) float64 {
+	maps, _ := drv.MapCalls(0)
+	accessed, unmapped := drv.MappingWork(0)
+	return (float64(maps)*usPerMap + float64(accessed)*usPerAccess + float64(unmapped)*usPerUnmapped) / 1000
 }
 
 // counters reads the totals a pass's figures are differences of: page
-// moves and mapping plus unmapping calls.
-func counters(a *allocator.Allocator) (remaps, calls int64, err error) {
+// moves, mapping plus unmapping calls, and synchronizations.
+func counters(a *allocator.Allocator) (remaps, calls, syncs int64, err error) {
 	st, err := a.Stats(0)
 	if err != nil {
-		return 0, 0, err
+		return 0, 0, 0, err
 	}
 	ss, err := a.StitchStats(0)
 	if err != nil {
-		return 0, 0, err
+		return 0, 0, 0, err
 	}
-	return ss.Remaps, st.NumDeviceAlloc + st.NumDeviceFree, nil
+	return ss.Remaps, st.NumDeviceAlloc + st.NumDeviceFree, ss.Syncs, nil
 }
 
 func replay(ops []op, slots int, conf string, repeats, lag int) (result, error) {
@@ -141,7 +161,8 @@ func replay(ops []op, slots int, conf string, repeats, lag int) (result, error) 
 	a.ExpectAnnouncements() // as PyTorch: no capture-status query per malloc
 	ptrs := make([]cuda.Ptr, slots)
 	var later time.Duration
-	var remaps1, calls1 int64 // after the first pass
+	var remaps1, calls1, syncs1 int64 // after the first pass
+	var driver1 float64
 	for r := 0; r < repeats; r++ {
 		t0 := time.Now()
 		for i, o := range ops {
@@ -180,9 +201,10 @@ func replay(ops []op, slots int, conf string, repeats, lag int) (result, error) 
 			}
 		}
 		if r == 0 {
-			if remaps1, calls1, err = counters(a); err != nil {
+			if remaps1, calls1, syncs1, err = counters(a); err != nil {
 				return res, err
 			}
+			driver1 = driverMs(drv)
 		}
 	}
 	st, err := a.Stats(0)
@@ -201,6 +223,8 @@ func replay(ops []op, slots int, conf string, repeats, lag int) (result, error) 
 		res.laterNsPerOp = float64(later.Nanoseconds()) / float64(len(ops)*(repeats-1))
 		res.laterRemaps = float64(res.remaps-remaps1) / float64(repeats-1)
 		res.laterCalls = float64(res.maps+res.unmaps-calls1) / float64(repeats-1)
+		res.laterSyncs = float64(res.syncs-syncs1) / float64(repeats-1)
+		res.laterDriverMs = (driverMs(drv) - driver1) / float64(repeats-1)
 	}
 	return res, a.EmptyCache(0)
 }
@@ -279,8 +303,8 @@ func main() {
 			"expandable_segments:True,stitch:False", ""}
 	}
 	fmt.Printf("cudapool on the simulator (80 GiB device, host time of this machine), %d passes per trace, GPU lag %d operations\n\n", *repeats, *lag)
-	fmt.Printf("| trace | configuration | peak allocated GiB | peak reserved GiB | reserved/allocated | map calls | unmap calls | remaps | stitching misses | synchronizations | later remaps/pass | later map+unmap calls/pass | first pass ms | later ns/op |\n")
-	fmt.Printf("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+	fmt.Printf("| trace | configuration | peak allocated GiB | peak reserved GiB | reserved/allocated | map calls | unmap calls | remaps | stitching misses | synchronizations | later remaps/pass | later map+unmap calls/pass | later synchronizations/pass | later mapping ms/pass on an H100 (estimate) | first pass ms | later ns/op |\n")
+	fmt.Printf("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
 	status := 0
 	for _, path := range flag.Args() {
 		ops, slots, err := load(path)
@@ -298,9 +322,10 @@ func main() {
 			if name == "" {
 				name = "(default: stitching)"
 			}
-			fmt.Printf("| %s | %s | %.2f | %.2f | %.3f | %d | %d | %d | %d | %d | %.0f | %.0f | %.1f | %.0f |\n", path, name,
+			fmt.Printf("| %s | %s | %.2f | %.2f | %.3f | %d | %d | %d | %d | %d | %.0f | %.0f | %.1f | %.1f | %.1f | %.0f |\n", path, name,
 				float64(r.peakAlloc)/(1<<30), float64(r.peakRes)/(1<<30), float64(r.peakRes)/float64(max(r.peakAlloc, 1)),
-				r.maps, r.unmaps, r.remaps, r.stitches, r.syncs, r.laterRemaps, r.laterCalls, r.firstNs/1e6, r.laterNsPerOp)
+				r.maps, r.unmaps, r.remaps, r.stitches, r.syncs, r.laterRemaps, r.laterCalls, r.laterSyncs, r.laterDriverMs,
+				r.firstNs/1e6, r.laterNsPerOp)
 		}
 	}
 	if *graph > 0 {

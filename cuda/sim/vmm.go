@@ -57,7 +57,12 @@ type vmmState struct {
 	pages        map[cuda.Ptr]cuda.Ptr          // each mapped granule -> its mapping's address
 	maps         int64                          // successful MemMap calls
 	unmaps       int64                          // successful MemUnmap calls
-	uses         []use                          // work touching memory, maybe pending
+	// The driver's work is per mapping, not per call (docs/fragmentation.md,
+	// "Where the page moves go"): accessed counts the mappings MemSetAccess
+	// covered, unmappedAccessed the accessible mappings MemUnmap removed
+	// (one never given access is cheap to unmap).
+	accessed, unmappedAccessed int64
+	uses                       []use // work touching memory, maybe pending
 }
 
 // vaRange is a range of address space a freed reservation gave back.
@@ -363,6 +368,7 @@ func (d *Driver) MemSetAccess(dev int, p cuda.Ptr, size uint64) error {
 	for _, q := range run {
 		dv.vmm.mappings[q].accessible = true
 	}
+	dv.vmm.accessed += int64(len(run))
 	return nil
 }
 
@@ -430,6 +436,9 @@ func (d *Driver) MemUnmap(dev int, p cuda.Ptr, size uint64) error {
 	if run := dv.mappedRun(p, size); run != nil {
 		for _, q := range run {
 			m := dv.vmm.mappings[q]
+			if m.accessible {
+				dv.vmm.unmappedAccessed++
+			}
 			delete(dv.vmm.mappings, q)
 			for g := q; g < q+cuda.Ptr(m.size); g += Granularity {
 				delete(dv.vmm.pages, g)
@@ -507,6 +516,16 @@ func (d *Driver) Handles(dev int) int {
 	defer d.mu.Unlock()
 	v := &d.mustDevice(dev).vmm
 	return len(v.handles) + len(v.released)
+}
+
+// MappingWork returns how many mappings on dev MemSetAccess has covered and
+// how many accessible mappings MemUnmap has removed: what those calls cost
+// on a GPU grows with (see vmmState).
+func (d *Driver) MappingWork(dev int) (accessed, unmapped int64) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	v := &d.mustDevice(dev).vmm
+	return v.accessed, v.unmappedAccessed
 }
 
 // MapCalls returns the numbers of successful MemMap and MemUnmap calls on

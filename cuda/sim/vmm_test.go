@@ -44,6 +44,10 @@ func TestVMMLifecycle(t *testing.T) {
 	assert.False(t, d.Accessible(0, base, 3*gran))
 	assert.Equal(t, 2*gran, d.Mapped(0))
 
+	accessed, unmapped := d.MappingWork(0)
+	assert.Equal(t, int64(2), accessed, "one call, two mappings")
+	assert.Zero(t, unmapped)
+
 	// Releasing a mapped handle keeps its memory until the unmap.
 	require.NoError(t, d.MemRelease(0, h1))
 	assert.Equal(t, 2*gran, d.Used(0))
@@ -62,6 +66,21 @@ func TestVMMLifecycle(t *testing.T) {
 	maps, unmaps := d.MapCalls(0)
 	assert.Equal(t, int64(2), maps)
 	assert.Equal(t, int64(2), unmaps)
+	_, unmapped = d.MappingWork(0)
+	assert.Equal(t, int64(2), unmapped)
+
+	// A mapping never given access is not counted when unmapped.
+	base, err = d.MemAddressReserve(0, 4*mib)
+	require.NoError(t, err)
+	h3, err := d.MemCreate(0, gran)
+	require.NoError(t, err)
+	require.NoError(t, d.MemMap(0, base, gran, h3))
+	require.NoError(t, d.MemUnmap(0, base, gran))
+	accessed, unmapped = d.MappingWork(0)
+	assert.Equal(t, int64(2), accessed)
+	assert.Equal(t, int64(2), unmapped)
+	require.NoError(t, d.MemRelease(0, h3))
+	require.NoError(t, d.MemAddressFree(0, base, 4*mib))
 }
 
 func TestVMMErrors(t *testing.T) {
