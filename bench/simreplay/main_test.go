@@ -68,6 +68,9 @@ func TestRecordedTracesFragmentation(t *testing.T) {
 		require.LessOrEqual(t, ratio, c.hi, "%s %q", c.trace, c.conf)
 		if c.conf == "" {
 			require.Positive(t, r.remaps, "%s: stitching moved pages", c.trace)
+			require.Positive(t, r.laterDriverMs, "%s: the moves' mapping work is priced", c.trace)
+		} else {
+			require.Zero(t, r.laterDriverMs, "%s %q: no mapping work once the pools took shape", c.trace, c.conf)
 		}
 	}
 }
