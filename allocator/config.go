@@ -40,6 +40,12 @@ type Config struct {
 	// other streams' idle pages (vmem/stitch.go, "Synchronizing"):
 	// cudapool's key stitch_sync:False.
 	NoStitchSync bool
+	// StitchChunk is the size of the physical allocations of the default
+	// large pool's ranges with stitching, the unit its pages move in, in
+	// bytes (a multiple of 2 MiB): cudapool's key stitch_chunk_mb (default
+	// 2, one page). Larger chunks cost fewer driver calls per byte moved
+	// and move only within the large pool (vmem/stitch.go, "Chunks").
+	StitchChunk uint64
 	// ExpandableSet and StitchSet record that the configuration named
 	// expandable_segments or stitch, rather than taking the default (a
 	// run-time update keeps what earlier configurations named): see
@@ -86,11 +92,14 @@ type Config struct {
 // warm runtime on.
 func DefaultConfig() Config {
 	return Config{Pools: pools.DefaultConfig(), ExpandableSegments: true, Stitch: true,
-		ExpandableMapUnit: DefaultMapUnit, FrontCache: true, WarmRuntime: true}
+		ExpandableMapUnit: DefaultMapUnit, StitchChunk: DefaultStitchChunk, FrontCache: true, WarmRuntime: true}
 }
 
 // DefaultMapUnit is expandable_map_unit_mb's default, in bytes.
 const DefaultMapUnit = 20 << 20
+
+// DefaultStitchChunk is stitch_chunk_mb's default, in bytes: one page.
+const DefaultStitchChunk = 2 << 20
 
 // ParseConfig parses a PYTORCH_CUDA_ALLOC_CONF string on top of the
 // defaults. A key that neither cudapool nor PyTorch knows is an error that
@@ -238,8 +247,8 @@ var (
 		"throw_on_cudamalloc_oom",
 	}
 	cudapoolKeys = []string{
-		"debug_checks", "expandable_map_unit_mb", "free_set", "front_cache", "record_history", "stitch", "stitch_sync",
-		"warm_runtime",
+		"debug_checks", "expandable_map_unit_mb", "free_set", "front_cache", "record_history", "stitch", "stitch_chunk_mb",
+		"stitch_sync", "warm_runtime",
 	}
 )
 
@@ -323,6 +332,15 @@ func (c *Config) set(key, val string) (warning string, err error) {
 			return "", err
 		}
 		c.NoStitchSync = !b
+	case "stitch_chunk_mb":
+		n, err := parseUint(key, val)
+		if err != nil {
+			return "", err
+		}
+		if n == 0 || n%2 != 0 || n > 1024 {
+			return "", configError("stitch_chunk_mb=%d: it must be a positive multiple of 2 (MiB), at most 1024", n)
+		}
+		c.StitchChunk = n * mb
 	case "release_lock_on_cudamalloc", "release_lock_on_hipmalloc":
 		b, err := parseBool(key, val)
 		if err != nil {
@@ -538,6 +556,9 @@ func (c Config) String() string {
 	}
 	if c.NoStitchSync {
 		parts = append(parts, "stitch_sync:False")
+	}
+	if c.StitchChunk != DefaultStitchChunk {
+		parts = append(parts, fmt.Sprintf("stitch_chunk_mb:%d", c.StitchChunk>>20))
 	}
 	if c.MemoryFractionSet {
 		parts = append(parts, fmt.Sprintf("per_process_memory_fraction:%g", c.MemoryFraction))

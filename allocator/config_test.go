@@ -22,7 +22,7 @@ var validValues = map[string]string{
 	"pinned_use_cuda_host_register": "True", "pinned_use_hip_host_register": "False", "release_lock_on_cudamalloc": "False",
 	"release_lock_on_hipmalloc": "False", "roundup_power2_divisions": "[64:8,>:1]", "throw_on_cudamalloc_oom": "False",
 	"debug_checks": "False", "expandable_map_unit_mb": "2", "free_set": "treap", "front_cache": "True",
-	"record_history": "10", "stitch": "False", "stitch_sync": "False", "warm_runtime": "True",
+	"record_history": "10", "stitch": "False", "stitch_chunk_mb": "4", "stitch_sync": "False", "warm_runtime": "True",
 }
 
 // knownKeys reads the key lists from the error of an unknown key.

@@ -318,7 +318,7 @@ func TestRandomizedInvariants(t *testing.T) {
 		exp, exp + ",max_split_size_mb:32", exp + ",garbage_collection_threshold:0.7,roundup_power2_divisions:4",
 		// Stitching (the default, named), alone and with other keys.
 		stitching, stitching + ",max_split_size_mb:32", "stitch:True,expandable_map_unit_mb:2,max_split_size_mb:32",
-		"stitch:True,garbage_collection_threshold:0.7"}
+		"stitch:True,garbage_collection_threshold:0.7", "stitch_chunk_mb:4", "stitch_chunk_mb:6,max_split_size_mb:32"}
 	seeds := 12
 	if testing.Short() || raceOn {
 		seeds = 3

@@ -176,6 +176,7 @@ func (a *Allocator) Snapshot(pool *PoolID, includeTraces bool) Snapshot {
 		// moved, of those lent, and of the synchronizations that
 		// certified other streams' pages idle (vmem/stitch.go).
 		"stitch":                 cfg.Stitch,
+		"stitch_chunk_mb":        cfg.StitchChunk >> 20,
 		"expandable_map_unit_mb": cfg.ExpandableMapUnit >> 20,
 		"stitch_remaps":          remaps,
 		"stitch_lent":            lent,

@@ -102,9 +102,11 @@ var soakPhases = []soakPhase{
 	{"stitch", "expandable_segments:True", true, false},
 	{"stitch+unannounced+split limit", "expandable_segments:True,max_split_size_mb:40", false, false},
 	{"stitch+unannounced, page by page", "stitch:True,expandable_map_unit_mb:2", false, false},
+	{"stitch in 4 MiB chunks", "stitch_chunk_mb:4", true, false},
 	{"driver faults", "expandable_segments:True,stitch:False", true, true},
 	{"driver faults, ordinary segments", "expandable_segments:False", true, true},
 	{"driver faults, stitch", "expandable_segments:True", true, true},
+	{"driver faults, stitch in 6 MiB chunks", "stitch_chunk_mb:6", true, true},
 }
 
 // soakFaultMethods fail at random in the fault phases: every driver call

@@ -741,6 +741,8 @@ func TestStitchConfig(t *testing.T) {
 		{"stitch:True,stitch:False,expandable_segments:False", "expandable_segments:False,stitch:False", false, false},
 		{"expandable_segments:True,stitch:True", "expandable_segments:True,stitch:True", true, true},
 		{"expandable_segments:True,stitch:False", "expandable_segments:True,stitch:False", true, false},
+		{"stitch_chunk_mb:4", "stitch_chunk_mb:4", true, true},
+		{"stitch_chunk_mb:2", "", true, true},
 	} {
 		cfg, warn, err := allocator.ParseConfig(c.conf)
 		require.NoError(t, err, c.conf)
@@ -752,7 +754,8 @@ func TestStitchConfig(t *testing.T) {
 		require.NoError(t, err)
 		require.Equal(t, cfg, again, c.conf)
 	}
-	for _, bad := range []string{"stitch:yes", "expandable_map_unit_mb:3", "expandable_map_unit_mb:0", "expandable_map_unit_mb:-2", "expandable_map_unit_mb:x"} {
+	for _, bad := range []string{"stitch:yes", "expandable_map_unit_mb:3", "expandable_map_unit_mb:0", "expandable_map_unit_mb:-2", "expandable_map_unit_mb:x",
+		"stitch_chunk_mb:3", "stitch_chunk_mb:0", "stitch_chunk_mb:2048", "stitch_chunk_mb:x"} {
 		_, _, err := allocator.ParseConfig(bad)
 		require.ErrorIs(t, err, allocator.ErrInvalidConfig, bad)
 	}
@@ -934,6 +937,45 @@ func TestCaptureTrimsPagesMappedAhead(t *testing.T) {
 	require.NoError(t, a.ReleasePool(0, g))
 	require.NoError(t, a.ReleasePool(0, g))
 	require.NoError(t, a.EmptyCache(0))
+	require.Zero(t, drv.Mapped(0))
+	require.NoError(t, a.CheckInvariants())
+	require.Zero(t, drv.Violations(), "%v", drv.ViolationLog())
+}
+
+// With stitch_chunk_mb:4 the default large pool's ranges are mapped in
+// 4 MiB allocations and give and take them whole, two pages at a time; the
+// small pool, mapped page by page, neither gives to them nor takes from
+// them, so that every range holds allocations of one size (CUDA IPC's
+// handle needs it: vmem/export.go).
+func TestStitchChunks(t *testing.T) {
+	lockThread(t)
+	a, drv := newAlloc(t, 1, GiB, "stitch_chunk_mb:4")
+	const s1 = cuda.Stream(1)
+	big := mustMalloc(t, a, 0, 40*MiB, 0)
+	keep := mustMalloc(t, a, 0, 20*MiB, 0)
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: big}))
+	used := drv.Used(0)
+	require.Equal(t, uint64(60*MiB), used)
+
+	// Another stream's miss takes the hole's chunks instead of new memory.
+	p := mustMalloc(t, a, 0, 16*MiB, s1)
+	st := stitchStats(t, a)
+	require.Positive(t, st.Remaps)
+	require.Zero(t, st.Remaps%2, "whole 4 MiB chunks: %d pages", st.Remaps)
+	require.Equal(t, used, drv.Used(0), "no new physical memory")
+	require.True(t, drv.Accessible(0, p, 16*MiB))
+	require.False(t, drv.Accessible(0, big+cuda.Ptr(40*MiB)-4*MiB, 4*MiB), "the hole's last chunk moved")
+
+	// A small block needs a 2 MiB page: the large pool's chunks stay.
+	small := mustMalloc(t, a, 0, 700*KiB, 0)
+	require.Equal(t, st.Remaps, stitchStats(t, a).Remaps)
+	require.Equal(t, used+2*MiB, drv.Used(0), "a new page")
+
+	for _, x := range []cuda.Ptr{keep, p, small} {
+		require.NoError(t, a.Free(allocator.FreeRequest{Ptr: x}))
+	}
+	require.NoError(t, a.EmptyCache(0))
+	require.Zero(t, drv.Used(0))
 	require.Zero(t, drv.Mapped(0))
 	require.NoError(t, a.CheckInvariants())
 	require.Zero(t, drv.Violations(), "%v", drv.ViolationLog())

@@ -67,7 +67,8 @@ func (a *Allocator) StitchStats(dev int) (StitchStats, error) {
 
 // vmemConfig is the virtual memory's part of cfg.
 func vmemConfig(cfg *Config) vmem.Config {
-	c := vmem.Config{Expandable: cfg.ExpandableSegments, MapUnit: cfg.ExpandableMapUnit, Stitch: cfg.Stitch, NoSync: cfg.NoStitchSync}
+	c := vmem.Config{Expandable: cfg.ExpandableSegments, MapUnit: cfg.ExpandableMapUnit, Stitch: cfg.Stitch,
+		NoSync: cfg.NoStitchSync, StitchChunk: cfg.StitchChunk}
 	switch {
 	case cfg.StitchSet && cfg.Stitch:
 		c.Named = "stitch:True"

@@ -3,9 +3,10 @@
 
     python3 -m torch.distributed.run --standalone --nproc_per_node=2 bench/fsdp2_bench.py CONFIG [--steps N]
 
-CONFIG: native, expandable, cudapool, cudapool_exp or cudapool_b (as
-bench/torch_bench.py: cudapool from the library $CUDAPOOL_LIBRARY_B names,
-another build, for comparing two builds).
+CONFIG: native, expandable, cudapool, cudapool_exp, cudapool_chunk4 or
+cudapool_b (as bench/torch_bench.py: cudapool_chunk4 stitches the large pool
+in 4 MiB allocations; cudapool_b is cudapool from the library
+$CUDAPOOL_LIBRARY_B names, another build, for comparing two builds).
 Rank 0 prints one result line {"kind": "torch", "config": CONFIG, "section":
 "fsdp", "fsdp_ms_per_step": ..., ...} (bench/report.py reads it).
 
@@ -43,7 +44,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import torch_bench  # noqa: E402  (Turns, the turns tag, the allocator counters; it imports no torch itself)
 REPO = os.path.dirname(HERE)
-CONFIGS = ("native", "expandable", "cudapool", "cudapool_exp", "cudapool_b")
+CONFIGS = ("native", "expandable", "cudapool", "cudapool_exp", "cudapool_chunk4", "cudapool_b")
 VOCAB = 16384  # the model's default vocabulary
 
 
@@ -135,8 +136,8 @@ def main():
 
         torch_bench.use_library_b(args.config)
         cudapool.install()
-        if args.config == "cudapool_exp":
-            cudapool.configure("expandable_segments:True,stitch:False")
+        if args.config in torch_bench.CUDAPOOL_CONFS and torch_bench.CUDAPOOL_CONFS[args.config]:
+            cudapool.configure(torch_bench.CUDAPOOL_CONFS[args.config])
     import torch
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard

@@ -109,6 +109,9 @@ CONFIGS = {
     # and with stitch:True named (the default's settings, named).
     "cudapool_segments": None,
     "cudapool_stitch": None,
+    # cudapool with the large pool stitched in 4 MiB allocations
+    # (stitch_chunk_mb:4; docs/fragmentation.md, "Chunks").
+    "cudapool_chunk4": None,
     # cudapool without its front cache (allocator/front.go): for diagnostics.
     "cudapool_nofront": None,
     # cudapool with the treap free set (free_set:treap), and with the Go
@@ -133,6 +136,7 @@ CUDAPOOL_CONFS = {
     "cudapool_segments": "expandable_segments:False",
     "cudapool_exp2": "expandable_segments:True,stitch:False,expandable_map_unit_mb:2",
     "cudapool_stitch": "stitch:True",
+    "cudapool_chunk4": "stitch_chunk_mb:4",
     "cudapool_nofront": "front_cache:False",
     "cudapool_treap": "free_set:treap",
     "cudapool_sched": "",

@@ -163,10 +163,13 @@ void cudapool_reset_accumulated_stats(int device);
  * per_process_memory_fraction, graph_capture_record_stream_reuse; cudapool's
  * own record_history:N, debug_checks:True, free_set:segfit|treap|sorted,
  * expandable_map_unit_mb:N, stitch:True|False, stitch_sync:False,
- * front_cache:False, warm_runtime:False); keys left out take their
- * defaults. stitch_sync:False keeps stitching from synchronizing the device
- * in a malloc that would raise reserved memory above its peak, to take
- * other streams' idle pages.
+ * stitch_chunk_mb:N, front_cache:False, warm_runtime:False); keys left out
+ * take their defaults. stitch_sync:False keeps stitching from synchronizing
+ * the device in a malloc that would raise reserved memory above its peak,
+ * to take other streams' idle pages. stitch_chunk_mb:N (a multiple of 2,
+ * default 2) maps the default large pool in N MiB allocations that move
+ * whole: fewer driver calls per byte moved, and the large pool no longer
+ * trades pages with the small one.
  * Defaults that differ from PyTorch's: expandable segments with stitching
  * (expandable_segments:True means the same; free physical pages move to
  * where a request needs them, for less memory reserved:

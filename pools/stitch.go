@@ -2,7 +2,11 @@
 
 package pools
 
-import "github.com/cudapool/cudapool/cuda"
+import (
+	"cmp"
+
+	"github.com/cudapool/cudapool/cuda"
+)
 
 // Stitching (on by default): the blocks' side of the policy in
 // vmem/stitch.go.
@@ -35,9 +39,10 @@ import "github.com/cudapool/cudapool/cuda"
 // reused whole), from the end of each block (so a free tail before unmapped
 // space extends that space instead of opening a hole).
 //
-// Donors come only from ranges whose physical allocations are single pages
-// (Segment.ChunkSize == PageSize): the owner maps the default pools' ranges
-// page by page when stitching is on (vmem/space.go says why).
+// Donors come only from ranges whose physical allocations are the growing
+// range's size (Segment.ChunkSize): one page, as the owner maps the default
+// pools' ranges when stitching is on (vmem/space.go says why), or the
+// default large pool's stitch_chunk_mb.
 
 // Donor is whole pages [Lo, Hi) (offsets in its segment) of a free mapped
 // block to unmap for stitching, or, if Lend, to lend: their memory is mapped
@@ -70,8 +75,12 @@ func (c *Cache) Tick() uint64 {
 // kind accepts, up to want bytes in all, and returns out, their bytes, and
 // the bytes of whole pages in the blocks kind refused (NoDonor) on the way.
 // skip excludes [skipLo, skipHi) of segment skip (the run the request will
-// grow into).
+// grow into); only segments of skip's chunk size give pages, whole chunks.
 func (c *Cache) Donors(p *BlockPool, want uint64, kind func(*Block) DonorKind, skip *Segment, skipLo, skipHi uint64, out []Donor) (_ []Donor, got, refused uint64) {
+	var need uint64 // the donors' chunk size: skip's, or one page
+	if skip != nil {
+		need = skip.ChunkSize
+	}
 	if p.Tag != 0 {
 		// A tag's pages stay in its ranges, so that pausing it gives back
 		// its memory and no other's (paused.go): never a donor.
@@ -81,14 +90,17 @@ func (c *Cache) Donors(p *BlockPool, want uint64, kind func(*Block) DonorKind, s
 		if got >= want {
 			return false
 		}
-		if !b.Seg.Expandable || b.Seg.ChunkSize != b.Seg.PageSize {
-			// Only ranges mapped page by page give pages: a lent page's
-			// old mapping is unmapped page by page (the owner's unlend),
-			// and the holes of chunked ranges rarely hold a whole chunk.
+		chunk := cmp.Or(need, b.Seg.PageSize)
+		if !b.Seg.Expandable || b.Seg.ChunkSize != chunk {
+			// Only ranges mapped in the growing range's chunk size give
+			// pages (the owner's stitching ranges: one page, or
+			// stitch_chunk_mb), so that a range holds allocations of one
+			// size (CUDA IPC's handle needs it); the holes of the other
+			// chunked ranges rarely hold a whole chunk.
 			return true
 		}
 		lo, hi := wholePages(b)
-		if hi <= lo || b.Seg == skip && lo < skipHi && hi > skipLo {
+		if hi <= lo || b.Seg == skip && lo < skipHi && hi > skipLo || !b.Seg.uniform(lo, hi, chunk) {
 			return true
 		}
 		k := kind(b)
@@ -97,13 +109,28 @@ func (c *Cache) Donors(p *BlockPool, want uint64, kind func(*Block) DonorKind, s
 			return true
 		}
 		if n := hi - lo; n > want-got {
-			lo = hi - roundUp(want-got, b.Seg.PageSize)
+			lo = b.Seg.chunkAfter(hi-roundUp(want-got, chunk), hi)
 		}
 		out = append(out, Donor{b, lo, hi, k == DonorLend})
 		got += hi - lo
 		return true
 	})
 	return out, got, refused
+}
+
+// uniform reports whether [lo, hi) of s holds physical allocations of
+// chunk bytes only (the owner unmaps and restores a lent block chunk by
+// chunk). A range mapped page by page always does.
+func (s *Segment) uniform(lo, hi, chunk uint64) bool {
+	if chunk == s.PageSize {
+		return true
+	}
+	for o := lo; o < hi; o += chunk {
+		if s.ChunkAt(o) != chunk {
+			return false
+		}
+	}
+	return true
 }
 
 // UnmapDonor unmaps d's pages through m (which keeps their physical

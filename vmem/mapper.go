@@ -188,10 +188,13 @@ func (m mapper) Unmap(seg *pools.Segment, off, size uint64) (uint64, error) {
 // unmapping it (stitch.go: lent).
 func (m mapper) Lend(seg *pools.Segment, off, size uint64) {
 	s, page := m.s, seg.PageSize
-	for o := off; o < off+size; o += page {
-		i := o / page
-		s.phys.spare = append(s.phys.spare, physical{seg.Pages[i], page}) // (pages: pools.Donors)
-		seg.Pages[i] = 0
+	for o := off; o < off+size; {
+		n := seg.ChunkAt(o) // (whole chunks: pools.Donors)
+		s.phys.spare = append(s.phys.spare, physical{seg.Pages[o/page], n})
+		for q := uint64(0); q < n; q += page {
+			seg.Pages[(o+q)/page] = 0
+		}
+		o += n
 	}
 	s.rec.Unmapped(seg, off, size, true)
 }

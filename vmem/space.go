@@ -145,6 +145,10 @@ type Config struct {
 	MapUnit    uint64 // expandable_map_unit_mb, in bytes
 	Stitch     bool   // stitch:True (which implies Expandable)
 	NoSync     bool   // stitch_sync:False (stitch.go, "Synchronizing")
+	// StitchChunk is stitch_chunk_mb, in bytes (0: one page): the
+	// physical allocations of the default large pool's new ranges with
+	// stitching (stitch.go, "Chunks").
+	StitchChunk uint64
 	// Named is the key the configuration named to ask for expandable
 	// memory ("expandable_segments:True" or "stitch:True"), or "" where
 	// it is on by default: only a named key earns a note when the driver
@@ -196,6 +200,7 @@ func (s *Space) Configure(c Config) {
 	s.want = c.Expandable || c.Stitch
 	s.unitCfg, s.stitch.on, s.named = c.MapUnit, c.Stitch, c.Named
 	s.stitch.noSync = c.NoSync
+	s.stitch.chunk = c.StitchChunk
 	if s.want && s.state == -1 {
 		s.note()
 	}
@@ -360,7 +365,7 @@ func (s *Space) chunkSize(r *pools.Request) uint64 {
 		return max(tagChunk/s.page*s.page, s.mapUnit(r)) // (pause.go)
 	}
 	if s.stitch.on && r.Pool == s.cache.Large {
-		return s.page
+		return max((s.stitch.chunk+s.page-1)/s.page*s.page, s.page)
 	}
 	return s.mapUnit(r)
 }

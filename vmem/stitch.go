@@ -81,6 +81,18 @@ import (
 // retry it runs under the device lock, and never during a capture.
 // stitch_sync:False turns it off (new memory is mapped instead).
 //
+// # Chunks
+//
+// What a move costs on the GPU is per physical allocation (cuMemSetAccess
+// and cuMemUnmap, tens of microseconds each), not per byte. stitch_chunk_mb
+// maps the default large pool's new ranges in larger allocations (chunk),
+// which move whole: pools.Donors gives only whole allocations of the
+// growing range's own size, so that every range holds allocations of one
+// size (CUDA IPC's handle needs it), and a lent block is unmapped and
+// restored allocation by allocation (lent.chunk). The large pool then no
+// longer trades pages with the small pool, which maps page by page.
+// docs/fragmentation.md, "Chunks", has what it saves and costs.
+//
 // # Fragmented ranges
 //
 // A miss in a range that holds plenty of free memory (roomy: at least
@@ -127,11 +139,12 @@ type stitchState struct {
 	// kind is donorKind for a request on stream (stitchFor's).
 	kind   func(*pools.Block) pools.DonorKind
 	stream cuda.Stream
-	noSync bool // stitch_sync:False: never synchronize ("Synchronizing")
+	noSync bool   // stitch_sync:False: never synchronize ("Synchronizing")
+	chunk  uint64 // Config.StitchChunk ("Chunks")
 	// fresh is the index in lent of the first block lent by the growth in
-	// progress, and pages the handles of its lent pages, block after block
-	// in lent's order, page by page: restoreUnused gives back those Map
-	// did not use.
+	// progress, and pages the handles of its lent chunks, block after
+	// block in lent's order, chunk by chunk: restoreUnused gives back
+	// those Map did not use.
 	fresh int
 	pages []cuda.MemHandle
 	stats StitchStats
@@ -211,6 +224,7 @@ type lent struct {
 	b     *pools.Block
 	clock uint64
 	done  uint64 // bytes of the old mapping already unmapped (a failed unlend)
+	chunk uint64 // the size of each of its physical allocations (pools.Donors)
 }
 
 // unlend unmaps the old mappings of the lent blocks whose streams have run
@@ -238,14 +252,13 @@ func (s *Space) unlend(all bool, op string) error {
 	return first
 }
 
-// unmapLent unmaps the old mapping of the lent block l.b, page by page as
-// it was mapped, from l.done on (what a failed try left).
+// unmapLent unmaps the old mapping of the lent block l.b, chunk by chunk
+// as it was mapped, from l.done on (what a failed try left).
 func (s *Space) unmapLent(l *lent, op string) error {
 	b := l.b
-	page := b.Seg.PageSize
-	for ; l.done < b.Size; l.done += page {
+	for ; l.done < b.Size; l.done += l.chunk {
 		p := b.Ptr + cuda.Ptr(l.done)
-		if err := s.drv.MemUnmap(s.dev, p, page); err != nil {
+		if err := s.drv.MemUnmap(s.dev, p, l.chunk); err != nil {
 			return s.fail(op, fmt.Sprintf("unmapping the old mapping of stitched page %#x on device %d (tried again later)", uintptr(p), s.dev), err)
 		}
 	}
@@ -335,7 +348,7 @@ func (s *Space) stitchFor(r *pools.Request, start *pools.Block, unit uint64) uin
 		for _, h := range s.phys.spare[from:] {
 			s.stitch.pages = append(s.stitch.pages, h.h)
 		}
-		s.stitch.lent = append(s.stitch.lent, lent{b: dn.B, clock: c.Clock()})
+		s.stitch.lent = append(s.stitch.lent, lent{b: dn.B, clock: c.Clock(), chunk: dn.B.Seg.ChunkSize})
 	}
 	for _, dn := range donors {
 		if dn.Lend {
@@ -376,34 +389,35 @@ func (s *Space) gatherDonors(want uint64, seg *pools.Segment, lo, hi uint64, don
 // use go back where they were (restoreUnused); the other leftover handles
 // are released at once. Never during a capture.
 func (s *Space) countRemaps(donated, used, page uint64) {
-	restored := s.restoreUnused()
+	lentPages := s.restoreUnused()
 	n := min(donated, used) / page
 	if n > 0 {
 		s.stitch.stats.Remaps += int64(n)
 		s.stitch.stats.RemappedBytes += int64(n * page)
 		s.stitch.stats.Stitches++
 	}
-	s.stitch.stats.Lent += int64(len(s.stitch.pages) - restored)
+	s.stitch.stats.Lent += int64(lentPages)
 	s.stitch.pages = s.stitch.pages[:0]
 	s.phys.releaseSpares(s)
 }
 
 // restoreUnused gives the pages the growth in progress lent but Map did
 // not use back to their blocks (pools.Restore), where their old mapping
-// still holds them, and returns how many pages that was. Were their
+// still holds them, and returns how many pages the growth kept lent. Were their
 // handles released instead, their memory would stay with the old mapping
 // until unlend while counted nowhere: reserved memory, and the memory
 // fraction, would understate what the device holds. Map takes the newest
 // spares first and each block's pages went in in ascending order, so a
 // block's unused pages are its first ones.
-func (s *Space) restoreUnused() (restored int) {
+func (s *Space) restoreUnused() (lentPages int) {
 	ph := &s.phys
 	k := 0
 	kept := s.stitch.lent[:s.stitch.fresh]
 	for _, l := range s.stitch.lent[s.stitch.fresh:] {
 		b, seg := l.b, l.b.Seg
 		page := seg.PageSize
-		hs := s.stitch.pages[k : k+int(b.Size/page)]
+		lentPages += int(b.Size / page)
+		hs := s.stitch.pages[k : k+int(b.Size/l.chunk)]
 		k += len(hs)
 		u := 0
 		for u < len(hs) && ph.takeHandle(hs[u]) {
@@ -411,11 +425,15 @@ func (s *Space) restoreUnused() (restored int) {
 		}
 		if u > 0 {
 			off := uint64(b.Ptr - seg.Base)
-			copy(seg.Pages[off/page:], hs[:u])
-			size := uint64(u) * page
+			for i, h := range hs[:u] {
+				for q := uint64(0); q < l.chunk; q += page {
+					seg.Pages[(off+uint64(i)*l.chunk+q)/page] = h
+				}
+			}
+			size := uint64(u) * l.chunk
 			l.b = s.cache.Restore(b, size)
 			s.rec.Mapped(seg, off, size)
-			restored += u
+			lentPages -= int(size / page)
 			if l.b == nil {
 				continue
 			}
@@ -424,7 +442,7 @@ func (s *Space) restoreUnused() (restored int) {
 	}
 	clear(s.stitch.lent[len(kept):])
 	s.stitch.lent = kept
-	return restored
+	return lentPages
 }
 
 // releaseStitch unmaps the old mappings of every lent block, after
