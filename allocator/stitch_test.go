@@ -8,6 +8,7 @@ import (
 
 	"github.com/cudapool/cudapool/allocator"
 	"github.com/cudapool/cudapool/cuda"
+	"github.com/cudapool/cudapool/cuda/sim"
 	"github.com/cudapool/cudapool/pools"
 	"github.com/stretchr/testify/require"
 )
@@ -971,8 +972,15 @@ func TestStitchChunks(t *testing.T) {
 	require.Equal(t, st.Remaps, stitchStats(t, a).Remaps)
 	require.Equal(t, used+2*MiB, drv.Used(0), "a new page")
 
-	for _, x := range []cuda.Ptr{keep, p, small} {
-		require.NoError(t, a.Free(allocator.FreeRequest{Ptr: x}))
+	freeAndRelease(t, a, drv, keep, p, small)
+}
+
+// freeAndRelease frees ps, empties the cache of device 0, and requires
+// that nothing is left there and that the driver saw no violation.
+func freeAndRelease(t *testing.T, a *allocator.Allocator, drv *sim.Driver, ps ...cuda.Ptr) {
+	t.Helper()
+	for _, p := range ps {
+		require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}))
 	}
 	require.NoError(t, a.EmptyCache(0))
 	require.Zero(t, drv.Used(0))
