@@ -86,6 +86,10 @@
 //   - empty_cache and the OOM retry unmap the pool's idle pages and give
 //     them back. The high-water mark is the reserved_bytes peak statistic
 //     (reset_peak_memory_stats lowers it).
+//   - With stitch_chunk_mb above one page the default large pool maps
+//     allocations of that size, which move whole and only between ranges
+//     of that size: the two size classes then keep their pages apart
+//     (stitch.go, "Chunks").
 //
 // # Capture rules
 //
