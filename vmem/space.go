@@ -357,9 +357,10 @@ func (s *Space) mapUnit(r *pools.Request) uint64 {
 // chunkSize is the most one physical allocation covers in a new range of
 // r's pool: the mapping unit in large pools, as PyTorch's 20 MiB pages, so
 // that growth costs one cuMemCreate and one cuMemMap per unit instead of
-// one per 2 MiB page; one page in small pools (they map page by page) and
-// in the default large pool when stitching is on, whose holes give single
-// pages (pools.Donors).
+// one per 2 MiB page; one page in small pools (they map page by page) and,
+// unless stitch_chunk_mb says more (stitch.go, "Chunks"), in the default
+// large pool when stitching is on, whose holes give single pages
+// (pools.Donors).
 func (s *Space) chunkSize(r *pools.Request) uint64 {
 	if tagged(r) && !r.Pool.Small {
 		return max(tagChunk/s.page*s.page, s.mapUnit(r)) // (pause.go)
