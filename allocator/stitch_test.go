@@ -9,6 +9,7 @@ import (
 	"github.com/cudapool/cudapool/allocator"
 	"github.com/cudapool/cudapool/cuda"
 	"github.com/cudapool/cudapool/cuda/sim"
+	"github.com/cudapool/cudapool/cuda/sim/fault"
 	"github.com/cudapool/cudapool/pools"
 	"github.com/stretchr/testify/require"
 )
@@ -973,6 +974,37 @@ func TestStitchChunks(t *testing.T) {
 	require.Equal(t, used+2*MiB, drv.Used(0), "a new page")
 
 	freeAndRelease(t, a, drv, keep, p, small)
+}
+
+// A growth whose cuMemMap fails part way gives the lent pages it had taken
+// back to their blocks, where their old mapping still holds them: no
+// physical memory is left uncounted by reserved memory (nor released
+// under a live mapping).
+func TestStitchMapFaultKeepsLentPages(t *testing.T) {
+	lockThread(t)
+	for _, conf := range []string{"", "stitch_chunk_mb:4"} {
+		cfg, _, err := allocator.ParseConfig(conf)
+		require.NoError(t, err)
+		drv := sim.New(sim.Options{Devices: 1, Memory: GiB})
+		f := fault.New(drv)
+		a, err := allocator.New(f, cfg)
+		require.NoError(t, err)
+		a.SetWarningHandler(func(string) {})
+		x := mustMalloc(t, a, 0, 16*MiB, 0)
+		k := mustMalloc(t, a, 0, 4*MiB, 0)
+		drv.Use(0, 0, x, 16*MiB) // busy on the request's stream: lent
+		require.NoError(t, a.Free(allocator.FreeRequest{Ptr: x}))
+		f.Fail("MemMap", "", 1, cuda.ErrUnknown)
+		p, err := a.Malloc(&allocator.MallocRequest{Dev: 0, Size: 20 * MiB})
+		require.Error(t, err, conf)
+		require.Zero(t, p)
+		require.Equal(t, int64(drv.Used(0)), stats(t, a, 0).ReservedBytes[pools.StatAll].Current,
+			"%q: reserved memory counts every physical allocation", conf)
+		require.True(t, drv.Accessible(0, x, 16*MiB), "%q: the lent pages are back where they were", conf)
+		require.NoError(t, a.CheckInvariants())
+		drv.CompleteAll()
+		freeAndRelease(t, a, drv, k)
+	}
 }
 
 // freeAndRelease frees ps, empties the cache of device 0, and requires

@@ -94,9 +94,10 @@ func (c *Cache) Donors(p *BlockPool, want uint64, kind func(*Block) DonorKind, s
 		if !b.Seg.Expandable || b.Seg.ChunkSize != chunk {
 			// Only ranges mapped in the growing range's chunk size give
 			// pages (the owner's stitching ranges: one page, or
-			// stitch_chunk_mb), so that a range holds allocations of one
-			// size (CUDA IPC's handle needs it); the holes of the other
-			// chunked ranges rarely hold a whole chunk.
+			// stitch_chunk_mb; a range made before stitching was turned
+			// on gives its chunks to ranges of its size only), so that
+			// moves never mix sizes in a range (CUDA IPC's handle needs
+			// one size).
 			return true
 		}
 		lo, hi := wholePages(b)

@@ -81,12 +81,12 @@ func (m mapper) Map(seg *pools.Segment, off, size uint64) (uint64, error) {
 			size, short = size-fresh, cuda.ErrOutOfMemory
 		}
 	}
-	hs := s.handles[:0]
+	hs, spare := s.handles[:0], s.fromSpare[:0]
 	spares := 0
 	var err error
 	for n := uint64(0); n < size; {
 		if h, ok := ph.takeSpare(min(size-n, limit)); ok {
-			hs = append(hs, h)
+			hs, spare = append(hs, h), append(spare, true)
 			n += h.size
 			spares++
 			continue
@@ -99,10 +99,10 @@ func (m mapper) Map(seg *pools.Segment, off, size uint64) (uint64, error) {
 		if h, err = s.create(c); err != nil {
 			break
 		}
-		hs = append(hs, physical{h, c})
+		hs, spare = append(hs, physical{h, c}), append(spare, false)
 		n += c
 	}
-	s.handles = hs[:0]
+	s.handles, s.fromSpare = hs[:0], spare[:0]
 	if err != nil {
 		if spares == 0 {
 			ph.dropHandles(s, hs)
@@ -113,7 +113,15 @@ func (m mapper) Map(seg *pools.Segment, off, size uint64) (uint64, error) {
 	var done uint64
 	for i, h := range hs {
 		if err = s.drv.MemMap(s.dev, base+cuda.Ptr(done), h.size, h.h); err != nil {
-			ph.dropHandles(s, hs[i:])
+			// The spares go back where they were: a handle stitching lent
+			// must outlive its old mapping (restoreUnused gives it back).
+			for j := i; j < len(hs); j++ {
+				if spare[j] {
+					ph.spare = append(ph.spare, hs[j])
+				} else {
+					ph.dropHandles(s, hs[j:j+1])
+				}
+			}
 			break
 		}
 		for o := uint64(0); o < h.size; o += page {

@@ -181,6 +181,8 @@ type Space struct {
 	stitch  stitchState    // stitch.go
 	share   shareState     // exports to other processes (export.go)
 	handles []physical     // Map's scratch space
+	// fromSpare: which of handles Map took from the spares (scratch).
+	fromSpare []bool
 }
 
 // New returns the Space of d.Dev.

@@ -87,11 +87,16 @@ import (
 // and cuMemUnmap, tens of microseconds each), not per byte. stitch_chunk_mb
 // maps the default large pool's new ranges in larger allocations (chunk),
 // which move whole: pools.Donors gives only whole allocations of the
-// growing range's own size, so that every range holds allocations of one
-// size (CUDA IPC's handle needs it), and a lent block is unmapped and
-// restored allocation by allocation (lent.chunk). The large pool then no
-// longer trades pages with the small pool, which maps page by page.
-// docs/fragmentation.md, "Chunks", has what it saves and costs.
+// growing range's own size, so that moving pages never mixes sizes in a
+// range (CUDA IPC's handle needs one size), and a lent block is unmapped
+// and restored allocation by allocation (lent.chunk). The large pool then
+// no longer trades pages with the small pool, which maps page by page.
+// A growth cut short to its request (by the memory fraction) may still end
+// in a smaller allocation than a chunk, which no moved chunk fits: it is
+// made new, while a lent chunk it could not use goes back to its block, so
+// reserved memory may pass the fraction by less than a chunk, and such a
+// range is not shared (export.go, "One size"). docs/fragmentation.md,
+// "Chunks", has what chunks save and cost.
 //
 // # Fragmented ranges
 //
