@@ -503,6 +503,28 @@ var faultCases = map[string]faultCase{
 		require.True(t, e.sim().Accessible(0, p, 5*MiB))
 		e.nothingLost()
 	}},
+	// Access cannot be set on a growth that mapped lent pages: they are
+	// unmapped from their new place and go back to their hole, where their
+	// old mapping holds them; one whose unmap fails there is dropped (its
+	// memory stays under the old mapping, uncounted, until the stream's
+	// work is done and the lend ends).
+	"vmem/mapper.go:mapper.Map.MemUnmap": {run: func(t *testing.T) {
+		e, h := stitchScene(t, true)
+		used := e.sim().Used(0)
+		ra := e.fail("MemSetAccess", "", 0)
+		ru := e.fail("MemUnmap", "mapper.Map", 0)
+		_, err := e.a.Malloc(&allocator.MallocRequest{Size: 40 * MiB, Stream: 0})
+		e.fired(ra)
+		e.fired(ru)
+		e.driverErr(err, "malloc", "mapping memory")
+		require.Equal(t, used, e.sim().Used(0), "no new memory kept")
+		require.True(t, e.sim().Accessible(0, h+2*MiB, 8*MiB), "the pages put back are where they were")
+		e.consistent(2 * MiB) // the dropped page, under its old mapping
+		e.sim().CompleteAll()
+		e.malloc(40*MiB, 0) // a miss: the lend ends
+		e.consistent(0)
+		e.nothingLost()
+	}},
 	// A page that could not be released after a failed creation waits in
 	// the spares, and goes at the next release of cached memory.
 	"vmem/mapper.go:(*physicalMemory).dropHandles.MemRelease": {run: func(t *testing.T) {
@@ -721,8 +743,7 @@ var faultCases = map[string]faultCase{
 		e.fired(r)
 		require.Len(t, e.warnings, 1)
 		require.Contains(t, e.warnings[0], "synchronizing device 0 to move other streams' idle pages (new memory is mapped instead)")
-		st, err := e.a.StitchStats(0)
-		require.NoError(t, err)
+		st := stitchStats(t, e.a)
 		require.Zero(t, st.Remaps)
 		require.Zero(t, st.Syncs)
 		require.Equal(t, used+16*MiB, e.sim().Used(0), "new memory instead")
@@ -730,8 +751,7 @@ var faultCases = map[string]faultCase{
 		e.consistent(0)
 		used = e.sim().Used(0)
 		e.malloc(20*MiB, 3)
-		st, err = e.a.StitchStats(0)
-		require.NoError(t, err)
+		st = stitchStats(t, e.a)
 		require.Equal(t, int64(1), st.Syncs)
 		require.Equal(t, int64(10), st.Remaps, "the hole's pages moved at the next miss")
 		require.Equal(t, used, e.sim().Used(0))

@@ -133,15 +133,22 @@ func (m mapper) Map(seg *pools.Segment, off, size uint64) (uint64, error) {
 		return 0, cmp.Or(err, short)
 	}
 	if aerr := s.drv.MemSetAccess(s.dev, base, done); aerr != nil {
-		// Memory the device cannot reach must not be handed out.
-		for o := uint64(0); o < done; {
-			h := seg.Pages[(off+o)/page]
-			n := seg.ChunkAt(off + o)
-			for q := uint64(0); q < n; q += page {
+		// Memory the device cannot reach must not be handed out. Mapped
+		// spares go back to the spares once unmapped, as above (during a
+		// capture, when nothing may be unmapped, they are dropped later).
+		var o uint64
+		for i := 0; o < done; i++ {
+			h := hs[i]
+			for q := uint64(0); q < h.size; q += page {
 				seg.Pages[(off+o+q)/page] = 0
 			}
-			ph.dropPhysical(s, orphan{base + cuda.Ptr(o), n, h})
-			o += n
+			p := base + cuda.Ptr(o)
+			if spare[i] && !ph.capturing && s.drv.MemUnmap(s.dev, p, h.size) == nil {
+				ph.spare = append(ph.spare, h)
+			} else {
+				ph.dropPhysical(s, orphan{p, h.size, h.h})
+			}
+			o += h.size
 		}
 		return 0, aerr
 	}
