@@ -102,6 +102,13 @@ func cpgo_init(n C.int) {
 	if a == nil {
 		return
 	}
+	// Every initialization reports a refused configuration, not only the
+	// library's first call: PyTorch's init comes after install() has made
+	// calls of its own, and PyTorch itself refuses to start CUDA with it.
+	if ce := load().confErr; ce != nil {
+		fail(fn, ce)
+		return
+	}
 	if n >= 0 && int(n) != a.DeviceCount() {
 		failf(fn, "the caller counts %d devices, cudapool's %s backend %d", int(n), load().backend, a.DeviceCount())
 	}

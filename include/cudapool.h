@@ -96,7 +96,11 @@ void cudapool_free(void *ptr, size_t size, int device, cudapool_stream stream);
 
 /* Initializes the allocator (otherwise done on the first call). PyTorch calls
  * it with its device count; a count that differs from the backend's is
- * recorded as an error. Pass -1 to skip the check. */
+ * recorded as an error. Pass -1 to skip the check. A configuration that
+ * cudapool refused (CUDAPOOL_CONF, PYTORCH_CUDA_ALLOC_CONF) is recorded as
+ * its error on every call, as PyTorch refuses to start CUDA with a bad
+ * PYTORCH_CUDA_ALLOC_CONF; the other functions run with the default
+ * configuration. */
 void cudapool_init(int device_count);
 
 /* Returns every cached, unused segment to the driver (torch.cuda.empty_cache). */

@@ -742,6 +742,19 @@ static int child_main(const char *mode) {
 		cudapool_free(p, 16, 0, NULL);
 		EXPECT(cudapool_configure("max_split_size_mb:64") == 0);
 		EXPECT(stat_of(0, "max_split_size") == (long long)(64 * MiB));
+	} else if (strcmp(mode, "bad-conf-init") == 0) {
+		/* Every cudapool_init reports the refused configuration, also
+		 * after other calls (PyTorch's init comes after install()'s). */
+		EXPECT(cudapool_memory_stats_json(0) == NULL && err_has("max_split_size_mb=1 is too small"));
+		cudapool_clear_error();
+		for (int i = 0; i < 2; i++) {
+			cudapool_init(-1);
+			EXPECT(err_has("cudapool_init: CUDAPOOL_CONF: max_split_size_mb=1 is too small"));
+			cudapool_clear_error();
+		}
+		void *p = cudapool_malloc(16, 0, NULL);
+		EXPECT(p != NULL && cudapool_last_error() == NULL);
+		cudapool_free(p, 16, 0, NULL);
 	} else if (strcmp(mode, "bad-first-configure") == 0) {
 		/* Whichever call comes first reports the environment's mistake;
 		 * the next one is the caller's own. */
@@ -846,6 +859,8 @@ static void test_environment(const char *self) {
 	CHECK(run_child(self, "bad-conf", bad_conf, err, sizeof err) == 0,
 	      "an invalid CUDAPOOL_CONF fails the first call with its message; later calls run with the default configuration");
 	CHECK(count_substr(err, "max_split_size_mb=1 is too small") == 1, "... printed once on stderr");
+	CHECK(run_child(self, "bad-conf-init", bad_conf, err, sizeof err) == 0,
+	      "... and every cudapool_init fails with it, also after other calls");
 	CHECK(run_child(self, "bad-first-configure", bad_conf, err, sizeof err) == 0,
 	      "... also when the first call is cudapool_configure");
 
