@@ -58,9 +58,12 @@ type Segment struct {
 
 	// Expandable marks a reserved range whose blocks are mapped or not
 	// (Block.Unmapped); Mapped is the bytes mapped, PageSize the unit of
-	// mapping. Pages is the owner's record of the physical allocation
-	// behind each page (index (addr-Base)/PageSize, 0 where unmapped); the
-	// Mapper fills and empties it, this package only sizes it. One
+	// mapping. pages is the owner's record of the physical allocation
+	// behind each page (index (addr-Base)/PageSize, 0 where unmapped: Page
+	// and SetPage); the Mapper fills and empties it. It grows with the
+	// highest page mapped, not with the reservation: a range reserves up to
+	// the device's capacity and more, mostly never mapped, and a CUDA graph
+	// capture makes two ranges. One
 	// physical allocation (a chunk) may back several consecutive pages,
 	// which then hold the same handle: ChunkSize (a multiple of PageSize)
 	// is the most one chunk may cover, and chunks are unmapped only whole
@@ -69,7 +72,7 @@ type Segment struct {
 	PageSize   uint64
 	ChunkSize  uint64
 	Mapped     uint64
-	Pages      []cuda.MemHandle
+	pages      []cuda.MemHandle
 	// WholeChunks makes growth map whole chunks where there is room (and
 	// just the pages needed where there is not), so that the segment's
 	// physical allocations are all ChunkSize: the owner asks for it where
@@ -89,6 +92,33 @@ type Segment struct {
 	// Context is the owner's opaque id of the caller's context (stack)
 	// when the segment was allocated, or its first page mapped; 0: none.
 	Context uint64
+}
+
+// PageCount is the number of pages of an expandable segment.
+func (s *Segment) PageCount() uint64 { return s.Size / s.PageSize }
+
+// Page returns the handle of the physical allocation behind page i of an
+// expandable segment, 0 where it is unmapped.
+func (s *Segment) Page(i uint64) cuda.MemHandle {
+	if i < uint64(len(s.pages)) {
+		return s.pages[i]
+	}
+	return 0
+}
+
+// SetPage records h (0: unmapped) as the allocation behind page i, growing
+// the record (at least doubling it) when i lies beyond it.
+func (s *Segment) SetPage(i uint64, h cuda.MemHandle) {
+	if i >= uint64(len(s.pages)) {
+		if h == 0 {
+			return
+		}
+		n := min(max(i+1, 2*uint64(len(s.pages)), 64), s.PageCount())
+		grown := make([]cuda.MemHandle, n)
+		copy(grown, s.pages)
+		s.pages = grown
+	}
+	s.pages[i] = h
 }
 
 // Block is a piece of a segment. The fields are guarded by the lock of the

@@ -788,8 +788,8 @@ func (c *Cache) Check() error {
 		unmapped[s.Pool] += 0
 		t := poolStat(s.Pool.Small)
 		if s.Expandable {
-			if s.PageSize == 0 || s.Size%s.PageSize != 0 || uint64(len(s.Pages)) != s.Size/s.PageSize {
-				return fmt.Errorf("expandable segment %#x: size %d, page %d, %d pages", base, s.Size, s.PageSize, len(s.Pages))
+			if s.PageSize == 0 || s.Size%s.PageSize != 0 || uint64(len(s.pages)) > s.PageCount() {
+				return fmt.Errorf("expandable segment %#x: size %d, page %d, %d pages recorded", base, s.Size, s.PageSize, len(s.pages))
 			}
 		} else {
 			segs[t]++
@@ -816,13 +816,13 @@ func (c *Cache) Check() error {
 				first := uint64(b.Ptr-s.Base) / s.PageSize
 				last := (uint64(b.End()-s.Base) - 1) / s.PageSize
 				// A paused page has none, under a mapped block.
-				for i := first; i <= last && i < uint64(len(s.Pages)); i++ {
+				for i := first; i <= last; i++ {
 					p := paused != nil && paused[i]
 					if p && b.Unmapped {
 						return fmt.Errorf("expandable segment %#x: paused page %d under the unmapped block %#x", base, i, b.Ptr)
 					}
-					if (s.Pages[i] == 0) != (b.Unmapped || p) {
-						return fmt.Errorf("expandable segment %#x: page %d has handle %d, block %#x unmapped=%v paused=%v", base, i, s.Pages[i], b.Ptr, b.Unmapped, p)
+					if (s.Page(i) == 0) != (b.Unmapped || p) {
+						return fmt.Errorf("expandable segment %#x: page %d has handle %d, block %#x unmapped=%v paused=%v", base, i, s.Page(i), b.Ptr, b.Unmapped, p)
 					}
 				}
 			}

@@ -125,7 +125,7 @@ var ErrFraction = errors.New("pools: the memory fraction does not allow mapping 
 // (unmapped) block, a candidate for MapExpandable.
 func (c *Cache) AddExpandable(r *Request, base cuda.Ptr, size, page, chunk uint64) *Block {
 	seg := &Segment{Base: base, Size: size, Stream: r.Stream, Pool: r.Pool,
-		Expandable: true, PageSize: page, ChunkSize: max(chunk, page), Pages: make([]cuda.MemHandle, size/page)}
+		Expandable: true, PageSize: page, ChunkSize: max(chunk, page)}
 	b := c.newBlock()
 	b.Ptr, b.Size, b.Stream, b.Pool, b.Seg, b.Unmapped = base, size, r.Stream, r.Pool, seg, true
 	seg.Head = b
@@ -472,9 +472,9 @@ func (s *Segment) chunkAfter(lo, hi uint64) uint64 {
 // nothing is mapped.
 func (s *Segment) ChunkAt(o uint64) uint64 {
 	i := o / s.PageSize
-	h := s.Pages[i]
+	h := s.Page(i)
 	j := i + 1
-	for h != 0 && j < uint64(len(s.Pages)) && s.Pages[j] == h {
+	for h != 0 && j < uint64(len(s.pages)) && s.pages[j] == h {
 		j++
 	}
 	return (j - i) * s.PageSize
@@ -486,10 +486,10 @@ func (s *Segment) ChunkAt(o uint64) uint64 {
 // handle backs two places of a segment.
 func (s *Segment) ChunkBoundary(o uint64) bool {
 	i := o / s.PageSize
-	if i == 0 || i >= uint64(len(s.Pages)) {
+	if i == 0 || i >= s.PageCount() {
 		return true
 	}
-	return s.Pages[i] == 0 || s.Pages[i-1] != s.Pages[i]
+	return s.Page(i) == 0 || s.Page(i-1) != s.Page(i)
 }
 
 // unmapRange unmaps the pages [lo, hi) (offsets in its segment, whole

@@ -36,7 +36,7 @@ func (m *fakeMapper) Map(seg *Segment, off, size uint64) (uint64, error) {
 		}
 		m.mapped[p] = true
 		m.handles++
-		seg.Pages[o/seg.PageSize] = m.handles
+		seg.SetPage(o/seg.PageSize, m.handles)
 	}
 	return size, nil
 }
@@ -51,7 +51,7 @@ func (m *fakeMapper) Unmap(seg *Segment, off, size uint64) (uint64, error) {
 			return o - off, errors.New("unmapping an unmapped page")
 		}
 		delete(m.mapped, p)
-		seg.Pages[o/seg.PageSize] = 0
+		seg.SetPage(o/seg.PageSize, 0)
 	}
 	return size, nil
 }
@@ -62,7 +62,7 @@ func (m *fakeMapper) Free(seg *Segment) error { m.freed++; return nil }
 // (unlendFake) before Unlend.
 func (m *fakeMapper) Lend(seg *Segment, off, size uint64) {
 	for o := off; o < off+size; o += seg.PageSize {
-		seg.Pages[o/seg.PageSize] = 0
+		seg.SetPage(o/seg.PageSize, 0)
 		m.lent++
 	}
 }
@@ -260,4 +260,30 @@ func TestFindExpandableLeastGrowth(t *testing.T) {
 	for _, g := range []*Block{g1, g2, g3} {
 		expFree(t, c, g)
 	}
+}
+
+// A segment's page record grows with the highest page mapped, not with the
+// reservation: a range reserves up to the device's capacity and more.
+func TestSegmentPagesGrowWithMapping(t *testing.T) {
+	const page = 2 << 20
+	seg := &Segment{Base: 1 << 40, Size: 90 << 30, PageSize: page, Expandable: true}
+	require.Zero(t, cap(seg.pages), "nothing recorded for an unmapped range")
+	require.Equal(t, uint64(46080), seg.PageCount())
+	require.Zero(t, seg.Page(46079))
+	seg.SetPage(46079, 0) // unmapping beyond the record: nothing to grow
+	require.Zero(t, cap(seg.pages))
+	seg.SetPage(3, 7)
+	require.Equal(t, cuda.MemHandle(7), seg.Page(3))
+	require.Zero(t, seg.Page(2))
+	require.Zero(t, seg.Page(4))
+	require.LessOrEqual(t, len(seg.pages), 64, "a small record for a few pages")
+	seg.SetPage(1000, 9)
+	require.Equal(t, cuda.MemHandle(7), seg.Page(3), "kept across growth")
+	require.Equal(t, cuda.MemHandle(9), seg.Page(1000))
+	seg.SetPage(46079, 11)
+	require.Equal(t, seg.PageCount(), uint64(len(seg.pages)), "never beyond the range")
+	require.Equal(t, cuda.MemHandle(11), seg.Page(46079))
+	require.True(t, seg.ChunkBoundary(1000*page), "a lone page begins")
+	require.True(t, seg.ChunkBoundary(1001*page), "and ends")
+	require.Equal(t, uint64(page), seg.ChunkAt(1000*page))
 }

@@ -15,7 +15,7 @@ import (
 // allocated (their addresses, and the CUDA graphs that hold them, stay
 // valid), free blocks stay free, and the address range stays reserved.
 // Each physical allocation (chunk) it unmaps and releases is listed in
-// Segment.Paused, its pages hold no handle (Segment.Pages is 0 there,
+// Segment.Paused, its pages hold no handle (Segment.Page is 0 there,
 // under mapped blocks), and its bytes move from Reserved (and
 // reserved_bytes) to Segment.PausedBytes. A resume maps new memory at the
 // same offsets and moves them back. Segment.Mapped keeps counting them: it
@@ -71,7 +71,7 @@ func checkPaused(s *Segment) ([]bool, error) {
 	if !s.Expandable {
 		return nil, fmt.Errorf("segment %#x: paused chunks in an ordinary segment", s.Base)
 	}
-	paused := make([]bool, len(s.Pages))
+	paused := make([]bool, s.PageCount())
 	var sum, end uint64
 	for _, ch := range s.Paused {
 		if ch.Size == 0 || ch.Off%s.PageSize != 0 || ch.Size%s.PageSize != 0 || ch.Off < end || ch.Off+ch.Size > s.Size {
@@ -79,8 +79,8 @@ func checkPaused(s *Segment) ([]bool, error) {
 		}
 		for o := ch.Off; o < ch.Off+ch.Size; o += s.PageSize {
 			i := o / s.PageSize
-			if s.Pages[i] != 0 {
-				return nil, fmt.Errorf("segment %#x: paused page %d has handle %d", s.Base, i, s.Pages[i])
+			if s.Page(i) != 0 {
+				return nil, fmt.Errorf("segment %#x: paused page %d has handle %d", s.Base, i, s.Page(i))
 			}
 			paused[i] = true
 		}

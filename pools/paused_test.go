@@ -25,7 +25,7 @@ func TestPauseChunks(t *testing.T) {
 	// The driver's side (vmem) clears the handles, then records the chunks,
 	// in any order.
 	for _, off := range []uint64{2 * page, 0, page} {
-		seg.Pages[off/page] = 0
+		seg.SetPage(off/page, 0)
 		c.PauseChunk(seg, off, page)
 	}
 	require.Equal(t, []Chunk{{0, page}, {page, page}, {2 * page, page}}, seg.Paused, "in address order")
@@ -44,13 +44,13 @@ func TestPauseChunks(t *testing.T) {
 	seg.PausedBytes++
 	require.ErrorContains(t, c.Check(), "paused chunks sum to")
 	seg.PausedBytes--
-	seg.Pages[0] = 99
+	seg.SetPage(0, 99)
 	require.ErrorContains(t, c.Check(), "paused page 0 has handle 99")
-	seg.Pages[0] = 0
+	seg.SetPage(0, 0)
 
 	// Resume: the last chunk first.
 	for i := 2; i >= 0; i-- {
-		seg.Pages[i] = cuda.MemHandle(1000 + i) // a new chunk per page
+		seg.SetPage(uint64(i), cuda.MemHandle(1000+i)) // a new chunk per page
 		c.ResumeChunk(seg)
 	}
 	require.Nil(t, seg.Paused)

@@ -17,7 +17,7 @@
 // state: the mapping unit and page size, the spare physical allocations (made
 // or unmapped, not mapped), the orphans (dropped during a capture, released
 // after it), the lent pages whose old mapping waits for its stream, and the
-// per-page record of which allocation backs each page (pools.Segment.Pages,
+// per-page record of which allocation backs each page (pools.Segment.Page,
 // which this package fills and empties; pools only reads chunk boundaries
 // from it). Its owner, the allocator's device, calls it under the device lock
 // through one interface, and gives it what it cannot own itself (Deps): the

@@ -171,7 +171,7 @@ func (s *Space) Share(b *pools.Block, op string) (SegmentShare, uint64, error) {
 	hs := sh.scratch[:0]
 	var size uint64
 	for o := lo; o < end; {
-		h := seg.Pages[o/page]
+		h := seg.Page(o / page)
 		n := seg.ChunkAt(o)
 		switch {
 		case h == 0:

@@ -125,7 +125,7 @@ func (m mapper) Map(seg *pools.Segment, off, size uint64) (uint64, error) {
 			break
 		}
 		for o := uint64(0); o < h.size; o += page {
-			seg.Pages[(off+done+o)/page] = h.h
+			seg.SetPage((off+done+o)/page, h.h)
 		}
 		done += h.size
 	}
@@ -140,7 +140,7 @@ func (m mapper) Map(seg *pools.Segment, off, size uint64) (uint64, error) {
 		for i := 0; o < done; i++ {
 			h := hs[i]
 			for q := uint64(0); q < h.size; q += page {
-				seg.Pages[(off+o+q)/page] = 0
+				seg.SetPage((off+o+q)/page, 0)
 			}
 			p := base + cuda.Ptr(o)
 			if spare[i] && !ph.capturing && s.drv.MemUnmap(s.dev, p, h.size) == nil {
@@ -186,9 +186,9 @@ func (m mapper) Unmap(seg *pools.Segment, off, size uint64) (uint64, error) {
 			err = fmt.Errorf("unmapping %#x: %w", uintptr(p), err)
 			break
 		}
-		s.phys.spare = append(s.phys.spare, physical{seg.Pages[i], n})
+		s.phys.spare = append(s.phys.spare, physical{seg.Page(i), n})
 		for q := uint64(0); q < n; q += page {
-			seg.Pages[(o+q)/page] = 0
+			seg.SetPage((o+q)/page, 0)
 		}
 		o += n
 	}
@@ -205,9 +205,9 @@ func (m mapper) Lend(seg *pools.Segment, off, size uint64) {
 	s, page := m.s, seg.PageSize
 	for o := off; o < off+size; {
 		n := seg.ChunkAt(o) // (whole chunks: pools.Donors)
-		s.phys.spare = append(s.phys.spare, physical{seg.Pages[o/page], n})
+		s.phys.spare = append(s.phys.spare, physical{seg.Page(o / page), n})
 		for q := uint64(0); q < n; q += page {
-			seg.Pages[(o+q)/page] = 0
+			seg.SetPage((o+q)/page, 0)
 		}
 		o += n
 	}

@@ -83,7 +83,7 @@ func (s *Space) Pause(seg *pools.Segment) (uint64, error) {
 	page := seg.PageSize
 	var released uint64
 	for o := uint64(0); o < seg.Size; {
-		h := seg.Pages[o/page]
+		h := seg.Page(o / page)
 		if h == 0 {
 			o += page // unmapped, or paused already
 			continue
@@ -94,7 +94,7 @@ func (s *Space) Pause(seg *pools.Segment) (uint64, error) {
 			return released, s.fail("pause", fmt.Sprintf("unmapping %d bytes at %#x on device %d (%d bytes released before it; pause again to release the rest)", n, uintptr(p), s.dev, released), err)
 		}
 		for q := uint64(0); q < n; q += page {
-			seg.Pages[(o+q)/page] = 0
+			seg.SetPage((o+q)/page, 0)
 		}
 		s.cache.PauseChunk(seg, o, n)
 		released += n
@@ -139,7 +139,7 @@ func (s *Space) Resume(seg *pools.Segment) (uint64, error) {
 			return mapped, s.fail("resume", what("setting access to"), err)
 		}
 		for q := uint64(0); q < ch.Size; q += page {
-			seg.Pages[(ch.Off+q)/page] = h
+			seg.SetPage((ch.Off+q)/page, h)
 		}
 		s.cache.ResumeChunk(seg)
 		mapped += ch.Size

@@ -432,7 +432,7 @@ func (s *Space) restoreUnused() (lentPages int) {
 			off := uint64(b.Ptr - seg.Base)
 			for i, h := range hs[:u] {
 				for q := uint64(0); q < l.chunk; q += page {
-					seg.Pages[(off+uint64(i)*l.chunk+q)/page] = h
+					seg.SetPage((off+uint64(i)*l.chunk+q)/page, h)
 				}
 			}
 			size := uint64(u) * l.chunk
