@@ -4,6 +4,7 @@ package vmem
 
 import (
 	"cmp"
+	"errors"
 	"fmt"
 
 	"github.com/cudapool/cudapool/cuda"
@@ -166,36 +167,70 @@ func (s *Space) create(size uint64) (cuda.MemHandle, error) {
 	return s.drv.MemCreate(s.dev, size)
 }
 
-// Unmap unmaps each physical allocation of the range in turn (the range
-// holds whole ones: pools unmaps whole chunks only) and keeps its handle in
-// the spares (see the file comment), with its export if it has one
-// (export.go: a move keeps the descriptor, a release closes it).
+// Unmap unmaps the physical allocations of the range (the range holds
+// whole ones: pools unmaps whole chunks only), in one call where it can
+// (unmapRun), and keeps their handles in the spares (see the file comment),
+// with their exports if they have one (export.go: a move keeps the
+// descriptor, a release closes it).
 func (m mapper) Unmap(seg *pools.Segment, off, size uint64) (uint64, error) {
 	s, page := m.s, seg.PageSize
+	end := off
+	for end < off+size {
+		n := seg.ChunkAt(end)
+		if end+n > off+size {
+			break
+		}
+		end += n
+	}
 	var err error
-	o := off
-	for o < off+size {
-		i := o / page
-		p := seg.Base + cuda.Ptr(o)
+	if end < off+size {
+		err = fmt.Errorf("unmapping %#x: %d bytes would split a physical allocation of %d", uintptr(seg.Base+cuda.Ptr(end)), off+size-end, seg.ChunkAt(end))
+	}
+	done, uerr := s.unmapRun(seg.Base+cuda.Ptr(off), end-off, func(o uint64) uint64 { return seg.ChunkAt(off + o) })
+	for o := off; o < off+done; {
 		n := seg.ChunkAt(o)
-		if o+n > off+size {
-			err = fmt.Errorf("unmapping %#x: %d bytes would split a physical allocation of %d", uintptr(p), off+size-o, n)
-			break
-		}
-		if err = s.drv.MemUnmap(s.dev, p, n); err != nil {
-			err = fmt.Errorf("unmapping %#x: %w", uintptr(p), err)
-			break
-		}
-		s.phys.spare = append(s.phys.spare, physical{seg.Page(i), n})
+		s.phys.spare = append(s.phys.spare, physical{seg.Page(o / page), n})
 		for q := uint64(0); q < n; q += page {
 			seg.SetPage((o+q)/page, 0)
 		}
 		o += n
 	}
-	if o > off {
-		s.rec.Unmapped(seg, off, o-off, false)
+	if done > 0 {
+		s.rec.Unmapped(seg, off, done, false)
 	}
-	return o - off, err
+	return done, cmp.Or(uerr, err)
+}
+
+// unmapRun unmaps the size bytes at p, a run of whole adjacent mappings
+// (chunk(o): the size of the one at offset o), and returns the bytes it
+// unmapped. A move unmaps a hole's pages, each its own mapping, so one
+// cuMemUnmap over the run (as CUDA's own samples unmap a range mapped in
+// parts) saves a call per page. A driver that refuses the run
+// (CUDA_ERROR_INVALID_VALUE) is asked mapping by mapping from then on
+// (Space.unmapOne).
+func (s *Space) unmapRun(p cuda.Ptr, size uint64, chunk func(o uint64) uint64) (uint64, error) {
+	if size == 0 {
+		return 0, nil
+	}
+	if !s.unmapOne && chunk(0) < size {
+		err := s.drv.MemUnmap(s.dev, p, size)
+		if err == nil {
+			return size, nil
+		}
+		if !errors.Is(err, cuda.ErrInvalidValue) {
+			return 0, fmt.Errorf("unmapping %#x: %w", uintptr(p), err)
+		}
+		s.unmapOne = true
+	}
+	var o uint64
+	for o < size {
+		n := chunk(o)
+		if err := s.drv.MemUnmap(s.dev, p+cuda.Ptr(o), n); err != nil {
+			return o, fmt.Errorf("unmapping %#x: %w", uintptr(p+cuda.Ptr(o)), err)
+		}
+		o += n
+	}
+	return o, nil
 }
 
 // Lend moves the handles of the pages of the range to the spares, for the

@@ -181,6 +181,9 @@ type Space struct {
 	stitch  stitchState    // stitch.go
 	share   shareState     // exports to other processes (export.go)
 	handles []physical     // Map's scratch space
+	// unmapOne: the driver refused a cuMemUnmap over several mappings
+	// (mapper.go, unmapRun); each is unmapped alone.
+	unmapOne bool
 	// fromSpare: which of handles Map took from the spares (scratch).
 	fromSpare []bool
 }

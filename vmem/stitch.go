@@ -257,15 +257,14 @@ func (s *Space) unlend(all bool, op string) error {
 	return first
 }
 
-// unmapLent unmaps the old mapping of the lent block l.b, chunk by chunk
-// as it was mapped, from l.done on (what a failed try left).
+// unmapLent unmaps the old mapping of the lent block l.b, its chunks
+// adjacent mappings (unmapRun), from l.done on (what a failed try left).
 func (s *Space) unmapLent(l *lent, op string) error {
 	b := l.b
-	for ; l.done < b.Size; l.done += l.chunk {
-		p := b.Ptr + cuda.Ptr(l.done)
-		if err := s.drv.MemUnmap(s.dev, p, l.chunk); err != nil {
-			return s.fail(op, fmt.Sprintf("unmapping the old mapping of stitched page %#x on device %d (tried again later)", uintptr(p), s.dev), err)
-		}
+	done, err := s.unmapRun(b.Ptr+cuda.Ptr(l.done), b.Size-l.done, func(uint64) uint64 { return l.chunk })
+	l.done += done
+	if err != nil {
+		return s.fail(op, fmt.Sprintf("unmapping the old mapping of stitched page %#x on device %d (tried again later)", uintptr(b.Ptr+cuda.Ptr(l.done)), s.dev), err)
 	}
 	return nil
 }
