@@ -541,25 +541,43 @@ var faultCases = map[string]faultCase{
 		e.consistent(0)
 		e.nothingLost()
 	}},
-	// A cuMemUnmap over a run of mappings fails: nothing of the run is
-	// unmapped. At empty_cache (a free 5 MiB block's three pages): an
-	// error, and the next empty_cache unmaps them. The old mapping of a
-	// lent block (five pages), at the miss that unlends it: a warning, the
-	// block stays lent and the next miss unmaps it; at empty_cache: an
-	// error, and the next empty_cache unmaps it.
+	// A cuMemUnmap over a run of mappings fails: the run's mappings are
+	// unmapped one by one. Where no run ever unmapped (a driver that takes
+	// none), each is unmapped alone from then on; where runs did, the next
+	// one is a run again. The same for a lent block's old mapping, at the
+	// miss that unlends it.
 	"vmem/mapper.go:(*Space).unmapRun.MemUnmap": {run: func(t *testing.T) {
 		e := newFault(t, confPages, false)
 		e.free(e.malloc(5*MiB, 1))
 		calls := e.f.Calls("MemUnmap")
-		r := e.fail("MemUnmap", "mapper.Unmap", 0)
-		err := e.a.EmptyCache(0)
-		e.fired(r)
-		e.driverErr(err, "empty_cache", "unmapping")
-		require.Equal(t, 1, e.f.Calls("MemUnmap")-calls, "one call for the three pages")
-		require.Equal(t, uint64(6*MiB), e.sim().Mapped(0))
-		e.consistent(0)
+		r := e.fail("MemUnmap", "unmapRun", 0)
 		require.NoError(t, e.a.EmptyCache(0))
+		e.fired(r)
+		require.Equal(t, 4, e.f.Calls("MemUnmap")-calls, "the run, then its three pages")
 		require.Zero(t, e.sim().Mapped(0))
+		e.consistent(0)
+		e.free(e.malloc(5*MiB, 1))
+		calls = e.f.Calls("MemUnmap")
+		require.NoError(t, e.a.EmptyCache(0))
+		require.Equal(t, 3, e.f.Calls("MemUnmap")-calls, "page by page from then on")
+		e.consistent(0)
+		e.nothingLost()
+
+		e = newFault(t, confPages, false)
+		e.free(e.malloc(5*MiB, 1))
+		calls = e.f.Calls("MemUnmap")
+		require.NoError(t, e.a.EmptyCache(0))
+		require.Equal(t, 1, e.f.Calls("MemUnmap")-calls, "one call for the three pages")
+		e.free(e.malloc(5*MiB, 1))
+		r = e.fail("MemUnmap", "unmapRun", 0)
+		require.NoError(t, e.a.EmptyCache(0))
+		e.fired(r)
+		e.free(e.malloc(5*MiB, 1))
+		calls = e.f.Calls("MemUnmap")
+		require.NoError(t, e.a.EmptyCache(0))
+		require.Equal(t, 1, e.f.Calls("MemUnmap")-calls, "runs again: they worked before")
+		require.Zero(t, e.sim().Mapped(0))
+		e.consistent(0)
 		e.nothingLost()
 
 		e, h := stitchScene(t, true)
@@ -568,58 +586,40 @@ var faultCases = map[string]faultCase{
 		r = e.fail("MemUnmap", "unmapLent", 0)
 		e.malloc(20*MiB, 2) // a miss: the markers allow unlending
 		e.fired(r)
-		require.Len(t, e.warnings, 1)
-		require.Contains(t, e.warnings[0], "unmapping the old mapping of stitched page")
-		require.True(t, e.sim().Accessible(0, h, 10*MiB), "the lent block's old mapping stays")
-		e.consistent(0)
-		e.malloc(20*MiB, 3)
-		require.False(t, e.sim().Accessible(0, h, 2*MiB), "unmapped at the next miss")
+		require.Empty(t, e.warnings)
+		require.False(t, e.sim().Accessible(0, h, 2*MiB), "the old mapping unmapped page by page")
 		require.False(t, e.sim().Accessible(0, h+8*MiB, 2*MiB))
 		e.consistent(0)
 		e.nothingLost()
-
-		e, h = stitchScene(t, true)
-		e.malloc(40*MiB, 0)
-		r = e.fail("MemUnmap", "unmapLent", 0)
-		err = e.a.EmptyCache(0)
-		e.fired(r)
-		e.driverErr(err, "empty_cache", "unmapping the old mapping of stitched page")
-		require.True(t, e.sim().Accessible(0, h, 10*MiB))
-		e.consistent(0)
-		require.NoError(t, e.a.EmptyCache(0))
-		require.False(t, e.sim().Accessible(0, h, 2*MiB))
-		e.nothingLost()
 	}},
-	// A driver that refuses a cuMemUnmap over several mappings
-	// (CUDA_ERROR_INVALID_VALUE) is asked mapping by mapping from then on.
-	// One of those failing (the second of three) leaves the pages from it
-	// on mapped: an error, and the next empty_cache unmaps them one by one.
-	// The same for the old mapping of a lent block: the miss unmaps its
-	// first page and warns; the next miss unmaps the rest.
+	// Unmapping a mapping alone fails (the second of a run of three, after
+	// the run failed): the first page is unmapped, the others stay mapped;
+	// an error, and the next empty_cache unmaps them. The old mapping of a
+	// lent block: the miss unmaps its first page and warns; the next miss
+	// unmaps the rest; at empty_cache, an error, and the next empty_cache
+	// unmaps the rest.
 	"vmem/mapper.go:(*Space).unmapRun.MemUnmap#2": {run: func(t *testing.T) {
 		e := newFault(t, confPages, false)
 		e.free(e.malloc(5*MiB, 1))
-		refused := e.f.Fail("MemUnmap", "unmapRun", 0, cuda.ErrInvalidValue)
+		run := e.fail("MemUnmap", "unmapRun", 0)
 		r := e.fail("MemUnmap", "unmapRun", 1)
 		err := e.a.EmptyCache(0)
-		e.fired(refused)
+		e.fired(run)
 		e.fired(r)
 		e.driverErr(err, "empty_cache", "unmapping")
 		require.Equal(t, uint64(4*MiB), e.sim().Mapped(0), "the first page unmapped alone")
 		e.consistent(0)
-		calls := e.f.Calls("MemUnmap")
 		require.NoError(t, e.a.EmptyCache(0))
 		require.Zero(t, e.sim().Mapped(0))
-		require.Equal(t, 2, e.f.Calls("MemUnmap")-calls, "one call per page from then on")
 		e.nothingLost()
 
 		e, h := stitchScene(t, true)
 		e.malloc(40*MiB, 0) // the busy hole's pages are lent
 		e.sim().Complete(0)
-		refused = e.f.Fail("MemUnmap", "unmapLent", 0, cuda.ErrInvalidValue)
+		run = e.fail("MemUnmap", "unmapLent", 0)
 		r = e.fail("MemUnmap", "unmapLent", 1)
 		e.malloc(20*MiB, 2)
-		e.fired(refused)
+		e.fired(run)
 		e.fired(r)
 		require.Len(t, e.warnings, 1)
 		require.Contains(t, e.warnings[0], "unmapping the old mapping of stitched page")
@@ -629,6 +629,20 @@ var faultCases = map[string]faultCase{
 		e.malloc(20*MiB, 3)
 		require.False(t, e.sim().Accessible(0, h+8*MiB, 2*MiB), "unmapped at the next miss")
 		e.consistent(0)
+		e.nothingLost()
+
+		e, h = stitchScene(t, true)
+		e.malloc(40*MiB, 0)
+		run = e.fail("MemUnmap", "unmapLent", 0)
+		r = e.fail("MemUnmap", "unmapLent", 0)
+		err = e.a.EmptyCache(0)
+		e.fired(run)
+		e.fired(r)
+		e.driverErr(err, "empty_cache", "unmapping the old mapping of stitched page")
+		require.True(t, e.sim().Accessible(0, h, 10*MiB))
+		e.consistent(0)
+		require.NoError(t, e.a.EmptyCache(0))
+		require.False(t, e.sim().Accessible(0, h, 2*MiB))
 		e.nothingLost()
 	}},
 	"vmem/mapper.go:mapper.Free.MemAddressFree": {run: func(t *testing.T) {

@@ -4,7 +4,6 @@ package vmem
 
 import (
 	"cmp"
-	"errors"
 	"fmt"
 
 	"github.com/cudapool/cudapool/cuda"
@@ -205,22 +204,17 @@ func (m mapper) Unmap(seg *pools.Segment, off, size uint64) (uint64, error) {
 // (chunk(o): the size of the one at offset o), and returns the bytes it
 // unmapped. A move unmaps a hole's pages, each its own mapping, so one
 // cuMemUnmap over the run (as CUDA's own samples unmap a range mapped in
-// parts) saves a call per page. A driver that refuses the run
-// (CUDA_ERROR_INVALID_VALUE) is asked mapping by mapping from then on
+// parts) saves a call per page. Where that call fails, the mappings are
+// unmapped one by one; if they all unmap and no run ever did, the driver
+// takes no runs, and is asked mapping by mapping from then on
 // (Space.unmapOne).
 func (s *Space) unmapRun(p cuda.Ptr, size uint64, chunk func(o uint64) uint64) (uint64, error) {
-	if size == 0 {
-		return 0, nil
-	}
-	if !s.unmapOne && chunk(0) < size {
-		err := s.drv.MemUnmap(s.dev, p, size)
-		if err == nil {
+	var runErr error
+	if !s.unmapOne && size > 0 && chunk(0) < size {
+		if runErr = s.drv.MemUnmap(s.dev, p, size); runErr == nil {
+			s.unmapRuns = true
 			return size, nil
 		}
-		if !errors.Is(err, cuda.ErrInvalidValue) {
-			return 0, fmt.Errorf("unmapping %#x: %w", uintptr(p), err)
-		}
-		s.unmapOne = true
 	}
 	var o uint64
 	for o < size {
@@ -229,6 +223,9 @@ func (s *Space) unmapRun(p cuda.Ptr, size uint64, chunk func(o uint64) uint64) (
 			return o, fmt.Errorf("unmapping %#x: %w", uintptr(p+cuda.Ptr(o)), err)
 		}
 		o += n
+	}
+	if runErr != nil && !s.unmapRuns {
+		s.unmapOne = true
 	}
 	return o, nil
 }

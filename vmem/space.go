@@ -181,9 +181,10 @@ type Space struct {
 	stitch  stitchState    // stitch.go
 	share   shareState     // exports to other processes (export.go)
 	handles []physical     // Map's scratch space
-	// unmapOne: the driver refused a cuMemUnmap over several mappings
-	// (mapper.go, unmapRun); each is unmapped alone.
-	unmapOne bool
+	// unmapRuns: a cuMemUnmap over several mappings has worked; unmapOne:
+	// the driver refused one while each of its mappings unmapped alone, and
+	// never took one (mapper.go, unmapRun).
+	unmapRuns, unmapOne bool
 	// fromSpare: which of handles Map took from the spares (scratch).
 	fromSpare []bool
 }
