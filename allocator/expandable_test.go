@@ -423,7 +423,12 @@ func TestExpandableDriverFailures(t *testing.T) {
 
 	q := mustMalloc(t, a, 0, 10*MiB, 0)
 	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: q}))
-	drv.failUnmaps = 1
+	drv.failUnmaps = 1 // the run's call: its mappings are unmapped one by one
+	require.NoError(t, a.EmptyCache(0))
+	check()
+	q = mustMalloc(t, a, 0, 10*MiB, 0)
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: q}))
+	drv.failUnmaps = 2 // the run's call and its first mapping's
 	require.Error(t, a.EmptyCache(0))
 	check()
 	require.NoError(t, a.EmptyCache(0))
