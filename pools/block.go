@@ -121,6 +121,14 @@ func (s *Segment) SetPage(i uint64, h cuda.MemHandle) {
 	s.pages[i] = h
 }
 
+// SetChunk records h (0: unmapped) as the allocation behind the pages of
+// [off, off+size) (one chunk: its pages hold the same handle).
+func (s *Segment) SetChunk(off, size uint64, h cuda.MemHandle) {
+	for i := off / s.PageSize; i < (off+size)/s.PageSize; i++ {
+		s.SetPage(i, h)
+	}
+}
+
 // Block is a piece of a segment. The fields are guarded by the lock of the
 // Cache that owns the block.
 type Block struct {

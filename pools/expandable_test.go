@@ -286,4 +286,9 @@ func TestSegmentPagesGrowWithMapping(t *testing.T) {
 	require.True(t, seg.ChunkBoundary(1000*page), "a lone page begins")
 	require.True(t, seg.ChunkBoundary(1001*page), "and ends")
 	require.Equal(t, uint64(page), seg.ChunkAt(1000*page))
+	seg.SetChunk(2000*page, 3*page, 13) // one chunk of three pages
+	require.Equal(t, uint64(3*page), seg.ChunkAt(2000*page))
+	require.Zero(t, seg.Page(2003))
+	seg.SetChunk(2000*page, 3*page, 0)
+	require.Zero(t, seg.Page(2000)+seg.Page(2001)+seg.Page(2002))
 }

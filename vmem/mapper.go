@@ -68,7 +68,7 @@ type mapper struct{ s *Space }
 // (at most the rest of the range and seg.ChunkSize), so that a range never
 // holds a chunk larger than its ChunkSize.
 func (m mapper) Map(seg *pools.Segment, off, size uint64) (uint64, error) {
-	s, page := m.s, seg.PageSize
+	s := m.s
 	ph := &s.phys
 	base := seg.Base + cuda.Ptr(off)
 	limit := min(size, seg.ChunkSize)
@@ -124,9 +124,7 @@ func (m mapper) Map(seg *pools.Segment, off, size uint64) (uint64, error) {
 			}
 			break
 		}
-		for o := uint64(0); o < h.size; o += page {
-			seg.SetPage((off+done+o)/page, h.h)
-		}
+		seg.SetChunk(off+done, h.size, h.h)
 		done += h.size
 	}
 	if done == 0 {
@@ -139,9 +137,7 @@ func (m mapper) Map(seg *pools.Segment, off, size uint64) (uint64, error) {
 		var o uint64
 		for i := 0; o < done; i++ {
 			h := hs[i]
-			for q := uint64(0); q < h.size; q += page {
-				seg.SetPage((off+o+q)/page, 0)
-			}
+			seg.SetChunk(off+o, h.size, 0)
 			p := base + cuda.Ptr(o)
 			if spare[i] && !ph.capturing && s.drv.MemUnmap(s.dev, p, h.size) == nil {
 				ph.spare = append(ph.spare, h)
@@ -189,9 +185,7 @@ func (m mapper) Unmap(seg *pools.Segment, off, size uint64) (uint64, error) {
 	for o := off; o < off+done; {
 		n := seg.ChunkAt(o)
 		s.phys.spare = append(s.phys.spare, physical{seg.Page(o / page), n})
-		for q := uint64(0); q < n; q += page {
-			seg.SetPage((o+q)/page, 0)
-		}
+		seg.SetChunk(o, n, 0)
 		o += n
 	}
 	if done > 0 {
@@ -238,9 +232,7 @@ func (m mapper) Lend(seg *pools.Segment, off, size uint64) {
 	for o := off; o < off+size; {
 		n := seg.ChunkAt(o) // (whole chunks: pools.Donors)
 		s.phys.spare = append(s.phys.spare, physical{seg.Page(o / page), n})
-		for q := uint64(0); q < n; q += page {
-			seg.SetPage((o+q)/page, 0)
-		}
+		seg.SetChunk(o, n, 0)
 		o += n
 	}
 	s.rec.Unmapped(seg, off, size, true)

@@ -93,9 +93,7 @@ func (s *Space) Pause(seg *pools.Segment) (uint64, error) {
 		if err := s.drv.MemUnmap(s.dev, p, n); err != nil {
 			return released, s.fail("pause", fmt.Sprintf("unmapping %d bytes at %#x on device %d (%d bytes released before it; pause again to release the rest)", n, uintptr(p), s.dev, released), err)
 		}
-		for q := uint64(0); q < n; q += page {
-			seg.SetPage((o+q)/page, 0)
-		}
+		seg.SetChunk(o, n, 0)
 		s.cache.PauseChunk(seg, o, n)
 		released += n
 		if err := s.drv.MemRelease(s.dev, h); err != nil {
@@ -116,7 +114,6 @@ func (s *Space) Pause(seg *pools.Segment) (uint64, error) {
 // gate. On an error the chunks not yet mapped stay paused; Resume may be
 // called again.
 func (s *Space) Resume(seg *pools.Segment) (uint64, error) {
-	page := seg.PageSize
 	s.phys.capturing = false // (Grow's flag: no capture is under way here)
 	var mapped uint64
 	for len(seg.Paused) > 0 {
@@ -138,9 +135,7 @@ func (s *Space) Resume(seg *pools.Segment) (uint64, error) {
 			s.phys.dropPhysical(s, orphan{p, ch.Size, h})
 			return mapped, s.fail("resume", what("setting access to"), err)
 		}
-		for q := uint64(0); q < ch.Size; q += page {
-			seg.SetPage((ch.Off+q)/page, h)
-		}
+		seg.SetChunk(ch.Off, ch.Size, h)
 		s.cache.ResumeChunk(seg)
 		mapped += ch.Size
 	}

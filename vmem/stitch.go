@@ -430,9 +430,7 @@ func (s *Space) restoreUnused() (lentPages int) {
 		if u > 0 {
 			off := uint64(b.Ptr - seg.Base)
 			for i, h := range hs[:u] {
-				for q := uint64(0); q < l.chunk; q += page {
-					seg.SetPage((off+uint64(i)*l.chunk+q)/page, h)
-				}
+				seg.SetChunk(off+uint64(i)*l.chunk, l.chunk, h)
 			}
 			size := uint64(u) * l.chunk
 			l.b = s.cache.Restore(b, size)
