@@ -250,8 +250,8 @@ check-lib: $(LIB) $(BUILD)/hot_path
 test-python: test-python-unit
 	$(call section,benchmark report generator tests)
 	$(PYTHON) -m pytest -q -rs bench/test_report.py bench/test_kvcache.py bench/test_fsdp_tools.py bench/test_pause_bench.py examples/colocated/test_colocated.py
-	$(call section,PyTorch test report generator tests)
-	$(PYTHON) -m pytest -q -rs -p no:cacheprovider gpu/pytorch_tests/test_report.py
+	$(call section,PyTorch test report generator and GPU tool tests)
+	$(PYTHON) -m pytest -q -rs -p no:cacheprovider gpu/pytorch_tests/test_report.py gpu/test_tools.py
 
 test-python-unit: $(LIB)
 	$(call section,Python unit tests)

@@ -36,6 +36,10 @@ It fails on any corrupted element, bad delayed read, wrong replay, leak
 hang: a watchdog thread ends the process (exit status 3) when a thread makes
 no progress for WATCHDOG_S seconds (default 90) or the run overstays SOAK_S by
 that much, after printing every thread's stack and the summary so far.
+SOAK_ON_HANG names a command the watchdog runs first, with the process id
+as its last argument, to see the native stacks too (Python's show only
+where each thread entered C), e.g.
+SOAK_ON_HANG="cuda-gdb -batch -ex 'thread apply all bt' -p".
 
 The last two lines are a table and "SOAK-RESULT {json}"; the exit status is 0
 only if everything checked out.
@@ -49,6 +53,8 @@ import math
 import os
 import queue
 import random
+import shlex
+import subprocess
 import sys
 import threading
 import time
@@ -343,10 +349,23 @@ class Soak:
             if stale or now > self.deadline + limit:
                 print(f"WATCHDOG: no progress for {limit} s in {stale or 'the run'}: hang", file=sys.stderr, flush=True)
                 faulthandler.dump_traceback(all_threads=True)
+                on_hang(os.environ.get("SOAK_ON_HANG", ""))
                 res = summary()
                 res["hang"] = stale or ["overran"]
                 emit(res)
                 os._exit(3)
+
+
+def on_hang(command, timeout=120):
+    """Runs command (shell words) with this process's id appended, its
+    output going to stderr: a debugger's view of the hung threads."""
+    if not command:
+        return
+    try:
+        subprocess.run(shlex.split(command) + [str(os.getpid())], stdout=sys.stderr, stderr=sys.stderr,
+                       timeout=timeout, check=False)
+    except (OSError, ValueError, subprocess.SubprocessError) as e:
+        print(f"SOAK_ON_HANG {command!r} failed: {e}", file=sys.stderr, flush=True)
 
 
 def ipc_consumer(allocator, inq, outq):
