@@ -402,12 +402,11 @@ class TestReport(unittest.TestCase):
             with self.assertRaises(RuntimeError):  # native has no passthrough
                 torch_bench.bench_alt(fake, torch_bench.parse_args(["native", "--sections", "alt"]))
 
-    def test_alt_captures_alternate_and_pair(self):
-        # The alt section's captures: one discarded capture per side, then
-        # pairs whose first side alternates; every capture meets its side's
-        # allocator, the switch ends on cudapool, and the ratios pair the
-        # captures in order.
-        state = {"native": False, "log": [], "graphs": 0}
+    @contextmanager
+    def fake_captures(self, state, **ext_funcs):
+        """torch, the model and the clock for alt_captures: native's captures
+        take 5 ms, cudapool's 4; each capture is logged with its side and
+        counted in state["graphs"] while its graph lives."""
         clock = [0.0]
 
         class Graph:
@@ -419,7 +418,6 @@ class TestReport(unittest.TestCase):
 
         @contextmanager
         def graph(g):
-            # native's captures take 5 ms, cudapool's 4 (a pair in order).
             state["log"].append("native" if state["native"] else "cudapool")
             clock[0] += 5e-3 if state["native"] else 4e-3
             yield
@@ -433,11 +431,20 @@ class TestReport(unittest.TestCase):
         torch_bench.warm_forward = lambda torch, model, x: None
         torch_bench.time.perf_counter = lambda: clock[0]
         try:
-            with fake_ext(passthrough=lambda on: state.update(native=on)):
-                args = torch_bench.parse_args(["cudapool", "--sections", "alt", "--alt-captures", "3"])
-                out = torch_bench.alt_captures(fake, args, sys.modules["bench_ext"])
+            with fake_ext(passthrough=lambda on: state.update(native=on), **ext_funcs) as ext:
+                yield fake, ext
         finally:
             torch_bench.graph_model, torch_bench.warm_forward, torch_bench.time.perf_counter = saved
+
+    def test_alt_captures_alternate_and_pair(self):
+        # The alt section's captures: one discarded capture per side, then
+        # pairs whose first side alternates; every capture meets its side's
+        # allocator, the switch ends on cudapool, and the ratios pair the
+        # captures in order.
+        state = {"native": False, "log": [], "graphs": 0}
+        with self.fake_captures(state) as (fake, ext):
+            args = torch_bench.parse_args(["cudapool", "--sections", "alt", "--alt-captures", "3"])
+            out = torch_bench.alt_captures(fake, args, ext)
         self.assertEqual(state["log"], ["native", "cudapool", "cudapool", "native", "native", "cudapool",
                                         "cudapool", "native"])
         self.assertFalse(state["native"])
@@ -445,6 +452,40 @@ class TestReport(unittest.TestCase):
         self.assertEqual(out["alt_capture_pairs"], 3)
         self.assertEqual([round(r, 6) for r in out["alt_capture_ratio_reps"]], [0.8, 0.8, 0.8])
         self.assertEqual([round(v, 6) for v in out["alt_capture_native_reps_ms"]], [5.0, 5.0, 5.0])
+
+    def test_timed_captures_split_each_capture_by_call(self):
+        # --alt-timing with captures: each capture's timed calls are its
+        # own (what ran before its clock started is taken and dropped),
+        # summed per capture, their slowest few apart, per side.
+        state = {"native": False, "log": [], "graphs": 0}
+        takes = []
+
+        def timing_take():
+            # After a capture: ten 1 us allocate() calls and one 50 us
+            # (native) or ten 1.5 us and one 80 us (cudapool); before one,
+            # a stray call that must not count.
+            takes.append(state["native"])
+            side = "native" if state["native"] else "cudapool"
+            if len(takes) % 2:
+                return {(side, "alloc"): ([999_000.0], 1)}
+            slow, typical = (50_000.0, 1_000.0) if side == "native" else (80_000.0, 1_500.0)
+            return {(side, "alloc"): ([typical] * 10 + [slow], 11), (side, "free"): ([], 0)}
+
+        with self.fake_captures(state, timing_take=timing_take) as (fake, ext):
+            args = torch_bench.parse_args(["cudapool", "--sections", "alt", "--alt-captures", "3", "--alt-timing"])
+            out = torch_bench.timed_captures(fake, args, ext)
+        self.assertEqual(len(takes), 16, "one take before and one after each of the 8 captures")
+        self.assertAlmostEqual(out["alt_capture_native_alloc_per_capture_ms"], 0.060)
+        self.assertAlmostEqual(out["alt_capture_native_alloc_top8_per_capture_ms"], 0.057)
+        self.assertAlmostEqual(out["alt_capture_cudapool_alloc_per_capture_ms"], 0.095)
+        self.assertAlmostEqual(out["alt_capture_cudapool_alloc_top8_per_capture_ms"], 0.0905)
+        self.assertEqual(out["alt_capture_cudapool_alloc_calls"], 33, "3 captures of 11 calls count")
+        self.assertEqual(out["alt_capture_cudapool_alloc_median_ns"], 1_500.0)
+        self.assertNotIn("alt_capture_native_free_per_capture_ms", out, "no calls, no figure")
+        self.assertAlmostEqual(out["alt_capture_native_total_ms"], 5.0)
+        self.assertAlmostEqual(out["alt_capture_cudapool_enter_ms"], 4.0)  # the fake capture takes its time entering
+        self.assertNotIn("alt_capture_rows", out)
+        self.assertAlmostEqual(out["alt_capture_ratio"], 0.8)
 
     def test_alt_captures_failing_keeps_the_loops(self):
         # A capture that fails leaves the loops' results in the alt line.

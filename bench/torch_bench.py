@@ -201,7 +201,8 @@ def parse_args(argv=None):
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--alt-timing", nargs="?", const="on", choices=("on", "cross"),
                    help="alt section: also time each allocate() and deleter call of both allocators "
-                        "(bench_ext.timing; adds two clock reads per call); cross: native's allocate() "
+                        "(bench_ext.timing; adds two clock reads per call), and with --alt-captures each "
+                        "capture's phases and calls (timed_captures); cross: native's allocate() "
                         "is followed by a near-empty call into cudapool's Go code")
     p.add_argument("--alt-captures", type=int, default=6,
                    help="alt section: pairs of graph captures (the graph section's forward), native and "
@@ -710,7 +711,7 @@ def bench_alt(torch, args):
                 out.update(call_summary(f"alt_{loop}", calls))
         if args.alt_captures:
             try:
-                out.update(alt_captures(torch, args, ext))
+                out.update(timed_captures(torch, args, ext) if timed else alt_captures(torch, args, ext))
             except Exception as e:  # noqa: BLE001  (the loops' results stand)
                 traceback.print_exc()
                 out["alt_capture_error"] = short_error(e)
@@ -780,6 +781,49 @@ def alt_captures(torch, args, ext, before=None, after=None):
            "alt_capture_pairs": len(ratios)}
     if after:
         out["alt_capture_rows"] = rows
+    return out
+
+
+CAPTURE_PHASES = ("enter", "forward", "exit", "sync")
+
+
+def timed_captures(torch, args, ext, top=8):
+    """alt_captures with the class's call timing on (--alt-timing), to see
+    where a capture's time goes. Per side, the median over the captures
+    that count of each phase (alt_capture_<side>_<phase>_ms); per timed
+    call kind, the median per capture of the calls' total and of its top
+    slowest calls' (..._per_capture_ms, ..._top<top>_per_capture_ms: the
+    calls that reach the driver), and call_summary's figures over all
+    those captures' calls."""
+    def before(side):
+        ext.timing_take()  # what ran between captures is not the capture's
+
+    def after(side, row):
+        row["timing"] = ext.timing_take()
+
+    out = alt_captures(torch, args, ext, before=before, after=after)
+    rows = out.pop("alt_capture_rows")
+    calls = {}  # (allocator, call) -> ([ns], [calls]) over every capture that counts
+    per = {}  # (allocator, call) -> ([ms per capture], [ms of its top calls per capture])
+    for row in rows:
+        for key, (ns, n) in row.pop("timing").items():
+            if not n:
+                continue
+            acc = calls.setdefault(key, ([], [0]))
+            acc[0].extend(ns)
+            acc[1][0] += n
+            sums = per.setdefault(key, ([], []))
+            sums[0].append(sum(ns) / 1e6)
+            sums[1].append(sum(sorted(ns)[-top:]) / 1e6)
+    for side in ("native", "cudapool"):
+        mine = [r for r in rows if r["side"] == side]
+        for phase in CAPTURE_PHASES + ("total",):
+            if mine:
+                out[f"alt_capture_{side}_{phase}_ms"] = statistics.median(r[phase] for r in mine)
+    for (side, call), (total, tops) in sorted(per.items()):
+        out[f"alt_capture_{side}_{call}_per_capture_ms"] = statistics.median(total)
+        out[f"alt_capture_{side}_{call}_top{top}_per_capture_ms"] = statistics.median(tops)
+    out.update(call_summary("alt_capture", calls))
     return out
 
 
