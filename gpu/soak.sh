@@ -18,6 +18,10 @@
 # (native's expandable segments; cudapool's default, with stitching).
 #
 # SEGMENTS: off, on or both (default both); RACE=0 skips the race test;
+# APART=1 gives native a GPU of its own (the first visible one; cudapool and
+# the C twin share the second), where there are two, so that a fault of
+# native's (its capture-time race can end in an illegal memory access with
+# expandable segments) cannot touch cudapool's run;
 # WATCHDOG_S: a thread without progress for this long is a hang (default 60).
 # A run takes SOAK_S + about 40 s; a hung one is killed by SOAK_S +
 # WATCHDOG_S + 40 s (its own watchdog normally reports it before).
@@ -33,6 +37,7 @@ mkdir -p "$OUT" build/gpu
 rm -f "$OUT"/soak_*.log "$OUT"/race.log "$OUT"/rc.txt
 SOAK_S=${SOAK_S:-60}
 SEGMENTS=${SEGMENTS:-both}
+APART=${APART:-0}
 WATCHDOG_S=${WATCHDOG_S:-60}
 RACE=${RACE:-1}
 RACE_REPEATS=${RACE_REPEATS:-100}
@@ -68,6 +73,21 @@ else
     echo "SKIP the C twin: no nvcc at $CUDA_HOME/bin or no gcc"
 fi
 
+# gpu_of NAME: the CUDA_VISIBLE_DEVICES a process gets (empty: as inherited).
+gpu_of() { :; }
+if [ "$APART" = 1 ]; then
+    visible=${CUDA_VISIBLE_DEVICES:-$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | tr -d ' ' | paste -sd, -)}
+    first=${visible%%,*}
+    rest=${visible#*,}
+    second=${rest%%,*}
+    if [ -n "$first" ] && [ "$rest" != "$visible" ] && [ -n "$second" ]; then
+        echo "APART=1: native on GPU $first, cudapool and the C twin on GPU $second"
+        gpu_of() { if [ "$1" = native ]; then echo "$first"; else echo "$second"; fi; }
+    else
+        echo "APART=1: fewer than two GPUs visible; all processes share one"
+    fi
+fi
+
 case "$SEGMENTS" in
     off) kinds="off" ;;
     on) kinds="on" ;;
@@ -82,14 +102,16 @@ for kind in $kinds; do
     names=()
     if [ "$have_torch" = 1 ]; then
         for alloc in native cudapool; do
-            env PYTORCH_CUDA_ALLOC_CONF="$conf" timeout -k 10 "$LIMIT" \
+            env $(g=$(gpu_of "$alloc"); [ -n "$g" ] && echo "CUDA_VISIBLE_DEVICES=$g") \
+                PYTORCH_CUDA_ALLOC_CONF="$conf" timeout -k 10 "$LIMIT" \
                 "$PY" gpu/soak.py --allocator "$alloc" --seconds "$SOAK_S" >"$OUT/soak_${alloc}_$kind.log" 2>&1 &
             pids+=($!)
             names+=("${alloc}_$kind")
         done
     fi
     if [ "$have_c" = 1 ]; then
-        env CUDAPOOL_CONF="$conf" KERNELS_PTX=build/gpu/soak_kernels.ptx timeout -k 10 "$LIMIT" \
+        env $(g=$(gpu_of c); [ -n "$g" ] && echo "CUDA_VISIBLE_DEVICES=$g") \
+            CUDAPOOL_CONF="$conf" KERNELS_PTX=build/gpu/soak_kernels.ptx timeout -k 10 "$LIMIT" \
             build/gpu/soak_c "$SOAK_S" >"$OUT/soak_c_$kind.log" 2>&1 &
         pids+=($!)
         names+=("c_$kind")
