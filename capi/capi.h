@@ -194,6 +194,7 @@ enum {
 	CP_FN_RELEASE_POOL,
 	CP_FN_TORCH_RELEASE_POOL,
 	CP_FN_EXPECT_ANNOUNCED_CAPTURES,
+	CP_FN_CUPY_MALLOC_RAISING,
 };
 
 /* The functions that have queued frees, as bits 1 << CP_FN_*: a queued free

@@ -24,6 +24,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/types.h>
 
 #include "capi.h"
 #include "cudapool.h"
@@ -662,26 +663,135 @@ int cp_call_segment_free(uintptr_t fn, uintptr_t ctx, uintptr_t ptr, size_t size
  * CuPy malloc+free pair costs one call into Go and no Python beyond CuPy's
  * own. */
 
-void *cudapool_cupy_malloc(void *param, size_t size, int device) {
-	if (cp_refused("cudapool_cupy_malloc"))
-		return NULL;
+/* cupy_malloc is cudapool_cupy_malloc for the entry point numbered fn. */
+static void *cupy_malloc(void *param, size_t size, int device, int fn) {
 	uintptr_t stream = 0; /* NULL param: the legacy default stream */
 	if (param != NULL) {
 		intptr_t s = ((cudapool_current_stream_fn)param)();
 		if (s == -1) {
-			static const char msg[] = "cudapool_cupy_malloc: the current-stream function failed (returned -1)";
-			cp_set_error(msg, sizeof msg - 1);
+			char msg[160];
+			int n = snprintf(msg, sizeof msg, "%s: the current-stream function failed (returned -1)",
+			                 fn == CP_FN_CUPY_MALLOC ? "cudapool_cupy_malloc" : "cudapool_cupy_malloc_raising");
+			cp_set_error(msg, (size_t)n < sizeof msg ? (size_t)n : sizeof msg - 1);
 			return NULL;
 		}
 		stream = (uintptr_t)s;
 	}
-	return cp_malloc(size, device, stream, 0, CP_FN_CUPY_MALLOC);
+	return cp_malloc(size, device, stream, 0, fn);
+}
+
+void *cudapool_cupy_malloc(void *param, size_t size, int device) {
+	if (cp_refused("cudapool_cupy_malloc"))
+		return NULL;
+	return cupy_malloc(param, size, device, CP_FN_CUPY_MALLOC);
+}
+
+/* ---- cudapool_cupy_malloc_raising: the failure handler ----
+ *
+ * CuPy's CFunctionAllocator does not check the pointer its C malloc
+ * returns, so cudapool.cupy used to wrap the allocator in a Python function
+ * that checks for NULL: one Python frame per allocation. CuPy built by
+ * Cython 3 without legacy_implicit_noexcept does check one thing: a result
+ * of -1 with a Python exception set propagates the exception. So on a
+ * failure this entry point calls a Python handler, with the GIL that CuPy
+ * holds around the call; the handler may free memory and ask for one retry,
+ * else it raises, and -1 carries its exception to CuPy's caller.
+ * cudapool.cupy checks at install that this CuPy propagates it (with the
+ * probe size below) before it relies on it. The Python C API comes from
+ * the caller (ctypes.pythonapi), so the library links no libpython. */
+
+/* The handler and the C API functions it needs, set together by
+ * cudapool_cupy_set_failure_handler; read under the GIL. */
+typedef struct {
+	void *handler; /* a Python callable; the registrant keeps it alive */
+	int (*gil_check)(void);
+	void (*incref)(void *);
+	void (*decref)(void *);
+	void *(*call)(void *, const char *, ...);
+	int (*is_true)(void *);
+} cp_pyhandler;
+
+static cp_pyhandler *_Atomic cp_cupy_handler;
+
+int cudapool_cupy_set_failure_handler(void *handler, void *const *python_api, int n) {
+	if (cp_refused("cudapool_cupy_set_failure_handler"))
+		return -1;
+	if (handler == NULL) {
+		/* The old record stays allocated: a thread inside the handler
+		 * may still read it (a few dozen bytes per registration). */
+		atomic_store(&cp_cupy_handler, NULL);
+		return 0;
+	}
+	if (python_api == NULL || n != 5) {
+		static const char msg[] = "cudapool_cupy_set_failure_handler: python_api must hold the 5 functions "
+		                          "PyGILState_Check, Py_IncRef, Py_DecRef, PyObject_CallFunction, PyObject_IsTrue";
+		cp_set_error(msg, sizeof msg - 1);
+		return -1;
+	}
+	for (int i = 0; i < n; i++) {
+		if (python_api[i] == NULL) {
+			static const char msg[] = "cudapool_cupy_set_failure_handler: a Python API function is NULL";
+			cp_set_error(msg, sizeof msg - 1);
+			return -1;
+		}
+	}
+	cp_pyhandler *h = malloc(sizeof *h);
+	if (h == NULL) {
+		static const char msg[] = "cudapool_cupy_set_failure_handler: out of host memory";
+		cp_set_error(msg, sizeof msg - 1);
+		return -1;
+	}
+	h->handler = handler;
+	h->gil_check = (int (*)(void))python_api[0];
+	h->incref = (void (*)(void *))python_api[1];
+	h->decref = (void (*)(void *))python_api[2];
+	h->call = (void *(*)(void *, const char *, ...))python_api[3];
+	h->is_true = (int (*)(void *))python_api[4];
+	atomic_store(&cp_cupy_handler, h);
+	return 0;
+}
+
+/* call_handler calls h's handler(size, device, attempt): 1 if it asks for
+ * a retry, 0 if it returned anything else, -1 if it raised. */
+static int call_handler(cp_pyhandler *h, size_t size, int device, int attempt) {
+	h->incref(h->handler); /* held across the call: another thread may unregister it meanwhile */
+	void *res = h->call(h->handler, "nii", (ssize_t)size, device, attempt);
+	h->decref(h->handler);
+	if (res == NULL)
+		return -1;
+	int yes = h->is_true(res);
+	h->decref(res);
+	return yes < 0 ? -1 : yes;
+}
+
+void *cudapool_cupy_malloc_raising(void *param, size_t size, int device) {
+	if (cp_refused("cudapool_cupy_malloc_raising"))
+		return NULL;
+	void *p = NULL;
+	if (size != CUDAPOOL_CUPY_PROBE_SIZE) {
+		p = cupy_malloc(param, size, device, CP_FN_CUPY_MALLOC_RAISING);
+		if (p != NULL || size == 0)
+			return p;
+	}
+	cp_pyhandler *h = atomic_load(&cp_cupy_handler);
+	if (h == NULL || !h->gil_check())
+		return NULL; /* no handler, or a caller without the GIL: NULL, as cudapool_cupy_malloc */
+	int rc = call_handler(h, size, device, 0);
+	if (rc == 1 && size != CUDAPOOL_CUPY_PROBE_SIZE) {
+		p = cupy_malloc(param, size, device, CP_FN_CUPY_MALLOC_RAISING);
+		if (p != NULL)
+			return p;
+		rc = call_handler(h, size, device, 1);
+	}
+	return rc < 0 ? (void *)-1 : NULL;
 }
 
 void cudapool_cupy_free(void *param, void *ptr, int device) {
 	(void)param;
 	if (cp_refused("cudapool_cupy_free"))
 		return;
+	if (ptr == (void *)-1)
+		return; /* cudapool_cupy_malloc_raising's failure, kept by a CuPy that did not raise it */
 	cp_free_deferred(ptr, 0, device, 0, CP_FN_CUPY_FREE);
 }
 

@@ -250,6 +250,7 @@ var entryNames = [...]string{
 	C.CP_FN_RELEASE_POOL:               "cudapool_release_pool",
 	C.CP_FN_TORCH_RELEASE_POOL:         "cudapool_torch_release_pool",
 	C.CP_FN_EXPECT_ANNOUNCED_CAPTURES:  "cudapool_expect_announced_captures",
+	C.CP_FN_CUPY_MALLOC_RAISING:        "cudapool_cupy_malloc_raising",
 }
 
 // fnMalloc is cudapool_malloc's number (for the tests, which cannot use

@@ -582,10 +582,35 @@ typedef intptr_t (*cudapool_current_stream_fn)(void);
  * call. NULL on failure (CuPy does not check it: the caller must). */
 void *cudapool_cupy_malloc(void *param, size_t size, int device);
 
+/* cudapool_cupy_malloc for a CuPy that propagates its C malloc's Python
+ * exceptions (a result of -1 with an exception set: CuPy built by Cython 3),
+ * so that CuPy needs no Python function around the allocator to check for
+ * NULL. On a failure, if a handler is registered
+ * (cudapool_cupy_set_failure_handler) and the calling thread holds the GIL,
+ * it calls handler(size, device, attempt): with attempt 0 the handler may
+ * free memory and return True for one retry; else, or with attempt 1, it
+ * raises, and the result is -1 with its exception set. Without a handler or
+ * the GIL it returns NULL, as cudapool_cupy_malloc. A size of
+ * CUDAPOOL_CUPY_PROBE_SIZE allocates nothing and calls the handler at once
+ * (attempt 0, no retry): cudapool.cupy's install() learns that way whether
+ * this CuPy propagates the exception. */
+void *cudapool_cupy_malloc_raising(void *param, size_t size, int device);
+#define CUDAPOOL_CUPY_PROBE_SIZE ((size_t)-1)
+
+/* Registers the Python callable handler for cudapool_cupy_malloc_raising
+ * (NULL: none), with the process's Python C API functions it needs, in this
+ * order (n = 5): PyGILState_Check, Py_IncRef, Py_DecRef,
+ * PyObject_CallFunction, PyObject_IsTrue (ctypes.pythonapi has them). The
+ * caller keeps handler alive while it is registered. 0, or -1 with the
+ * error set. */
+int cudapool_cupy_set_failure_handler(void *handler, void *const *python_api, int n);
+
 /* CuPy's CFunctionAllocator free, void (void *param, void *ptr, int
  * device_id): queues the free (size unknown) like cudapool_free_deferred, so
  * that a malloc+free pair costs one call into the allocator; the block goes
- * back on the stream it was allocated on. param is ignored. */
+ * back on the stream it was allocated on. param is ignored, and so is a ptr
+ * of -1 (cudapool_cupy_malloc_raising's failure, where a CuPy that does not
+ * propagate the exception kept it). */
 void cudapool_cupy_free(void *param, void *ptr, int device);
 
 /* A cudapool_stream_filter that accepts exactly the stream ctx: announce a

@@ -7,8 +7,10 @@
  * functions exactly as done here: malloc(param, size, device) and
  * free(param, ptr, device).
  */
+#include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <sys/types.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -95,6 +97,107 @@ static void test_cupy_bad_free(void) {
 	CHECK(stat_of(0, "allocation.all.current") == before, "statistics are unaffected");
 }
 
+/* A stand-in for the Python C API cudapool_cupy_malloc_raising calls: the
+ * handler is a struct, its "call" returns the next scripted answer (a
+ * retry, a refusal, or NULL: it raised) and records the arguments. */
+typedef struct {
+	int refs;      /* Py_IncRef minus Py_DecRef on the handler */
+	int calls;     /* handler calls */
+	int attempts[4];
+	size_t sizes[4];
+	int answers[4]; /* per call: 1 retry, 0 no, -1 raise */
+	int live_results;
+} fake_handler;
+
+static int gil_held = 1;
+static int fake_gil_check(void) { return gil_held; }
+static int result_true = 1, result_false = 0;
+static void fake_incref(void *o) {
+	if (o != &result_true && o != &result_false)
+		((fake_handler *)o)->refs++;
+}
+static fake_handler *current_handler;
+static void fake_decref(void *o) {
+	if (o == &result_true || o == &result_false)
+		current_handler->live_results--;
+	else
+		((fake_handler *)o)->refs--;
+}
+static void *fake_call(void *callable, const char *fmt, ...) {
+	fake_handler *h = callable;
+	va_list ap;
+	va_start(ap, fmt);
+	ssize_t size = va_arg(ap, ssize_t);
+	(void)va_arg(ap, int); /* device */
+	int attempt = va_arg(ap, int);
+	va_end(ap);
+	int k = h->calls++;
+	h->sizes[k & 3] = (size_t)size;
+	h->attempts[k & 3] = attempt;
+	int a = h->answers[k & 3];
+	if (a < 0)
+		return NULL;
+	h->live_results++;
+	return a ? (void *)&result_true : (void *)&result_false;
+}
+static int fake_is_true(void *o) { return o == &result_true; }
+
+static void test_cupy_raising(void) {
+	printf("-- cudapool_cupy_malloc_raising and its failure handler\n");
+	void *api[5] = {(void *)fake_gil_check, (void *)fake_incref, (void *)fake_decref, (void *)fake_call,
+	                (void *)fake_is_true};
+	cupy_malloc_fn rmalloc = cudapool_cupy_malloc_raising;
+	long long allocs = stat_of(0, "allocation.all.current");
+	void *p = rmalloc(NULL, 4000, 0);
+	CHECK(p != NULL, "it allocates as cudapool_cupy_malloc");
+	cfree(NULL, p, 0);
+	cudapool_clear_error();
+	CHECK(rmalloc(NULL, 1024 * GiB, 0) == NULL && err_has("cudapool_cupy_malloc_raising: out of memory"),
+	      "with no handler a failure is NULL with the error, as cudapool_cupy_malloc");
+	CHECK(rmalloc(NULL, CUDAPOOL_CUPY_PROBE_SIZE, 0) == NULL, "so is the probe size");
+
+	CHECK(cudapool_cupy_set_failure_handler((void *)1, api, 4) == -1 && err_has("5 functions"),
+	      "the handler needs all five functions");
+	api[2] = NULL;
+	CHECK(cudapool_cupy_set_failure_handler((void *)1, api, 5) == -1 && err_has("NULL"), "none NULL");
+	api[2] = (void *)fake_decref;
+
+	fake_handler h = {.answers = {1, -1}};
+	current_handler = &h;
+	CHECK(cudapool_cupy_set_failure_handler(&h, api, 5) == 0, "a handler is registered");
+	void *q = rmalloc(NULL, 4000, 0);
+	CHECK(q != NULL && h.calls == 0, "a success does not call it");
+	cfree(NULL, q, 0);
+	void *r = rmalloc(NULL, 1024 * GiB, 0);
+	CHECK(r == (void *)-1, "a failure the handler raises for is -1 (its exception set, for CuPy)");
+	CHECK(h.calls == 2 && h.attempts[0] == 0 && h.attempts[1] == 1 && h.sizes[0] == 1024 * GiB,
+	      "attempt 0 asked for a retry, which failed, then attempt 1 raised");
+	CHECK(h.refs == 0 && h.live_results == 0, "every reference taken is given back");
+
+	h = (fake_handler){.answers = {1, 0}};
+	CHECK(rmalloc(NULL, 1024 * GiB, 0) == NULL && h.calls == 2, "a handler that neither retries nor raises: NULL");
+
+	h = (fake_handler){.answers = {-1}};
+	CHECK(rmalloc(NULL, CUDAPOOL_CUPY_PROBE_SIZE, 0) == (void *)-1 && h.calls == 1 &&
+	          h.sizes[0] == CUDAPOOL_CUPY_PROBE_SIZE,
+	      "the probe size calls the handler at once");
+	h = (fake_handler){.answers = {1}};
+	CHECK(rmalloc(NULL, CUDAPOOL_CUPY_PROBE_SIZE, 0) == NULL && h.calls == 1, "and never retries");
+
+	h = (fake_handler){.answers = {-1}};
+	gil_held = 0;
+	CHECK(rmalloc(NULL, 1024 * GiB, 0) == NULL && h.calls == 0, "a caller without the GIL gets NULL, no call");
+	gil_held = 1;
+
+	CHECK(cudapool_cupy_set_failure_handler(NULL, NULL, 0) == 0, "unregistered");
+	CHECK(rmalloc(NULL, 1024 * GiB, 0) == NULL && h.calls == 0, "then failures are NULL again");
+
+	cudapool_clear_error();
+	cfree(NULL, (void *)-1, 0);
+	CHECK(stat_of(0, "allocation.all.current") == allocs && cudapool_last_error() == NULL,
+	      "a free of -1 (a failure a CuPy kept) is ignored");
+}
+
 static void test_capture_filter(void) {
 	printf("-- a CuPy capture announced with cudapool_filter_stream_is\n");
 	cudapool_stream cs = STREAM(0x6300), other = STREAM(0x6400);
@@ -179,6 +282,7 @@ int main(void) {
 	test_cupy_default_stream();
 	test_cupy_current_stream();
 	test_cupy_bad_free();
+	test_cupy_raising();
 	test_capture_filter();
 	test_destroyed_stream();
 	CHECK(cudapool_sim_violations() == 0, "no violations in the whole run");

@@ -12,13 +12,18 @@ PyTorch's do, and the memory shows in cudapool's statistics
 PyTorch is installed on cudapool too).
 
 The hot path has no Python of cudapool's: CuPy's ``CFunctionAllocator`` calls
-``cudapool_cupy_malloc``/``cudapool_cupy_free`` (include/cudapool.h) directly,
-and the malloc asks CuPy's own C function ``get_current_stream_ptr`` (from
-``cupy.cuda.stream.__pyx_capi__``) for the stream, as CuPy's memory pool
-does. The function given to ``cupy.cuda.set_allocator`` adds one check,
-because ``CFunctionAllocator`` does not check for NULL: a failed allocation
-raises ``cupy.cuda.memory.OutOfMemoryError`` (cudapool's message as its
-cause) instead of handing out address 0.
+``cudapool_cupy_malloc_raising``/``cudapool_cupy_free`` (include/cudapool.h)
+directly, and the malloc asks CuPy's own C function ``get_current_stream_ptr``
+(from ``cupy.cuda.stream.__pyx_capi__``) for the stream, as CuPy's memory
+pool does. ``CFunctionAllocator`` does not check the pointer for NULL, but a
+CuPy built by Cython 3 propagates a Python exception that its C malloc sets
+along with a result of -1: on a failure the C function calls this module's
+handler, which collects reference cycles and asks for one retry, then raises
+``cupy.cuda.memory.OutOfMemoryError`` (cudapool's message as its cause).
+install() checks that this CuPy propagates it (a probe allocation that
+raises at once); where it does not, the allocator given to
+``cupy.cuda.set_allocator`` is a Python function that checks for NULL around
+``cudapool_cupy_malloc``: one Python frame more per allocation.
 
 Without that C function (a CuPy that does not export it) the allocator falls
 back to ``PythonFunctionAllocator`` with a Python function that reads
@@ -49,6 +54,11 @@ _pool_ids = itertools.count(1)
 # The capsule signature of cupy.cuda.stream.get_current_stream_ptr that the
 # C shim can call: no arguments, an intptr_t result.
 _STREAM_FN_SIGNATURE = "intptr_t (void)"
+
+# The Python C API functions cudapool_cupy_set_failure_handler takes, in its
+# order, and the size cudapool_cupy_malloc_raising treats as a probe.
+_PYTHON_API = ("PyGILState_Check", "Py_IncRef", "Py_DecRef", "PyObject_CallFunction", "PyObject_IsTrue")
+_PROBE_SIZE = (1 << 64) - 1
 
 
 def _import_cupy():
@@ -95,12 +105,13 @@ def current_stream_function(cupy):
 class _Installed:
     """What install() changed, to undo it."""
 
-    def __init__(self, cupy, mode, allocator, previous, owner):
+    def __init__(self, cupy, mode, allocator, previous, owner, handler):
         self.cupy = cupy
         self.mode = mode
         self.allocator = allocator  # the function given to set_allocator
         self.previous = previous  # CuPy's allocator before install()
         self.owner = owner  # keeps the C allocator and its functions alive
+        self.handler = handler  # a failure handler is registered for it
         self.patched = {}  # (class, name) -> original function
 
 
@@ -117,8 +128,80 @@ def _raise_failure(cupy, size, device):
     raise err
 
 
+class _Probe(Exception):
+    """Raised by install()'s probe handler, and expected back from CuPy."""
+
+
+def _set_failure_handler(handler):
+    """Registers handler (None: none) for cudapool_cupy_malloc_raising."""
+    api = (ctypes.c_void_p * len(_PYTHON_API))(
+        *(ctypes.cast(getattr(ctypes.pythonapi, name), ctypes.c_void_p).value for name in _PYTHON_API)
+    )
+    fn = _own_function(
+        "cudapool_cupy_set_failure_handler",
+        ctypes.c_int,
+        [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int],
+    )
+    # id() is the object's address in CPython, whose C API this is.
+    if fn(None if handler is None else id(handler), api, len(api)) != 0:
+        raise _lib._error("cudapool_cupy_set_failure_handler failed")
+
+
+def _propagates(cupy, stream_fn):
+    """Whether this CuPy raises the exception cudapool_cupy_malloc_raising
+    leaves with -1: one CFunctionAllocatorMemory of the probe size, whose
+    malloc calls a handler that raises at once (no device is touched)."""
+
+    def probe(size, device, attempt):
+        raise _Probe()
+
+    malloc = _lib.address("cudapool_cupy_malloc_raising")
+    free = _lib.address("cudapool_cupy_free")
+    _set_failure_handler(probe)
+    try:
+        cupy.cuda.memory.CFunctionAllocatorMemory(_PROBE_SIZE, stream_fn, malloc, free, 0)
+    except _Probe:
+        return True
+    except Exception:  # SystemError: the exception was left set (implicit noexcept)
+        return False
+    finally:
+        _set_failure_handler(None)
+    return False
+
+
+def _raising_allocator(cupy, stream_fn):
+    """The allocator without a Python frame (cudapool_cupy_malloc_raising
+    with this module's failure handler), or None where this CuPy cannot."""
+    lib = _lib.load()
+    try:
+        if not _propagates(cupy, stream_fn):
+            return None
+    except (AttributeError, TypeError, CudapoolError):
+        return None  # no CFunctionAllocatorMemory of that signature, or no handler
+    c_alloc = cupy.cuda.memory.CFunctionAllocator(
+        stream_fn, _lib.address("cudapool_cupy_malloc_raising"), _lib.address("cudapool_cupy_free"), lib
+    )
+
+    def on_failure(size, device, attempt):
+        # Arrays waiting in reference cycles may hold enough memory: collect
+        # them and try once more, as CuPy's own pool does.
+        if attempt == 0:
+            gc.collect()
+            return True
+        _raise_failure(cupy, size, device)
+
+    _set_failure_handler(on_failure)
+    return c_alloc.malloc, (c_alloc, on_failure)
+
+
 def _c_allocator(cupy, stream_fn):
-    """The CFunctionAllocator path: CuPy calls cudapool's C functions."""
+    """The CFunctionAllocator path: CuPy calls cudapool's C functions,
+    without a Python frame where this CuPy propagates exceptions. Returns
+    the allocator, what keeps it alive, and whether a failure handler is
+    registered for it."""
+    fast = _raising_allocator(cupy, stream_fn)
+    if fast is not None:
+        return (*fast, True)
     lib = _lib.load()
     c_alloc = cupy.cuda.memory.CFunctionAllocator(
         stream_fn, _lib.address("cudapool_cupy_malloc"), _lib.address("cudapool_cupy_free"), lib
@@ -138,7 +221,7 @@ def _c_allocator(cupy, stream_fn):
             return mem
         _raise_failure(cupy, size, device_id())
 
-    return malloc, c_alloc
+    return malloc, c_alloc, False
 
 
 def _python_allocator(cupy):
@@ -163,7 +246,7 @@ def _python_allocator(cupy):
         c_free(None, ptr, device)
 
     p_alloc = cupy.cuda.memory.PythonFunctionAllocator(malloc_fn, free_fn)
-    return p_alloc.malloc, p_alloc
+    return p_alloc.malloc, p_alloc, False
 
 
 def install(mode=None, capture=True, free_cupy_pool=True):
@@ -202,17 +285,24 @@ def install(mode=None, capture=True, free_cupy_pool=True):
         else:
             chosen = "python"
         if chosen == "c":
-            allocator, owner = _c_allocator(cupy, stream_fn)
+            allocator, owner, handler = _c_allocator(cupy, stream_fn)
         else:
-            allocator, owner = _python_allocator(cupy)
+            allocator, owner, handler = _python_allocator(cupy)
         previous = cupy.cuda.memory.get_allocator()
-        state = _Installed(cupy, chosen, allocator, previous, owner)
-        if capture:
-            _patch_capture(state)
-            # Every CuPy capture is now announced (as PyTorch's are), so
-            # malloc need not ask the driver whether its stream captures.
-            _own_function("cudapool_expect_announced_captures", None, [])()
-        cupy.cuda.set_allocator(allocator)
+        state = _Installed(cupy, chosen, allocator, previous, owner, handler)
+        try:
+            if capture:
+                _patch_capture(state)
+                # Every CuPy capture is now announced (as PyTorch's are), so
+                # malloc need not ask the driver whether its stream captures.
+                _own_function("cudapool_expect_announced_captures", None, [])()
+            cupy.cuda.set_allocator(allocator)
+        except BaseException:
+            for (cls, name), fn in state.patched.items():
+                setattr(cls, name, fn)
+            if handler:
+                _set_failure_handler(None)
+            raise
         _state = state
         if free_cupy_pool:
             try:
@@ -235,6 +325,8 @@ def uninstall():
             setattr(cls, name, fn)
         if st.cupy.cuda.memory.get_allocator() is st.allocator:
             st.cupy.cuda.set_allocator(st.previous)
+        if st.handler:
+            _set_failure_handler(None)
 
 
 def installed():

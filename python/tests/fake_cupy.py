@@ -4,10 +4,16 @@ cudapool's simulator, so that the adapter is tested without a GPU or CuPy.
 
 It does what CuPy's Cython code does (cupy/cuda/memory.pyx, stream.pyx,
 graph.pyx of CuPy 14.2):
-- CFunctionAllocator.malloc(size) makes a CFunctionAllocatorMemory, which
-  calls the C malloc(param, size, device_id) with the GIL held unless size is
-  0 and does not check the result; its destructor calls free(param, ptr,
-  device_id) when ptr is not 0.
+- CFunctionAllocator.malloc(size) makes a CFunctionAllocatorMemory
+  (cupy.cuda.memory exports the class), which calls the C malloc(param,
+  size, device_id) with the GIL held unless size is 0 and does not check the
+  result, but propagates a Python exception the C function set (Cython 3's
+  default for a cdef function returning intptr_t: except? -1; the ctypes
+  prototype below checks after every call). With build(noexcept=True) it
+  behaves as a CuPy built with legacy_implicit_noexcept: the exception is
+  left set, the pointer (-1) kept, and CPython raises SystemError when the
+  constructor returns; its destructor calls free(param, ptr, device_id) when
+  ptr is not 0.
 - cupy.cuda.stream.__pyx_capi__["get_current_stream_ptr"] is a capsule
   named "intptr_t (void)" holding a C function that returns the current
   stream of the calling thread.
@@ -42,10 +48,19 @@ class MemoryPointer:
 
 
 class CFunctionAllocatorMemory:
+    noexcept = False  # build(noexcept=True): legacy_implicit_noexcept
+
     def __init__(self, size, param, malloc_func, free_func, device_id):
         self._param, self._free_func, self.device_id, self.size, self.ptr = param, free_func, device_id, size, 0
         if size > 0:
-            self.ptr = _malloc_t(malloc_func)(param, size, device_id) or 0
+            if not self.noexcept:
+                self.ptr = _malloc_t(malloc_func)(param, size, device_id) or 0
+                return
+            try:
+                self.ptr = _malloc_t(malloc_func)(param, size, device_id) or 0
+            except BaseException as e:
+                self.ptr = (1 << 64) - 1  # the -1 the C function returned, kept
+                raise SystemError(f"{type(self).__name__} returned a result with an exception set") from e
 
     def __del__(self):
         if self.ptr:
@@ -53,11 +68,13 @@ class CFunctionAllocatorMemory:
 
 
 class CFunctionAllocator:
+    memory_class = CFunctionAllocatorMemory
+
     def __init__(self, param, malloc_func, free_func, owner):
         self._param, self._malloc_func, self._free_func, self._owner = param or 0, malloc_func, free_func, owner
 
     def malloc(self, size):
-        mem = CFunctionAllocatorMemory(size, self._param, self._malloc_func, self._free_func, runtime.getDevice())
+        mem = self.memory_class(size, self._param, self._malloc_func, self._free_func, runtime.getDevice())
         return MemoryPointer(mem, 0)
 
 
@@ -177,7 +194,7 @@ class _Pool:
         self.freed += 1
 
 
-def build(capsule=True, graph_class=Graph):
+def build(capsule=True, graph_class=Graph, noexcept=False):
     """The fake cupy, cupy.cuda, cupy.cuda.memory, .stream and .runtime
     modules, as a dict for sys.modules."""
     cupy = types.ModuleType("cupy")
@@ -194,7 +211,10 @@ def build(capsule=True, graph_class=Graph):
 
     memory.OutOfMemoryError = OutOfMemoryError
     memory.MemoryPointer = MemoryPointer
-    memory.CFunctionAllocator = CFunctionAllocator
+    memory.CFunctionAllocatorMemory = type("CFunctionAllocatorMemory", (CFunctionAllocatorMemory,),
+                                           {"noexcept": noexcept})
+    memory.CFunctionAllocator = type("CFunctionAllocator", (CFunctionAllocator,),
+                                     {"memory_class": memory.CFunctionAllocatorMemory})
     memory.PythonFunctionAllocator = PythonFunctionAllocator
     memory.allocator = None  # None: CuPy's raw cudaMalloc, never used here
 

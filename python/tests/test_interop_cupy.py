@@ -42,6 +42,10 @@ def segment_of(ptr):
 
 def test_install_uses_the_c_functions(cupy):
     assert cpc.install() == "c" and cpc.mode() == "c" and cpc.installed()
+    allocator = cupy.cuda.memory.get_allocator()
+    assert isinstance(allocator.__self__, cupy.cuda.memory.CFunctionAllocator), (
+        "CuPy calls the C allocator's own malloc: no Python function of cudapool's around it"
+    )
     assert cupy.get_default_memory_pool().freed == 1, "CuPy's cached blocks are given back at install"
     assert cpc.install() == "c", "idempotent"
     mem = cupy.alloc(5000)
@@ -100,6 +104,49 @@ def test_out_of_memory_collects_cycles_first(cupy):
     finally:
         gc.enable()
     assert big.ptr
+
+
+def test_a_cupy_that_leaves_the_exception_set_gets_the_checking_function(monkeypatch):
+    # A CuPy built with legacy_implicit_noexcept: install's probe sees
+    # SystemError and falls back to a Python function that checks for NULL
+    # around cudapool_cupy_malloc; the probe's -1 is freed as nothing.
+    cp = fake_cupy.installed_into(monkeypatch, noexcept=True)
+    try:
+        _lib._fn("cudapool_clear_error")()
+        assert cpc.install() == "c"
+        allocator = cp.cuda.memory.get_allocator()
+        assert not hasattr(allocator, "__self__"), "a Python function checks the pointer"
+        gc.collect()
+        stats = cudapool.memory_stats(0)  # performs any queued free
+        assert stats["allocation.all.allocated"] == 0 and stats["num_ooms"] == 0, "the probe allocated nothing"
+        assert _lib.last_error() is None, "the probe's -1 pointer was freed as nothing"
+        with pytest.raises(cp.cuda.memory.OutOfMemoryError) as info:
+            cp.alloc(20 * GiB)
+        assert isinstance(info.value.__cause__, cudapool.OutOfMemoryError)
+        assert cp.alloc(4096).ptr
+    finally:
+        cpc.uninstall()
+        gc.collect()
+
+
+def test_the_probe_touches_no_device(cupy):
+    cupy.cuda.runtime.getDevice = lambda: 1 / 0  # install must not ask CuPy for a device either
+    cpc.install()
+    assert hasattr(cupy.cuda.memory.get_allocator(), "__self__"), "and the probe passed"
+    stats = cudapool.memory_stats(0)
+    assert stats["allocation.all.allocated"] == 0 and stats["num_ooms"] == 0
+    assert stats["reserved_bytes.all.current"] == 0
+
+
+def test_uninstall_unregisters_the_failure_handler(cupy):
+    import ctypes
+
+    cpc.install()
+    cpc.uninstall()
+    raising = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)(
+        _lib.address("cudapool_cupy_malloc_raising")
+    )
+    assert raising(None, 20 * GiB, 0) is None, "without a handler a failure is NULL, and nothing is raised"
 
 
 def test_other_failures_raise_cudapool_errors(cupy):

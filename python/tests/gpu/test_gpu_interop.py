@@ -327,6 +327,16 @@ def test_cupy_graph_capture_and_replay(cupy):
     del x
 
 
+def test_cupy_calls_the_c_allocator_itself(cupy):
+    # CuPy 14 is built by Cython 3, which propagates the exception that
+    # cudapool_cupy_malloc_raising sets: install()'s probe passes and no
+    # Python function of cudapool's runs per allocation.
+    allocator = cupy.cuda.memory.get_allocator()
+    assert isinstance(getattr(allocator, "__self__", None), cupy.cuda.memory.CFunctionAllocator), (
+        f"the allocator is {allocator!r}: this CuPy ({cupy.__version__}) left the probe's exception set"
+    )
+
+
 def test_cupy_out_of_memory(cupy):
     with pytest.raises(cupy.cuda.memory.OutOfMemoryError) as info:
         cupy.empty(1 << 50, dtype=cupy.uint8)  # 1 PiB
