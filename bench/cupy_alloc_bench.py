@@ -17,7 +17,9 @@ the median rep:
   cudapool  cudapool.cupy.install(), and its layers one by one:
             `alloc`      cupy.cuda.alloc, as CuPy code calls it;
             `installed`  the function install() gave cupy.cuda.set_allocator
-                         (cudapool.cupy's NULL check around the next layer);
+                         (the next layer itself where CuPy propagates the
+                         C malloc's exception, else cudapool.cupy's NULL
+                         check around it);
             `cfunc`      CuPy's CFunctionAllocator.malloc alone: the memory
                          objects CuPy makes and the C calls;
             `raw`        cudapool_cupy_malloc + cudapool_cupy_free called
