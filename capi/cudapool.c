@@ -716,9 +716,10 @@ static cp_pyhandler *_Atomic cp_cupy_handler;
 int cudapool_cupy_set_failure_handler(void *handler, void *const *python_api, int n) {
 	if (cp_refused("cudapool_cupy_set_failure_handler"))
 		return -1;
+	/* A record replaced here stays allocated: a thread inside the handler
+	 * may still read it (a few dozen bytes per registration; install()
+	 * registers two). */
 	if (handler == NULL) {
-		/* The old record stays allocated: a thread inside the handler
-		 * may still read it (a few dozen bytes per registration). */
 		atomic_store(&cp_cupy_handler, NULL);
 		return 0;
 	}
