@@ -663,8 +663,9 @@ int cp_call_segment_free(uintptr_t fn, uintptr_t ctx, uintptr_t ptr, size_t size
  * CuPy malloc+free pair costs one call into Go and no Python beyond CuPy's
  * own. */
 
-/* cupy_malloc is cudapool_cupy_malloc for the entry point numbered fn. */
-static void *cupy_malloc(void *param, size_t size, int device, int fn) {
+/* cupy_malloc is cudapool_cupy_malloc for the entry point numbered fn;
+ * *stream_failed says whether the current-stream function failed. */
+static void *cupy_malloc(void *param, size_t size, int device, int fn, int *stream_failed) {
 	uintptr_t stream = 0; /* NULL param: the legacy default stream */
 	if (param != NULL) {
 		intptr_t s = ((cudapool_current_stream_fn)param)();
@@ -673,6 +674,7 @@ static void *cupy_malloc(void *param, size_t size, int device, int fn) {
 			int n = snprintf(msg, sizeof msg, "%s: the current-stream function failed (returned -1)",
 			                 fn == CP_FN_CUPY_MALLOC ? "cudapool_cupy_malloc" : "cudapool_cupy_malloc_raising");
 			cp_set_error(msg, (size_t)n < sizeof msg ? (size_t)n : sizeof msg - 1);
+			*stream_failed = 1;
 			return NULL;
 		}
 		stream = (uintptr_t)s;
@@ -683,7 +685,8 @@ static void *cupy_malloc(void *param, size_t size, int device, int fn) {
 void *cudapool_cupy_malloc(void *param, size_t size, int device) {
 	if (cp_refused("cudapool_cupy_malloc"))
 		return NULL;
-	return cupy_malloc(param, size, device, CP_FN_CUPY_MALLOC);
+	int stream_failed = 0;
+	return cupy_malloc(param, size, device, CP_FN_CUPY_MALLOC, &stream_failed);
 }
 
 /* ---- cudapool_cupy_malloc_raising: the failure handler ----
@@ -769,17 +772,22 @@ void *cudapool_cupy_malloc_raising(void *param, size_t size, int device) {
 	if (cp_refused("cudapool_cupy_malloc_raising"))
 		return NULL;
 	void *p = NULL;
+	int stream_failed = 0;
 	if (size != CUDAPOOL_CUPY_PROBE_SIZE) {
-		p = cupy_malloc(param, size, device, CP_FN_CUPY_MALLOC_RAISING);
+		p = cupy_malloc(param, size, device, CP_FN_CUPY_MALLOC_RAISING, &stream_failed);
 		if (p != NULL || size == 0)
 			return p;
 	}
 	cp_pyhandler *h = atomic_load(&cp_cupy_handler);
 	if (h == NULL || !h->gil_check())
 		return NULL; /* no handler, or a caller without the GIL: NULL, as cudapool_cupy_malloc */
+	if (stream_failed)
+		return (void *)-1; /* CuPy's function set its own exception: CuPy raises it */
 	int rc = call_handler(h, size, device, 0);
 	if (rc == 1 && size != CUDAPOOL_CUPY_PROBE_SIZE) {
-		p = cupy_malloc(param, size, device, CP_FN_CUPY_MALLOC_RAISING);
+		p = cupy_malloc(param, size, device, CP_FN_CUPY_MALLOC_RAISING, &stream_failed);
+		if (stream_failed)
+			return (void *)-1;
 		if (p != NULL)
 			return p;
 		rc = call_handler(h, size, device, 1);

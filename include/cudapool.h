@@ -589,8 +589,9 @@ void *cudapool_cupy_malloc(void *param, size_t size, int device);
  * (cudapool_cupy_set_failure_handler) and the calling thread holds the GIL,
  * it calls handler(size, device, attempt): with attempt 0 the handler may
  * free memory and return True for one retry; else, or with attempt 1, it
- * raises, and the result is -1 with its exception set. Without a handler or
- * the GIL it returns NULL, as cudapool_cupy_malloc. A size of
+ * raises, and the result is -1 with its exception set; where param (the
+ * current-stream function) fails, with the exception it set. Without a
+ * handler or the GIL it returns NULL, as cudapool_cupy_malloc. A size of
  * CUDAPOOL_CUPY_PROBE_SIZE allocates nothing and calls the handler at once
  * (attempt 0, no retry): cudapool.cupy's install() learns that way whether
  * this CuPy propagates the exception. */

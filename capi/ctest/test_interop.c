@@ -184,6 +184,12 @@ static void test_cupy_raising(void) {
 	h = (fake_handler){.answers = {1}};
 	CHECK(rmalloc(NULL, CUDAPOOL_CUPY_PROBE_SIZE, 0) == NULL && h.calls == 1, "and never retries");
 
+	h = (fake_handler){.answers = {1}};
+	current_stream = -1;
+	CHECK(rmalloc((void *)get_current_stream, 4000, 0) == (void *)-1 && h.calls == 0,
+	      "a failing current-stream function: -1 (its own exception), the handler not called");
+	current_stream = 0;
+
 	h = (fake_handler){.answers = {-1}};
 	gil_held = 0;
 	CHECK(rmalloc(NULL, 1024 * GiB, 0) == NULL && h.calls == 0, "a caller without the GIL gets NULL, no call");
