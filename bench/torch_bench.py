@@ -792,9 +792,9 @@ def timed_captures(torch, args, ext, top=8):
     where a capture's time goes. Per side, the median over the captures
     that count of each phase (alt_capture_<side>_<phase>_ms); per timed
     call kind, the median per capture of the calls' total and of its top
-    slowest calls' (..._per_capture_ms, ..._top<top>_per_capture_ms: the
-    calls that reach the driver), and call_summary's figures over all
-    those captures' calls."""
+    slowest calls' (..._per_capture_ms, ..._top<top>_per_capture_ms: where
+    a few calls that reach the driver carry the time, the two are close),
+    and call_summary's figures over all those captures' calls."""
     def before(side):
         ext.timing_take()  # what ran between captures is not the capture's
 
@@ -817,9 +817,8 @@ def timed_captures(torch, args, ext, top=8):
             sums[1].append(sum(sorted(ns)[-top:]) / 1e6)
     for side in ("native", "cudapool"):
         mine = [r for r in rows if r["side"] == side]
-        for phase in CAPTURE_PHASES + ("total",):
-            if mine:
-                out[f"alt_capture_{side}_{phase}_ms"] = statistics.median(r[phase] for r in mine)
+        for phase in CAPTURE_PHASES + ("total",) if mine else ():
+            out[f"alt_capture_{side}_{phase}_ms"] = statistics.median(r[phase] for r in mine)
     for (side, call), (total, tops) in sorted(per.items()):
         out[f"alt_capture_{side}_{call}_per_capture_ms"] = statistics.median(total)
         out[f"alt_capture_{side}_{call}_top{top}_per_capture_ms"] = statistics.median(tops)

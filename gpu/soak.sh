@@ -20,8 +20,8 @@
 # SEGMENTS: off, on or both (default both); RACE=0 skips the race test;
 # APART=1 gives native a GPU of its own (the first visible one; cudapool and
 # the C twin share the second), where there are two, so that a fault of
-# native's (its capture-time race can end in an illegal memory access with
-# expandable segments) cannot touch cudapool's run;
+# native's process (an illegal memory access was seen once, with expandable
+# segments) cannot touch cudapool's run;
 # WATCHDOG_S: a thread without progress for this long is a hang (default 60).
 # A run takes SOAK_S + about 40 s; a hung one is killed by SOAK_S +
 # WATCHDOG_S + 40 s (its own watchdog normally reports it before).
@@ -73,8 +73,9 @@ else
     echo "SKIP the C twin: no nvcc at $CUDA_HOME/bin or no gcc"
 fi
 
-# gpu_of NAME: the CUDA_VISIBLE_DEVICES a process gets (empty: as inherited).
-gpu_of() { :; }
+# gpu_env NAME: the CUDA_VISIBLE_DEVICES=... setting process NAME gets
+# (nothing: it inherits the caller's).
+gpu_env() { :; }
 if [ "$APART" = 1 ]; then
     visible=${CUDA_VISIBLE_DEVICES:-$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | tr -d ' ' | paste -sd, -)}
     first=${visible%%,*}
@@ -82,7 +83,7 @@ if [ "$APART" = 1 ]; then
     second=${rest%%,*}
     if [ -n "$first" ] && [ "$rest" != "$visible" ] && [ -n "$second" ]; then
         echo "APART=1: native on GPU $first, cudapool and the C twin on GPU $second"
-        gpu_of() { if [ "$1" = native ]; then echo "$first"; else echo "$second"; fi; }
+        gpu_env() { if [ "$1" = native ]; then echo "CUDA_VISIBLE_DEVICES=$first"; else echo "CUDA_VISIBLE_DEVICES=$second"; fi; }
     else
         echo "APART=1: fewer than two GPUs visible; all processes share one"
     fi
@@ -102,7 +103,7 @@ for kind in $kinds; do
     names=()
     if [ "$have_torch" = 1 ]; then
         for alloc in native cudapool; do
-            env $(g=$(gpu_of "$alloc"); [ -n "$g" ] && echo "CUDA_VISIBLE_DEVICES=$g") \
+            env $(gpu_env "$alloc") \
                 PYTORCH_CUDA_ALLOC_CONF="$conf" timeout -k 10 "$LIMIT" \
                 "$PY" gpu/soak.py --allocator "$alloc" --seconds "$SOAK_S" >"$OUT/soak_${alloc}_$kind.log" 2>&1 &
             pids+=($!)
@@ -110,7 +111,7 @@ for kind in $kinds; do
         done
     fi
     if [ "$have_c" = 1 ]; then
-        env $(g=$(gpu_of c); [ -n "$g" ] && echo "CUDA_VISIBLE_DEVICES=$g") \
+        env $(gpu_env c) \
             CUDAPOOL_CONF="$conf" KERNELS_PTX=build/gpu/soak_kernels.ptx timeout -k 10 "$LIMIT" \
             build/gpu/soak_c "$SOAK_S" >"$OUT/soak_c_$kind.log" 2>&1 &
         pids+=($!)
