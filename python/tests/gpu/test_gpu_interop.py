@@ -328,9 +328,9 @@ def test_cupy_graph_capture_and_replay(cupy):
 
 
 def test_cupy_calls_the_c_allocator_itself(cupy):
-    # CuPy 14 is built by Cython 3, which propagates the exception that
-    # cudapool_cupy_malloc_raising sets: install()'s probe passes and no
-    # Python function of cudapool's runs per allocation.
+    # Expected of CuPy 14 (Cython 3, whose defaults propagate the exception
+    # that cudapool_cupy_malloc_raising sets): install()'s probe passes and
+    # no Python function of cudapool's runs per allocation.
     allocator = cupy.cuda.memory.get_allocator()
     assert isinstance(getattr(allocator, "__self__", None), cupy.cuda.memory.CFunctionAllocator), (
         f"the allocator is {allocator!r}: this CuPy ({cupy.__version__}) left the probe's exception set"
