@@ -39,7 +39,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 SOURCE = os.path.join(HERE, "torch_allocator_bench.cpp")
 # cudapool_torch_bench_version: a cached build with another is stale.
-VERSION = 2
+VERSION = 3
 
 # cudapool_torch_bench_timing_take's kinds, in its order (timing::Kind).
 TIMING_KINDS = (("native", "alloc"), ("native", "free"), ("cudapool", "alloc"), ("cudapool", "free"),
@@ -148,6 +148,21 @@ def timing(on, cross=False):
     crossing costs what runs around it."""
     if _handle("timing").cudapool_torch_bench_timing((2 if cross else 1) if on else 0) != 0:
         raise _unavailable()("timing needs the benchmark's build installed on its direct path")
+
+
+def native_counts(device=0):
+    """PyTorch's own allocator's (device_allocs, device_frees, reserved bytes)
+    on device, what torch.cuda.memory_stats() reports of cudapool's as
+    num_device_alloc, num_device_free and reserved_bytes.all.current.
+    Raises ExtensionUnavailable when PyTorch's allocator is not at hand or
+    has not started."""
+    f = _handle("native_counts").cudapool_torch_bench_native_counts
+    f.restype = ctypes.c_int
+    f.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int64)]
+    out = (ctypes.c_int64 * 3)()
+    if f(device, out) != 0:
+        raise _unavailable()("native_counts needs PyTorch's own allocator, started, under the benchmark's build")
+    return tuple(out)
 
 
 def timing_take(cap=1 << 17):

@@ -418,14 +418,25 @@ class TestReport(unittest.TestCase):
 
         @contextmanager
         def graph(g):
-            state["log"].append("native" if state["native"] else "cudapool")
+            side = "native" if state["native"] else "cudapool"
+            state["log"].append(side)
             clock[0] += 5e-3 if state["native"] else 4e-3
+            if "device" in state:  # a capture makes segments: native 2 of 20 MiB, cudapool 3 of 2 MiB
+                n, mib = (2, 20) if state["native"] else (3, 2)
+                dev = state["device"][side]
+                dev[0] += n
+                dev[2] += (n * mib) << 20
             yield
+
+        def memory_stats():
+            dev = state.get("device", {}).get("cudapool", [0, 0, 0])
+            return {"num_device_alloc": dev[0], "num_device_free": dev[1], "reserved_bytes.all.current": dev[2]}
 
         fake = types.SimpleNamespace(
             no_grad=contextmanager(lambda: (yield)),
             cuda=types.SimpleNamespace(CUDAGraph=Graph, graph=graph, synchronize=lambda: None,
-                                       empty_cache=lambda: None))
+                                       empty_cache=lambda: None, current_device=lambda: 0,
+                                       memory_stats=memory_stats))
         saved = (torch_bench.graph_model, torch_bench.warm_forward, torch_bench.time.perf_counter)
         torch_bench.graph_model = lambda torch, args: (lambda x: object(), None)
         torch_bench.warm_forward = lambda torch, model, x: None
@@ -457,8 +468,12 @@ class TestReport(unittest.TestCase):
         # --alt-timing with captures: each capture's timed calls are its
         # own (what ran before its clock started is taken and dropped),
         # summed per capture, their slowest few apart, per side.
-        state = {"native": False, "log": [], "graphs": 0}
+        state = {"native": False, "log": [], "graphs": 0, "device": {"native": [0, 0, 0], "cudapool": [0, 0, 0]}}
         takes = []
+
+        def native_counts(device):
+            self.assertEqual(device, 0)
+            return tuple(state["device"]["native"])
 
         def timing_take():
             # After a capture: ten 1 us allocate() calls and one 50 us
@@ -471,7 +486,7 @@ class TestReport(unittest.TestCase):
             slow, typical = (50_000.0, 1_000.0) if side == "native" else (80_000.0, 1_500.0)
             return {(side, "alloc"): ([typical] * 10 + [slow], 11), (side, "free"): ([], 0)}
 
-        with self.fake_captures(state, timing_take=timing_take) as (fake, ext):
+        with self.fake_captures(state, timing_take=timing_take, native_counts=native_counts) as (fake, ext):
             args = torch_bench.parse_args(["cudapool", "--sections", "alt", "--alt-captures", "3", "--alt-timing"])
             out = torch_bench.timed_captures(fake, args, ext)
         self.assertEqual(len(takes), 16, "one take before and one after each of the 8 captures")
@@ -479,6 +494,11 @@ class TestReport(unittest.TestCase):
         self.assertAlmostEqual(out["alt_capture_native_alloc_top8_per_capture_ms"], 0.057)
         self.assertAlmostEqual(out["alt_capture_cudapool_alloc_per_capture_ms"], 0.095)
         self.assertAlmostEqual(out["alt_capture_cudapool_alloc_top8_per_capture_ms"], 0.0905)
+        self.assertEqual(out["alt_capture_cudapool_alloc_top_us"], [80.0] + [1.5] * 7, "slowest first")
+        self.assertEqual(out["alt_capture_native_device_allocs"], 2, "from native's own counts")
+        self.assertEqual(out["alt_capture_cudapool_device_allocs"], 3, "from cudapool's memory_stats")
+        self.assertEqual(out["alt_capture_native_reserved_mib"], 40)
+        self.assertEqual(out["alt_capture_cudapool_reserved_mib"], 6)
         self.assertEqual(out["alt_capture_cudapool_alloc_calls"], 33, "3 captures of 11 calls count")
         self.assertEqual(out["alt_capture_cudapool_alloc_median_ns"], 1_500.0)
         self.assertNotIn("alt_capture_native_free_per_capture_ms", out, "no calls, no figure")

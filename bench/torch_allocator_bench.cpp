@@ -316,6 +316,19 @@ class BenchAllocator final : public Allocator {
 		return true;
 	}
 
+	// native_counts puts PyTorch's own allocator's device allocations, device
+	// frees and reserved bytes on device into out[0..2]. False when there is
+	// no allocator at hand or it has not started.
+	bool native_counts(DeviceIndex device, int64_t *out) {
+		if (native_ == nullptr || !native_->initialized())
+			return false;
+		const auto s = native_->getDeviceStats(device);
+		out[0] = s.num_device_alloc;
+		out[1] = s.num_device_free;
+		out[2] = s.reserved_bytes[0].current; // all pools
+		return true;
+	}
+
 	// set_timing turns call timing on or off; turning it on starts a new
 	// measurement: samples and calibration.
 	void set_timing(bool on, bool cross) {
@@ -530,8 +543,25 @@ __attribute__((visibility("default"))) long cudapool_torch_bench_timing_take(int
 	return n;
 }
 
+// cudapool_torch_bench_native_counts puts PyTorch's own allocator's device
+// allocations, device frees and reserved bytes on device into out[0..2]
+// (what cudapool's own figures are in torch.cuda.memory_stats). 0 on
+// success, -1 when not installed or PyTorch's allocator is not at hand.
+__attribute__((visibility("default"))) int cudapool_torch_bench_native_counts(int device, int64_t *out) {
+	using namespace cudapool_torch;
+	try {
+		return bench != nullptr && out != nullptr &&
+		               bench->native_counts(static_cast<DeviceIndex>(device), out)
+		           ? 0
+		           : -1;
+	} catch (const std::exception &e) {
+		fprintf(stderr, "cudapool: native counts: %s\n", e.what());
+		return -1;
+	}
+}
+
 // cudapool_torch_bench_version is the version of this file's interface with
 // bench/bench_ext.py.
-__attribute__((visibility("default"))) int cudapool_torch_bench_version(void) { return 2; }
+__attribute__((visibility("default"))) int cudapool_torch_bench_version(void) { return 3; }
 
 } // extern "C"

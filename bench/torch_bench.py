@@ -790,21 +790,42 @@ CAPTURE_PHASES = ("enter", "forward", "exit", "sync")
 def timed_captures(torch, args, ext, top=8):
     """alt_captures with the class's call timing on (--alt-timing), to see
     where a capture's time goes. Per side, the median over the captures
-    that count of each phase (alt_capture_<side>_<phase>_ms); per timed
-    call kind, the median per capture of the calls' total and of its top
-    slowest calls' (..._per_capture_ms, ..._top<top>_per_capture_ms: where
-    a few calls that reach the driver carry the time, the two are close),
-    and call_summary's figures over all those captures' calls."""
+    that count of each phase (alt_capture_<side>_<phase>_ms) and of the
+    device allocations and reserved MiB a capture added (..._device_allocs,
+    ..._reserved_mib: a side that makes more segments pays more driver
+    calls); per timed call kind, the median per capture of the calls'
+    total and of its top slowest calls' (..._per_capture_ms,
+    ..._top<top>_per_capture_ms: where a few calls that reach the driver
+    carry the time, the two are close), the median of each of those
+    slowest calls by rank (..._top_us, slowest first: more slow calls, or
+    slower ones), and call_summary's figures over all those captures'
+    calls."""
+    def counts(side):
+        if side == "native":
+            try:
+                return ext.native_counts(torch.cuda.current_device())
+            except ext.ExtensionUnavailable:
+                return None
+        s = torch.cuda.memory_stats()
+        return (s.get("num_device_alloc", 0), s.get("num_device_free", 0), s.get("reserved_bytes.all.current", 0))
+
+    before_counts = {}
+
     def before(side):
         ext.timing_take()  # what ran between captures is not the capture's
+        before_counts[side] = counts(side)
 
     def after(side, row):
         row["timing"] = ext.timing_take()
+        c0, c1 = before_counts.pop(side, None), counts(side)
+        if c0 is not None and c1 is not None:
+            row["device_allocs"] = c1[0] - c0[0]
+            row["reserved_mib"] = (c1[2] - c0[2]) / 2**20
 
     out = alt_captures(torch, args, ext, before=before, after=after)
     rows = out.pop("alt_capture_rows")
     calls = {}  # (allocator, call) -> ([ns], [calls]) over every capture that counts
-    per = {}  # (allocator, call) -> ([ms per capture], [ms of its top calls per capture])
+    per = {}  # (allocator, call) -> ([ms per capture], [ms of its top calls per capture], [[us of each top call]])
     for row in rows:
         for key, (ns, n) in row.pop("timing").items():
             if not n:
@@ -812,16 +833,24 @@ def timed_captures(torch, args, ext, top=8):
             acc = calls.setdefault(key, ([], [0]))
             acc[0].extend(ns)
             acc[1][0] += n
-            sums = per.setdefault(key, ([], []))
+            slowest = sorted(ns, reverse=True)[:top]
+            sums = per.setdefault(key, ([], [], []))
             sums[0].append(sum(ns) / 1e6)
-            sums[1].append(sum(sorted(ns)[-top:]) / 1e6)
+            sums[1].append(sum(slowest) / 1e6)
+            sums[2].append([v / 1e3 for v in slowest])
     for side in ("native", "cudapool"):
         mine = [r for r in rows if r["side"] == side]
         for phase in CAPTURE_PHASES + ("total",) if mine else ():
             out[f"alt_capture_{side}_{phase}_ms"] = statistics.median(r[phase] for r in mine)
-    for (side, call), (total, tops) in sorted(per.items()):
+        for k in ("device_allocs", "reserved_mib"):
+            vals = [r[k] for r in mine if k in r]
+            if vals:
+                out[f"alt_capture_{side}_{k}"] = statistics.median(vals)
+    for (side, call), (total, tops, ranks) in sorted(per.items()):
         out[f"alt_capture_{side}_{call}_per_capture_ms"] = statistics.median(total)
         out[f"alt_capture_{side}_{call}_top{top}_per_capture_ms"] = statistics.median(tops)
+        depth = min(len(r) for r in ranks)
+        out[f"alt_capture_{side}_{call}_top_us"] = [statistics.median(r[i] for r in ranks) for i in range(depth)]
     out.update(call_summary("alt_capture", calls))
     return out
 
