@@ -3,7 +3,7 @@
 host time: the figures docs/fragmentation.md ("What a move costs") and
 docs/benchmarks.md reason with. Needs only libcuda (no PyTorch).
 
-    python3 gpu/driver_costs.py            # all three tables, device 0
+    python3 gpu/driver_costs.py            # all four tables, device 0
     python3 gpu/driver_costs.py --device 1 --reps 9 --tables sizes,runs
 
 Tables:
@@ -17,6 +17,10 @@ Tables:
          cuMemMap, cuMemSetAccess, cuMemUnmap and cuMemRelease of one
          allocation, and cuMemAlloc / cuMemFree of the same size (2, 20,
          64 and 128 MiB).
+  fixed  what a range's growth may pay once, whatever it maps: reserving
+         (and freeing) 1/8 and 9/8 of the device's memory of addresses (a
+         small and a large pool's range), cuMemGetInfo (read before mapping
+         new memory), and cuCtxSynchronize with nothing queued.
 
 Each figure is the median over --reps repetitions (the first one dropped:
 it pays for lazy set-up). The device must have a few GiB free. Prints
@@ -115,6 +119,14 @@ class Driver:
 
     def mem_free(self, p):
         self.check(self.cu.cuMemFree_v2(ctypes.c_ulonglong(p)), "cuMemFree")
+
+    def mem_get_info(self):
+        free, total = ctypes.c_size_t(), ctypes.c_size_t()
+        self.check(self.cu.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total)), "cuMemGetInfo")
+        return free.value, total.value
+
+    def synchronize(self):
+        self.check(self.cu.cuCtxSynchronize(), "cuCtxSynchronize")
 
 
 def median_us(samples):
@@ -233,7 +245,32 @@ def table_calls(drv, reps):
         print(f"{mib:>4} MiB " + " ".join(f"{median_us(t[c]):>14.1f}" for c in cols))
 
 
-TABLES = {"sizes": table_sizes, "runs": table_runs, "calls": table_calls}
+def table_fixed(drv, reps):
+    _, total = drv.mem_get_info()
+    print(f"fixed costs of a growth, us (device memory {total / (1 << 30):.1f} GiB)")
+    sizes = {"1/8": (total // 8 + 2 * MiB - 1) // (2 * MiB) * (2 * MiB)}
+    sizes["9/8"] = sizes["1/8"] * 9
+    pc = time.perf_counter
+    t = {}
+    for _ in range(reps):
+        for name, size in sizes.items():
+            t0 = pc()
+            va = drv.reserve(size)
+            t1 = pc()
+            drv.free_range(va, size)
+            t.setdefault(f"reserve {name}", []).append(t1 - t0)
+            t.setdefault(f"free {name}", []).append(pc() - t1)
+        t0 = pc()
+        drv.mem_get_info()
+        t.setdefault("cuMemGetInfo", []).append(pc() - t0)
+        t0 = pc()
+        drv.synchronize()
+        t.setdefault("cuCtxSynchronize, idle", []).append(pc() - t0)
+    for name, samples in t.items():
+        print(f"{name:>24} {median_us(samples):>9.1f}")
+
+
+TABLES = {"sizes": table_sizes, "runs": table_runs, "calls": table_calls, "fixed": table_fixed}
 
 
 def main(argv=None):

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The GPU tools' parts that run without a GPU: gpu/driver_costs.py's
-arguments and its skip where there is no driver, and gpu/soak.py's hang
-hook (SOAK_ON_HANG)."""
+arguments, its skip where there is no driver and its fixed-cost table on a
+stand-in driver, and gpu/soak.py's hang hook (SOAK_ON_HANG)."""
 import os
 import sys
 
@@ -44,6 +44,37 @@ def test_driver_costs_names_a_missing_device(monkeypatch, capsys):
     monkeypatch.setattr(driver_costs.ctypes, "CDLL", lambda name: Fake())
     assert driver_costs.main(["--device", "3"]) == 2
     assert "device 3 does not exist (1 devices)" in capsys.readouterr().err
+
+
+def test_driver_costs_fixed_table_reserves_what_pools_reserve(capsys):
+    # The fixed table reserves 1/8 and 9/8 of the device's memory, in whole
+    # 2 MiB pages, frees every range it reserved, and prints one row per
+    # figure.
+    total = 141 * (1 << 30) + 123
+    ranges, freed = [], []
+
+    class Drv:
+        def mem_get_info(self):
+            return total // 2, total
+
+        def reserve(self, size):
+            ranges.append(size)
+            return 1 << 40 + len(ranges)
+
+        def free_range(self, va, size):
+            freed.append(size)
+
+        def synchronize(self):
+            pass
+
+    driver_costs.table_fixed(Drv(), 3)
+    page = 2 << 20
+    eighth = -(-(total // 8) // page) * page
+    assert sorted(set(ranges)) == [eighth, 9 * eighth]
+    assert sorted(freed) == sorted(ranges) and len(ranges) == 6
+    out = capsys.readouterr().out
+    for row in ("reserve 1/8", "free 9/8", "cuMemGetInfo", "cuCtxSynchronize, idle"):
+        assert row in out
 
 
 def test_on_hang_runs_the_command_with_the_pid(capfd):
