@@ -193,6 +193,22 @@ METRICS = [
     Metric("trace replay: time per op (cached)", "c", "trace_ns_per_op", "ns/op", digits=0, section="trace"),
 ]
 
+# The other allocation traces (run_bench.sh's part "traces"): label -> the
+# trace's name. Their lines come from ctrace_LABEL_CFG[_rN].json, with the
+# trace section's keys renamed trace_X -> LABEL_X on loading.
+TRACES = {
+    "kv1": "LLM serving, 1 stream",
+    "kv2": "LLM serving, prefill stream",
+    "fsdp2": "FSDP2 training, rank 0",
+}
+for _label, _name in TRACES.items():
+    METRICS += [
+        Metric(f"{_name}: peak reserved", "c", f"{_label}_peak_reserved", "GiB", scale=GiB,
+               section=f"trace_{_label}"),
+        Metric(f"{_name}: reserved / allocated", "c", _ratio(f"{_label}_peak_reserved", f"{_label}_peak_allocated"),
+               "x", digits=3, section=f"trace_{_label}"),
+    ]
+
 
 # The expandable pair's capture (cudapool expandable against native
 # expandable), judged like the capture row by the paired in-process ratio:
@@ -230,6 +246,9 @@ class Results:
         self.alt_errors = {}  # config -> ["<section>: <message>"] of the alt lines that failed
         self.by_run = {}  # (config, run) -> the numbers of torch_CONFIG[_rRUN].json
         self.run = None  # the run of the file being loaded (load)
+        # The C results' source of the file being loaded: "c", or
+        # "ctrace_LABEL" for a trace of part "traces" (load).
+        self.part = "c"
 
     def add(self, obj):
         if not isinstance(obj, dict):
@@ -271,6 +290,8 @@ class Results:
             self.by_run.setdefault((config, self.run), {}).update(
                 {k: v for k, v in obj.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
         rec = self.records.setdefault((kind, config), {})
+        if kind == "c":
+            rec.setdefault("_parts", set()).add(self.part)
         errs = self.errors.setdefault((kind, config), {})
         section = obj.get("section") if isinstance(obj.get("section"), str) else "?"
         for k, v in obj.items():
@@ -306,9 +327,15 @@ class Results:
         for sec in (metric.errkey, metric.section, "init", "meta"):
             if sec and sec in errs:
                 return f"{sec}: {errs[sec]}"
-        # A repeated step is named NAME_rN (run_bench.sh's REPEATS).
-        names = [f"{kind}_{config}"] + sorted(n for n in self.steps if n.startswith(f"{kind}_{config}_r")
-                                              and n[len(kind) + len(config) + 3:].isdigit())
+        # A repeated step is named NAME_rN (run_bench.sh's REPEATS); a trace
+        # of part "traces" is replayed by steps ctrace_LABEL_CONFIG.
+        base, part = kind, kind
+        sec = metric.section or ""
+        if kind == "c" and sec.startswith("trace_") and sec[len("trace_"):] in TRACES:
+            base, part = f"ctrace_{sec[len('trace_'):]}", "traces"
+        runs = [f"{base}_{config}"] + sorted(n for n in self.steps if n.startswith(f"{base}_{config}_r")
+                                             and n[len(base) + len(config) + 3:].isdigit())
+        names = list(runs)
         if kind == "c":
             names.append("build_c" if config.startswith("cudapool") else "build_native")
         for name in names:
@@ -317,6 +344,8 @@ class Results:
                 why = st.get("reason") or st.get("status")
                 return f"{name}: {why}"
         rec = self.record(kind, config)
+        if kind == "c" and rec is not None and base not in rec.get("_parts", ()):
+            return f"not run (bench/run_bench.sh's part {part} was not in this run)"
         if rec is None:
             return f"no {kind} results for {config}"
         if metric.section and metric.section not in rec.get("_sections", []):
@@ -363,6 +392,21 @@ def ring_runs(res):
     return min(counts) if counts else 0
 
 
+def _trace_renamed(obj, label):
+    """A trace section's line as trace label's: section trace_<label>, keys
+    trace_X as <label>_X. Other lines pass unchanged."""
+    if not isinstance(obj, dict) or obj.get("kind") != "c" or obj.get("section") != "trace":
+        return obj
+    out = {}
+    for k, v in obj.items():
+        if k == "section":
+            v = f"trace_{label}"
+        elif k.startswith("trace_"):
+            k = f"{label}_{k[len('trace_'):]}"
+        out[k] = v
+    return out
+
+
 def load(results_dir):
     res = Results()
     paths = []
@@ -390,6 +434,13 @@ def load(results_dir):
         # a run: its meta and done lines must not count as one of its
         # configuration's runs (they would make "5-6 runs").
         alt = any(o.get("kind") == "torch" and o.get("section") in ALT_SECTIONS for o in objs)
+        # ctrace_LABEL_CFG[_rN].json: a replay of the trace LABEL, whose keys
+        # become LABEL's (they would merge into demo/trace.txt's otherwise).
+        m = re.fullmatch(r"ctrace_([a-z0-9]+)_.+\.json", os.path.basename(path))
+        res.part = "c"
+        if m and m.group(1) in TRACES:
+            objs = [_trace_renamed(o, m.group(1)) for o in objs]
+            res.part = f"ctrace_{m.group(1)}"
         # torch_CONFIG.json is run 1, torch_CONFIG_rN.json run N (run_bench.sh).
         m = re.fullmatch(r"torch_.+?(?:_r(\d+))?\.json", os.path.basename(path))
         res.run = (int(m.group(1)) if m.group(1) else 1) if m and not alt else None
@@ -397,7 +448,7 @@ def load(results_dir):
             if alt and obj.get("kind") == "torch" and obj.get("section") not in ALT_SECTIONS:
                 continue
             res.add(obj)
-        res.run = None
+        res.run, res.part = None, "c"
     return res
 
 
@@ -964,6 +1015,8 @@ README_SPEED = [
 README_MEMORY = [
     ("training reserved / allocated", "GPT-2 training: peak reserved / peak allocated"),
     ("trace replay: reserved / allocated", "trace replay (C): peak reserved / peak allocated"),
+] + [(f"{name}: reserved / allocated", f"{name} (C trace): peak reserved / peak allocated")
+     for name in TRACES.values()] + [
     ("CUDA graph private pool", "CUDA graph private pool, MiB"),
 ]
 # How each paired figure was taken, for the line under the speed table.
@@ -1097,9 +1150,55 @@ def render_readme(res, rows):
         if r is None:
             continue
         cells = r[1]
+        if all(r[0].value(res.record(r[0].kind, c)) is None for c in CONFIGS):
+            continue  # not run (e.g. a trace of part "traces"): RESULTS.md says why
         out.append(f"| {name} | " + " | ".join(_md_escape(re.sub(r" \[\d+\]", "", cells[c])) for c in CONFIGS)
                    + " |")
+    margin = memory_margin(res, by_label)
+    if margin:
+        out += ["", margin]
     return "\n".join(out) + "\n"
+
+
+# PyTorch's own allocators, the ones the memory margin is taken against.
+NATIVE_CONFIGS = ("native", "expandable", "async")
+
+
+def memory_margin(res, by_label):
+    """The line under the README's memory table: by how much less cudapool's
+    defaults reserve than the best of PyTorch's allocators, row by row (for
+    a reserved / allocated row, the same allocations: 1 - cudapool / best),
+    the smallest and largest of those margins, and any row where cudapool
+    is not below them all. "" without a row measured on every side."""
+    margins, behind = [], []
+    for label, name in README_MEMORY:
+        r = by_label.get(label)
+        if r is None:
+            continue
+        m = r[0]
+        ours = m.value(res.record(m.kind, "cudapool"))
+        theirs = [(m.value(res.record(m.kind, c)), c) for c in NATIVE_CONFIGS]
+        theirs = [(v, c) for v, c in theirs if v is not None and v > 0]
+        if ours is None or len(theirs) < len(NATIVE_CONFIGS):
+            continue
+        best, cfg = min(theirs, key=lambda t: t[0])  # a tie names the first in NATIVE_CONFIGS
+        if ours < best:
+            margins.append((1 - ours / best, name))
+        else:
+            behind.append(f"{name} ({m.fmt(ours)} against {LABELS[cfg]}'s {m.fmt(best)})")
+    if not margins and not behind:
+        return ""
+    line = ""
+    if margins:
+        lo, hi = min(margins), max(margins)
+        rows = "every memory row" if not behind else f"{len(margins)} of {len(margins) + len(behind)} memory rows"
+        line = (f"cudapool's defaults reserve less than every PyTorch allocator on {rows}: "
+                + (f"{lo[0]:.1%} less than the best of them" if lo == hi else
+                   f"from {lo[0]:.1%} ({lo[1]}) to {hi[0]:.1%} ({hi[1]}) less than the best of them")
+                + ".")
+    if behind:
+        line += (" " if line else "") + "Not below them all: " + "; ".join(behind) + "."
+    return line
 
 
 def _exp_capture_row(res, capture):

@@ -14,7 +14,9 @@
 #      bench/c_bench.c + lib/libcudapool.so; PyTorch's allocators through
 #      bench/native_bench.cpp + libc10_cuda. Then, once per run, the hot and
 #      mixed loops of cudapool and native in one process, reps alternated
-#      (bench/pair_bench.c: both meet the host in the same state).
+#      (bench/pair_bench.c: both meet the host in the same state). Part
+#      "traces": replays of the LLM serving trace (bench/kvcache.py), on one
+#      stream and with a prefill stream, and of demo/fsdp2.txt.gz.
 #   2. torch level (bench/torch_bench.py): GPT-2 training with variable
 #      sequence lengths, CUDA graph capture/replay, torch.empty + free; each
 #      run a ring of one fresh process per configuration taking turns rep by
@@ -68,7 +70,7 @@
 # BENCH_UPDATE_REPO=0 (leave bench/RESULTS.md and README.md alone: write the
 # results file and an updated copy of the README to $OUT only),
 # BENCH_REPEATS (3), BENCH_TRAIN_RUNS (5), BENCH_FSDP_RUNS (5),
-# BENCH_PARTS (the parts to run, default "c torch alt altcompile turns train floor fsdp"),
+# BENCH_PARTS (the parts to run, default "c traces torch alt altcompile turns train floor fsdp"),
 # BENCH_TORCH_RING (1), BENCH_TURN_CPU (the CPU of the rings and turn
 # pairs, default 2; 0 where there are 2 CPUs or fewer), BENCH_TURN_PIN
 # (thread: the default, only the main
@@ -94,7 +96,7 @@ REPEATS=${BENCH_REPEATS:-3}
 FROM=${BENCH_REPEAT_FROM:-1} # first run number of this invocation (to split the runs)
 TRAIN_RUNS=${BENCH_TRAIN_RUNS:-5}
 FSDP_RUNS=${BENCH_FSDP_RUNS:-5}
-PARTS=" ${BENCH_PARTS:-c torch alt altcompile turns train floor fsdp} "
+PARTS=" ${BENCH_PARTS:-c traces torch alt altcompile turns train floor fsdp} "
 part() { [[ $PARTS == *" $1 "* ]]; }
 RING=${BENCH_TORCH_RING:-1}
 NCPU=$(nproc 2>/dev/null || echo 1)
@@ -298,7 +300,7 @@ build_pair() {
             -Wl,--allow-shlib-undefined -ldl -pthread
 }
 
-if part c; then
+if part c || part traces; then
     rm -f "$BUILD/c_bench" "$BUILD/native_bench" "$BUILD/pair_bench"
     run_step build_c 0 "" build_c
     run_step build_native 0 "" build_native
@@ -320,9 +322,12 @@ C_ARGS+=(${BENCH_C_ARGS:-})
 # shellcheck disable=SC2206
 T_ARGS+=(${BENCH_TORCH_ARGS:-})
 
-c_run() { # CFG REP
-    local cfg=$1 rep=$2 prog envs conf name
-    name=$(run_name "c_$cfg" "$rep")
+c_run() { # CFG REP [BASE ARGS...]: the C program of CFG, run REP, with C_ARGS or ARGS
+    local cfg=$1 rep=$2 base=${3:-c} prog envs conf name args
+    shift 3 2>/dev/null || shift $#
+    args=("$@")
+    [ ${#args[@]} -eq 0 ] && args=("${C_ARGS[@]}")
+    name=$(run_name "${base}_$cfg" "$rep")
     if [ "$cfg" = cudapool ] || [ "$cfg" = cudapool_exp ]; then
         prog=$BUILD/c_bench
         envs=(env -u PYTORCH_CUDA_ALLOC_CONF)
@@ -339,7 +344,7 @@ c_run() { # CFG REP
         echo "=== $name: skipped, $(basename "$prog") was not built"
         return
     fi
-    run_step "$name" 120 "$RES/$name.json" "${envs[@]}" "$prog" --config "$cfg" "${C_ARGS[@]}"
+    run_step "$name" 120 "$RES/$name.json" "${envs[@]}" "$prog" --config "$cfg" "${args[@]}"
 }
 if part c; then
     for rep in $(seq "$FROM" "$REPEATS"); do
@@ -350,6 +355,28 @@ if part c; then
         else
             record_step "$name" skipped 0 "pair_bench was not built (logs/build_pair.log), or BENCH_SIM=1"
         fi
+    done
+fi
+
+# The other allocation traces (part "traces"), replayed as demo/trace.txt is:
+# the LLM serving trace of bench/kvcache.py (seeded: the same bytes on every
+# machine), on one stream and with prefills on a stream of their own, and
+# the recorded FSDP2 rank (demo/fsdp2.txt.gz). Their results go to
+# ctrace_LABEL_CFG[_rN].json, which bench/report.py reads as the trace LABEL's.
+gen_traces() {
+    "$PY" bench/kvcache.py "$BUILD/kv1.txt" && "$PY" bench/kvcache.py "$BUILD/kv2.txt" --prefill-stream 1 &&
+        gzip -dc demo/fsdp2.txt.gz >"$BUILD/fsdp2.txt"
+}
+if part traces && run_step gen_traces 0 "" gen_traces; then
+    T_PASSES=3
+    [ "$QUICK" = 1 ] && T_PASSES=1
+    for rep in $(seq "$FROM" "$REPEATS"); do
+        for label in kv1 kv2 fsdp2; do
+            for cfg in "${CONFIGS[@]}"; do
+                c_run "$cfg" "$rep" "ctrace_$label" --sections trace --trace "$BUILD/$label.txt" \
+                    --trace-repeats "$T_PASSES"
+            done
+        done
     done
 fi
 

@@ -69,6 +69,13 @@ def synthetic_run(directory, seed=1, series=("native", "cudapool")):
     with open(os.path.join(directory, "run.json"), "w") as f:
         for o in lines:
             f.write(json.dumps(o) + "\n")
+    # The other traces (run_bench.sh's part "traces"), one file per trace and configuration.
+    for label in report.TRACES:
+        for cfg in report.CONFIGS:
+            pa = rnd.uniform(4, 14) * GiB
+            with open(os.path.join(directory, f"ctrace_{label}_{cfg}.json"), "w") as f:
+                f.write(json.dumps({"kind": "c", "config": cfg, "section": "trace", "trace_peak_allocated": pa,
+                                    "trace_peak_reserved": pa * rnd.uniform(1.0, 1.5)}) + "\n")
     return report.load(directory)
 
 

@@ -648,6 +648,65 @@ class TestReport(unittest.TestCase):
         with open(readme) as f:
             self.assertEqual(f.read(), text)
 
+    def write_trace(self, label, reserved_gib, run=1, allocated_gib=10):
+        """ctrace_LABEL_CFG[_rN].json as run_bench.sh's part "traces" writes
+        them: c_bench's trace section, reserved per config in GiB."""
+        for cfg, r in reserved_gib.items():
+            name = f"ctrace_{label}_{cfg}" + (f"_r{run}" if run > 1 else "") + ".json"
+            write_lines(os.path.join(self.dir, name), [
+                {"kind": "c", "config": cfg, "section": "init", "backend": cfg},
+                {"kind": "c", "config": cfg, "section": "trace", "trace_peak_allocated": allocated_gib * GiB,
+                 "trace_peak_reserved": r * GiB, "trace_ns_per_op": 100.0, "trace_ops": 169797}])
+
+    def test_traces_part_rows_and_the_memory_margin(self):
+        # The other traces' replays become rows of their own (their keys
+        # renamed, demo/trace.txt's left alone), in RESULTS.md and the
+        # README's memory table, and a line under that table states by how
+        # much cudapool's defaults reserve less than the best of PyTorch's
+        # allocators, and where they do not.
+        self.full_run()
+        self.write_trace("kv1", {"native": 11.5, "expandable": 10.5, "async": 11.0, "cudapool": 10.1,
+                                 "cudapool_exp": 10.5})
+        self.write_trace("kv1", {"cudapool": 10.3}, run=2)
+        self.write_trace("kv2", {"native": 15.0, "expandable": 12.5, "async": 11.5, "cudapool": 10.1,
+                                 "cudapool_exp": 12.5})
+        res = report.load(self.dir)
+        rec = res.record("c", "native")
+        self.assertEqual(rec["trace_peak_reserved"], 6 * GiB, "demo/trace.txt's keys untouched")
+        self.assertEqual(rec["kv1_peak_reserved"], 11.5 * GiB)
+        self.assertEqual(res.record("c", "cudapool")["kv1_peak_reserved"], 10.2 * GiB, "the median of two runs")
+        rows, _ = report.build_rows(res)
+        kv1 = row(rows, "LLM serving, 1 stream: reserved / allocated")
+        self.assertEqual(kv1[1]["native"], "1.150")
+        self.assertEqual(kv1[1]["cudapool"].split(" ")[0], "1.020")
+        self.assertIn("LLM serving, prefill stream: peak reserved", [r[0].label for r in rows])
+        text = report.render_readme(res, rows)
+        self.assertIn("| LLM serving, 1 stream (C trace): peak reserved / peak allocated | 1.150 | 1.050 | 1.100 | "
+                      "1.020 | 1.050 |", text)
+        self.assertNotIn("FSDP2 training, rank 0 (C trace)", text, "a trace not run has no row")
+        margin = text.rstrip("\n").split("\n")[-1]
+        # kv1: 1 - 1.02/1.05 = 2.9%; kv2: 1 - 1.01/1.15 = 12.2%; demo/trace.txt
+        # (6 GiB / 5 GiB everywhere), the training ratio (1.1, as native
+        # expandable's and cudaMallocAsync's: a tie names the first) and the
+        # graph pool (800 against 600 MiB) are not below.
+        self.assertTrue(margin.startswith("cudapool's defaults reserve less than every PyTorch allocator on 2 of 5 "
+                                          "memory rows: from 2.9% (LLM serving, 1 stream"), margin)
+        self.assertIn("to 12.2% (LLM serving, prefill stream (C trace)", margin)
+        self.assertIn("Not below them all: GPT-2 training: peak reserved / peak allocated (1.100 against native "
+                      "expandable's 1.100)", margin)
+        self.assertIn("CUDA graph private pool, MiB (800.0 against native cudaMallocAsync's 600.0)", margin)
+
+    def test_memory_margin_on_every_row(self):
+        # Below them all on every row measured on every side: one range.
+        self.full_run()
+        self.write_trace("kv1", {"native": 11.5, "expandable": 10.5, "async": 11.0, "cudapool": 10.1})
+        res = report.load(self.dir)
+        by_label = {r[0].label: r for r in report.build_rows(res)[0]}
+        keep = {k: v for k, v in by_label.items() if k.startswith("LLM serving, 1 stream")}
+        self.assertEqual(report.memory_margin(res, keep), "cudapool's defaults reserve less than every PyTorch "
+                                                          "allocator on every memory row: 3.8% less than the best of them.")
+        self.assertEqual(report.memory_margin(res, {}), "")
+
     def test_readme_paired_column(self):
         # The README's paired column: pair_bench.c's processes for the C
         # rows, the alt processes for torch.empty and the capture, the rings
