@@ -246,8 +246,9 @@ class Results:
         self.alt_errors = {}  # config -> ["<section>: <message>"] of the alt lines that failed
         self.by_run = {}  # (config, run) -> the numbers of torch_CONFIG[_rRUN].json
         self.run = None  # the run of the file being loaded (load)
-        # The C results' source of the file being loaded: "c", or
-        # "ctrace_LABEL" for a trace of part "traces" (load).
+        # The step base of the C results being loaded: "c" (part c's
+        # c_CONFIG files), or "ctrace_LABEL" (part traces' replays of trace
+        # LABEL); each C record keeps the bases it came from in "_parts".
         self.part = "c"
 
     def add(self, obj):
@@ -330,14 +331,15 @@ class Results:
         # A repeated step is named NAME_rN (run_bench.sh's REPEATS); a trace
         # of part "traces" is replayed by steps ctrace_LABEL_CONFIG.
         base, part = kind, kind
-        sec = metric.section or ""
-        if kind == "c" and sec.startswith("trace_") and sec[len("trace_"):] in TRACES:
-            base, part = f"ctrace_{sec[len('trace_'):]}", "traces"
-        runs = [f"{base}_{config}"] + sorted(n for n in self.steps if n.startswith(f"{base}_{config}_r")
-                                             and n[len(base) + len(config) + 3:].isdigit())
-        names = list(runs)
+        label = (metric.section or "")[len("trace_"):]
+        if kind == "c" and metric.section == f"trace_{label}" and label in TRACES:
+            base, part = f"ctrace_{label}", "traces"
+        names = [f"{base}_{config}"] + sorted(n for n in self.steps if n.startswith(f"{base}_{config}_r")
+                                              and n[len(base) + len(config) + 3:].isdigit())
         if kind == "c":
             names.append("build_c" if config.startswith("cudapool") else "build_native")
+        if part == "traces":
+            names.append("gen_traces")
         for name in names:
             st = self.steps.get(name)
             if st and st.get("status") not in (None, "ok"):
@@ -393,14 +395,27 @@ def ring_runs(res):
 
 
 def _trace_renamed(obj, label):
-    """A trace section's line as trace label's: section trace_<label>, keys
-    trace_X as <label>_X. Other lines pass unchanged."""
-    if not isinstance(obj, dict) or obj.get("kind") != "c" or obj.get("section") != "trace":
+    """A line of a replay of trace label (ctrace_LABEL_CFG.json) as that
+    trace's: the trace section's line gets section trace_<label> and its
+    keys trace_X become <label>_X (its error trace_<label>_error); of the
+    process's other lines (init, done) only an error is kept, as the
+    trace's, so that their numbers do not count as runs of the C level.
+    None: nothing to keep."""
+    if not isinstance(obj, dict) or obj.get("kind") != "c":
         return obj
+    section = f"trace_{label}"
+    if obj.get("section") != "trace":
+        errs = [str(v) for k, v in obj.items() if k.endswith("_error")]
+        if not errs:
+            return None
+        return {"kind": "c", "config": obj.get("config"), "section": section,
+                f"{section}_error": f"{obj.get('section')}: {'; '.join(errs)}"}
     out = {}
     for k, v in obj.items():
         if k == "section":
-            v = f"trace_{label}"
+            v = section
+        elif k == "trace_error":
+            k = f"{section}_error"
         elif k.startswith("trace_"):
             k = f"{label}_{k[len('trace_'):]}"
         out[k] = v
@@ -438,8 +453,11 @@ def load(results_dir):
         # become LABEL's (they would merge into demo/trace.txt's otherwise).
         m = re.fullmatch(r"ctrace_([a-z0-9]+)_.+\.json", os.path.basename(path))
         res.part = "c"
-        if m and m.group(1) in TRACES:
-            objs = [_trace_renamed(o, m.group(1)) for o in objs]
+        if m:
+            if m.group(1) not in TRACES:
+                res.bad_lines += len(objs)  # a trace this report does not know: its keys would mix with trace.txt's
+                continue
+            objs = [o for o in (_trace_renamed(o, m.group(1)) for o in objs) if o is not None]
             res.part = f"ctrace_{m.group(1)}"
         # torch_CONFIG.json is run 1, torch_CONFIG_rN.json run N (run_bench.sh).
         m = re.fullmatch(r"torch_.+?(?:_r(\d+))?\.json", os.path.basename(path))
@@ -1011,12 +1029,14 @@ README_SPEED = [
     "graph-tree decoding, static KV cache (reduce-overhead)",
     "compiled model call (reduce-overhead)",
 ]
+# The README rows of part traces (left out when it did not run).
+TRACE_README_LABELS = [f"{name}: reserved / allocated" for name in TRACES.values()]
 # (metric label, the row's name in the README)
 README_MEMORY = [
     ("training reserved / allocated", "GPT-2 training: peak reserved / peak allocated"),
     ("trace replay: reserved / allocated", "trace replay (C): peak reserved / peak allocated"),
-] + [(f"{name}: reserved / allocated", f"{name} (C trace): peak reserved / peak allocated")
-     for name in TRACES.values()] + [
+] + [(label, f"{label.split(':')[0]} (C trace): peak reserved / peak allocated")
+     for label in TRACE_README_LABELS] + [
     ("CUDA graph private pool", "CUDA graph private pool, MiB"),
 ]
 # How each paired figure was taken, for the line under the speed table.
@@ -1140,7 +1160,10 @@ def render_readme(res, rows):
                  + (". The expandable row compares native expandable with cudapool expandable."
                     if EXP_CAPTURE_LABEL in judged else "."))
     if used:
-        line += (" Paired: " + "; ".join(PAIRED_HOW[h] for h in used)
+        how = [PAIRED_HOW[h] for h in used]
+        if not any("reduce-overhead" in j for j in judged):  # those rows are not in this table
+            how = [h.replace("graph capture and the reduce-overhead rows", "graph capture") for h in how]
+        line += (" Paired: " + "; ".join(how)
                  + "; each the median (min-max) over the processes or rings.")
     out += [line, ""]
     out += ["| memory | " + " | ".join(LABELS[c] for c in CONFIGS) + " |",
@@ -1150,8 +1173,8 @@ def render_readme(res, rows):
         if r is None:
             continue
         cells = r[1]
-        if all(r[0].value(res.record(r[0].kind, c)) is None for c in CONFIGS):
-            continue  # not run (e.g. a trace of part "traces"): RESULTS.md says why
+        if label in TRACE_README_LABELS and all(r[0].value(res.record(r[0].kind, c)) is None for c in CONFIGS):
+            continue  # part traces did not run: RESULTS.md says why
         out.append(f"| {name} | " + " | ".join(_md_escape(re.sub(r" \[\d+\]", "", cells[c])) for c in CONFIGS)
                    + " |")
     margin = memory_margin(res, by_label)
@@ -1168,18 +1191,23 @@ def memory_margin(res, by_label):
     """The line under the README's memory table: by how much less cudapool's
     defaults reserve than the best of PyTorch's allocators, row by row (for
     a reserved / allocated row, the same allocations: 1 - cudapool / best),
-    the smallest and largest of those margins, and any row where cudapool
-    is not below them all. "" without a row measured on every side."""
-    margins, behind = [], []
+    the smallest and largest of those margins, the rows where cudapool is
+    not below them all, and the rows shown without every value. "" when no
+    row could be compared."""
+    margins, behind, missing, shown = [], [], [], 0
     for label, name in README_MEMORY:
         r = by_label.get(label)
         if r is None:
             continue
         m = r[0]
+        if label in TRACE_README_LABELS and all(m.value(res.record(m.kind, c)) is None for c in CONFIGS):
+            continue  # not shown (render_readme)
+        shown += 1
         ours = m.value(res.record(m.kind, "cudapool"))
         theirs = [(m.value(res.record(m.kind, c)), c) for c in NATIVE_CONFIGS]
-        theirs = [(v, c) for v, c in theirs if v is not None and v > 0]
-        if ours is None or len(theirs) < len(NATIVE_CONFIGS):
+        lacking = [LABELS[c] for v, c in theirs if v is None or v <= 0] + ([] if ours is not None else ["cudapool"])
+        if lacking:
+            missing.append(f"{name} (no value for {', '.join(lacking)})")
             continue
         best, cfg = min(theirs, key=lambda t: t[0])  # a tie names the first in NATIVE_CONFIGS
         if ours < best:
@@ -1191,13 +1219,15 @@ def memory_margin(res, by_label):
     line = ""
     if margins:
         lo, hi = min(margins), max(margins)
-        rows = "every memory row" if not behind else f"{len(margins)} of {len(margins) + len(behind)} memory rows"
+        rows = "every memory row" if len(margins) == shown else f"{len(margins)} of {shown} memory rows"
         line = (f"cudapool's defaults reserve less than every PyTorch allocator on {rows}: "
                 + (f"{lo[0]:.1%} less than the best of them" if lo == hi else
                    f"from {lo[0]:.1%} ({lo[1]}) to {hi[0]:.1%} ({hi[1]}) less than the best of them")
                 + ".")
     if behind:
         line += (" " if line else "") + "Not below them all: " + "; ".join(behind) + "."
+    if missing:
+        line += " Not compared: " + "; ".join(missing) + "."
     return line
 
 

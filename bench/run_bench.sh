@@ -48,7 +48,7 @@
 # A full run takes more than 10 minutes; it can run in parts that add to
 # the same results, e.g. (OUT must then survive between the parts: a path
 # in the checkout such as build/bench-out)
-#   OUT=build/bench-out BENCH_PARTS=c bash bench/run_bench.sh
+#   OUT=build/bench-out BENCH_PARTS="c traces" bash bench/run_bench.sh
 #   OUT=build/bench-out BENCH_PARTS=torch BENCH_KEEP=1 bash bench/run_bench.sh
 #   OUT=build/bench-out BENCH_PARTS="train floor fsdp" BENCH_KEEP=1 bash bench/run_bench.sh
 # and BENCH_REPEAT_FROM=N makes a part start at run N (BENCH_REPEATS=2, then
@@ -322,11 +322,10 @@ C_ARGS+=(${BENCH_C_ARGS:-})
 # shellcheck disable=SC2206
 T_ARGS+=(${BENCH_TORCH_ARGS:-})
 
-c_run() { # CFG REP [BASE ARGS...]: the C program of CFG, run REP, with C_ARGS or ARGS
+c_run() { # CFG REP [BASE ARGS...]: run REP of CFG's C program as step BASE_CFG (default c_CFG), with C_ARGS then ARGS
     local cfg=$1 rep=$2 base=${3:-c} prog envs conf name args
-    shift 3 2>/dev/null || shift $#
-    args=("$@")
-    [ ${#args[@]} -eq 0 ] && args=("${C_ARGS[@]}")
+    shift $(($# < 3 ? $# : 3))
+    args=("${C_ARGS[@]}" "$@") # (the last --trace and --sections win)
     name=$(run_name "${base}_$cfg" "$rep")
     if [ "$cfg" = cudapool ] || [ "$cfg" = cudapool_exp ]; then
         prog=$BUILD/c_bench

@@ -507,6 +507,20 @@ class TestReport(unittest.TestCase):
         self.assertNotIn("alt_capture_rows", out)
         self.assertAlmostEqual(out["alt_capture_ratio"], 0.8)
 
+    def test_timed_captures_without_native_counts(self):
+        # Where the benchmark's build cannot read native's counts, native's
+        # device figures are left out and cudapool's still come.
+        state = {"native": False, "log": [], "graphs": 0, "device": {"native": [0, 0, 0], "cudapool": [0, 0, 0]}}
+
+        def native_counts(device):
+            raise Unavailable("no native allocator at hand")
+
+        with self.fake_captures(state, timing_take=lambda: {}, native_counts=native_counts) as (fake, ext):
+            args = torch_bench.parse_args(["cudapool", "--sections", "alt", "--alt-captures", "2", "--alt-timing"])
+            out = torch_bench.timed_captures(fake, args, ext)
+        self.assertNotIn("alt_capture_native_device_allocs", out)
+        self.assertEqual(out["alt_capture_cudapool_device_allocs"], 3)
+
     def test_alt_captures_failing_keeps_the_loops(self):
         # A capture that fails leaves the loops' results in the alt line.
         saved = torch_bench.graph_model
@@ -650,13 +664,16 @@ class TestReport(unittest.TestCase):
 
     def write_trace(self, label, reserved_gib, run=1, allocated_gib=10):
         """ctrace_LABEL_CFG[_rN].json as run_bench.sh's part "traces" writes
-        them: c_bench's trace section, reserved per config in GiB."""
+        them: c_bench's lines (init and done with their numbers too), the
+        trace section's reserved per config in GiB."""
         for cfg, r in reserved_gib.items():
             name = f"ctrace_{label}_{cfg}" + (f"_r{run}" if run > 1 else "") + ".json"
             write_lines(os.path.join(self.dir, name), [
-                {"kind": "c", "config": cfg, "section": "init", "backend": cfg},
+                {"kind": "c", "config": cfg, "section": "init", "backend": cfg, "hot_size": 4096,
+                 "live_blocks": 256, "reps": 5, "mixed_seed": 1},
                 {"kind": "c", "config": cfg, "section": "trace", "trace_peak_allocated": allocated_gib * GiB,
-                 "trace_peak_reserved": r * GiB, "trace_ns_per_op": 100.0, "trace_ops": 169797}])
+                 "trace_peak_reserved": r * GiB, "trace_ns_per_op": 100.0, "trace_ops": 169797},
+                {"kind": "c", "config": cfg, "section": "done", "c_total_s": 2.5}])
 
     def test_traces_part_rows_and_the_memory_margin(self):
         # The other traces' replays become rows of their own (their keys
@@ -675,11 +692,16 @@ class TestReport(unittest.TestCase):
         self.assertEqual(rec["trace_peak_reserved"], 6 * GiB, "demo/trace.txt's keys untouched")
         self.assertEqual(rec["kv1_peak_reserved"], 11.5 * GiB)
         self.assertEqual(res.record("c", "cudapool")["kv1_peak_reserved"], 10.2 * GiB, "the median of two runs")
-        rows, _ = report.build_rows(res)
+        self.assertEqual(res.record("c", "native")["reps"], 5)
+        self.assertNotIn("c_total_s", res.record("c", "native"), "the replays' other lines add no numbers")
+        rows, notes = report.build_rows(res)
         kv1 = row(rows, "LLM serving, 1 stream: reserved / allocated")
         self.assertEqual(kv1[1]["native"], "1.150")
         self.assertEqual(kv1[1]["cudapool"].split(" ")[0], "1.020")
-        self.assertIn("LLM serving, prefill stream: peak reserved", [r[0].label for r in rows])
+        self.assertEqual(row(rows, "LLM serving, prefill stream: peak reserved")[1]["async"], "11.50")
+        # Runs: part c's one, kv1's two of cudapool; the replays' init and
+        # done lines would make native's init figures three runs.
+        self.assertIn("(C level: 1-2 runs)", report.text_table(rows, notes))
         text = report.render_readme(res, rows)
         self.assertIn("| LLM serving, 1 stream (C trace): peak reserved / peak allocated | 1.150 | 1.050 | 1.100 | "
                       "1.020 | 1.050 |", text)
@@ -696,16 +718,59 @@ class TestReport(unittest.TestCase):
                       "expandable's 1.100)", margin)
         self.assertIn("CUDA graph private pool, MiB (800.0 against native cudaMallocAsync's 600.0)", margin)
 
-    def test_memory_margin_on_every_row(self):
-        # Below them all on every row measured on every side: one range.
-        self.full_run()
+    def test_memory_margin_on_every_row_and_rows_not_compared(self):
+        # Below them all on every row shown: one range. A row lacking one of
+        # PyTorch's allocators is named as not compared, and the count says
+        # so.
+        write_lines(os.path.join(self.dir, "meta.json"), [{"kind": "meta", "gpu": "NVIDIA H200"}])
         self.write_trace("kv1", {"native": 11.5, "expandable": 10.5, "async": 11.0, "cudapool": 10.1})
         res = report.load(self.dir)
-        by_label = {r[0].label: r for r in report.build_rows(res)[0]}
-        keep = {k: v for k, v in by_label.items() if k.startswith("LLM serving, 1 stream")}
-        self.assertEqual(report.memory_margin(res, keep), "cudapool's defaults reserve less than every PyTorch "
-                                                          "allocator on every memory row: 3.8% less than the best of them.")
+        rows = report.build_rows(res)[0]
+        keep = [r for r in rows if r[0].label.startswith("LLM serving, 1 stream")]
+        by_label = {r[0].label: r for r in keep}
+        self.assertEqual(report.memory_margin(res, by_label), "cudapool's defaults reserve less than every PyTorch "
+                                                              "allocator on every memory row: 3.8% less than the best of them.")
         self.assertEqual(report.memory_margin(res, {}), "")
+        self.write_trace("kv2", {"native": 15.0, "expandable": 12.5, "cudapool": 10.1})  # no cudaMallocAsync
+        res = report.load(self.dir)
+        text = report.render_readme(res, report.build_rows(res)[0])
+        margin = text.rstrip("\n").split("\n")[-1]
+        self.assertIn("on 1 of 5 memory rows: 3.8% less", margin)
+        self.assertIn("Not compared: GPT-2 training: peak reserved / peak allocated (no value for native, native "
+                      "expandable, native cudaMallocAsync, cudapool)", margin)
+        self.assertIn("LLM serving, prefill stream (C trace): peak reserved / peak allocated (no value for native "
+                      "cudaMallocAsync)", margin)
+        self.assertIn("| GPT-2 training: peak reserved / peak allocated | n/a | n/a |", text, "shown though not run")
+        self.assertNotIn("FSDP2 training, rank 0 (C trace)", text, "a trace not run has no row")
+
+    def test_traces_reasons(self):
+        # Why a trace row has no value: the replay's error, a failed step,
+        # a failed generation of the traces, or the part not run; and part
+        # c's rows say when only part traces ran.
+        self.write_trace("kv1", {"native": 11.5, "cudapool": 10.1})
+        write_lines(os.path.join(self.dir, "ctrace_kv1_expandable.json"), [
+            {"kind": "c", "config": "expandable", "section": "trace", "trace_error": "malloc of 8 bytes failed"}])
+        write_lines(os.path.join(self.dir, "ctrace_kv1_async.json"), [
+            {"kind": "c", "config": "async", "section": "init", "init_error": "no CUDA device"}])
+        write_lines(os.path.join(self.dir, "ctrace_nope_native.json"), [
+            {"kind": "c", "config": "native", "section": "trace", "trace_peak_reserved": 1}])
+        write_lines(os.path.join(self.dir, "steps.jsonl"), [
+            {"kind": "step", "name": "ctrace_kv1_cudapool_exp_r2", "status": "timeout", "reason": "timed out after 120 s"},
+            {"kind": "step", "name": "gen_traces", "status": "failed", "reason": "exit code 1"}])
+        res = report.load(self.dir)
+        self.assertEqual(res.bad_lines, 1, "a trace the report does not know is left out")
+        self.assertNotIn("trace_peak_reserved", res.record("c", "native"))
+        m = next(m for m in report.METRICS if m.label == "LLM serving, 1 stream: reserved / allocated")
+        self.assertEqual(res.reason(m, "expandable"), "trace_kv1: malloc of 8 bytes failed")
+        self.assertEqual(res.reason(m, "async"), "trace_kv1: init: no CUDA device")
+        self.assertEqual(res.reason(m, "cudapool_exp"), "ctrace_kv1_cudapool_exp_r2: timed out after 120 s")
+        m2 = next(m for m in report.METRICS if m.label == "LLM serving, prefill stream: reserved / allocated")
+        self.assertEqual(res.reason(m2, "native"), "gen_traces: exit code 1")
+        hot = next(m for m in report.METRICS if m.label.startswith("C: malloc+free, 4 KiB"))
+        self.assertEqual(res.reason(hot, "native"), "not run (bench/run_bench.sh's part c was not in this run)")
+        write_lines(os.path.join(self.dir, "steps.jsonl"), [])
+        res = report.load(self.dir)
+        self.assertEqual(res.reason(m2, "native"), "not run (bench/run_bench.sh's part traces was not in this run)")
 
     def test_readme_paired_column(self):
         # The README's paired column: pair_bench.c's processes for the C

@@ -790,16 +790,18 @@ CAPTURE_PHASES = ("enter", "forward", "exit", "sync")
 def timed_captures(torch, args, ext, top=8):
     """alt_captures with the class's call timing on (--alt-timing), to see
     where a capture's time goes. Per side, the median over the captures
-    that count of each phase (alt_capture_<side>_<phase>_ms) and of the
-    device allocations and reserved MiB a capture added (..._device_allocs,
-    ..._reserved_mib: a side that makes more segments pays more driver
-    calls); per timed call kind, the median per capture of the calls'
-    total and of its top slowest calls' (..._per_capture_ms,
+    that count of each phase (alt_capture_<side>_<phase>_ms), of the device
+    allocations a capture made (..._device_allocs: a side that makes more
+    segments pays more driver calls) and of the MiB its reserved memory
+    grew by (..._reserved_mib); per timed call kind, the median per capture
+    of the calls' total and of its top slowest calls' (..._per_capture_ms,
     ..._top<top>_per_capture_ms: where a few calls that reach the driver
     carry the time, the two are close), the median of each of those
-    slowest calls by rank (..._top_us, slowest first: more slow calls, or
+    slowest calls by rank (..._top_us, slowest first, as deep as the
+    capture with the fewest calls: whether a side has more slow calls or
     slower ones), and call_summary's figures over all those captures'
-    calls."""
+    calls. Native's counts come from the benchmark's build of the class
+    (bench_ext.native_counts); without it they are left out."""
     def counts(side):
         if side == "native":
             try:
