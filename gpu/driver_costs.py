@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """What the CUDA driver's memory calls cost this host, in microseconds of
-host time: the figures docs/fragmentation.md ("What a move costs") and
+host time: the figures docs/fragmentation.md ("What a page move costs") and
 docs/benchmarks.md reason with. Needs only libcuda (no PyTorch).
 
     python3 gpu/driver_costs.py            # all four tables, device 0

@@ -115,8 +115,8 @@ type result struct {
 }
 
 // The host time of the driver's mapping work on an H100 (driver 580),
-// measured inside a training process (docs/fragmentation.md, "Where the
-// page moves go"): per cuMemMap call, per mapping cuMemSetAccess covers,
+// measured inside a training process (docs/fragmentation.md, "What a
+// page move costs"): per cuMemMap call, per mapping cuMemSetAccess covers,
 // and per accessible mapping cuMemUnmap removes. A synchronization's cost
 // depends on the work queued, so it is counted, not priced.
 const (

@@ -58,7 +58,7 @@ type vmmState struct {
 	maps         int64                          // successful MemMap calls
 	unmaps       int64                          // successful MemUnmap calls
 	// The driver's work is per mapping, not per call (docs/fragmentation.md,
-	// "Where the page moves go"): accessed counts the mappings MemSetAccess
+	// "What a page move costs"): accessed counts the mappings MemSetAccess
 	// covered, unmappedAccessed the accessible mappings MemUnmap removed
 	// (one never given access is cheap to unmap).
 	accessed, unmappedAccessed int64
