@@ -153,9 +153,10 @@ def timing(on, cross=False):
 def native_counts(device=0):
     """PyTorch's own allocator's (device_allocs, device_frees, reserved bytes)
     on device, what torch.cuda.memory_stats() reports of cudapool's as
-    num_device_alloc, num_device_free and reserved_bytes.all.current.
-    Raises ExtensionUnavailable when PyTorch's allocator is not at hand or
-    has not started."""
+    num_device_alloc, num_device_free and reserved_bytes.all.current (an
+    allocator that does not count them, such as the cudaMallocAsync
+    backend's, may report 0). Raises ExtensionUnavailable when PyTorch's
+    allocator is not at hand or has not started."""
     f = _handle("native_counts").cudapool_torch_bench_native_counts
     f.restype = ctypes.c_int
     f.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int64)]
