@@ -115,6 +115,22 @@ class _Installed:
         self.patched = {}  # (class, name) -> original function
 
 
+def _failure_handler(cupy):
+    """What every path does when a malloc fails, attempt by attempt (the
+    protocol of cudapool_cupy_malloc_raising's handler): at attempt 0,
+    arrays waiting in reference cycles may hold enough memory, so collect
+    them and ask for one retry, as CuPy's own pool does; at attempt 1,
+    raise (_raise_failure)."""
+
+    def on_failure(size, device, attempt):
+        if attempt == 0:
+            gc.collect()
+            return True
+        _raise_failure(cupy, size, device)
+
+    return on_failure
+
+
 def _raise_failure(cupy, size, device):
     """A malloc returned NULL: raise CuPy's OutOfMemoryError (cudapool's
     message as its cause) or CudapoolError for anything else."""
@@ -181,15 +197,7 @@ def _raising_allocator(cupy, stream_fn):
     c_alloc = cupy.cuda.memory.CFunctionAllocator(
         stream_fn, _lib.address("cudapool_cupy_malloc_raising"), _lib.address("cudapool_cupy_free"), lib
     )
-
-    def on_failure(size, device, attempt):
-        # Arrays waiting in reference cycles may hold enough memory: collect
-        # them and try once more, as CuPy's own pool does.
-        if attempt == 0:
-            gc.collect()
-            return True
-        _raise_failure(cupy, size, device)
-
+    on_failure = _failure_handler(cupy)
     _set_failure_handler(on_failure)
     return c_alloc.malloc, (c_alloc, on_failure)
 
@@ -208,18 +216,14 @@ def _c_allocator(cupy, stream_fn):
     )
     c_malloc = c_alloc.malloc
     device_id = cupy.cuda.runtime.getDevice
+    on_failure = _failure_handler(cupy)
 
     def malloc(size):
-        mem = c_malloc(size)
-        if mem.ptr or not size:
-            return mem
-        # NULL. Arrays waiting in reference cycles may hold enough memory:
-        # collect them and try once more, as CuPy's own pool does.
-        gc.collect()
-        mem = c_malloc(size)
-        if mem.ptr:
-            return mem
-        _raise_failure(cupy, size, device_id())
+        for attempt in (0, 1):  # the second failure raises
+            mem = c_malloc(size)
+            if mem.ptr or not size:
+                return mem
+            on_failure(size, device_id(), attempt)
 
     return malloc, c_alloc, False
 
@@ -231,16 +235,14 @@ def _python_allocator(cupy):
     )
     c_free = _own_function("cudapool_cupy_free", None, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int])
     current = cupy.cuda.get_current_stream
+    on_failure = _failure_handler(cupy)
 
     def malloc_fn(size, device):
-        p = c_malloc(size, device, current().ptr, 0)
-        if p:
-            return p
-        gc.collect()
-        p = c_malloc(size, device, current().ptr, 0)
-        if p:
-            return p
-        _raise_failure(cupy, size, device)
+        for attempt in (0, 1):  # the second failure raises
+            p = c_malloc(size, device, current().ptr, 0)
+            if p:
+                return p
+            on_failure(size, device, attempt)
 
     def free_fn(ptr, device):
         c_free(None, ptr, device)

@@ -89,21 +89,32 @@ def test_out_of_memory_raises_cupys_error(cupy):
     assert ok.ptr, "allocation works after the failure"
 
 
-def test_out_of_memory_collects_cycles_first(cupy):
-    cpc.install()
-
-    class Holder:
-        pass
-
-    h = Holder()
-    h.self, h.mem = h, cupy.alloc(5 * GiB)
-    del h  # unreachable, but only the cycle collector frees it
-    gc.disable()
+@pytest.mark.parametrize("path", ["raising", "checking", "python"])
+def test_out_of_memory_collects_cycles_first(monkeypatch, path):
+    # Every path's failure rule (cudapool.cupy._failure_handler): collect
+    # reference cycles and retry once, then raise.
+    cp = fake_cupy.installed_into(monkeypatch, noexcept=path == "checking")
     try:
-        big = cupy.alloc(5 * GiB)  # needs the memory the cycle holds
+        assert cpc.install(mode="python" if path == "python" else None) == ("python" if path == "python" else "c")
+        assert hasattr(cp.cuda.memory.get_allocator(), "__self__") == (path != "checking"), "the path asked for"
+
+        class Holder:
+            pass
+
+        h = Holder()
+        h.self, h.mem = h, cp.alloc(5 * GiB)
+        del h  # unreachable, but only the cycle collector frees it
+        gc.disable()
+        try:
+            big = cp.alloc(5 * GiB)  # needs the memory the cycle holds
+        finally:
+            gc.enable()
+        assert big.ptr
+        with pytest.raises(cp.cuda.memory.OutOfMemoryError):
+            cp.alloc(20 * GiB)
     finally:
-        gc.enable()
-    assert big.ptr
+        cpc.uninstall()
+        gc.collect()
 
 
 def test_a_cupy_that_leaves_the_exception_set_gets_the_checking_function(monkeypatch):
