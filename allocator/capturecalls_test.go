@@ -126,19 +126,20 @@ func captureCalls(t *testing.T, conf string) (map[string]int, uint64) {
 }
 
 // A capture that grows its private pool by ~170 MiB in steps of 6-128 MiB
-// makes about one cuMemCreate and one cuMemMap per 20 MiB, as PyTorch's 20
-// MiB pages (it made one per 2 MiB page: 87 of each), and its pool holds
-// no more than when mapped page by page.
+// makes one cuMemCreate, one cuMemMap and one cuMemSetAccess per growth,
+// fewer than PyTorch's one per 20 MiB page (it made one per 2 MiB page: 87
+// of each), reads the device's free memory not once (read before the
+// capture, it left plenty), and its pool holds no more than when mapped
+// page by page.
 func TestCaptureGrowthDriverCalls(t *testing.T) {
 	calls, pool := captureCalls(t, "expandable_segments:True")
 	pages, pagePool := captureCalls(t, "expandable_segments:True,expandable_map_unit_mb:2")
 	t.Logf("20 MiB unit: %v, pool %d MiB; page by page: %v, pool %d MiB", calls, pool>>20, pages, pagePool>>20)
 	require.LessOrEqual(t, pool, pagePool, "the pool holds no more than page by page")
-	// About one per 20 MiB: each Map call's last chunk may be partial, and
-	// the small pool maps page by page.
-	limit := int(pool/(20*MiB)) + calls["MemSetAccess"]
-	require.LessOrEqual(t, calls["MemCreate"], limit, "cuMemCreate calls for %d MiB", pool>>20)
+	require.Equal(t, calls["MemSetAccess"], calls["MemCreate"], "one physical allocation per growth")
+	require.Less(t, calls["MemCreate"], int(pool/(20*MiB)), "fewer than one per 20 MiB of %d MiB", pool>>20)
 	require.Equal(t, calls["MemCreate"], calls["MemMap"], "one map per physical allocation")
+	require.Zero(t, calls["MemGetInfo"])
 	require.Less(t, calls["MemCreate"], pages["MemCreate"]/4)
 	require.Zero(t, calls["MemUnmap"]+calls["MemRelease"], "nothing unmapped at the end: every chunk is in use")
 	require.Zero(t, calls["StreamCaptureInfo"]+calls["EventRecord"]+calls["EventQuery"]+calls["DeviceSynchronize"])

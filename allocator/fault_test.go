@@ -453,7 +453,7 @@ var faultCases = map[string]faultCase{
 	}},
 	// The free-memory check before mapping is advice: without it, mapping
 	// goes ahead.
-	"vmem/mapper.go:mapper.Map.MemGetInfo": {run: func(t *testing.T) {
+	"vmem/mapper.go:(*Space).freeMemory.MemGetInfo": {run: func(t *testing.T) {
 		e := newFault(t, confExpandable, false)
 		r := e.fail("MemGetInfo", "mapper.Map", 0)
 		e.malloc(3*MiB, 1)

@@ -730,13 +730,14 @@ func TestShareStitchingAcrossSizeClasses(t *testing.T) {
 	require.Zero(t, exp.d.Violations(), "%v", exp.d.ViolationLog())
 }
 
-// A MemPool's range keeps 20 MiB chunks with stitching too (private
-// pools are not part of the page pool: vmem/doc.go) and maps only what its
-// blocks need, and nothing is stitched into it (its growth happens while
-// allocations are routed to it, which counts as a capture): a block on one
-// chunk is shared, a block over a whole chunk and the 6 MiB tail mapped for
-// it lies on allocations of two sizes, which PyTorch's handle cannot
-// describe, and sharing it is refused with an error that says so.
+// A MemPool's range is not part of the page pool with stitching either
+// (private pools are not: vmem/doc.go): it maps each growth as one
+// allocation, 20 MiB at least, and nothing is stitched into it (its growth
+// happens while allocations are routed to it, which counts as a capture).
+// A block on one allocation is shared, whatever its size; a block over the
+// free tail of one allocation and the next growth lies on allocations of
+// two sizes, which PyTorch's handle cannot describe, and sharing it is
+// refused with an error that says so.
 func TestShareStitchingMemPool(t *testing.T) {
 	lockThread(t)
 	x := newProc(t, stitching, cuda.ShareablePOSIXFD, GiB)
@@ -752,16 +753,19 @@ func TestShareStitchingMemPool(t *testing.T) {
 	}
 	one := inPool(7, 3*MiB)
 	two := inPool(8, 25*MiB)
+	three := inPool(7, 40*MiB) // the 16 MiB tail of one's allocation, and 24 MiB more
 	require.Zero(t, stitchStats(t, x.a).Remaps, "the default pools' free pages stayed")
 	_, h, _ := share(t, x.a, one)
-	require.Equal(t, uint64(20*MiB), h.Segment.SegmentSize, "one chunk")
-	_, _, _, err := x.a.ShareIpcHandle(two)
+	require.Equal(t, uint64(20*MiB), h.Segment.SegmentSize, "one allocation of the mapping unit")
+	_, h, _ = share(t, x.a, two)
+	require.Equal(t, uint64(26*MiB), h.Segment.SegmentSize, "one allocation, the growth's size")
+	_, _, _, err := x.a.ShareIpcHandle(three)
 	require.ErrorIs(t, err, allocator.ErrNotSupported)
-	require.Contains(t, err.Error(), "lies on physical allocations of 20971520 and 6291456 bytes")
+	require.Contains(t, err.Error(), "lies on physical allocations of 20971520 and 25165824 bytes")
 	p := mustMalloc(t, x.a, 0, 4*MiB, 0)
 	_, h, _ = share(t, x.a, p)
 	require.Equal(t, uint64(2*MiB), h.Segment.SegmentSize, "the default pool's pages")
-	for _, b := range []cuda.Ptr{one, two, p} {
+	for _, b := range []cuda.Ptr{one, two, three, p} {
 		require.NoError(t, x.a.Free(allocator.FreeRequest{Ptr: b}))
 	}
 	require.NoError(t, x.a.CheckInvariants())

@@ -47,6 +47,9 @@ type physicalMemory struct {
 	// capturing: a capture may be under way during the Map in progress
 	// (Grow's argument): what it drops waits instead of being released.
 	capturing bool
+	// freeEst: the device's free memory as last read, less what Map has
+	// created since (freeMemory).
+	freeEst uint64
 }
 
 // mapper is a Space's pools.Mapper. Its methods run with the owner's lock
@@ -59,8 +62,8 @@ type mapper struct{ s *Space }
 // running out of memory part way leaves nothing mapped: the handles made
 // are released at once, or, during a capture (when nothing may be
 // released), kept as spares for the next Map. It does not start when the
-// driver reports too little free memory, so that a request that cannot fit
-// does not take the device's last pages with it. Spare handles (moved by
+// driver reports too little free memory (freeMemory), so that a request
+// that cannot fit does not take the device's last pages with it. Spare handles (moved by
 // stitching, or left by a capture) are used first and mapped even when the
 // rest cannot be had (the error is then returned after): they take no new
 // memory, and a handle lent by stitching must not be released while its
@@ -74,7 +77,7 @@ func (m mapper) Map(seg *pools.Segment, off, size uint64) (uint64, error) {
 	limit := min(size, seg.ChunkSize)
 	var short error // set: map only the spares, then fail with it
 	if fresh := size - min(size, ph.spareBytes(limit)); fresh > 0 {
-		if free, _, err := s.drv.MemGetInfo(s.dev); err == nil && free < fresh {
+		if free, ok := s.freeMemory(fresh); ok && free < fresh {
 			if size == fresh {
 				return 0, cuda.ErrOutOfMemory
 			}
@@ -97,10 +100,12 @@ func (m mapper) Map(seg *pools.Segment, off, size uint64) (uint64, error) {
 		c := min(size-n, limit)
 		var h cuda.MemHandle
 		if h, err = s.create(c); err != nil {
+			ph.freeEst = 0 // (read again next time)
 			break
 		}
 		hs, spare = append(hs, physical{h, c}), append(spare, false)
 		n += c
+		ph.freeEst -= min(ph.freeEst, c)
 	}
 	s.handles, s.fromSpare = hs[:0], spare[:0]
 	if err != nil {
@@ -150,6 +155,34 @@ func (m mapper) Map(seg *pools.Segment, off, size uint64) (uint64, error) {
 	}
 	s.rec.Mapped(seg, off, done)
 	return done, cmp.Or(err, short)
+}
+
+// freeMemory returns the device's free memory as far as Map needs it: to
+// refuse a growth of need new bytes that cannot fit. cuMemGetInfo costs
+// about 7 us on an idle device and 10-70 us inside a capture, where a
+// capture's growth would pay it at every Map, so the reading is kept, less
+// what Map creates, and read again only when that estimate comes within
+// 1/16 of the device (at least 1 GiB) of need. Another process's
+// allocations since the last reading can make the estimate too high: the
+// creation then fails as out of memory, as it would without the check,
+// and the next Map reads again. ok is false when the driver cannot say
+// (the check is advice: growth goes ahead).
+func (s *Space) freeMemory(need uint64) (free uint64, ok bool) {
+	ph := &s.phys
+	margin := uint64(1 << 30)
+	if total, err := s.capacity(); err == nil {
+		margin = max(margin, total/16)
+	}
+	if ph.freeEst >= need && ph.freeEst-need >= margin {
+		return ph.freeEst, true
+	}
+	free, _, err := s.drv.MemGetInfo(s.dev)
+	if err != nil {
+		ph.freeEst = 0
+		return 0, false
+	}
+	ph.freeEst = free
+	return free, true
 }
 
 // create creates a physical allocation of size bytes, shareable with the

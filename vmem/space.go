@@ -31,10 +31,11 @@ import (
 // (in the default pools' chunked ranges growth maps whole chunks where
 // there is room, so that their allocations are one size, which PyTorch's
 // IPC handle needs: export.go):
-// the mapping unit (20 MiB, PyTorch's large-pool page) in large pools, so
-// that growth costs one create and one map per 20 MiB rather than per 2 MiB
-// page (a GPT-2 forward's capture: 87 of each before, 11 now; each costs
-// 10-26 us on the GPU), and access is set once per mapped run. cuMemUnmap
+// the mapping unit (20 MiB, PyTorch's large-pool page) in the default
+// large pool, so that growth costs one create and one map per 20 MiB rather
+// than per 2 MiB page, and one growth in a private pool's (chunkSize: a
+// GPT-2 forward's capture makes 7 of each, where page by page made 87; each
+// costs 10-70 us on the GPU), and access is set once per mapped run. cuMemUnmap
 // takes whole mappings, so memory goes back only in whole chunks: empty_cache,
 // the OOM retry and TrimUnused release the chunks wholly inside free
 // blocks (pools.wholePages). A growth touches the first chunk it maps, so a
@@ -44,8 +45,8 @@ import (
 // page by page before the unit was raised). Small pools map page by page
 // (their requests need less than a page), and so does the default large
 // pool when stitching is on: stitching moves single pages out of holes,
-// which with 20 MiB chunks would rarely hold a whole one (its private pools,
-// never donors, are chunked).
+// which with 20 MiB chunks would rarely hold a whole one (private pools,
+// never donors, are not).
 //
 // Reservation sizes: the default large pool (and a tag's, which may hold
 // most of the device: pause.go) reserves the device's capacity plus an
@@ -361,21 +362,36 @@ func (s *Space) mapUnit(r *pools.Request) uint64 {
 }
 
 // chunkSize is the most one physical allocation covers in a new range of
-// r's pool: the mapping unit in large pools, as PyTorch's 20 MiB pages, so
-// that growth costs one cuMemCreate and one cuMemMap per unit instead of
-// one per 2 MiB page; one page in small pools (they map page by page) and,
-// unless stitch_chunk_mb says more (stitch.go, "Chunks"), in the default
-// large pool when stitching is on, whose holes give single pages
-// (pools.Donors).
+// r's pool: the mapping unit in the default large pool, as PyTorch's 20 MiB
+// pages, so that growth costs one cuMemCreate and one cuMemMap per unit
+// instead of one per 2 MiB page, and its allocations are one size (the IPC
+// handle's need: export.go); one page in small pools (they map page by
+// page) and, unless stitch_chunk_mb says more (stitch.go, "Chunks"), in the
+// default large pool when stitching is on, whose holes give single pages
+// (pools.Donors). A private pool's large range maps each growth as one
+// allocation (up to privateChunk): it is never a donor, its growths happen
+// during captures, where each allocation costs a cuMemCreate, a cuMemMap
+// and its share of the cuMemSetAccess (together 40-70 us there, on an
+// H200), and a growth maps ahead only up to the mapping unit, as one unit
+// chunk did. With a mapping unit of one page the range maps page by page
+// as asked, and TrimUnused gives back what a later, larger unit mapped
+// ahead.
 func (s *Space) chunkSize(r *pools.Request) uint64 {
 	if tagged(r) && !r.Pool.Small {
 		return max(tagChunk/s.page*s.page, s.mapUnit(r)) // (pause.go)
+	}
+	if unit := s.mapUnit(r); !r.Pool.ID.IsDefault() && unit > s.page {
+		return max(privateChunk/s.page*s.page, unit)
 	}
 	if s.stitch.on && r.Pool == s.cache.Large {
 		return max((s.stitch.chunk+s.page-1)/s.page*s.page, s.page)
 	}
 	return s.mapUnit(r)
 }
+
+// privateChunk is the most one physical allocation covers in a private
+// pool's large range (chunkSize).
+const privateChunk = 1 << 30
 
 // reserveSize is the address range reserved for a new expandable segment
 // of r's pool (see the file comment).

@@ -62,14 +62,20 @@ type env struct {
 
 func newEnv(t *testing.T, cfg vmem.Config, withDriver bool) *env {
 	t.Helper()
-	e := &env{c: pools.NewCache(pools.DefaultConfig()), f: fault.New(sim.New(sim.Options{Memory: 1 << 30})), rec: &recorder{}, prog: newProgress()}
+	return newEnvMemory(t, cfg, withDriver, 1<<30)
+}
+
+// newEnvMemory is newEnv on a device of memory bytes.
+func newEnvMemory(t *testing.T, cfg vmem.Config, withDriver bool, memory uint64) *env {
+	t.Helper()
+	e := &env{c: pools.NewCache(pools.DefaultConfig()), f: fault.New(sim.New(sim.Options{Memory: memory})), rec: &recorder{}, prog: newProgress()}
 	var drv vmem.Driver
 	if withDriver {
 		drv = e.f
 	}
 	e.s = vmem.New(vmem.Deps{
 		Driver: drv, Cache: e.c, Progress: e.prog, Recorder: e.rec,
-		Capacity: func() (uint64, error) { return 1 << 30, nil },
+		Capacity: func() (uint64, error) { return memory, nil },
 		Fail:     func(op, what string, err error) error { return fmt.Errorf("%s: %s: %w", op, what, err) },
 		Warn:     func(m string) { e.warnings = append(e.warnings, m) },
 	}, cfg)
@@ -144,6 +150,46 @@ func TestGrowAndRelease(t *testing.T) {
 	require.Zero(t, n, "an empty range goes back")
 	require.NoError(t, e.s.Release("empty_cache"))
 	require.Equal(t, 1, e.prog.resets, "release forgets the streams' progress")
+	require.NoError(t, e.c.Check())
+}
+
+// Growth reads the device's free memory once while plenty is left, not at
+// every map; an estimate made stale by another process costs one failed
+// creation, after which the next growth reads again and refuses before
+// creating anything; near the limit every growth reads.
+func TestGrowthReadsFreeMemoryRarely(t *testing.T) {
+	const GiB = 1 << 30
+	e := newEnvMemory(t, vmem.Config{Expandable: true, MapUnit: 2 * MiB}, true, 64*GiB)
+	for range 5 {
+		b, err := e.malloc(t, 4*MiB, 1, false)
+		require.NoError(t, err)
+		require.NotNil(t, b)
+	}
+	require.Equal(t, uint64(20*MiB), e.rec.mapped)
+	require.Equal(t, 1, e.f.Calls("MemGetInfo"), "read once: 64 GiB free is far from 4 MiB")
+
+	e.f.Sim.SetExternalUse(0, 64*GiB-20*MiB-8*MiB) // another process takes all but 8 MiB
+	created := e.f.Calls("MemCreate")
+	b, err := e.malloc(t, 16*MiB, 1, false)
+	require.NoError(t, err)
+	require.Nil(t, b, "out of memory")
+	require.Equal(t, 1, e.f.Calls("MemGetInfo"), "the stale estimate let the creation try")
+	require.Greater(t, e.f.Calls("MemCreate"), created)
+	require.Equal(t, 10, e.f.Sim.Handles(0), "what was created for the failed growth was released")
+
+	created = e.f.Calls("MemCreate")
+	b, err = e.malloc(t, 16*MiB, 1, false)
+	require.NoError(t, err)
+	require.Nil(t, b)
+	require.Equal(t, 2, e.f.Calls("MemGetInfo"), "read again after the failure")
+	require.Equal(t, created, e.f.Calls("MemCreate"), "refused before creating anything")
+
+	for i := range 2 { // 8 MiB free: within the margin, every growth reads
+		b, err = e.malloc(t, 2*MiB, 1, false)
+		require.NoError(t, err)
+		require.NotNil(t, b)
+		require.Equal(t, 3+i, e.f.Calls("MemGetInfo"))
+	}
 	require.NoError(t, e.c.Check())
 }
 
