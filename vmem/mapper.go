@@ -47,8 +47,8 @@ type physicalMemory struct {
 	// capturing: a capture may be under way during the Map in progress
 	// (Grow's argument): what it drops waits instead of being released.
 	capturing bool
-	// freeEst: the device's free memory as last read, less what Map has
-	// created since (freeMemory).
+	// freeEst: the device's free memory as last read, less what has been
+	// created since (freeMemory, create).
 	freeEst uint64
 }
 
@@ -100,12 +100,10 @@ func (m mapper) Map(seg *pools.Segment, off, size uint64) (uint64, error) {
 		c := min(size-n, limit)
 		var h cuda.MemHandle
 		if h, err = s.create(c); err != nil {
-			ph.freeEst = 0 // (read again next time)
 			break
 		}
 		hs, spare = append(hs, physical{h, c}), append(spare, false)
 		n += c
-		ph.freeEst -= min(ph.freeEst, c)
 	}
 	s.handles, s.fromSpare = hs[:0], spare[:0]
 	if err != nil {
@@ -161,7 +159,7 @@ func (m mapper) Map(seg *pools.Segment, off, size uint64) (uint64, error) {
 // refuse a growth of need new bytes that cannot fit. cuMemGetInfo costs
 // about 7 us on an idle device and 10-70 us inside a capture, where a
 // capture's growth would pay it at every Map, so the reading is kept, less
-// what Map creates, and read again only when that estimate comes within
+// what is created since (create: growth and resumes), and read again only when that estimate comes within
 // 1/16 of the device (at least 1 GiB) of need. Another process's
 // allocations since the last reading can make the estimate too high: the
 // creation then fails as out of memory, as it would without the check,
@@ -188,11 +186,20 @@ func (s *Space) freeMemory(need uint64) (free uint64, ok bool) {
 // create creates a physical allocation of size bytes, shareable with the
 // device's handle kind once chosen (export.go): Map and a resume
 // (pause.go) create every allocation a Space maps.
-func (s *Space) create(size uint64) (cuda.MemHandle, error) {
+// It keeps freeMemory's estimate: less what it creates, and read again
+// after a failure.
+func (s *Space) create(size uint64) (h cuda.MemHandle, err error) {
 	if k := s.share.kind; k != 0 {
-		return s.share.drv.MemCreateShareable(s.dev, size, k)
+		h, err = s.share.drv.MemCreateShareable(s.dev, size, k)
+	} else {
+		h, err = s.drv.MemCreate(s.dev, size)
 	}
-	return s.drv.MemCreate(s.dev, size)
+	if ph := &s.phys; err != nil {
+		ph.freeEst = 0
+	} else {
+		ph.freeEst -= min(ph.freeEst, size)
+	}
+	return h, err
 }
 
 // Unmap unmaps the physical allocations of the range (the range holds
