@@ -63,13 +63,13 @@ type mapper struct{ s *Space }
 // are released at once, or, during a capture (when nothing may be
 // released), kept as spares for the next Map. It does not start when the
 // driver reports too little free memory (freeMemory), so that a request
-// that cannot fit does not take the device's last pages with it. Spare handles (moved by
-// stitching, or left by a capture) are used first and mapped even when the
-// rest cannot be had (the error is then returned after): they take no new
-// memory, and a handle lent by stitching must not be released while its
-// old mapping lives (stitch.go). A spare is used only where it fits whole
-// (at most the rest of the range and seg.ChunkSize), so that a range never
-// holds a chunk larger than its ChunkSize.
+// that cannot fit does not take the device's last pages with it. Spare
+// handles (moved by stitching, or left by a capture) are used first and
+// mapped even when the rest cannot be had (the error is then returned
+// after): they take no new memory, and a handle lent by stitching must not
+// be released while its old mapping lives (stitch.go). A spare is used only
+// where it fits whole (at most the rest of the range and seg.ChunkSize), so
+// that a range never holds a chunk larger than its ChunkSize.
 func (m mapper) Map(seg *pools.Segment, off, size uint64) (uint64, error) {
 	s := m.s
 	ph := &s.phys
@@ -159,8 +159,9 @@ func (m mapper) Map(seg *pools.Segment, off, size uint64) (uint64, error) {
 // refuse a growth of need new bytes that cannot fit. cuMemGetInfo costs
 // about 7 us on an idle device and 10-70 us inside a capture, where a
 // capture's growth would pay it at every Map, so the reading is kept, less
-// what is created since (create: growth and resumes), and read again only when that estimate comes within
-// 1/16 of the device (at least 1 GiB) of need. Another process's
+// what is created since (create: growth and resumes), and read again only
+// when that estimate comes within 1/16 of the device (at least 1 GiB) of
+// need. Another process's
 // allocations since the last reading can make the estimate too high: the
 // creation then fails as out of memory, as it would without the check,
 // and the next Map reads again. ok is false when the driver cannot say
