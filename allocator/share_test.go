@@ -762,6 +762,7 @@ func TestShareStitchingMemPool(t *testing.T) {
 	_, _, _, err := x.a.ShareIpcHandle(three)
 	require.ErrorIs(t, err, allocator.ErrNotSupported)
 	require.Contains(t, err.Error(), "lies on physical allocations of 20971520 and 25165824 bytes")
+	require.Contains(t, err.Error(), "the block spans two growths")
 	p := mustMalloc(t, x.a, 0, 4*MiB, 0)
 	_, h, _ = share(t, x.a, p)
 	require.Equal(t, uint64(2*MiB), h.Segment.SegmentSize, "the default pool's pages")

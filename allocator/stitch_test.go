@@ -910,6 +910,33 @@ func TestCaptureTrimsPagesMappedAhead(t *testing.T) {
 	require.Zero(t, drv.Violations(), "%v", drv.ViolationLog())
 }
 
+// A private pool maps each growth as one allocation of up to 128 MiB, and
+// memory goes back in whole allocations: a block that outlives its pool
+// keeps the allocation it lies on, 128 MiB of a 512 MiB growth, until it
+// is freed.
+func TestPrivateGrowthAllocations(t *testing.T) {
+	lockThread(t)
+	a, drv := newAlloc(t, 1, GiB, "expandable_segments:True")
+	g := allocator.PoolID{A: 1}
+	const cs = cuda.Stream(7)
+	beginCapture(t, a, drv, g, cs, cuda.CaptureModeGlobal)
+	big := mustMalloc(t, a, 0, 512*MiB, cs)
+	maps, _ := drv.MapCalls(0)
+	require.Equal(t, int64(4), maps, "512 MiB in four allocations of 128 MiB")
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: big}))
+	out := mustMalloc(t, a, 0, 2*MiB, cs) // the graph's output
+	require.NoError(t, drv.EndCapture(cs))
+	require.NoError(t, a.EndAllocateToPool(0, g))
+	require.NoError(t, a.ReleasePool(0, g))
+	require.NoError(t, a.EmptyCache(0))
+	require.Equal(t, uint64(128*MiB), drv.Mapped(0), "the output keeps the allocation it lies on")
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: out}))
+	require.NoError(t, a.EmptyCache(0))
+	require.Zero(t, drv.Mapped(0))
+	require.NoError(t, a.CheckInvariants())
+	require.Zero(t, drv.Violations(), "%v", drv.ViolationLog())
+}
+
 // With stitch_chunk_mb:4 the default large pool's ranges are mapped in
 // 4 MiB allocations and give and take them whole, two pages at a time; the
 // small pool, mapped page by page, neither gives to them nor takes from

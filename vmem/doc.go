@@ -77,8 +77,9 @@
 //     and stays.
 //   - Private pools (CUDA graphs, MemPools) are not part of it: their pages
 //     stay theirs while their pool lives, since a graph's replays use
-//     memory its pool counts as free; their ranges map each growth as one
-//     allocation of at least the 20 MiB unit (space.go, chunkSize).
+//     memory its pool counts as free; their large ranges map each growth
+//     as one allocation of up to 128 MiB (page by page when the mapping
+//     unit is one page: space.go, chunkSize).
 //     Released, their memory goes back to the driver at the next
 //     empty_cache.
 //   - Nor are a tag's pools (pause.go), though a tag's small pool maps page

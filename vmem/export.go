@@ -58,11 +58,14 @@ import (
 // One size. PyTorch's handle has one segment size for all its entries, so
 // the allocations under a block must be of one size: they are in ranges
 // mapped page by page (the small pools, and the default large pool when
-// stitching is on) and in chunked ranges, whose growth maps whole chunks
-// (pools.growSize). A chunked range can still hold shorter allocations, at
-// a tail mapped short when the memory fraction or the device had no room
-// for a whole chunk, or pages stitching moved into it; a block over
-// allocations of two sizes cannot be shared (ErrNotShareable says which).
+// stitching is on) and in the default pools' chunked ranges, whose growth
+// maps whole chunks (pools.growSize). A chunked range can still hold
+// shorter allocations, at a tail mapped short when the memory fraction or
+// the device had no room for a whole chunk, or pages stitching moved into
+// it. Private pools' and tags' large ranges map each growth as allocations
+// of its own size (space.go, chunkSize): a block within one growth shares.
+// A block over allocations of two sizes cannot be shared (ErrNotShareable
+// says which and why).
 //
 // Descriptors. Each allocation exported as a file descriptor holds one
 // descriptor of this process until its release: the process's limit of
@@ -179,9 +182,12 @@ func (s *Space) Share(b *pools.Block, op string) (SegmentShare, uint64, error) {
 		case size == 0:
 			size = n
 		case n != size:
+			why := fmt.Sprintf("a range mapped short when the device or the memory fraction had no room for a whole %d-byte chunk, or given pages by stitching, can hold such blocks", seg.ChunkSize)
+			if !seg.WholeChunks && seg.ChunkSize > page {
+				why = "its range, a private pool's or a tag's, maps each growth as allocations of the growth's own size, and the block spans two growths"
+			}
 			return SegmentShare{}, 0, fmt.Errorf("%w: the %d-byte block at %#x on device %d lies on physical allocations of %d and %d bytes, "+
-				"and PyTorch's handle describes allocations of one size (a range mapped short when the device or the memory fraction had no room for a whole %d-byte chunk, "+
-				"or given pages by stitching, can hold such blocks)", ErrNotShareable, b.Size, uintptr(b.Ptr), s.dev, size, n, seg.ChunkSize)
+				"and PyTorch's handle describes allocations of one size (%s)", ErrNotShareable, b.Size, uintptr(b.Ptr), s.dev, size, n, why)
 		}
 		hs = append(hs, h)
 		o += n

@@ -77,7 +77,11 @@ func (m mapper) Map(seg *pools.Segment, off, size uint64) (uint64, error) {
 	limit := min(size, seg.ChunkSize)
 	var short error // set: map only the spares, then fail with it
 	if fresh := size - min(size, ph.spareBytes(limit)); fresh > 0 {
-		if free, ok := s.freeMemory(fresh); ok && free < fresh {
+		// During a capture what a failed growth created stays (as spares,
+		// outside reserved memory) until the next Release: a growth that
+		// takes more than one creation then reads afresh.
+		exact := ph.capturing && fresh > limit
+		if free, ok := s.freeMemory(fresh, exact); ok && free < fresh {
 			if size == fresh {
 				return 0, cuda.ErrOutOfMemory
 			}
@@ -157,22 +161,25 @@ func (m mapper) Map(seg *pools.Segment, off, size uint64) (uint64, error) {
 
 // freeMemory returns the device's free memory as far as Map needs it: to
 // refuse a growth of need new bytes that cannot fit. cuMemGetInfo costs
-// about 7 us on an idle device and 10-70 us inside a capture, where a
+// about 7 us on an idle device and 9-72 us inside a capture, where a
 // capture's growth would pay it at every Map, so the reading is kept, less
-// what is created since (create: growth and resumes), and read again only
-// when that estimate comes within 1/16 of the device (at least 1 GiB) of
-// need. Another process's
-// allocations since the last reading can make the estimate too high: the
-// creation then fails as out of memory, as it would without the check,
-// and the next Map reads again. ok is false when the driver cannot say
-// (the check is advice: growth goes ahead).
-func (s *Space) freeMemory(need uint64) (free uint64, ok bool) {
+// what is created since (create: growth and resumes), and read again when
+// that estimate comes within 1/16 of the device (at least 1 GiB) of need,
+// or when exact asks for a reading. Allocations made since the reading by
+// other processes, or by this one outside create (ordinary segments, a
+// pool's segment source, libraries), can make the estimate too high: a
+// creation then fails as out of memory and the next Map reads again. What
+// the failed growth created is released at once, or, during a capture, kept
+// as spares: Map asks for an exact reading there when a growth takes more
+// than one creation. ok is false when the driver cannot say (the check is
+// advice: growth goes ahead).
+func (s *Space) freeMemory(need uint64, exact bool) (free uint64, ok bool) {
 	ph := &s.phys
 	margin := uint64(1 << 30)
 	if total, err := s.capacity(); err == nil {
 		margin = max(margin, total/16)
 	}
-	if ph.freeEst >= need && ph.freeEst-need >= margin {
+	if !exact && ph.freeEst >= need && ph.freeEst-need >= margin {
 		return ph.freeEst, true
 	}
 	free, _, err := s.drv.MemGetInfo(s.dev)

@@ -369,13 +369,17 @@ func (s *Space) mapUnit(r *pools.Request) uint64 {
 // page) and, unless stitch_chunk_mb says more (stitch.go, "Chunks"), in the
 // default large pool when stitching is on, whose holes give single pages
 // (pools.Donors). A private pool's large range maps each growth as one
-// allocation (up to privateChunk): it is never a donor, its growths happen
+// allocation of up to privateChunk: it is never a donor, its growths happen
 // during captures, where each allocation costs a cuMemCreate, a cuMemMap
 // and its share of the cuMemSetAccess (together 40-70 us there, on an
 // H200), and a growth maps ahead only up to the mapping unit, as one unit
-// chunk did. With a mapping unit of one page the range maps page by page
-// as asked, and TrimUnused gives back what a later, larger unit mapped
-// ahead.
+// chunk did. The cost is that memory goes back in whole allocations: a
+// block that outlives its pool (a graph's output) keeps the allocations it
+// lies on, up to privateChunk each, where 20 MiB chunks kept 20 MiB. With a
+// mapping unit of one page the range maps page by page as asked, and
+// TrimUnused gives back what a later, larger unit mapped ahead; a unit
+// raised after a range was made maps ahead inside the growth's one
+// allocation, which TrimUnused cannot split.
 func (s *Space) chunkSize(r *pools.Request) uint64 {
 	if tagged(r) && !r.Pool.Small {
 		return max(tagChunk/s.page*s.page, s.mapUnit(r)) // (pause.go)
@@ -390,8 +394,10 @@ func (s *Space) chunkSize(r *pools.Request) uint64 {
 }
 
 // privateChunk is the most one physical allocation covers in a private
-// pool's large range (chunkSize).
-const privateChunk = 1 << 30
+// pool's large range (chunkSize): a GPT-2 forward's capture grows by up to
+// 70 MiB at once, and a block that outlives its pool keeps no more than
+// this beyond itself at either end.
+const privateChunk = 128 << 20
 
 // reserveSize is the address range reserved for a new expandable segment
 // of r's pool (see the file comment).

@@ -193,6 +193,41 @@ func TestGrowthReadsFreeMemoryRarely(t *testing.T) {
 	require.NoError(t, e.c.Check())
 }
 
+// During a capture, where what a failed growth created would stay as
+// spares, a growth that takes more than one creation reads the free memory
+// afresh instead of trusting the estimate, and refuses before creating
+// anything; one that takes a single creation trusts it (nothing is left if
+// that one fails).
+func TestCaptureGrowthReadsFreeMemoryExactly(t *testing.T) {
+	const GiB = 1 << 30
+	e := newEnvMemory(t, vmem.Config{Expandable: true, MapUnit: 2 * MiB}, true, 64*GiB)
+	b, err := e.malloc(t, 4*MiB, 1, false)
+	require.NoError(t, err)
+	require.NotNil(t, b)
+	require.Equal(t, 1, e.f.Calls("MemGetInfo"))
+	e.f.Sim.SetExternalUse(0, 64*GiB-4*MiB-8*MiB) // another process takes all but 8 MiB
+
+	created, handles := e.f.Calls("MemCreate"), e.f.Sim.Handles(0)
+	b, err = e.malloc(t, 16*MiB, 1, true) // eight pages
+	require.NoError(t, err)
+	require.Nil(t, b, "out of memory")
+	require.Equal(t, 2, e.f.Calls("MemGetInfo"), "read afresh")
+	require.Equal(t, created, e.f.Calls("MemCreate"), "refused before creating anything")
+	require.Equal(t, handles, e.f.Sim.Handles(0))
+	require.True(t, e.s.Idle(), "no spares left behind")
+
+	e.f.Sim.SetExternalUse(0, 0)
+	b, err = e.malloc(t, 2*MiB, 1, true) // one page: the estimate (8 MiB free) is too close anyway
+	require.NoError(t, err)
+	require.NotNil(t, b)
+	require.Equal(t, 3, e.f.Calls("MemGetInfo"))
+	b, err = e.malloc(t, 2*MiB, 1, true) // 64 GiB free now: one creation trusts the estimate
+	require.NoError(t, err)
+	require.NotNil(t, b)
+	require.Equal(t, 3, e.f.Calls("MemGetInfo"))
+	require.NoError(t, e.c.Check())
+}
+
 // During a capture nothing is released: chunks made for a map that fails
 // wait as spares (Idle is false) until Release, or the next Map uses them.
 func TestCaptureKeepsSpares(t *testing.T) {
