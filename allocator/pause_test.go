@@ -12,6 +12,7 @@ import (
 	"github.com/cudapool/cudapool/allocator"
 	"github.com/cudapool/cudapool/cuda"
 	"github.com/cudapool/cudapool/cuda/sim"
+	"github.com/cudapool/cudapool/cuda/sim/fault"
 	"github.com/cudapool/cudapool/pools"
 )
 
@@ -573,4 +574,33 @@ func TestPauseStatsNames(t *testing.T) {
 	require.True(t, ok)
 	require.Len(t, tags, 3)
 	require.Equal(t, "t2", tags[2].Tag)
+}
+
+// A resume's allocations count in the free-memory estimate growth keeps
+// (vmem's freeMemory): after a resume takes most of what is free, a growth
+// that cannot fit is refused before it creates anything.
+func TestResumeCountsInFreeMemoryEstimate(t *testing.T) {
+	lockThread(t)
+	cfg, _, err := allocator.ParseConfig("")
+	require.NoError(t, err)
+	f := fault.New(sim.New(sim.Options{Devices: 1, Memory: 32 * GiB}))
+	a, err := allocator.New(f, cfg)
+	require.NoError(t, err)
+	kv, err := a.TagID("kv")
+	require.NoError(t, err)
+	malloc := func(size uint64, tag uint32) (cuda.Ptr, error) {
+		return a.Malloc(&allocator.MallocRequest{Size: size, Tag: tag})
+	}
+	p, err := malloc(20*GiB, kv)
+	require.NoError(t, err)
+	require.NoError(t, a.Pause("kv", false)) // 32 GiB free, the estimate still 12
+	q, err := malloc(11*GiB, 0)              // within the margin of 12: read, 32 free
+	require.NoError(t, err)
+	require.NoError(t, a.Resume("kv")) // 20 GiB more: 1 GiB free
+	created := f.Calls("MemCreate") + f.Calls("MemCreateShareable")
+	_, err = malloc(4*GiB, 0)
+	require.ErrorIs(t, err, allocator.ErrOutOfMemory)
+	require.Equal(t, created, f.Calls("MemCreate")+f.Calls("MemCreateShareable"), "refused before creating anything")
+	require.NoError(t, a.Free(allocator.FreeRequest{Ptr: p}, allocator.FreeRequest{Ptr: q}))
+	require.NoError(t, a.CheckInvariants())
 }
