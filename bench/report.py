@@ -1173,7 +1173,7 @@ def render_readme(res, rows):
         if r is None:
             continue
         cells = r[1]
-        if label in TRACE_README_LABELS and all(r[0].value(res.record(r[0].kind, c)) is None for c in CONFIGS):
+        if _trace_row_absent(res, label, r[0]):
             continue  # part traces did not run: RESULTS.md says why
         out.append(f"| {name} | " + " | ".join(_md_escape(re.sub(r" \[\d+\]", "", cells[c])) for c in CONFIGS)
                    + " |")
@@ -1181,6 +1181,12 @@ def render_readme(res, rows):
     if margin:
         out += ["", margin]
     return "\n".join(out) + "\n"
+
+
+def _trace_row_absent(res, label, metric):
+    """Whether label is a README row of part traces with no value at all
+    (the part did not run): the README leaves such a row out."""
+    return label in TRACE_README_LABELS and all(metric.value(res.record(metric.kind, c)) is None for c in CONFIGS)
 
 
 # PyTorch's own allocators, the ones the memory margin is taken against.
@@ -1200,7 +1206,7 @@ def memory_margin(res, by_label):
         if r is None:
             continue
         m = r[0]
-        if label in TRACE_README_LABELS and all(m.value(res.record(m.kind, c)) is None for c in CONFIGS):
+        if _trace_row_absent(res, label, m):
             continue  # not shown (render_readme)
         shown += 1
         ours = m.value(res.record(m.kind, "cudapool"))
