@@ -1045,6 +1045,7 @@ PAIRED_HOW = {
     "alt": "torch.empty, graph capture and the reduce-overhead rows: PyTorch's allocator and cudapool "
            "alternating in one process (torch_bench.py, sections alt and altcompile)",
     "ring": "training step: fresh processes taking turns rep by rep on one CPU (bench/turn_ring.py)",
+    "turn": "FSDP2: two launches taking turns step by step on the same GPUs and CPUs (bench/turn_pair.sh)",
 }
 
 
@@ -1147,13 +1148,22 @@ def render_readme(res, rows):
             native, cudapool = (re.sub(r" \[\d+\]", "", c) for c in (native, cudapool))
         out.append(f"| {_md_escape(label)} | {m.unit} | {_md_escape(native)} | "
                    f"{_md_escape(cudapool)} | {ratio} | {pc} |")
+    fsdp = _fsdp_readme_row(res)
+    if fsdp:
+        out.append(fsdp)
+        used.append("turn")
+        judged.append(FSDP.label)
     out.append("")
     line = ("Lower is better except for M pairs/s. The host runs a process fast or up to 1.9x slower at random, "
             "so the ratio of medians moves from run to run; the paired ratio, cudapool's reps against native's "
             "in the same state of the host, is the steadier measure.")
     if judged:
         compiled = any("reduce-overhead" in j for j in judged)
-        line += (" The capture rows" + (" and the reduce-overhead rows" if compiled else "")
+        groups = [g for g, on in (("the capture rows", any("capture" in j for j in judged)),
+                                  ("the reduce-overhead rows", compiled),
+                                  ("FSDP2's", FSDP.label in judged)) if on]
+        text = ", ".join(groups[:-1]) + (" and " if len(groups) > 1 else "") + groups[-1]
+        line += (" " + text[0].upper() + text[1:]
                  + " are judged by it (the target in their paired cell)"
                  + ("; the reduce-overhead rows are measured only that way (their cells: each side's reps in "
                     "those processes)" if compiled else "")
@@ -1164,7 +1174,7 @@ def render_readme(res, rows):
         if not any("reduce-overhead" in j for j in judged):  # those rows are not in this table
             how = [h.replace("graph capture and the reduce-overhead rows", "graph capture") for h in how]
         line += (" Paired: " + "; ".join(how)
-                 + "; each the median (min-max) over the processes or rings.")
+                 + "; each the median (min-max) over the processes, rings or pairs.")
     out += [line, ""]
     out += ["| memory | " + " | ".join(LABELS[c] for c in CONFIGS) + " |",
             "|---|" + "---:|" * len(CONFIGS)]
@@ -1181,6 +1191,26 @@ def render_readme(res, rows):
     if margin:
         out += ["", margin]
     return "\n".join(out) + "\n"
+
+
+def _fsdp_readme_row(res):
+    """The README's FSDP2 row (two GPUs), or None where part fsdp did not
+    run: each side's separate launches, their ratio, and the judge, the
+    launches taking turns (bench/turn_pair.sh), with its verdict."""
+    recs = {c: res.record("torch", c) for c in ("native", "cudapool")}
+    if any(FSDP.value(r) is None for r in recs.values()):
+        return None
+    nat, cp = (FSDP.value(recs[c]) for c in ("native", "cudapool"))
+    per = turns.figures(res.turns)[0].get(("fsdp-native/cudapool", "FSDP2 step")) or []
+    if per:
+        med = statistics.median(per)
+        pc = (f"{med:.3f}x" + (f" ({min(per):.3f}-{max(per):.3f})" if len(per) > 1 else "")
+              + f", {len(per)} pair{'s' if len(per) != 1 else ''}, target <= {FSDP.target:g}x: "
+              + ("met" if med <= FSDP.target + 1e-12 else "NOT met"))
+    else:
+        pc = f"n/a (target <= {FSDP.target:g}x paired)"
+    return (f"| FSDP2, 2 GPUs: GPT-2 training step | {FSDP.unit} | {_md_escape(FSDP.cell(recs['native']))} | "
+            f"{_md_escape(FSDP.cell(recs['cudapool']))} | {cp / nat:.3f}x | {pc} |")
 
 
 def _trace_row_absent(res, label, metric):

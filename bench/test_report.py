@@ -273,6 +273,36 @@ class TestReport(unittest.TestCase):
         # FSDP2's launches are counted in its own note, not as torch-level runs.
         self.assertFalse(any("torch level: 5 runs" in n for n in notes), notes)
 
+    def test_readme_fsdp_row(self):
+        # FSDP2 in the README's table: each side's launches, their ratio, and
+        # the turn pairs that judge it; no row where part fsdp did not run.
+        self.full_run()
+        res = report.load(self.dir)
+        self.assertNotIn("FSDP2", report.render_readme(res, report.build_rows(res)[0]))
+        for i, (n, c) in enumerate([(85.0, 91.0), (86.0, 92.0), (90.0, 88.0)]):
+            suffix = "" if i == 0 else f"_r{i + 1}"
+            for cfg, v in (("native", n), ("cudapool", c)):
+                write_lines(os.path.join(self.dir, f"fsdp_{cfg}{suffix}.json"), [
+                    {"kind": "torch", "config": cfg, "section": "fsdp", "fsdp_ms_per_step": v}])
+        res = report.load(self.dir)
+        text = report.render_readme(res, report.build_rows(res)[0])
+        self.assertIn("| FSDP2, 2 GPUs: GPT-2 training step | ms/step | 86.00 (85.00-90.00) | 91.00 (88.00-92.00) | "
+                      "1.058x | n/a (target <= 1x paired) |", text)
+
+        def proc(rnd, role, cfg, steps):
+            tag = {"kind": "torch_turns", "config": cfg, "turns_kind": "fsdp-native/cudapool",
+                   "turns_round": str(rnd), "turns_role": role}
+            return [dict(tag, section="fsdp", fsdp_step_ms=steps, fsdp_ms_per_step=steps[0], turns=len(steps))]
+        for r, f in ((1, 1.05), (2, 0.97), (3, 0.98)):
+            write_lines(os.path.join(self.dir, f"fsdp_turns{'' if r == 1 else f'_r{r}'}.json"),
+                        proc(r, "base", "native", [80.0, 90.0, 85.0]) +
+                        proc(r, "test", "cudapool", [80.0 * f, 90.0 * f, 85.0 * f]))
+        res = report.load(self.dir)
+        text = report.render_readme(res, report.build_rows(res)[0])
+        self.assertIn("| 1.058x | 0.980x (0.970-1.050), 3 pairs, target <= 1x: met |", text)
+        self.assertIn("FSDP2's are judged by it", text)
+        self.assertIn("FSDP2: two launches taking turns step by step", text)
+
     def test_ratio_interval(self):
         self.assertIsNone(report.ratio_interval([1.0, 2.0], [1.0, 2.0, 3.0]))  # fewer than 3 runs
         self.assertEqual(report.ratio_interval([2.0] * 4, [1.0] * 3), (0.5, 0.5))
