@@ -4,6 +4,7 @@
     python3 bench/test_report.py        or        python3 -m pytest bench/test_report.py
 """
 import io
+import glob
 import json
 import os
 import subprocess
@@ -288,6 +289,7 @@ class TestReport(unittest.TestCase):
         text = report.render_readme(res, report.build_rows(res)[0])
         self.assertIn("| FSDP2, 2 GPUs: GPT-2 training step | ms/step | 86.00 (85.00-90.00) | 91.00 (88.00-92.00) | "
                       "1.058x | n/a (target <= 1x paired) |", text)
+        self.assertNotIn("two launches taking turns", text)  # no pairs: no such measure to describe
 
         def proc(rnd, role, cfg, steps):
             tag = {"kind": "torch_turns", "config": cfg, "turns_kind": "fsdp-native/cudapool",
@@ -300,8 +302,31 @@ class TestReport(unittest.TestCase):
         res = report.load(self.dir)
         text = report.render_readme(res, report.build_rows(res)[0])
         self.assertIn("| 1.058x | 0.980x (0.970-1.050), 3 pairs, target <= 1x: met |", text)
-        self.assertIn("FSDP2's are judged by it", text)
+        self.assertIn(" The capture rows and FSDP2's are judged by it (the target in their paired cell).", text)
         self.assertIn("FSDP2: two launches taking turns step by step", text)
+        self.assertIn("over the processes, rings or pairs.", text)
+        # The note judges by the pairs too, the ratio of medians beside.
+        note = [n for n in report.build_rows(res)[1] if n.startswith("FSDP2")]
+        self.assertIn("cudapool/native 1.058x (ratio of medians; the target, <= 1x, is judged by the 3 turn pairs: "
+                      "0.980x, met)", note[0])
+        # With the reduce-overhead rows too: three groups.
+        write_lines(os.path.join(self.dir, "torch_altcompile.json"), [
+            {"kind": "torch", "config": "cudapool", "section": "altcompile", "alt_decode_ratio": 0.99,
+             "alt_compiled_ratio": 0.98}])
+        res = report.load(self.dir)
+        text = report.render_readme(res, report.build_rows(res)[0])
+        self.assertIn(" The capture rows, the reduce-overhead rows and FSDP2's are judged by it", text)
+        # One side only: no row, and the README as without part fsdp.
+        for f in glob.glob(os.path.join(self.dir, "fsdp_cudapool*.json")) + glob.glob(
+                os.path.join(self.dir, "fsdp_turns*.json")):
+            os.remove(f)
+        os.remove(os.path.join(self.dir, "torch_altcompile.json"))
+        write_lines(os.path.join(self.dir, "pair_0.json"), [
+            {"kind": "pair", "section": "hot", "ratio": 0.07, "cudapool_ns": 40.0, "native_ns": 500.0}])
+        res = report.load(self.dir)
+        text = report.render_readme(res, report.build_rows(res)[0])
+        self.assertNotIn("FSDP2", text)
+        self.assertIn("; each the median (min-max) over the processes or rings.", text)
 
     def test_ratio_interval(self):
         self.assertIsNone(report.ratio_interval([1.0, 2.0], [1.0, 2.0, 3.0]))  # fewer than 3 runs
