@@ -371,6 +371,17 @@ class Results:
                 f"bench/run_bench.sh, part {metric.section}): not in these results")
 
 
+def target_verdict(value, target):
+    """A target's verdict on value: 'met' at or below it, else 'NOT met'."""
+    return "met" if value <= target + 1e-12 else "NOT met"
+
+
+def median_range(per):
+    """'1.049x (1.045-1.126)': the median of the ratios per, with their
+    min-max where there is more than one."""
+    return f"{statistics.median(per):.3f}x" + (f" ({min(per):.3f}-{max(per):.3f})" if len(per) > 1 else "")
+
+
 def paired_values(res, paired):
     """The per-process ratios of a paired measure (alt configuration, key)."""
     cfg, key = paired
@@ -508,10 +519,9 @@ def pair_note(res):
         r = statistics.median(per)
         cp = statistics.median(float(x["cudapool_ns"]) for x in lines)
         nat = statistics.median(float(x["native_ns"]) for x in lines)
-        spread = f" ({min(per):.3f}-{max(per):.3f})" if len(per) > 1 else ""
-        met = "met" if r <= metric.target + 1e-12 else "NOT met"
-        parts.append(f"{'4 KiB hot pair' if sec == 'hot' else 'mixed sizes'} {r:.3f}x{spread} "
-                     f"(cudapool {cp:,.0f} ns, native {nat:,.0f} ns; target <= {metric.target:g}x: {met})")
+        parts.append(f"{'4 KiB hot pair' if sec == 'hot' else 'mixed sizes'} {median_range(per)} "
+                     f"(cudapool {cp:,.0f} ns, native {nat:,.0f} ns; target <= {metric.target:g}x: "
+                     f"{target_verdict(r, metric.target)})")
     if not parts:
         return "C level in one process: failed (" + "; ".join(res.pair_errors) + ")" if res.pair_errors else None
     n = max(len(res.pairs.get(s) or []) for s in ("hot", "mixed"))
@@ -536,10 +546,8 @@ def alt_note(res):
         per = [float(x[f"alt_{loop}_ratio"]) for x in lines if isinstance(x.get(f"alt_{loop}_ratio"), (int, float))]
         if not per:
             continue
-        r = statistics.median(per)
-        spread = f" ({min(per):.3f}-{max(per):.3f})" if len(per) > 1 else ""
         t = targets[key]
-        parts.append(f"{label} {r:.3f}x{spread} (target <= {t:g}x: {'met' if r <= t + 1e-12 else 'NOT met'})")
+        parts.append(f"{label} {median_range(per)} (target <= {t:g}x: {target_verdict(statistics.median(per), t)})")
     note = ""
     if parts:
         reps = sorted({len(x.get("alt_small_ratio_reps") or []) for x in lines})
@@ -553,12 +561,10 @@ def alt_note(res):
         per = paired_values(res, (cfg, "alt_capture_ratio"))
         if not per:
             continue
-        r = statistics.median(per)
-        spread = f" ({min(per):.3f}-{max(per):.3f})" if len(per) > 1 else ""
         pairs = sorted({int(x.get("alt_capture_pairs") or 0) for x in res.alts.get(cfg) or []
                         if "alt_capture_ratio" in x})
-        caps.append(f"{what} {r:.3f}x{spread}, {len(per)} processes of {'-'.join(map(str, pairs))} pairs "
-                    f"(target <= {t:g}x: {'met' if r <= t + 1e-12 else 'NOT met'})")
+        caps.append(f"{what} {median_range(per)}, {len(per)} processes of {'-'.join(map(str, pairs))} pairs "
+                    f"(target <= {t:g}x: {target_verdict(statistics.median(per), t)})")
     if caps:
         cap = ("CUDA graph capture (forward), the two allocators alternating capture by capture in one process "
                "(the capture, its empty_cache and its pool handed over too; the capture rows' judge): "
@@ -671,15 +677,13 @@ def turns_note(res):
             v = per.get((kind, label))
             if not v:
                 continue
-            r = statistics.median(v)
             # Every row of native against cudapool has its target, except
             # those judged by their paired in-process measure (the capture
             # rows: the alt note gives their verdict).
             vs_native = kind.endswith("native/cudapool")
             t = targets.get(key) if vs_native and key not in PAIRED_KEYS else None
-            met = f"; target <= {t:g}x: {'met' if r <= t + 1e-12 else 'NOT met'}" if t else ""
-            rng = f" ({min(v):.3f}-{max(v):.3f})" if len(v) > 1 else ""
-            items.append(f"{label} {r:.3f}x{rng}{met}")
+            verdict = f"; target <= {t:g}x: {target_verdict(statistics.median(v), t)}" if t else ""
+            items.append(f"{label} {median_range(v)}{verdict}")
         n = max(len(v) for (k, _), v in per.items() if k == kind)
         parts.append(f"{kind} ({n} pair{'s' if n != 1 else ''}): " + ", ".join(items))
     if bad:
@@ -822,9 +826,9 @@ def build_rows(res):
                 med = statistics.median(per)
                 text += (f"; cudapool/native {r:.3f}x (ratio of medians; the target, <= 1x, is judged by the "
                          f"{len(per)} turn pair{'s' if len(per) != 1 else ''}: {med:.3f}x, "
-                         + ("met)" if med <= FSDP.target + 1e-12 else "NOT met)"))
+                         f"{target_verdict(med, FSDP.target)})")
             else:
-                text += f"; cudapool/native {r:.3f}x (target <= 1x: {'met' if r <= 1 + 1e-12 else 'NOT met'})"
+                text += f"; cudapool/native {r:.3f}x (target <= 1x: {target_verdict(r, FSDP.target)})"
             # Resolved to 5%: the ratio's bootstrap interval no wider than
             # 0.95-1.05 around it.
             iv = ratio_interval(samples(res.record("torch", "native"), FSDP.key),
@@ -859,10 +863,10 @@ def build_rows(res):
     parts = []
     if frag(ce) is not None and frag(ne) is not None:
         parts.append(f"training reserved/allocated {frag(ce):.3f} vs native expandable {frag(ne):.3f}"
-                     f" ({'met' if frag(ce) <= frag(ne) + 1e-12 else 'NOT met'})")
+                     f" ({target_verdict(frag(ce), frag(ne))})")
     step, nstep = ce.get("train_ms_per_step"), nat.get("train_ms_per_step")
     if isinstance(step, (int, float)) and isinstance(nstep, (int, float)) and step > 0 and nstep > 0:
-        parts.append(f"step time {step / nstep:.3f}x native (target <= 1.02x: {'met' if step / nstep <= 1.02 + 1e-12 else 'NOT met'})")
+        parts.append(f"step time {step / nstep:.3f}x native (target <= 1.02x: {target_verdict(step / nstep, 1.02)})")
     cap, ncap = ce.get("graph_capture_ms"), ne.get("graph_capture_ms")
     per = paired_values(res, EXP_CAPTURE_PAIRED)
     if isinstance(cap, (int, float)) and isinstance(ncap, (int, float)) and cap > 0 and ncap > 0 or per:
@@ -1141,15 +1145,14 @@ def render_readme(res, rows):
         pc = "-"
         if p:
             how, per = p
-            med = statistics.median(per)
-            pc = f"{med:.3f}x" + (f" ({min(per):.3f}-{max(per):.3f})" if len(per) > 1 else "")
+            pc = median_range(per)
             if how not in used:
                 used.append(how)
         if isinstance(m, AltMetric) and not p and ratio == "n/a":
             continue  # not measured in this run: RESULTS.md says why
         if m.paired and target is not None:
             # Judged by the paired measure: its verdict in its cell.
-            pc = (f"{pc}, target <= {target:g}x: {'met' if statistics.median(p[1]) <= target + 1e-12 else 'NOT met'}"
+            pc = (f"{pc}, target <= {target:g}x: {target_verdict(statistics.median(p[1]), target)}"
                   if p else f"n/a (target <= {target:g}x paired)")
             judged.append(label)
         native, cudapool = cells["native"], cells["cudapool"]
@@ -1220,10 +1223,8 @@ def _fsdp_readme_row(res):
     nat, cp = (FSDP.value(recs[c]) for c in ("native", "cudapool"))
     per = fsdp_pairs(res)
     if per:
-        med = statistics.median(per)
-        pc = (f"{med:.3f}x" + (f" ({min(per):.3f}-{max(per):.3f})" if len(per) > 1 else "")
-              + f", {len(per)} pair{'s' if len(per) != 1 else ''}, target <= {FSDP.target:g}x: "
-              + ("met" if med <= FSDP.target + 1e-12 else "NOT met"))
+        pc = (f"{median_range(per)}, {len(per)} pair{'s' if len(per) != 1 else ''}, target <= {FSDP.target:g}x: "
+              + target_verdict(statistics.median(per), FSDP.target))
     else:
         pc = f"n/a (target <= {FSDP.target:g}x paired)"
     return (f"| FSDP2, 2 GPUs: GPT-2 training step | {FSDP.unit} | {_md_escape(FSDP.cell(recs['native']))} | "
