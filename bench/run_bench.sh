@@ -39,8 +39,11 @@
 #      per run the two launches taking turns step by step (turn_pair.sh).
 # Every configuration runs REPEATS times (default 3), each in a fresh
 # process, the configurations interleaved (run 1 of each, then run 2 of
-# each, ...); training TRAIN_RUNS times (default 5) and FSDP2 FSDP_RUNS
-# times (default 5). The report shows the median and min-max of the runs.
+# each, ...); training TRAIN_RUNS times (default 5), FSDP2 FSDP_RUNS
+# times (default 5) and the in-process pairs of part alt ALT_RUNS times
+# (default 10: a process takes about 10 s, and the capture row's 2% target
+# needs more processes than three to resolve against the host's spread
+# between processes). The report shows the median and min-max of the runs.
 # then prints the comparison table (bench/report.py), writes
 # bench/RESULTS.md and the README's performance section (between
 # <!-- perf:start --> and <!-- perf:end -->).
@@ -69,7 +72,7 @@
 # BENCH_SIM=1 (c_bench on cudapool's simulator: for testing without a GPU),
 # BENCH_UPDATE_REPO=0 (leave bench/RESULTS.md and README.md alone: write the
 # results file and an updated copy of the README to $OUT only),
-# BENCH_REPEATS (3), BENCH_TRAIN_RUNS (5), BENCH_FSDP_RUNS (5),
+# BENCH_REPEATS (3), BENCH_TRAIN_RUNS (5), BENCH_FSDP_RUNS (5), BENCH_ALT_RUNS (10),
 # BENCH_PARTS (the parts to run, default "c traces torch alt altcompile turns train floor fsdp"),
 # BENCH_TORCH_RING (1), BENCH_TURN_CPU (the CPU of the rings and turn
 # pairs, default 2; 0 where there are 2 CPUs or fewer), BENCH_TURN_PIN
@@ -96,6 +99,7 @@ REPEATS=${BENCH_REPEATS:-3}
 FROM=${BENCH_REPEAT_FROM:-1} # first run number of this invocation (to split the runs)
 TRAIN_RUNS=${BENCH_TRAIN_RUNS:-5}
 FSDP_RUNS=${BENCH_FSDP_RUNS:-5}
+ALT_RUNS=${BENCH_ALT_RUNS:-$([ "$QUICK" = 1 ] && echo "$REPEATS" || echo 10)}
 PARTS=" ${BENCH_PARTS:-c traces torch alt altcompile turns train floor fsdp} "
 part() { [[ $PARTS == *" $1 "* ]]; }
 RING=${BENCH_TORCH_RING:-1}
@@ -438,7 +442,7 @@ fi
 # (cudapool_exp: the native side gets expandable_segments:True), the
 # paired measure of the expandable capture row.
 if part alt; then
-    for rep in $(seq "$FROM" "$REPEATS"); do
+    for rep in $(seq "$FROM" "$ALT_RUNS"); do
         name=$(run_name torch_alt "$rep")
         run_step "$name" 180 "$RES/$name.json" env BENCH_TURNS_PIN="$TURN_CPU" \
             "$PY" bench/torch_bench.py cudapool --sections alt "${T_ARGS[@]}"

@@ -3,7 +3,7 @@
 host time: the figures docs/fragmentation.md ("What a page move costs") and
 docs/benchmarks.md reason with. Needs only libcuda (no PyTorch).
 
-    python3 gpu/driver_costs.py            # all four tables, device 0
+    python3 gpu/driver_costs.py            # all five tables, device 0
     python3 gpu/driver_costs.py --device 1 --reps 9 --tables sizes,runs
 
 Tables:
@@ -21,8 +21,17 @@ Tables:
          (and freeing) 1/8 and 9/8 of the device's memory of addresses (a
          small and a large pool's range), cuMemGetInfo (read before mapping
          new memory), and cuCtxSynchronize with nothing queued.
+  deferred
+         whether a malloc could return before its pages are mapped: work
+         queued on a stream behind cuStreamWaitValue32 on a host flag, into
+         addresses reserved but not yet mapped (a kernel, cuMemsetD32Async,
+         cuMemcpyHtoDAsync from pinned memory, cuMemcpyDtoDAsync), and the
+         pointer queries, each call's CUresult (0: taken); then another
+         thread maps the pages, sets access and raises the flag, and what
+         was taken is checked. Also what such a wait costs the calling
+         thread, against cuEventRecord.
 
-Each figure is the median over --reps repetitions (the first one dropped:
+Each figure (but deferred's results) is the median over --reps repetitions (the first one dropped:
 it pays for lazy set-up). The device must have a few GiB free. Prints
 "SKIP: ..." and exits 0 where there is no driver or device.
 """
@@ -127,6 +136,23 @@ class Driver:
 
     def synchronize(self):
         self.check(self.cu.cuCtxSynchronize(), "cuCtxSynchronize")
+
+    def stream(self):
+        s = ctypes.c_void_p()
+        self.check(self.cu.cuStreamCreate(ctypes.byref(s), ctypes.c_uint(1)), "cuStreamCreate")  # non-blocking
+        return s
+
+    def host_alloc(self, size, flags):
+        p = ctypes.c_void_p()
+        self.check(self.cu.cuMemHostAlloc(ctypes.byref(p), ctypes.c_size_t(size), ctypes.c_uint(flags)),
+                   "cuMemHostAlloc")
+        return p
+
+    def host_device_pointer(self, p):
+        d = ctypes.c_ulonglong()
+        self.check(self.cu.cuMemHostGetDevicePointer_v2(ctypes.byref(d), p, ctypes.c_uint(0)),
+                   "cuMemHostGetDevicePointer")
+        return d.value
 
 
 def median_us(samples):
@@ -270,7 +296,142 @@ def table_fixed(drv, reps):
         print(f"{name:>24} {median_us(samples):>9.1f}")
 
 
-TABLES = {"sizes": table_sizes, "runs": table_runs, "calls": table_calls, "fixed": table_fixed}
+# A kernel that stores v into n 32-bit words from p (PTX, compiled by the
+# driver for whatever device runs it).
+_FILL_PTX = b"""
+.version 7.0
+.target sm_50
+.address_size 64
+.visible .entry fill(.param .u64 p, .param .u32 v, .param .u32 n)
+{
+    .reg .pred %q;
+    .reg .b32 %r<6>;
+    .reg .b64 %d<5>;
+    ld.param.u64 %d1, [p];
+    ld.param.u32 %r1, [v];
+    ld.param.u32 %r2, [n];
+    mov.u32 %r3, %ctaid.x;
+    mov.u32 %r4, %ntid.x;
+    mov.u32 %r5, %tid.x;
+    mad.lo.s32 %r3, %r3, %r4, %r5;
+    setp.ge.u32 %q, %r3, %r2;
+    @%q bra DONE;
+    cvta.to.global.u64 %d2, %d1;
+    mul.wide.u32 %d3, %r3, 4;
+    add.s64 %d4, %d2, %d3;
+    st.global.u32 [%d4], %r1;
+DONE:
+    ret;
+}
+"""
+
+
+def table_deferred(drv, reps, delay_s=0.2):
+    """Queue work behind a wait on a host flag into addresses not yet
+    mapped, map them on another thread, raise the flag, check the work."""
+    import threading
+    cu, page, pages = drv.cu, 2 * MiB, 4
+    U64, U32 = ctypes.c_ulonglong, ctypes.c_uint32
+    va = drv.reserve(pages * page)
+    hs = [drv.create(page) for _ in range(pages)]
+    flag_host = drv.host_alloc(4096, 2)  # CU_MEMHOSTALLOC_DEVICEMAP
+    flag = U32.from_address(flag_host.value)
+    flag.value = 0
+    flag_dev = drv.host_device_pointer(flag_host)
+    pinned = drv.host_alloc(page, 0)
+    src = (U32 * (page // 4)).from_address(pinned.value)
+    for i in range(page // 4):
+        src[i] = i
+    s = drv.stream()
+    mod, fn = ctypes.c_void_p(), ctypes.c_void_p()
+    drv.check(cu.cuModuleLoadData(ctypes.byref(mod), ctypes.c_char_p(_FILL_PTX)), "cuModuleLoadData")
+    drv.check(cu.cuModuleGetFunction(ctypes.byref(fn), mod, b"fill"), "cuModuleGetFunction")
+    words, fill = page // 4, 0x5A5A5A5A
+
+    def launch(p):
+        args = [U64(p), U32(fill), U32(words)]
+        params = (ctypes.c_void_p * 3)(*[ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in args])
+        return cu.cuLaunchKernel(fn, ctypes.c_uint((words + 255) // 256), 1, 1, 256, 1, 1, 0, s, params, None)
+
+    mapped = {}
+
+    def mapper():
+        try:
+            drv.check(cu.cuCtxSetCurrent(drv.ctx), "cuCtxSetCurrent")
+            time.sleep(delay_s)
+            t0 = time.perf_counter()
+            for i, h in enumerate(hs):
+                drv.map(va + i * page, page, h)
+            drv.set_access(va, pages * page)
+            mapped["us"] = (time.perf_counter() - t0) * 1e6
+        finally:
+            flag.value = 1  # never leave the stream waiting
+
+    wait = cu.cuStreamWaitValue32_v2(s, U64(flag_dev), U32(1), ctypes.c_uint(0), ctypes.c_uint(0))
+    if wait != 0:  # nothing would hold the work back: queue none
+        print(f"cuStreamWaitValue32 on a host flag refused (CUresult {wait}): nothing to measure")
+        return
+    th = threading.Thread(target=mapper, daemon=True)
+    th.start()
+    ordinal, base, size = ctypes.c_int(), U64(), ctypes.c_size_t()
+    rc = {
+        "kernel launch": launch(va),
+        "cuMemsetD32Async": cu.cuMemsetD32Async(U64(va + page), ctypes.c_uint(fill), ctypes.c_size_t(words), s),
+        "cuMemcpyHtoDAsync, pinned": cu.cuMemcpyHtoDAsync_v2(U64(va + 2 * page), pinned, ctypes.c_size_t(page), s),
+        "cuMemcpyDtoDAsync": cu.cuMemcpyDtoDAsync_v2(U64(va + 3 * page), U64(va), ctypes.c_size_t(page), s),
+        "cuPointerGetAttribute": cu.cuPointerGetAttribute(ctypes.byref(ordinal), ctypes.c_int(9), U64(va)),
+        "cuMemGetAddressRange": cu.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), U64(va)),
+    }
+    issued_while_unmapped = flag.value == 0
+    th.join(30)
+    done = [None]
+
+    def sync():
+        done[0] = cu.cuStreamSynchronize(s)
+
+    ts = threading.Thread(target=sync, daemon=True)
+    ts.start()
+    ts.join(30)
+    print(f"work queued on unmapped addresses behind a stream wait (all issued before the mapping: "
+          f"{issued_while_unmapped}; the other thread mapped {pages} pages in {mapped.get('us', -1):.0f} us)")
+    back = (U32 * (pages * page // 4))()
+    checks = {}
+    if done[0] == 0:
+        drv.check(cu.cuMemcpyDtoH_v2(back, U64(va), ctypes.c_size_t(pages * page)), "cuMemcpyDtoH")
+        w = page // 4
+        checks = {"kernel launch": all(back[i] == fill for i in range(0, w, 997)),
+                  "cuMemsetD32Async": all(back[w + i] == fill for i in range(0, w, 997)),
+                  "cuMemcpyHtoDAsync, pinned": all(back[2 * w + i] == i for i in range(0, w, 997)),
+                  "cuMemcpyDtoDAsync": all(back[3 * w + i] == fill for i in range(0, w, 997))}
+    for name, r in rc.items():
+        what = "taken" if r == 0 else "refused"
+        ok = checks.get(name)
+        right = "" if ok is None or r != 0 else (", result right" if ok else ", result WRONG")
+        print(f"{name:>32} CUresult {r:>3}: {what}{right}")
+    print(f"{'stream after the flag':>32} {'drained' if done[0] == 0 else f'CUresult {done[0]}'}")
+    ev = ctypes.c_void_p()
+    drv.check(cu.cuEventCreate(ctypes.byref(ev), ctypes.c_uint(2)), "cuEventCreate")
+    pc, t = time.perf_counter, {}
+    for _ in range(reps):
+        for name, f in (("cuStreamWaitValue32, met", lambda: cu.cuStreamWaitValue32_v2(
+                s, U64(flag_dev), U32(1), ctypes.c_uint(0), ctypes.c_uint(0))),
+                        ("cuEventRecord", lambda: cu.cuEventRecord(ev, s))):
+            t0 = pc()
+            for _ in range(200):
+                f()
+            t.setdefault(name, []).append((pc() - t0) / 200)
+    for name, samples in t.items():
+        print(f"{name:>32} {median_us(samples):>9.2f} us per call")
+    drv.check(cu.cuStreamSynchronize(s), "cuStreamSynchronize")
+    for i in range(pages):
+        drv.unmap(va + i * page, page)
+    for h in hs:
+        drv.release(h)
+    drv.free_range(va, pages * page)
+
+
+TABLES = {"sizes": table_sizes, "runs": table_runs, "calls": table_calls, "fixed": table_fixed,
+          "deferred": table_deferred}
 
 
 def main(argv=None):
