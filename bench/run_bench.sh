@@ -55,7 +55,8 @@
 #   OUT=build/bench-out BENCH_PARTS=torch BENCH_KEEP=1 bash bench/run_bench.sh
 #   OUT=build/bench-out BENCH_PARTS="train floor fsdp" BENCH_KEEP=1 bash bench/run_bench.sh
 # and BENCH_REPEAT_FROM=N makes a part start at run N (BENCH_REPEATS=2, then
-# BENCH_REPEAT_FROM=3 BENCH_REPEATS=3, splits the 3 runs of a part in two).
+# BENCH_REPEAT_FROM=3 BENCH_REPEATS=3, splits the 3 runs of a part in two;
+# part alt's with BENCH_ALT_RUNS the same way).
 # Each invocation reports on everything under OUT so far.
 #
 # Needs: lib/libcudapool.so built beforehand (`make`, where Go is; copy lib/
@@ -72,7 +73,8 @@
 # BENCH_SIM=1 (c_bench on cudapool's simulator: for testing without a GPU),
 # BENCH_UPDATE_REPO=0 (leave bench/RESULTS.md and README.md alone: write the
 # results file and an updated copy of the README to $OUT only),
-# BENCH_REPEATS (3), BENCH_TRAIN_RUNS (5), BENCH_FSDP_RUNS (5), BENCH_ALT_RUNS (10),
+# BENCH_REPEATS (3), BENCH_TRAIN_RUNS (5), BENCH_FSDP_RUNS (5), BENCH_ALT_RUNS (10;
+# BENCH_REPEATS with QUICK=1),
 # BENCH_PARTS (the parts to run, default "c traces torch alt altcompile turns train floor fsdp"),
 # BENCH_TORCH_RING (1), BENCH_TURN_CPU (the CPU of the rings and turn
 # pairs, default 2; 0 where there are 2 CPUs or fewer), BENCH_TURN_PIN

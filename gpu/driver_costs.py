@@ -31,7 +31,7 @@ Tables:
          was taken is checked. Also what such a wait costs the calling
          thread, against cuEventRecord.
 
-Each figure (but deferred's results) is the median over --reps repetitions (the first one dropped:
+Each timing is the median over --reps repetitions (the first one dropped:
 it pays for lazy set-up). The device must have a few GiB free. Prints
 "SKIP: ..." and exits 0 where there is no driver or device.
 """
@@ -332,103 +332,121 @@ def table_deferred(drv, reps, delay_s=0.2):
     import threading
     cu, page, pages = drv.cu, 2 * MiB, 4
     U64, U32 = ctypes.c_ulonglong, ctypes.c_uint32
-    va = drv.reserve(pages * page)
-    hs = [drv.create(page) for _ in range(pages)]
-    flag_host = drv.host_alloc(4096, 2)  # CU_MEMHOSTALLOC_DEVICEMAP
-    flag = U32.from_address(flag_host.value)
-    flag.value = 0
-    flag_dev = drv.host_device_pointer(flag_host)
-    pinned = drv.host_alloc(page, 0)
-    src = (U32 * (page // 4)).from_address(pinned.value)
-    for i in range(page // 4):
-        src[i] = i
-    s = drv.stream()
-    mod, fn = ctypes.c_void_p(), ctypes.c_void_p()
-    drv.check(cu.cuModuleLoadData(ctypes.byref(mod), ctypes.c_char_p(_FILL_PTX)), "cuModuleLoadData")
-    drv.check(cu.cuModuleGetFunction(ctypes.byref(fn), mod, b"fill"), "cuModuleGetFunction")
     words, fill = page // 4, 0x5A5A5A5A
+    va = drv.reserve(pages * page)
+    hs, mapped, made = [], {}, {}
+    try:
+        hs.extend(drv.create(page) for _ in range(pages))
+        made["flag"] = drv.host_alloc(4096, 2)  # CU_MEMHOSTALLOC_DEVICEMAP
+        flag = U32.from_address(made["flag"].value)
+        flag.value = 0
+        flag_dev = U64(drv.host_device_pointer(made["flag"]))
+        made["pinned"] = drv.host_alloc(page, 0)
+        src = (U32 * words).from_address(made["pinned"].value)
+        for i in range(words):
+            src[i] = i
+        s = made["stream"] = drv.stream()
+        mod, fn = ctypes.c_void_p(), ctypes.c_void_p()
+        drv.check(cu.cuModuleLoadData(ctypes.byref(mod), ctypes.c_char_p(_FILL_PTX)), "cuModuleLoadData")
+        made["module"] = mod
+        drv.check(cu.cuModuleGetFunction(ctypes.byref(fn), mod, b"fill"), "cuModuleGetFunction")
+        ev = ctypes.c_void_p()
+        drv.check(cu.cuEventCreate(ctypes.byref(ev), ctypes.c_uint(2)), "cuEventCreate")
+        made["event"] = ev
 
-    def launch(p):
-        args = [U64(p), U32(fill), U32(words)]
-        params = (ctypes.c_void_p * 3)(*[ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in args])
-        return cu.cuLaunchKernel(fn, ctypes.c_uint((words + 255) // 256), 1, 1, 256, 1, 1, 0, s, params, None)
+        def wait():  # cuStreamWaitValue32(stream, addr, value, CU_STREAM_WAIT_VALUE_GEQ)
+            return cu.cuStreamWaitValue32_v2(s, flag_dev, U32(1), ctypes.c_uint(0))
 
-    mapped = {}
+        def launch(p):
+            args = [U64(p), U32(fill), U32(words)]
+            params = (ctypes.c_void_p * 3)(*[ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in args])
+            return cu.cuLaunchKernel(fn, ctypes.c_uint((words + 255) // 256), 1, 1, 256, 1, 1, 0, s, params, None)
 
-    def mapper():
-        try:
-            drv.check(cu.cuCtxSetCurrent(drv.ctx), "cuCtxSetCurrent")
-            time.sleep(delay_s)
-            t0 = time.perf_counter()
-            for i, h in enumerate(hs):
-                drv.map(va + i * page, page, h)
-            drv.set_access(va, pages * page)
-            mapped["us"] = (time.perf_counter() - t0) * 1e6
-        finally:
-            flag.value = 1  # never leave the stream waiting
+        def mapper():
+            try:
+                drv.check(cu.cuCtxSetCurrent(drv.ctx), "cuCtxSetCurrent")
+                time.sleep(delay_s)
+                mapped["t0"] = time.perf_counter()
+                for i, h in enumerate(hs):
+                    drv.map(va + i * page, page, h)
+                drv.set_access(va, pages * page)
+                mapped["us"] = (time.perf_counter() - mapped["t0"]) * 1e6
+            finally:
+                flag.value = 1  # never leave the stream waiting
 
-    wait = cu.cuStreamWaitValue32_v2(s, U64(flag_dev), U32(1), ctypes.c_uint(0), ctypes.c_uint(0))
-    if wait != 0:  # nothing would hold the work back: queue none
-        print(f"cuStreamWaitValue32 on a host flag refused (CUresult {wait}): nothing to measure")
-        return
-    th = threading.Thread(target=mapper, daemon=True)
-    th.start()
-    ordinal, base, size = ctypes.c_int(), U64(), ctypes.c_size_t()
-    rc = {
-        "kernel launch": launch(va),
-        "cuMemsetD32Async": cu.cuMemsetD32Async(U64(va + page), ctypes.c_uint(fill), ctypes.c_size_t(words), s),
-        "cuMemcpyHtoDAsync, pinned": cu.cuMemcpyHtoDAsync_v2(U64(va + 2 * page), pinned, ctypes.c_size_t(page), s),
-        "cuMemcpyDtoDAsync": cu.cuMemcpyDtoDAsync_v2(U64(va + 3 * page), U64(va), ctypes.c_size_t(page), s),
-        "cuPointerGetAttribute": cu.cuPointerGetAttribute(ctypes.byref(ordinal), ctypes.c_int(9), U64(va)),
-        "cuMemGetAddressRange": cu.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), U64(va)),
-    }
-    issued_while_unmapped = flag.value == 0
-    th.join(30)
-    done = [None]
+        rc = wait()
+        if rc != 0:  # nothing would hold the work back: queue none
+            print(f"cuStreamWaitValue32 on a host flag refused (CUresult {rc}): nothing to measure")
+            return
+        th = threading.Thread(target=mapper, daemon=True)
+        th.start()
+        ordinal, base, size = ctypes.c_int(), U64(), ctypes.c_size_t()
+        rc = {
+            "kernel launch": launch(va),
+            "cuMemsetD32Async": cu.cuMemsetD32Async(U64(va + page), ctypes.c_uint(fill), ctypes.c_size_t(words), s),
+            "cuMemcpyHtoDAsync, pinned": cu.cuMemcpyHtoDAsync_v2(U64(va + 2 * page), made["pinned"],
+                                                                  ctypes.c_size_t(page), s),
+            "cuMemcpyDtoDAsync": cu.cuMemcpyDtoDAsync_v2(U64(va + 3 * page), U64(va), ctypes.c_size_t(page), s),
+            "cuPointerGetAttribute": cu.cuPointerGetAttribute(ctypes.byref(ordinal), ctypes.c_int(9), U64(va)),
+            "cuMemGetAddressRange": cu.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), U64(va)),
+        }
+        issued_before_mapping = "t0" not in mapped
+        th.join(30)
+        done = [None]
 
-    def sync():
-        done[0] = cu.cuStreamSynchronize(s)
+        def sync():
+            done[0] = cu.cuStreamSynchronize(s)
 
-    ts = threading.Thread(target=sync, daemon=True)
-    ts.start()
-    ts.join(30)
-    print(f"work queued on unmapped addresses behind a stream wait (all issued before the mapping: "
-          f"{issued_while_unmapped}; the other thread mapped {pages} pages in {mapped.get('us', -1):.0f} us)")
-    back = (U32 * (pages * page // 4))()
-    checks = {}
-    if done[0] == 0:
+        ts = threading.Thread(target=sync, daemon=True)
+        ts.start()
+        ts.join(30)
+        print(f"work queued on unmapped addresses behind a stream wait (all issued before the mapping began: "
+              f"{issued_before_mapping}; the other thread mapped {pages} pages in {mapped.get('us', -1):.0f} us)")
+        if done[0] != 0:
+            print(f"the stream did not drain after the flag (CUresult {done[0]}): stopping here")
+            made.clear()  # the stream may still run: leave everything to the process's exit
+            hs.clear()
+            mapped.clear()
+            va = 0
+            return
+        back = (U32 * (pages * words))()
         drv.check(cu.cuMemcpyDtoH_v2(back, U64(va), ctypes.c_size_t(pages * page)), "cuMemcpyDtoH")
-        w = page // 4
-        checks = {"kernel launch": all(back[i] == fill for i in range(0, w, 997)),
-                  "cuMemsetD32Async": all(back[w + i] == fill for i in range(0, w, 997)),
-                  "cuMemcpyHtoDAsync, pinned": all(back[2 * w + i] == i for i in range(0, w, 997)),
-                  "cuMemcpyDtoDAsync": all(back[3 * w + i] == fill for i in range(0, w, 997))}
-    for name, r in rc.items():
-        what = "taken" if r == 0 else "refused"
-        ok = checks.get(name)
-        right = "" if ok is None or r != 0 else (", result right" if ok else ", result WRONG")
-        print(f"{name:>32} CUresult {r:>3}: {what}{right}")
-    print(f"{'stream after the flag':>32} {'drained' if done[0] == 0 else f'CUresult {done[0]}'}")
-    ev = ctypes.c_void_p()
-    drv.check(cu.cuEventCreate(ctypes.byref(ev), ctypes.c_uint(2)), "cuEventCreate")
-    pc, t = time.perf_counter, {}
-    for _ in range(reps):
-        for name, f in (("cuStreamWaitValue32, met", lambda: cu.cuStreamWaitValue32_v2(
-                s, U64(flag_dev), U32(1), ctypes.c_uint(0), ctypes.c_uint(0))),
-                        ("cuEventRecord", lambda: cu.cuEventRecord(ev, s))):
-            t0 = pc()
-            for _ in range(200):
-                f()
-            t.setdefault(name, []).append((pc() - t0) / 200)
-    for name, samples in t.items():
-        print(f"{name:>32} {median_us(samples):>9.2f} us per call")
-    drv.check(cu.cuStreamSynchronize(s), "cuStreamSynchronize")
-    for i in range(pages):
-        drv.unmap(va + i * page, page)
-    for h in hs:
-        drv.release(h)
-    drv.free_range(va, pages * page)
-
+        checks = {"kernel launch": all(back[i] == fill for i in range(0, words, 997)),
+                  "cuMemsetD32Async": all(back[words + i] == fill for i in range(0, words, 997)),
+                  "cuMemcpyHtoDAsync, pinned": all(back[2 * words + i] == i for i in range(0, words, 997)),
+                  "cuMemcpyDtoDAsync": all(back[3 * words + i] == fill for i in range(0, words, 997))}
+        for name, r in rc.items():
+            what = "taken" if r == 0 else "refused"
+            ok = checks.get(name)
+            right = "" if ok is None or r != 0 else (", result right" if ok else ", result WRONG")
+            print(f"{name:>32} CUresult {r:>3}: {what}{right}")
+        pc, t = time.perf_counter, {}
+        for _ in range(reps):
+            for name, f in (("cuStreamWaitValue32, met", wait), ("cuEventRecord", lambda: cu.cuEventRecord(ev, s))):
+                t0 = pc()
+                for _ in range(200):
+                    f()
+                t.setdefault(name, []).append((pc() - t0) / 200)
+        drv.check(cu.cuStreamSynchronize(s), "cuStreamSynchronize")
+        for name, samples in t.items():
+            print(f"{name:>32} {median_us(samples):>9.2f} us per call")
+    finally:
+        if "event" in made:
+            cu.cuEventDestroy_v2(made["event"])
+        if "module" in made:
+            cu.cuModuleUnload(made["module"])
+        if "stream" in made:
+            cu.cuStreamDestroy_v2(made["stream"])
+        for k in ("pinned", "flag"):
+            if k in made:
+                cu.cuMemFreeHost(made[k])
+        if "t0" in mapped:  # (a page the mapper never reached refuses quietly)
+            for i in range(pages):
+                drv.unmap(va + i * page, page)
+        for h in hs:
+            drv.release(h)
+        if va:
+            drv.free_range(va, pages * page)
 
 TABLES = {"sizes": table_sizes, "runs": table_runs, "calls": table_calls, "fixed": table_fixed,
           "deferred": table_deferred}
